@@ -1,0 +1,115 @@
+"""accel's exception hierarchy.
+
+Every error accel raises on purpose is an :class:`AccelError`. Messages name
+the device, the call and what to do next, so that a log line alone is enough
+to act on.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AccelError",
+    "AllocatorConfigError",
+    "BackendUnavailableError",
+    "CaptureError",
+    "DeviceError",
+    "DriverError",
+    "HostFunctionError",
+    "InvalidHandleError",
+    "NotSupportedError",
+    "OutOfMemoryError",
+]
+
+
+class AccelError(RuntimeError):
+    """Base class of every error accel raises on purpose."""
+
+
+class BackendUnavailableError(AccelError):
+    """The requested backend cannot be used on this machine.
+
+    ``backend`` names it and ``reason`` says why (no driver library, no
+    device, a driver error code), so callers can report it in one line.
+    """
+
+    def __init__(self, backend: str, reason: str, *, remedy: str = "") -> None:
+        self.backend = backend
+        self.reason = reason
+        self.remedy = remedy
+        text = f"accel backend '{backend}' is unavailable: {reason}"
+        if remedy:
+            text += f". {remedy}"
+        super().__init__(text)
+
+
+class DeviceError(AccelError, ValueError):
+    """A device argument is wrong: bad index, wrong type, unknown form."""
+
+
+class InvalidHandleError(AccelError):
+    """A stream, event, graph or buffer was used after it was closed or freed."""
+
+
+class NotSupportedError(AccelError):
+    """The backend or device cannot do what was asked (e.g. virtual memory)."""
+
+
+class CaptureError(AccelError):
+    """Graph capture was misused or hit an operation that cannot be captured."""
+
+
+class HostFunctionError(AccelError):
+    """A host function enqueued on a stream raised; the original is ``__cause__``."""
+
+
+class DriverError(AccelError):
+    """A vendor driver call failed.
+
+    Carries the numeric ``code``, its symbolic ``name`` (``CUDA_ERROR_INVALID_VALUE``,
+    ``ZE_RESULT_ERROR_UNINITIALIZED``...), the driver's own description and the
+    ``call`` that failed.
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        call: str,
+        code: int,
+        name: str,
+        description: str = "",
+        *,
+        device: int | None = None,
+        remedy: str = "",
+    ) -> None:
+        self.backend = backend
+        self.call = call
+        self.code = code
+        self.name = name
+        self.description = description
+        self.device = device
+        where = f" on {backend}:{device}" if device is not None else f" ({backend})"
+        text = f"{call} failed{where}: {name} ({code})"
+        if description:
+            text += f": {description}"
+        if remedy:
+            text += f". {remedy}"
+        super().__init__(text)
+
+
+class OutOfMemoryError(AccelError, MemoryError):
+    """A device allocation could not be satisfied.
+
+    ``requested`` is the size asked of the driver or allocator, in bytes;
+    ``device`` the device index. The caching allocator raises a richer
+    message (capacity, free, allocated, reserved, fragmentation) but the
+    same type, so one ``except accel.OutOfMemoryError`` catches both.
+    """
+
+    def __init__(self, message: str, *, requested: int = 0, device: int | None = None) -> None:
+        self.requested = requested
+        self.device = device
+        super().__init__(message)
+
+
+class AllocatorConfigError(AccelError, ValueError):
+    """An allocator configuration string or value is invalid."""

@@ -1,0 +1,89 @@
+"""Backend discovery.
+
+Each backend is a subpackage ``accel.backends.<name>`` exposing
+``load() -> Backend``, which raises :class:`~accel.BackendUnavailableError`
+with the reason when the backend cannot be used here. Nothing is imported or
+loaded until asked for, so ``import accel`` stays cheap.
+
+Selection: ``ACCEL_BACKEND=cpu|cuda|xpu`` names one (and fails loudly when it
+is unavailable); otherwise the first available of cuda, xpu, cpu is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+
+from accel._errors import BackendUnavailableError
+from accel.backends.base import Backend, BackendInfo
+
+__all__ = ["BACKEND_NAMES", "load_backend", "probe_backend", "select_backend"]
+
+#: Discovery priority: real accelerators first, the host backend last.
+BACKEND_NAMES: tuple[str, ...] = ("cuda", "xpu", "cpu")
+
+_lock = threading.Lock()
+_loaded: dict[str, Backend] = {}
+_failed: dict[str, BackendUnavailableError] = {}
+
+
+def load_backend(name: str) -> Backend:
+    """Load (once) and return the backend called ``name``.
+
+    >>> load_backend("cpu").name
+    'cpu'
+    """
+    if name not in BACKEND_NAMES:
+        raise BackendUnavailableError(
+            name,
+            "no such backend",
+            remedy=f"choose one of {', '.join(BACKEND_NAMES)}",
+        )
+    with _lock:
+        if name in _loaded:
+            return _loaded[name]
+        if name in _failed:
+            # Drivers such as the Level Zero loader cannot retry a failed init
+            # in the same process, so the first failure is the answer.
+            raise _failed[name]
+        module = importlib.import_module(f"accel.backends.{name}")
+        try:
+            backend = module.load()
+        except BackendUnavailableError as exc:
+            _failed[name] = exc
+            raise
+        _loaded[name] = backend
+        return backend
+
+
+def probe_backend(name: str) -> BackendInfo:
+    """Whether backend ``name`` is usable here, and if not, why; never raises."""
+    try:
+        backend = load_backend(name)
+    except BackendUnavailableError as exc:
+        return BackendInfo(name, False, exc.reason)
+    count = backend.device_count()
+    driver = backend.device_properties(0).driver_version if count else ""
+    return BackendInfo(name, True, "", count, driver)
+
+
+def select_backend() -> Backend:
+    """The backend this process uses: ``ACCEL_BACKEND`` or the first available."""
+    requested = os.environ.get("ACCEL_BACKEND", "").strip().lower()
+    if requested:
+        return load_backend(requested)
+    reasons = []
+    for name in BACKEND_NAMES:
+        try:
+            return load_backend(name)
+        except BackendUnavailableError as exc:
+            reasons.append(f"{name}: {exc.reason}")
+    raise BackendUnavailableError("any", "; ".join(reasons))
+
+
+def _forget_for_tests() -> None:
+    """Drop cached backends (tests that build fresh simulated drivers)."""
+    with _lock:
+        _loaded.clear()
+        _failed.clear()

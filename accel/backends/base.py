@@ -1,0 +1,307 @@
+"""The Backend protocol: the one seam between accel and a vendor runtime.
+
+Everything above this module (devices, streams, events, the caching
+allocator, graphs, the facade) talks to hardware only through a
+:class:`Backend`. Vendor code (cffi bindings, driver quirks, versioned entry
+points) lives below it, in ``accel/backends/<name>/``.
+
+Conventions every implementation follows:
+
+- **Handles are plain ints**: device pointers, streams, events, physical
+  memory handles, graphs and executable graphs. ``0`` is never a valid handle
+  except where :meth:`Backend.default_stream` returns it (CUDA's legacy
+  default stream is ``NULL``).
+- **Devices are ints** ``0 <= device < device_count()``; the layer above has
+  already validated them, so a backend may assume a valid index.
+- **Errors** are accel's own types: :class:`~accel.OutOfMemoryError` when a
+  device allocation cannot be satisfied (the allocator relies on this to
+  free its cache and retry), :class:`~accel.InvalidHandleError` for a closed
+  or unknown handle, :class:`~accel.CaptureError` for misuse of stream
+  capture, :class:`~accel.NotSupportedError` for an optional feature the
+  device lacks, and :class:`~accel.DriverError` for anything else the driver
+  reports.
+- **Thread safety**: every method may be called from any thread.
+- **Streams are non-blocking**: work on a created stream never waits
+  implicitly for the default stream, and the reverse (CUDA's
+  ``CU_STREAM_NON_BLOCKING``, the way PyTorch creates its streams).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+__all__ = [
+    "Backend",
+    "BackendInfo",
+    "CaptureMode",
+    "CaptureStatus",
+    "DeviceProperties",
+]
+
+
+class CaptureMode(enum.IntEnum):
+    """How strictly unsafe calls are refused while a stream captures (CUDA's modes)."""
+
+    GLOBAL = 0
+    THREAD_LOCAL = 1
+    RELAXED = 2
+
+
+class CaptureStatus(enum.IntEnum):
+    """Capture state of a stream."""
+
+    NONE = 0
+    ACTIVE = 1
+    INVALIDATED = 2
+
+
+@dataclass(frozen=True)
+class DeviceProperties:
+    """What a backend knows about one device.
+
+    ``extra`` holds backend-specific facts (clock rate, L2 size, where
+    ``(free, total)`` comes from...) under stable string keys.
+    """
+
+    name: str
+    type: str
+    index: int
+    total_memory: int
+    uuid: str
+    multi_processor_count: int
+    driver_version: str
+    compute_capability: tuple[int, int] | None = None
+    pci_bus_id: str | None = None
+    is_integrated: bool = False
+    extra: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """Whether a backend can be used here and, if not, why (one line)."""
+
+    name: str
+    available: bool
+    reason: str = ""
+    device_count: int = 0
+    driver_version: str = ""
+
+
+class Backend(abc.ABC):
+    """A vendor runtime behind one narrow, int-handle interface.
+
+    Optional features (virtual memory, graphs) have a ``supports_*`` query;
+    calling them where unsupported raises :class:`~accel.NotSupportedError`.
+    """
+
+    #: Short name used in device strings and ``ACCEL_BACKEND``: "cpu", "cuda", "xpu".
+    name: str = ""
+
+    # -- devices ---------------------------------------------------------
+
+    @abc.abstractmethod
+    def device_count(self) -> int:
+        """Number of devices this backend presents (at least 1 once loaded)."""
+
+    @abc.abstractmethod
+    def device_properties(self, device: int) -> DeviceProperties:
+        """Static facts about ``device``."""
+
+    @abc.abstractmethod
+    def memory_info(self, device: int) -> tuple[int, int]:
+        """``(free, total)`` bytes of device memory, device-wide (all processes)."""
+
+    @abc.abstractmethod
+    def can_access_peer(self, device: int, peer: int) -> bool:
+        """Whether ``device`` can read and write memory allocated on ``peer``."""
+
+    @abc.abstractmethod
+    def device_synchronize(self, device: int) -> None:
+        """Wait for all work on all streams of ``device``."""
+
+    # -- memory ----------------------------------------------------------
+
+    @abc.abstractmethod
+    def malloc(self, device: int, nbytes: int) -> int:
+        """Allocate ``nbytes`` (> 0) of device memory, at least 512-byte aligned.
+
+        Raises :class:`~accel.OutOfMemoryError` when the device cannot
+        satisfy it, and nothing is leaked.
+        """
+
+    @abc.abstractmethod
+    def free(self, device: int, ptr: int) -> None:
+        """Free memory returned by :meth:`malloc`. Not stream-ordered: the caller
+        makes sure no pending work still uses it."""
+
+    @abc.abstractmethod
+    def host_malloc(self, nbytes: int) -> int:
+        """Allocate page-locked host memory usable for async copies."""
+
+    @abc.abstractmethod
+    def host_free(self, ptr: int) -> None:
+        """Free memory returned by :meth:`host_malloc`."""
+
+    # -- virtual memory (optional; expandable segments) ------------------
+
+    def supports_virtual_memory(self, device: int) -> bool:
+        """Whether the vm_* methods work on ``device``."""
+        return False
+
+    def vm_granularity(self, device: int) -> int:
+        """Size and alignment unit of reservations and physical chunks."""
+        raise self._unsupported("virtual memory")
+
+    def vm_reserve(self, device: int, nbytes: int) -> int:
+        """Reserve ``nbytes`` of address space (a multiple of the granularity)."""
+        raise self._unsupported("virtual memory")
+
+    def vm_free(self, device: int, addr: int, nbytes: int) -> None:
+        """Give back a reservation made by :meth:`vm_reserve` (all of it unmapped)."""
+        raise self._unsupported("virtual memory")
+
+    def vm_create(self, device: int, nbytes: int) -> int:
+        """Create a physical chunk of ``nbytes``; returns its handle.
+
+        Raises :class:`~accel.OutOfMemoryError` when the device is full."""
+        raise self._unsupported("virtual memory")
+
+    def vm_release(self, device: int, handle: int) -> None:
+        """Release a physical chunk (its memory goes once it is also unmapped)."""
+        raise self._unsupported("virtual memory")
+
+    def vm_map(self, device: int, addr: int, nbytes: int, handle: int) -> None:
+        """Map a whole physical chunk at ``addr`` inside a reservation, read-write."""
+        raise self._unsupported("virtual memory")
+
+    def vm_unmap(self, device: int, addr: int, nbytes: int) -> None:
+        """Unmap ``[addr, addr + nbytes)``; the range stays reserved."""
+        raise self._unsupported("virtual memory")
+
+    # -- streams ---------------------------------------------------------
+
+    @abc.abstractmethod
+    def default_stream(self, device: int) -> int:
+        """Handle of the device's default stream (never destroyed)."""
+
+    @abc.abstractmethod
+    def stream_priority_range(self, device: int) -> tuple[int, int]:
+        """``(least, greatest)`` priority; lower numbers mean higher priority."""
+
+    @abc.abstractmethod
+    def stream_create(self, device: int, priority: int) -> int:
+        """Create a non-blocking stream; ``priority`` is already clamped to the range."""
+
+    @abc.abstractmethod
+    def stream_destroy(self, device: int, stream: int) -> None:
+        """Destroy a stream created here; work already queued still completes."""
+
+    @abc.abstractmethod
+    def stream_query(self, device: int, stream: int) -> bool:
+        """True when all work queued on ``stream`` has completed."""
+
+    @abc.abstractmethod
+    def stream_synchronize(self, device: int, stream: int) -> None:
+        """Block until all work queued on ``stream`` has completed."""
+
+    @abc.abstractmethod
+    def stream_wait_event(self, device: int, stream: int, event: int) -> None:
+        """Make future work on ``stream`` wait for the last record of ``event``.
+
+        Waiting on an event that was never recorded is a no-op."""
+
+    # -- events ----------------------------------------------------------
+
+    @abc.abstractmethod
+    def event_create(self, device: int, *, timing: bool, blocking: bool, interprocess: bool) -> int:
+        """Create an event; ``timing`` enables :meth:`event_elapsed_ms`."""
+
+    @abc.abstractmethod
+    def event_destroy(self, device: int, event: int) -> None:
+        """Destroy an event."""
+
+    @abc.abstractmethod
+    def event_record(self, device: int, event: int, stream: int) -> None:
+        """Record ``event`` at the current end of ``stream``'s queue."""
+
+    @abc.abstractmethod
+    def event_query(self, device: int, event: int) -> bool:
+        """True when the work before the last record has completed (or never recorded)."""
+
+    @abc.abstractmethod
+    def event_synchronize(self, device: int, event: int) -> None:
+        """Block until the last record of ``event`` has completed."""
+
+    @abc.abstractmethod
+    def event_elapsed_ms(self, device: int, start: int, end: int) -> float:
+        """Milliseconds between two completed timing events."""
+
+    # -- stream work -----------------------------------------------------
+
+    @abc.abstractmethod
+    def memcpy_async(self, device: int, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Copy ``nbytes`` from ``src`` to ``dst`` in stream order.
+
+        Either pointer may be device memory of this backend or host memory
+        from :meth:`host_malloc`."""
+
+    @abc.abstractmethod
+    def memset_async(self, device: int, dst: int, value: int, nbytes: int, stream: int) -> None:
+        """Set ``nbytes`` bytes at ``dst`` to ``value`` (0..255) in stream order."""
+
+    @abc.abstractmethod
+    def launch_host_func(self, device: int, stream: int, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on a host thread once prior work on ``stream`` completed;
+        later work on the stream waits for it. ``fn`` must not raise (the layer
+        above wraps it) and must not call into the backend's stream API."""
+
+    # -- capture and graphs (optional) -----------------------------------
+
+    def supports_graphs(self, device: int) -> bool:
+        """Whether stream capture and graph replay work on ``device``."""
+        return False
+
+    def stream_begin_capture(self, device: int, stream: int, mode: CaptureMode) -> None:
+        """Start recording work queued on ``stream`` into a graph instead of running it."""
+        raise self._unsupported("graph capture")
+
+    def stream_end_capture(self, device: int, stream: int) -> int:
+        """Stop recording; returns the captured graph's handle.
+
+        Raises :class:`~accel.CaptureError` if the capture was invalidated or
+        a forked stream was not joined back."""
+        raise self._unsupported("graph capture")
+
+    def stream_capture_status(self, device: int, stream: int) -> CaptureStatus:
+        """Capture state of ``stream`` (NONE where graphs are unsupported)."""
+        return CaptureStatus.NONE
+
+    def graph_instantiate(self, device: int, graph: int) -> int:
+        """Turn a captured graph into an executable graph; returns its handle."""
+        raise self._unsupported("graph capture")
+
+    def graph_launch(self, device: int, graph_exec: int, stream: int) -> None:
+        """Enqueue one replay of an executable graph on ``stream``."""
+        raise self._unsupported("graph capture")
+
+    def graph_destroy(self, device: int, graph: int) -> None:
+        """Destroy a captured graph."""
+        raise self._unsupported("graph capture")
+
+    def graph_exec_destroy(self, device: int, graph_exec: int) -> None:
+        """Destroy an executable graph."""
+        raise self._unsupported("graph capture")
+
+    def graph_debug_dump(self, device: int, graph: int, path: str) -> None:
+        """Write a human-readable description of a captured graph to ``path``."""
+        raise self._unsupported("graph debug dumps")
+
+    # -- helpers ---------------------------------------------------------
+
+    def _unsupported(self, what: str) -> Exception:
+        from accel._errors import NotSupportedError
+
+        return NotSupportedError(f"the {self.name} backend does not support {what}")

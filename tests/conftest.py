@@ -1,0 +1,62 @@
+"""Session set-up shared by every test.
+
+- Facade tests run on the host backend: ``ACCEL_BACKEND=cpu`` unless the
+  caller already chose one.
+- Simulated drivers are prepared before any backend loads, because vendor
+  loaders read their environment once per process (Level Zero cannot retry a
+  failed ``zeInit``). Each ``tests/fixtures/<backend>_driver.py`` defines
+  ``prepare_environment() -> str | None``: it builds its simulator with gcc if
+  needed, points the backend at it through environment variables, and returns
+  None, or a reason the backend cannot be tested here.
+- The ``backend`` fixture runs a test once per backend (the conformance
+  suite): cpu always, cuda and xpu where their driver (simulated or real) is
+  prepared.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+
+os.environ.setdefault("ACCEL_BACKEND", "cpu")
+
+CONFORMANCE_BACKENDS = ("cpu", "cuda", "xpu")
+
+_skip_reasons: dict[str, str] = {}
+
+
+def _prepare(name: str) -> None:
+    if name == "cpu":
+        return
+    try:
+        module = importlib.import_module(f"tests.fixtures.{name}_driver")
+    except ModuleNotFoundError:
+        _skip_reasons[name] = f"no {name} driver fixture yet"
+        return
+    reason = module.prepare_environment()
+    if reason:
+        _skip_reasons[name] = reason
+
+
+for _name in CONFORMANCE_BACKENDS:
+    _prepare(_name)
+
+
+def backend_skip_reason(name: str) -> str | None:
+    """Why ``name`` cannot be tested in this session, or None if it can."""
+    return _skip_reasons.get(name)
+
+
+@pytest.fixture(params=CONFORMANCE_BACKENDS)
+def backend(request: pytest.FixtureRequest):
+    """A loaded Backend, once per backend that can be tested here."""
+    from accel.backends import load_backend
+
+    name = request.param
+    reason = backend_skip_reason(name)
+    if reason:
+        pytest.skip(reason)
+    # A prepared driver that does not load is a failure, not a skip.
+    return load_backend(name)
