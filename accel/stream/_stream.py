@@ -235,6 +235,28 @@ class Stream:
     def __exit__(self, *exc: object) -> None:
         self._runtime.pop_stream()
 
+    # -- torch interop -------------------------------------------------------
+
+    @classmethod
+    def from_torch(cls, torch_stream: Any) -> Stream:
+        """The accel Stream for a torch stream: the same ``CUstream`` on CUDA,
+        the host default stream for torch's CPU stream.
+
+        >>> import accel, torch
+        >>> accel.Stream.from_torch(torch.Stream("cpu")) == accel.current_stream()
+        True
+        """
+        from accel._interop.torch import stream_from_torch
+
+        return stream_from_torch(torch_stream)
+
+    def to_torch(self) -> Any:
+        """The torch stream for this stream (``torch.cuda.ExternalStream`` on CUDA,
+        torch's CPU stream on the host)."""
+        from accel._interop.torch import stream_to_torch
+
+        return stream_to_torch(self)
+
 
 def _is_stream_ordered(owner: object) -> bool:
     """accel buffers manage their own lifetime in stream order."""

@@ -1,0 +1,463 @@
+"""A DLPack producer for accel memory, built with ctypes.
+
+Any object with ``ptr`` (int), ``nbytes`` (int), ``device`` (an
+:class:`accel.Device`) and ``stream`` (the :class:`accel.Stream` its data was
+last written on) can be exported: :func:`to_capsule` returns the PyCapsule
+that ``__dlpack__`` hands to consumers (``torch.from_dlpack``,
+``np.from_dlpack``, CuPy...), and :func:`dlpack_device` the
+``__dlpack_device__`` pair.
+
+Both capsule kinds are produced: the legacy ``"dltensor"`` capsule holding a
+``DLManagedTensor``, and, when the consumer passes ``max_version`` with a
+major version of at least 1, the DLPack 1.0 ``"dltensor_versioned"`` capsule
+holding a ``DLManagedTensorVersioned``. The exporting object is kept alive
+until the consumer calls the tensor's deleter (or, if the capsule is never
+consumed, until the capsule is collected).
+
+Stream semantics follow the array API standard's ``__dlpack__``: the
+consumer names the stream it will use and the producer makes that stream
+wait for the producer's own stream, with an accel event, so that neither
+side blocks the host.
+
+>>> import accel, numpy as np
+>>> from accel.backends import load_backend
+>>> class Buf:  # what accel.memory's Buffer provides
+...     def __init__(self, nbytes):
+...         self.nbytes, self.device, self.stream = nbytes, accel.Device("cpu", 0), accel.current_stream()
+...         self.ptr = load_backend("cpu").malloc(0, nbytes)
+...     def __dlpack__(self, **kw): return to_capsule(self, **kw)
+...     def __dlpack_device__(self): return dlpack_device(self)
+>>> np.from_dlpack(Buf(16)).shape
+(16,)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from accel._errors import InvalidValueError
+
+__all__ = [
+    "DLDeviceType",
+    "DLPACK_VERSION",
+    "DLPackExportError",
+    "dlpack_device",
+    "dtype_from_name",
+    "to_capsule",
+]
+
+#: The DLPack ABI version of the versioned capsules produced here.
+DLPACK_VERSION: tuple[int, int] = (1, 0)
+
+
+class DLPackExportError(InvalidValueError, BufferError):
+    """The buffer cannot be exported as asked (wrong device, a copy requested...).
+
+    A :class:`BufferError` as the array API standard requires, and an accel
+    error like every other refusal.
+    """
+
+
+class DLDeviceType(enum.IntEnum):
+    """DLPack's device type codes for the backends accel has."""
+
+    kDLCPU = 1
+    kDLCUDA = 2
+    kDLOneAPI = 14
+
+
+_DEVICE_TYPES = {"cpu": DLDeviceType.kDLCPU, "cuda": DLDeviceType.kDLCUDA, "xpu": DLDeviceType.kDLOneAPI}
+
+# DLDataTypeCode values.
+_INT, _UINT, _FLOAT, _BFLOAT, _COMPLEX, _BOOL = 0, 1, 2, 4, 5, 6
+
+_DTYPES: dict[str, tuple[int, int]] = {
+    "bool": (_BOOL, 8),
+    "int8": (_INT, 8),
+    "int16": (_INT, 16),
+    "int32": (_INT, 32),
+    "int64": (_INT, 64),
+    "uint8": (_UINT, 8),
+    "uint16": (_UINT, 16),
+    "uint32": (_UINT, 32),
+    "uint64": (_UINT, 64),
+    "float16": (_FLOAT, 16),
+    "float32": (_FLOAT, 32),
+    "float64": (_FLOAT, 64),
+    "bfloat16": (_BFLOAT, 16),
+    "complex64": (_COMPLEX, 64),
+    "complex128": (_COMPLEX, 128),
+}
+
+
+def dtype_from_name(name: str) -> tuple[int, int]:
+    """``(DLPack type code, bits)`` of a dtype named like numpy or torch does.
+
+    >>> dtype_from_name("float32")
+    (2, 32)
+    """
+    try:
+        return _DTYPES[name]
+    except (KeyError, TypeError):
+        raise InvalidValueError(
+            f"dtype {name!r} cannot be exported through DLPack by accel; use one of "
+            + ", ".join(sorted(_DTYPES))
+        ) from None
+
+
+# -- the C structures (dlpack.h, v1.0) ------------------------------------------
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+# Both managed-tensor deleters take a pointer to the struct; one C signature
+# serves both.
+_Deleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _Deleter)]
+
+
+class _DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [
+        ("version", _DLPackVersion),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", _Deleter),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", _DLTensor),
+    ]
+
+
+# -- the capsule ------------------------------------------------------------------
+
+_CapsuleDestructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+_PyCapsule_New = ctypes.pythonapi.PyCapsule_New
+_PyCapsule_New.restype = ctypes.py_object
+_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, _CapsuleDestructor]
+_PyCapsule_IsValid = ctypes.pythonapi.PyCapsule_IsValid
+_PyCapsule_IsValid.restype = ctypes.c_int
+_PyCapsule_IsValid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+_PyCapsule_GetPointer = ctypes.pythonapi.PyCapsule_GetPointer
+_PyCapsule_GetPointer.restype = ctypes.c_void_p
+_PyCapsule_GetPointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+
+# The capsule keeps a pointer to its name for its whole life, so the names are
+# module constants; a consumer renames the capsule to "used_..." with its own.
+_LEGACY_NAME = ctypes.create_string_buffer(b"dltensor")
+_VERSIONED_NAME = ctypes.create_string_buffer(b"dltensor_versioned")
+
+
+@dataclass
+class _Export:
+    """What one exported tensor keeps alive until its deleter runs."""
+
+    managed: ctypes.Structure
+    shape: ctypes.Array  # type: ignore[type-arg]
+    owner: object
+    on_release: Callable[[], None] | None
+
+
+_exports: dict[int, _Export] = {}
+_exports_lock = threading.Lock()
+
+
+def _release(address: int | None) -> None:
+    """Drop what the managed tensor at ``address`` holds (called once, from any thread)."""
+    if not address:
+        return
+    with _exports_lock:
+        export = _exports.pop(address, None)
+    if export is not None and export.on_release is not None:
+        try:
+            export.on_release()
+        except BaseException as exc:  # noqa: BLE001 - there is no caller to raise to (a C consumer)
+            import sys
+
+            sys.unraisablehook(
+                sys.UnraisableHookArgs(type(exc), exc, exc.__traceback__, "accel DLPack release", export.owner)  # type: ignore[attr-defined]
+            )
+
+
+# One deleter for every export: the struct address is the registry key.
+_deleter = _Deleter(_release)
+
+
+@_CapsuleDestructor
+def _capsule_destructor(capsule: int) -> None:
+    # A consumer that took ownership renamed the capsule ("used_dltensor"): it
+    # calls the deleter itself. Otherwise nobody will, so do it here.
+    for name in (_LEGACY_NAME, _VERSIONED_NAME):
+        if _PyCapsule_IsValid(capsule, name):
+            _release(_PyCapsule_GetPointer(capsule, name))
+            return
+
+
+def live_exports() -> int:
+    """How many exported tensors still hold their owner (for tests and leak checks)."""
+    with _exports_lock:
+        return len(_exports)
+
+
+# -- devices and streams ---------------------------------------------------------
+
+
+def dlpack_device(obj: Any) -> tuple[DLDeviceType, int]:
+    """``__dlpack_device__`` of an accel buffer: ``(device type code, device index)``.
+
+    >>> from accel import Device
+    >>> class B: device = Device("cpu", 0)
+    >>> dlpack_device(B())
+    (<DLDeviceType.kDLCPU: 1>, 0)
+    """
+    device = getattr(obj, "device", None)
+    kind = getattr(device, "type", None)
+    index = getattr(device, "index", None)
+    if kind not in _DEVICE_TYPES or not isinstance(index, int):
+        raise InvalidValueError(
+            f"{type(obj).__name__}.device is {device!r}; DLPack export needs an accel.Device "
+            "with a type of 'cpu', 'cuda' or 'xpu' and an index"
+        )
+    return _DEVICE_TYPES[kind], index
+
+
+def _producer_stream(obj: Any) -> Any:
+    from accel.stream._stream import Stream
+
+    stream = getattr(obj, "stream", None)
+    if not isinstance(stream, Stream):
+        raise InvalidValueError(
+            f"{type(obj).__name__}.stream is {stream!r}; DLPack export needs the accel.Stream "
+            "the data was last written on"
+        )
+    return stream
+
+
+def _consumer_stream(stream: object, producer: Any, kind: DLDeviceType) -> Any:
+    """The accel Stream the consumer will use, or None to block the host instead.
+
+    Returns ``False`` when the consumer asked for no synchronization (``-1``).
+    """
+    from accel.stream._stream import ExternalStream, Stream, as_stream
+
+    if isinstance(stream, Stream):
+        return stream
+    if stream is None:
+        if kind == DLDeviceType.kDLCUDA:
+            # The array API: None means the legacy default stream on CUDA.
+            return producer._runtime.default_stream(producer.device_index)
+        # The consumer reads from the host (numpy) or from a queue accel
+        # cannot see: make the data ready before handing it out.
+        return None
+    if isinstance(stream, bool) or not (isinstance(stream, int) or hasattr(stream, "__cuda_stream__")):
+        raise DLPackExportError(
+            f"__dlpack__(stream={stream!r}): the stream must be None, -1, an int stream handle, "
+            "an accel.Stream or an object with __cuda_stream__"
+        )
+    if not isinstance(stream, int):
+        return as_stream(stream, producer.device)
+    if stream == -1:
+        return False
+    if kind == DLDeviceType.kDLCPU:
+        raise DLPackExportError(
+            f"__dlpack__(stream={stream}): host buffers take stream=None (or -1, or an accel.Stream); "
+            "an int handle names a device stream"
+        )
+    if kind == DLDeviceType.kDLCUDA:
+        if stream == 0:
+            raise DLPackExportError(
+                "__dlpack__(stream=0) is ambiguous and disallowed by the array API; pass 1 for the "
+                "legacy default stream, 2 for the per-thread default stream, or a stream handle"
+            )
+        if stream == 1:
+            return producer._runtime.default_stream(producer.device_index)
+    if stream < 0:
+        raise DLPackExportError(f"__dlpack__(stream={stream}): a stream handle cannot be negative (only -1 is special)")
+    return ExternalStream(stream, producer.device)
+
+
+def _synchronize(obj: Any, stream: object, kind: DLDeviceType) -> None:
+    """Order the consumer after the work queued on the buffer's stream so far."""
+    producer = _producer_stream(obj)
+    consumer = _consumer_stream(stream, producer, kind)
+    if consumer is False or consumer == producer:
+        return
+    if consumer is None:
+        producer.record_event().synchronize()
+    else:
+        consumer.wait_stream(producer)
+
+
+# -- export ------------------------------------------------------------------------
+
+
+def _read_shape(shape: object, itemsize: int, nbytes: int) -> tuple[int, ...]:
+    if shape is None:
+        if nbytes % itemsize:
+            raise InvalidValueError(
+                f"a {nbytes}-byte buffer is not a whole number of {itemsize}-byte items; pass a shape"
+            )
+        return (nbytes // itemsize,)
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)
+    try:
+        dims = tuple(shape)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidValueError(f"shape={shape!r} must be an int or a sequence of ints") from None
+    for dim in dims:
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise InvalidValueError(f"shape={shape!r} must hold non-negative ints")
+    count = 1
+    for dim in dims:
+        count *= dim
+    if count * itemsize > nbytes:
+        raise InvalidValueError(
+            f"shape {dims} of {itemsize}-byte items needs {count * itemsize} bytes, "
+            f"but the buffer has {nbytes}"
+        )
+    return dims
+
+
+def _wants_versioned(max_version: object) -> bool:
+    if max_version is None:
+        return False
+    if (
+        not isinstance(max_version, tuple)
+        or len(max_version) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in max_version)
+    ):
+        raise DLPackExportError(f"max_version={max_version!r} must be a (major, minor) tuple of ints")
+    return max_version[0] >= 1
+
+
+def to_capsule(
+    obj: Any,
+    *,
+    stream: object = None,
+    max_version: tuple[int, int] | None = None,
+    dl_device: tuple[int, int] | None = None,
+    copy: bool | None = None,
+    dtype: str = "uint8",
+    shape: int | tuple[int, ...] | None = None,
+) -> Any:
+    """Export ``obj``'s memory as a DLPack capsule (the body of ``__dlpack__``).
+
+    ``stream``, ``max_version``, ``dl_device`` and ``copy`` have the array
+    API meaning. ``dtype`` (a name such as ``"float32"``) and ``shape``
+    (default: the whole buffer, 1-D) describe the tensor; the buffer is
+    exported C-contiguous with no copy. See the module docstring for a
+    complete producer.
+    """
+    kind, index = dlpack_device(obj)
+    if dl_device is not None:
+        try:
+            wanted = (int(dl_device[0]), int(dl_device[1]))  # type: ignore[index]
+        except (TypeError, ValueError, IndexError):
+            raise DLPackExportError(f"dl_device={dl_device!r} must be a (device type, index) pair") from None
+        if wanted != (int(kind), index):
+            raise DLPackExportError(
+                f"the buffer lives on DLPack device {(int(kind), index)}, not {wanted}; "
+                "accel exports without copying, so copy it to that device first"
+            )
+    if copy:
+        raise DLPackExportError(
+            "__dlpack__(copy=True): accel exports buffers without copying; "
+            "copy the resulting array or tensor instead"
+        )
+    versioned = _wants_versioned(max_version)
+    ptr, nbytes = getattr(obj, "ptr", None), getattr(obj, "nbytes", None)
+    if isinstance(ptr, bool) or not isinstance(ptr, int) or isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        raise InvalidValueError(
+            f"{type(obj).__name__} has no int ptr and nbytes; DLPack export needs both"
+        )
+    code, bits = dtype_from_name(dtype)
+    dims = _read_shape(shape, bits // 8, nbytes)
+    _synchronize(obj, stream, kind)
+    return _make_capsule(obj, ptr, (kind, index), code, bits, dims, versioned, None)
+
+
+def _make_capsule(
+    owner: object,
+    ptr: int,
+    device: tuple[DLDeviceType, int],
+    code: int,
+    bits: int,
+    dims: tuple[int, ...],
+    versioned: bool,
+    on_release: Callable[[], None] | None,
+) -> Any:
+    shape = (ctypes.c_int64 * max(len(dims), 1))(*dims)
+    managed: ctypes.Structure
+    if versioned:
+        managed = _DLManagedTensorVersioned()
+        managed.version = _DLPackVersion(*DLPACK_VERSION)
+        managed.flags = 0  # writable, not a copy
+        name = _VERSIONED_NAME
+    else:
+        managed = _DLManagedTensor()
+        name = _LEGACY_NAME
+    tensor = managed.dl_tensor
+    tensor.data = ptr or None
+    tensor.device = _DLDevice(int(device[0]), device[1])
+    tensor.ndim = len(dims)
+    tensor.dtype = _DLDataType(code, bits, 1)
+    tensor.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+    tensor.strides = None  # C-contiguous (allowed since DLPack 0.x; required reading since 1.0)
+    tensor.byte_offset = 0
+    address = ctypes.addressof(managed)
+    managed.manager_ctx = address
+    managed.deleter = _deleter
+    with _exports_lock:
+        _exports[address] = _Export(managed, shape, owner, on_release)
+    try:
+        return _PyCapsule_New(address, name, _capsule_destructor)
+    except BaseException:
+        _release(address)
+        raise
+
+
+def export_owned(
+    owner: Any,
+    *,
+    dtype: str,
+    shape: tuple[int, ...],
+    on_release: Callable[[], None],
+    versioned: bool = True,
+) -> Any:
+    """A capsule over ``owner`` that calls ``on_release`` when the consumer is done.
+
+    For memory whose only user is the consumer (``accel.empty``): the
+    release hands it back to accel's allocator. No stream synchronization is
+    done, as nothing was written yet.
+    """
+    code, bits = dtype_from_name(dtype)
+    dims = _read_shape(shape, bits // 8, owner.nbytes)
+    return _make_capsule(owner, owner.ptr, dlpack_device(owner), code, bits, dims, versioned, on_release)
