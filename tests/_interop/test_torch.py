@@ -1,0 +1,93 @@
+"""torch interop on the host backend: tensors on accel memory, streams both ways."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import accel
+from accel._interop import as_tensor, stream_from_torch, stream_to_torch
+
+
+def test_as_tensor_views_the_buffer(host_buffer):
+    buf = host_buffer(64)
+    tensor = as_tensor(buf, torch.float32, (4, 4))
+    assert tensor.shape == (4, 4) and tensor.dtype == torch.float32
+    assert tensor.data_ptr() == buf.ptr
+    tensor.copy_(torch.arange(16, dtype=torch.float32).reshape(4, 4))
+    assert np.from_dlpack(buf).view(np.float32)[-1] == 15.0
+
+
+def test_as_tensor_defaults_to_bytes(host_buffer):
+    tensor = as_tensor(host_buffer(10))
+    assert tensor.shape == (10,) and tensor.dtype == torch.uint8
+
+
+def test_as_tensor_accepts_dtype_names(host_buffer):
+    assert as_tensor(host_buffer(8), "bfloat16").shape == (4,)
+    assert as_tensor(host_buffer(8), "bool", 3).dtype == torch.bool
+
+
+def test_as_tensor_waits_for_the_buffer_stream(host_buffer):
+    producer = accel.Stream()
+    buf = host_buffer(1 << 16, stream=producer)
+    producer.launch_host_func(lambda: __import__("time").sleep(0.05))
+    producer.fill(buf, 1)
+    assert int(as_tensor(buf).min()) == 1
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape", "error", "message"),
+    [
+        (torch.float32, (5,), accel.InvalidValueError, "needs 20 bytes, but the buffer has 16"),
+        ("Tensor", (1,), accel.InvalidValueError, "dtype='Tensor' is not a torch dtype name"),
+        ("nonsense", None, accel.InvalidValueError, "is not a torch dtype name"),
+        (np.float32, None, accel.InvalidValueError, "must be a torch.dtype or its name"),
+        (torch.qint8, None, accel.InvalidValueError, "cannot be exported through DLPack"),
+        (torch.uint8, (2, -1), accel.InvalidValueError, "non-negative ints"),
+    ],
+)
+def test_as_tensor_bad_arguments(host_buffer, dtype, shape, error, message):
+    with pytest.raises(error, match=message):
+        as_tensor(host_buffer(16), dtype, shape)
+
+
+def test_torch_cpu_stream_is_the_host_default_stream():
+    stream = accel.Stream.from_torch(torch.Stream("cpu"))
+    assert stream == accel.current_stream()
+    assert stream_from_torch(torch.Stream()) == stream
+
+
+def test_accel_stream_to_torch_on_the_host():
+    mine = accel.Stream()
+    for stream in (mine, accel.current_stream()):
+        converted = stream.to_torch()
+        assert isinstance(converted, torch.Stream) and converted.device.type == "cpu"
+    assert stream_to_torch(mine) == torch.Stream("cpu")
+
+
+def test_from_torch_refuses_what_is_not_a_torch_stream():
+    with pytest.raises(accel.InvalidValueError, match="is not a torch stream"):
+        accel.Stream.from_torch(accel.Stream())
+    with pytest.raises(accel.InvalidValueError, match="is not a torch stream"):
+        stream_from_torch(3)
+
+
+def test_cuda_streams_need_the_cuda_backend():
+    class TorchCudaLike:
+        device = torch.device("cuda", 0)
+
+        def __cuda_stream__(self):
+            return (0, 0x1234)
+
+    with pytest.raises(accel.DeviceError, match="is a cuda stream, but the current accelerator is 'cpu'"):
+        accel.Stream.from_torch(TorchCudaLike())
+    # Everywhere accel takes a stream, __cuda_stream__ objects are read the same way.
+    with pytest.raises(accel.DeviceError, match="is a CUDA stream, but the current accelerator is 'cpu'"):
+        accel.Event().record(TorchCudaLike())
+
+
+def test_to_torch_refuses_non_streams():
+    with pytest.raises(accel.InvalidValueError, match="is not an accel.Stream"):
+        stream_to_torch(torch.Stream("cpu"))
