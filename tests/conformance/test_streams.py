@@ -176,3 +176,29 @@ def test_external_stream_wraps_without_owning(runtime) -> None:
     s.close()
     with pytest.raises(accel.InvalidHandleError):
         accel.ExternalStream(s.native_handle)
+
+
+def test_many_threads_share_streams_and_events(runtime) -> None:
+    shared = accel.Stream()
+    counts = [0] * 8
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            own = accel.Stream()
+            for _ in range(25):
+                e = shared.record_event()
+                own.wait_event(e)
+                own.launch_host_func(lambda: counts.__setitem__(i, counts[i] + 1))
+                own.record_event().synchronize()
+            own.synchronize()
+            own.close()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and counts == [25] * 8
