@@ -188,6 +188,8 @@ class AllocatorConfig:
             return "unlimited" if field == "max_split_size" else "unset"
         if spec.unit == "MiB":
             return f"{value // MIB} MiB"
+        if spec.kind == "roundup" and not any(value):
+            return "0 (no rounding)"
         return _render_value(spec, value)
 
 
@@ -318,6 +320,9 @@ def _derived_warnings(config: AllocatorConfig) -> list[str]:
     return found
 
 
+_AT_LEAST_LARGE = ("max_split_size", "max_non_split_rounding")
+
+
 def _origin_text(source: str) -> str:
     return "the default" if source == DEFAULT else f"from {source}"
 
@@ -349,41 +354,46 @@ def _apply(
         # PyTorch resets max_non_split_rounding to the large segment size unless it is given.
         values["max_non_split_rounding"] = values["large_segment_size"]
     large = values["large_segment_size"]
-    for field in ("max_split_size", "max_non_split_rounding"):
-        value = values[field]
-        if value is None or value >= large:
-            continue
-        key = KEYS_BY_FIELD[field].key
-        if field in where:
-            culprit = where[field]
+    large_origin = "" if "large_segment_size" in where else ", " + _origin_text(sources["large_segment_size"])
+    # Like PyTorch (which reads large_segment_size_mb first), every occurrence is
+    # checked against the final large segment size, not only the one that wins.
+    for setting in settings:
+        value = setting.value
+        if setting.spec.field in _AT_LEAST_LARGE and isinstance(value, int) and value < large:
             reason = (
-                f"{key} ({value // MIB}) must be >= large_segment_size_mb ({large // MIB}"
-                f"{'' if 'large_segment_size' in where else ', ' + _origin_text(sources['large_segment_size'])})"
+                f"{setting.spec.key} ({value // MIB}) must be >= large_segment_size_mb "
+                f"({large // MIB}{large_origin})"
             )
-        else:
+            raise ConfigStringError(text, setting.value_start, setting.value_end, reason, origin=origin)
+    for field in _AT_LEAST_LARGE:
+        value = values[field]
+        if value is not None and value < large:
+            # Only an earlier source can hold it: this text changed large_segment_size.
+            key = KEYS_BY_FIELD[field].key
             culprit = where["large_segment_size"]
             reason = (
                 f"large_segment_size_mb ({large // MIB}) would exceed {key} ({value // MIB}, "
                 f"{_origin_text(sources[field])}); give {key} a value >= {large // MIB} too"
             )
-        raise ConfigStringError(text, culprit.value_start, culprit.value_end, reason, origin=origin)
+            raise ConfigStringError(text, culprit.value_start, culprit.value_end, reason, origin=origin)
     config = AllocatorConfig(**values, sources=sources)
     notes = carried + [w for w in new_events if w not in carried]
     notes += [w for w in _derived_warnings(config) if w not in notes]
     return dataclasses.replace(config, sources=config.sources, warnings=tuple(notes))
 
 
-def parse(text: str) -> AllocatorConfig:
+def parse(text: str, *, origin: str = "parse()") -> AllocatorConfig:
     """Parse a configuration string on top of the defaults; pure (touches no state).
 
     Raises :class:`ConfigStringError` (an ``AllocatorConfigError``, hence a
     ``ValueError``) that quotes the string and points at the mistake.
-    Warnings are recorded in ``.warnings``, not emitted.
+    Warnings are recorded in ``.warnings``, not emitted. ``origin`` names the
+    string in messages and in ``sources``.
 
     >>> parse("garbage_collection_threshold:0.6").garbage_collection_threshold
     0.6
     """
-    return _apply(AllocatorConfig(), parse_settings(text, "parse()"), "parse()", text)
+    return _apply(AllocatorConfig(), parse_settings(text, origin), origin, text)
 
 
 def keys() -> tuple[KeySpec, ...]:
