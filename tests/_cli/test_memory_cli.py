@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import base64
+import contextlib
+import io
 import json
 import pickle
 import re
+import runpy
 import struct
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -143,10 +147,86 @@ def test_missing_matplotlib_is_one_line(snapshot, tmp_path, monkeypatch, capsys)
     assert "needs matplotlib" in err and "pip install accel[plot]" in err and err.count("\n") == 1
 
 
-def test_torch_viewer_reads_the_same_file(snapshot):
-    """The layout check against PyTorch's own tooling (real accel snapshots: test_snapshot_viewer)."""
-    result = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "stats", str(snapshot)],
+def test_hand_built_snapshots_have_torchs_layout(snapshot):
+    """The fixtures above are read by PyTorch's tool like real snapshots."""
+    assert "total_reserved: 24.0MiB" in _viewer("stats", snapshot)
+    assert memory_cli.load_snapshot(snapshot)["segments"][0]["total_size"] == 2 * MiB
+
+
+@pytest.fixture
+def accel_snapshot(tmp_path):
+    """A snapshot written by accel itself, and accel's stats at that moment."""
+    import accel
+    from accel import memory
+
+    memory.record_memory_history()
+    try:
+        buffers = [memory.allocate(n) for n in (1000, 4096, 3 * MiB, 12 * MiB, 600)]
+        buffers[1].free()
+        buffers[3].free()
+        side = accel.Stream()
+        pending = memory.allocate(2048, stream=side)
+        pending.record_stream(accel.current_stream())
+        path = tmp_path / "accel.pickle"
+        memory.dump_snapshot(path)
+        stats = dict(memory.memory_stats())
+    finally:
+        memory.record_memory_history(None)
+    yield path, stats
+    for buf in (*buffers, pending):
+        buf.free()
+
+
+def _viewer(action: str, path) -> str:
+    """PyTorch's viewer command line (``python -m torch.cuda._memory_viz ACTION FILE``), run in this
+    process to spare a torch import per call; one test runs it as a real process."""
+    out = io.StringIO()
+    with warnings.catch_warnings(), contextlib.redirect_stdout(out):
+        warnings.simplefilter("ignore")  # runpy: the module is already imported
+        old_argv, sys.argv = sys.argv, ["_memory_viz", action, str(path)]
+        try:
+            runpy.run_module("torch.cuda._memory_viz", run_name="__main__")
+        finally:
+            sys.argv = old_argv
+    return out.getvalue()
+
+
+def test_torch_viewer_reads_an_accel_snapshot_with_the_same_totals(accel_snapshot):
+    from torch.cuda._memory_viz import _format_size, segsum
+
+    path, stats = accel_snapshot
+    data = pickle.loads(path.read_bytes())
+    # Exact figures first: the segments add up to accel's counters...
+    assert sum(s["total_size"] for s in data["segments"]) == stats["reserved_bytes.all.current"]
+    assert sum(s["allocated_size"] for s in data["segments"]) == stats["allocated_bytes.all.current"]
+    active = sum(b["requested_size"] for s in data["segments"] for b in s["blocks"] if b["state"] == "active_allocated")
+    assert active == stats["requested_bytes.all.current"]
+    segsum(data)  # raises on any accounting mismatch inside segments
+    # ...then what PyTorch's tool prints from the file, run as a user runs it.
+    result = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "stats", str(path)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "total_reserved: 24.0MiB" in result.stdout
-    assert memory_cli.load_snapshot(snapshot)["segments"][0]["total_size"] == 2 * MiB
+    out = result.stdout
+    assert f"total_reserved: {_format_size(stats['reserved_bytes.all.current'])}\n" in out
+    assert f"total_allocated: {_format_size(stats['requested_bytes.all.current'])}\n" in out
+    assert f"segments: {len(data['segments'])}\n" in out
+
+
+def test_torch_viewer_trace_of_an_accel_snapshot(accel_snapshot):
+    path, _ = accel_snapshot
+    trace = pickle.loads(path.read_bytes())["device_traces"][0]
+    out = _viewer("trace", path)
+    assert f"{len(trace)} entries" in out
+    mallocs = [e for e in trace if e["action"] == "segment_alloc"]
+    assert out.count("= cudaMalloc(") == len(mallocs) >= 1
+    assert out.count("del ") == sum(e["action"] == "free_requested" for e in trace) == 2
+    assert ":1000.0B]" not in out and ":1.0KiB]" in out  # sizes are the rounded block sizes
+
+
+def test_accel_plot_agrees_with_accel_stats(accel_snapshot, tmp_path, capsys):
+    path, stats = accel_snapshot
+    assert main(["memory", "plot", str(path), "-o", str(tmp_path / "a.png"), "--json"]) == 0
+    pools = json.loads(capsys.readouterr().out)["pools"]
+    assert sum(p["reserved"] for p in pools.values()) == stats["reserved_bytes.all.current"]
+    assert sum(p["allocated"] for p in pools.values()) == stats["allocated_bytes.all.current"]
+    assert _png_size((tmp_path / "a.png").read_bytes()) == (1280, 800)
