@@ -160,13 +160,15 @@ class _DLManagedTensorVersioned(ctypes.Structure):
 
 _CapsuleDestructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
-_PyCapsule_New = ctypes.pythonapi.PyCapsule_New
+# Indexing (not attribute access) gives function objects of our own, so that
+# other code setting argtypes on ctypes.pythonapi's shared ones cannot break these.
+_PyCapsule_New = ctypes.pythonapi["PyCapsule_New"]
 _PyCapsule_New.restype = ctypes.py_object
 _PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, _CapsuleDestructor]
-_PyCapsule_IsValid = ctypes.pythonapi.PyCapsule_IsValid
+_PyCapsule_IsValid = ctypes.pythonapi["PyCapsule_IsValid"]
 _PyCapsule_IsValid.restype = ctypes.c_int
 _PyCapsule_IsValid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-_PyCapsule_GetPointer = ctypes.pythonapi.PyCapsule_GetPointer
+_PyCapsule_GetPointer = ctypes.pythonapi["PyCapsule_GetPointer"]
 _PyCapsule_GetPointer.restype = ctypes.c_void_p
 _PyCapsule_GetPointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
 
