@@ -54,8 +54,10 @@ _UNLIMITED = 1 << 62  # max_split_size when unset
 def round_size(size: int, divisions: int) -> int:
     """``size`` rounded as PyTorch's ``round_size`` does, for ``divisions`` (0/1: none).
 
-    >>> round_size(1200, 4), round_size(1200, 0), round_size(100, 0)
-    (1280, 1536, 512)
+    Power-of-two divisions apply above ``512 * divisions`` bytes only:
+
+    >>> round_size(4800, 4), round_size(1200, 4), round_size(100, 0)
+    (5120, 1536, 512)
     """
     if size < KB_MIN:
         return KB_MIN
