@@ -867,6 +867,12 @@ class DeviceAllocator:
         ]
         if victims:
             self._release(victims)
+        # Reservations left wholly unmapped (a failed first map) go back too.
+        for pool in pools:
+            for seg in list(pool.expandable.values()):
+                head = seg.head
+                if head is not None and not head.mapped and head.next is None:
+                    self._merge_unmapped(head)
         for private in freeable:
             if private.segments == 0:
                 del self._private[private.id]
