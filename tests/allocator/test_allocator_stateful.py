@@ -65,6 +65,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         # freed ranges that must not be reused while any of their gates is closed
         self.quarantine: list[tuple[int, int, list[threading.Event]]] = []
         self.gates: dict[int, list[threading.Event]] = {i: [] for i in range(3)}
+        self.peaks: dict[str, int] = {}
 
     @rule(target=buffers, nbytes=sizes, which=st.integers(0, 2))
     def allocate(self, nbytes: int, which: int) -> Live:
@@ -126,6 +127,14 @@ class AllocatorMachine(RuleBasedStateMachine):
     def structures_hold(self) -> None:
         if hasattr(self, "alloc"):
             check_invariants(self.alloc)
+            stats = self.alloc.stats()
+            # Peaks, recounted: each step moves a current value at most once upwards.
+            for key in ("allocated_bytes", "active_bytes", "active", "reserved_bytes", "requested_bytes"):
+                for pool in ("all", "small_pool", "large_pool"):
+                    name = f"{key}.{pool}"
+                    seen = self.peaks[name] = max(self.peaks.get(name, 0), stats[f"{name}.current"])
+                    assert stats[f"{name}.peak"] == seen, f"{name}.peak"
+                    assert stats[f"{name}.allocated"] - stats[f"{name}.freed"] == stats[f"{name}.current"]
             mapped = self.alloc.stats()["reserved_bytes.all.current"]
             held = self.backend._memory[0]._held
             assert held == mapped, "reserved bytes differ from what the device holds for us"
