@@ -437,10 +437,14 @@ class DeviceAllocator:
 
     # -- expandable segments -------------------------------------------------------
 
-    def _page_size(self, pool: Pool) -> int:
+    def _page_size(self) -> int:
+        # PyTorch maps the large pool in large_segment_size (20 MiB) pages. accel
+        # uses 2 MiB pages (or the granularity, if larger) for both pools: the
+        # last page of a segment is the waste expandable segments still have,
+        # and 20 MiB of it per stream dominates models of a few hundred MiB
+        # (measured in docs/benchmarks.md); the price is more map calls.
         unit = self.upstream.vm_granularity()
-        page = SMALL_BUFFER if pool.small else self._large_segment
-        return -(-page // unit) * unit
+        return -(-SMALL_BUFFER // unit) * unit
 
     def _alloc_expandable(self, pool: Pool, handle: int, size: int) -> Block | None:
         seg = pool.expandable.get(handle)
@@ -482,7 +486,7 @@ class DeviceAllocator:
         return self._merge_free(b)
 
     def _reserve_expandable(self, pool: Pool, handle: int) -> Segment | None:
-        page = self._page_size(pool)
+        page = self._page_size()
         _, total = self.upstream.memory_info()
         # As PyTorch: room for the whole device plus an eighth, never exceeded.
         size = -(-(total + total // 8) // page) * page

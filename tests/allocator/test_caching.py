@@ -574,19 +574,20 @@ def test_expandable_segments_grow_and_shrink_by_pages(host):
     backend, rt = host
     a = make(backend, "expandable_segments:True")
     s = rt.default_stream(0)
-    x = a.malloc(30 * MiB, s)  # 2 pages of 20 MiB
+    x = a.malloc(29 * MiB + 100, s)  # 15 pages of 2 MiB
     st = a.stats()
-    assert st["reserved_bytes.all.current"] == 40 * MiB and st["segment.all.current"] == 0
-    y = a.malloc(15 * MiB, s)  # fits in the mapped tail + 1 more page
+    assert st["reserved_bytes.all.current"] == 30 * MiB and st["segment.all.current"] == 0
+    y = a.malloc(15 * MiB, s)  # the free tail of x's last page (1 MiB - 512) plus 8 more pages
     assert y.ptr == x.ptr + x.size  # one contiguous range
-    assert a.stats()["reserved_bytes.all.current"] == 60 * MiB
+    assert a.stats()["reserved_bytes.all.current"] == 46 * MiB
+    assert a.stats()["num_device_alloc"] == 2
     check_invariants(a)
     a.free(x)
-    a.empty_cache()  # x's whole first page goes back; the page shared with y stays
-    assert a.stats()["reserved_bytes.all.current"] == 40 * MiB
+    a.empty_cache()  # x's 14 whole pages go back; the page it shares with y stays
+    assert a.stats()["reserved_bytes.all.current"] == 18 * MiB
     check_invariants(a)
     snap = a.snapshot()
-    assert len(snap) == 1 and snap[0]["is_expandable"] and snap[0]["total_size"] == 40 * MiB
+    assert len(snap) == 1 and snap[0]["is_expandable"] and snap[0]["total_size"] == 18 * MiB
     a.free(y)
     a.empty_cache()
     assert a.stats()["reserved_bytes.all.current"] == 0 and not a._segments
