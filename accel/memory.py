@@ -503,6 +503,6 @@ def memory_summary(device: DeviceLike = None) -> str:
             out.append(f"| {name:<25}| {text[0]:>10} | {text[1]:>10} | {text[2]:>10} | {text[3]:>9} |")
     out.append(line)
     for key in ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free"):
-        out.append(f"| {key:<25}| {stats[key]:>46} |")
+        out.append(f"| {key:<25}| {stats[key]:>48} |")
     out.append(line)
     return "\n".join(out)

@@ -54,8 +54,10 @@ _UNLIMITED = 1 << 62  # max_split_size when unset
 def round_size(size: int, divisions: int) -> int:
     """``size`` rounded as PyTorch's ``round_size`` does, for ``divisions`` (0/1: none).
 
-    >>> round_size(1200, 4), round_size(1200, 0), round_size(100, 0)
-    (1280, 1536, 512)
+    Power-of-two divisions apply above ``512 * divisions`` bytes only:
+
+    >>> round_size(4800, 4), round_size(1200, 4), round_size(100, 0)
+    (5120, 1536, 512)
     """
     if size < KB_MIN:
         return KB_MIN
@@ -138,6 +140,7 @@ class DeviceAllocator:
             )
         self._lock = threading.Lock()
         self._stats = S.Stats()
+        self._s = self._stats.s  # the flat counters, for the hot paths
         self._small = Pool(True, None)
         self._large = Pool(False, None)
         self._segments: dict[int, Segment] = {}
@@ -228,10 +231,22 @@ class DeviceAllocator:
                 pool = self._capture_pool(size, stream)
             else:
                 pool = self._small if size <= SMALL_SIZE else self._large
-            block = self._find_free(pool, handle, size)
+            block = None
+            lst = pool.free.get(handle)
+            if lst:
+                if self._gc_threshold:
+                    pool.calls += 1
+                i = bisect_left(lst, (size,))
+                if i < len(lst):
+                    entry = lst[i]
+                    block = entry[2]
+                    if entry[0] < self._ms and not block.segment.expandable:
+                        del lst[i]  # the common case: best fit is an ordinary block
+                    else:
+                        block = self._find_free(lst, i, size)
             if block is None:
                 block = self._grow(pool, handle, size, stream)
-            s = self._stats.s
+            s = self._s
             kind = pool.kind
             other = 1 - kind
             expandable = block.segment.expandable
@@ -292,8 +307,8 @@ class DeviceAllocator:
             block.state = ALLOCATED
             block.requested = nbytes
             size = block.size
-            # Five statistics rise together; inlined (see _stats.inc) for speed.
-            # allocation (base 0) and active (base 16) by one
+            # Three statistics rise together; inlined (see _stats.inc) for speed.
+            # allocation (base 0) by one
             c = s[kind] + 1
             s[kind] = c
             s[kind + 4] += 1
@@ -302,15 +317,7 @@ class DeviceAllocator:
             c += s[other]
             if c > s[6]:
                 s[6] = c
-            c = s[16 + kind] + 1
-            s[16 + kind] = c
-            s[20 + kind] += 1
-            if c > s[18 + kind]:
-                s[18 + kind] = c
-            c += s[16 + other]
-            if c > s[22]:
-                s[22] = c
-            # allocated_bytes (32) and active_bytes (48) by size
+            # allocated_bytes (32) by size
             c = s[32 + kind] + size
             s[32 + kind] = c
             s[36 + kind] += size
@@ -319,14 +326,6 @@ class DeviceAllocator:
             c += s[32 + other]
             if c > s[38]:
                 s[38] = c
-            c = s[48 + kind] + size
-            s[48 + kind] = c
-            s[52 + kind] += size
-            if c > s[50 + kind]:
-                s[50 + kind] = c
-            c += s[48 + other]
-            if c > s[54]:
-                s[54] = c
             # requested_bytes (64) by nbytes
             c = s[64 + kind] + nbytes
             s[64 + kind] = c
@@ -336,6 +335,10 @@ class DeviceAllocator:
             c += s[64 + other]
             if c > s[70]:
                 s[70] = c
+            if s[16] or s[17]:
+                # active = allocated + pending; its peak needs a look only
+                # while some block is pending.
+                S.note_active_peak(s, kind)
             if size >= self._ms:
                 S.inc(s, S.OVERSIZE_ALLOCATIONS, 0, 1)
             if self._history is not None:
@@ -361,14 +364,9 @@ class DeviceAllocator:
                 return private.small if size <= SMALL_SIZE else private.large
         return self._small if size <= SMALL_SIZE else self._large
 
-    def _find_free(self, pool: Pool, handle: int, size: int) -> Block | None:
-        """Best fit on ``handle``'s free list, taken off the list; None on a miss."""
-        lst = pool.free.get(handle)
-        if not lst:
-            return None
-        if self._gc_threshold:
-            pool.calls += 1
-        i = bisect_left(lst, (size,))
+    def _find_free(self, lst: list[tuple[int, int, Block]], i: int, size: int) -> Block | None:
+        """Best fit from ``lst[i]`` on, under the oversize and expandable rules;
+        taken off the list. None on a miss."""
         n = len(lst)
         ms = self._ms
         while i < n:
@@ -380,7 +378,7 @@ class DeviceAllocator:
             elif (size < ms <= bsize) or (size >= ms and bsize >= size + self._nsr):
                 # Oversize cached blocks serve only requests close to their size;
                 # later candidates are larger still, but may be expandable.
-                if not pool.expandable:
+                if not b.pool.expandable:
                     return None
                 i += 1
                 continue
@@ -439,10 +437,14 @@ class DeviceAllocator:
 
     # -- expandable segments -------------------------------------------------------
 
-    def _page_size(self, pool: Pool) -> int:
+    def _page_size(self) -> int:
+        # PyTorch maps the large pool in large_segment_size (20 MiB) pages. accel
+        # uses 2 MiB pages (or the granularity, if larger) for both pools: the
+        # last page of a segment is the waste expandable segments still have,
+        # and 20 MiB of it per stream dominates models of a few hundred MiB
+        # (measured in docs/benchmarks.md); the price is more map calls.
         unit = self.upstream.vm_granularity()
-        page = SMALL_BUFFER if pool.small else self._large_segment
-        return -(-page // unit) * unit
+        return -(-SMALL_BUFFER // unit) * unit
 
     def _alloc_expandable(self, pool: Pool, handle: int, size: int) -> Block | None:
         seg = pool.expandable.get(handle)
@@ -484,7 +486,7 @@ class DeviceAllocator:
         return self._merge_free(b)
 
     def _reserve_expandable(self, pool: Pool, handle: int) -> Segment | None:
-        page = self._page_size(pool)
+        page = self._page_size()
         _, total = self.upstream.memory_info()
         # As PyTorch: room for the whole device plus an eighth, never exceeded.
         size = -(-(total + total // 8) // page) * page
@@ -614,7 +616,7 @@ class DeviceAllocator:
             if block.stream_uses or self._history is not None:
                 self._free_locked(block)
                 return
-            s = self._stats.s
+            s = self._s
             kind = block.pool.kind
             size = block.size
             s[kind] -= 1  # allocation
@@ -635,6 +637,8 @@ class DeviceAllocator:
             self._history.record("free_requested", block.ptr, size, block.stream, None)
         if block.stream_uses:
             block.state = PENDING
+            s[S.ACTIVE + kind] += 1  # pending: still active, no longer allocated
+            s[S.ACTIVE_BYTES + kind] += size
             if self._captures:
                 self._deferred.append(block)
             else:
@@ -665,11 +669,12 @@ class DeviceAllocator:
 
         The hot half of every free: merging and list updates are inlined.
         """
-        s = self._stats.s
+        s = self._s
         pool = block.pool
         kind = pool.kind
-        s[16 + kind] -= 1  # active
-        s[48 + kind] -= block.size  # active_bytes
+        if block.state == PENDING:
+            s[16 + kind] -= 1  # pending part of active
+            s[48 + kind] -= block.size  # pending part of active_bytes
         s[64 + kind] -= block.requested  # requested_bytes
         block.requested = 0
         block.stream_uses = None
@@ -865,6 +870,12 @@ class DeviceAllocator:
         ]
         if victims:
             self._release(victims)
+        # Reservations left wholly unmapped (a failed first map) go back too.
+        for pool in pools:
+            for seg in list(pool.expandable.values()):
+                head = seg.head
+                if head is not None and not head.mapped and head.next is None:
+                    self._merge_unmapped(head)
         for private in freeable:
             if private.segments == 0:
                 del self._private[private.id]

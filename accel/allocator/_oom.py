@@ -63,7 +63,9 @@ def _advice(d: OutOfMemoryDetails) -> str:
             f"{format_size(d.private_reserved)} is held by graph private pools: delete graphs you "
             "no longer replay, or share one pool between graphs (accel.memory.graph_pool_handle())."
         )
-    large_waste = d.reserved_unallocated >= max(d.requested, d.reserved // 4)
+    # Fragmentation is the cause when the request would fit in the cached free
+    # memory plus what the device still has, had the cache been one piece.
+    large_waste = d.reserved_unallocated > 0 and d.reserved_unallocated + d.free >= d.requested
     if large_waste and not d.expandable_segments:
         tips.append(
             "Reserved but unallocated memory is large: set ACCEL_ALLOC_CONF=expandable_segments:True "

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from accel._errors import InvalidValueError, OutOfMemoryError
 from accel._units import format_size
@@ -329,7 +331,7 @@ class LoggingAdaptor(ResourceAdaptor):
         super().__init__(upstream)
         self.logger = logger if logger is not None else logging.getLogger("accel.allocator.upstream")
 
-    def _call(self, name: str, args: str, fn, *call_args):  # type: ignore[no-untyped-def]
+    def _call(self, name: str, args: str, fn: Callable[..., Any], *call_args: Any) -> Any:
         try:
             result = fn(*call_args)
         except BaseException as exc:

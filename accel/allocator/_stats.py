@@ -12,6 +12,12 @@ Each statistic owns 8 slots::
 subtraction; ``reset_accumulated`` stores offsets instead of touching the
 counters. The ``all`` pool is the sum of small and large except its peak,
 which is tracked on its own.
+
+``active`` and ``active_bytes`` are derived too: active = allocated + pending
+(blocks freed by the caller that wait for other streams). Their slots hold the
+pending counts, and their peak slots the peaks seen while something was
+pending; when nothing is pending, active equals allocated, whose peak already
+covers it. So the allocation hot path updates three statistics, not five.
 """
 
 from __future__ import annotations
@@ -62,6 +68,21 @@ def inc(s: list[int], base: int, pool: int, n: int) -> None:
         s[base + 6] = c
 
 
+_DERIVED = {16: 0, 48: 32}  # active -> allocation, active_bytes -> allocated_bytes
+
+
+def note_active_peak(s: list[int], kind: int) -> None:
+    """After an allocation while blocks are pending: raise the active peaks."""
+    other = 1 - kind
+    for base, of in ((16, 0), (48, 32)):
+        mine = s[of + kind] + s[base + kind]
+        if mine > s[base + 2 + kind]:
+            s[base + 2 + kind] = mine
+        every = mine + s[of + other] + s[base + other]
+        if every > s[base + 6]:
+            s[base + 6] = every
+
+
 class Stats:
     """The counters of one device allocator (the caller holds its lock)."""
 
@@ -73,31 +94,47 @@ class Stats:
         self._offsets = [0] * SLOTS
 
     def current(self, base: int, pool: int | None = None) -> int:
+        if pool is None:
+            return self.current(base, 0) + self.current(base, 1)
         s = self.s
-        return s[base] + s[base + 1] if pool is None else s[base + pool]
+        of = _DERIVED.get(base)
+        return s[base + pool] if of is None else s[of + pool] + s[base + pool]
+
+    def _peak(self, base: int, pool: int) -> int:
+        s = self.s
+        of = _DERIVED.get(base)
+        return s[base + 2 + pool] if of is None else max(s[base + 2 + pool], s[of + 2 + pool])
+
+    def _total(self, base: int, pool: int) -> int:
+        return self.s[_DERIVED.get(base, base) + 4 + pool]
 
     def reset_peak(self) -> None:
         s = self.s
         for base in range(0, _ARRAYS, 8):
-            s[base + 2], s[base + 3] = s[base], s[base + 1]
-            s[base + 6] = s[base] + s[base + 1]
+            s[base + 2], s[base + 3] = self.current(base, 0), self.current(base, 1)
+            s[base + 6] = self.current(base)
 
     def reset_accumulated(self) -> None:
-        s, off = self.s, self._offsets
+        off = self._offsets
         for base in range(0, _ARRAYS, 8):
             for pool in (0, 1):
-                off[base + 4 + pool] = s[base + 4 + pool]  # allocated restarts at 0
-                off[base + pool] = s[base + 4 + pool] - s[base + pool]  # freed restarts at 0
+                total = self._total(base, pool)
+                off[base + 4 + pool] = total  # allocated restarts at 0
+                off[base + pool] = total - self.current(base, pool)  # freed restarts at 0
         for index in _SCALARS.values():
-            s[index] = 0
+            self.s[index] = 0
 
     def _metrics(self, base: int, pool: int) -> tuple[int, int, int, int]:
-        s, off = self.s, self._offsets
-        current = s[base + pool]
-        total = s[base + 4 + pool]
+        off = self._offsets
+        current = self.current(base, pool)
+        total = self._total(base, pool)
         allocated = total - off[base + 4 + pool]
         freed = total - current - off[base + pool]
-        return current, s[base + 2 + pool], allocated, freed
+        return current, self._peak(base, pool), allocated, freed
+
+    def _peak_all(self, base: int) -> int:
+        of = _DERIVED.get(base)
+        return self.s[base + 6] if of is None else max(self.s[base + 6], self.s[of + 6])
 
     def as_dict(self, max_split_size: int) -> OrderedDict[str, int]:
         """Flat ``<stat>.<pool>.<metric>`` keys plus the scalars, sorted like
@@ -107,7 +144,7 @@ class Stats:
             base = 8 * k
             small = self._metrics(base, 0)
             large = self._metrics(base, 1)
-            every = (small[0] + large[0], self.s[base + 6], small[2] + large[2], small[3] + large[3])
+            every = (small[0] + large[0], self._peak_all(base), small[2] + large[2], small[3] + large[3])
             for pool, values in zip(_POOLS, (every, small, large)):
                 for metric, value in zip(("current", "peak", "allocated", "freed"), values):
                     out[f"{name}.{pool}.{metric}"] = value
