@@ -10,9 +10,10 @@ forever, and a warning says when the cache keeps missing.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,7 +129,7 @@ class GraphedCallable:
         inputs = [a.detach().clone() for a in args]
         _warm_up(self.fn, inputs, self._warmup)
         g = Graph(pool=self._pool)
-        with graph(g):
+        with _compilable(self._tier == "compiled"), graph(g):
             output = self.fn(*inputs)
         if not all(isinstance(t, torch.Tensor) for t in tree_flatten(output)[0]):
             g.reset()
@@ -145,6 +146,21 @@ class GraphedCallable:
                 raise
         entry = self._cache[key] = _Entry(g, inputs, output)
         return entry
+
+
+@contextlib.contextmanager
+def _compilable(enabled: bool) -> Iterator[None]:
+    """For the compiled tier, record attention as its separate ops rather than
+    the fused fast-path kernel, which inductor cannot compile or fuse."""
+    if not enabled:
+        yield
+        return
+    previous = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(previous)
 
 
 def _signature(args: Sequence[Any], role: str) -> Signature:

@@ -131,6 +131,7 @@ class Program:
     inputs: list[torch.Tensor] = field(default_factory=list)  # registered inputs
     buffers: list[Any] = field(default_factory=list)  # the pool buffers behind static outputs
     static_bytes: int = 0
+    compiled: Any = None  # the CompiledProgram replays run, if compile_graph was called
 
     @property
     def fallback_ops(self) -> list[str]:
