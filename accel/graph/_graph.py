@@ -158,7 +158,7 @@ class Graph:
             raise
         self._runtime, self._device, self._stream, self._lease = runtime, device, stream, lease
         self.replay_errors.clear()
-        if runtime.name == "cpu" and "torch" in sys.modules:
+        if runtime.name == "cpu" and sys.modules.get("torch") is not None:
             from accel.graph._torch_capture import Recorder
 
             try:
