@@ -298,7 +298,7 @@ class Recorder(TorchDispatchMode):
 
     def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         tags = func.tags
-        if torch.Tag.nondeterministic_seeded in tags:
+        if torch.Tag.nondeterministic_seeded in tags and _draws_random(func, args, kwargs):
             raise self._refuse(
                 func,
                 "it draws random numbers, and accel has no generator policy for replays (each replay "
@@ -463,6 +463,17 @@ def _copy_into(func: Any, statics: list[torch.Tensor]) -> Callable[..., None]:
 
     replay.__qualname__ = f"replay of {func}"
     return replay
+
+
+def _draws_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a seeded op really draws: attention kernels and dropout carry the
+    tag, but with a zero dropout probability (eval mode) they draw nothing."""
+    given = {arg.name: value for arg, value in _bound(func._schema, args, kwargs)}
+    if any(a.name == "dropout_p" for a in func._schema.arguments):
+        return bool(given.get("dropout_p", 0.0))
+    if func is aten.native_dropout.default:
+        return bool(given.get("train")) and bool(given.get("p"))
+    return True
 
 
 def _bound(schema: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Any, Any]]:

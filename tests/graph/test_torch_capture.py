@@ -81,6 +81,27 @@ def test_replay_is_bitwise_eager_and_allocates_nothing(name: str) -> None:
     assert g.program.fallback_ops == []
 
 
+def test_attention_without_the_fused_fast_path_replays_bitwise() -> None:
+    # The unfused path calls scaled_dot_product_attention, which is tagged as
+    # random (dropout) but draws nothing with dropout_p=0 in eval mode.
+    torch.manual_seed(0)
+    layer, (x,) = _transformer()
+    previous = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        g = Graph()
+        with graph(g):
+            y = layer(x)
+        new = torch.randn_like(x)
+        x.copy_(new)
+        g.replay()
+        with torch.no_grad():
+            assert torch.equal(y, layer(new))
+    finally:
+        torch.backends.mha.set_fastpath_enabled(previous)
+    assert any("scaled_dot_product" in str(r.func) for r in g.program.records)
+
+
 def test_replay_on_a_created_stream_runs_there() -> None:
     model, (x,) = _mlp()
     g = Graph()
