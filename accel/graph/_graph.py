@@ -1,0 +1,453 @@
+"""Graphs: stream work captured once and replayed many times.
+
+A :class:`Graph` records the work queued on the current stream between
+:meth:`Graph.capture_begin` and :meth:`Graph.capture_end` (copies, fills,
+host functions, waits on events recorded inside the capture) instead of
+running it; :meth:`Graph.replay` runs it all again, in the same order with the
+same dependencies, at the same addresses. Allocations made on the capturing
+streams come from the graph's private memory pool, so replays allocate
+nothing. On the host backend, torch CPU ops run during a capture are recorded
+too (see :mod:`accel.graph._torch_capture`).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from accel._errors import CaptureError, HostFunctionError, InvalidValueError
+from accel._runtime import Runtime, get_runtime
+from accel.backends.base import CaptureMode
+from accel.graph._pool import PoolId, PoolLease, check_pool_id, new_graph_pool_id
+from accel.stream._stream import Stream
+
+if TYPE_CHECKING:
+    from accel.graph._torch_capture import Recorder
+
+__all__ = ["Graph", "graph", "is_capturing"]
+
+_MODES = {
+    "default": CaptureMode.GLOBAL,
+    "global": CaptureMode.GLOBAL,
+    "thread_local": CaptureMode.THREAD_LOCAL,
+    "relaxed": CaptureMode.RELAXED,
+}
+
+# One capture per device at a time (as CUDA allows one per process with the
+# global mode): it keeps the allocator's routing filter unambiguous.
+_capturing: dict[tuple[str, int], Graph] = {}
+_capturing_lock = threading.Lock()
+
+
+def _check_mode(mode: object, where: str) -> str:
+    if mode not in _MODES:
+        raise InvalidValueError(
+            f"{where}: unknown capture_error_mode {mode!r}; expected 'default', 'global', "
+            "'thread_local' or 'relaxed'"
+        )
+    return mode  # type: ignore[return-value]
+
+
+class Graph:
+    """A captured graph of stream work (and, on the host, torch ops), replayable.
+
+    ``pool`` shares a memory pool with other graphs (from
+    :func:`graph_pool_handle` or another graph's :meth:`pool`); None gives
+    the graph a private one. With ``keep_graph=False`` the captured graph is
+    instantiated at :meth:`capture_end` and the raw graph dropped; with True it
+    is kept (for :meth:`debug_dump`) and instantiated on first replay.
+
+    Like ``torch.accelerator.Graph``, the context manager does not switch
+    streams: enter a created stream first, or use :func:`graph`.
+
+    >>> import accel
+    >>> buf = bytearray(4)
+    >>> import numpy as np; arr = np.frombuffer(buf, dtype=np.uint8)
+    >>> g = accel.graph.Graph()
+    >>> with accel.graph.graph(g):
+    ...     accel.current_stream().fill(arr, 7)
+    >>> bytes(buf)            # recorded, not run
+    b'\\x00\\x00\\x00\\x00'
+    >>> g.replay(); accel.synchronize(); bytes(buf)
+    b'\\x07\\x07\\x07\\x07'
+    """
+
+    def __init__(
+        self,
+        keep_graph: bool = False,
+        *,
+        pool: PoolId | None = None,
+        capture_error_mode: str = "default",
+    ) -> None:
+        self._keep_graph = bool(keep_graph)
+        self._pool_arg = check_pool_id(pool, where="accel.Graph")
+        self._mode = _check_mode(capture_error_mode, "accel.Graph")
+        self._runtime: Runtime | None = None
+        self._device = 0
+        self._stream: Stream | None = None  # the capturing stream, while capturing
+        self._lease: PoolLease | None = None
+        self._recorder: Recorder | None = None
+        self._program: Any = None  # the recorded torch program (host backend)
+        self._graph = 0  # raw captured graph handle
+        self._exec = 0  # executable graph handle
+        self._captured = False
+        self._inputs: list[Any] = []
+        self.replay_errors: list[tuple[str, BaseException]] = []
+
+    def __repr__(self) -> str:
+        state = "capturing" if self._stream is not None else ("captured" if self._captured else "empty")
+        return f"accel.Graph({state}, pool={self._lease.pool_id if self._lease else None})"
+
+    # -- capture -----------------------------------------------------------------
+
+    def register_inputs(self, *tensors: Any) -> None:
+        """Declare torch tensors made outside the graph that captured ops may write in place.
+
+        Captured in-place writes to any other tensor made outside the graph
+        are refused (a replay would repeat them on memory the graph does not
+        own). Static inputs that new data is copied into are read, not
+        written, by the graph and need no registration.
+        """
+        self._inputs.extend(tensors)
+        if self._recorder is not None:
+            self._recorder.register_inputs(tensors)
+
+    def capture_begin(self, pool: PoolId | None = None, capture_error_mode: str | None = None) -> None:
+        """Start capturing the work queued on the current stream.
+
+        ``pool`` and ``capture_error_mode`` override the constructor's for
+        this capture. Raises :class:`~accel.CaptureError` on the default
+        stream, when this graph already holds a capture (call :meth:`reset`),
+        or when another capture is under way on the device.
+        """
+        _sweep()
+        pool_id = check_pool_id(pool, where="Graph.capture_begin") or self._pool_arg
+        mode = _check_mode(capture_error_mode or self._mode, "Graph.capture_begin")
+        if self._stream is not None:
+            raise CaptureError(f"{self!r} is already capturing; call capture_end() first")
+        if self._captured:
+            raise CaptureError(
+                f"{self!r} already owns a captured graph; call reset() before capturing again, "
+                "or create a new accel.Graph"
+            )
+        runtime = get_runtime()
+        device = runtime.current_index
+        stream = runtime.current_stream(device)
+        key = (runtime.name, device)
+        with _capturing_lock:
+            _check_no_capture(runtime, device)
+            _capturing[key] = self
+        try:
+            if pool_id is None:
+                pool_id = new_graph_pool_id()
+
+            def routes(s: Stream) -> bool:
+                return s.device_index == device and s.is_capturing()
+
+            lease = PoolLease(device, pool_id, routes)
+            try:
+                runtime.backend.stream_begin_capture(device, stream._live(), _MODES[mode])
+            except BaseException:
+                lease.release()
+                raise
+        except BaseException:
+            with _capturing_lock:
+                _capturing.pop(key, None)
+            raise
+        self._runtime, self._device, self._stream, self._lease = runtime, device, stream, lease
+        self.replay_errors.clear()
+        if runtime.name == "cpu" and sys.modules.get("torch") is not None:
+            from accel.graph._torch_capture import Recorder
+
+            try:
+                self._recorder = Recorder(self, runtime, device, stream, lease)
+                self._recorder.register_inputs(self._inputs)
+                self._recorder.start()
+            except BaseException:
+                self._recorder = None
+                self._abort()
+                raise
+
+    def capture_end(self) -> None:
+        """End the capture begun by :meth:`capture_begin` (on the stream that began it).
+
+        Raises :class:`~accel.CaptureError` if the capture was invalidated
+        (synchronizing a capturing stream, an unjoined fork, a refused torch
+        op...); the graph is then empty again and can capture anew.
+        """
+        stream, runtime = self._stream, self._runtime
+        if stream is None or runtime is None:
+            raise CaptureError(f"capture_end() called on {self!r}, which is not capturing")
+        recorder, self._recorder = self._recorder, None
+        try:
+            if recorder is not None:
+                self._program = recorder.stop()
+            self._graph = runtime.backend.stream_end_capture(self._device, stream._live())
+        except BaseException:
+            self._abort()
+            raise
+        assert self._lease is not None
+        self._lease.stop_routing()
+        self._finish_capture()
+        self._captured = True
+        if not self._keep_graph:
+            self.instantiate()
+            runtime.backend.graph_destroy(self._device, self._graph)
+            self._graph = 0
+
+    def _finish_capture(self) -> None:
+        with _capturing_lock:
+            if self._runtime is not None:
+                _capturing.pop((self._runtime.name, self._device), None)
+        self._stream = None
+
+    def _abort(self) -> None:
+        """Drop a capture under way: backend capture, recorder, pool routing and use."""
+        runtime, stream = self._runtime, self._stream
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
+            recorder.discard()
+        if runtime is not None and stream is not None and stream.is_capturing():
+            try:
+                graph = runtime.backend.stream_end_capture(self._device, stream._live())
+            except CaptureError:
+                pass  # an invalidated capture ends by raising; it is over either way
+            else:
+                runtime.backend.graph_destroy(self._device, graph)
+        self._program = None
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+        self._finish_capture()
+
+    # -- replay ----------------------------------------------------------------
+
+    def instantiate(self) -> None:
+        """Make the captured graph executable (again, if it already was).
+
+        Needs the raw graph: after :meth:`capture_end` with ``keep_graph=True``.
+        """
+        runtime = self._require_captured("instantiate")
+        if not self._graph:
+            raise CaptureError(
+                f"{self!r} was instantiated at capture_end and its raw graph dropped; "
+                "create the Graph with keep_graph=True to instantiate it explicitly"
+            )
+        graph_exec = runtime.backend.graph_instantiate(self._device, self._graph)
+        if self._exec:
+            runtime.backend.graph_exec_destroy(self._device, self._exec)
+        self._exec = graph_exec
+
+    def replay(self) -> None:
+        """Run the captured work again on the current stream of the graph's device.
+
+        Work is queued like any stream work: synchronize the stream before
+        reading results (on the host, the default stream runs it inline). An
+        op that failed in an earlier asynchronous replay is raised here.
+        """
+        runtime = self._require_captured("replay")
+        if not self._exec:
+            self.instantiate()
+        self._raise_replay_errors()
+        stream = runtime.current_stream(self._device)
+        runtime.backend.graph_launch(self._device, self._exec, stream._live())
+        self._raise_replay_errors()
+
+    def _raise_replay_errors(self) -> None:
+        if self.replay_errors:
+            failures = list(self.replay_errors)
+            self.replay_errors.clear()
+            what, first = failures[0]
+            raise HostFunctionError(
+                f"replay of {self!r} failed in {what}: {type(first).__name__}: {first}"
+            ) from first
+
+    def reset(self) -> None:
+        """Drop the captured graph (or the capture under way) and give its pool use back.
+
+        Tensors the capture returned stay valid while referenced; their
+        memory goes back to the pool once they are gone.
+        """
+        if self._stream is not None:
+            self._abort()
+            return
+        runtime = self._runtime
+        if runtime is not None:
+            if self._exec:
+                runtime.backend.graph_exec_destroy(self._device, self._exec)
+            if self._graph:
+                runtime.backend.graph_destroy(self._device, self._graph)
+        self._exec = self._graph = 0
+        self._program = None
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+        self._captured = False
+        self.replay_errors.clear()
+
+    def __del__(self) -> None:
+        try:
+            self.reset()
+        except Exception:  # noqa: BLE001 - interpreter shutdown; nothing to report to
+            pass
+
+    # -- inspection --------------------------------------------------------------
+
+    def pool(self) -> PoolId:
+        """The id of the pool the capture allocated from; pass it to share the pool."""
+        if not self._captured or self._lease is None:
+            raise CaptureError(f"pool() called on {self!r} without a preceding successful capture")
+        return self._lease.pool_id
+
+    @property
+    def program(self) -> Any:
+        """The recorded torch program (host backend), or None."""
+        return self._program
+
+    def debug_dump(self, path: str) -> None:
+        """Write a readable description of the captured graph to ``path``.
+
+        Needs the raw graph: create the Graph with ``keep_graph=True``. On the
+        host, the recorded torch ops are listed after the stream work.
+        """
+        runtime = self._require_captured("debug_dump")
+        if not self._graph:
+            raise CaptureError(
+                f"debug_dump needs the raw graph, which {self!r} dropped at capture_end; "
+                "create the Graph with keep_graph=True"
+            )
+        runtime.backend.graph_debug_dump(self._device, self._graph, path)
+        if self._program is not None:
+            with open(path, "a") as f:
+                f.write(self._program.describe())
+
+    def _require_captured(self, what: str) -> Runtime:
+        if self._stream is not None:
+            raise CaptureError(f"{what}() called on {self!r} while it is capturing; call capture_end() first")
+        if not self._captured or self._runtime is None:
+            raise CaptureError(f"{what}() called on {self!r}, which holds no captured graph; capture one first")
+        return self._runtime
+
+    # -- context manager -------------------------------------------------------
+
+    def __enter__(self) -> Graph:
+        _prepare_for_capture()
+        self.capture_begin()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.capture_end()
+        elif self._stream is not None:
+            self._abort()
+        _sweep()
+
+
+def _check_no_capture(runtime: Runtime, device: int) -> None:
+    if (runtime.name, device) in _capturing:
+        raise CaptureError(
+            f"another graph is capturing on {runtime.device(device)}; only one capture "
+            "may be under way per device. End it first."
+        )
+
+
+def _prepare_for_capture() -> None:
+    """What ``torch.accelerator.Graph.__enter__`` does before a capture: wait for
+    the device, and give cached memory back so the capture starts lean."""
+    from accel.memory import empty_cache
+
+    runtime = get_runtime()
+    # Synchronizing would invalidate a capture under way; say why instead.
+    _check_no_capture(runtime, runtime.current_index)
+    runtime.backend.device_synchronize(runtime.current_index)
+    empty_cache()
+
+
+_side_streams: dict[tuple[str, int], Stream] = {}
+_side_streams_lock = threading.Lock()
+
+
+def _side_stream(runtime: Runtime, device: int) -> Stream:
+    key = (runtime.name, device)
+    with _side_streams_lock:
+        stream = _side_streams.get(key)
+        if stream is None:
+            stream = _side_streams[key] = Stream(device)
+        return stream
+
+
+class graph:  # noqa: N801 - named like torch.cuda.graph
+    """Capture into ``g`` on a side stream inside the block (``torch.cuda.graph``).
+
+    Without ``stream``, a side stream shared by every :func:`graph` block of
+    the device is used; to share a pool with an earlier capture, pass the
+    same ``pool`` (and, as with torch, the same stream).
+
+    >>> import accel
+    >>> g = accel.graph.Graph()
+    >>> with accel.graph.graph(g):
+    ...     accel.current_stream().launch_host_func(lambda: None)
+    >>> g.replay()
+    """
+
+    def __init__(
+        self,
+        g: Graph,
+        *,
+        pool: PoolId | None = None,
+        stream: Stream | None = None,
+        capture_error_mode: str | None = None,
+    ) -> None:
+        if not isinstance(g, Graph):
+            raise InvalidValueError(f"accel.graph() expects an accel.Graph, got {type(g).__name__}")
+        if stream is not None and not isinstance(stream, Stream):
+            raise InvalidValueError(f"stream={stream!r} must be an accel.Stream or None")
+        self._graph = g
+        self._pool = check_pool_id(pool, where="accel.graph")
+        self._mode = None if capture_error_mode is None else _check_mode(capture_error_mode, "accel.graph")
+        self._stream = stream
+
+    def __enter__(self) -> Graph:
+        runtime = get_runtime()
+        stream = self._stream or _side_stream(runtime, runtime.current_index)
+        _prepare_for_capture()
+        stream.__enter__()
+        try:
+            self._graph.capture_begin(pool=self._pool, capture_error_mode=self._mode)
+        except BaseException:
+            stream.__exit__(None, None, None)
+            raise
+        self._entered = stream
+        return self._graph
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            self._graph.__exit__(exc_type, exc, tb)
+        finally:
+            self._entered.__exit__(None, None, None)
+
+
+def _sweep() -> None:
+    if "accel.graph._torch_capture" in sys.modules:
+        from accel.graph._torch_capture import sweep
+
+        sweep()
+
+
+def is_capturing() -> bool:
+    """Whether this thread's current stream is capturing into a graph.
+
+    >>> import accel
+    >>> accel.graph.is_capturing()
+    False
+    """
+    _sweep()
+    runtime = get_runtime()
+    return runtime.current_stream(runtime.current_index).is_capturing()
+

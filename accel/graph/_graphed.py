@@ -1,0 +1,256 @@
+"""make_graphed_callables: capture a callable once per input shape, replay after.
+
+For inference: each returned callable keeps static input tensors, copies a
+call's arguments into them (only when the caller did not pass the static
+tensors themselves), replays the graph and returns the static outputs. A new
+shape signature (shapes and dtypes of the arguments) captures a new graph; a
+bounded LRU cache of graphs keeps dynamic batch sizes from recapturing
+forever, and a warning says when the cache keeps missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from accel._errors import InvalidValueError, NotSupportedError
+from accel._runtime import get_runtime
+from accel.graph._graph import Graph, graph
+from accel.graph._pool import PoolId, check_pool_id, graph_pool_handle
+
+__all__ = ["GraphCacheWarning", "GraphedCallable", "make_graphed_callables"]
+
+
+class GraphCacheWarning(UserWarning):
+    """A graphed callable keeps meeting input shapes its graph cache does not hold."""
+
+
+Signature = tuple[tuple[tuple[int, ...], torch.dtype], ...]
+
+
+@dataclass
+class _Entry:
+    graph: Graph
+    inputs: list[torch.Tensor]
+    output: Any
+
+
+class GraphedCallable:
+    """A callable replaying captured graphs of ``fn``, one per input-shape signature.
+
+    The returned tensors are the graph's static outputs: the next call
+    overwrites them, so clone what must outlive it (as with torch's graphs).
+    ``cache_info()`` reports hits, misses and evictions.
+
+    >>> import torch, accel
+    >>> f = accel.graph.make_graphed_callables(torch.nn.Linear(4, 2).eval(), (torch.randn(3, 4),))
+    >>> f(torch.randn(3, 4)).shape
+    torch.Size([3, 2])
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        num_warmup_iters: int,
+        pool: PoolId,
+        cache_size: int,
+        tier: str,
+    ) -> None:
+        self.fn = fn
+        self._warmup = num_warmup_iters
+        self._pool = pool
+        self._cache_size = cache_size
+        self._tier = tier
+        self._cache: OrderedDict[Signature, _Entry] = OrderedDict()
+        self.hits = self.misses = self.evictions = 0
+        self._warned = False
+
+    def __repr__(self) -> str:
+        return f"GraphedCallable({self.fn!r}, {len(self._cache)}/{self._cache_size} graphs)"
+
+    def cache_info(self) -> dict[str, int]:
+        """``{"hits", "misses", "evictions", "size", "capacity"}`` of the graph cache."""
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+            "size": len(self._cache),
+            "capacity": self._cache_size,
+        }
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise InvalidValueError(
+                f"graphed {self.fn!r} takes tensors as positional arguments only, got keywords "
+                f"{sorted(kwargs)}"
+            )
+        key = _signature(args, "call")
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._capture(args, key)
+        else:
+            self.hits += 1
+            self._cache.move_to_end(key)
+            for static, arg in zip(entry.inputs, args):
+                if static.data_ptr() != arg.data_ptr():
+                    static.copy_(arg)
+        entry.graph.replay()
+        return entry.output
+
+    def capture(self, *sample_args: torch.Tensor) -> None:
+        """Capture the graph for the signature of ``sample_args`` now, if not cached."""
+        key = _signature(sample_args, "sample_args")
+        if key not in self._cache:
+            self._capture(sample_args, key)
+
+    def _capture(self, args: Sequence[torch.Tensor], key: Signature) -> _Entry:
+        self.misses += 1
+        if len(self._cache) >= self._cache_size:
+            _, old = self._cache.popitem(last=False)
+            old.graph.reset()
+            self.evictions += 1
+            if self.evictions >= self._cache_size and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"graphed {self.fn!r} has captured {self.misses} graphs for {self.misses} input "
+                    f"signatures and evicted {self.evictions} (cache_size={self._cache_size}): each "
+                    "miss captures anew. Raise cache_size, or pad inputs to a few fixed shapes.",
+                    GraphCacheWarning,
+                    stacklevel=3,
+                )
+        inputs = [a.detach().clone() for a in args]
+        _warm_up(self.fn, inputs, self._warmup)
+        g = Graph(pool=self._pool)
+        with _compilable(self._tier == "compiled"), graph(g):
+            output = self.fn(*inputs)
+        if not all(isinstance(t, torch.Tensor) for t in tree_flatten(output)[0]):
+            g.reset()
+            raise InvalidValueError(
+                f"graphed {self.fn!r} must return tensors (or tuples, lists, dicts of tensors)"
+            )
+        if self._tier == "compiled":
+            from accel.graph._compiled import compile_graph
+
+            try:
+                compile_graph(g, inputs=inputs, outputs=tree_flatten(output)[0])
+            except BaseException:
+                g.reset()
+                raise
+        entry = self._cache[key] = _Entry(g, inputs, output)
+        return entry
+
+
+@contextlib.contextmanager
+def _compilable(enabled: bool) -> Iterator[None]:
+    """For the compiled tier, record attention as its separate ops rather than
+    the fused fast-path kernel, which inductor cannot compile or fuse."""
+    if not enabled:
+        yield
+        return
+    previous = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(previous)
+
+
+def _signature(args: Sequence[Any], role: str) -> Signature:
+    for i, a in enumerate(args):
+        if not isinstance(a, torch.Tensor):
+            raise InvalidValueError(f"{role}[{i}] is a {type(a).__name__}; graphed callables take tensors only")
+        if a.device.type != "cpu":
+            raise InvalidValueError(
+                f"{role}[{i}] is on {a.device}; on the host backend graphed callables take CPU tensors"
+            )
+    return tuple((tuple(a.shape), a.dtype) for a in args)
+
+
+def _warm_up(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], iters: int) -> None:
+    """Run ``fn`` a few times before capture, so that lazy initialisation
+    (workspaces, first-call caches) does not land in the graph."""
+    with torch.no_grad():
+        for _ in range(iters):
+            fn(*inputs)
+
+
+def make_graphed_callables(
+    callables: Callable[..., Any] | Sequence[Callable[..., Any]],
+    sample_args: Sequence[torch.Tensor] | Sequence[Sequence[torch.Tensor]],
+    *,
+    num_warmup_iters: int = 3,
+    pool: PoolId | None = None,
+    cache_size: int = 8,
+    tier: str = "interpreted",
+) -> Any:
+    """Graphed versions of ``callables`` for inference (``torch.cuda.make_graphed_callables``).
+
+    ``callables`` is one callable (then ``sample_args`` is a tuple of
+    tensors) or a sequence of them (then one tuple per callable). Each is
+    warmed up ``num_warmup_iters`` times and captured on its sample
+    arguments; all graphs share one memory pool (``pool``, or a new one).
+    A call with a new shape signature captures another graph, keeping at
+    most ``cache_size`` per callable (least recently used go first).
+
+    ``tier`` picks how replays run: ``"interpreted"`` re-runs the recorded
+    aten ops (bitwise identical to eager for deterministic ops, always
+    available); ``"compiled"`` runs the captured program compiled ahead of
+    time by inductor (faster, numerically close but not bitwise identical;
+    the first build of a graph takes seconds and is cached on disk; see
+    :func:`accel.graph.compile_graph`).
+
+    Unlike torch's, the result is inference-only and modules are not
+    modified: a :class:`GraphedCallable` is returned in their place.
+
+    >>> import torch, accel
+    >>> mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    >>> fast = accel.graph.make_graphed_callables(mlp, (torch.randn(2, 8),))
+    >>> x = torch.randn(2, 8)
+    >>> torch.equal(fast(x), mlp(x).detach())
+    True
+    """
+    runtime = get_runtime()
+    if runtime.name != "cpu":
+        raise NotSupportedError(
+            f"make_graphed_callables records torch ops on the host backend only; on {runtime.name} "
+            "use torch's own graphs (torch.cuda.make_graphed_callables / torch.xpu)"
+        )
+    single = callable(callables)
+    if not single and not isinstance(callables, (tuple, list)):
+        raise InvalidValueError(
+            f"callables must be a callable or a sequence of callables, got {type(callables).__name__}"
+        )
+    fns = [callables] if single else list(callables)  # type: ignore[arg-type]
+    if not fns or not all(callable(f) for f in fns):
+        raise InvalidValueError("callables must be a callable or a non-empty sequence of callables")
+    if not isinstance(sample_args, (tuple, list)):
+        raise InvalidValueError(f"sample_args must be a tuple, got {type(sample_args).__name__}")
+    samples = [sample_args] if single else list(sample_args)
+    if len(samples) != len(fns):
+        raise InvalidValueError(
+            f"sample_args has {len(samples)} entries for {len(fns)} callables; pass one tuple per callable"
+        )
+    if tier not in ("interpreted", "compiled"):
+        raise InvalidValueError(f"tier={tier!r} must be 'interpreted' or 'compiled'")
+    for name, value, low in (("num_warmup_iters", num_warmup_iters, 0), ("cache_size", cache_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise InvalidValueError(f"{name}={value!r} must be an int >= {low}")
+    shared = check_pool_id(pool, where="make_graphed_callables") or graph_pool_handle()
+    graphed = []
+    for fn, sample in zip(fns, samples):
+        if not isinstance(sample, (tuple, list)):
+            raise InvalidValueError(
+                f"sample_args for {fn!r} must be a tuple of tensors, got {type(sample).__name__}"
+            )
+        g = GraphedCallable(fn, num_warmup_iters=num_warmup_iters, pool=shared, cache_size=cache_size, tier=tier)
+        g.capture(*sample)
+        graphed.append(g)
+    return graphed[0] if single else tuple(graphed)

@@ -1,0 +1,487 @@
+"""Recording torch CPU ops during a host-backend capture, and replaying them.
+
+While a :class:`~accel.graph.Graph` captures on the host backend, a
+``TorchDispatchMode`` sees every aten op the Python code runs. Each op runs
+once for real (so the code can go on), and is recorded:
+
+- an op that makes new tensors gets *static* outputs: tensors over memory
+  from the graph's private pool, at fixed addresses, returned to the caller
+  in place of the op's own result. Replay calls the op's ``out=`` overload
+  into those same tensors (or, where an op has none, runs it and copies the
+  result in);
+- an in-place or ``out=`` op is replayed as it was, after checking that what
+  it writes belongs to the graph (a static output or a registered input);
+- a view op is not replayed at all: its result aliases static storage
+  already, so it sees each replay's data.
+
+Ops whose replay would silently differ from eager are refused at capture time
+with a :class:`~accel.CaptureError` naming the op: ops that read tensor values
+on the host (``.item()``, ``if t.any():``, ``nonzero``), random ops, ops that
+exist for a host-side effect, and writes to memory the graph does not own.
+
+Replay is bitwise identical to eager for deterministic ops: the same kernels
+run on the same inputs. Each recorded op still costs one dispatcher call from
+Python (about what eager pays), so this tier saves allocation, not time;
+:mod:`accel.graph._compiled` is the fast tier.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from accel._errors import CaptureError
+
+if TYPE_CHECKING:
+    from accel._runtime import Runtime
+    from accel.graph._graph import Graph
+    from accel.graph._pool import PoolLease
+    from accel.stream._stream import Stream
+
+__all__ = ["Program", "Record", "Recorder", "sweep"]
+
+aten = torch.ops.aten
+
+# Ops that exist for what they do on the host, not for a tensor they return:
+# replaying them would repeat (or skip) the effect.
+_HOST_EFFECT_OPS = frozenset(
+    {
+        aten._assert_async.default,
+        aten._assert_async.msg,
+        aten._assert_scalar.default,
+        aten._print.default,
+        aten.record_stream.default,
+        aten.resize_.default,
+        aten.set_.source_Storage,
+        aten.set_.source_Storage_storage_offset,
+        aten.set_.source_Tensor,
+        aten.set_.default,
+    }
+)
+
+
+@dataclass
+class Record:
+    """One op seen during capture. ``kind`` is "out" (replayed into static
+    outputs), "fallback" (replayed functionally, result copied in), "mutate"
+    (in-place or out= op, replayed as is), "view" (not replayed: it aliases
+    static storage) or "alloc" (``empty``: storage reserved, nothing replayed)."""
+
+    func: Any  # torch OpOverload
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outputs: list[torch.Tensor]
+    kind: str
+
+
+@dataclass
+class Segment:
+    """Recorded ops that run back to back: one host-function node of the graph."""
+
+    steps: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], str]] = field(default_factory=list)
+    errors: list[tuple[str, BaseException]] = field(default_factory=list)
+    stream: int = 0
+    position: int | None = None  # capture length right after this segment's node
+    runner: Callable[[], None] | None = None  # replaces the op loop (compiled tier)
+
+    def run(self) -> None:
+        # Static outputs are normal tensors, so inference mode may write into
+        # them; it also turns autograd off, which out= overloads require.
+        guard = torch._C._InferenceMode(True)
+        guard.__enter__()
+        try:
+            if self.runner is not None:
+                self.runner()
+                return
+            for fn, args, kwargs, what in self.steps:  # noqa: B007 - `what` is read by _where
+                fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - raised by Graph.replay / the stream
+            self.errors.append((self._where(exc), exc))
+        finally:
+            guard.__exit__(None, None, None)
+
+    def _where(self, exc: BaseException) -> str:
+        if self.runner is not None:
+            return "the compiled program"
+        tb = exc.__traceback__
+        # The op loop's frame knows which step was running.
+        while tb is not None and tb.tb_frame.f_code is not Segment.run.__code__:
+            tb = tb.tb_next
+        if tb is not None:
+            step = tb.tb_frame.f_locals.get("what")
+            if isinstance(step, str):
+                return step
+        return "a recorded torch op"
+
+
+@dataclass
+class Program:
+    """The torch ops a capture recorded, in order, and how they replay."""
+
+    records: list[Record] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    inputs: list[torch.Tensor] = field(default_factory=list)  # registered inputs
+    buffers: list[Any] = field(default_factory=list)  # the pool buffers behind static outputs
+    static_bytes: int = 0
+    compiled: Any = None  # the CompiledProgram replays run, if compile_graph was called
+
+    @property
+    def fallback_ops(self) -> list[str]:
+        """Ops replayed without an ``out=`` overload (they allocate a temporary)."""
+        return [str(r.func) for r in self.records if r.kind == "fallback"]
+
+    def describe(self) -> str:
+        """The program as text, one op per line (for :meth:`Graph.debug_dump`)."""
+        lines = [
+            f"torch program: {len(self.records)} ops in {len(self.segments)} segment(s), "
+            f"{self.static_bytes} bytes of static outputs in the graph's pool"
+        ]
+        for i, r in enumerate(self.records):
+            shapes = ", ".join(f"{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for t in r.outputs)
+            lines.append(f"{i:6d}  {r.kind:8s} {r.func}  -> {shapes}")
+        return "\n".join(lines) + "\n"
+
+
+@functools.cache
+def _out_overload(func: Any) -> tuple[Any, tuple[str, ...]] | None:
+    """The ``out=`` overload of a functional op, and its out argument names."""
+    schema = func._schema
+    want = [(a.name, str(a.type)) for a in schema.arguments]
+    packet = func.overloadpacket
+    for name in packet.overloads():
+        candidate = getattr(packet, name)
+        cs = candidate._schema
+        outs = [a for a in cs.arguments if a.is_out]
+        if not outs or len(outs) != len(schema.returns):
+            continue
+        if [(a.name, str(a.type)) for a in cs.arguments if not a.is_out] == want:
+            return candidate, tuple(a.name for a in outs)
+    return None
+
+
+def _capture_position(runtime: Runtime, device: int, stream: int) -> int | None:
+    """How many nodes the capture ``stream`` belongs to holds, on the host backend.
+
+    Consecutive torch ops share one graph node (so the compiled tier can take
+    them whole) only while no other stream work was recorded in between. The
+    Backend protocol has no query for this, so the host backend's capture
+    state is read here; without it, every op gets its own node, which is
+    correct, only slower.
+    """
+    table = getattr(runtime.backend, "_streams", None)
+    lookup = getattr(table, "stream", None)
+    if lookup is None:
+        return None
+    capture = getattr(lookup(device, stream), "capture", None)
+    nodes = getattr(capture, "nodes", None)
+    return None if nodes is None else len(nodes)
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+# Ops whose output values are undefined: their static output is reserved at
+# capture and nothing is replayed.
+_ALLOC_OPS = frozenset(
+    {
+        aten.empty.memory_format,
+        aten.empty_strided.default,
+        aten.empty_like.default,
+        aten.new_empty.default,
+        aten.new_empty_strided.default,
+    }
+)
+
+# Recorders whose capture failed inside an op: a mode cannot leave the
+# dispatch stack from its own __torch_dispatch__ (torch has stashed it there),
+# so it turns inert and leaves at the next accel call, see sweep().
+_stale: list[Recorder] = []
+
+
+def sweep() -> None:
+    """Take inert recorders of failed captures off this thread's dispatch stack."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    while _stale:
+        top = _get_current_dispatch_mode()
+        if top is None or not any(top is r for r in _stale):
+            return
+        _stale[:] = [r for r in _stale if r is not top]
+        top.__exit__(None, None, None)
+
+
+class Recorder(TorchDispatchMode):
+    """The dispatch mode that records a capture's torch ops (host backend only)."""
+
+    def __init__(self, graph: Graph, runtime: Runtime, device: int, stream: Stream, lease: PoolLease) -> None:
+        super().__init__()
+        self._graph_ref = weakref.ref(graph)
+        self._runtime = runtime
+        self._device = device
+        self._stream = stream
+        self._lease = lease
+        self._program = Program()
+        self._owned: set[int] = set()  # storage addresses the graph may write
+        self._open: Segment | None = None
+        self._active = False
+        self._on_stack = False
+        self._dispatching = 0
+        self._grad_was: bool | None = None
+
+    # -- lifetime ------------------------------------------------------------------
+
+    def register_inputs(self, tensors: Sequence[Any]) -> None:
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise CaptureError(f"register_inputs expects torch tensors, got {type(t).__name__}")
+            self._program.inputs.append(t)
+            self._owned.add(_storage_ptr(t))
+
+    def start(self) -> None:
+        # Captures record inference: with autograd on, the returned static
+        # tensors would carry graph history that replay does not maintain.
+        self._grad_was = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+        self.__enter__()
+        self._on_stack = self._active = True
+
+    def stop(self) -> Program:
+        """Leave the dispatch stack; returns the program recorded."""
+        self._leave()
+        return self._program
+
+    def discard(self) -> None:
+        """Leave the dispatch stack and drop what was recorded (the capture failed)."""
+        self._leave()
+        self._program = Program()
+
+    def _leave(self) -> None:
+        if self._active:
+            self._active = False
+            if self._grad_was is not None:
+                torch.set_grad_enabled(self._grad_was)
+        if self._on_stack:
+            self._on_stack = False
+            if self._dispatching:
+                _stale.append(self)
+            else:
+                self.__exit__(None, None, None)
+
+    # -- recording -------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not self._active:
+            return func(*args, **kwargs)
+        self._dispatching += 1
+        try:
+            return self._record(func, tuple(args), dict(kwargs))
+        except CaptureError:
+            graph = self._graph_ref()
+            if graph is not None:
+                graph._abort()  # leaves no capture state behind; the error says why
+            raise
+        finally:
+            self._dispatching -= 1
+
+    def _refuse(self, func: Any, why: str) -> CaptureError:
+        return CaptureError(f"cannot capture {func}: {why}. The capture was abandoned.")
+
+    def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        tags = func.tags
+        if torch.Tag.nondeterministic_seeded in tags and _draws_random(func, args, kwargs):
+            raise self._refuse(
+                func,
+                "it draws random numbers, and accel has no generator policy for replays (each replay "
+                "would repeat the capture's draw). Capture in eval mode, or draw outside the graph "
+                "into a registered input",
+            )
+        if torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags:
+            raise self._refuse(
+                func,
+                "it reads tensor values on the host (a Python value or an output shape depends on "
+                "the data), so a replay with new data would follow the capture's path. Move "
+                "data-dependent control flow out of the captured region",
+            )
+        if func in _HOST_EFFECT_OPS:
+            raise self._refuse(func, "it has an effect on the host (or on storage) that a replay cannot redo")
+        flat, _ = tree_flatten((args, kwargs))
+        for value in flat:
+            if isinstance(value, torch.Tensor) and (value.device.type != "cpu" or value.layout != torch.strided):
+                raise self._refuse(
+                    func,
+                    f"it takes a {value.device.type} {value.layout} tensor; the host backend captures "
+                    "dense CPU tensors only",
+                )
+        stream = self._runtime.current_stream(self._device)
+        if not stream.is_capturing():
+            raise self._refuse(
+                func,
+                f"it ran while the current stream {stream!r} is not part of the capture; run "
+                "captured torch code on the capturing stream",
+            )
+        schema = func._schema
+        if torch.Tag.inplace_view in tags or (
+            schema.returns and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+        ):
+            result = func(*args, **kwargs)
+            outs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+            self._program.records.append(Record(func, args, kwargs, outs, "view"))
+            return result
+        written = [
+            value
+            for arg, value in _bound(schema, args, kwargs)
+            if arg.alias_info is not None and arg.alias_info.is_write
+            for value in ([value] if isinstance(value, torch.Tensor) else list(value or ()))
+            if isinstance(value, torch.Tensor)
+        ]
+        if written:
+            for t in written:
+                if _storage_ptr(t) not in self._owned:
+                    raise self._refuse(
+                        func,
+                        f"it writes in place to a tensor of shape {tuple(t.shape)} made outside the "
+                        "graph; each replay would write to it again. Register it with "
+                        "Graph.register_inputs() if that is intended, or write to a copy",
+                    )
+            result = func(*args, **kwargs)
+            self._add_step(func, args, kwargs, f"{func}")
+            self._program.records.append(Record(func, args, kwargs, written, "mutate"))
+            return result
+        return self._record_functional(func, args, kwargs)
+
+    def _record_functional(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        result = func(*args, **kwargs)
+        leaves, spec = tree_flatten(result)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if not tensors:
+            raise self._refuse(
+                func,
+                "it returns no tensor and writes none, so it runs only for a host-side effect or a "
+                "host value, which a replay cannot reproduce",
+            )
+        inputs = {_storage_ptr(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        aliased = [_storage_ptr(t) in inputs and t.untyped_storage().nbytes() > 0 for t in tensors]
+        if all(aliased):
+            # Functional by schema, yet a view of an input (_unsafe_view...):
+            # it already sees each replay's data.
+            self._program.records.append(Record(func, args, kwargs, tensors, "view"))
+            return result
+        if any(aliased):
+            raise self._refuse(func, "some of its outputs alias its inputs and some do not")
+        statics = [self._static_like(t) for t in tensors]
+        it = iter(statics)
+        new_leaves = [next(it) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        overload = _out_overload(func)
+        if func in _ALLOC_OPS:
+            kind = "alloc"
+        elif overload is not None and len(tensors) == len(leaves):
+            out_func, names = overload
+            out_kwargs = dict(kwargs)
+            out_kwargs.update(zip(names, statics))
+            self._add_step(out_func._op, args, out_kwargs, f"{out_func}")
+            kind = "out"
+        else:
+            replay = _copy_into(func, [_snapshot(t) for t in statics])
+            self._add_step(replay, args, kwargs, f"{func} (no out= overload)")
+            kind = "fallback"
+        self._program.records.append(Record(func, args, kwargs, statics, kind))
+        return tree_unflatten(new_leaves, spec)
+
+    def _static_like(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor like ``t`` (same size, strides, offset, values) over pool memory."""
+        nbytes = t.untyped_storage().nbytes()
+        with torch.inference_mode(False):
+            static = torch.empty((0,), dtype=t.dtype)
+            if nbytes:
+                buffer = self._lease.allocate(nbytes, self._stream)
+                memory = (ctypes.c_byte * nbytes).from_address(buffer.ptr)
+                # The storage keeps `memory` alive; the buffer goes back to the
+                # pool when both the graph and every returned tensor are gone.
+                weakref.finalize(memory, buffer.free)
+                base = torch.frombuffer(memory, dtype=torch.uint8)
+                static.set_(base.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+                self._owned.add(buffer.ptr)
+                self._program.buffers.append(buffer)
+                self._program.static_bytes += nbytes
+            else:
+                static = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
+            static.copy_(t)
+        return static
+
+    def _add_step(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], what: str) -> None:
+        handle = self._stream_handle()
+        segment = self._open
+        if segment is None or segment.stream != handle or segment.position is None or (
+            _capture_position(self._runtime, self._device, handle) != segment.position
+        ):
+            segment = Segment(stream=handle, errors=self._errors())
+            self._runtime.backend.launch_host_func(self._device, handle, segment.run)
+            segment.position = _capture_position(self._runtime, self._device, handle)
+            self._program.segments.append(segment)
+            self._open = segment
+        args, kwargs = tree_map(_snapshot, (args, kwargs))
+        segment.steps.append((fn, args, kwargs, what))
+
+    def _stream_handle(self) -> int:
+        return self._runtime.current_stream(self._device).native_handle
+
+    def _errors(self) -> list[tuple[str, BaseException]]:
+        graph = self._graph_ref()
+        return graph.replay_errors if graph is not None else []
+
+
+def _snapshot(value: Any) -> Any:
+    """A tensor argument as an alias frozen at its current size and strides.
+
+    In-place view ops (``transpose_``...) change a tensor object's metadata
+    after the op that made it was recorded; the replay must see the metadata
+    each op saw. 0-dim tensors are kept as they are: they may be wrapped
+    Python numbers, whose type-promotion rules an alias would lose.
+    """
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return value.as_strided(value.size(), value.stride(), value.storage_offset())
+    return value
+
+
+def _copy_into(func: Any, statics: list[torch.Tensor]) -> Callable[..., None]:
+    """Replay of an op without an out= overload: run it, copy its outputs in."""
+
+    def replay(*args: Any, **kwargs: Any) -> None:
+        outs = [t for t in tree_flatten(func(*args, **kwargs))[0] if isinstance(t, torch.Tensor)]
+        for static, out in zip(statics, outs):
+            static.copy_(out)
+
+    replay.__qualname__ = f"replay of {func}"
+    return replay
+
+
+def _draws_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a seeded op really draws: attention kernels and dropout carry the
+    tag, but with a zero dropout probability (eval mode) they draw nothing."""
+    given = {arg.name: value for arg, value in _bound(func._schema, args, kwargs)}
+    if any(a.name == "dropout_p" for a in func._schema.arguments):
+        return bool(given.get("dropout_p", 0.0))
+    if func is aten.native_dropout.default:
+        return bool(given.get("train")) and bool(given.get("p"))
+    return True
+
+
+def _bound(schema: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Any, Any]]:
+    """(schema argument, value) pairs for the arguments actually passed."""
+    pairs = []
+    for i, arg in enumerate(schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            pairs.append((arg, args[i]))
+        elif arg.name in kwargs:
+            pairs.append((arg, kwargs[arg.name]))
+    return pairs

@@ -1,0 +1,235 @@
+"""Graph, graph(), is_capturing and pools over the host backend's stream capture."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import accel
+from accel.graph import Graph, graph, graph_pool_handle, is_capturing
+
+
+def _array(n: int = 64) -> np.ndarray:
+    return np.zeros(n, dtype=np.uint8)
+
+
+def test_stream_work_is_recorded_not_run_and_replays_in_order() -> None:
+    dst, src = _array(), np.full(64, 5, dtype=np.uint8)
+    seen: list[int] = []
+    g = Graph()
+    with graph(g):
+        s = accel.current_stream()
+        assert is_capturing() and s.is_capturing()
+        s.fill(dst, 1)
+        s.launch_host_func(lambda: seen.append(int(dst[0])))
+        s.copy(dst, src)
+        s.launch_host_func(lambda: seen.append(int(dst[0])))
+    assert not is_capturing()
+    assert seen == [] and not dst.any()
+    g.replay()
+    g.replay()
+    accel.synchronize()
+    assert seen == [1, 5, 1, 5]
+    assert (dst == 5).all()
+
+
+def test_replay_sees_new_data_at_the_captured_addresses() -> None:
+    static_in, out = _array(), _array()
+    g = Graph()
+    with graph(g):
+        accel.current_stream().copy(out, static_in)
+    for value in (3, 9):
+        static_in[:] = value
+        g.replay()
+        accel.synchronize()
+        assert (out == value).all()
+
+
+def test_forked_stream_work_replays_with_its_dependencies() -> None:
+    seen: list[str] = []
+    side = accel.Stream()
+    g = Graph()
+    with graph(g):
+        main = accel.current_stream()
+        main.launch_host_func(lambda: seen.append("before"))
+        side.wait_stream(main)  # fork: the side stream joins the capture
+        side.launch_host_func(lambda: seen.append("side"))
+        main.wait_stream(side)  # join
+        main.launch_host_func(lambda: seen.append("after"))
+    g.replay()
+    accel.synchronize()
+    assert seen == ["before", "side", "after"]
+
+
+def test_graph_context_manager_captures_on_the_current_stream_like_torch() -> None:
+    arr = _array()
+    s = accel.Stream()
+    g = Graph()
+    with s, g:
+        assert accel.current_stream() == s and s.is_capturing()
+        s.fill(arr, 2)
+    assert not s.is_capturing()
+    g.replay()
+    accel.synchronize()
+    assert (arr == 2).all()
+
+
+def test_capture_on_the_default_stream_is_refused_and_leaves_nothing_behind() -> None:
+    g = Graph()
+    with pytest.raises(accel.CaptureError, match="default stream"):
+        with g:
+            pass
+    assert not is_capturing()
+    with graph(g):  # the same graph captures fine on a side stream
+        accel.current_stream().launch_host_func(lambda: None)
+    g.replay()
+
+
+def test_a_second_capture_needs_reset() -> None:
+    g = Graph()
+    with graph(g):
+        accel.current_stream().launch_host_func(lambda: None)
+    with pytest.raises(accel.CaptureError, match="reset"):
+        with graph(g):
+            pass
+    assert not is_capturing()
+    g.reset()
+    with pytest.raises(accel.CaptureError, match="no captured graph"):
+        g.replay()
+    with graph(g):
+        accel.current_stream().launch_host_func(lambda: None)
+    g.replay()
+
+
+def test_misuse_of_capture_calls_is_refused_with_capture_error() -> None:
+    g = Graph()
+    with pytest.raises(accel.CaptureError, match="not capturing"):
+        g.capture_end()
+    with pytest.raises(accel.CaptureError, match="no captured graph"):
+        g.replay()
+    with pytest.raises(accel.CaptureError, match="without a preceding successful capture"):
+        g.pool()
+    s = accel.Stream()
+    with s:
+        g.capture_begin()
+        with pytest.raises(accel.CaptureError, match="already capturing"):
+            g.capture_begin()
+        with pytest.raises(accel.CaptureError, match="while it is capturing"):
+            g.replay()
+        g.capture_end()
+
+
+def test_only_one_capture_per_device() -> None:
+    g1, g2 = Graph(), Graph()
+    with graph(g1):
+        with pytest.raises(accel.CaptureError, match="only one capture"):
+            with graph(g2, stream=accel.Stream()):
+                pass
+        accel.current_stream().launch_host_func(lambda: None)
+    g1.replay()
+
+
+def test_invalidated_capture_fails_at_end_and_the_next_capture_works() -> None:
+    g = Graph()
+    with pytest.raises(accel.CaptureError, match="invalidated"):
+        with graph(g):
+            s = accel.current_stream()
+            with pytest.raises(accel.CaptureError):
+                s.synchronize()
+    assert not is_capturing()
+    with graph(g):
+        accel.current_stream().launch_host_func(lambda: None)
+    g.replay()
+
+
+def test_an_exception_in_the_block_abandons_the_capture() -> None:
+    g = Graph()
+    with pytest.raises(KeyError):
+        with graph(g):
+            raise KeyError("boom")
+    assert not is_capturing()
+    with pytest.raises(accel.CaptureError, match="no captured graph"):
+        g.replay()
+
+
+def test_pools_private_and_shared() -> None:
+    g1 = Graph()
+    with graph(g1):
+        accel.current_stream().launch_host_func(lambda: None)
+    own = g1.pool()
+    assert own[0] > 0 and own[1] == 0
+    handle = graph_pool_handle()
+    assert handle[0] == 0 and handle[1] > 0
+    g2, g3 = Graph(pool=handle), Graph()
+    with graph(g2):
+        accel.current_stream().launch_host_func(lambda: None)
+    with graph(g3, pool=g2.pool()):
+        accel.current_stream().launch_host_func(lambda: None)
+    assert g2.pool() == g3.pool() == handle
+
+
+@pytest.mark.parametrize("pool", [(1, 1), (0, 0), (-1, 0), "pool", (1, 0, 0)])
+def test_bad_pool_ids_are_refused(pool: object) -> None:
+    with pytest.raises(accel.InvalidValueError, match="pool"):
+        Graph(pool=pool)  # type: ignore[arg-type]
+
+
+def test_bad_capture_error_mode_is_refused() -> None:
+    with pytest.raises(accel.InvalidValueError, match="thread_local"):
+        Graph(capture_error_mode="strict")
+    g = Graph()
+    with pytest.raises(accel.InvalidValueError, match="capture_error_mode"):
+        g.capture_begin(capture_error_mode="loose")
+
+
+@pytest.mark.parametrize("mode", ["default", "global", "thread_local", "relaxed"])
+def test_every_capture_mode_captures(mode: str) -> None:
+    seen: list[int] = []
+    g = Graph(capture_error_mode=mode)
+    with graph(g):
+        accel.current_stream().launch_host_func(lambda: seen.append(1))
+    g.replay()
+    accel.synchronize()
+    assert seen == [1]
+
+
+def test_keep_graph_debug_dump_and_explicit_instantiate(tmp_path) -> None:
+    g = Graph(keep_graph=True)
+    with graph(g):
+        accel.current_stream().fill(_array(), 1)
+    path = tmp_path / "g.txt"
+    g.debug_dump(str(path))
+    assert "fill" in path.read_text()
+    g.instantiate()
+    g.replay()
+    dropped = Graph()
+    with graph(dropped):
+        accel.current_stream().launch_host_func(lambda: None)
+    with pytest.raises(accel.CaptureError, match="keep_graph=True"):
+        dropped.debug_dump(str(path))
+    with pytest.raises(accel.CaptureError, match="keep_graph=True"):
+        dropped.instantiate()
+
+
+def test_replay_on_a_created_stream_is_asynchronous() -> None:
+    gate = threading.Event()
+    seen: list[int] = []
+    g = Graph()
+    with graph(g):
+        accel.current_stream().launch_host_func(lambda: (gate.wait(5), seen.append(1)))
+    s = accel.Stream()
+    with s:
+        g.replay()
+    assert seen == [] and not s.query()
+    gate.set()
+    s.synchronize()
+    assert seen == [1]
+
+
+def test_graph_rejects_a_non_graph_and_a_non_stream() -> None:
+    with pytest.raises(accel.InvalidValueError, match="accel.Graph"):
+        graph(object())  # type: ignore[arg-type]
+    with pytest.raises(accel.InvalidValueError, match="stream"):
+        graph(Graph(), stream=7)  # type: ignore[arg-type]

@@ -1,0 +1,129 @@
+"""make_graphed_callables: static-input copies, one graph per shape signature, LRU cache."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import accel  # noqa: E402
+from accel.graph import GraphCacheWarning, make_graphed_callables  # noqa: E402
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+
+
+def test_graphed_module_matches_eager_bitwise_and_returns_static_outputs() -> None:
+    model = _mlp()
+    fast = make_graphed_callables(model, (torch.randn(2, 8),))
+    x1, x2 = torch.randn(2, 8), torch.randn(2, 8)
+    y1 = fast(x1)
+    with torch.no_grad():
+        assert torch.equal(y1, model(x1))
+    y2 = fast(x2)
+    assert y2 is y1  # the static output, overwritten by the next call
+    with torch.no_grad():
+        assert torch.equal(y2, model(x2))
+    assert fast.cache_info() == {"hits": 2, "misses": 1, "evictions": 0, "size": 1, "capacity": 8}
+
+
+def test_inputs_are_copied_only_when_they_are_not_the_static_ones() -> None:
+    copies: list[int] = []
+    fast = make_graphed_callables(lambda x: x * 2, (torch.ones(3),))
+    (entry,) = fast._cache.values()
+    static = entry.inputs[0]
+    original_copy = torch.Tensor.copy_
+
+    def counting_copy(self, src, *a, **k):  # type: ignore[no-untyped-def]
+        copies.append(1)
+        return original_copy(self, src, *a, **k)
+
+    torch.Tensor.copy_ = counting_copy  # type: ignore[method-assign]
+    try:
+        static.fill_(4.0)
+        out = fast(static)
+        assert copies == [] and torch.equal(out, torch.full((3,), 8.0))
+        fast(torch.ones(3))
+        assert copies == [1]
+    finally:
+        torch.Tensor.copy_ = original_copy  # type: ignore[method-assign]
+
+
+def test_several_callables_share_one_pool() -> None:
+    f, g = make_graphed_callables((lambda x: x + 1, lambda x: x * 3), ((torch.ones(2),), (torch.ones(4),)))
+    assert torch.equal(f(torch.zeros(2)), torch.ones(2))
+    assert torch.equal(g(torch.full((4,), 2.0)), torch.full((4,), 6.0))
+    pools = {e.graph.pool() for c in (f, g) for e in c._cache.values()}
+    assert len(pools) == 1 and next(iter(pools))[0] == 0
+
+
+def test_each_shape_signature_gets_a_graph_and_the_lru_cache_is_bounded() -> None:
+    model = _mlp()
+    fast = make_graphed_callables(model, (torch.randn(1, 8),), cache_size=2)
+    for batch in (1, 2, 1, 3):  # 3 evicts 2 (1 was used more recently)
+        x = torch.randn(batch, 8)
+        with torch.no_grad():
+            assert torch.equal(fast(x), model(x))
+    info = fast.cache_info()
+    assert (info["misses"], info["hits"], info["evictions"], info["size"]) == (3, 2, 1, 2)
+    assert set(fast._cache) == {(((1, 8), torch.float32),), (((3, 8), torch.float32),)}
+
+
+def test_a_cache_that_keeps_missing_warns_once() -> None:
+    fast = make_graphed_callables(lambda x: x + 1, (torch.ones(1),), cache_size=2, num_warmup_iters=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in range(2, 9):
+            fast(torch.ones(n))
+    relevant = [w for w in caught if issubclass(w.category, GraphCacheWarning)]
+    assert len(relevant) == 1
+    assert "cache_size=2" in str(relevant[0].message)
+
+
+def test_warm_up_runs_before_capture() -> None:
+    calls: list[int] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return x + 1
+
+    make_graphed_callables(fn, (torch.ones(2),), num_warmup_iters=3)
+    assert len(calls) == 4  # three warm-up runs, then the capture
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"callables": 3, "sample_args": (torch.ones(1),)}, "callable"),
+        ({"callables": (len, len), "sample_args": ((torch.ones(1),),)}, "one tuple per callable"),
+        ({"callables": len, "sample_args": (torch.ones(1),), "num_warmup_iters": -1}, "num_warmup_iters"),
+        ({"callables": len, "sample_args": (torch.ones(1),), "cache_size": 0}, "cache_size"),
+        ({"callables": len, "sample_args": (torch.ones(1),), "tier": "fast"}, "tier"),
+        ({"callables": len, "sample_args": (torch.ones(1),), "pool": (3, 3)}, "pool"),
+        ({"callables": len, "sample_args": (1.0,)}, "tensors only"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(accel.InvalidValueError, match=message):
+        make_graphed_callables(**kwargs)
+
+
+def test_bad_calls_are_refused() -> None:
+    fast = make_graphed_callables(lambda x: x + 1, (torch.ones(2),))
+    with pytest.raises(accel.InvalidValueError, match="positional"):
+        fast(x=torch.ones(2))
+    with pytest.raises(accel.InvalidValueError, match="tensors only"):
+        fast([1.0, 2.0])
+    with pytest.raises(accel.InvalidValueError, match="must return tensors"):
+        make_graphed_callables(lambda x: (x + 1, 3), (torch.ones(2),))
+
+
+def test_a_callable_that_cannot_be_captured_raises_capture_error() -> None:
+    with pytest.raises(accel.CaptureError, match="reads tensor values"):
+        make_graphed_callables(lambda x: x * float(x.sum()), (torch.ones(2),))
+    assert not accel.graph.is_capturing()
