@@ -109,14 +109,14 @@ KEYS: tuple[KeySpec, ...] = (
         "common", True,
     ),
     KeySpec(
-        "expandable_segments", "expandable_segments", "bool", "", "False", "True | False",
+        "expandable_segments", "expandable_segments", "bool", "", "False", "True or False",
         "Grow one virtual segment per stream by mapping pages instead of allocating "
         "many fixed segments; needs virtual memory support from the backend.",
         "common", True,
     ),
     KeySpec(
         "pinned_use_background_threads", "pinned_use_background_threads", "bool", "",
-        "False", "True | False",
+        "False", "True or False",
         "The pinned host allocator processes its events on a background thread.",
         "common", True, backends=("cuda", "xpu"),
     ),
@@ -140,20 +140,20 @@ KEYS: tuple[KeySpec, ...] = (
     ),
     KeySpec(
         "backend", "allocator_backend", "choice", "", "native",
-        "native | cudaMallocAsync",
+        "native or cudaMallocAsync",
         "PyTorch's choice between its caching allocator and cudaMallocAsync; accel always "
         "uses its own caching allocator.",
         "cuda", False, backends=("cuda",), choices=("native", "cudaMallocAsync"),
     ),
     KeySpec(
         "release_lock_on_cudamalloc", "release_lock_on_cudamalloc", "bool", "", "False",
-        "True | False",
+        "True or False",
         "PyTorch releases its allocator lock around cudaMalloc.",
         "cuda", False, backends=("cuda",), aliases=("release_lock_on_hipmalloc",),
     ),
     KeySpec(
         "pinned_use_cuda_host_register", "pinned_use_cuda_host_register", "bool", "",
-        "False", "True | False",
+        "False", "True or False",
         "PyTorch pins host memory with malloc + cudaHostRegister.",
         "cuda", False, backends=("cuda",), aliases=("pinned_use_hip_host_register",),
     ),
@@ -171,20 +171,20 @@ KEYS: tuple[KeySpec, ...] = (
     ),
     KeySpec(
         "graph_capture_record_stream_reuse", "graph_capture_record_stream_reuse", "bool",
-        "", "False", "True | False",
+        "", "False", "True or False",
         "PyTorch reuses, during graph capture, freed blocks that were used on several "
         "streams.",
         "cuda", False, backends=("cuda",),
     ),
     KeySpec(
         "pinned_free_catch_all", "pinned_free_catch_all", "bool", "", "False",
-        "True | False",
+        "True or False",
         "PyTorch's pinned host allocator accepts frees of pointers it did not allocate.",
         "cuda", False, backends=("cuda",),
     ),
     KeySpec(
         "throw_on_cudamalloc_oom", "throw_on_cudamalloc_oom", "bool", "", "False",
-        "True | False",
+        "True or False",
         "PyTorch fails early, without calling cudaMalloc, when a request would exceed "
         "the memory fraction.",
         "cuda", False, backends=("cuda",),

@@ -68,6 +68,12 @@ class ConfigStringError(AllocatorConfigError):
         self.suggestion = suggestion
         super().__init__(self._render())
 
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            _rebuild_error,
+            (self.text, self.position, self.end, self.reason, self.origin, self.suggestion),
+        )
+
     def _render(self) -> str:
         shown = "".join(" " if ch in _SPACES or not ch.isprintable() else ch for ch in self.text)
         marker = " " * (self.position + 1) + "^" * (self.end - self.position)
@@ -75,6 +81,16 @@ class ConfigStringError(AllocatorConfigError):
             f"invalid allocator configuration in {self.origin} at position {self.position}: "
             f"{self.reason}\n    '{shown}'\n    {marker}"
         )
+
+
+def _rebuild_error(
+    text: str, position: int, end: int, reason: str, origin: str, suggestion: str | None
+) -> ConfigStringError:
+    return ConfigStringError(text, position, end, reason, origin=origin, suggestion=suggestion)
+
+
+# Users meet it as accel.allocator.ConfigStringError; say so in tracebacks.
+ConfigStringError.__module__ = "accel.allocator"
 
 
 @dataclass(frozen=True)

@@ -534,3 +534,23 @@ def test_concurrent_readers_and_writers(fresh: pytest.MonkeyPatch) -> None:
     assert errors == []
     final = {config_for_backend(name).max_split_size for name in ("cpu", "cuda", "xpu")}
     assert len(final) == 1
+
+
+def test_error_pickles_and_names_its_public_module() -> None:
+    import pickle
+
+    with pytest.raises(ConfigStringError) as info:
+        parse("expandable_segment:True")
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert str(copy) == str(info.value) and copy.suggestion == "expandable_segments"
+    assert ConfigStringError.__module__ == "accel.allocator"
+
+
+def test_docs_cover_every_key() -> None:
+    from pathlib import Path
+
+    docs = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    for spec in keys():
+        for name in (spec.key, *spec.aliases):
+            assert f"`{name}`" in docs, name
+        assert f"`{spec.field}`" in docs, spec.field
