@@ -502,8 +502,10 @@ class _State:
         self.emitted: set[str] = set()
         self.listeners: list[ChangeListener] = []
         self.init_lock = threading.Lock()
-        # Serialises changes; listeners run under it, so a listener must not call set_settings.
+        # Serialises changes. Listeners run under it; `notifying` catches a
+        # listener that tries to change settings itself.
         self.update_lock = threading.RLock()
+        self.notifying = False
 
 
 _state = _State()
@@ -621,11 +623,20 @@ def remove_change_listener(listener: ChangeListener) -> None:
 
 def _commit(new: Mapping[str, AllocatorConfig], *, fresh_warnings: bool = False) -> None:
     """Ask the listeners, then publish ``new`` (called with the update lock held)."""
+    if _state.notifying:
+        raise AllocatorConfigError(
+            "allocator settings cannot be changed from inside a change listener; "
+            "a listener may only accept or refuse the change it is shown"
+        )
     old = _configs()
-    for backend, config in new.items():
-        if config != old[backend]:
-            for listener in list(_state.listeners):
-                listener(backend, old[backend], config)
+    _state.notifying = True
+    try:
+        for backend, config in new.items():
+            if config != old[backend]:
+                for listener in list(_state.listeners):
+                    listener(backend, old[backend], config)
+    finally:
+        _state.notifying = False
     _state.configs = MappingProxyType({**old, **new})
     if fresh_warnings:
         _state.emitted.clear()

@@ -554,3 +554,28 @@ def test_docs_cover_every_key() -> None:
         for name in (spec.key, *spec.aliases):
             assert f"`{name}`" in docs, name
         assert f"`{spec.field}`" in docs, spec.field
+
+
+def test_listener_cannot_change_settings(fresh: pytest.MonkeyPatch) -> None:
+    def meddle(backend: str, old: AllocatorConfig, new: AllocatorConfig) -> None:
+        set_settings("max_split_size_mb:64")
+
+    add_change_listener(meddle)
+    try:
+        with pytest.raises(AllocatorConfigError, match="inside a change listener"):
+            set_settings("expandable_segments:True")
+    finally:
+        remove_change_listener(meddle)
+    assert config_for_backend("cpu") == AllocatorConfig()
+
+
+def test_get_config_without_device_asks_the_runtime(fresh: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    runtime = types.ModuleType("accel._runtime")
+    runtime.current_backend_name = lambda: "xpu"  # type: ignore[attr-defined]
+    fresh.setitem(sys.modules, "accel._runtime", runtime)
+    set_settings("expandable_segments:True", backend="xpu")
+    assert get_config().expandable_segments is True
+    assert get_config(0).expandable_segments is True
