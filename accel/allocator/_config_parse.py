@@ -26,7 +26,7 @@ from accel.allocator._config_keys import (
     parse_uint,
 )
 
-__all__ = ["ConfigStringError", "Setting", "parse_settings", "roundup_from_list"]
+__all__ = ["ConfigStringError", "RoundupList", "Setting", "parse_settings", "roundup_from_list"]
 
 _SPECIALS = ",:[]"
 # std::isspace in the C locale: what PyTorch drops.
@@ -103,6 +103,13 @@ class _Token:
     @property
     def special(self) -> bool:
         return self.text in _SPECIALS
+
+
+@dataclass(frozen=True)
+class RoundupList:
+    """A ``[B:D,...,>:D]`` value; its table depends on what the same string set before."""
+
+    entries: tuple[tuple[int | None, int], ...]
 
 
 @dataclass(frozen=True)
@@ -233,8 +240,8 @@ class _Parser:
             )
         return self.fail(token.start, token.end, reason, suggestion)
 
-    def roundup_list(self, opening: _Token) -> tuple[tuple[int, ...], int]:
-        """Parse ``[B:D,...,>:D]``; returns the 16-slot table and the end position."""
+    def roundup_list(self, opening: _Token) -> tuple[RoundupList, int]:
+        """Parse ``[B:D,...,>:D]``; returns the entries and the end position."""
         self.i += 1
         entries: list[tuple[int | None, int]] = []
         previous: tuple[int, _Token] | None = None
@@ -246,7 +253,7 @@ class _Parser:
                 )
             if token.text == "]":
                 self.i += 1
-                return roundup_from_list(entries), token.end
+                return RoundupList(tuple(entries)), token.end
             if entries and entries[-1][0] is None:
                 raise self.fail(token.start, token.end, "'>' must be the last entry of the list")
             if token.special:
@@ -353,13 +360,18 @@ def _convert(spec: KeySpec, word: str) -> object:
     return mib * MIB
 
 
-def roundup_from_list(entries: list[tuple[int | None, int]]) -> tuple[int, ...]:
+def roundup_from_list(
+    value: RoundupList, start: tuple[int, ...] = (0,) * ROUNDUP_SLOTS
+) -> tuple[int, ...]:
     """The 16-slot table PyTorch builds from ``[B:D,...,>:D]`` (``None`` is ``>``).
 
     The first boundary also fills every slot below its own; ``>`` fills every
-    slot after the last boundary (after slot 0 when it comes alone).
+    slot after the last boundary (after slot 0 when it comes alone). Slots no
+    entry reaches keep their ``start`` value: zeros, unless the same string
+    set the key before (PyTorch resets the table per string, not per key).
     """
-    table = [0] * ROUNDUP_SLOTS
+    entries = value.entries
+    table = list(start)
     last = 0
     for index, (boundary, divisions) in enumerate(entries):
         if boundary is None:

@@ -39,7 +39,13 @@ from accel.allocator._config_keys import (
     ROUNDUP_SLOTS,
     KeySpec,
 )
-from accel.allocator._config_parse import ConfigStringError, Setting, parse_settings
+from accel.allocator._config_parse import (
+    ConfigStringError,
+    RoundupList,
+    Setting,
+    parse_settings,
+    roundup_from_list,
+)
 
 __all__ = [
     "ACCEL_BACKEND_VARIABLES",
@@ -342,13 +348,20 @@ def _apply(
     where: dict[str, Setting] = {}
     for setting in settings:
         field = setting.spec.field
+        value = setting.value
+        if isinstance(value, RoundupList):
+            earlier = values[field] if field in where else (0,) * ROUNDUP_SLOTS
+            value = roundup_from_list(value, earlier)
         if field in where:
-            new_events.append(
-                f"{origin}: {setting.spec.key} is given more than once in '{text}'; "
-                f"the last value ({setting.written}:{text[setting.value_start:setting.value_end]}) wins"
+            written = f"{setting.written}:{text[setting.value_start:setting.value_end]}"
+            outcome = (
+                f"the list {written} is applied on top of the earlier value, as PyTorch does"
+                if isinstance(setting.value, RoundupList)
+                else f"the last value ({written}) wins"
             )
+            new_events.append(f"{origin}: {setting.spec.key} is given more than once in '{text}'; {outcome}")
         where[field] = setting
-        values[field] = setting.value
+        values[field] = value
         sources[field] = origin
     if "large_segment_size" in where and sources["max_non_split_rounding"] == DEFAULT:
         # PyTorch resets max_non_split_rounding to the large segment size unless it is given.

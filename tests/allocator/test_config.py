@@ -579,3 +579,15 @@ def test_get_config_without_device_asks_the_runtime(fresh: pytest.MonkeyPatch) -
     set_settings("expandable_segments:True", backend="xpu")
     assert get_config().expandable_segments is True
     assert get_config(0).expandable_segments is True
+
+
+def test_repeated_roundup_list_overlays_like_pytorch() -> None:
+    # PyTorch resets the table once per string, so a later list only overwrites the slots it reaches.
+    config = parse("roundup_power2_divisions:4,roundup_power2_divisions:[64:8]")
+    assert config.roundup_power2_divisions == (8,) * 7 + (4,) * 9
+    assert any("applied on top of the earlier value" in w for w in config.warnings)
+    assert parse("roundup_power2_divisions:1,roundup_power2_divisions:[]").roundup_power2_divisions == (1,) * 16
+    # Across strings (a set_settings() call) the named key is replaced whole.
+    base = parse("roundup_power2_divisions:4")
+    later = config_module._apply(base, config_module.parse_settings("roundup_power2_divisions:[64:8]", "x"), "x", "")
+    assert later.roundup_power2_divisions == (8,) * 7 + (0,) * 9
