@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,7 +21,9 @@ __all__ = [
     "KEYS_BY_FIELD",
     "KEYS_BY_NAME",
     "MAX_MIB",
+    "MAX_U64",
     "MIB",
+    "ROUNDUP_SLOTS",
     "KeySpec",
     "ValueProblem",
     "nearest_key",
@@ -222,7 +225,12 @@ def parse_float(text: str) -> float:
     """A plain decimal number such as 0.8 or 5e-1."""
     if not _FLOAT.fullmatch(text):
         raise ValueProblem(f"expected a decimal number such as 0.8, got '{text}'")
-    return float(text)
+    value = float(text)
+    mantissa = re.split("[eE]", text)[0]
+    # std::stod (PyTorch) refuses results below the smallest normal double.
+    if abs(value) < sys.float_info.min and any(ch in "123456789" for ch in mantissa):
+        raise ValueProblem(f"{text} is out of range: too small to represent as a normal double")
+    return value
 
 
 def parse_bool(text: str) -> bool:

@@ -174,6 +174,7 @@ def test_canonical_form(text: str, canonical: str) -> None:
         ("garbage_collection_threshold:1.0", 29, "(0.0, 1.0)"),
         ("garbage_collection_threshold:0", 29, "(0.0, 1.0)"),
         ("garbage_collection_threshold:nan", 29, "decimal number"),
+        ("garbage_collection_threshold:1e-310", 29, "too small"),
         ("per_process_memory_fraction:1.01", 28, "[0.0, 1.0]"),
         ("roundup_power2_divisions:3", 25, "not a power of two"),
         ("roundup_power2_divisions:0", 25, "not a power of two"),
