@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -236,6 +237,8 @@ def _check_fields(config: AllocatorConfig) -> None:
         value = getattr(config, field)
         if type(value) is not float:
             problems.append(f"{field}={value!r} must be a float")
+        elif value and abs(value) < sys.float_info.min:
+            problems.append(f"{field}={value!r} is subnormal, which PyTorch cannot read back")
     if type(config.garbage_collection_threshold) is float and not (
         config.garbage_collection_threshold == 0.0 or 0.0 < config.garbage_collection_threshold < 1.0
     ):

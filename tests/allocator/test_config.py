@@ -247,6 +247,7 @@ def test_config_is_frozen_and_hashable_ignoring_sources() -> None:
         ({"large_segment_size": 40 * MIB}, "max_non_split_rounding must be >= large_segment_size"),
         ({"garbage_collection_threshold": 1.0}, "garbage_collection_threshold"),
         ({"per_process_memory_fraction": 1}, "must be a float"),
+        ({"per_process_memory_fraction": 5e-324}, "subnormal"),
         ({"roundup_power2_divisions": (3,) * 16}, "roundup_power2_divisions"),
         ({"roundup_power2_divisions": (0,) * 15}, "roundup_power2_divisions"),
         ({"expandable_segments": 1}, "must be a bool"),

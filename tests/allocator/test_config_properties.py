@@ -27,7 +27,7 @@ def roundup_tables(draw: st.DrawFn) -> tuple[int, ...]:
 
 
 mib_sizes = st.one_of(st.integers(0, 4096), st.just(MAX_MIB)).map(lambda m: m * MIB)
-fractions = st.floats(0.0, 1.0, allow_nan=False)
+fractions = st.floats(0.0, 1.0, allow_nan=False, allow_subnormal=False)
 
 
 @st.composite
@@ -39,7 +39,7 @@ def configs(draw: st.DrawFn) -> AllocatorConfig:
         max_split_size=draw(st.none() | at_least_large),
         max_non_split_rounding=draw(at_least_large),
         garbage_collection_threshold=draw(
-            st.just(0.0) | st.floats(0.0, 1.0, exclude_min=True, exclude_max=True)
+            st.just(0.0) | st.floats(0.0, 1.0, exclude_min=True, exclude_max=True, allow_subnormal=False)
         ),
         roundup_power2_divisions=draw(roundup_tables()),
         expandable_segments=draw(st.booleans()),
