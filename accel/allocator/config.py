@@ -165,7 +165,7 @@ class AllocatorConfig:
         The slot is ``clamp(floor(log2 size) - 20, 0, 15)``: every size below
         2 MiB uses slot 0, every size from 32 GiB up uses slot 15.
 
-        >>> parse("roundup_power2_divisions:[64:8,>:2]").roundup_divisions(100 << 20)
+        >>> parse("roundup_power2_divisions:[64:8,>:2]").roundup_divisions(200 << 20)
         2
         """
         slot = size.bit_length() - 21

@@ -593,3 +593,15 @@ def test_repeated_roundup_list_overlays_like_pytorch() -> None:
     base = parse("roundup_power2_divisions:4")
     later = config_module._apply(base, config_module.parse_settings("roundup_power2_divisions:[64:8]", "x"), "x", "")
     assert later.roundup_power2_divisions == (8,) * 7 + (0,) * 9
+
+
+def test_docstring_examples(fresh: pytest.MonkeyPatch) -> None:
+    import doctest
+
+    import accel.allocator
+    from accel.allocator import _config_keys, _config_parse
+
+    for module in (accel.allocator, config_module, _config_keys, _config_parse):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0, module.__name__
+    assert doctest.testmod(config_module).attempted >= 8
