@@ -541,13 +541,15 @@ def _configs() -> Mapping[str, AllocatorConfig]:
         _check_environment_unchanged()
         return configs
     with _state.init_lock:
-        if _state.configs is None:
+        configs = _state.configs
+        if configs is None:
             # A failure leaves the state unset, so the next call reports it again.
             report = read_environment()
+            configs = report.configs
             _state.snapshot = dict(report.variables)
-            _state.configs = report.configs
-            _emit(report.configs.values())
-        return _state.configs
+            _state.configs = configs
+            _emit(configs.values())
+        return configs
 
 
 def _check_environment_unchanged() -> None:
