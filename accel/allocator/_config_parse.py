@@ -230,7 +230,11 @@ class _Parser:
             offset = token.text.index("=")
             # Map the offset back through any dropped whitespace.
             position = _original_index(self.text, token.start, offset)
-            return self.fail(position, position + 1, f"use ':' between a key and its value, not '=' (write {name}:<value>)")
+            return self.fail(
+                position,
+                position + 1,
+                f"use ':' between a key and its value, not '=' (write {name}:<value>)",
+            )
         suggestion = nearest_key(token.text)
         if suggestion:
             reason = f"unknown key '{token.text}' (did you mean {suggestion}?)"
@@ -257,7 +261,9 @@ class _Parser:
             if entries and entries[-1][0] is None:
                 raise self.fail(token.start, token.end, "'>' must be the last entry of the list")
             if token.special:
-                raise self.fail(token.start, token.end, f"expected a boundary in MiB or '>', found '{token.text}'")
+                raise self.fail(
+                    token.start, token.end, f"expected a boundary in MiB or '>', found '{token.text}'"
+                )
             boundary: int | None = None
             if token.text != ">":
                 try:
@@ -277,13 +283,20 @@ class _Parser:
             colon = self.peek()
             if colon is None or colon.text != ":":
                 where = (colon.start, colon.end) if colon else (len(self.text), len(self.text))
-                raise self.fail(*where, f"expected ':' after '{token.text}' in the list (write {token.text}:<divisions>)")
+                raise self.fail(
+                    *where,
+                    f"expected ':' after '{token.text}' in the list (write {token.text}:<divisions>)",
+                )
             self.i += 1
             value_token = self.peek()
             if value_token is None:
                 raise self.at_end_error(f"'{token.text}:' has no divisions")
             if value_token.special:
-                raise self.fail(value_token.start, value_token.end, f"expected divisions after '{token.text}:', found '{value_token.text}'")
+                raise self.fail(
+                    value_token.start,
+                    value_token.end,
+                    f"expected divisions after '{token.text}:', found '{value_token.text}'",
+                )
             try:
                 divisions = parse_uint(value_token.text)
                 if divisions & (divisions - 1):

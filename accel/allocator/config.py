@@ -243,7 +243,8 @@ def _check_fields(config: AllocatorConfig) -> None:
         config.garbage_collection_threshold == 0.0 or 0.0 < config.garbage_collection_threshold < 1.0
     ):
         problems.append("garbage_collection_threshold must be 0.0 (off) or in (0.0, 1.0)")
-    if type(config.per_process_memory_fraction) is float and not 0.0 <= config.per_process_memory_fraction <= 1.0:
+    fraction = config.per_process_memory_fraction
+    if type(fraction) is float and not 0.0 <= fraction <= 1.0:
         problems.append("per_process_memory_fraction must be in [0.0, 1.0]")
     table = config.roundup_power2_divisions
     if (
@@ -452,7 +453,8 @@ def read_environment(environ: Mapping[str, str] | None = None) -> EnvironmentRep
     """
     variables = _snapshot(os.environ if environ is None else environ)
     notes: list[str] = []
-    accel_set = [name for name in (ACCEL_VARIABLE, *ACCEL_BACKEND_VARIABLES.values()) if variables[name] is not None]
+    accel_names = (ACCEL_VARIABLE, *ACCEL_BACKEND_VARIABLES.values())
+    accel_set = [name for name in accel_names if variables[name] is not None]
     pytorch_set = [name for name in PYTORCH_VARIABLES if variables[name] is not None]
     layers: dict[str, list[str]] = {}
     if accel_set:
