@@ -2,8 +2,9 @@
 
 Benchmarks are the ``benchmarks/bench_*.py`` modules of the accel source
 tree. Each one that defines ``run(quick: bool) -> list[dict]`` is run; every
-row it returns has a ``name`` and a ``ratio`` (the speed-up of accel over the
-row's ``baseline``: above 1 means accel is faster). The contract is written
+row it returns has a ``name`` and a ``ratio`` (accel against the row's
+``baseline``, higher is better for accel: baseline time / accel time for
+speed). The contract is written
 down in ``benchmarks/README.md``. A progress bar goes to stderr, the results
 to stdout (a table, or JSON with ``--json``).
 """
@@ -24,7 +25,7 @@ from accel._cli import print_json
 from accel._errors import InvalidValueError
 
 NAME = "bench"
-HELP = "run the benchmarks (benchmarks/bench_*.py) and print accel's speed-up ratios"
+HELP = "run the benchmarks (benchmarks/bench_*.py) and print accel's ratios against their baselines"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -167,15 +168,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(results: list[dict[str, Any]]) -> None:
-    lines = [("benchmark", "case", "ratio", "baseline")]
+    lines = [("benchmark", "case", "ratio", "baseline (metric)")]
     for result in results:
         if result["status"] == "skipped":
             lines.append((result["module"], f"(skipped: {result['reason']})", "", ""))
         elif result["status"] == "error":
             lines.append((result["module"], "(failed, see below)", "", ""))
         for row in result["rows"]:
-            lines.append((result["module"], row["name"], f"{row['ratio']:.2f}x", str(row.get("baseline", ""))))
+            baseline = str(row.get("baseline", ""))
+            if row.get("metric"):
+                baseline += f" ({row['metric']})"
+            lines.append((result["module"], row["name"], f"{row['ratio']:.2f}x", baseline))
     widths = [max(len(line[i]) for line in lines) for i in range(3)]
     for line in lines:
         print(f"{line[0]:<{widths[0]}}  {line[1]:<{widths[1]}}  {line[2]:>{widths[2]}}  {line[3]}".rstrip())
-    print("ratio = baseline time / accel time: above 1.00x accel is faster")
+    print("ratio above 1.00x: accel does better than the baseline (for times: baseline time / accel time)")

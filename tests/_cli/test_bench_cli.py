@@ -43,12 +43,12 @@ def _run(argv: list[str], capsys) -> tuple[int, str, str]:
 
 
 def test_table_of_ratios_and_progress_on_stderr(tmp_path, capsys):
-    directory = _bench_dir(tmp_path, alloc=_GOOD, graph="def run(quick):\n    return [{'name': 'replay', 'ratio': 3}]\n")
+    directory = _bench_dir(tmp_path, alloc=_GOOD, graph="def run(quick):\n    return [{'name': 'replay', 'ratio': 3, 'baseline': 'eager', 'metric': 'CPU time'}]\n")
     code, out, err = _run(["bench", "--dir", str(directory)], capsys)
     assert code == 0
     assert "bench_alloc  alloc 4 KiB" in out and "2.50x  raw malloc" in out and "0.80x" in out
-    assert "bench_graph  replay" in out and "3.00x" in out
-    assert "above 1.00x accel is faster" in out
+    assert "bench_graph  replay" in out and "3.00x  eager (CPU time)" in out
+    assert "ratio above 1.00x: accel does better than the baseline" in out
     # Not a terminal here: one progress line per step.
     assert err.splitlines() == [
         "[------------------------] 0/2 bench_alloc",
