@@ -48,6 +48,7 @@ CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_OUT_OF_MEMORY = 2
 CUDA_ERROR_INVALID_CONTEXT = 201
 CUDA_ERROR_INVALID_HANDLE = 400
+CUDA_ERROR_ILLEGAL_STATE = 401
 CUDA_ERROR_NOT_READY = 600
 CUDA_ERROR_NOT_SUPPORTED = 801
 CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901
@@ -188,8 +189,15 @@ class CudaBackend(Backend):
         """The bound driver (its path and which versioned symbols were chosen)."""
         return self._driver
 
-    def _error(self, call: str, code: int, device: int | None, *, handle: str = "", requested: int = 0) -> AccelError:
-        """The accel exception for CUresult ``code`` returned by ``call``."""
+    def _error(
+        self, call: str, code: int, device: int | None, *, handle: str = "", requested: int = 0, capture: bool = False
+    ) -> AccelError:
+        """The accel exception for CUresult ``code`` returned by ``call``.
+
+        ``handle`` names the handle argument, so that the driver's complaint about
+        it becomes an InvalidHandleError; ``capture`` marks begin/end capture
+        calls, where CUDA_ERROR_ILLEGAL_STATE means the stream is (not) capturing.
+        """
         drv = self._driver
         where = f"cuda:{device}" if device is not None else "cuda"
         detail = drv.describe(code)
@@ -205,6 +213,9 @@ class CudaBackend(Backend):
                 f"{where}: {call} rejected the {handle}: {detail}. "
                 f"It was already destroyed or freed, or does not belong to this device"
             )
+        if capture and code == CUDA_ERROR_ILLEGAL_STATE:
+            state = "already captures" if call == "cuStreamBeginCapture" else "is not capturing"
+            return CaptureError(f"{where}: {call} failed: {detail}. The stream {state}")
         if code in _CAPTURE_ERRORS:
             return CaptureError(
                 f"{where}: {call} failed: {detail}. Synchronizing, querying or allocating while a stream "
@@ -215,9 +226,11 @@ class CudaBackend(Backend):
             return NotSupportedError(f"{where}: {call} is not supported here: {detail}")
         return DriverError("cuda", call, code, drv.error_name(code), drv.error_string(code), device=device)
 
-    def _check(self, call: str, code: int, device: int | None, *, handle: str = "", requested: int = 0) -> None:
+    def _check(
+        self, call: str, code: int, device: int | None, *, handle: str = "", requested: int = 0, capture: bool = False
+    ) -> None:
         if code != CUDA_SUCCESS:
-            raise self._error(call, code, device, handle=handle, requested=requested)
+            raise self._error(call, code, device, handle=handle, requested=requested, capture=capture)
 
     def _activate(self, device: int) -> None:
         """Make ``device``'s primary context current on this thread."""
@@ -622,7 +635,7 @@ class CudaBackend(Backend):
         self._require_graphs(device)
         self._activate(device)
         code = self._fn["cuStreamBeginCapture"](self._stream(stream), int(mode))
-        self._check("cuStreamBeginCapture", code, device, handle=f"stream {stream:#x}")
+        self._check("cuStreamBeginCapture", code, device, handle=f"stream {stream:#x}", capture=True)
 
     def stream_end_capture(self, device: int, stream: int) -> int:
         self._require_graphs(device)
@@ -637,7 +650,7 @@ class CudaBackend(Backend):
                 keys = self._capture_keys.pop(capture_id, [])
         if code != CUDA_SUCCESS:
             self._host_fns.release(keys)  # the capture is discarded: its host functions never run
-            self._check("cuStreamEndCapture", code, device, handle=f"stream {stream:#x}")
+            self._check("cuStreamEndCapture", code, device, handle=f"stream {stream:#x}", capture=True)
         graph = self._address(out[0])
         if keys:
             with self._lock:
