@@ -16,6 +16,7 @@ __all__ = [
     "DriverError",
     "HostFunctionError",
     "InvalidHandleError",
+    "InvalidValueError",
     "NotSupportedError",
     "OutOfMemoryError",
 ]
@@ -44,6 +45,11 @@ class BackendUnavailableError(AccelError):
 
 class DeviceError(AccelError, ValueError):
     """A device argument is wrong: bad index, wrong type, unknown form."""
+
+
+class InvalidValueError(AccelError, ValueError):
+    """An argument has a value the call cannot accept (a size past a buffer's end,
+    a byte outside 0..255, events without timing asked for elapsed time...)."""
 
 
 class InvalidHandleError(AccelError):

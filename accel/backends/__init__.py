@@ -47,9 +47,12 @@ def load_backend(name: str) -> Backend:
             # Drivers such as the Level Zero loader cannot retry a failed init
             # in the same process, so the first failure is the answer.
             raise _failed[name]
-        module = importlib.import_module(f"accel.backends.{name}")
         try:
-            backend = module.load()
+            module = importlib.import_module(f"accel.backends.{name}")
+            load = getattr(module, "load", None)
+            if load is None:
+                raise BackendUnavailableError(name, "this installation of accel has no such backend")
+            backend = load()
         except BackendUnavailableError as exc:
             _failed[name] = exc
             raise

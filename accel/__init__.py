@@ -1,0 +1,98 @@
+"""accel: one Python API for the runtime of any accelerator.
+
+Devices, memory, streams, events and graphs over NVIDIA GPUs (the CUDA driver
+API), Intel GPUs (Level Zero) and the host CPU, with torch.accelerator's names::
+
+    import accel
+
+    dev = accel.current_accelerator()          # Device(type='cpu'|'cuda'|'xpu')
+    free, total = accel.get_memory_info()
+    s = accel.Stream()
+    with s:
+        start = accel.Event(enable_timing=True)
+        start.record()
+    s.synchronize()
+
+Importing accel loads no driver and no torch; the backend is chosen on first
+use (``ACCEL_BACKEND=cpu|cuda|xpu``, or the first available of cuda, xpu, cpu).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from accel._device import Device
+from accel._errors import (
+    AccelError,
+    AllocatorConfigError,
+    BackendUnavailableError,
+    CaptureError,
+    DeviceError,
+    DriverError,
+    HostFunctionError,
+    InvalidHandleError,
+    InvalidValueError,
+    NotSupportedError,
+    OutOfMemoryError,
+)
+from accel._facade import (
+    can_device_access_peer,
+    current_accelerator,
+    current_device_index,
+    current_stream,
+    device_count,
+    device_index,
+    get_device_capability,
+    get_device_properties,
+    get_memory_info,
+    is_available,
+    set_device_index,
+    set_stream,
+    synchronize,
+)
+from accel.backends.base import DeviceProperties
+from accel.stream import Event, ExternalStream, Stream
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccelError",
+    "AllocatorConfigError",
+    "BackendUnavailableError",
+    "CaptureError",
+    "Device",
+    "DeviceError",
+    "DeviceProperties",
+    "DriverError",
+    "Event",
+    "ExternalStream",
+    "HostFunctionError",
+    "InvalidHandleError",
+    "InvalidValueError",
+    "NotSupportedError",
+    "OutOfMemoryError",
+    "Stream",
+    "can_device_access_peer",
+    "current_accelerator",
+    "current_device_index",
+    "current_stream",
+    "device_count",
+    "device_index",
+    "get_device_capability",
+    "get_device_properties",
+    "get_memory_info",
+    "is_available",
+    "set_device_index",
+    "set_stream",
+    "synchronize",
+]
+
+# Subpackages loaded on first access, so that `import accel` stays cheap.
+_LAZY_MODULES = ("allocator", "backends", "graph", "memory", "stream")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f"accel.{name}")
+    raise AttributeError(f"module 'accel' has no attribute {name!r}")

@@ -1,0 +1,190 @@
+"""The torch.accelerator-style functions, on every backend including the host.
+
+Device arguments accept an index of the current backend, a string
+(``"cuda:1"``), an :class:`accel.Device` or a ``torch.device``; None means the
+current device. Unlike torch.accelerator, a negative or out-of-range index is
+an error, never a silent no-op.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+from accel._device import Device, DeviceLike
+from accel._errors import BackendUnavailableError, DeviceError
+from accel._runtime import get_runtime, requested_backend_name
+from accel.backends.base import DeviceProperties
+from accel.stream._stream import Stream
+
+__all__ = [
+    "can_device_access_peer",
+    "current_accelerator",
+    "current_device_index",
+    "current_stream",
+    "device_count",
+    "device_index",
+    "get_device_capability",
+    "get_device_properties",
+    "get_memory_info",
+    "is_available",
+    "set_device_index",
+    "set_stream",
+    "synchronize",
+]
+
+_COMMON_DTYPES = frozenset(
+    {
+        "bool", "uint8", "int8", "int16", "int32", "int64",
+        "float16", "float32", "float64", "complex64", "complex128",
+    }
+)
+
+
+def is_available() -> bool:
+    """Whether the accelerator this process uses can be used.
+
+    True on any machine with the host backend; False when ``ACCEL_BACKEND``
+    names a backend that cannot load here (then other calls raise
+    :class:`~accel.BackendUnavailableError` saying why).
+
+    >>> import accel
+    >>> accel.is_available()
+    True
+    """
+    try:
+        get_runtime()
+    except BackendUnavailableError:
+        return False
+    return True
+
+
+def current_accelerator(check_available: bool = False) -> Device | None:
+    """The accelerator type this process uses, as a Device with no index.
+
+    With ``check_available=True``, None when it cannot be used here.
+
+    >>> import accel
+    >>> accel.current_accelerator()
+    Device(type='cpu', index=None)
+    """
+    try:
+        return Device(get_runtime().name)
+    except BackendUnavailableError:
+        requested = requested_backend_name()
+        if check_available or requested is None:
+            return None
+        return Device(requested)
+
+
+def device_count() -> int:
+    """Number of devices of the current accelerator (0 if it cannot be used)."""
+    try:
+        return get_runtime().device_count()
+    except BackendUnavailableError:
+        return 0
+
+
+def current_device_index() -> int:
+    """Index of this thread's current device."""
+    return get_runtime().current_index
+
+
+def set_device_index(device: DeviceLike, /) -> None:
+    """Make ``device`` this thread's current device."""
+    runtime = get_runtime()
+    runtime.set_current_index(runtime.index(device, optional=False))
+
+
+class device_index:  # noqa: N801 - named like torch.accelerator.device_index
+    """Context manager: ``device`` is current inside the block; None does nothing.
+
+    >>> import accel
+    >>> with accel.device_index(0):
+    ...     accel.current_device_index()
+    0
+    """
+
+    def __init__(self, device: DeviceLike, /) -> None:
+        self._device = device
+        self._previous: list[int] = []
+
+    def __enter__(self) -> None:
+        if self._device is None:
+            return
+        runtime = get_runtime()
+        index = runtime.index(self._device)
+        self._previous.append(runtime.current_index)
+        runtime.set_current_index(index)
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._device is not None:
+            get_runtime().set_current_index(self._previous.pop())
+
+
+def current_stream(device: DeviceLike = None, /) -> Stream:
+    """This thread's current stream on ``device`` (the default stream unless one was set)."""
+    runtime = get_runtime()
+    return runtime.current_stream(runtime.index(device))
+
+
+def set_stream(stream: Stream, /) -> None:
+    """Make ``stream`` current on its device, and its device current."""
+    if not isinstance(stream, Stream):
+        raise DeviceError(f"set_stream expects an accel.Stream, got {type(stream).__name__}")
+    get_runtime().set_current_stream(stream)
+
+
+def synchronize(device: DeviceLike = None, /) -> None:
+    """Wait for all work on every stream of ``device``."""
+    runtime = get_runtime()
+    runtime.backend.device_synchronize(runtime.index(device))
+
+
+def get_memory_info(device: DeviceLike = None, /) -> tuple[int, int]:
+    """``(free, total)`` bytes of ``device``'s memory, device-wide.
+
+    >>> import accel
+    >>> free, total = accel.get_memory_info()
+    >>> 0 <= free <= total
+    True
+    """
+    runtime = get_runtime()
+    return runtime.backend.memory_info(runtime.index(device))
+
+
+def get_device_properties(device: DeviceLike = None, /) -> DeviceProperties:
+    """Name, total memory, UUID and what else the backend knows about ``device``."""
+    runtime = get_runtime()
+    return runtime.backend.device_properties(runtime.index(device))
+
+
+def get_device_capability(device: DeviceLike = None, /) -> dict[str, Any]:
+    """What ``device`` can do: ``{"supported_dtypes": {...}, ...}``.
+
+    dtypes are named as strings (``getattr(torch, name)`` maps them to torch's),
+    so that asking does not import torch. CUDA adds ``compute_capability``.
+    """
+    props = get_device_properties(device)
+    dtypes = set(_COMMON_DTYPES)
+    capability: dict[str, Any] = {}
+    cc = props.compute_capability
+    if cc is not None:
+        capability["compute_capability"] = cc
+        if cc >= (8, 0):
+            dtypes.add("bfloat16")
+        if cc >= (8, 9):
+            dtypes.update({"float8_e4m3fn", "float8_e5m2"})
+    else:
+        dtypes.add("bfloat16")
+    capability["supported_dtypes"] = frozenset(dtypes)
+    return capability
+
+
+def can_device_access_peer(device: DeviceLike, peer: DeviceLike, /) -> bool:
+    """Whether ``device`` can read and write memory allocated on ``peer``."""
+    runtime = get_runtime()
+    a, b = runtime.index(device, optional=False), runtime.index(peer, optional=False)
+    return a == b or runtime.backend.can_access_peer(a, b)

@@ -1,0 +1,206 @@
+"""The runtime: the backend this process uses and the per-thread device state.
+
+One backend serves a process, chosen on first use (``ACCEL_BACKEND`` or the
+first available of cuda, xpu, cpu). The current device and each device's
+current stream are thread-local, like CUDA's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from accel._device import Device, as_device
+from accel._errors import BackendUnavailableError, DeviceError
+from accel.backends import load_backend, select_backend
+from accel.backends.base import Backend
+
+if TYPE_CHECKING:
+    from accel.stream._stream import Stream
+
+__all__ = ["Runtime", "activate", "current_backend_name", "get_runtime", "requested_backend_name"]
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.device = 0
+        self.streams: dict[int, Stream] = {}
+        self.stream_stack: list[tuple[int, int, Stream | None]] = []
+
+
+class Runtime:
+    """A loaded backend plus the current-device and current-stream state over it."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.name = backend.name
+        self._state = _ThreadState()
+        self._lock = threading.Lock()
+        self._default_streams: dict[int, Stream] = {}
+        self.extensions: dict[str, object] = {}  # per-runtime singletons (allocators...)
+
+    def __repr__(self) -> str:
+        return f"<accel runtime {self.name}: {self.device_count()} device(s)>"
+
+    # -- devices --------------------------------------------------------------
+
+    def device_count(self) -> int:
+        return self.backend.device_count()
+
+    def index(self, device: object, *, optional: bool = True) -> int:
+        """The device index that ``device`` names on this backend, range-checked.
+
+        None means the current device (or is refused when ``optional`` is
+        False). Strings, accel.Device and torch.device must name this backend's
+        type; an index of None in them means the current device.
+        """
+        dev = as_device(device)
+        if dev is None:
+            if not optional:
+                raise DeviceError("a device is required here; pass an index or a device such as 'cpu:0'")
+            return self._state.device
+        if isinstance(dev, Device):
+            if dev.type != self.name:
+                raise DeviceError(
+                    f"device {str(dev)!r} does not match the current accelerator {self.name!r}"
+                    + self._backend_hint(dev.type)
+                )
+            if dev.index is None:
+                return self._state.device
+            dev = dev.index
+        count = self.device_count()
+        if not 0 <= dev < count:
+            raise DeviceError(
+                f"device index {dev} is out of range: the {self.name} backend has {count} "
+                f"device{'s' if count != 1 else ''} (valid indexes 0..{count - 1})"
+                + (". Set ACCEL_CPU_DEVICES=N to present N host devices" if self.name == "cpu" else "")
+            )
+        return dev
+
+    def _backend_hint(self, wanted: str) -> str:
+        if wanted in ("cpu", "cuda", "xpu"):
+            return f"; start the process with ACCEL_BACKEND={wanted} to use that backend"
+        return "; device types are 'cpu', 'cuda' and 'xpu'"
+
+    def device(self, index: int) -> Device:
+        return Device(self.name, index)
+
+    @property
+    def current_index(self) -> int:
+        return self._state.device
+
+    def set_current_index(self, index: int) -> None:
+        self._state.device = index
+
+    # -- streams ----------------------------------------------------------------
+
+    def default_stream(self, index: int) -> Stream:
+        stream = self._default_streams.get(index)
+        if stream is None:
+            from accel.stream._stream import Stream
+
+            with self._lock:
+                stream = self._default_streams.get(index)
+                if stream is None:
+                    handle = self.backend.default_stream(index)
+                    stream = Stream._wrap(self, index, handle, owned=False)
+                    self._default_streams[index] = stream
+        return stream
+
+    def current_stream(self, index: int) -> Stream:
+        stream = self._state.streams.get(index)
+        return stream if stream is not None else self.default_stream(index)
+
+    def set_current_stream(self, stream: Stream) -> None:
+        """Make ``stream`` current on its device and make that device current."""
+        if stream._runtime is not self:
+            raise DeviceError(
+                f"{stream!r} belongs to the {stream._runtime.name} backend, not the current "
+                f"accelerator {self.name!r}"
+            )
+        self._state.streams[stream.device_index] = stream
+        self._state.device = stream.device_index
+
+    def push_stream(self, stream: Stream) -> None:
+        """Enter ``stream`` (``with stream:``): remember what to restore."""
+        index = stream.device_index
+        self._state.stream_stack.append((self._state.device, index, self._state.streams.get(index)))
+        self.set_current_stream(stream)
+
+    def pop_stream(self) -> None:
+        device, index, previous = self._state.stream_stack.pop()
+        if previous is None:
+            self._state.streams.pop(index, None)
+        else:
+            self._state.streams[index] = previous
+        self._state.device = device
+
+
+_runtime_lock = threading.Lock()
+_runtime: Runtime | None = None
+_runtimes: dict[str, Runtime] = {}
+
+
+def _runtime_for(backend: Backend) -> Runtime:
+    """The one Runtime over ``backend`` (caller holds ``_runtime_lock``)."""
+    runtime = _runtimes.get(backend.name)
+    if runtime is None:
+        runtime = _runtimes[backend.name] = Runtime(backend)
+    return runtime
+
+
+def get_runtime() -> Runtime:
+    """The process's runtime; selects and loads the backend on first use.
+
+    Raises :class:`~accel.BackendUnavailableError` with the reason when the
+    backend named by ``ACCEL_BACKEND`` (or every backend) cannot be used.
+    """
+    global _runtime
+    runtime = _runtime
+    if runtime is None:
+        with _runtime_lock:
+            if _runtime is None:
+                _runtime = _runtime_for(select_backend())
+            runtime = _runtime
+    return runtime
+
+
+def current_backend_name() -> str:
+    """Name of the backend this process uses ("cpu", "cuda" or "xpu")."""
+    return get_runtime().name
+
+
+def requested_backend_name() -> str | None:
+    """The backend ``ACCEL_BACKEND`` asks for, if any (lower case)."""
+    return os.environ.get("ACCEL_BACKEND", "").strip().lower() or None
+
+
+@contextlib.contextmanager
+def activate(name: str) -> Iterator[Runtime]:
+    """Make backend ``name`` the process's runtime inside the block.
+
+    The conformance suite uses this to run the same device-agnostic tests on
+    every backend in one process. Not for use while other threads use accel.
+    """
+    global _runtime
+    backend = load_backend(name)
+    with _runtime_lock:
+        previous = _runtime
+        runtime = _runtime = _runtime_for(backend)
+    try:
+        yield runtime
+    finally:
+        with _runtime_lock:
+            _runtime = previous
+
+
+def unavailable_reason() -> BackendUnavailableError | None:
+    """Why the process cannot get a runtime, or None when it can."""
+    try:
+        get_runtime()
+    except BackendUnavailableError as exc:
+        return exc
+    return None

@@ -1,0 +1,274 @@
+"""Host device memory: mmap'd allocations, memfd-backed virtual memory, accounting.
+
+Each host device keeps its own account of what it handed out, so that
+``ACCEL_CPU_MEMORY_LIMIT`` gives a device a real capacity and the allocator's
+out-of-memory paths can be exercised on any machine.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+
+from accel._errors import InvalidHandleError, InvalidValueError, OutOfMemoryError
+from accel._units import format_size
+from accel.backends.cpu import _libc
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+#: Virtual-memory granularity: what expandable segments grow and shrink by.
+VM_GRANULARITY = 2 << 20
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _meminfo() -> dict[str, int]:
+    values = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            values[key] = int(rest.split()[0]) * 1024
+    return values
+
+
+def machine_memory() -> tuple[int, int, str]:
+    """``(available, total, source)`` of host memory: the cgroup limit if one
+    applies and is below physical memory, else /proc/meminfo."""
+    info = _meminfo()
+    total, available = info["MemTotal"], info.get("MemAvailable", info["MemFree"])
+    for limit_path, usage_path in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        limit = _read_int(limit_path)
+        usage = _read_int(usage_path)
+        if limit is not None and usage is not None and limit < total:
+            return max(0, min(available, limit - usage)), limit, "cgroup"
+    return available, total, "/proc/meminfo"
+
+
+def round_up(n: int, unit: int) -> int:
+    return (n + unit - 1) // unit * unit
+
+
+@dataclass
+class _Reservation:
+    size: int
+    mapped: dict[int, tuple[int, int]] = field(default_factory=dict)  # addr -> (size, handle)
+
+
+class DeviceMemory:
+    """Allocations of one host device, optionally capped at ``limit`` bytes."""
+
+    def __init__(self, device: int, limit: int | None) -> None:
+        self.device = device
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._held = 0
+        self._allocations: dict[int, int] = {}
+        self._reservations: dict[int, _Reservation] = {}
+        self._physical: dict[int, tuple[int, int]] = {}  # handle -> (fd, size)
+        self._next_handle = 1
+
+    # -- accounting ---------------------------------------------------------
+
+    def info(self) -> tuple[int, int]:
+        available, total, _ = machine_memory()
+        if self.limit is None:
+            return available, total
+        with self._lock:
+            return max(0, min(available, self.limit - self._held)), self.limit
+
+    def _charge(self, nbytes: int, what: str) -> None:
+        """Count ``nbytes`` as held, or raise OutOfMemoryError. Caller holds the lock."""
+        if self.limit is not None:
+            capacity, source = self.limit, f"ACCEL_CPU_MEMORY_LIMIT={format_size(self.limit)}"
+        else:
+            _, capacity, source = machine_memory()
+            source = f"host memory ({source})"
+        if self._held + nbytes > capacity:
+            raise OutOfMemoryError(
+                f"cpu:{self.device}: {what} of {format_size(nbytes)} failed: "
+                f"{format_size(self._held)} of {format_size(capacity)} already held by this "
+                f"device, capacity from {source}. Free memory, or raise ACCEL_CPU_MEMORY_LIMIT.",
+                requested=nbytes,
+                device=self.device,
+            )
+        self._held += nbytes
+
+    # -- plain allocations ----------------------------------------------------
+
+    def malloc(self, nbytes: int) -> int:
+        size = round_up(nbytes, PAGE)
+        with self._lock:
+            self._charge(size, "allocation")
+            try:
+                ptr = _libc.map_anonymous(size)
+            except OSError as exc:
+                self._held -= size
+                raise OutOfMemoryError(
+                    f"cpu:{self.device}: allocation of {format_size(size)} failed: {exc}",
+                    requested=size,
+                    device=self.device,
+                ) from exc
+            self._allocations[ptr] = size
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        with self._lock:
+            size = self._allocations.pop(ptr, None)
+            if size is None:
+                raise InvalidHandleError(
+                    f"cpu:{self.device}: free({ptr:#x}): not an allocation of this device "
+                    "(already freed, or allocated elsewhere)"
+                )
+            self._held -= size
+        _libc.unmap(ptr, size)
+
+    # -- virtual memory -------------------------------------------------------
+
+    def _check_multiple(self, call: str, nbytes: int) -> None:
+        if nbytes <= 0 or nbytes % VM_GRANULARITY:
+            raise InvalidValueError(
+                f"cpu:{self.device}: {call}: size {nbytes} is not a positive multiple of the "
+                f"granularity {VM_GRANULARITY}"
+            )
+
+    def reserve(self, nbytes: int) -> int:
+        self._check_multiple("vm_reserve", nbytes)
+        # Over-reserve by one granule, then trim, so the range is granule aligned.
+        raw = _libc.reserve(nbytes + VM_GRANULARITY)
+        start = round_up(raw, VM_GRANULARITY)
+        if start > raw:
+            _libc.unmap(raw, start - raw)
+        tail = raw + nbytes + VM_GRANULARITY - (start + nbytes)
+        if tail:
+            _libc.unmap(start + nbytes, tail)
+        with self._lock:
+            self._reservations[start] = _Reservation(nbytes)
+        return start
+
+    def release_reservation(self, addr: int, nbytes: int) -> None:
+        with self._lock:
+            res = self._reservations.get(addr)
+            if res is None or res.size != nbytes:
+                raise InvalidHandleError(
+                    f"cpu:{self.device}: vm_free({addr:#x}, {nbytes}): no reservation of that "
+                    "address and size"
+                )
+            if res.mapped:
+                raise InvalidValueError(
+                    f"cpu:{self.device}: vm_free({addr:#x}): {len(res.mapped)} ranges are still "
+                    "mapped; unmap them first"
+                )
+            del self._reservations[addr]
+        _libc.unmap(addr, nbytes)
+
+    def create(self, nbytes: int) -> int:
+        self._check_multiple("vm_create", nbytes)
+        with self._lock:
+            self._charge(nbytes, "physical memory creation")
+            try:
+                fd = _libc.memfd(nbytes)
+            except OSError as exc:
+                self._held -= nbytes
+                raise OutOfMemoryError(
+                    f"cpu:{self.device}: physical memory of {format_size(nbytes)} failed: {exc}",
+                    requested=nbytes,
+                    device=self.device,
+                ) from exc
+            handle = self._next_handle
+            self._next_handle += 1
+            self._physical[handle] = (fd, nbytes)
+        return handle
+
+    def release(self, handle: int) -> None:
+        with self._lock:
+            entry = self._physical.pop(handle, None)
+            if entry is None:
+                raise InvalidHandleError(
+                    f"cpu:{self.device}: vm_release({handle}): not a live physical memory handle"
+                )
+            self._held -= entry[1]
+        # Pages stay valid while mapped; the kernel frees them at the last unmap.
+        _libc.close(entry[0])
+
+    def _reservation_of(self, addr: int, nbytes: int) -> _Reservation:
+        for start, res in self._reservations.items():
+            if start <= addr and addr + nbytes <= start + res.size:
+                return res
+        raise InvalidValueError(
+            f"cpu:{self.device}: range [{addr:#x}, {addr + nbytes:#x}) is not inside a reservation"
+        )
+
+    def map(self, addr: int, nbytes: int, handle: int) -> None:
+        with self._lock:
+            entry = self._physical.get(handle)
+            if entry is None:
+                raise InvalidHandleError(
+                    f"cpu:{self.device}: vm_map: {handle} is not a live physical memory handle"
+                )
+            fd, size = entry
+            if size != nbytes:
+                raise InvalidValueError(
+                    f"cpu:{self.device}: vm_map: the chunk is {size} bytes, not {nbytes}; map whole chunks"
+                )
+            res = self._reservation_of(addr, nbytes)
+            for start, (length, _) in res.mapped.items():
+                if start < addr + nbytes and addr < start + length:
+                    raise InvalidValueError(
+                        f"cpu:{self.device}: vm_map: [{addr:#x}, {addr + nbytes:#x}) overlaps a "
+                        f"mapped range at {start:#x}"
+                    )
+            _libc.map_fd_fixed(addr, nbytes, fd)
+            res.mapped[addr] = (nbytes, handle)
+
+    def unmap(self, addr: int, nbytes: int) -> None:
+        with self._lock:
+            res = self._reservation_of(addr, nbytes)
+            inside = [s for s, (n, _) in res.mapped.items() if addr <= s and s + n <= addr + nbytes]
+            covered = sum(res.mapped[s][0] for s in inside)
+            if covered != nbytes:
+                raise InvalidValueError(
+                    f"cpu:{self.device}: vm_unmap: [{addr:#x}, {addr + nbytes:#x}) is not exactly "
+                    "a union of mapped chunks"
+                )
+            _libc.reserve(nbytes, addr)  # back to inaccessible address space
+            for start in inside:
+                del res.mapped[start]
+
+
+class HostMemory:
+    """Page-aligned host memory for staging copies (every page is host memory here)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._allocations: dict[int, int] = {}
+
+    def malloc(self, nbytes: int) -> int:
+        size = round_up(nbytes, PAGE)
+        try:
+            ptr = _libc.map_anonymous(size)
+        except OSError as exc:
+            raise OutOfMemoryError(
+                f"host_malloc of {format_size(size)} failed: {exc}", requested=size
+            ) from exc
+        with self._lock:
+            self._allocations[ptr] = size
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        with self._lock:
+            size = self._allocations.pop(ptr, None)
+        if size is None:
+            raise InvalidHandleError(
+                f"host_free({ptr:#x}): not host memory from host_malloc (already freed?)"
+            )
+        _libc.unmap(ptr, size)

@@ -1,0 +1,146 @@
+"""Events: markers in a stream's work, for ordering and timing."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+from accel._device import Device, DeviceLike
+from accel._errors import DeviceError, InvalidHandleError, InvalidValueError
+from accel._runtime import Runtime, get_runtime
+from accel.stream._stream import Stream, as_stream
+
+__all__ = ["Event"]
+
+
+class Event:
+    """A marker recorded into a stream; completes when the stream reaches it.
+
+    The backend event is created on first use, on the device of the stream it
+    is first recorded on (or of ``device``), like ``torch.cuda.Event``.
+
+    >>> import accel, time
+    >>> s = accel.Stream()
+    >>> start, end = accel.Event(enable_timing=True), accel.Event(enable_timing=True)
+    >>> start.record(s); s.launch_host_func(lambda: time.sleep(0.01)); end.record(s)
+    >>> start.elapsed_time(end) >= 5.0
+    True
+    """
+
+    def __init__(
+        self,
+        *,
+        enable_timing: bool = False,
+        blocking: bool = False,
+        interprocess: bool = False,
+        device: DeviceLike = None,
+    ) -> None:
+        self._runtime: Runtime = get_runtime()
+        self._device: int | None = None if device is None else self._runtime.index(device)
+        self._timing = bool(enable_timing)
+        self._blocking = bool(blocking)
+        self._interprocess = bool(interprocess)
+        self._handle = 0
+        self._recorded = False
+        self._closed = False
+        self._lock = threading.Lock()
+        self._finalizer: weakref.finalize | None = None
+
+    # -- identity ---------------------------------------------------------
+
+    @property
+    def enable_timing(self) -> bool:
+        return self._timing
+
+    @property
+    def device(self) -> Device | None:
+        """The event's device, or None before its first record."""
+        return None if self._device is None else self._runtime.device(self._device)
+
+    @property
+    def native_handle(self) -> int:
+        """The backend's event handle as an int (creates the event on the
+        current device if it was never recorded)."""
+        return self._ensure(self._device if self._device is not None else self._runtime.current_index)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("recorded" if self._recorded else "unrecorded")
+        return (
+            f"accel.Event(device={self.device}, enable_timing={self._timing}, "
+            f"native_handle={self._handle:#x}, {state})"
+        )
+
+    def _ensure(self, index: int) -> int:
+        with self._lock:
+            if self._closed:
+                raise InvalidHandleError(f"{self!r} was closed; create a new accel.Event")
+            if self._handle == 0:
+                backend = self._runtime.backend
+                self._handle = backend.event_create(
+                    index, timing=self._timing, blocking=self._blocking, interprocess=self._interprocess
+                )
+                self._device = index
+                self._finalizer = weakref.finalize(self, backend.event_destroy, index, self._handle)
+            elif index != self._device:
+                raise DeviceError(
+                    f"{self!r} lives on {self.device}; it cannot be recorded on a stream of "
+                    f"{self._runtime.device(index)}. Use one event per device."
+                )
+            return self._handle
+
+    def close(self) -> None:
+        """Destroy the backend event; using the Event afterwards is an error."""
+        with self._lock:
+            self._closed = True
+            finalizer = self._finalizer
+        if finalizer is not None:
+            finalizer()
+
+    # -- operations --------------------------------------------------------
+
+    def record(self, stream: Stream | None = None) -> None:
+        """Record at the current end of ``stream`` (default: the current stream)."""
+        stream = as_stream(stream, self._device)
+        if stream._runtime is not self._runtime:
+            raise DeviceError(f"{stream!r} belongs to another backend than {self!r}")
+        handle = self._ensure(stream.device_index)
+        self._runtime.backend.event_record(stream.device_index, handle, stream._live())
+        self._recorded = True
+
+    def query(self) -> bool:
+        """True when the recorded work completed (True if never recorded)."""
+        self._check_open()
+        if not self._recorded:
+            return True
+        return self._runtime.backend.event_query(self._device, self._handle)
+
+    def synchronize(self) -> None:
+        """Block until the recorded work completed (returns at once if never recorded)."""
+        self._check_open()
+        if not self._recorded:
+            return
+        self._runtime.backend.event_synchronize(self._device, self._handle)
+
+    def wait(self, stream: Stream | None = None) -> None:
+        """Make later work on ``stream`` (default: current) wait for this event."""
+        self._check_open()
+        stream = as_stream(stream, self._device)
+        if not self._recorded:
+            return  # nothing recorded, nothing to wait for
+        self._runtime.backend.stream_wait_event(stream.device_index, stream._live(), self._handle)
+
+    def elapsed_time(self, end: Event) -> float:
+        """Milliseconds from this event to ``end``; waits for both to complete."""
+        if not (self._timing and end._timing):
+            raise InvalidValueError("Both events must be created with argument 'enable_timing=True'.")
+        if not (self._recorded and end._recorded):
+            raise InvalidValueError("Both events must be recorded before calculating elapsed time.")
+        if self._device != end._device:
+            raise DeviceError(f"cannot time events of different devices: {self.device} and {end.device}")
+        self.synchronize()
+        end.synchronize()
+        return self._runtime.backend.event_elapsed_ms(self._device, self._handle, end._handle)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidHandleError(f"{self!r} was closed; create a new accel.Event")

@@ -1,0 +1,292 @@
+"""Streams: ordered queues of device work."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from accel._device import Device, DeviceLike
+from accel._errors import DeviceError, HostFunctionError, InvalidHandleError, InvalidValueError
+from accel._runtime import Runtime, get_runtime
+from accel.backends.base import CaptureStatus
+from accel.stream._operands import byte_count, operand
+
+if TYPE_CHECKING:
+    from accel.stream._event import Event
+
+__all__ = ["ExternalStream", "Stream", "as_stream"]
+
+
+class Stream:
+    """An ordered queue of work on one device.
+
+    Work queued on a stream runs in order; work on different streams may
+    overlap unless ordered with events. ``with stream:`` makes it the current
+    stream (and its device the current device) inside the block.
+
+    >>> import accel
+    >>> s = accel.Stream()
+    >>> with s:
+    ...     assert accel.current_stream() == s
+    >>> s.synchronize()
+    """
+
+    _runtime: Runtime
+    _device: int
+    _handle: int
+    _priority: int
+    _owned: bool
+
+    def __init__(self, device: DeviceLike = None, *, priority: int = 0) -> None:
+        runtime = get_runtime()
+        index = runtime.index(device)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidValueError(f"priority={priority!r} must be an int")
+        least, greatest = runtime.backend.stream_priority_range(index)
+        clamped = min(max(priority, greatest), least)  # lower number = higher priority
+        handle = runtime.backend.stream_create(index, clamped)
+        self._init(runtime, index, handle, clamped, owned=True)
+
+    def _init(self, runtime: Runtime, index: int, handle: int, priority: int, *, owned: bool) -> None:
+        self._runtime = runtime
+        self._device = index
+        self._handle = handle
+        self._priority = priority
+        self._owned = owned
+        self._errors: list[tuple[str, BaseException]] = []
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._finalizer = (
+            weakref.finalize(self, runtime.backend.stream_destroy, index, handle) if owned else None
+        )
+
+    @classmethod
+    def _wrap(cls, runtime: Runtime, index: int, handle: int, *, owned: bool) -> Stream:
+        stream = cls.__new__(cls)
+        stream._init(runtime, index, handle, 0, owned=owned)
+        return stream
+
+    # -- identity ---------------------------------------------------------
+
+    @property
+    def native_handle(self) -> int:
+        """The backend's handle as an int: a ``CUstream`` address on CUDA, a
+        ``ze_command_list_handle_t`` (immediate command list) on Level Zero, an
+        accel queue id on the host."""
+        return self._handle
+
+    @property
+    def device(self) -> Device:
+        return self._runtime.device(self._device)
+
+    @property
+    def device_index(self) -> int:
+        return self._device
+
+    @property
+    def priority(self) -> int:
+        """The priority the stream was created with (clamped to the device's range)."""
+        return self._priority
+
+    @property
+    def __cuda_stream__(self) -> Callable[[], tuple[int, int]]:
+        """The CUDA stream protocol, ``(version, CUstream address)``; CUDA streams only."""
+        if self._runtime.name != "cuda":
+            raise AttributeError(f"__cuda_stream__ is only defined for CUDA streams, not {self._runtime.name}")
+        handle = self._handle
+        return lambda: (0, handle)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Stream):
+            return NotImplemented
+        return (self._runtime.name, self._device, self._handle) == (
+            other._runtime.name,
+            other._device,
+            other._handle,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self._runtime.name, self._device, self._handle))
+
+    def __repr__(self) -> str:
+        kind = type(self).__name__
+        state = " closed" if self._closed else ""
+        return f"accel.{kind}(device={self.device}, native_handle={self._handle:#x}, priority={self._priority}{state})"
+
+    # -- state -------------------------------------------------------------
+
+    def _live(self) -> int:
+        if self._closed:
+            raise InvalidHandleError(f"{self!r} was closed; create a new accel.Stream")
+        return self._handle
+
+    def close(self) -> None:
+        """Destroy the stream (work already queued still completes).
+
+        Closing an :class:`ExternalStream` only retires this wrapper; the
+        device's default stream cannot be closed (this is a no-op)."""
+        if self._handle == self._runtime.backend.default_stream(self._device) and not self._owned:
+            return
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def query(self) -> bool:
+        """True when all work queued so far has completed."""
+        return self._runtime.backend.stream_query(self._device, self._live())
+
+    def synchronize(self) -> None:
+        """Wait for all work queued so far; re-raises a failed host function."""
+        self._runtime.backend.stream_synchronize(self._device, self._live())
+        self._raise_host_errors()
+
+    def is_capturing(self) -> bool:
+        """Whether the stream is recording into a graph."""
+        status = self._runtime.backend.stream_capture_status(self._device, self._live())
+        return status != CaptureStatus.NONE
+
+    # -- ordering ------------------------------------------------------------
+
+    def wait_event(self, event: Event) -> None:
+        """Make later work on this stream wait for ``event``'s last record."""
+        event.wait(self)
+
+    def wait_stream(self, stream: Stream) -> None:
+        """Make later work on this stream wait for the work queued on ``stream`` so far."""
+        from accel.stream._event import Event
+
+        self.wait_event(stream.record_event(Event()))
+
+    def record_event(self, event: Event | None = None) -> Event:
+        """Record ``event`` (a new one if None) at the current end of this stream."""
+        from accel.stream._event import Event
+
+        event = Event() if event is None else event
+        event.record(self)
+        return event
+
+    # -- work ----------------------------------------------------------------
+
+    def copy(self, dst: Any, src: Any, nbytes: int | None = None) -> None:
+        """Copy ``nbytes`` from ``src`` to ``dst`` in stream order.
+
+        Operands are addresses, accel buffers or contiguous arrays; ``nbytes``
+        defaults to the smaller operand and may not run past either.
+        """
+        d, s = operand(dst, "dst"), operand(src, "src")
+        n = byte_count(nbytes, d, s)
+        if n:
+            self._runtime.backend.memcpy_async(self._device, d.ptr, s.ptr, n, self._live())
+            self._keep_alive(d.owner, s.owner)
+
+    def fill(self, dst: Any, value: int, nbytes: int | None = None) -> None:
+        """Set ``nbytes`` bytes of ``dst`` to ``value`` (0..255) in stream order."""
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 255:
+            raise InvalidValueError(f"fill value {value!r} must be a byte, 0..255")
+        d = operand(dst, "dst")
+        n = byte_count(nbytes, d)
+        if n:
+            self._runtime.backend.memset_async(self._device, d.ptr, value, n, self._live())
+            self._keep_alive(d.owner)
+
+    def launch_host_func(self, fn: Callable[[], object]) -> None:
+        """Run ``fn()`` on a host thread once the work queued before it completed.
+
+        An exception from ``fn`` is re-raised (as :class:`~accel.HostFunctionError`)
+        by the next :meth:`synchronize` of this stream.
+        """
+        if not callable(fn):
+            raise InvalidValueError(f"{fn!r} is not callable")
+        name = getattr(fn, "__qualname__", repr(fn))
+        errors = self._errors
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - reported at synchronize
+                errors.append((name, exc))
+
+        run.__qualname__ = name
+        self._runtime.backend.launch_host_func(self._device, self._live(), run)
+
+    def _keep_alive(self, *owners: object) -> None:
+        """Hold Python objects that own copy operands until the work ran."""
+        owners = tuple(o for o in owners if o is not None and not _is_stream_ordered(o))
+        if owners:
+            self._runtime.backend.launch_host_func(self._device, self._handle, lambda: owners)
+
+    def _raise_host_errors(self) -> None:
+        if self._errors:
+            failures, self._errors[:] = list(self._errors), []
+            name, first = failures[0]
+            more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+            raise HostFunctionError(
+                f"host function {name} on {self!r} raised {type(first).__name__}: {first}{more}"
+            ) from first
+
+    # -- current stream ------------------------------------------------------
+
+    def __enter__(self) -> Stream:
+        self._live()
+        self._runtime.push_stream(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._runtime.pop_stream()
+
+
+def _is_stream_ordered(owner: object) -> bool:
+    """accel buffers manage their own lifetime in stream order."""
+    return getattr(owner, "__accel_buffer__", False) is True
+
+
+class ExternalStream(Stream):
+    """A stream accel did not create and does not own (from torch, CuPy, a C library).
+
+    ``handle`` is the native handle as an int (a ``CUstream`` address on CUDA).
+    Closing it does nothing to the underlying stream.
+
+    >>> import accel
+    >>> s = accel.Stream()
+    >>> accel.ExternalStream(s.native_handle) == s
+    True
+    """
+
+    def __init__(self, handle: int, device: DeviceLike = None) -> None:
+        if isinstance(handle, bool) or not isinstance(handle, int) or handle < 0:
+            raise InvalidValueError(f"handle={handle!r} must be a stream handle (a non-negative int)")
+        runtime = get_runtime()
+        index = runtime.index(device)
+        # Asking the backend about the handle now turns a wrong handle into an
+        # error here, instead of in the middle of later work.
+        runtime.backend.stream_capture_status(index, handle)
+        self._init(runtime, index, handle, 0, owned=False)
+
+
+def as_stream(obj: object, device: DeviceLike = None) -> Stream:
+    """An accel Stream for ``obj``: a Stream, or an object speaking ``__cuda_stream__``.
+
+    None means the current stream of ``device``.
+    """
+    if obj is None:
+        runtime = get_runtime()
+        return runtime.current_stream(runtime.index(device))
+    if isinstance(obj, Stream):
+        return obj
+    protocol = getattr(obj, "__cuda_stream__", None)
+    if protocol is not None:
+        runtime = get_runtime()
+        if runtime.name != "cuda":
+            raise DeviceError(
+                f"{type(obj).__name__} is a CUDA stream, but the current accelerator is {runtime.name!r}"
+            )
+        _, handle = protocol()
+        return ExternalStream(int(handle), device)
+    raise InvalidValueError(
+        f"{obj!r} is not a stream: pass an accel.Stream or an object with __cuda_stream__"
+    )
