@@ -776,7 +776,11 @@ def create_backend() -> CudaBackend:
     fn = driver.fn
     code = fn["cuInit"](0)
     if code != CUDA_SUCCESS:
-        raise BackendUnavailableError("cuda", f"cuInit failed: {driver.describe(code)}")
+        raise BackendUnavailableError(
+            "cuda",
+            f"cuInit failed: {driver.describe(code)}",
+            remedy="Check that nvidia-smi lists a GPU and that CUDA_VISIBLE_DEVICES does not hide it",
+        )
     count = driver.ffi.new("int *")
     code = fn["cuDeviceGetCount"](count)
     if code != CUDA_SUCCESS:

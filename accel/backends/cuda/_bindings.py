@@ -287,6 +287,17 @@ def _resolve(lib: Any, table: dict[str, tuple[str, ...]]) -> tuple[dict[str, Any
     return bound, symbols, missing
 
 
+def _dlopen_detail(message: str, target: str) -> str:
+    """The dynamic loader's own words from cffi's dlopen error, on one line."""
+    text = " ".join(message.split())
+    prefix = f"cannot load library '{target}': "
+    if text.startswith(prefix):
+        text = text[len(prefix):]
+    # cffi appends a second attempt through ctypes.util.find_library; the first error is the cause.
+    text = text.split(" Additionally, ")[0]
+    return text.rstrip(".") or "dlopen failed"
+
+
 def open_driver(path: str | None = None) -> Driver:
     """Open the driver library and bind its entry points; does not call cuInit.
 
@@ -303,7 +314,7 @@ def open_driver(path: str | None = None) -> Driver:
     try:
         lib = ffi.dlopen(target)
     except OSError as exc:
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        detail = _dlopen_detail(str(exc), target)
         if explicit:
             where = f"ACCEL_CUDA_DRIVER={explicit}"
         else:
@@ -311,7 +322,7 @@ def open_driver(path: str | None = None) -> Driver:
         raise BackendUnavailableError(
             "cuda",
             f"cannot load the CUDA driver library {where}: {detail}",
-            remedy="install the NVIDIA driver, or set ACCEL_CUDA_DRIVER to the path of libcuda.so.1",
+            remedy="Install the NVIDIA driver, or set ACCEL_CUDA_DRIVER to the path of libcuda.so.1",
         ) from None
 
     fn, symbols, missing = _resolve(lib, REQUIRED_FUNCTIONS)
@@ -320,7 +331,7 @@ def open_driver(path: str | None = None) -> Driver:
             "cuda",
             f"the CUDA driver {target} does not export {missing[0]}"
             + (f" (and {len(missing) - 1} more required entry points)" if len(missing) > 1 else ""),
-            remedy="update the NVIDIA driver (accel needs CUDA 12.0 or newer)",
+            remedy="Update the NVIDIA driver (accel needs CUDA 12.0 or newer)",
         )
     driver = Driver(ffi=ffi, lib=lib, path=target, fn=fn, symbols=symbols)
     for table, attr in ((VMM_FUNCTIONS, "has_vmm"), (GRAPH_FUNCTIONS, "has_graphs")):

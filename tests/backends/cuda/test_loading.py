@@ -95,6 +95,22 @@ def test_missing_versioned_symbol_lists_the_candidates() -> None:
     assert "does not export cuEventElapsedTime_v2 or cuEventElapsedTime" in info["reason"]
 
 
+@pytest.mark.parametrize(
+    ("env", "reason"),
+    [
+        ({"ACCEL_CUDA_DRIVER": "/nonexistent/libcuda.so.1"}, "cannot load the CUDA driver library"),
+        ({"ACCEL_SIMCUDA_DEVICE_COUNT": "0"}, "cuInit failed: CUDA_ERROR_NO_DEVICE (100)"),
+    ],
+)
+def test_cli_says_why_in_one_line(env: dict[str, str], reason: str) -> None:
+    full = {**sim_env(), **env, "ACCEL_BACKEND": "cuda"}
+    result = run_python("import sys; from accel._cli import main; sys.exit(main([]))", full)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "accel backend 'cuda' is unavailable: " + reason in result.stderr
+    assert run_python("import accel; print(accel.is_available())", full).stdout.strip() == "False"
+
+
 def test_available_with_devices_and_version() -> None:
     info = probe(**sim_env(ACCEL_SIMCUDA_DEVICE_COUNT="3", ACCEL_SIMCUDA_DRIVER_VERSION="13010"))
     assert info == {"available": True, "reason": "", "devices": 3, "driver": "13.1"}
