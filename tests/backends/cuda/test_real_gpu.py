@@ -91,6 +91,19 @@ b.launch_host_func(0, ts.cuda_stream, lambda: ran.append(True))
 ts.synchronize()
 assert ran == [True] and torch.equal(x, y)
 
+# The same through the facade, as users write it.
+import accel
+assert accel.current_accelerator().type == "cuda"
+a = accel.Stream()
+t = torch.cuda.ExternalStream(a.native_handle)
+with torch.cuda.stream(t):
+    x.mul_(2)
+a.synchronize()
+assert float(x.sum()) == 6 * (1 << 20)
+wrapped = accel.ExternalStream(ts.cuda_stream)
+assert wrapped.native_handle == ts.cuda_stream and wrapped.__cuda_stream__() == (0, ts.cuda_stream)
+wrapped.synchronize()
+
 # Both use the device's primary context, so pointers cross too.
 ptr = b.malloc(0, 4096)
 b.memset_async(0, ptr, 1, 4096, 0)
@@ -102,7 +115,7 @@ print("OK")
 
 
 def test_torch_interop_both_ways() -> None:
-    result = run_python(TORCH_INTEROP, REAL, timeout=300)
+    result = run_python(TORCH_INTEROP, {**REAL, "ACCEL_BACKEND": "cuda"}, timeout=300)
     assert result.returncode == 0, result.stderr
     if result.stdout.startswith("SKIP: "):
         pytest.skip(result.stdout.strip()[len("SKIP: "):])
