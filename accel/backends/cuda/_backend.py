@@ -426,6 +426,7 @@ class CudaBackend(Backend):
 
     def vm_reserve(self, device: int, nbytes: int) -> int:
         granularity = self.vm_granularity(device)
+        self._activate(device)
         out = self._ffi.new("CUdeviceptr *")
         code = self._fn["cuMemAddressReserve"](out, nbytes, granularity, 0, 0)
         self._check("cuMemAddressReserve", code, device, requested=nbytes)
@@ -438,7 +439,8 @@ class CudaBackend(Backend):
         self._check("cuMemAddressFree", code, device, handle=f"reservation {addr:#x}+{nbytes}")
 
     def vm_create(self, device: int, nbytes: int) -> int:
-        self.vm_granularity(device)
+        self.vm_granularity(device)  # raises NotSupportedError without VMM
+        self._activate(device)
         out = self._ffi.new("CUmemGenericAllocationHandle *")
         code = self._fn["cuMemCreate"](out, nbytes, self._allocation_prop(device), 0)
         self._check("cuMemCreate", code, device, requested=nbytes)
@@ -725,39 +727,35 @@ class CudaBackend(Backend):
         stream the graph was launched on. Where that cannot be queued (the stream
         is gone or capturing), they are parked until the next device_synchronize.
         """
-        countdown = [0]
+        remaining = [1]  # this method's own hold, dropped at the end
         lock = threading.Lock()
 
         def one_stream_done() -> None:
             with lock:
-                countdown[0] -= 1
-                last = countdown[0] == 0
+                remaining[0] -= 1
+                last = remaining[0] == 0
             if last:
                 self._host_fns.release(keys)
 
-        queued = 0
         parked = False
         for stream in streams:
+            with lock:
+                remaining[0] += 1
             try:
-                if self._capture_id(device, stream):
-                    raise CaptureError("stream is capturing")
-                with lock:
-                    countdown[0] += 1
-                try:
+                queued = self._capture_id(device, stream) == 0
+                if queued:
                     self.launch_host_func(device, stream, one_stream_done)
-                except AccelError:
-                    with lock:
-                        countdown[0] -= 1
-                    raise
-                queued += 1
             except AccelError:
+                queued = False  # the stream is gone: it may still run queued replays
+            if not queued:
+                with lock:
+                    remaining[0] -= 1
                 parked = True
         if parked:
             self._host_fns.retain(keys)
             with self._lock:
                 self._parked.setdefault(device, []).append(keys)
-        if queued == 0:
-            self._host_fns.release(keys)
+        one_stream_done()
 
     def graph_debug_dump(self, device: int, graph: int, path: str) -> None:
         dot = self._fn.get("cuGraphDebugDotPrint")

@@ -203,6 +203,28 @@ def test_exec_destroyed_with_replays_pending(cuda: Any, stream: int) -> None:
     assert cuda.pending_host_functions() == 0
 
 
+def test_exec_destroyed_after_its_stream(cuda: Any, stream: int) -> None:
+    calls = []
+    graph = capture(cuda, stream, lambda: cuda.launch_host_func(D, stream, lambda: calls.append(1)))
+    graph_exec = cuda.graph_instantiate(D, graph)
+    cuda.graph_destroy(D, graph)
+    doomed, other = cuda.stream_create(D, 0), cuda.stream_create(D, 0)
+    gate = Gate()
+    cuda.launch_host_func(D, doomed, gate)
+    cuda.graph_launch(D, graph_exec, doomed)
+    cuda.graph_launch(D, graph_exec, other)
+    cuda.stream_destroy(D, doomed)  # its queued replay still runs
+    cuda.graph_exec_destroy(D, graph_exec)
+    cuda.stream_synchronize(D, other)
+    # The running gate is no longer held; the function the pending replay needs is.
+    assert cuda.pending_host_functions() == 1
+    gate.open()
+    cuda.device_synchronize(D)
+    assert calls == [1, 1]
+    assert cuda.pending_host_functions() == 0
+    cuda.stream_destroy(D, other)
+
+
 def test_graph_replays_copies_and_memsets(cuda: Any, stream: int, host: Callable[[int], int]) -> None:
     src, dst = host(4096), host(4096)
     dev = cuda.malloc(D, 4096)
