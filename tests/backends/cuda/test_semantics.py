@@ -29,8 +29,10 @@ class Gate:
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        self.running = threading.Event()
 
     def __call__(self) -> None:
+        self.running.set()
         self._event.wait(30)
 
     def open(self) -> None:
@@ -216,6 +218,7 @@ def test_exec_destroyed_after_its_stream(cuda: Any, stream: int) -> None:
     cuda.stream_destroy(D, doomed)  # its queued replay still runs
     cuda.graph_exec_destroy(D, graph_exec)
     cuda.stream_synchronize(D, other)
+    assert gate.running.wait(10)
     # The running gate is no longer held; the function the pending replay needs is.
     assert cuda.pending_host_functions() == 1
     gate.open()
