@@ -306,8 +306,8 @@ class CudaBackend(Backend):
             extra[flag] = bool(extra[flag])
         extra["memory_info_source"] = "cuMemGetInfo_v2 in the device's primary context (device-wide)"
         extra["driver_library"] = self._driver.path
-        # Only the entry points whose exported version had to be chosen.
-        extra["driver_symbols"] = {api: sym for api, sym in self._driver.symbols.items() if api != sym}
+        # Only the entry points whose version was chosen by probing the library.
+        extra["driver_symbols"] = ", ".join(sorted(self._driver.probed_symbols()))
         props = DeviceProperties(
             name=ffi.string(name).decode(errors="replace"),
             type="cuda",

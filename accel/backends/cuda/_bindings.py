@@ -248,6 +248,12 @@ class Driver:
     has_vmm: bool = False
     has_graphs: bool = False
 
+    def probed_symbols(self) -> list[str]:
+        """The exported names chosen where several versions were candidates."""
+        tables = (REQUIRED_FUNCTIONS, VMM_FUNCTIONS, GRAPH_FUNCTIONS)
+        return [self.symbols[api] for table in tables for api, names in table.items()
+                if len(names) > 1 and api in self.symbols]
+
     def error_name(self, code: int) -> str:
         """``CUDA_ERROR_...`` for ``code`` as the driver names it."""
         return self._error_text("cuGetErrorName", code) or f"CUDA_ERROR_UNRECOGNIZED_{code}"
