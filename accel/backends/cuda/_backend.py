@@ -179,8 +179,11 @@ class CudaBackend(Backend):
         self._capture_keys: dict[int, list[int]] = {}
         self._graph_keys: dict[int, list[int]] = {}
         self._exec_keys: dict[int, list[int]] = {}
-        self._exec_streams: dict[int, set[int]] = {}
-        self._parked: dict[int, list[list[int]]] = {}
+        # Per executable graph with host functions: an event per stream it was
+        # launched on, re-recorded after each launch (marks its last replay there).
+        self._exec_events: dict[int, dict[int, int]] = {}
+        # Per device: (events, keys) of destroyed executable graphs whose replays may still run.
+        self._retiring: dict[int, list[tuple[list[int], list[int]]]] = {}
 
     # -- plumbing --------------------------------------------------------
 
@@ -341,10 +344,7 @@ class CudaBackend(Backend):
     def device_synchronize(self, device: int) -> None:
         self._activate(device)
         self._check("cuCtxSynchronize", self._fn["cuCtxSynchronize"](), device)
-        with self._lock:
-            parked = self._parked.pop(device, [])
-        for keys in parked:
-            self._host_fns.release(keys)
+        self._retire_finished(device)
 
     # -- memory ------------------------------------------------------------
 
@@ -604,7 +604,12 @@ class CudaBackend(Backend):
             fn()
 
     def pending_host_functions(self) -> int:
-        """How many host functions are held (waiting to run, or owned by graphs); for leak checks."""
+        """How many host functions are held (queued, or owned by graphs); for leak checks.
+
+        Those of destroyed executable graphs are let go by the next
+        device_synchronize, graph_instantiate or graph_exec_destroy after their
+        last replay ran.
+        """
         return len(self._host_fns)
 
     # -- capture and graphs ------------------------------------------------
@@ -671,6 +676,7 @@ class CudaBackend(Backend):
     def graph_instantiate(self, device: int, graph: int) -> int:
         self._require_graphs(device)
         self._activate(device)
+        self._retire_finished(device)
         out = self._ffi.new("CUgraphExec *")
         code = self._fn["cuGraphInstantiateWithFlags"](out, self._ffi.cast("CUgraph", graph), 0)
         self._check("cuGraphInstantiateWithFlags", code, device, handle=f"graph {graph:#x}")
@@ -697,7 +703,12 @@ class CudaBackend(Backend):
                 self._host_fns.retain(keys)
                 self._capture_keys.setdefault(capture_id, []).extend(keys)
             else:
-                self._exec_streams.setdefault(graph_exec, set()).add(stream)
+                # Only our own event marks when this replay is over; the stream
+                # itself may be destroyed before the executable graph is.
+                events = self._exec_events.setdefault(graph_exec, {})
+                if stream not in events:
+                    events[stream] = self.event_create(device, timing=False, blocking=False, interprocess=False)
+                self.event_record(device, events[stream], stream)
 
     def graph_destroy(self, device: int, graph: int) -> None:
         self._require_graphs(device)
@@ -715,47 +726,32 @@ class CudaBackend(Backend):
         self._check("cuGraphExecDestroy", code, device, handle=f"executable graph {graph_exec:#x}")
         with self._lock:
             keys = self._exec_keys.pop(graph_exec, [])
-            streams = self._exec_streams.pop(graph_exec, set())
-        if keys:
-            self._release_after_replays(device, streams, keys)
+            events = list(self._exec_events.pop(graph_exec, {}).values())
+            if keys:
+                # CUDA lets replays already queued finish after cuGraphExecDestroy,
+                # so the callables stay until the replays' events completed.
+                self._retiring.setdefault(device, []).append((events, keys))
+        self._retire_finished(device)
 
-    def _release_after_replays(self, device: int, streams: set[int], keys: list[int]) -> None:
-        """Drop an executable graph's host functions once its queued replays ran.
-
-        The driver lets replays already queued finish after cuGraphExecDestroy, so
-        the callables are released by a host function queued behind them on each
-        stream the graph was launched on. Where that cannot be queued (the stream
-        is gone or capturing), they are parked until the next device_synchronize.
-        """
-        remaining = [1]  # this method's own hold, dropped at the end
-        lock = threading.Lock()
-
-        def one_stream_done() -> None:
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                self._host_fns.release(keys)
-
-        parked = False
-        for stream in streams:
-            with lock:
-                remaining[0] += 1
-            try:
-                queued = self._capture_id(device, stream) == 0
-                if queued:
-                    self.launch_host_func(device, stream, one_stream_done)
-            except AccelError:
-                queued = False  # the stream is gone: it may still run queued replays
-            if not queued:
-                with lock:
-                    remaining[0] -= 1
-                parked = True
-        if parked:
-            self._host_fns.retain(keys)
+    def _retire_finished(self, device: int) -> None:
+        """Release host functions of destroyed executable graphs whose replays are over."""
+        if not self._retiring.get(device):
+            return
+        with self._lock:
+            entries = self._retiring.pop(device, [])
+        unfinished = []
+        # Relaxed: an event query must not invalidate another thread's global capture.
+        with self._relaxed_capture_mode(device):
+            for events, keys in entries:
+                if all(self.event_query(device, e) for e in events):
+                    for e in events:
+                        self.event_destroy(device, e)
+                    self._host_fns.release(keys)
+                else:
+                    unfinished.append((events, keys))
+        if unfinished:
             with self._lock:
-                self._parked.setdefault(device, []).append(keys)
-        one_stream_done()
+                self._retiring.setdefault(device, []).extend(unfinished)
 
     def graph_debug_dump(self, device: int, graph: int, path: str) -> None:
         dot = self._fn.get("cuGraphDebugDotPrint")

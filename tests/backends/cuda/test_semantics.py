@@ -200,7 +200,7 @@ def test_exec_destroyed_with_replays_pending(cuda: Any, stream: int) -> None:
     cuda.graph_launch(D, graph_exec, stream)
     cuda.graph_exec_destroy(D, graph_exec)  # CUDA lets queued replays finish
     gate.open()
-    cuda.stream_synchronize(D, stream)
+    cuda.device_synchronize(D)
     assert calls == [1, 1]
     assert cuda.pending_host_functions() == 0
 
