@@ -76,7 +76,6 @@ CUresult cuGetErrorName(CUresult error, const char **pStr);
 CUresult cuGetErrorString(CUresult error, const char **pStr);
 
 CUresult cuDeviceGetCount(int *count);
-CUresult cuDeviceGet(CUdevice *device, int ordinal);
 CUresult cuDeviceGetName(char *name, int len, CUdevice dev);
 CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev);
 CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev);
@@ -86,7 +85,6 @@ CUresult cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev);
 CUresult cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice peerDev);
 
 CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev);
-CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev);
 CUresult cuCtxSetCurrent(CUcontext ctx);
 CUresult cuCtxGetCurrent(CUcontext *pctx);
 CUresult cuCtxSynchronize(void);
@@ -153,7 +151,6 @@ REQUIRED_FUNCTIONS: dict[str, tuple[str, ...]] = {
         "cuGetErrorName",
         "cuGetErrorString",
         "cuDeviceGetCount",
-        "cuDeviceGet",
         "cuDeviceGetName",
         "cuDeviceGetAttribute",
         "cuDeviceGetPCIBusId",
@@ -181,7 +178,6 @@ REQUIRED_FUNCTIONS: dict[str, tuple[str, ...]] = {
 } | {
     "cuDeviceTotalMem": ("cuDeviceTotalMem_v2",),
     "cuDeviceGetUuid": ("cuDeviceGetUuid_v2", "cuDeviceGetUuid"),
-    "cuDevicePrimaryCtxRelease": ("cuDevicePrimaryCtxRelease_v2",),
     "cuMemGetInfo": ("cuMemGetInfo_v2",),
     "cuMemAlloc": ("cuMemAlloc_v2",),
     "cuMemFree": ("cuMemFree_v2",),

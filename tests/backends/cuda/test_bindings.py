@@ -1,9 +1,10 @@
-"""The cffi declarations against NVIDIA's cuda.h, where a toolkit header is installed.
+"""The cffi declarations against NVIDIA's cuda.h, and against the simulator.
 
 cffi in ABI mode trusts the declarations blindly, so a wrong struct layout or
 a misspelt symbol would only show on a real GPU. These tests compare them with
-the header (found through CUDA_HOME, CUDA_PATH or /usr/local/cuda*) and skip
-where none is installed.
+the header (found through CUDA_HOME, CUDA_PATH or /usr/local/cuda*; skipped
+where none is installed), and check that the simulator implements exactly
+the declared entry points, no fewer and no more.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from accel.backends.cuda._bindings import CDEF, GRAPH_FUNCTIONS, REQUIRED_FUNCTIONS, VMM_FUNCTIONS, _get_ffi
+from tests.fixtures.cuda_driver import build_simulator
 
 
 def _find_header() -> Path | None:
@@ -86,3 +88,13 @@ def test_every_bound_symbol_is_named_in_cuda_h() -> None:
     assert symbols <= declared, "every probed symbol needs a declaration"
     missing = sorted(name for name in declared if not re.search(rf"\b{name}\b", text))
     assert missing == []
+
+
+def test_simulator_exports_exactly_the_declared_functions() -> None:
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) is not on PATH")
+    library = build_simulator()
+    listing = subprocess.run([nm, "-D", "--defined-only", str(library)], capture_output=True, text=True, check=True)
+    exported = {line.split()[-1] for line in listing.stdout.splitlines() if line.split()[-1].startswith("cu")}
+    assert exported == set(re.findall(r"CUresult (cu\w+)\(", CDEF))
