@@ -107,3 +107,12 @@ def test_buffer_speaks_dlpack():
     assert np.from_dlpack(buf).shape == (64,)
     assert torch.from_dlpack(buf).data_ptr() == buf.ptr
     assert not hasattr(buf, "__cuda_array_interface__")
+
+
+def test_a_freed_buffer_cannot_be_exported():
+    buf = memory.allocate(64)
+    buf.free()
+    with pytest.raises(accel.InvalidHandleError, match="was freed"):
+        _dlpack.to_capsule(buf)
+    with pytest.raises(accel.InvalidHandleError, match="was freed"):
+        as_tensor(buf)
