@@ -48,6 +48,8 @@ __all__ = [
     "DLPackExportError",
     "dlpack_device",
     "dtype_from_name",
+    "export_owned",
+    "live_exports",
     "to_capsule",
 ]
 
@@ -193,20 +195,17 @@ _exports_lock = threading.Lock()
 
 
 def _release(address: int | None) -> None:
-    """Drop what the managed tensor at ``address`` holds (called once, from any thread)."""
+    """Drop what the managed tensor at ``address`` holds (called once, from any thread).
+
+    An error from ``on_release`` cannot reach the consumer (C code called
+    us); ctypes reports it through ``sys.unraisablehook``, traceback included.
+    """
     if not address:
         return
     with _exports_lock:
         export = _exports.pop(address, None)
     if export is not None and export.on_release is not None:
-        try:
-            export.on_release()
-        except BaseException as exc:  # noqa: BLE001 - there is no caller to raise to (a C consumer)
-            import sys
-
-            sys.unraisablehook(
-                sys.UnraisableHookArgs(type(exc), exc, exc.__traceback__, "accel DLPack release", export.owner)  # type: ignore[attr-defined]
-            )
+        export.on_release()
 
 
 # One deleter for every export: the struct address is the registry key.

@@ -131,11 +131,10 @@ def as_tensor(buffer: Any, dtype: torch.dtype | str = "uint8", shape: int | tupl
     """
     _, name = _dtype_name(dtype)
     dims = None if shape is None else _shape(shape)
-    kind, index = _dlpack.dlpack_device(buffer)
-    device_type = {v: k for k, v in _dlpack._DEVICE_TYPES.items()}[kind]
+    _, index = _dlpack.dlpack_device(buffer)  # also checks buffer.device
     capsule = _dlpack.to_capsule(
         buffer,
-        stream=_consumer_stream(device_type, index),
+        stream=_consumer_stream(buffer.device.type, index),
         max_version=_dlpack.DLPACK_VERSION,
         dtype=name,
         shape=dims,

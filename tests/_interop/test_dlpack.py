@@ -262,3 +262,18 @@ def test_many_exports_do_not_leak(host_buffer):
         np.from_dlpack(buf).sum()
         torch.from_dlpack(buf).sum()
     assert all(e.owner is not buf for e in _dlpack._exports.values())
+
+
+def test_a_failing_release_is_reported_not_raised_into_the_consumer(host_buffer, monkeypatch):
+    reports = []
+    monkeypatch.setattr("sys.unraisablehook", reports.append)
+
+    def release():
+        raise RuntimeError("allocator gone")
+
+    buf = host_buffer(16)
+    tensor = torch.from_dlpack(_dlpack.export_owned(buf, dtype="uint8", shape=(16,), on_release=release))
+    del tensor  # torch calls the deleter: the error must not escape into C
+    (report,) = reports
+    assert isinstance(report.exc_value, RuntimeError) and str(report.exc_value) == "allocator gone"
+    assert all(e.owner is not buf for e in _dlpack._exports.values()), "the export must be dropped even if its release fails"
