@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import ctypes
 import enum
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -190,8 +189,11 @@ class _Export:
     on_release: Callable[[], None] | None
 
 
+# No lock around this registry, on purpose: a capsule destructor or a torch
+# deleter can run from the garbage collector at any allocation, including
+# one made while a lock held here would be taken, and would then deadlock on
+# it. Single dict operations are atomic, which is all the registry needs.
 _exports: dict[int, _Export] = {}
-_exports_lock = threading.Lock()
 
 
 def _release(address: int | None) -> None:
@@ -202,8 +204,7 @@ def _release(address: int | None) -> None:
     """
     if not address:
         return
-    with _exports_lock:
-        export = _exports.pop(address, None)
+    export = _exports.pop(address, None)
     if export is not None and export.on_release is not None:
         export.on_release()
 
@@ -224,8 +225,7 @@ def _capsule_destructor(capsule: int) -> None:
 
 def live_exports() -> int:
     """How many exported tensors still hold their owner (for tests and leak checks)."""
-    with _exports_lock:
-        return len(_exports)
+    return len(_exports)
 
 
 # -- devices and streams ---------------------------------------------------------
@@ -436,8 +436,7 @@ def _make_capsule(
     address = ctypes.addressof(managed)
     managed.manager_ctx = address
     managed.deleter = _deleter
-    with _exports_lock:
-        _exports[address] = _Export(managed, shape, owner, on_release)
+    _exports[address] = _Export(managed, shape, owner, on_release)
     try:
         return _PyCapsule_New(address, name, _capsule_destructor)
     except BaseException:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import weakref
+import gc
 
 import pytest
 
@@ -13,15 +13,15 @@ from accel.backends import load_backend
 
 class HostBuffer:
     """``ptr``, ``nbytes``, ``device``, ``stream`` over a real host-backend allocation,
-    speaking the protocols the way Buffer does."""
+    speaking the protocols the way Buffer does. The memory is freed by the
+    fixture at teardown, never from a finalizer (a finalizer may run inside
+    the backend's own malloc, which holds the lock free needs)."""
 
     def __init__(self, nbytes: int, stream: accel.Stream | None = None, device: accel.Device | None = None) -> None:
-        backend = load_backend("cpu")
         self.nbytes = nbytes
         self.device = device or accel.Device("cpu", 0)
         self.stream = stream or accel.current_stream()
-        self.ptr = backend.malloc(0, max(nbytes, 1))
-        weakref.finalize(self, backend.free, 0, self.ptr)
+        self.ptr = load_backend("cpu").malloc(0, max(nbytes, 1))
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         return _dlpack.to_capsule(self, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
@@ -36,14 +36,24 @@ class HostBuffer:
 
 @pytest.fixture
 def host_buffer():
-    return HostBuffer
+    """A factory of HostBuffers; their memory goes back when the test ends."""
+    made: list[int] = []
+
+    def make(nbytes: int, stream: accel.Stream | None = None, device: accel.Device | None = None) -> HostBuffer:
+        buf = HostBuffer(nbytes, stream, device)
+        made.append(buf.ptr)
+        return buf
+
+    yield make
+    accel.synchronize()  # stream work queued on them has run
+    backend = load_backend("cpu")
+    for ptr in made:
+        backend.free(0, ptr)
 
 
 @pytest.fixture(autouse=True)
 def _no_leaked_exports():
     """Every test leaves no exported tensor holding its owner."""
-    import gc
-
     before = _dlpack.live_exports()
     yield
     if _dlpack.live_exports() != before:
