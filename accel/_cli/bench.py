@@ -136,7 +136,9 @@ def run_benchmarks(paths: Sequence[Path], quick: bool) -> list[dict[str, Any]]:
             else:
                 result["rows"] = _check_rows(runner(quick), path.stem)
                 result["status"] = "ok"
-        except Exception as exc:  # noqa: BLE001 - one broken benchmark must not hide the others
+        # Benchmarks are scripts too: sys.exit() or argparse's error() in one
+        # must end that module's run, not the whole command.
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - one broken benchmark must not hide the others
             result["status"] = "error"
             result["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
         result["seconds"] = round(time.perf_counter() - started, 3)

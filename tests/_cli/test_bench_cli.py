@@ -94,6 +94,7 @@ def test_failures_are_reported_and_the_rest_still_run(tmp_path, capsys):
         e_import="import no_such_module_for_accel_tests\n",
         f_main_only="def main(argv):\n    return 0\n",
         g_good=_GOOD,
+        h_exits="import sys\ndef run(quick):\n    sys.exit('replay is not bitwise eager')\n",
     )
     code, out, err = _run(["bench", "--dir", str(directory), "--json"], capsys)
     assert code == 1
@@ -101,7 +102,7 @@ def test_failures_are_reported_and_the_rest_still_run(tmp_path, capsys):
     assert status == {
         "bench_a_broken": "error", "bench_b_badrow": "error", "bench_c_noname": "error",
         "bench_d_notlist": "error", "bench_e_import": "error", "bench_f_main_only": "skipped",
-        "bench_g_good": "ok",
+        "bench_g_good": "ok", "bench_h_exits": "error",
     }
     failures = [line for line in err.splitlines() if line.startswith("accel bench:")]
     assert failures == [
@@ -110,6 +111,7 @@ def test_failures_are_reported_and_the_rest_still_run(tmp_path, capsys):
         "accel bench: bench_c_noname failed: InvalidValueError: bench_c_noname.run() returned a row without a 'name': {'ratio': 1.0}",
         "accel bench: bench_d_notlist failed: InvalidValueError: bench_d_notlist.run() returned dict, not a list of rows",
         "accel bench: bench_e_import failed: ModuleNotFoundError: No module named 'no_such_module_for_accel_tests'",
+        "accel bench: bench_h_exits failed: SystemExit: replay is not bitwise eager",
     ]
     assert "Traceback" not in err
 
