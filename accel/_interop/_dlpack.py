@@ -16,8 +16,9 @@ consumed, until the capsule is collected).
 
 Stream semantics follow the array API standard's ``__dlpack__``: the
 consumer names the stream it will use and the producer makes that stream
-wait for the producer's own stream, with an accel event, so that neither
-side blocks the host.
+wait for the producer's own stream with an accel event, without blocking
+the host; only a consumer with no stream accel can order (numpy on the
+host) makes the host wait for the data.
 
 >>> import accel, numpy as np
 >>> from accel.backends import load_backend
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -184,7 +186,7 @@ class _Export:
     """What one exported tensor keeps alive until its deleter runs."""
 
     managed: ctypes.Structure
-    shape: ctypes.Array  # type: ignore[type-arg]
+    layout: ctypes.Array  # type: ignore[type-arg]  # shape and strides
     owner: object
     on_release: Callable[[], None] | None
 
@@ -415,7 +417,14 @@ def _make_capsule(
     versioned: bool,
     on_release: Callable[[], None] | None,
 ) -> Any:
-    shape = (ctypes.c_int64 * max(len(dims), 1))(*dims)
+    # One array holds the shape and then the strides (C-contiguous, in
+    # elements). Strides are explicit rather than NULL ("compact"), a form
+    # every DLPack version and consumer reads the same way.
+    strides, step = [], 1
+    for dim in reversed(dims):
+        strides.append(step)
+        step *= max(dim, 1)
+    layout = (ctypes.c_int64 * max(2 * len(dims), 1))(*dims, *reversed(strides))
     managed: ctypes.Structure
     if versioned:
         managed = _DLManagedTensorVersioned()
@@ -426,17 +435,19 @@ def _make_capsule(
         managed = _DLManagedTensor()
         name = _LEGACY_NAME
     tensor = managed.dl_tensor
-    tensor.data = ptr or None
+    # DLPack 1.0: a tensor with no elements has a NULL data pointer.
+    tensor.data = ptr if ptr and math.prod(dims) else None
     tensor.device = _DLDevice(int(device[0]), device[1])
     tensor.ndim = len(dims)
     tensor.dtype = _DLDataType(code, bits, 1)
-    tensor.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
-    tensor.strides = None  # C-contiguous (allowed since DLPack 0.x; required reading since 1.0)
+    base = ctypes.addressof(layout)
+    tensor.shape = ctypes.cast(base, ctypes.POINTER(ctypes.c_int64))
+    tensor.strides = ctypes.cast(base + 8 * len(dims), ctypes.POINTER(ctypes.c_int64))
     tensor.byte_offset = 0
     address = ctypes.addressof(managed)
     managed.manager_ctx = address
     managed.deleter = _deleter
-    _exports[address] = _Export(managed, shape, owner, on_release)
+    _exports[address] = _Export(managed, layout, owner, on_release)
     try:
         return _PyCapsule_New(address, name, _capsule_destructor)
     except BaseException:

@@ -61,7 +61,7 @@ def test_legacy_capsule_layout(host_buffer):
     tensor = _managed(capsule, b"dltensor").dl_tensor
     assert tensor.data == buf.ptr
     assert (tensor.device.device_type, tensor.device.device_id) == (1, 0)
-    assert (tensor.ndim, tensor.shape[0], bool(tensor.strides), tensor.byte_offset) == (1, 48, False, 0)
+    assert (tensor.ndim, tensor.shape[0], tensor.strides[0], tensor.byte_offset) == (1, 48, 1, 0)
     assert (tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes) == (1, 8, 1)
 
 
@@ -74,6 +74,20 @@ def test_versioned_capsule_when_the_consumer_can_take_it(host_buffer, max_versio
     assert (managed.version.major, managed.version.minor) == _dlpack.DLPACK_VERSION
     assert managed.flags == 0  # writable, not a copy
     assert managed.dl_tensor.data == buf.ptr and managed.dl_tensor.shape[0] == 16
+
+
+def test_c_contiguous_strides_in_elements(host_buffer):
+    capsule = _dlpack.to_capsule(host_buffer(2 * 3 * 4 * 8), dtype="float64", shape=(2, 3, 4))
+    tensor = _managed(capsule, b"dltensor").dl_tensor
+    assert [tensor.shape[i] for i in range(3)] == [2, 3, 4]
+    assert [tensor.strides[i] for i in range(3)] == [12, 4, 1]
+    assert torch.from_dlpack(capsule).is_contiguous()
+
+
+def test_no_elements_means_a_null_data_pointer(host_buffer):
+    capsule = _dlpack.to_capsule(host_buffer(16), dtype="int32", shape=(0, 4))
+    tensor = _managed(capsule, b"dltensor").dl_tensor
+    assert tensor.data is None and [tensor.strides[0], tensor.strides[1]] == [4, 1]
 
 
 def test_pre_1_0_consumers_get_the_legacy_capsule(host_buffer):
