@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 __all__ = ["format_size", "parse_size"]
 
@@ -30,7 +31,7 @@ def parse_size(text: str, *, name: str = "size") -> int:
             f"{name}={text!r} is not a size: write a number of bytes, optionally with a unit "
             "such as 512MiB, 8GiB or 2GB"
         )
-    value = int(float(match.group(1)) * _UNITS[unit])
+    value = int(Fraction(match.group(1)) * _UNITS[unit])  # exact, even past 2**53
     if value <= 0:
         raise ValueError(f"{name}={text!r} must be larger than zero")
     return value

@@ -1,7 +1,7 @@
 """Session set-up shared by every test.
 
 - Facade tests run on the host backend: ``ACCEL_BACKEND=cpu`` unless the
-  caller already chose one.
+  caller already chose one, with two host devices (``ACCEL_CPU_DEVICES=2``).
 - Simulated drivers are prepared before any backend loads, because vendor
   loaders read their environment once per process (Level Zero cannot retry a
   failed ``zeInit``). Each ``tests/fixtures/<backend>_driver.py`` defines
@@ -21,6 +21,8 @@ import os
 import pytest
 
 os.environ.setdefault("ACCEL_BACKEND", "cpu")
+# Two host devices, so that multi-device paths (guards, per-device state) run everywhere.
+os.environ.setdefault("ACCEL_CPU_DEVICES", "2")
 
 CONFORMANCE_BACKENDS = ("cpu", "cuda", "xpu")
 

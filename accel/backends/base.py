@@ -211,7 +211,8 @@ class Backend(abc.ABC):
     def stream_wait_event(self, device: int, stream: int, event: int) -> None:
         """Make future work on ``stream`` wait for the last record of ``event``.
 
-        Waiting on an event that was never recorded is a no-op."""
+        ``event`` may belong to another device of this backend. Waiting on an
+        event that was never recorded is a no-op."""
 
     # -- events ----------------------------------------------------------
 

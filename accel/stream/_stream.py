@@ -123,8 +123,12 @@ class Stream:
         return self._handle
 
     def close(self) -> None:
-        """Destroy the stream (work already queued still completes). Streams
-        that accel does not own (defaults, external ones) are left alone."""
+        """Destroy the stream (work already queued still completes).
+
+        Closing an :class:`ExternalStream` only retires this wrapper; the
+        device's default stream cannot be closed (this is a no-op)."""
+        if self._handle == self._runtime.backend.default_stream(self._device) and not self._owned:
+            return
         with self._close_lock:
             if self._closed:
                 return

@@ -184,9 +184,10 @@ class StreamTable:
             )
         return stream
 
-    def event(self, device: int, handle: int) -> HostEvent:
+    def event(self, device: int | None, handle: int) -> HostEvent:
+        """The live event ``handle`` of ``device`` (of any device when None)."""
         event = self._events.get(handle)
-        if event is None or event.device != device:
+        if event is None or device is not None and event.device != device:
             raise InvalidHandleError(
                 f"cpu:{device}: event handle {handle:#x} is not a live event of this device "
                 "(destroyed, never created, or created on another device)"
@@ -298,7 +299,7 @@ class StreamTable:
 
     def wait_event(self, device: int, stream_handle: int, event_handle: int) -> None:
         stream = self.stream(device, stream_handle)
-        event = self.event(device, event_handle)
+        event = self.event(None, event_handle)  # streams may wait on events of any device
         captured = self._live_capture_of(event)
         if captured is not None:
             self._join_capture(stream, event, captured)

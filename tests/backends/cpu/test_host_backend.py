@@ -1,0 +1,121 @@
+"""Host-backend specifics: memory accounting, limits, virtual memory misuse."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+import accel
+from accel.backends.base import CaptureMode
+from accel.backends.cpu import CpuBackend
+from accel.backends.cpu._memory import VM_GRANULARITY, machine_memory
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def limited() -> CpuBackend:
+    return CpuBackend(2, 16 * MiB)
+
+
+def test_limit_caps_each_device_and_frees_return_capacity(limited: CpuBackend) -> None:
+    ptrs = [limited.malloc(0, 4 * MiB) for _ in range(4)]
+    assert limited.memory_info(0)[0] == 0
+    with pytest.raises(accel.OutOfMemoryError, match="ACCEL_CPU_MEMORY_LIMIT=16.00 MiB") as info:
+        limited.malloc(0, 1)
+    assert info.value.device == 0 and info.value.requested == 4096
+    assert limited.memory_info(1) == (16 * MiB, 16 * MiB)  # the other device is untouched
+    for p in ptrs:
+        limited.free(0, p)
+    assert limited.memory_info(0) == (16 * MiB, 16 * MiB)
+
+
+def test_physical_chunks_count_against_the_limit(limited: CpuBackend) -> None:
+    handles = [limited.vm_create(0, VM_GRANULARITY) for _ in range(8)]
+    with pytest.raises(accel.OutOfMemoryError):
+        limited.vm_create(0, VM_GRANULARITY)
+    for h in handles:
+        limited.vm_release(0, h)
+    assert limited.memory_info(0)[0] == 16 * MiB
+
+
+def test_freeing_twice_or_foreign_pointers_is_refused(limited: CpuBackend) -> None:
+    p = limited.malloc(0, 100)
+    limited.free(0, p)
+    with pytest.raises(accel.InvalidHandleError, match="already freed"):
+        limited.free(0, p)
+    h = limited.host_malloc(100)
+    with pytest.raises(accel.InvalidHandleError):
+        limited.free(0, h)
+    limited.host_free(h)
+    with pytest.raises(accel.InvalidHandleError):
+        limited.host_free(h)
+
+
+def test_virtual_memory_misuse_is_explained(limited: CpuBackend) -> None:
+    g = VM_GRANULARITY
+    with pytest.raises(accel.InvalidValueError, match="multiple of the granularity"):
+        limited.vm_reserve(0, g + 1)
+    base = limited.vm_reserve(0, 2 * g)
+    chunk = limited.vm_create(0, g)
+    with pytest.raises(accel.InvalidValueError, match="not inside a reservation"):
+        limited.vm_map(0, base + 2 * g, g, chunk)
+    limited.vm_map(0, base, g, chunk)
+    with pytest.raises(accel.InvalidValueError, match="overlaps"):
+        limited.vm_map(0, base, g, chunk)
+    with pytest.raises(accel.InvalidValueError, match="still mapped"):
+        limited.vm_free(0, base, 2 * g)
+    with pytest.raises(accel.InvalidValueError, match="union of mapped chunks"):
+        limited.vm_unmap(0, base, 2 * g)
+    ctypes.memset(base, 1, g)  # mapped memory is host memory here
+    limited.vm_unmap(0, base, g)
+    limited.vm_release(0, chunk)
+    with pytest.raises(accel.InvalidHandleError):
+        limited.vm_release(0, chunk)
+    limited.vm_free(0, base, 2 * g)
+
+
+def test_one_chunk_mapped_twice_aliases(limited: CpuBackend) -> None:
+    g = VM_GRANULARITY
+    base = limited.vm_reserve(0, 2 * g)
+    chunk = limited.vm_create(0, g)
+    limited.vm_map(0, base, g, chunk)
+    limited.vm_map(0, base + g, g, chunk)
+    ctypes.memset(base, 0x5C, 8)
+    assert ctypes.string_at(base + g, 8) == b"\x5c" * 8
+    limited.vm_unmap(0, base, 2 * g)
+    limited.vm_release(0, chunk)
+    limited.vm_free(0, base, 2 * g)
+
+
+def test_machine_memory_is_plausible() -> None:
+    available, total, source = machine_memory()
+    assert 0 < available <= total and source in ("cgroup", "/proc/meminfo")
+
+
+def test_capture_refuses_waits_across_its_boundary() -> None:
+    backend = CpuBackend(1, None)
+    s = backend.stream_create(0, 0)
+    outside = backend.event_create(0, timing=False, blocking=False, interprocess=False)
+    backend.event_record(0, outside, s)
+    backend.stream_begin_capture(0, s, CaptureMode.GLOBAL)
+    with pytest.raises(accel.CaptureError, match="cross the capture boundary"):
+        backend.stream_wait_event(0, s, outside)
+    with pytest.raises(accel.CaptureError, match="invalidated"):
+        backend.stream_end_capture(0, s)
+
+
+def test_captured_events_cannot_be_waited_on_from_the_host() -> None:
+    backend = CpuBackend(1, None)
+    s = backend.stream_create(0, 0)
+    event = backend.event_create(0, timing=False, blocking=False, interprocess=False)
+    backend.stream_begin_capture(0, s, CaptureMode.GLOBAL)
+    backend.event_record(0, event, s)
+    with pytest.raises(accel.CaptureError, match="inside a capture"):
+        backend.event_synchronize(0, event)
+    with pytest.raises(accel.CaptureError, match="cannot synchronize the device"):
+        backend.device_synchronize(0)
+    with pytest.raises(accel.CaptureError):
+        backend.stream_end_capture(0, s)
+    assert backend.event_query(0, event)  # the capture is over: a plain event again

@@ -1,0 +1,222 @@
+"""The torch.accelerator-style facade on the host backend, bad inputs included."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import accel
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (backends load once per process)."""
+    full_env = {**os.environ, **env}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=120
+    )
+
+
+def test_is_available_and_current_accelerator() -> None:
+    assert accel.is_available()
+    device = accel.current_accelerator()
+    assert device == accel.Device("cpu") and device.index is None
+    assert accel.current_accelerator(check_available=True) == device
+
+
+def test_unavailable_backend_is_reported_not_raised() -> None:
+    result = run_python(
+        "import accel\n"
+        "print(accel.is_available(), accel.device_count(), accel.current_accelerator(),"
+        " accel.current_accelerator(check_available=True))\n"
+        "try:\n    accel.current_device_index()\n"
+        "except accel.BackendUnavailableError as e:\n    print('error:', e)",
+        ACCEL_BACKEND="nonsense",
+    )
+    assert result.returncode == 0, result.stderr
+    first, second = result.stdout.splitlines()
+    assert first == "False 0 nonsense None"
+    assert "backend 'nonsense' is unavailable: no such backend" in second
+    assert "cpu, cuda, xpu" in second or "cuda, xpu, cpu" in second
+
+
+def test_device_count_follows_accel_cpu_devices() -> None:
+    assert accel.device_count() == int(os.environ["ACCEL_CPU_DEVICES"])
+    result = run_python("import accel; print(accel.device_count())", ACCEL_CPU_DEVICES="3")
+    assert result.stdout.strip() == "3"
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_bad_accel_cpu_devices_makes_the_backend_unavailable(value: str) -> None:
+    result = run_python(
+        "import accel\ntry:\n    accel.device_count() or accel.current_device_index()\n"
+        "except accel.BackendUnavailableError as e:\n    print(e)",
+        ACCEL_CPU_DEVICES=value,
+    )
+    assert f"ACCEL_CPU_DEVICES={value!r} is not a positive integer" in result.stdout
+
+
+def test_set_device_index_and_context_manager() -> None:
+    assert accel.current_device_index() == 0
+    with accel.device_index(1):
+        assert accel.current_device_index() == 1
+        with accel.device_index("cpu:0"):
+            assert accel.current_device_index() == 0
+        assert accel.current_device_index() == 1
+    assert accel.current_device_index() == 0
+    with accel.device_index(None):
+        assert accel.current_device_index() == 0
+    accel.set_device_index(1)
+    try:
+        assert accel.current_device_index() == 1
+    finally:
+        accel.set_device_index(0)
+
+
+def test_current_device_is_thread_local() -> None:
+    seen = []
+    accel.set_device_index(1)
+    try:
+        thread = threading.Thread(target=lambda: seen.append(accel.current_device_index()))
+        thread.start()
+        thread.join()
+    finally:
+        accel.set_device_index(0)
+    assert seen == [0]
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (5, "device index 5 is out of range: the cpu backend has 2 devices"),
+        (-1, "device index -1 is out of range"),
+        ("cuda:0", "does not match the current accelerator 'cpu'"),
+        ("gpu", "does not match the current accelerator 'cpu'; device types are"),
+        ("cpu:x", "is not a device string"),
+        (True, "is not a device"),
+        (1.0, "is not a device"),
+    ],
+)
+def test_bad_devices_are_refused_everywhere(bad: object, message: str) -> None:
+    for call in (
+        accel.set_device_index,
+        accel.current_stream,
+        accel.synchronize,
+        accel.get_memory_info,
+        accel.get_device_properties,
+        accel.get_device_capability,
+        lambda d: accel.can_device_access_peer(0, d),
+        lambda d: accel.device_index(d).__enter__(),
+        lambda d: accel.Stream(d),
+        lambda d: accel.Event(device=d),
+    ):
+        with pytest.raises(accel.DeviceError, match=message.replace("(", r"\(")):
+            call(bad)
+    assert accel.current_device_index() == 0
+
+
+def test_torch_devices_are_accepted() -> None:
+    torch = pytest.importorskip("torch")
+    assert accel.get_device_properties(torch.device("cpu", 1)).index == 1
+    with pytest.raises(accel.DeviceError, match="does not match"):
+        accel.get_memory_info(torch.device("meta"))
+
+
+def in_thread(fn):
+    """Run ``fn`` in a fresh thread (fresh current device and streams) and return its result."""
+    result = []
+    thread = threading.Thread(target=lambda: result.append(fn()))
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def test_current_stream_and_set_stream() -> None:
+    default = accel.current_stream()
+    assert default == accel.current_stream(0) and default.native_handle
+    assert accel.current_stream(1) != default
+    s = accel.Stream(1)
+
+    def switch():
+        accel.set_stream(s)
+        return accel.current_device_index(), accel.current_stream(), accel.current_stream(0)
+
+    assert in_thread(switch) == (1, s, default)
+    assert accel.current_stream(1) != s  # the other thread's choice stays there
+    with pytest.raises(accel.DeviceError, match="expects an accel.Stream"):
+        accel.set_stream("stream")  # type: ignore[arg-type]
+
+
+def test_stream_context_restores_device_and_stream() -> None:
+    s = accel.Stream(1)
+    with s:
+        assert accel.current_device_index() == 1 and accel.current_stream() == s
+        inner = accel.Stream(0)
+        with inner:
+            assert accel.current_device_index() == 0 and accel.current_stream() == inner
+        assert accel.current_stream() == s
+    assert accel.current_device_index() == 0
+    assert accel.current_stream(1) != s
+
+
+def test_synchronize_waits_for_all_streams_of_the_device() -> None:
+    done = []
+    streams = [accel.Stream(), accel.Stream()]
+    for i, s in enumerate(streams):
+        s.launch_host_func(lambda i=i: (threading.Event().wait(0.05), done.append(i)))
+    accel.synchronize()
+    assert sorted(done) == [0, 1]
+    accel.synchronize("cpu:1")
+
+
+def test_memory_info_is_real() -> None:
+    free, total = accel.get_memory_info()
+    with open("/proc/meminfo") as f:
+        mem_total = int(f.readline().split()[1]) * 1024
+    assert 0 < free <= total <= mem_total
+    result = run_python("import accel; print(*accel.get_memory_info())", ACCEL_CPU_MEMORY_LIMIT="64MiB")
+    assert result.stdout.split() == [str(64 << 20)] * 2
+
+
+def test_bad_memory_limit_says_how_to_write_it() -> None:
+    result = run_python(
+        "import accel\ntry:\n    accel.get_memory_info()\nexcept accel.BackendUnavailableError as e:\n    print(e)",
+        ACCEL_CPU_MEMORY_LIMIT="lots",
+    )
+    assert "ACCEL_CPU_MEMORY_LIMIT='lots' is not a size" in result.stdout
+    assert "8GiB" in result.stdout
+
+
+def test_device_properties() -> None:
+    props = accel.get_device_properties()
+    assert props.type == "cpu" and props.index == 0
+    assert props.total_memory == accel.get_memory_info()[1]
+    assert props.uuid != accel.get_device_properties(1).uuid
+    assert props.multi_processor_count == os.cpu_count()
+
+
+def test_device_capability_names_dtypes() -> None:
+    capability = accel.get_device_capability()
+    assert {"float32", "bfloat16", "int64", "bool"} <= capability["supported_dtypes"]
+    torch = pytest.importorskip("torch")
+    assert all(isinstance(getattr(torch, name), torch.dtype) for name in capability["supported_dtypes"])
+
+
+def test_peer_access() -> None:
+    assert accel.can_device_access_peer(0, 1)
+    assert accel.can_device_access_peer("cpu:1", 1)
+    with pytest.raises(accel.DeviceError, match="a device is required"):
+        accel.can_device_access_peer(None, 0)
+
+
+def test_import_is_cheap() -> None:
+    result = run_python(
+        "import sys, time\nt = time.perf_counter()\nimport accel\n"
+        "print(time.perf_counter() - t, 'torch' in sys.modules, 'cffi' in sys.modules)"
+    )
+    seconds, torch_loaded, cffi_loaded = result.stdout.split()
+    assert torch_loaded == "False" and cffi_loaded == "False"
+    print(f"import accel took {float(seconds) * 1000:.1f} ms")
