@@ -34,8 +34,8 @@ def load() -> Backend:
     from accel.backends.xpu._backend import XpuBackend
     from accel.backends.xpu._bindings import DEFAULT_LOADER, describe_result, open_loader
 
-    path = os.environ.get("ACCEL_ZE_LOADER", "").strip() or DEFAULT_LOADER
-    ze = open_loader(path)
+    explicit = os.environ.get("ACCEL_ZE_LOADER", "").strip()
+    ze = open_loader(explicit or DEFAULT_LOADER, from_env=bool(explicit))
     ffi, lib = ze.ffi, ze.lib
     code = lib.zeInit(lib.ZE_INIT_FLAG_GPU_ONLY)
     if code != 0:

@@ -407,9 +407,9 @@ class XpuBackend(Backend):
             )
         return stream
 
-    def _event(self, device: int, handle: int) -> _Event:
+    def _event(self, device: int, handle: int, *, any_device: bool = False) -> _Event:
         event = self._events.get(handle)
-        if event is None or event.device != device:
+        if event is None or (event.device != device and not any_device):
             raise InvalidHandleError(
                 f"xpu:{device}: event {handle:#x} is not a live event of this device "
                 "(destroyed, or created on another device)"
@@ -851,7 +851,8 @@ class XpuBackend(Backend):
 
     def stream_wait_event(self, device: int, stream: int, event: int) -> None:
         s = self._stream(device, stream)
-        e = self._event(device, event)
+        # One context spans the driver's devices, so any device may wait on any event.
+        e = self._event(device, event, any_device=True)
         captured = self._live_capture_of(e)
         if captured is not None:
             self._join_capture(s, captured)

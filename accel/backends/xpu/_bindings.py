@@ -127,17 +127,22 @@ class ZeLoader:
         raise DriverError("xpu", call, code, name, _DESCRIPTIONS.get(name, ""), device=device)
 
 
-def open_loader(path: str) -> ZeLoader:
+def open_loader(path: str, *, from_env: bool = False) -> ZeLoader:
     """dlopen the Level Zero loader at ``path``; no call into it is made yet.
 
-    Raises :class:`~accel.BackendUnavailableError` with a one-line reason.
+    ``from_env`` says the path came from ``ACCEL_ZE_LOADER`` (the message
+    then names the variable). Raises :class:`~accel.BackendUnavailableError`
+    with a one-line reason.
     """
     ffi = _get_ffi()
     try:
         lib = ffi.dlopen(path)
     except OSError as exc:
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if "cannot open shared object file" in detail or "No such file" in detail:
+        missing = "cannot open shared object file" in detail or "No such file" in detail
+        if missing and from_env:
+            reason = f"ACCEL_ZE_LOADER={path} not found: point it at libze_loader.so.1, or unset it"
+        elif missing:
             reason = f"{path} not found: install Debian's libze1 (apt-get install libze1) or set ACCEL_ZE_LOADER"
         else:
             reason = f"cannot load {path}: {detail}"
