@@ -238,6 +238,9 @@ class _Graph:
     lock: threading.Lock = field(default_factory=threading.Lock)
     owners: int = 1  # the graph itself plus each executable graph made from it
     last_launch: _Slot | None = None  # signalled once the last replay is fully consumed
+    # Replays are serialized, so one thread serves the host nodes of every replay in
+    # launch order; per-stream threads would race for the shared node events.
+    worker: _HostWorker | None = None
 
 
 @dataclass(eq=False)
@@ -1235,9 +1238,10 @@ class XpuBackend(Backend):
             g.last_launch = consumed
             self._slots.drop(previous)
             if g.host_nodes:
-                worker = self._worker(s)
+                if g.worker is None:
+                    g.worker = _HostWorker(self, f"accel-xpu-graph-{g.handle:#x}")
                 for reached, release, fn in g.host_nodes:
-                    worker.put((reached, release, fn, False))
+                    g.worker.put((reached, release, fn, False))
 
     def _queue(self, s: _Stream) -> object:
         """The stream's command queue for replays (one per stream keeps replays in stream order)."""
@@ -1267,6 +1271,8 @@ class XpuBackend(Backend):
             code = lib.zeEventHostSynchronize(g.last_launch.cdata, WAIT_FOREVER)
             self._check("zeEventHostSynchronize", code, g.device)
             self._slots.drop(g.last_launch)
+        if g.worker is not None:
+            g.worker.put(None)
         self._check("zeCommandListDestroy", lib.zeCommandListDestroy(g.cdata), g.device)
         for slot in (g.start, g.done):
             self._slots.drop(slot)
