@@ -219,6 +219,7 @@ class _Capture:
     last_node: dict[int, int] = field(default_factory=dict)
     joined_upto: dict[int, int] = field(default_factory=dict)
     host_nodes: list[tuple[_Slot, _Slot, Callable[[], None]]] = field(default_factory=list)
+    keep: list[object] = field(default_factory=list)  # memory the recorded commands point at
     invalid_reason: str = ""
 
     def invalidate(self, reason: str) -> None:
@@ -235,6 +236,7 @@ class _Graph:
     done: _Slot
     nodes: list[str]
     host_nodes: list[tuple[_Slot, _Slot, Callable[[], None]]]
+    keep: list[object]
     lock: threading.Lock = field(default_factory=threading.Lock)
     owners: int = 1  # the graph itself plus each executable graph made from it
     last_launch: _Slot | None = None  # signalled once the last replay is fully consumed
@@ -436,12 +438,17 @@ class XpuBackend(Backend):
         self._check("zeCommandListAppendEventReset", lib.zeCommandListAppendEventReset(cdata, slot.cdata), stream.device)
 
     def _defer(self, stream: _Stream, fn: Callable[[], None]) -> None:
-        """Run ``fn`` once the stream has passed everything appended so far."""
+        """Run ``fn`` once the stream has passed everything counted by ``_appended`` so far."""
         stream.deferred.append((stream.seq, fn))
 
     def _hold_until_passed(self, stream: _Stream, slot: _Slot) -> None:
+        """Keep ``slot`` out of the pool until the stream passed the command just counted."""
         self._slots.hold(slot)
         self._defer(stream, lambda: self._slots.drop(slot))
+
+    def _keep_until_passed(self, stream: _Stream, memory: object) -> None:
+        """Keep ``memory`` alive (a queued command points at it) until the stream passed it."""
+        self._defer(stream, lambda: memory)
 
     def _appended(self, stream: _Stream) -> None:
         stream.seq += 1
@@ -874,8 +881,8 @@ class XpuBackend(Backend):
         with s.lock:
             self._wait(s, s.cdata, slot)
             self._barrier(s, s.cdata)
-            self._hold_until_passed(s, slot)
             self._appended(s)
+            self._hold_until_passed(s, slot)
 
     # -- events ----------------------------------------------------------------------------
 
@@ -911,8 +918,8 @@ class XpuBackend(Backend):
         try:
             with s.lock:
                 self._barrier(s, s.cdata, slot)
-                self._hold_until_passed(s, slot)
                 self._appended(s)
+                self._hold_until_passed(s, slot)
         except BaseException:
             self._slots.drop(slot)
             raise
@@ -1030,7 +1037,9 @@ class XpuBackend(Backend):
         if nbytes == 0:
             return
         ffi, lib = self._ze.ffi, self._ze.lib
-        pattern = ffi.new("uint8_t *", value)  # drivers copy the pattern when the command is appended
+        # The specification does not say when a driver reads the pattern, so it
+        # lives until the fill has run (or as long as the captured graph).
+        pattern = ffi.new("uint8_t *", value)
 
         def append(cdata: object) -> None:
             code = lib.zeCommandListAppendMemoryFill(
@@ -1040,11 +1049,13 @@ class XpuBackend(Backend):
 
         if s.capture is not None:
             self._record_node(s, f"fill {nbytes} bytes at {dst:#x} with {value:#04x}", append)
+            s.capture.keep.append(pattern)
             return
         with s.lock:
             append(s.cdata)
             self._barrier(s, s.cdata)
             self._appended(s)
+            self._keep_until_passed(s, pattern)
 
     def launch_host_func(self, device: int, stream: int, fn: Callable[[], None]) -> None:
         s = self._stream(device, stream)
@@ -1072,8 +1083,8 @@ class XpuBackend(Backend):
                 self._barrier(s, s.cdata, reached)
                 self._wait(s, s.cdata, release)
                 self._barrier(s, s.cdata)
-                self._hold_until_passed(s, release)
                 self._appended(s)
+                self._hold_until_passed(s, release)
                 self._worker(s).put((reached, release, fn, True))
         except BaseException:
             self._slots.drop(reached)
@@ -1185,7 +1196,7 @@ class XpuBackend(Backend):
             raise
         graph = _Graph(
             device, self._addr(capture.cdata), capture.cdata, capture.start, capture.done,
-            list(capture.nodes), list(capture.host_nodes),
+            list(capture.nodes), list(capture.host_nodes), capture.keep,
         )
         with self._lock:
             self._graphs[graph.handle] = graph
@@ -1223,7 +1234,6 @@ class XpuBackend(Backend):
                     # Replays share the list's start/done events: the previous replay
                     # must be consumed, on whichever stream ran it, before this one starts.
                     self._wait(s, s.cdata, previous)
-                    self._hold_until_passed(s, previous)
                 self._barrier(s, s.cdata, g.start)
                 lists = ffi.new("ze_command_list_handle_t[1]", [g.cdata])
                 code = lib.zeCommandQueueExecuteCommandLists(queue, 1, lists, ffi.NULL)
@@ -1232,6 +1242,8 @@ class XpuBackend(Backend):
                 self._reset(s, s.cdata, g.done)
                 self._barrier(s, s.cdata, consumed)
                 self._appended(s)
+                if previous is not None:
+                    self._hold_until_passed(s, previous)
             except BaseException:
                 self._slots.drop(consumed)
                 raise
