@@ -59,6 +59,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AccelError",
     "AllocatorConfigError",
+    "AllocatorConfigWarning",
     "BackendUnavailableError",
     "CaptureError",
     "Device",
@@ -88,11 +89,21 @@ __all__ = [
     "synchronize",
 ]
 
-# Subpackages loaded on first access, so that `import accel` stays cheap.
+# Subpackages and names loaded on first access, so that `import accel` stays cheap.
 _LAZY_MODULES = ("allocator", "backends", "graph", "memory", "stream")
+_LAZY_NAMES = {
+    "AllocatorConfigWarning": "accel.allocator.config",
+}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY_MODULES:
         return importlib.import_module(f"accel.{name}")
+    module = _LAZY_NAMES.get(name)
+    if module is not None:
+        return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module 'accel' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY_MODULES, *_LAZY_NAMES])

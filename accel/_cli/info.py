@@ -41,8 +41,18 @@ def collect() -> dict[str, Any]:
         entry["memory_free"] = free
         entry["memory_total"] = total
         devices.append(entry)
+    from accel.allocator import config_for_backend
+
+    config = config_for_backend(runtime.name)
+    settings = {
+        "string": str(config),
+        "non_default": {
+            field: config.sources[field] for field in sorted(config.sources) if config.sources[field] != "default"
+        },
+    }
     return {
         "accel_version": accel.__version__,
+        "allocator_settings": settings,
         "backend": runtime.name,
         "selected_by": f"ACCEL_BACKEND={requested}" if requested else "first available of cuda, xpu, cpu",
         "backends": backends,
@@ -62,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
     for b in report["backends"]:
         state = "available" if b["available"] else f"unavailable: {b['reason']}"
         print(f"  {b['name']:<5} {state}")
+    settings = report["allocator_settings"]
+    print(f"  allocator settings: {settings['string'] or '(all defaults)'}")
+    for field, source in settings["non_default"].items():
+        print(f"    {field} from {source}")
     for d in report["devices"]:
         print(f"\n{d['device']}  {d['name']}")
         used = d["memory_total"] - d["memory_free"]

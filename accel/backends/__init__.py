@@ -48,11 +48,13 @@ def load_backend(name: str) -> Backend:
             # in the same process, so the first failure is the answer.
             raise _failed[name]
         try:
-            module = importlib.import_module(f"accel.backends.{name}")
-            load = getattr(module, "load", None)
-            if load is None:
-                raise BackendUnavailableError(name, "this installation of accel has no such backend")
-            backend = load()
+            try:
+                module = importlib.import_module(f"accel.backends.{name}")
+            except ModuleNotFoundError as exc:
+                if exc.name != f"accel.backends.{name}":
+                    raise  # the backend exists but something it imports is missing
+                raise BackendUnavailableError(name, "this installation of accel has no such backend") from None
+            backend = module.load()
         except BackendUnavailableError as exc:
             _failed[name] = exc
             raise

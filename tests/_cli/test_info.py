@@ -57,3 +57,11 @@ def test_bad_argument_is_one_line_without_traceback() -> None:
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert "unrecognized arguments: --frobnicate" in result.stderr
+
+
+def test_report_shows_allocator_settings_and_their_sources() -> None:
+    result = accel_cli(ACCEL_ALLOC_CONF="expandable_segments:True", ACCEL_CPU_ALLOC_CONF="max_split_size_mb:64")
+    assert "allocator settings: max_split_size_mb:64,expandable_segments:True" in result.stdout
+    assert "expandable_segments from ACCEL_ALLOC_CONF" in result.stdout
+    assert "max_split_size from ACCEL_CPU_ALLOC_CONF" in result.stdout
+    assert "allocator settings: (all defaults)" in accel_cli().stdout

@@ -9,6 +9,7 @@ import time
 import pytest
 
 import accel
+from tests.fixtures import cuda_driver
 
 
 class Pinned:
@@ -174,8 +175,10 @@ def test_external_stream_wraps_without_owning(runtime) -> None:
     external.close()
     s.synchronize()  # the real stream is still alive
     s.close()
-    with pytest.raises(accel.InvalidHandleError):
-        accel.ExternalStream(s.native_handle)
+    if not (runtime.name == "cuda" and cuda_driver.cuda_mode() == "real"):
+        # A destroyed CUstream is undefined behaviour in the real driver; the simulators check handles.
+        with pytest.raises(accel.InvalidHandleError):
+            accel.ExternalStream(s.native_handle)
 
 
 def test_many_threads_share_streams_and_events(runtime) -> None:

@@ -1,0 +1,788 @@
+"""CudaBackend: the Backend protocol implemented with the CUDA driver API.
+
+Design points (the protocol docstrings in ``accel.backends.base`` are the contract):
+
+- **Primary contexts.** Each device's primary context is retained on first
+  use and made current on the calling thread before every call that needs
+  one. That is the context the CUDA runtime (and so PyTorch) uses, which is
+  why streams, events and pointers can be passed between accel and torch.
+  The current device is cached per thread; with several devices the cache is
+  checked against ``cuCtxGetCurrent``, since other code on the thread (torch)
+  may have switched contexts in between.
+- **Handles** are the driver's pointers as ints: a stream's handle is its
+  ``CUstream`` address, ``default_stream`` is 0 (the legacy NULL stream).
+- **Capture safety.** ``malloc``/``free`` and host allocations run with the
+  thread's capture mode exchanged to relaxed (as PyTorch's allocator does),
+  so the caching allocator can grow a pool while a graph is being captured.
+- **Host functions** go through one cffi callback; the Python callable is kept
+  in a registry until it ran or, for functions captured into a graph, until
+  the graph, every executable graph made from it and every pending replay are
+  gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from accel._errors import (
+    AccelError,
+    BackendUnavailableError,
+    CaptureError,
+    DriverError,
+    InvalidHandleError,
+    NotSupportedError,
+    OutOfMemoryError,
+)
+from accel.backends.base import Backend, CaptureMode, CaptureStatus, DeviceProperties
+from accel.backends.cuda._bindings import Driver, open_driver
+
+__all__ = ["CudaBackend", "create_backend"]
+
+# CUresult codes (identical in the CUDA 12 and 13 headers).
+CUDA_SUCCESS = 0
+CUDA_ERROR_INVALID_VALUE = 1
+CUDA_ERROR_OUT_OF_MEMORY = 2
+CUDA_ERROR_INVALID_CONTEXT = 201
+CUDA_ERROR_INVALID_HANDLE = 400
+CUDA_ERROR_ILLEGAL_STATE = 401
+CUDA_ERROR_NOT_READY = 600
+CUDA_ERROR_NOT_SUPPORTED = 801
+CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901
+CUDA_ERROR_STREAM_CAPTURE_UNJOINED = 904
+_CAPTURE_ERRORS = frozenset(range(900, 909))  # STREAM_CAPTURE_* and CAPTURED_EVENT
+
+CU_STREAM_NON_BLOCKING = 1
+CU_EVENT_BLOCKING_SYNC = 1
+CU_EVENT_DISABLE_TIMING = 2
+CU_EVENT_INTERPROCESS = 4
+CU_MEMHOSTALLOC_PORTABLE = 1
+CU_STREAM_CAPTURE_MODE_RELAXED = 2
+CU_MEM_ALLOCATION_TYPE_PINNED = 1
+CU_MEM_HANDLE_TYPE_NONE = 0
+CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+CU_MEM_LOCATION_TYPE_DEVICE = 1
+CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
+CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE = 1
+
+# CUdevice_attribute values used for DeviceProperties.
+_ATTRIBUTES = {
+    "max_threads_per_block": 1,
+    "warp_size": 10,
+    "clock_rate_khz": 13,
+    "multi_processor_count": 16,
+    "integrated": 18,
+    "l2_cache_bytes": 38,
+    "max_threads_per_multiprocessor": 39,
+    "async_engine_count": 40,
+    "unified_addressing": 41,
+    "compute_capability_major": 75,
+    "compute_capability_minor": 76,
+    "virtual_memory_supported": 102,
+    "posix_fd_handles_supported": 103,
+    "memory_pools_supported": 115,
+}
+
+_MIN_VM_GRANULARITY = 2 << 20
+
+
+def _version_text(version: int) -> str:
+    """``12020`` -> ``"12.2"`` (the driver encodes major * 1000 + minor * 10)."""
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def _format_uuid(raw: bytes) -> str:
+    """16 bytes -> ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`` as nvidia-smi prints it."""
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+class _HostFunctions:
+    """Python callables waiting to be run by the driver, by integer key.
+
+    A one-shot entry (plain stream work) is dropped when it runs. A shared
+    entry (captured into a graph) is reference-counted by its owners: the
+    capture, the graph, each executable graph and parked replays.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fns: dict[int, Callable[[], None]] = {}
+        self._refs: dict[int, int] = {}
+        self._keys = itertools.count(1)
+
+    def add(self, fn: Callable[[], None], *, shared: bool) -> int:
+        key = next(self._keys)
+        with self._lock:
+            self._fns[key] = fn
+            if shared:
+                self._refs[key] = 1
+        return key
+
+    def take(self, key: int) -> Callable[[], None] | None:
+        with self._lock:
+            if key in self._refs:
+                return self._fns.get(key)
+            return self._fns.pop(key, None)
+
+    def discard(self, key: int) -> None:
+        with self._lock:
+            self._fns.pop(key, None)
+            self._refs.pop(key, None)
+
+    def retain(self, keys: list[int]) -> None:
+        with self._lock:
+            for key in keys:
+                self._refs[key] += 1
+
+    def release(self, keys: list[int]) -> None:
+        with self._lock:
+            for key in keys:
+                self._refs[key] -= 1
+                if self._refs[key] == 0:
+                    del self._refs[key]
+                    self._fns.pop(key, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._fns)
+
+
+class CudaBackend(Backend):
+    """The CUDA driver API behind the Backend protocol. Build it with :func:`create_backend`.
+
+    >>> backend = create_backend()                 # doctest: +SKIP
+    >>> s = backend.stream_create(0, 0)            # doctest: +SKIP
+    >>> backend.stream_synchronize(0, s); backend.stream_destroy(0, s)  # doctest: +SKIP
+    """
+
+    name = "cuda"
+
+    def __init__(self, driver: Driver, device_count: int, driver_version: int) -> None:
+        self._driver = driver
+        self._ffi = driver.ffi
+        self._fn = driver.fn
+        self._count = device_count
+        self._driver_version = driver_version
+        self._lock = threading.RLock()
+        self._tls = threading.local()
+        self._contexts: dict[int, Any] = {}
+        self._properties: dict[int, DeviceProperties] = {}
+        self._granularity: dict[int, int] = {}
+        self._host_fns = _HostFunctions()
+        # One callback for every host function: userData carries the registry key.
+        self._trampoline = self._ffi.callback("void(void *)", self._run_host_function)
+        self._capture_keys: dict[int, list[int]] = {}
+        self._graph_keys: dict[int, list[int]] = {}
+        self._exec_keys: dict[int, list[int]] = {}
+        # Per executable graph with host functions: an event per stream it was
+        # launched on, re-recorded after each launch (marks its last replay there).
+        self._exec_events: dict[int, dict[int, int]] = {}
+        # Per device: (events, keys) of destroyed executable graphs whose replays may still run.
+        self._retiring: dict[int, list[tuple[list[int], list[int]]]] = {}
+
+    # -- plumbing --------------------------------------------------------
+
+    @property
+    def driver(self) -> Driver:
+        """The bound driver (its path and which versioned symbols were chosen)."""
+        return self._driver
+
+    def _error(
+        self, call: str, code: int, device: int | None, *, handle: str = "", requested: int = 0, capture: bool = False
+    ) -> AccelError:
+        """The accel exception for CUresult ``code`` returned by ``call``.
+
+        ``handle`` names the handle argument, so that the driver's complaint about
+        it becomes an InvalidHandleError; ``capture`` marks begin/end capture
+        calls, where CUDA_ERROR_ILLEGAL_STATE means the stream is (not) capturing.
+        """
+        drv = self._driver
+        where = f"cuda:{device}" if device is not None else "cuda"
+        detail = drv.describe(code)
+        if code == CUDA_ERROR_OUT_OF_MEMORY:
+            return OutOfMemoryError(
+                f"{where}: {call} could not allocate {requested} bytes: {detail}. "
+                "Free device memory (or empty accel's cache) and retry, or request less",
+                requested=requested,
+                device=device,
+            )
+        if handle and code in (CUDA_ERROR_INVALID_HANDLE, CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_VALUE):
+            return InvalidHandleError(
+                f"{where}: {call} rejected the {handle}: {detail}. "
+                f"It was already destroyed or freed, or does not belong to this device"
+            )
+        if capture and code == CUDA_ERROR_ILLEGAL_STATE:
+            state = "already captures" if call == "cuStreamBeginCapture" else "is not capturing"
+            return CaptureError(f"{where}: {call} failed: {detail}. The stream {state}")
+        if code in _CAPTURE_ERRORS:
+            return CaptureError(
+                f"{where}: {call} failed: {detail}. Synchronizing, querying or allocating while a stream "
+                "captures, waiting on work recorded outside the capture, and ending a capture with unjoined "
+                "forked streams all invalidate it"
+            )
+        if code == CUDA_ERROR_NOT_SUPPORTED:
+            return NotSupportedError(f"{where}: {call} is not supported here: {detail}")
+        return DriverError("cuda", call, code, drv.error_name(code), drv.error_string(code), device=device)
+
+    def _check(
+        self, call: str, code: int, device: int | None, *, handle: str = "", requested: int = 0, capture: bool = False
+    ) -> None:
+        if code != CUDA_SUCCESS:
+            raise self._error(call, code, device, handle=handle, requested=requested, capture=capture)
+
+    def _activate(self, device: int) -> None:
+        """Make ``device``'s primary context current on this thread."""
+        tls = self._tls
+        ctx = self._contexts.get(device)
+        if ctx is not None and getattr(tls, "device", None) == device:
+            if self._count == 1:
+                return
+            current = self._ffi.new("CUcontext *")
+            if self._fn["cuCtxGetCurrent"](current) == CUDA_SUCCESS and current[0] == ctx:
+                return
+        if ctx is None:
+            with self._lock:
+                ctx = self._contexts.get(device)
+                if ctx is None:
+                    out = self._ffi.new("CUcontext *")
+                    self._check("cuDevicePrimaryCtxRetain", self._fn["cuDevicePrimaryCtxRetain"](out, device), device)
+                    ctx = self._contexts[device] = out[0]
+        self._check("cuCtxSetCurrent", self._fn["cuCtxSetCurrent"](ctx), device)
+        tls.device = device
+
+    def _stream(self, stream: int) -> Any:
+        return self._ffi.cast("CUstream", stream)
+
+    def _event(self, event: int) -> Any:
+        return self._ffi.cast("CUevent", event)
+
+    def _address(self, cdata: Any) -> int:
+        return int(self._ffi.cast("uintptr_t", cdata))
+
+    @contextlib.contextmanager
+    def _relaxed_capture_mode(self, device: int) -> Iterator[None]:
+        """Let this thread allocate while a stream captures (the allocator grows pools then)."""
+        mode = self._ffi.new("int *", CU_STREAM_CAPTURE_MODE_RELAXED)
+        exchange = self._fn["cuThreadExchangeStreamCaptureMode"]
+        self._check("cuThreadExchangeStreamCaptureMode", exchange(mode), device)
+        try:
+            yield
+        finally:
+            exchange(mode)
+
+    def _attribute(self, device: int, attribute: int) -> int:
+        out = self._ffi.new("int *")
+        self._check("cuDeviceGetAttribute", self._fn["cuDeviceGetAttribute"](out, attribute, device), device)
+        return int(out[0])
+
+    # -- devices -----------------------------------------------------------
+
+    def device_count(self) -> int:
+        return self._count
+
+    def device_properties(self, device: int) -> DeviceProperties:
+        cached = self._properties.get(device)
+        if cached is not None:
+            return cached
+        ffi, fn = self._ffi, self._fn
+        name = ffi.new("char[256]")
+        self._check("cuDeviceGetName", fn["cuDeviceGetName"](name, 256, device), device)
+        total = ffi.new("size_t *")
+        self._check("cuDeviceTotalMem", fn["cuDeviceTotalMem"](total, device), device)
+        uuid = ffi.new("CUuuid *")
+        self._check("cuDeviceGetUuid", fn["cuDeviceGetUuid"](uuid, device), device)
+        bus = ffi.new("char[64]")
+        self._check("cuDeviceGetPCIBusId", fn["cuDeviceGetPCIBusId"](bus, 64, device), device)
+        attrs = {key: self._attribute(device, attr) for key, attr in _ATTRIBUTES.items()}
+        extra: dict[str, object] = {
+            key: value
+            for key, value in attrs.items()
+            if key not in ("multi_processor_count", "integrated", "compute_capability_major", "compute_capability_minor")
+        }
+        for flag in ("virtual_memory_supported", "posix_fd_handles_supported", "memory_pools_supported",
+                     "unified_addressing"):
+            extra[flag] = bool(extra[flag])
+        extra["memory_info_source"] = "cuMemGetInfo_v2 in the device's primary context (device-wide)"
+        extra["driver_library"] = self._driver.path
+        # Only the entry points whose version was chosen by probing the library.
+        extra["driver_symbols"] = ", ".join(sorted(self._driver.probed_symbols()))
+        props = DeviceProperties(
+            name=ffi.string(name).decode(errors="replace"),
+            type="cuda",
+            index=device,
+            total_memory=int(total[0]),
+            uuid=_format_uuid(bytes(ffi.buffer(uuid.bytes, 16))),
+            multi_processor_count=attrs["multi_processor_count"],
+            driver_version=_version_text(self._driver_version),
+            compute_capability=(attrs["compute_capability_major"], attrs["compute_capability_minor"]),
+            pci_bus_id=ffi.string(bus).decode(errors="replace"),
+            is_integrated=bool(attrs["integrated"]),
+            extra=extra,
+        )
+        self._properties[device] = props
+        return props
+
+    def memory_info(self, device: int) -> tuple[int, int]:
+        self._activate(device)
+        free = self._ffi.new("size_t *")
+        total = self._ffi.new("size_t *")
+        self._check("cuMemGetInfo", self._fn["cuMemGetInfo"](free, total), device)
+        return int(free[0]), int(total[0])
+
+    def can_access_peer(self, device: int, peer: int) -> bool:
+        if device == peer:
+            return True
+        out = self._ffi.new("int *")
+        self._check("cuDeviceCanAccessPeer", self._fn["cuDeviceCanAccessPeer"](out, device, peer), device)
+        return bool(out[0])
+
+    def device_synchronize(self, device: int) -> None:
+        self._activate(device)
+        self._check("cuCtxSynchronize", self._fn["cuCtxSynchronize"](), device)
+        self._retire_finished(device)
+
+    # -- memory ------------------------------------------------------------
+
+    def malloc(self, device: int, nbytes: int) -> int:
+        self._activate(device)
+        out = self._ffi.new("CUdeviceptr *")
+        with self._relaxed_capture_mode(device):
+            code = self._fn["cuMemAlloc"](out, nbytes)
+        self._check("cuMemAlloc", code, device, requested=nbytes)
+        return int(out[0])
+
+    def free(self, device: int, ptr: int) -> None:
+        self._activate(device)
+        with self._relaxed_capture_mode(device):
+            code = self._fn["cuMemFree"](ptr)
+        self._check("cuMemFree", code, device, handle=f"device pointer {ptr:#x}")
+
+    def host_malloc(self, nbytes: int) -> int:
+        # Page-locked memory is made portable, so any device's context can copy with it.
+        self._activate(0)
+        out = self._ffi.new("void **")
+        with self._relaxed_capture_mode(0):
+            code = self._fn["cuMemHostAlloc"](out, nbytes, CU_MEMHOSTALLOC_PORTABLE)
+        if code == CUDA_ERROR_OUT_OF_MEMORY:
+            raise OutOfMemoryError(
+                f"cuda: cuMemHostAlloc could not allocate {nbytes} bytes of page-locked host memory: "
+                f"{self._driver.describe(code)}. Free pinned buffers or request less",
+                requested=nbytes,
+            )
+        self._check("cuMemHostAlloc", code, None)
+        return self._address(out[0])
+
+    def host_free(self, ptr: int) -> None:
+        self._activate(0)
+        with self._relaxed_capture_mode(0):
+            code = self._fn["cuMemFreeHost"](self._ffi.cast("void *", ptr))
+        self._check("cuMemFreeHost", code, None, handle=f"host pointer {ptr:#x}")
+
+    # -- virtual memory ----------------------------------------------------
+
+    def supports_virtual_memory(self, device: int) -> bool:
+        return self._driver.has_vmm and bool(self.device_properties(device).extra["virtual_memory_supported"])
+
+    def _require_vmm(self, device: int) -> None:
+        if not self.supports_virtual_memory(device):
+            why = (
+                "the driver does not export the cuMem* virtual memory entry points"
+                if not self._driver.has_vmm
+                else "the device reports no virtual memory management support"
+            )
+            raise NotSupportedError(
+                f"cuda:{device}: virtual memory (expandable segments) is unavailable: {why}; "
+                "use the allocator without expandable_segments"
+            )
+
+    def _allocation_prop(self, device: int) -> Any:
+        prop = self._ffi.new("CUmemAllocationProp *")
+        prop.type = CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device
+        posix = self.device_properties(device).extra["posix_fd_handles_supported"]
+        prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR if posix else CU_MEM_HANDLE_TYPE_NONE
+        return prop
+
+    def vm_granularity(self, device: int) -> int:
+        cached = self._granularity.get(device)
+        if cached is not None:
+            return cached
+        self._require_vmm(device)
+        self._activate(device)
+        out = self._ffi.new("size_t *")
+        code = self._fn["cuMemGetAllocationGranularity"](
+            out, self._allocation_prop(device), CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+        )
+        self._check("cuMemGetAllocationGranularity", code, device)
+        granularity = max(int(out[0]), _MIN_VM_GRANULARITY)
+        self._granularity[device] = granularity
+        return granularity
+
+    def vm_reserve(self, device: int, nbytes: int) -> int:
+        granularity = self.vm_granularity(device)
+        self._activate(device)
+        out = self._ffi.new("CUdeviceptr *")
+        code = self._fn["cuMemAddressReserve"](out, nbytes, granularity, 0, 0)
+        self._check("cuMemAddressReserve", code, device, requested=nbytes)
+        return int(out[0])
+
+    def vm_free(self, device: int, addr: int, nbytes: int) -> None:
+        self._require_vmm(device)
+        self._activate(device)
+        code = self._fn["cuMemAddressFree"](addr, nbytes)
+        self._check("cuMemAddressFree", code, device, handle=f"reservation {addr:#x}+{nbytes}")
+
+    def vm_create(self, device: int, nbytes: int) -> int:
+        self.vm_granularity(device)  # raises NotSupportedError without VMM
+        self._activate(device)
+        out = self._ffi.new("CUmemGenericAllocationHandle *")
+        code = self._fn["cuMemCreate"](out, nbytes, self._allocation_prop(device), 0)
+        self._check("cuMemCreate", code, device, requested=nbytes)
+        return int(out[0])
+
+    def vm_release(self, device: int, handle: int) -> None:
+        self._require_vmm(device)
+        self._activate(device)
+        self._check("cuMemRelease", self._fn["cuMemRelease"](handle), device, handle=f"memory handle {handle:#x}")
+
+    def vm_map(self, device: int, addr: int, nbytes: int, handle: int) -> None:
+        self._require_vmm(device)
+        self._activate(device)
+        self._check("cuMemMap", self._fn["cuMemMap"](addr, nbytes, 0, handle, 0), device)
+        access = self._ffi.new("CUmemAccessDesc *")
+        access.location.type = CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = device
+        access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        code = self._fn["cuMemSetAccess"](addr, nbytes, access, 1)
+        if code != CUDA_SUCCESS:
+            self._fn["cuMemUnmap"](addr, nbytes)  # leave the range as it was
+            self._check("cuMemSetAccess", code, device)
+
+    def vm_unmap(self, device: int, addr: int, nbytes: int) -> None:
+        self._require_vmm(device)
+        self._activate(device)
+        self._check("cuMemUnmap", self._fn["cuMemUnmap"](addr, nbytes), device)
+
+    # -- streams -----------------------------------------------------------
+
+    def default_stream(self, device: int) -> int:
+        return 0
+
+    def stream_priority_range(self, device: int) -> tuple[int, int]:
+        self._activate(device)
+        least = self._ffi.new("int *")
+        greatest = self._ffi.new("int *")
+        code = self._fn["cuCtxGetStreamPriorityRange"](least, greatest)
+        self._check("cuCtxGetStreamPriorityRange", code, device)
+        return int(least[0]), int(greatest[0])
+
+    def stream_create(self, device: int, priority: int) -> int:
+        self._activate(device)
+        out = self._ffi.new("CUstream *")
+        code = self._fn["cuStreamCreateWithPriority"](out, CU_STREAM_NON_BLOCKING, priority)
+        self._check("cuStreamCreateWithPriority", code, device)
+        return self._address(out[0])
+
+    def stream_destroy(self, device: int, stream: int) -> None:
+        if stream in (0, 1, 2):
+            raise InvalidHandleError(
+                f"cuda:{device}: stream {stream:#x} is a default stream (legacy or per-thread); it cannot be destroyed"
+            )
+        self._activate(device)
+        code = self._fn["cuStreamDestroy"](self._stream(stream))
+        self._check("cuStreamDestroy", code, device, handle=f"stream {stream:#x}")
+
+    def stream_query(self, device: int, stream: int) -> bool:
+        self._activate(device)
+        code = self._fn["cuStreamQuery"](self._stream(stream))
+        if code == CUDA_ERROR_NOT_READY:
+            return False
+        self._check("cuStreamQuery", code, device, handle=f"stream {stream:#x}")
+        return True
+
+    def stream_synchronize(self, device: int, stream: int) -> None:
+        self._activate(device)
+        code = self._fn["cuStreamSynchronize"](self._stream(stream))
+        self._check("cuStreamSynchronize", code, device, handle=f"stream {stream:#x}")
+
+    def stream_wait_event(self, device: int, stream: int, event: int) -> None:
+        self._activate(device)
+        code = self._fn["cuStreamWaitEvent"](self._stream(stream), self._event(event), 0)
+        self._check("cuStreamWaitEvent", code, device, handle=f"stream {stream:#x} or event {event:#x}")
+
+    # -- events ------------------------------------------------------------
+
+    def event_create(self, device: int, *, timing: bool, blocking: bool, interprocess: bool) -> int:
+        if interprocess and timing:
+            raise NotSupportedError(
+                f"cuda:{device}: an interprocess CUDA event cannot measure time; create it with timing disabled"
+            )
+        flags = 0 if timing else CU_EVENT_DISABLE_TIMING
+        if blocking:
+            flags |= CU_EVENT_BLOCKING_SYNC
+        if interprocess:
+            flags |= CU_EVENT_INTERPROCESS
+        self._activate(device)
+        out = self._ffi.new("CUevent *")
+        self._check("cuEventCreate", self._fn["cuEventCreate"](out, flags), device)
+        return self._address(out[0])
+
+    def event_destroy(self, device: int, event: int) -> None:
+        self._activate(device)
+        code = self._fn["cuEventDestroy"](self._event(event))
+        self._check("cuEventDestroy", code, device, handle=f"event {event:#x}")
+
+    def event_record(self, device: int, event: int, stream: int) -> None:
+        self._activate(device)
+        code = self._fn["cuEventRecord"](self._event(event), self._stream(stream))
+        self._check("cuEventRecord", code, device, handle=f"event {event:#x} or stream {stream:#x}")
+
+    def event_query(self, device: int, event: int) -> bool:
+        self._activate(device)
+        code = self._fn["cuEventQuery"](self._event(event))
+        if code == CUDA_ERROR_NOT_READY:
+            return False
+        self._check("cuEventQuery", code, device, handle=f"event {event:#x}")
+        return True
+
+    def event_synchronize(self, device: int, event: int) -> None:
+        self._activate(device)
+        code = self._fn["cuEventSynchronize"](self._event(event))
+        self._check("cuEventSynchronize", code, device, handle=f"event {event:#x}")
+
+    def event_elapsed_ms(self, device: int, start: int, end: int) -> float:
+        self._activate(device)
+        out = self._ffi.new("float *")
+        code = self._fn["cuEventElapsedTime"](out, self._event(start), self._event(end))
+        if code == CUDA_ERROR_INVALID_HANDLE:
+            # The driver gives this one code for three different mistakes.
+            raise InvalidHandleError(
+                f"cuda:{device}: cuEventElapsedTime rejected events {start:#x} and {end:#x}: "
+                f"{self._driver.describe(code)}. Both must exist, have timing enabled and have been recorded"
+            )
+        if code == CUDA_ERROR_NOT_READY:
+            raise DriverError(
+                "cuda", "cuEventElapsedTime", code, self._driver.error_name(code), self._driver.error_string(code),
+                device=device, remedy="synchronize both events before asking for the time between them",
+            )
+        self._check("cuEventElapsedTime", code, device)
+        return float(out[0])
+
+    # -- stream work -------------------------------------------------------
+
+    def memcpy_async(self, device: int, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._activate(device)
+        code = self._fn["cuMemcpyAsync"](dst, src, nbytes, self._stream(stream))
+        self._check("cuMemcpyAsync", code, device, handle=f"stream {stream:#x}" if code == CUDA_ERROR_INVALID_HANDLE else "")
+
+    def memset_async(self, device: int, dst: int, value: int, nbytes: int, stream: int) -> None:
+        self._activate(device)
+        code = self._fn["cuMemsetD8Async"](dst, value, nbytes, self._stream(stream))
+        self._check("cuMemsetD8Async", code, device, handle=f"stream {stream:#x}" if code == CUDA_ERROR_INVALID_HANDLE else "")
+
+    def launch_host_func(self, device: int, stream: int, fn: Callable[[], None]) -> None:
+        self._activate(device)
+        capture_id = self._capture_id(device, stream)
+        key = self._host_fns.add(fn, shared=capture_id != 0)
+        code = self._fn["cuLaunchHostFunc"](self._stream(stream), self._trampoline, self._ffi.cast("void *", key))
+        if code != CUDA_SUCCESS:
+            self._host_fns.discard(key)
+            self._check("cuLaunchHostFunc", code, device, handle=f"stream {stream:#x}")
+        if capture_id:
+            with self._lock:
+                self._capture_keys.setdefault(capture_id, []).append(key)
+
+    def _run_host_function(self, data: Any) -> None:
+        fn = self._host_fns.take(self._address(data))
+        if fn is not None:
+            fn()
+
+    def pending_host_functions(self) -> int:
+        """How many host functions are held (queued, or owned by graphs); for leak checks.
+
+        Those of destroyed executable graphs are let go by the next
+        device_synchronize, graph_instantiate or graph_exec_destroy after their
+        last replay ran.
+        """
+        return len(self._host_fns)
+
+    # -- capture and graphs ------------------------------------------------
+
+    def supports_graphs(self, device: int) -> bool:
+        return self._driver.has_graphs
+
+    def _require_graphs(self, device: int) -> None:
+        if not self._driver.has_graphs:
+            raise NotSupportedError(
+                f"cuda:{device}: the CUDA driver {self._driver.path} lacks the stream capture / graph entry points"
+            )
+
+    def _capture_id(self, device: int, stream: int) -> int:
+        """The id of the capture ``stream`` takes part in (0 when it is not capturing)."""
+        if not self._driver.has_graphs:
+            return 0
+        ffi = self._ffi
+        status = ffi.new("int *")
+        ident = ffi.new("cuuint64_t *")
+        info = self._fn["cuStreamGetCaptureInfo"]
+        if self._driver.symbols["cuStreamGetCaptureInfo"].endswith("_v3"):
+            code = info(self._stream(stream), status, ident, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL)
+        else:
+            code = info(self._stream(stream), status, ident, ffi.NULL, ffi.NULL, ffi.NULL)
+        self._check("cuStreamGetCaptureInfo", code, device, handle=f"stream {stream:#x}")
+        return int(ident[0]) if status[0] != CaptureStatus.NONE else 0
+
+    def stream_begin_capture(self, device: int, stream: int, mode: CaptureMode) -> None:
+        self._require_graphs(device)
+        self._activate(device)
+        code = self._fn["cuStreamBeginCapture"](self._stream(stream), int(mode))
+        self._check("cuStreamBeginCapture", code, device, handle=f"stream {stream:#x}", capture=True)
+
+    def stream_end_capture(self, device: int, stream: int) -> int:
+        self._require_graphs(device)
+        self._activate(device)
+        capture_id = self._capture_id(device, stream)
+        out = self._ffi.new("CUgraph *")
+        code = self._fn["cuStreamEndCapture"](self._stream(stream), out)
+        ended = code in (CUDA_SUCCESS, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, CUDA_ERROR_STREAM_CAPTURE_UNJOINED)
+        keys: list[int] = []
+        if ended and capture_id:
+            with self._lock:
+                keys = self._capture_keys.pop(capture_id, [])
+        if code != CUDA_SUCCESS:
+            self._host_fns.release(keys)  # the capture is discarded: its host functions never run
+            self._check("cuStreamEndCapture", code, device, handle=f"stream {stream:#x}", capture=True)
+        graph = self._address(out[0])
+        if keys:
+            with self._lock:
+                self._graph_keys[graph] = keys
+        return graph
+
+    def stream_capture_status(self, device: int, stream: int) -> CaptureStatus:
+        if not self._driver.has_graphs:
+            return CaptureStatus.NONE
+        self._activate(device)
+        out = self._ffi.new("int *")
+        code = self._fn["cuStreamIsCapturing"](self._stream(stream), out)
+        self._check("cuStreamIsCapturing", code, device, handle=f"stream {stream:#x}")
+        return CaptureStatus(out[0])
+
+    def graph_instantiate(self, device: int, graph: int) -> int:
+        self._require_graphs(device)
+        self._activate(device)
+        self._retire_finished(device)
+        out = self._ffi.new("CUgraphExec *")
+        code = self._fn["cuGraphInstantiateWithFlags"](out, self._ffi.cast("CUgraph", graph), 0)
+        self._check("cuGraphInstantiateWithFlags", code, device, handle=f"graph {graph:#x}")
+        graph_exec = self._address(out[0])
+        with self._lock:
+            keys = self._graph_keys.get(graph)
+            if keys:
+                self._host_fns.retain(keys)
+                self._exec_keys[graph_exec] = list(keys)
+        return graph_exec
+
+    def graph_launch(self, device: int, graph_exec: int, stream: int) -> None:
+        self._require_graphs(device)
+        self._activate(device)
+        keys = self._exec_keys.get(graph_exec)
+        capture_id = self._capture_id(device, stream) if keys else 0
+        code = self._fn["cuGraphLaunch"](self._ffi.cast("CUgraphExec", graph_exec), self._stream(stream))
+        self._check("cuGraphLaunch", code, device, handle=f"executable graph {graph_exec:#x} or stream {stream:#x}")
+        if not keys:
+            return
+        with self._lock:
+            if capture_id:
+                # Launched inside a capture: the new graph replays these host functions too.
+                self._host_fns.retain(keys)
+                self._capture_keys.setdefault(capture_id, []).extend(keys)
+            else:
+                # Only our own event marks when this replay is over; the stream
+                # itself may be destroyed before the executable graph is.
+                events = self._exec_events.setdefault(graph_exec, {})
+                if stream not in events:
+                    events[stream] = self.event_create(device, timing=False, blocking=False, interprocess=False)
+                self.event_record(device, events[stream], stream)
+
+    def graph_destroy(self, device: int, graph: int) -> None:
+        self._require_graphs(device)
+        self._activate(device)
+        code = self._fn["cuGraphDestroy"](self._ffi.cast("CUgraph", graph))
+        self._check("cuGraphDestroy", code, device, handle=f"graph {graph:#x}")
+        with self._lock:
+            keys = self._graph_keys.pop(graph, [])
+        self._host_fns.release(keys)
+
+    def graph_exec_destroy(self, device: int, graph_exec: int) -> None:
+        self._require_graphs(device)
+        self._activate(device)
+        code = self._fn["cuGraphExecDestroy"](self._ffi.cast("CUgraphExec", graph_exec))
+        self._check("cuGraphExecDestroy", code, device, handle=f"executable graph {graph_exec:#x}")
+        with self._lock:
+            keys = self._exec_keys.pop(graph_exec, [])
+            events = list(self._exec_events.pop(graph_exec, {}).values())
+            if keys:
+                # CUDA lets replays already queued finish after cuGraphExecDestroy,
+                # so the callables stay until the replays' events completed.
+                self._retiring.setdefault(device, []).append((events, keys))
+        self._retire_finished(device)
+
+    def _retire_finished(self, device: int) -> None:
+        """Release host functions of destroyed executable graphs whose replays are over."""
+        if not self._retiring.get(device):
+            return
+        with self._lock:
+            entries = self._retiring.pop(device, [])
+        unfinished = []
+        # Relaxed: an event query must not invalidate another thread's global capture.
+        with self._relaxed_capture_mode(device):
+            for events, keys in entries:
+                if all(self.event_query(device, e) for e in events):
+                    for e in events:
+                        self.event_destroy(device, e)
+                    self._host_fns.release(keys)
+                else:
+                    unfinished.append((events, keys))
+        if unfinished:
+            with self._lock:
+                self._retiring.setdefault(device, []).extend(unfinished)
+
+    def graph_debug_dump(self, device: int, graph: int, path: str) -> None:
+        dot = self._fn.get("cuGraphDebugDotPrint")
+        if dot is None:
+            raise NotSupportedError(
+                f"cuda:{device}: the CUDA driver {self._driver.path} does not export cuGraphDebugDotPrint"
+            )
+        self._activate(device)
+        code = dot(self._ffi.cast("CUgraph", graph), path.encode(), CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE)
+        self._check("cuGraphDebugDotPrint", code, device, handle=f"graph {graph:#x}" if code == 1 else "")
+
+
+def create_backend() -> CudaBackend:
+    """Open the driver, initialize it and count devices; BackendUnavailableError otherwise."""
+    driver = open_driver()
+    fn = driver.fn
+    code = fn["cuInit"](0)
+    if code != CUDA_SUCCESS:
+        raise BackendUnavailableError(
+            "cuda",
+            f"cuInit failed: {driver.describe(code)}",
+            remedy="Check that nvidia-smi lists a GPU and that CUDA_VISIBLE_DEVICES does not hide it",
+        )
+    count = driver.ffi.new("int *")
+    code = fn["cuDeviceGetCount"](count)
+    if code != CUDA_SUCCESS:
+        raise BackendUnavailableError("cuda", f"cuDeviceGetCount failed: {driver.describe(code)}")
+    if count[0] == 0:
+        raise BackendUnavailableError("cuda", "the CUDA driver initialized but reports no devices")
+    version = driver.ffi.new("int *")
+    code = fn["cuDriverGetVersion"](version)
+    if code != CUDA_SUCCESS:
+        raise BackendUnavailableError("cuda", f"cuDriverGetVersion failed: {driver.describe(code)}")
+    return CudaBackend(driver, int(count[0]), int(version[0]))

@@ -1,0 +1,97 @@
+"""Fixtures for the CUDA backend's own tests.
+
+``cuda`` is the backend this session loaded (the simulator unless
+``ACCEL_TEST_CUDA=real``); ``sim`` additionally needs the simulator, for tests
+that inject driver failures or count the driver's live objects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import cffi
+import pytest
+
+from tests.conftest import backend_skip_reason
+from tests.fixtures import cuda_driver
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture
+def cuda() -> Any:
+    """The loaded CUDA backend (simulated or real)."""
+    from accel.backends import load_backend
+
+    reason = backend_skip_reason("cuda")
+    if reason:
+        pytest.skip(reason)
+    return load_backend("cuda")
+
+
+class SimControl:
+    """The simulator's test-only entry points, on the library this process loaded."""
+
+    def __init__(self, path: str) -> None:
+        self._ffi = cffi.FFI()
+        self._ffi.cdef("int simcuda_set_failure(const char *name, int code); long simcuda_live_objects(const char *kind);")
+        # dlopen of the same path returns the already-loaded library, so state is shared.
+        self._lib = self._ffi.dlopen(path)
+        self._failures: set[str] = set()
+
+    def fail(self, entry_point: str, code: int) -> None:
+        """Make ``entry_point`` return ``code`` until the test ends."""
+        assert self._lib.simcuda_set_failure(entry_point.encode(), code) == 0
+        self._failures.add(entry_point)
+
+    def clear(self) -> None:
+        for name in self._failures:
+            self._lib.simcuda_set_failure(name.encode(), 0)
+        self._failures.clear()
+
+    def live(self, kind: str) -> int:
+        count = int(self._lib.simcuda_live_objects(kind.encode()))
+        assert count >= 0, f"unknown simulator object kind {kind!r}"
+        return count
+
+
+@pytest.fixture
+def sim(cuda: Any) -> Iterator[SimControl]:
+    """Failure injection and object counts; skips unless the session runs the simulator."""
+    if cuda_driver.cuda_mode() != "sim":
+        pytest.skip("needs the simulated CUDA driver (ACCEL_TEST_CUDA=sim)")
+    control = SimControl(os.environ["ACCEL_CUDA_DRIVER"])
+    yield control
+    control.clear()
+
+
+def run_python(code: str, env: dict[str, str] | None = None, *, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (a driver loads once per process).
+
+    The environment is this one minus every ACCEL_* variable, plus ``env``.
+    """
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_")}
+    clean.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=clean,
+        cwd=REPO_ROOT,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def run_json(code: str, env: dict[str, str] | None = None) -> Any:
+    """Run ``code`` (which prints one JSON line last) and return the parsed value."""
+    result = run_python(code, env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
