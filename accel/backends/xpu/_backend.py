@@ -17,7 +17,7 @@ How the protocol maps onto Level Zero (docs/backends/xpu.md has the long form):
   and waits on event B; a per-stream host thread waits for A, runs the
   function and signals B;
 - capture records copies, fills and host functions into a *regular command
-  list*; replay submits it to a per-stream command queue, fenced between a
+  list*; replay submits it to the graph's own command queue, fenced between a
   "start" event the stream signals and a "done" event the stream waits on;
 - Level Zero events may be referenced by queued commands after their owner
   is gone, so every pooled event is reference-counted ("holds") and goes back
@@ -194,7 +194,6 @@ class _Stream:
     deferred: list[tuple[int, Callable[[], None]]] = field(default_factory=list)
     capture: _Capture | None = None
     worker: _HostWorker | None = None
-    queue: object | None = None  # command queue for graph replays, made on first launch
 
 
 @dataclass(eq=False)
@@ -240,8 +239,10 @@ class _Graph:
     lock: threading.Lock = field(default_factory=threading.Lock)
     owners: int = 1  # the graph itself plus each executable graph made from it
     last_launch: _Slot | None = None  # signalled once the last replay is fully consumed
-    # Replays are serialized, so one thread serves the host nodes of every replay in
-    # launch order; per-stream threads would race for the shared node events.
+    # Replays share the list's events, so they must run one at a time and in launch
+    # order: one command queue runs every replay (two queues could start the same
+    # list together), and one thread serves the host nodes of every replay.
+    queue: object | None = None
     worker: _HostWorker | None = None
 
 
@@ -805,8 +806,6 @@ class XpuBackend(Backend):
                     self._slots.drop(slot)
                 stream.markers.clear()
             self._slots.drop(marker)
-            if stream.queue is not None:
-                self._check("zeCommandQueueDestroy", lib.zeCommandQueueDestroy(stream.queue), stream.device)
             self._check("zeCommandListDestroy", lib.zeCommandListDestroy(stream.cdata), stream.device)
         if keep:
             with self._lock:
@@ -1226,7 +1225,7 @@ class XpuBackend(Backend):
             raise CaptureError(f"xpu:{device}: launching a graph inside a capture is not supported")
         ffi, lib = self._ze.ffi, self._ze.lib
         with g.lock, s.lock:
-            queue = self._queue(s)
+            queue = self._graph_queue(g)
             consumed = self._slots.acquire(False)
             previous = g.last_launch
             try:
@@ -1255,21 +1254,20 @@ class XpuBackend(Backend):
                 for reached, release, fn in g.host_nodes:
                     g.worker.put((reached, release, fn, False))
 
-    def _queue(self, s: _Stream) -> object:
-        """The stream's command queue for replays (one per stream keeps replays in stream order)."""
-        if s.queue is None:
+    def _graph_queue(self, g: _Graph) -> object:
+        """The graph's command queue, made on its first replay."""
+        if g.queue is None:
             ffi, lib = self._ze.ffi, self._ze.lib
-            dev = self._devices[s.device]
+            dev = self._devices[g.device]
             desc = ffi.new("ze_command_queue_desc_t *", {
                 "stype": lib.ZE_STRUCTURE_TYPE_COMMAND_QUEUE_DESC,
                 "ordinal": dev.ordinal,
                 "mode": lib.ZE_COMMAND_QUEUE_MODE_ASYNCHRONOUS,
-                "priority": lib.ZE_COMMAND_QUEUE_PRIORITY_PRIORITY_HIGH if s.priority < 0 else lib.ZE_COMMAND_QUEUE_PRIORITY_NORMAL,
             })
             out = ffi.new("ze_command_queue_handle_t *")
-            self._check("zeCommandQueueCreate", lib.zeCommandQueueCreate(self._context, dev.cdata, desc, out), s.device)
-            s.queue = out[0]
-        return s.queue
+            self._check("zeCommandQueueCreate", lib.zeCommandQueueCreate(self._context, dev.cdata, desc, out), g.device)
+            g.queue = out[0]
+        return g.queue
 
     def _release_graph(self, g: _Graph) -> None:
         with self._lock:
@@ -1285,6 +1283,8 @@ class XpuBackend(Backend):
             self._slots.drop(g.last_launch)
         if g.worker is not None:
             g.worker.put(None)
+        if g.queue is not None:
+            self._check("zeCommandQueueDestroy", lib.zeCommandQueueDestroy(g.queue), g.device)
         self._check("zeCommandListDestroy", lib.zeCommandListDestroy(g.cdata), g.device)
         for slot in (g.start, g.done):
             self._slots.drop(slot)
