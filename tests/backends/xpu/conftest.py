@@ -20,18 +20,21 @@ def xpu():
     """The XPU backend over the simulated driver prepared at session start."""
     from accel.backends import load_backend
 
+    require_simulator()
+    return load_backend("xpu")
+
+
+def require_simulator() -> None:
+    """Skip unless the session prepared the simulated driver (loader, gcc, headers)."""
     reason = backend_skip_reason("xpu")
     if reason:
         pytest.skip(reason)
-    return load_backend("xpu")
 
 
 def run_python(code: str, **env: str | None) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter (the loader reads its environment once
     per process and cannot retry a failed zeInit); ``None`` removes a variable."""
-    reason = backend_skip_reason("xpu")
-    if reason:
-        pytest.skip(reason)
+    require_simulator()
     environ = dict(os.environ)
     for key, value in env.items():
         if value is None:
