@@ -152,6 +152,8 @@ def test_conformance_passes_under_the_validation_layer() -> None:
         **os.environ,
         "ZE_ENABLE_VALIDATION_LAYER": "1",
         "ZE_ENABLE_PARAMETER_VALIDATION": "1",
+        "ZE_ENABLE_HANDLE_LIFETIME": "1",
+        "ZE_ENABLE_THREADING_VALIDATION": "1",
     }
     layer = run_json(
         "import json\nfrom accel.backends import load_backend\nload_backend('xpu')\n"
