@@ -247,6 +247,16 @@ class _Graph:
 
 
 @dataclass(eq=False)
+class _Chunk:
+    """A physical memory chunk; destroyed once released and no longer mapped."""
+
+    cdata: object
+    size: int
+    maps: int = 0
+    released: bool = False
+
+
+@dataclass(eq=False)
 class _Device:
     index: int
     cdata: object
@@ -259,7 +269,7 @@ class _Device:
     held: int = 0  # bytes accel holds: malloc + physical chunks
     allocations: dict[int, int] = field(default_factory=dict)
     reservations: dict[int, int] = field(default_factory=dict)
-    physical: dict[int, list] = field(default_factory=dict)  # handle -> [cdata, size, maps, released]
+    physical: dict[int, _Chunk] = field(default_factory=dict)
     mappings: dict[int, tuple[int, int]] = field(default_factory=dict)  # addr -> (size, physical handle)
     vm_page: int | None = None
     next_hint: int = 0
@@ -274,7 +284,7 @@ class XpuBackend(Backend):
     >>> from accel.backends import load_backend
     >>> xpu = load_backend("xpu")  # doctest: +SKIP
     >>> xpu.device_properties(0).extra["memory_info_source"]  # doctest: +SKIP
-    'device properties minus accel's own allocations'
+    "device properties minus accel's own allocations"
     """
 
     name = "xpu"
@@ -282,7 +292,6 @@ class XpuBackend(Backend):
     def __init__(self, ze: ZeLoader, driver: object, devices: list[object], *, loader_version: str) -> None:
         self._ze = ze
         ffi, lib = ze.ffi, ze.lib
-        self._driver = driver
         self._lock = threading.Lock()
         desc = ffi.new("ze_context_desc_t *", {"stype": lib.ZE_STRUCTURE_TYPE_CONTEXT_DESC})
         context = ffi.new("ze_context_handle_t *")
@@ -679,47 +688,47 @@ class XpuBackend(Backend):
         self._check("zePhysicalMemCreate", code, device)
         handle = self._addr(out[0])
         with dev.lock:
-            dev.physical[handle] = [out[0], nbytes, 0, False]
+            dev.physical[handle] = _Chunk(out[0], nbytes)
             dev.held += nbytes
         return handle
 
     def _destroy_physical(self, dev: _Device, handle: int) -> None:
         """Destroy a released, unmapped chunk (caller removed it from dev.physical)."""
-        cdata, nbytes = dev.physical.pop(handle)[:2]
-        dev.held -= nbytes
-        self._check("zePhysicalMemDestroy", self._ze.lib.zePhysicalMemDestroy(self._context, cdata), dev.index)
+        chunk = dev.physical.pop(handle)
+        dev.held -= chunk.size
+        self._check("zePhysicalMemDestroy", self._ze.lib.zePhysicalMemDestroy(self._context, chunk.cdata), dev.index)
 
     def vm_release(self, device: int, handle: int) -> None:
         dev = self._require_vm(device)
         with dev.lock:
-            entry = dev.physical.get(handle)
-            if entry is None or entry[3]:
+            chunk = dev.physical.get(handle)
+            if chunk is None or chunk.released:
                 raise InvalidHandleError(f"xpu:{device}: physical chunk {handle:#x} is not live (already released?)")
-            entry[3] = True
-            if entry[2] == 0:
+            chunk.released = True
+            if chunk.maps == 0:
                 self._destroy_physical(dev, handle)
 
     def vm_map(self, device: int, addr: int, nbytes: int, handle: int) -> None:
         dev = self._require_vm(device)
         ffi, lib = self._ze.ffi, self._ze.lib
         with dev.lock:
-            entry = dev.physical.get(handle)
-            if entry is None or entry[3]:
+            chunk = dev.physical.get(handle)
+            if chunk is None or chunk.released:
                 raise InvalidHandleError(f"xpu:{device}: physical chunk {handle:#x} is not live (already released?)")
-            if nbytes != entry[1]:
+            if nbytes != chunk.size:
                 raise InvalidValueError(
-                    f"xpu:{device}: map the whole chunk: it has {entry[1]:#x} bytes, not {nbytes:#x}"
+                    f"xpu:{device}: map the whole chunk: it has {chunk.size:#x} bytes, not {nbytes:#x}"
                 )
             if not any(base <= addr and addr + nbytes <= base + size for base, size in dev.reservations.items()):
                 raise InvalidValueError(
                     f"xpu:{device}: [{addr:#x}, {addr + nbytes:#x}) is not inside a reservation from vm_reserve"
                 )
             code = lib.zeVirtualMemMap(
-                self._context, ffi.cast("void *", addr), nbytes, entry[0], 0,
+                self._context, ffi.cast("void *", addr), nbytes, chunk.cdata, 0,
                 lib.ZE_MEMORY_ACCESS_ATTRIBUTE_READWRITE,
             )
             self._check("zeVirtualMemMap", code, device)
-            entry[2] += 1
+            chunk.maps += 1
             dev.mappings[addr] = (nbytes, handle)
 
     def vm_unmap(self, device: int, addr: int, nbytes: int) -> None:
@@ -734,9 +743,9 @@ class XpuBackend(Backend):
                 size, handle = dev.mappings.pop(start)
                 code = lib.zeVirtualMemUnmap(self._context, ffi.cast("void *", start), size)
                 self._check("zeVirtualMemUnmap", code, device)
-                entry = dev.physical[handle]
-                entry[2] -= 1
-                if entry[2] == 0 and entry[3]:
+                chunk = dev.physical[handle]
+                chunk.maps -= 1
+                if chunk.maps == 0 and chunk.released:
                     self._destroy_physical(dev, handle)
 
     # -- streams ---------------------------------------------------------------------------
