@@ -406,3 +406,56 @@ def test_graph_debug_dump_lists_the_recorded_commands(xpu, stream, tmp_path) -> 
     assert "regular command list" in text and "fill 4096 bytes" in text
     xpu.graph_destroy(0, graph)
     xpu.free(0, dev)
+
+
+# -- entry points newer than the 1.8 loader ------------------------------------------------
+
+
+class _LoaderWithHostSynchronize:
+    """The real loader plus a ``zeCommandListHostSynchronize`` answering ``code``,
+    as a newer loader in front of a driver may."""
+
+    def __init__(self, lib: object, code: int) -> None:
+        self._lib, self.code, self.calls = lib, code, 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._lib, name)
+
+    def zeCommandListHostSynchronize(self, command_list: object, timeout: int) -> int:
+        self.calls += 1
+        return self.code
+
+
+def backend_with_host_synchronize(xpu, code: int):
+    from accel.backends.xpu._backend import XpuBackend
+    from accel.backends.xpu._bindings import ZeLoader
+
+    ze = xpu._ze
+    lib = _LoaderWithHostSynchronize(ze.lib, code)
+    count = ze.ffi.new("uint32_t *", 1)
+    driver = ze.ffi.new("ze_driver_handle_t[1]")
+    assert ze.lib.zeDriverGet(count, driver) == 0
+    devices = [xpu._devices[0].cdata]
+    return XpuBackend(ZeLoader(ze.ffi, lib, ze.path), driver[0], devices, loader_version="test"), lib
+
+
+def test_host_synchronize_is_used_when_exported_and_dropped_when_unsupported(xpu) -> None:
+    backend, lib = backend_with_host_synchronize(xpu, 0x78000003)  # UNSUPPORTED_FEATURE
+    assert backend.device_properties(0).extra["loader_has_zeCommandListHostSynchronize"] is True
+    s = backend.stream_create(0, 0)
+    host = backend.host_malloc(4096)
+    backend.memset_async(0, host, 0x2B, 4096, s)
+    backend.stream_synchronize(0, s)  # falls back to a marker event
+    backend.stream_synchronize(0, s)
+    assert lib.calls == 1 and ctypes.string_at(host, 4096) == b"\x2b" * 4096
+    backend.host_free(host)
+    backend.stream_destroy(0, s)
+
+
+def test_host_synchronize_failures_are_driver_errors(xpu) -> None:
+    backend, _ = backend_with_host_synchronize(xpu, 0x70000001)  # DEVICE_LOST
+    s = backend.stream_create(0, 0)
+    with pytest.raises(accel.DriverError) as info:
+        backend.stream_synchronize(0, s)
+    assert info.value.call == "zeCommandListHostSynchronize" and info.value.name == "ZE_RESULT_ERROR_DEVICE_LOST"
+    backend.stream_destroy(0, s)
