@@ -309,9 +309,10 @@ class HostBuffer:
         self.free()
 
     def __del__(self) -> None:
-        # The staging cache's lock is never held while Python code runs, so
-        # freeing from a finalizer cannot deadlock.
-        self.free()
+        block = self._block
+        if block is not None:
+            self._block = None
+            self._allocator.free_from_finalizer(block)
 
     def __repr__(self) -> str:
         where = "freed" if self._block is None else f"ptr={self._block.ptr:#x}"

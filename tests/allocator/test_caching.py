@@ -381,25 +381,32 @@ def test_memory_fraction_caps_reservation_without_asking_the_device():
 
 
 def test_garbage_collection_frees_old_blocks_first():
-    backend = CpuBackend(1, 200 * MiB)
+    backend = CpuBackend(1, 400 * MiB)
     rt = Runtime(backend)
-    a = make(backend, "garbage_collection_threshold:0.5,max_split_size_mb:1000")
-    a.set_memory_fraction(1.0)  # GC needs a fraction limit
+    # 40 MiB blocks and larger are never split nor given to small requests.
+    a = make(backend, "garbage_collection_threshold:0.4,max_split_size_mb:40")
+    a.set_memory_fraction(1.0)  # GC runs only under a fraction limit: above 40% of 400 MiB
     s = rt.default_stream(0)
-    old = a.malloc(30 * MiB, s)
-    newer = a.malloc(30 * MiB, s)
+    old, mid, new = (a.malloc(50 * MiB, s) for _ in range(3))
     a.free(old)
-    for _ in range(5):  # age `old`: searches advance the pool clock
+    for _ in range(5):  # each best-fit search advances the large pool's clock
         a.free(a.malloc(12 * MiB, s))
-    a.free(newer)
-    keep = a.malloc(50 * MiB, s)  # miss with reserved 72 MiB > 50% of 200 MiB? no
-    before = {seg.base for seg in a._segments.values()}
-    big = a.malloc(60 * MiB, s)  # reserved 132 MiB > 100 MiB: GC runs on the miss
-    after = {seg.base for seg in a._segments.values()}
-    assert old.ptr not in after and old.ptr in before
-    for x in (keep, big):
-        a.free(x)
+    a.free(mid)
+    a.free(new)
+    assert a.stats()["reserved_bytes.all.current"] == 162 * MiB
+    big = a.malloc(100 * MiB, s)  # a miss above the threshold: GC before asking upstream
+    bases = {seg.base for seg in a._segments.values()}
+    # Only blocks at least as old as the average age go: here `old` alone.
+    assert old.ptr not in bases and mid.ptr in bases and new.ptr in bases
+    assert a.stats()["num_device_free"] == 1
+    a.free(big)
     check_invariants(a)
+    # No GC without a fraction limit.
+    plain = make(backend, "garbage_collection_threshold:0.3,max_split_size_mb:40")
+    cached = plain.malloc(50 * MiB, s)
+    plain.free(cached)
+    plain.free(plain.malloc(60 * MiB, s))
+    assert plain.stats()["num_device_free"] == 0
 
 
 # -- streams and events ----------------------------------------------------------------------------

@@ -280,3 +280,29 @@ def test_set_upstream_with_adaptors():
         ACCEL_CPU_DEVICES="2",
     )
     assert out.split() == ["1", str(20 << 20), "oom", "too", "late", "refused"]
+
+
+def test_host_buffer_finalizer_and_cache_limits():
+    from accel.allocator._host_cache import HostCachingAllocator
+    from accel.allocator.config import parse
+    from accel.backends.cpu import CpuBackend
+
+    host = memory._state().host_allocator()
+    before = host.stats()["allocated_bytes"]
+    buf = memory.allocate_host(10_000)
+    with host._lock:
+        del buf  # queued: the lock is taken
+        gc.collect()
+    assert host.stats()["allocated_bytes"] == before
+
+    backend = CpuBackend(1, None)
+    capped = HostCachingAllocator(backend, parse("pinned_max_cached_size_mb:1"))
+    blocks = [capped.malloc(600_000) for _ in range(2)]  # 1 MiB each after rounding
+    for b in blocks:
+        capped.free(b)
+    assert capped.stats()["cached_bytes"] == 0 and capped.stats()["reserved_bytes"] == 0
+    rounded = HostCachingAllocator(backend, parse("pinned_max_round_threshold_mb:1"))
+    assert rounded.malloc(3 << 20).size == 3 << 20  # above the threshold: whole pages only
+    assert rounded.malloc(600_000).size == 1 << 20
+    with pytest.raises(InvalidHandleError):
+        capped.free(blocks[0])
