@@ -1,7 +1,6 @@
 """The caching device allocator, written once against the Backend protocol.
 
-Behaviour follows PyTorch's ``DeviceCachingAllocator`` (see
-``docs``/the reference facts): 512-byte rounding with optional power-of-two
+Behaviour follows PyTorch's ``DeviceCachingAllocator``: 512-byte rounding with optional power-of-two
 divisions, a small pool (requests up to 1 MiB, 2 MiB segments) and a large
 pool (20 MiB segments for 1-10 MiB, else rounded to 2 MiB), best fit per
 stream, splitting and merging, ``max_split_size`` / ``max_non_split_rounding``,
