@@ -852,12 +852,18 @@ class DeviceAllocator:
                 self._drain_gc_frees()
             self._release_cached_blocks()
 
-    def _release_cached_blocks(self) -> None:
+    def _release_cached_blocks(self, only: PrivatePool | None = None) -> None:
+        """Give back every free whole segment and free expandable page of the
+        default pools and the private pools no graph uses; with ``only``, of
+        that private pool alone."""
         if self._captures:
             return  # never return memory upstream during a capture
         self._synchronize_and_free_events()
-        pools = [self._small, self._large]
-        freeable = [p for p in self._private.values() if p.use_count == 0]
+        if only is None:
+            freeable = [p for p in self._private.values() if p.use_count == 0]
+            pools = [self._small, self._large]
+        else:
+            freeable, pools = [only], []
         for private in freeable:
             pools += [private.small, private.large]
         victims = [
@@ -997,7 +1003,7 @@ class DeviceAllocator:
                 raise InvalidValueError(f"release_pool: {pool_id} is not a live private pool")
             private.use_count -= 1
             if private.use_count == 0 and not self._captures:
-                self._release_cached_blocks()
+                self._release_cached_blocks(only=private)
 
     def pool_ids(self) -> list[tuple[int, int]]:
         """Ids of the private pools that still exist."""

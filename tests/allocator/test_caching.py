@@ -87,6 +87,13 @@ def check_invariants(alloc: DeviceAllocator) -> None:
                 )
             ]
             assert got == count[kind], f"stats {got} != recount {count[kind]} (pool kind {kind})"
+        ms = alloc._ms
+        oversize_allocations = sum(
+            1 for seg in segments for b in seg.blocks() if b.state == ALLOCATED and b.size >= ms
+        )
+        oversize_segments = sum(1 for seg in segments if not seg.expandable and seg.size >= ms)
+        assert stats.current(S.OVERSIZE_ALLOCATIONS, 0) == oversize_allocations
+        assert stats.current(S.OVERSIZE_SEGMENTS, 0) == oversize_segments
         pending = {}
         for queue in alloc._pending.values():
             for _, b in queue:
@@ -550,10 +557,11 @@ def test_pool_lives_until_its_last_user_is_gone(host):
         a.end_allocate_to_pool(shared)
     a.release_pool(shared)
     assert a.pool_ids() == [shared]
-    live = a.stats()["reserved_bytes.all.current"]
-    assert live == 2 * MiB
+    assert a.stats()["reserved_bytes.all.current"] == 2 * MiB
+    cached = a.malloc(4096, s)  # the default pool keeps its cache when a pool goes
+    a.free(cached)
     a.release_pool(shared)
-    assert a.pool_ids() == [] and a.stats()["reserved_bytes.all.current"] == 0
+    assert a.pool_ids() == [] and a.stats()["reserved_bytes.all.current"] == 2 * MiB
 
 
 def test_cross_stream_frees_deferred_during_capture(host):
@@ -571,6 +579,25 @@ def test_cross_stream_frees_deferred_during_capture(host):
     a.release_pool((2, 0))
     a.empty_cache()
     assert a.stats()["reserved_bytes.all.current"] == 0
+    check_invariants(a)
+
+
+def test_during_capture_nothing_goes_back_and_oom_comes_sooner():
+    backend = CpuBackend(1, 64 * MiB)
+    rt = Runtime(backend)
+    a = make(backend, "max_split_size_mb:40")
+    s = rt.default_stream(0)
+    a.free(a.malloc(45 * MiB, s))  # a cached oversize block outside the pool
+    a.begin_allocate_to_pool((3, 0), lambda st: True)
+    with pytest.raises(OutOfMemoryError, match="capture is under way") as info:
+        a.malloc(30 * MiB, s)
+    assert a.stats()["num_device_free"] == 0 and a.stats()["num_alloc_retries"] == 0
+    assert info.value.details.capturing  # type: ignore[attr-defined]
+    a.end_allocate_to_pool((3, 0))
+    a.release_pool((3, 0))
+    ok = a.malloc(30 * MiB, s)  # outside the capture the cache is flushed and it fits
+    assert a.stats()["num_device_free"] == 1
+    a.free(ok)
     check_invariants(a)
 
 
