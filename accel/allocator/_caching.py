@@ -154,6 +154,7 @@ class DeviceAllocator:
         self._gc_frees: deque[Block] = deque()  # frees from finalizers that found the lock taken
         self._history: History | None = None
         self._fraction: float | None = None
+        self._fraction_explicit = False
         self._allowed: int | None = None
         self._name = f"{backend.name}:{device}"
         self._vm = self.upstream.supports_virtual_memory()
@@ -173,7 +174,7 @@ class DeviceAllocator:
         self._any_divisions = any(d > 1 for d in self._divisions)
         self._large_segment = config.large_segment_size
         self._expandable = bool(config.expandable_segments) and self._vm
-        if self._fraction is None or config.per_process_memory_fraction < 1.0:
+        if not self._fraction_explicit:
             self._set_fraction(config.per_process_memory_fraction, explicit=False)
 
     def update_config(self, config: AllocatorConfig) -> None:
@@ -182,6 +183,8 @@ class DeviceAllocator:
             self._apply_config(config)
 
     def _set_fraction(self, fraction: float, *, explicit: bool) -> None:
+        # A call of set_memory_fraction wins over the configuration from then on.
+        self._fraction_explicit = self._fraction_explicit or explicit
         if fraction >= 1.0 and not explicit:
             self._fraction, self._allowed = None, None
             return

@@ -387,6 +387,17 @@ def test_memory_fraction_caps_reservation_without_asking_the_device():
     assert a.get_memory_fraction() == 0.5
 
 
+def test_memory_fraction_from_the_configuration_follows_changes():
+    backend = CpuBackend(1, 100 * MiB)
+    a = make(backend, "per_process_memory_fraction:0.5")
+    assert a.get_memory_fraction() == 0.5 and a._allowed == 50 * MiB
+    a.update_config(parse("per_process_memory_fraction:1.0"))
+    assert a.get_memory_fraction() == 1.0 and a._allowed is None
+    a.set_memory_fraction(0.25)
+    a.update_config(parse("per_process_memory_fraction:0.5"))  # the explicit call wins
+    assert a.get_memory_fraction() == 0.25
+
+
 def test_garbage_collection_frees_old_blocks_first():
     backend = CpuBackend(1, 400 * MiB)
     rt = Runtime(backend)
