@@ -214,7 +214,8 @@ class DeviceAllocator:
         Raises :class:`~accel.OutOfMemoryError` (with a diagnosis) when even
         after freeing the cache the memory is not there.
         """
-        if nbytes.__class__ is not int or not 0 < nbytes < MAX_REQUEST:
+        # Literals instead of the module constants below: this is the hot path.
+        if nbytes.__class__ is not int or not 0 < nbytes < 1 << 60:  # MAX_REQUEST
             self._bad_size(nbytes)
         handle = stream._handle
         with self._lock:
@@ -222,8 +223,8 @@ class DeviceAllocator:
                 self._drain_gc_frees()
             if self._pending and not self._captures:
                 self._process_events()
-            if nbytes < KB_MIN:
-                size = KB_MIN
+            if nbytes < 512:
+                size = 512
             elif self._any_divisions:
                 slot = nbytes.bit_length() - 21
                 size = round_size(nbytes, self._divisions[0 if slot < 0 else (slot if slot < 15 else 15)])
@@ -232,7 +233,7 @@ class DeviceAllocator:
             if self._captures:
                 pool = self._capture_pool(size, stream)
             else:
-                pool = self._small if size <= SMALL_SIZE else self._large
+                pool = self._small if size <= 1048576 else self._large  # SMALL_SIZE
             block = None
             lst = pool.free.get(handle)
             if lst:
@@ -254,8 +255,8 @@ class DeviceAllocator:
             expandable = block.segment.expandable
             was_split = block.prev is not None or block.next is not None
             remaining = block.size - size
-            if remaining >= KB_MIN and (
-                pool.small or expandable or (size < self._ms and remaining > SMALL_SIZE)
+            if remaining >= 512 and (
+                pool.small or expandable or (size < self._ms and remaining > 1048576)
             ):
                 nxt = block.next
                 if self._spare:
