@@ -23,7 +23,7 @@ def test_buffer_basics():
     before = memory.memory_allocated()
     buf = memory.allocate(1000)
     assert buf.nbytes == 1000 and buf.ptr % 512 == 0
-    assert buf.device == accel.current_accelerator() or str(buf.device) == "cpu:0"
+    assert str(buf.device) == "cpu:0"
     assert buf.stream == accel.current_stream()
     assert memory.memory_allocated() == before + 1024
     assert "nbytes=1000" in repr(buf)
@@ -110,10 +110,11 @@ def test_stats_functions_and_resets():
     memory.reset_accumulated_memory_stats()
     assert memory.memory_stats()["allocation.all.allocated"] == 0
     memory.empty_cache()
+    # After empty_cache no cached block can hold 40 MiB: it gets a segment of its own.
+    memory.allocate(40 * MiB).free()
+    cached = memory.memory_reserved()
     memory.empty_cache(0)
-    assert memory.memory_stats()["reserved_bytes.all.current"] == memory.memory_stats()[
-        "reserved_bytes.all.current"
-    ]
+    assert memory.memory_reserved() == cached - 40 * MiB
     summary = memory.memory_summary()
     assert "Allocated memory" in summary and "num_ooms" in summary
     assert len({len(line) for line in summary.splitlines()}) == 1  # a well-formed table
