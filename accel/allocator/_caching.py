@@ -856,18 +856,14 @@ class DeviceAllocator:
                 self._drain_gc_frees()
             self._release_cached_blocks()
 
-    def _release_cached_blocks(self, only: PrivatePool | None = None) -> None:
+    def _release_cached_blocks(self) -> None:
         """Give back every free whole segment and free expandable page of the
-        default pools and the private pools no graph uses; with ``only``, of
-        that private pool alone."""
+        default pools and of the private pools no graph uses any more."""
         if self._captures:
             return  # never return memory upstream during a capture
         self._synchronize_and_free_events()
-        if only is None:
-            freeable = [p for p in self._private.values() if p.use_count == 0]
-            pools = [self._small, self._large]
-        else:
-            freeable, pools = [only], []
+        freeable = [p for p in self._private.values() if p.use_count == 0]
+        pools = [self._small, self._large]
         for private in freeable:
             pools += [private.small, private.large]
         victims = [
@@ -998,16 +994,21 @@ class DeviceAllocator:
                     self._insert_events(block)
 
     def release_pool(self, pool_id: tuple[int, int]) -> None:
-        """Drop one use of ``pool_id`` (a graph that is gone). At zero uses its
-        unused memory goes back upstream, now if no capture is under way, else
-        at the next ``empty_cache``; blocks still allocated return later."""
+        """Drop one use of ``pool_id`` (a graph that is gone).
+
+        At zero uses the pool is *freeable*, as in PyTorch: its memory goes
+        back upstream at the next :meth:`empty_cache` or when an allocation
+        needs the room (that flush waits for the streams; doing it here would
+        make deleting a graph wait for unrelated work). A pool that holds no
+        memory goes at once.
+        """
         with self._lock:
             private = self._private.get(pool_id)
             if private is None or private.use_count == 0:
                 raise InvalidValueError(f"release_pool: {pool_id} is not a live private pool")
             private.use_count -= 1
-            if private.use_count == 0 and not self._captures:
-                self._release_cached_blocks(only=private)
+            if private.use_count == 0 and private.segments == 0:
+                del self._private[pool_id]
 
     def pool_ids(self) -> list[tuple[int, int]]:
         """Ids of the private pools that still exist."""
