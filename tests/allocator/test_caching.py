@@ -186,7 +186,7 @@ def test_best_fit_reuses_smallest_block_on_same_stream(host):
     blocks = [a.malloc(n, s) for n in (4096, 8192, 4096, 16384)]
     keep = [a.malloc(512, s) for _ in range(2)]
     a.free(blocks[1])  # 8 KiB hole
-    a.free(blocks[3])  # 16 KiB hole... merged with the tail of the segment
+    a.free(blocks[3])  # a 16 KiB hole: the 512-byte blocks after it keep it apart from the tail
     assert a.largest_free_block() == 2 * MiB - (4096 + 8192 + 4096 + 16384 + 2 * 512)  # the tail
     got = a.malloc(6000, s)
     assert got.ptr == blocks[1].ptr  # best fit picks the 8 KiB hole
