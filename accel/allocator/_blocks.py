@@ -1,0 +1,106 @@
+"""The allocator's data model: blocks, segments and pools.
+
+A *segment* is one piece of upstream memory (one ``allocate``), or one
+expandable address reservation, cut into a doubly linked chain of *blocks*
+that tile it exactly. A *pool* keeps, per stream, a list of its free blocks
+sorted by ``(size, ptr)``, so best fit is one ``bisect``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["ALLOCATED", "FREE", "PENDING", "Block", "Pool", "PrivatePool", "Segment"]
+
+#: Block states. PENDING: freed by the caller but waiting for other streams'
+#: events (or for a capture to end) before it may be reused.
+FREE, ALLOCATED, PENDING = 0, 1, 2
+
+
+class Segment:
+    """One upstream allocation or expandable reservation."""
+
+    __slots__ = (
+        "owner", "base", "size", "stream", "pool", "expandable", "page", "pages", "head",
+        "frames",
+    )
+
+    def __init__(self, owner: object, base: int, size: int, stream: int, pool: Pool, expandable: bool) -> None:
+        self.owner = owner  # the DeviceAllocator, to refuse blocks of another allocator
+        self.base = base
+        self.size = size  # bytes allocated, or bytes reserved for an expandable segment
+        self.stream = stream
+        self.pool = pool
+        self.expandable = expandable
+        self.page = 0  # expandable: bytes per physical chunk
+        self.pages: dict[int, int] = {}  # expandable: page index -> physical handle
+        self.head: Block | None = None
+        self.frames: list[dict[str, Any]] = []
+
+    def blocks(self) -> list[Block]:
+        out = []
+        b = self.head
+        while b is not None:
+            out.append(b)
+            b = b.next
+        return out
+
+
+class Block:
+    """A range of a segment: allocated, pending, free, or (expandable) unmapped."""
+
+    __slots__ = (
+        "ptr", "size", "requested", "stream", "pool", "segment", "state", "mapped", "prev",
+        "next", "event_count", "stream_uses", "gc_base", "frames",
+    )
+
+    def __init__(self, ptr: int, size: int, segment: Segment, mapped: bool = True) -> None:
+        self.ptr = ptr
+        self.size = size
+        self.requested = 0
+        self.segment = segment
+        self.stream = segment.stream
+        self.pool = segment.pool
+        self.state = FREE
+        self.mapped = mapped
+        self.prev: Block | None = None
+        self.next: Block | None = None
+        self.event_count = 0
+        self.stream_uses: set[int] | None = None
+        self.gc_base = 0
+        self.frames: list[dict[str, Any]] | None = None
+
+    def __repr__(self) -> str:
+        state = ("free", "allocated", "pending")[self.state] if self.mapped else "unmapped"
+        return f"<Block {self.ptr:#x} {self.size} bytes {state}>"
+
+    def is_split(self) -> bool:
+        return self.prev is not None or self.next is not None
+
+
+class Pool:
+    """Free blocks of one kind (small or large) of one pool, per stream."""
+
+    __slots__ = ("small", "kind", "private", "free", "expandable", "calls")
+
+    def __init__(self, small: bool, private: PrivatePool | None) -> None:
+        self.small = small
+        self.kind = 0 if small else 1  # index into the stats arrays
+        self.private = private
+        # stream handle -> [(size, ptr, block)] sorted; (size, ptr) is unique
+        self.free: dict[int, list[tuple[int, int, Block]]] = {}
+        self.expandable: dict[int, Segment] = {}  # stream handle -> its expandable segment
+        self.calls = 0  # best-fit searches, the clock of garbage collection ages
+
+
+class PrivatePool:
+    """A pool of its own for graph capture, identified by ``(a, b)`` as in PyTorch."""
+
+    __slots__ = ("id", "small", "large", "use_count", "segments")
+
+    def __init__(self, pool_id: tuple[int, int]) -> None:
+        self.id = pool_id
+        self.small = Pool(True, self)
+        self.large = Pool(False, self)
+        self.use_count = 1
+        self.segments = 0  # live segments (fixed ones, and expandable reservations)

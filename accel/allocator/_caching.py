@@ -1,0 +1,1158 @@
+"""The caching device allocator, written once against the Backend protocol.
+
+Behaviour follows PyTorch's ``DeviceCachingAllocator``: 512-byte rounding with optional power-of-two
+divisions, a small pool (requests up to 1 MiB, 2 MiB segments) and a large
+pool (20 MiB segments for 1-10 MiB, else rounded to 2 MiB), best fit per
+stream, splitting and merging, ``max_split_size`` / ``max_non_split_rounding``,
+the garbage-collection threshold, a per-process memory fraction, events for
+cross-stream frees, private pools for graph capture and expandable segments.
+
+Where accel deliberately differs:
+
+- during a capture nothing is returned upstream, also not by the
+  "release available cached blocks" step (PyTorch issue #159594);
+- oversize rules are not applied inside expandable segments (PyTorch #193400);
+- memory is returned upstream only after the device is synchronized, because
+  the host backend's ``free`` (like Level Zero's) is not stream ordered;
+- expandable segments can be toggled at runtime: existing expandable blocks
+  stay in use while they are allocated, free ones are skipped while the
+  setting is off and given back by ``empty_cache``.
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left, insort
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from accel._errors import CaptureError, DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
+from accel.allocator import _stats as S
+from accel.allocator._blocks import ALLOCATED, FREE, PENDING, Block, Pool, PrivatePool, Segment
+from accel.allocator._history import History
+from accel.allocator._oom import OutOfMemoryDetails, out_of_memory
+from accel.allocator._resources import BackendResource, MemoryResource
+from accel.backends.base import Backend
+
+if TYPE_CHECKING:
+    from accel.allocator.config import AllocatorConfig
+    from accel.stream._stream import Stream
+
+__all__ = ["DeviceAllocator"]
+
+KB_MIN = 512  # minimum block size and rounding quantum
+SMALL_SIZE = 1 << 20  # requests up to this go to the small pool
+SMALL_BUFFER = 2 << 20  # small segments; also the expandable page of the small pool
+MIN_LARGE_ALLOC = 10 << 20  # below this, large requests get a whole large segment
+ROUND_LARGE = 2 << 20  # larger segments are rounded to this
+MAX_REQUEST = 1 << 60  # 1 EiB: PyTorch refuses anything larger
+_UNLIMITED = 1 << 62  # max_split_size when unset
+
+
+def round_size(size: int, divisions: int) -> int:
+    """``size`` rounded as PyTorch's ``round_size`` does, for ``divisions`` (0/1: none).
+
+    Power-of-two divisions apply above ``512 * divisions`` bytes only:
+
+    >>> round_size(4800, 4), round_size(1200, 4), round_size(100, 0)
+    (5120, 1536, 512)
+    """
+    if size < KB_MIN:
+        return KB_MIN
+    if divisions > 1 and size > KB_MIN * divisions:
+        if size & (size - 1) == 0:
+            return size
+        floor2 = 1 << (size.bit_length() - 1)
+        step = floor2 >> (divisions.bit_length() - 1)
+        if step == 0:
+            return 2 * floor2
+        return -(-size // step) * step
+    return (size + KB_MIN - 1) & ~(KB_MIN - 1)
+
+
+def allocation_size(size: int, large_segment: int) -> int:
+    """Bytes asked upstream for a new segment that must hold ``size``.
+
+    >>> [allocation_size(s << 20, 20 << 20) >> 20 for s in (1, 5, 11)]
+    [2, 20, 12]
+    """
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return large_segment
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+
+def _check_pool_id(pool_id: object) -> tuple[int, int]:
+    if (
+        not isinstance(pool_id, tuple)
+        or len(pool_id) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pool_id)
+    ):
+        raise InvalidValueError(
+            f"pool id {pool_id!r} must be a tuple of two non-negative ints, such as (1, 0) for a "
+            "graph's own pool or accel.memory.graph_pool_handle()"
+        )
+    if pool_id == (0, 0) or (pool_id[0] and pool_id[1]):
+        raise InvalidValueError(
+            f"pool id {pool_id!r} is not a private pool: exactly one component must be non-zero "
+            "((N, 0) for a graph's own pool, (0, N) from graph_pool_handle())"
+        )
+    return pool_id  # type: ignore[return-value]
+
+
+class DeviceAllocator:
+    """Caching allocator for one device of one backend.
+
+    Memory comes from ``upstream`` (default: the backend itself); streams are
+    accel :class:`~accel.Stream` objects of that device. ``malloc`` returns a
+    :class:`Block` whose ``ptr`` and ``size`` the caller uses; ``free`` gives
+    it back to the cache. Thread safe: one lock guards all state.
+
+    >>> from accel.backends.cpu import CpuBackend
+    >>> from accel.allocator.config import AllocatorConfig
+    >>> from accel._runtime import Runtime
+    >>> backend = CpuBackend(1, None)
+    >>> alloc = DeviceAllocator(backend, 0, AllocatorConfig())
+    >>> s = Runtime(backend).default_stream(0)
+    >>> b = alloc.malloc(1000, s); b.size
+    1024
+    >>> alloc.free(b); alloc.stats()["reserved_bytes.all.current"]
+    2097152
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        device: int,
+        config: AllocatorConfig,
+        *,
+        upstream: MemoryResource | None = None,
+    ) -> None:
+        self.backend = backend
+        self.device = device
+        self.upstream = upstream if upstream is not None else BackendResource(backend, device)
+        if self.upstream.device != device:
+            raise DeviceError(
+                f"the upstream resource serves device {self.upstream.device}, not device {device}"
+            )
+        self._lock = threading.Lock()
+        self._stats = S.Stats()
+        self._s = self._stats.s  # the flat counters, for the hot paths
+        self._small = Pool(True, None)
+        self._large = Pool(False, None)
+        self._segments: dict[int, Segment] = {}
+        self._private: dict[tuple[int, int], PrivatePool] = {}
+        # (pool id, stream filter) of the captures under way, innermost last
+        self._captures: list[tuple[PrivatePool, Callable[[Stream], bool]]] = []
+        self._deferred: list[Block] = []  # frees held back until the captures end
+        self._pending: dict[int, deque[tuple[int, Block]]] = {}  # used stream -> (event, block)
+        self._events: list[int] = []  # pooled events, ready for reuse
+        self._events_created = 0
+        self._spare: list[Block] = []  # block objects merged away, for reuse by splits
+        self._gc_frees: deque[Block] = deque()  # frees from finalizers that found the lock taken
+        self._history: History | None = None
+        self._fraction: float | None = None
+        self._fraction_explicit = False
+        self._allowed: int | None = None
+        self._name = f"{backend.name}:{device}"
+        self._vm = self.upstream.supports_virtual_memory()
+        self._apply_config(config)
+
+    def __repr__(self) -> str:
+        return f"<accel DeviceAllocator {self._name}>"
+
+    # -- configuration ---------------------------------------------------------
+
+    def _apply_config(self, config: AllocatorConfig) -> None:
+        self.config = config
+        self._ms = _UNLIMITED if config.max_split_size is None else config.max_split_size
+        self._nsr = config.max_non_split_rounding
+        self._gc_threshold = config.garbage_collection_threshold
+        self._divisions = tuple(config.roundup_power2_divisions)
+        self._any_divisions = any(d > 1 for d in self._divisions)
+        self._large_segment = config.large_segment_size
+        self._expandable = bool(config.expandable_segments) and self._vm
+        if not self._fraction_explicit:
+            self._set_fraction(config.per_process_memory_fraction, explicit=False)
+
+    def update_config(self, config: AllocatorConfig) -> None:
+        """Take new settings (the config module's change listener calls this)."""
+        with self._lock:
+            self._apply_config(config)
+
+    def _set_fraction(self, fraction: float, *, explicit: bool) -> None:
+        # A call of set_memory_fraction wins over the configuration from then on.
+        self._fraction_explicit = self._fraction_explicit or explicit
+        if fraction >= 1.0 and not explicit:
+            self._fraction, self._allowed = None, None
+            return
+        _, total = self.upstream.memory_info()
+        self._fraction = fraction
+        self._allowed = int(fraction * total)
+
+    def set_memory_fraction(self, fraction: float) -> None:
+        """Cap what this allocator reserves at ``fraction`` of the device's total memory.
+
+        Going past the cap raises OutOfMemoryError without asking the device.
+        """
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+            raise InvalidValueError(f"memory fraction {fraction!r} must be a number in [0, 1]")
+        with self._lock:
+            self._set_fraction(float(fraction), explicit=True)
+
+    def get_memory_fraction(self) -> float:
+        """The fraction set (1.0 when none)."""
+        return 1.0 if self._fraction is None else self._fraction
+
+    # -- allocation --------------------------------------------------------------
+
+    def malloc(self, nbytes: int, stream: Stream) -> Block:
+        """A block of at least ``nbytes`` usable in order on ``stream``.
+
+        Raises :class:`~accel.OutOfMemoryError` (with a diagnosis) when even
+        after freeing the cache the memory is not there.
+        """
+        # Literals instead of the module constants below: this is the hot path.
+        if nbytes.__class__ is not int or not 0 < nbytes < 1 << 60:  # MAX_REQUEST
+            self._bad_size(nbytes)
+        handle = stream._handle
+        with self._lock:
+            if self._gc_frees:
+                self._drain_gc_frees()
+            if self._pending and not self._captures:
+                self._process_events()
+            if nbytes < 512:
+                size = 512
+            elif self._any_divisions:
+                slot = nbytes.bit_length() - 21
+                size = round_size(nbytes, self._divisions[0 if slot < 0 else (slot if slot < 15 else 15)])
+            else:
+                size = (nbytes + 511) & -512
+            if self._captures:
+                pool = self._capture_pool(size, stream)
+            else:
+                pool = self._small if size <= 1048576 else self._large  # SMALL_SIZE
+            block = None
+            lst = pool.free.get(handle)
+            if lst:
+                if self._gc_threshold:
+                    pool.calls += 1
+                i = bisect_left(lst, (size,))
+                if i < len(lst):
+                    entry = lst[i]
+                    block = entry[2]
+                    if entry[0] < self._ms and not block.segment.expandable:
+                        del lst[i]  # the common case: best fit is an ordinary block
+                    else:
+                        block = self._find_free(lst, i, size)
+            if block is None:
+                block = self._grow(pool, handle, size, stream)
+            s = self._s
+            kind = pool.kind
+            other = 1 - kind
+            expandable = block.segment.expandable
+            was_split = block.prev is not None or block.next is not None
+            remaining = block.size - size
+            if remaining >= 512 and (
+                pool.small or expandable or (size < self._ms and remaining > 1048576)
+            ):
+                nxt = block.next
+                if self._spare:
+                    # Recycle a block object merged away earlier; its other
+                    # fields were reset when it was freed.
+                    rest = self._spare.pop()
+                    rest.ptr = block.ptr + size
+                    rest.size = remaining
+                    rest.segment = block.segment
+                    rest.stream = handle
+                    rest.pool = pool
+                    rest.state = FREE
+                    rest.mapped = True
+                else:
+                    rest = Block(block.ptr + size, remaining, block.segment)
+                rest.prev = block
+                rest.next = nxt
+                if nxt is not None:
+                    nxt.prev = rest
+                block.next = rest
+                block.size = size
+                lst = pool.free.get(handle)
+                if lst is None:
+                    pool.free[handle] = [(remaining, rest.ptr, rest)]
+                else:
+                    insort(lst, (remaining, rest.ptr, rest))
+                rest.gc_base = pool.calls
+                if not expandable:
+                    if was_split:
+                        s[S.INACTIVE_SPLIT_BYTES + kind] -= size
+                    else:  # inactive_split (24) by one, inactive_split_bytes (56) by remaining
+                        c = s[24 + kind] + 1
+                        s[24 + kind] = c
+                        s[28 + kind] += 1
+                        if c > s[26 + kind]:
+                            s[26 + kind] = c
+                        c += s[24 + other]
+                        if c > s[30]:
+                            s[30] = c
+                        c = s[56 + kind] + remaining
+                        s[56 + kind] = c
+                        s[60 + kind] += remaining
+                        if c > s[58 + kind]:
+                            s[58 + kind] = c
+                        c += s[56 + other]
+                        if c > s[62]:
+                            s[62] = c
+            elif was_split and not expandable:
+                s[S.INACTIVE_SPLIT + kind] -= 1
+                s[S.INACTIVE_SPLIT_BYTES + kind] -= block.size
+            block.state = ALLOCATED
+            block.requested = nbytes
+            size = block.size
+            # Three statistics rise together; inlined (see _stats.inc) for speed.
+            # allocation (base 0) by one
+            c = s[kind] + 1
+            s[kind] = c
+            s[kind + 4] += 1
+            if c > s[kind + 2]:
+                s[kind + 2] = c
+            c += s[other]
+            if c > s[6]:
+                s[6] = c
+            # allocated_bytes (32) by size
+            c = s[32 + kind] + size
+            s[32 + kind] = c
+            s[36 + kind] += size
+            if c > s[34 + kind]:
+                s[34 + kind] = c
+            c += s[32 + other]
+            if c > s[38]:
+                s[38] = c
+            # requested_bytes (64) by nbytes
+            c = s[64 + kind] + nbytes
+            s[64 + kind] = c
+            s[68 + kind] += nbytes
+            if c > s[66 + kind]:
+                s[66 + kind] = c
+            c += s[64 + other]
+            if c > s[70]:
+                s[70] = c
+            if s[16] or s[17]:
+                # active = allocated + pending; its peak needs a look only
+                # while some block is pending.
+                S.note_active_peak(s, kind)
+            if size >= self._ms:
+                S.inc(s, S.OVERSIZE_ALLOCATIONS, 0, 1)
+            if self._history is not None:
+                block.frames = self._history.block_frames()
+                self._history.record("alloc", block.ptr, size, handle, block.frames)
+            return block
+
+    def _bad_size(self, nbytes: object) -> None:
+        if isinstance(nbytes, int) and not isinstance(nbytes, bool):
+            if nbytes >= MAX_REQUEST:
+                raise OutOfMemoryError(
+                    f"{self._name} out of memory: tried to allocate more than 1EB "
+                    f"({nbytes} bytes); no device has that much memory",
+                    requested=nbytes,
+                    device=self.device,
+                )
+            raise InvalidValueError(f"cannot allocate {nbytes} bytes: the size must be at least 1")
+        raise InvalidValueError(f"nbytes={nbytes!r} must be an int number of bytes")
+
+    def _capture_pool(self, size: int, stream: Stream) -> Pool:
+        for private, accepts in reversed(self._captures):
+            if accepts(stream):
+                return private.small if size <= SMALL_SIZE else private.large
+        return self._small if size <= SMALL_SIZE else self._large
+
+    def _find_free(self, lst: list[tuple[int, int, Block]], i: int, size: int) -> Block | None:
+        """Best fit from ``lst[i]`` on, under the oversize and expandable rules;
+        taken off the list. None on a miss."""
+        n = len(lst)
+        ms = self._ms
+        while i < n:
+            bsize, _, b = lst[i]
+            if b.segment.expandable:
+                if not self._expandable:
+                    i += 1
+                    continue  # expandable segments were switched off: leave these be
+            elif (size < ms <= bsize) or (size >= ms and bsize >= size + self._nsr):
+                # Oversize cached blocks serve only requests close to their size;
+                # later candidates are larger still, but may be expandable.
+                if not b.pool.expandable:
+                    return None
+                i += 1
+                continue
+            del lst[i]
+            return b
+        return None
+
+    def _grow(self, pool: Pool, handle: int, size: int, stream: Stream) -> Block:
+        """Cache miss: new memory, after giving back cache if needed; or OOM."""
+        capturing = bool(self._captures)
+        if self._gc_threshold and self._allowed is not None and not capturing:
+            self._garbage_collect()
+        block = self._alloc_segment(pool, handle, size)
+        if block is None and not capturing and self._ms != _UNLIMITED:
+            if self._release_available(pool, handle, size):
+                block = self._alloc_segment(pool, handle, size)
+        if block is None and not capturing:
+            self._release_cached_blocks()
+            self._stats.s[S.NUM_ALLOC_RETRIES] += 1
+            block = self._alloc_segment(pool, handle, size)
+        if block is None:
+            raise self._out_of_memory(size, handle)
+        return block
+
+    def _alloc_segment(self, pool: Pool, handle: int, size: int) -> Block | None:
+        """New memory for ``size`` bytes, as a free block not on any list; None on OOM."""
+        if self._expandable:
+            return self._alloc_expandable(pool, handle, size)
+        alloc = allocation_size(size, self._large_segment)
+        if self._allowed is not None and self._reserved() + alloc > self._allowed:
+            return None
+        try:
+            ptr = self.upstream.allocate(alloc)
+        except OutOfMemoryError:
+            return None
+        seg = Segment(self, ptr, alloc, handle, pool, False)
+        block = Block(ptr, alloc, seg)
+        seg.head = block
+        self._segments[ptr] = seg
+        s = self._stats.s
+        S.inc(s, S.SEGMENT, pool.kind, 1)
+        S.inc(s, S.RESERVED_BYTES, pool.kind, alloc)
+        if alloc >= self._ms:
+            S.inc(s, S.OVERSIZE_SEGMENTS, 0, 1)
+        s[S.NUM_DEVICE_ALLOC] += 1
+        if pool.private is not None:
+            pool.private.segments += 1
+        if self._history is not None:
+            seg.frames = self._history.block_frames()
+            self._history.record("segment_alloc", ptr, alloc, handle, seg.frames)
+        return block
+
+    def _reserved(self) -> int:
+        s = self._stats.s
+        return s[S.RESERVED_BYTES] + s[S.RESERVED_BYTES + 1]
+
+    # -- expandable segments -------------------------------------------------------
+
+    def _page_size(self) -> int:
+        # PyTorch maps the large pool in large_segment_size (20 MiB) pages. accel
+        # uses 2 MiB pages (or the granularity, if larger) for both pools: the
+        # last page of a segment is the waste expandable segments still have,
+        # and 20 MiB of it per stream dominates models of a few hundred MiB
+        # (measured in docs/benchmarks.md); the price is more map calls.
+        unit = self.upstream.vm_granularity()
+        return -(-SMALL_BUFFER // unit) * unit
+
+    def _alloc_expandable(self, pool: Pool, handle: int, size: int) -> Block | None:
+        seg = pool.expandable.get(handle)
+        if seg is None:
+            seg = self._reserve_expandable(pool, handle)
+            if seg is None:
+                return None
+        # The lowest address where a free block plus the unmapped run after it
+        # hold ``size``: holes are filled before the end grows.
+        b = seg.head
+        while b is not None:
+            if not b.mapped:
+                prev = b.prev
+                before = prev.size if prev is not None and prev.state == FREE and prev.mapped else 0
+                if before + b.size >= size:
+                    break
+            b = b.next
+        if b is None:
+            return None
+        page = seg.page
+        nbytes = -(-(size - before) // page) * page
+        if self._allowed is not None and self._reserved() + nbytes > self._allowed:
+            return None
+        if not self._map_pages(seg, b.ptr, nbytes):
+            return None
+        if nbytes < b.size:
+            rest = Block(b.ptr + nbytes, b.size - nbytes, seg, mapped=False)
+            rest.prev, rest.next = b, b.next
+            if b.next is not None:
+                b.next.prev = rest
+            b.next = rest
+            b.size = nbytes
+        b.mapped = True
+        s = self._stats.s
+        S.inc(s, S.RESERVED_BYTES, pool.kind, nbytes)
+        s[S.NUM_DEVICE_ALLOC] += 1
+        if self._history is not None:
+            self._history.record("segment_map", b.ptr, nbytes, handle, None)
+        return self._merge_free(b)
+
+    def _reserve_expandable(self, pool: Pool, handle: int) -> Segment | None:
+        page = self._page_size()
+        _, total = self.upstream.memory_info()
+        # As PyTorch: room for the whole device plus an eighth, never exceeded.
+        size = -(-(total + total // 8) // page) * page
+        try:
+            base = self.upstream.vm_reserve(size)
+        except OutOfMemoryError:
+            return None
+        seg = Segment(self, base, size, handle, pool, True)
+        seg.page = page
+        seg.head = Block(base, size, seg, mapped=False)
+        pool.expandable[handle] = seg
+        self._segments[base] = seg
+        if pool.private is not None:
+            pool.private.segments += 1
+        return seg
+
+    def _map_pages(self, seg: Segment, addr: int, nbytes: int) -> bool:
+        """Map physical pages over ``[addr, addr + nbytes)``; all or nothing.
+
+        False when upstream is out of memory; other errors propagate, with
+        every page made in this call given back first.
+        """
+        page, done = seg.page, []
+        try:
+            for start in range(addr, addr + nbytes, page):
+                h = self.upstream.vm_create(page)
+                try:
+                    self.upstream.vm_map(start, page, h)
+                except BaseException:
+                    self.upstream.vm_release(h, page)
+                    raise
+                done.append((start, h))
+        except BaseException as exc:
+            for start, h in reversed(done):
+                self.upstream.vm_unmap(start, page)
+                self.upstream.vm_release(h, page)
+            if isinstance(exc, OutOfMemoryError):
+                return False
+            raise
+        for start, h in done:
+            seg.pages[(start - seg.base) // page] = h
+        return True
+
+    def _unmap_free(self, b: Block) -> int:
+        """Unmap the whole pages inside free block ``b`` (already off its list).
+
+        Returns the bytes unmapped; the parts before and after stay free.
+        """
+        seg, page = b.segment, b.segment.page
+        first = seg.base + -(-(b.ptr - seg.base) // page) * page
+        last = seg.base + (b.ptr + b.size - seg.base) // page * page
+        if last <= first:
+            self._insert_free(b)
+            return 0
+        done = first
+        try:
+            while done < last:
+                index = (done - seg.base) // page
+                self.upstream.vm_unmap(done, page)
+                self.upstream.vm_release(seg.pages.pop(index), page)
+                done += page
+        finally:
+            if done > first:
+                self._carve_unmapped(b, first, done)
+            else:
+                self._insert_free(b)
+        return done - first
+
+    def _carve_unmapped(self, b: Block, first: int, last: int) -> None:
+        """Split free block ``b`` so that ``[first, last)`` is an unmapped block."""
+        seg, end = b.segment, b.ptr + b.size
+        pieces = []
+        if first > b.ptr:
+            pieces.append((b.ptr, first - b.ptr, True))
+        pieces.append((first, last - first, False))
+        if end > last:
+            pieces.append((last, end - last, True))
+        prev, nxt = b.prev, b.next
+        made = []
+        for ptr, size, mapped in pieces:
+            nb = b if not made else Block(ptr, size, seg, mapped)
+            nb.ptr, nb.size, nb.mapped = ptr, size, mapped
+            nb.prev = made[-1] if made else prev
+            if made:
+                made[-1].next = nb
+            made.append(nb)
+        made[-1].next = nxt
+        if nxt is not None:
+            nxt.prev = made[-1]
+        if prev is None:
+            seg.head = made[0]
+        s = self._stats.s
+        unmapped = last - first
+        s[S.RESERVED_BYTES + seg.pool.kind] -= unmapped
+        s[S.NUM_DEVICE_FREE] += 1
+        if self._history is not None:
+            self._history.record("segment_unmap", first, unmapped, seg.stream, None)
+        for nb in made:
+            if nb.mapped:
+                self._insert_free(nb)
+            else:
+                self._merge_unmapped(nb)
+
+    def _merge_unmapped(self, b: Block) -> None:
+        for neighbour in (b.prev, b.next):
+            if neighbour is not None and not neighbour.mapped:
+                self._absorb(b, neighbour)
+        seg = b.segment
+        if b.prev is None and b.next is None:
+            # Wholly unmapped: give the reservation back.
+            self.upstream.vm_free(seg.base, seg.size)
+            del seg.pool.expandable[seg.stream]
+            del self._segments[seg.base]
+            if seg.pool.private is not None:
+                seg.pool.private.segments -= 1
+
+    # -- free ------------------------------------------------------------------------
+
+    def free(self, block: Block) -> None:
+        """Give ``block`` back; it is reused once every stream that used it passed
+        this point (see :meth:`record_stream`)."""
+        with self._lock:
+            if block.state != ALLOCATED or block.segment.owner is not self:
+                raise InvalidHandleError(
+                    f"{block!r} is not allocated by {self!r} (freed twice, or from another allocator)"
+                )
+            if block.stream_uses or self._history is not None:
+                self._free_locked(block)
+                return
+            s = self._s
+            kind = block.pool.kind
+            size = block.size
+            s[kind] -= 1  # allocation
+            s[32 + kind] -= size  # allocated_bytes
+            if size >= self._ms:
+                s[S.OVERSIZE_ALLOCATIONS] -= 1
+            self._free_block(block)
+
+    def _free_locked(self, block: Block) -> None:
+        s = self._stats.s
+        kind = block.pool.kind
+        size = block.size
+        s[S.ALLOCATION + kind] -= 1
+        s[S.ALLOCATED_BYTES + kind] -= size
+        if size >= self._ms:
+            s[S.OVERSIZE_ALLOCATIONS] -= 1
+        if self._history is not None:
+            self._history.record("free_requested", block.ptr, size, block.stream, None)
+        if block.stream_uses:
+            block.state = PENDING
+            s[S.ACTIVE + kind] += 1  # pending: still active, no longer allocated
+            s[S.ACTIVE_BYTES + kind] += size
+            if self._captures:
+                self._deferred.append(block)
+            else:
+                self._insert_events(block)
+        else:
+            self._free_block(block)
+
+    def free_from_finalizer(self, block: Block) -> None:
+        """Free from a garbage-collection finalizer, which may run while this
+        thread already holds the lock: then the free waits for the next call."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if block.state == ALLOCATED:
+                    self._free_locked(block)
+            finally:
+                self._lock.release()
+        else:
+            self._gc_frees.append(block)
+
+    def _drain_gc_frees(self) -> None:
+        while self._gc_frees:
+            block = self._gc_frees.popleft()
+            if block.state == ALLOCATED:
+                self._free_locked(block)
+
+    def _free_block(self, block: Block) -> None:
+        """Return ``block`` to its pool's free list, merged with free neighbours.
+
+        The hot half of every free: merging and list updates are inlined.
+        """
+        s = self._s
+        pool = block.pool
+        kind = pool.kind
+        if block.state == PENDING:
+            s[16 + kind] -= 1  # pending part of active
+            s[48 + kind] -= block.size  # pending part of active_bytes
+        s[64 + kind] -= block.requested  # requested_bytes
+        block.requested = 0
+        block.stream_uses = None
+        block.frames = None
+        if self._history is not None:
+            self._history.record("free_completed", block.ptr, block.size, block.stream, None)
+        block.state = FREE
+        lst = pool.free.get(block.stream)
+        if lst is None:
+            lst = pool.free[block.stream] = []
+        split_counted = not block.segment.expandable
+        spare = self._spare
+        prev = block.prev
+        if prev is not None and prev.state == FREE and prev.mapped:
+            del lst[bisect_left(lst, (prev.size, prev.ptr))]
+            if split_counted:
+                s[24 + kind] -= 1  # inactive_split
+                s[56 + kind] -= prev.size  # inactive_split_bytes
+            block.ptr = prev.ptr
+            block.size += prev.size
+            spare.append(prev)
+            prev = block.prev = prev.prev
+            if prev is not None:
+                prev.next = block
+            else:
+                block.segment.head = block
+        nxt = block.next
+        if nxt is not None and nxt.state == FREE and nxt.mapped:
+            del lst[bisect_left(lst, (nxt.size, nxt.ptr))]
+            if split_counted:
+                s[24 + kind] -= 1
+                s[56 + kind] -= nxt.size
+            block.size += nxt.size
+            spare.append(nxt)
+            nxt = block.next = nxt.next
+            if nxt is not None:
+                nxt.prev = block
+        block.gc_base = pool.calls
+        insort(lst, (block.size, block.ptr, block))
+        if split_counted and (prev is not None or nxt is not None):
+            S.inc(s, S.INACTIVE_SPLIT, kind, 1)
+            S.inc(s, S.INACTIVE_SPLIT_BYTES, kind, block.size)
+
+    def _merge_free(self, block: Block) -> Block:
+        """Merge free mapped neighbours into ``block`` (FREE, off every list)."""
+        expandable = block.segment.expandable
+        s = self._stats.s
+        kind = block.pool.kind
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and neighbour.state == FREE and neighbour.mapped:
+                self._take_off_list(neighbour)
+                if not expandable:
+                    s[S.INACTIVE_SPLIT + kind] -= 1
+                    s[S.INACTIVE_SPLIT_BYTES + kind] -= neighbour.size
+                self._absorb(block, neighbour)
+        return block
+
+    def _absorb(self, block: Block, neighbour: Block) -> None:
+        if neighbour is block.prev:
+            block.ptr = neighbour.ptr
+            block.prev = neighbour.prev
+            if block.prev is not None:
+                block.prev.next = block
+            else:
+                block.segment.head = block
+        else:
+            block.next = neighbour.next
+            if block.next is not None:
+                block.next.prev = block
+        block.size += neighbour.size
+
+    def _insert_free(self, block: Block) -> None:
+        """Put FREE mapped ``block`` on its free list (inactive-split counted)."""
+        pool = block.pool
+        block.gc_base = pool.calls
+        lst = pool.free.get(block.stream)
+        if lst is None:
+            pool.free[block.stream] = [(block.size, block.ptr, block)]
+        else:
+            insort(lst, (block.size, block.ptr, block))
+        if not block.segment.expandable and (block.prev is not None or block.next is not None):
+            s = self._stats.s
+            S.inc(s, S.INACTIVE_SPLIT, pool.kind, 1)
+            S.inc(s, S.INACTIVE_SPLIT_BYTES, pool.kind, block.size)
+
+    def _take_off_list(self, block: Block) -> None:
+        lst = block.pool.free[block.stream]
+        del lst[bisect_left(lst, (block.size, block.ptr))]
+
+    # -- streams -----------------------------------------------------------------------
+
+    def record_stream(self, block: Block, stream: Stream) -> None:
+        """Mark ``block`` as used on ``stream`` too: after a free it is reused only
+        once ``stream`` passed an event recorded at free time."""
+        if stream._device != self.device or stream._runtime.backend is not self.backend:
+            raise DeviceError(
+                f"{stream!r} is not a stream of {self._name}; record_stream needs a stream of "
+                "the device the memory lives on"
+            )
+        handle = stream._live()
+        with self._lock:
+            if block.state != ALLOCATED or block.segment.owner is not self:
+                raise InvalidHandleError(f"record_stream on {block!r}, which is not allocated here")
+            if handle == block.stream:
+                return
+            if block.stream_uses is None:
+                block.stream_uses = {handle}
+            else:
+                block.stream_uses.add(handle)
+
+    def _insert_events(self, block: Block) -> None:
+        uses, block.stream_uses = block.stream_uses or set(), None
+        for handle in uses:
+            event = self._events.pop() if self._events else self._new_event()
+            try:
+                self.backend.event_record(self.device, event, handle)
+            except InvalidHandleError:
+                # The stream was closed; its queued work still runs, so wait
+                # for the whole device instead of that stream.
+                self._events.append(event)
+                self.backend.device_synchronize(self.device)
+                continue
+            block.event_count += 1
+            queue = self._pending.get(handle)
+            if queue is None:
+                queue = self._pending[handle] = deque()
+            queue.append((event, block))
+        if block.event_count == 0:
+            self._free_block(block)
+
+    def _new_event(self) -> int:
+        self._events_created += 1
+        return self.backend.event_create(self.device, timing=False, blocking=False, interprocess=False)
+
+    def _process_events(self) -> None:
+        for handle in list(self._pending):
+            queue = self._pending[handle]
+            while queue:
+                event, block = queue[0]
+                if not self.backend.event_query(self.device, event):
+                    break
+                queue.popleft()
+                self._events.append(event)
+                block.event_count -= 1
+                if block.event_count == 0:
+                    self._free_block(block)
+            if not queue:
+                del self._pending[handle]
+
+    def _synchronize_and_free_events(self) -> None:
+        self._stats.s[S.NUM_SYNC_ALL_STREAMS] += 1
+        for queue in self._pending.values():
+            for event, block in queue:
+                self.backend.event_synchronize(self.device, event)
+                self._events.append(event)
+                block.event_count -= 1
+                if block.event_count == 0:
+                    self._free_block(block)
+        self._pending.clear()
+
+    @property
+    def events_created(self) -> int:
+        """Backend events created for cross-stream frees (they are pooled and reused)."""
+        return self._events_created
+
+    # -- giving memory back --------------------------------------------------------------
+
+    def empty_cache(self) -> None:
+        """Give every unused cached segment (and unused expandable page) back upstream.
+
+        Partly used segments stay. Does nothing to the driver while a capture
+        is under way.
+        """
+        with self._lock:
+            if self._gc_frees:
+                self._drain_gc_frees()
+            self._release_cached_blocks()
+
+    def _release_cached_blocks(self) -> None:
+        """Give back every free whole segment and free expandable page of the
+        default pools and of the private pools no graph uses any more."""
+        if self._captures:
+            return  # never return memory upstream during a capture
+        self._synchronize_and_free_events()
+        freeable = [p for p in self._private.values() if p.use_count == 0]
+        pools = [self._small, self._large]
+        for private in freeable:
+            pools += [private.small, private.large]
+        victims = [
+            b
+            for pool in pools
+            for lst in pool.free.values()
+            for _, _, b in lst
+            if b.segment.expandable or (b.prev is None and b.next is None)
+        ]
+        if victims:
+            self._release(victims)
+        # Reservations left wholly unmapped (a failed first map) go back too.
+        for pool in pools:
+            for seg in list(pool.expandable.values()):
+                head = seg.head
+                if head is not None and not head.mapped and head.next is None:
+                    self._merge_unmapped(head)
+        for private in freeable:
+            if private.segments == 0:
+                del self._private[private.id]
+
+    def _release(self, blocks: list[Block]) -> None:
+        """Give free ``blocks`` (whole segments, or expandable free ranges) back upstream."""
+        # Upstream frees are not stream ordered on every backend: let queued work finish.
+        self.backend.device_synchronize(self.device)
+        for b in blocks:
+            self._take_off_list(b)
+            if b.segment.expandable:
+                self._unmap_free(b)
+            else:
+                self._release_segment(b)
+
+    def _release_segment(self, b: Block) -> None:
+        seg = b.segment
+        try:
+            self.upstream.deallocate(seg.base, seg.size)
+        except BaseException:
+            self._insert_free(b)
+            raise
+        del self._segments[seg.base]
+        s = self._stats.s
+        s[S.SEGMENT + seg.pool.kind] -= 1
+        s[S.RESERVED_BYTES + seg.pool.kind] -= seg.size
+        if seg.size >= self._ms:
+            s[S.OVERSIZE_SEGMENTS] -= 1
+        s[S.NUM_DEVICE_FREE] += 1
+        if seg.pool.private is not None:
+            seg.pool.private.segments -= 1
+        if self._history is not None:
+            self._history.record("segment_free", seg.base, seg.size, seg.stream, None)
+
+    def _release_available(self, pool: Pool, handle: int, size: int) -> bool:
+        """PyTorch's ``release_available_cached_blocks``: free one oversize block
+        that fits, else the largest oversize ones until ``max(size, MS)`` is freed."""
+        key = max(size, self._ms)
+        lst = pool.free.get(handle, [])
+        whole = [b for _, _, b in lst if not b.segment.expandable and b.prev is None and b.next is None]
+        fitting = [b for b in whole if b.size >= key]
+        if fitting:
+            self._release([fitting[0]])
+            return True
+        oversize = [b for b in reversed(whole) if b.size >= self._ms]
+        chosen, total = [], 0
+        for b in oversize:
+            chosen.append(b)
+            total += b.size
+            if total >= key:
+                break
+        if chosen:
+            self._release(chosen)
+        return total >= key
+
+    def _garbage_collect(self) -> None:
+        """Free old unsplit large blocks until reserved is under the threshold."""
+        assert self._allowed is not None
+        threshold = int(self._gc_threshold * self._allowed)
+        reserved = self._reserved()
+        if reserved <= threshold:
+            return
+        target = reserved - threshold
+        pool = self._large
+        candidates = [
+            b
+            for lst in pool.free.values()
+            for _, _, b in lst
+            if not b.segment.expandable and b.prev is None and b.next is None
+        ]
+        reclaimed = 0
+        while reclaimed < target and candidates:
+            average = sum(pool.calls - b.gc_base for b in candidates) / len(candidates)
+            old = [b for b in candidates if pool.calls - b.gc_base >= average]
+            if not old:
+                break
+            self._release(old)
+            reclaimed += sum(b.size for b in old)
+            candidates = [b for b in candidates if b not in old]
+
+    # -- private pools ------------------------------------------------------------------
+
+    def begin_allocate_to_pool(self, pool_id: tuple[int, int], stream_filter: Callable[[Stream], bool]) -> None:
+        """Route allocations on streams that ``stream_filter`` accepts to private pool
+        ``pool_id`` (created here, or its use count raised) until :meth:`end_allocate_to_pool`."""
+        pool_id = _check_pool_id(pool_id)
+        if not callable(stream_filter):
+            raise InvalidValueError(f"stream_filter={stream_filter!r} must be callable")
+        with self._lock:
+            if any(p.id == pool_id for p, _ in self._captures):
+                raise CaptureError(f"begin_allocate_to_pool: already recording to pool {pool_id}")
+            private = self._private.get(pool_id)
+            if private is None:
+                private = self._private[pool_id] = PrivatePool(pool_id)
+            else:
+                private.use_count += 1
+            self._captures.append((private, stream_filter))
+
+    def end_allocate_to_pool(self, pool_id: tuple[int, int]) -> None:
+        """Stop routing allocations to ``pool_id``; the pool stays until :meth:`release_pool`."""
+        with self._lock:
+            for i, (private, _) in enumerate(self._captures):
+                if private.id == pool_id:
+                    del self._captures[i]
+                    break
+            else:
+                raise CaptureError(f"end_allocate_to_pool: not currently recording to pool {pool_id}")
+            if not self._captures and self._deferred:
+                deferred, self._deferred = self._deferred, []
+                for block in deferred:
+                    self._insert_events(block)
+
+    def release_pool(self, pool_id: tuple[int, int]) -> None:
+        """Drop one use of ``pool_id`` (a graph that is gone).
+
+        At zero uses the pool is *freeable*, as in PyTorch: its memory goes
+        back upstream at the next :meth:`empty_cache` or when an allocation
+        needs the room (that flush waits for the streams; doing it here would
+        make deleting a graph wait for unrelated work). A pool that holds no
+        memory goes at once.
+        """
+        with self._lock:
+            private = self._private.get(pool_id)
+            if private is None or private.use_count == 0:
+                raise InvalidValueError(f"release_pool: {pool_id} is not a live private pool")
+            private.use_count -= 1
+            if private.use_count == 0 and private.segments == 0:
+                del self._private[pool_id]
+
+    def pool_ids(self) -> list[tuple[int, int]]:
+        """Ids of the private pools that still exist."""
+        with self._lock:
+            return list(self._private)
+
+    # -- introspection -----------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """PyTorch's ``memory_stats`` keys for this device, sorted."""
+        with self._lock:
+            if self._gc_frees:
+                self._drain_gc_frees()
+            return self._stats.as_dict(-1 if self._ms == _UNLIMITED else self._ms)
+
+    def reset_peak_stats(self) -> None:
+        with self._lock:
+            self._stats.reset_peak()
+
+    def reset_accumulated_stats(self) -> None:
+        with self._lock:
+            self._stats.reset_accumulated()
+
+    def record_history(self, history: History | None) -> None:
+        """Start (or, with None, stop and clear) recording the trace."""
+        with self._lock:
+            self._history = history
+
+    def trace(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._history.entries) if self._history is not None else []
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Segments and their blocks in the layout of PyTorch's ``memory_snapshot()``.
+
+        An expandable segment shows as one segment per contiguous mapped range.
+        """
+        with self._lock:
+            if self._gc_frees:
+                self._drain_gc_frees()
+            out = []
+            for seg in self._segments.values():
+                pool_id = seg.pool.private.id if seg.pool.private is not None else (0, 0)
+                runs: list[list[Block]] = [[]]
+                for b in seg.blocks():
+                    if b.mapped:
+                        runs[-1].append(b)
+                    elif runs[-1]:
+                        runs.append([])
+                for run in runs:
+                    if run:
+                        out.append(self._segment_dict(seg, run, pool_id))
+            if self._history is not None:
+                active = sum(x["active_size"] for x in out)
+                self._history.record("snapshot", 0, active, 0, None)
+            return sorted(out, key=lambda x: x["address"])
+
+    def _segment_dict(self, seg: Segment, run: list[Block], pool_id: tuple[int, int]) -> dict[str, Any]:
+        blocks = []
+        allocated = active = requested = 0
+        for b in run:
+            if b.state == ALLOCATED:
+                state = "active_allocated"
+                allocated += b.size
+            elif b.state == PENDING:
+                state = "active_pending_free"
+            else:
+                state = "inactive"
+            if state != "inactive":
+                active += b.size
+                requested += b.requested
+            blocks.append(
+                {
+                    "address": b.ptr,
+                    "size": b.size,
+                    "requested_size": b.requested if state != "inactive" else 0,
+                    "state": state,
+                    "frames": b.frames or [],
+                }
+            )
+        return {
+            "device": self.device,
+            "address": run[0].ptr,
+            "total_size": sum(b.size for b in run),
+            "allocated_size": allocated,
+            "active_size": active,
+            "requested_size": requested,
+            "stream": seg.stream,
+            "segment_type": "small" if seg.pool.small else "large",
+            "segment_pool_id": pool_id,
+            "is_expandable": seg.expandable,
+            "frames": seg.frames,
+            "blocks": blocks,
+        }
+
+    def largest_free_block(self) -> int:
+        with self._lock:
+            return self._largest_free()
+
+    def _largest_free(self) -> int:
+        return max(
+            (lst[-1][0] for pool in self._all_pools() for lst in pool.free.values() if lst),
+            default=0,
+        )
+
+    def _all_pools(self) -> list[Pool]:
+        pools = [self._small, self._large]
+        for private in self._private.values():
+            pools += [private.small, private.large]
+        return pools
+
+    def _out_of_memory(self, size: int, handle: int) -> OutOfMemoryError:
+        s = self._stats.s
+        s[S.NUM_OOMS] += 1
+        free, total = self.upstream.memory_info()
+        if self._history is not None:
+            self._history.record("oom", free, size, handle, None)
+        private_reserved = 0
+        private_allocated = 0
+        for private in self._private.values():
+            for pool in (private.small, private.large):
+                for seg in self._segments.values():
+                    if seg.pool is pool:
+                        for b in seg.blocks():
+                            if b.mapped:
+                                private_reserved += b.size
+                                if b.state != FREE:
+                                    private_allocated += b.size
+        cached_free = sum(t[0] for pool in self._all_pools() for lst in pool.free.values() for t in lst)
+        details = OutOfMemoryDetails(
+            device=self._name,
+            requested=size,
+            total=total,
+            free=free,
+            allowed=self._allowed,
+            fraction=self._fraction,
+            allocated=s[S.ALLOCATED_BYTES] + s[S.ALLOCATED_BYTES + 1],
+            reserved=self._reserved(),
+            private_pools=private_allocated,
+            private_reserved=private_reserved,
+            largest_free_block=self._largest_free(),
+            cached_free=cached_free,
+            expandable_segments=self._expandable,
+            capturing=bool(self._captures),
+        )
+        return out_of_memory(details, self.device)
+

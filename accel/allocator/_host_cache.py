@@ -1,0 +1,209 @@
+"""A cache of page-locked host memory for asynchronous copies.
+
+``Backend.host_malloc`` is slow on real drivers (cuMemHostAlloc pins pages,
+zeMemAllocHost maps them into the device's address space), so freed staging
+blocks are kept and reused, as PyTorch's CachingHostAllocator does. A block
+used by copies on streams (``record_stream``) is reused only after those
+streams passed an event recorded when it was freed.
+
+Sizes up to ``pinned_max_round_threshold`` (every size when unset) round up
+to a power of two, so that blocks are reusable across near sizes; larger
+sizes round to whole pages. ``pinned_max_cached_size`` caps what is kept.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import TYPE_CHECKING
+
+from accel._errors import DeviceError, InvalidHandleError, InvalidValueError
+from accel.backends.base import Backend
+
+if TYPE_CHECKING:
+    from accel.allocator.config import AllocatorConfig
+    from accel.stream._stream import Stream
+
+__all__ = ["HostBlock", "HostCachingAllocator"]
+
+_PAGE = 4096
+
+
+class HostBlock:
+    """One staging allocation: ``ptr``, ``size`` (rounded) and who used it."""
+
+    __slots__ = ("ptr", "size", "allocated", "stream_uses", "events")
+
+    def __init__(self, ptr: int, size: int) -> None:
+        self.ptr = ptr
+        self.size = size
+        self.allocated = False
+        self.stream_uses: set[tuple[int, int]] = set()  # (device, stream handle)
+        self.events: list[tuple[int, int]] = []  # (device, event) recorded at free
+
+    def __repr__(self) -> str:
+        return f"<HostBlock {self.ptr:#x} {self.size} bytes>"
+
+
+class HostCachingAllocator:
+    """Staging memory of one backend, cached by rounded size.
+
+    >>> from accel.backends.cpu import CpuBackend
+    >>> from accel.allocator.config import AllocatorConfig
+    >>> host = HostCachingAllocator(CpuBackend(1, None), AllocatorConfig())
+    >>> b = host.malloc(3000); b.size
+    4096
+    >>> host.free(b); host.malloc(4000) is b
+    True
+    """
+
+    def __init__(self, backend: Backend, config: AllocatorConfig) -> None:
+        self.backend = backend
+        self._lock = threading.Lock()
+        self._free: dict[int, list[HostBlock]] = {}  # rounded size -> reusable blocks
+        self._pending: list[HostBlock] = []  # freed, waiting for their events
+        self._live: dict[int, HostBlock] = {}  # ptr -> every block this cache holds
+        self._events: dict[int, list[int]] = {}  # device -> pooled events
+        self._gc_frees: deque[HostBlock] = deque()  # frees from finalizers that found the lock taken
+        self.allocated_bytes = 0
+        self.reserved_bytes = 0
+        self.cached_bytes = 0
+        self.update_config(config)
+
+    def update_config(self, config: AllocatorConfig) -> None:
+        self._round_threshold = config.pinned_max_round_threshold
+        self._max_cached = config.pinned_max_cached_size
+
+    def _round(self, nbytes: int) -> int:
+        if self._round_threshold is None or nbytes <= self._round_threshold:
+            return max(_PAGE, 1 << (nbytes - 1).bit_length())
+        return -(-nbytes // _PAGE) * _PAGE
+
+    def malloc(self, nbytes: int) -> HostBlock:
+        """A staging block of at least ``nbytes`` (reused when one is free)."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise InvalidValueError(f"nbytes={nbytes!r} must be a positive int")
+        size = self._round(nbytes)
+        with self._lock:
+            if self._gc_frees:
+                self._drain_gc_frees()
+            self._process_events()
+            blocks = self._free.get(size)
+            if blocks:
+                block = blocks.pop()
+                self.cached_bytes -= size
+            else:
+                block = None
+        if block is None:
+            # host_malloc can take long on a real driver; do not hold the lock.
+            block = HostBlock(self.backend.host_malloc(size), size)
+            with self._lock:
+                self._live[block.ptr] = block
+                self.reserved_bytes += size
+        with self._lock:
+            block.allocated = True
+            self.allocated_bytes += size
+        return block
+
+    def record_stream(self, block: HostBlock, stream: Stream) -> None:
+        """Mark ``block`` as used by work queued on ``stream``."""
+        if stream._runtime.backend is not self.backend:
+            raise DeviceError(f"{stream!r} belongs to another backend than this staging memory")
+        handle = stream._live()
+        with self._lock:
+            if not block.allocated or self._live.get(block.ptr) is not block:
+                raise InvalidHandleError(f"record_stream on {block!r}, which is not allocated")
+            block.stream_uses.add((stream.device_index, handle))
+
+    def free(self, block: HostBlock) -> None:
+        """Give ``block`` back; it is reused after the streams that used it pass this point."""
+        with self._lock:
+            if not block.allocated or self._live.get(block.ptr) is not block:
+                raise InvalidHandleError(f"{block!r} is not allocated (freed twice?)")
+            self._free_locked(block)
+
+    def free_from_finalizer(self, block: HostBlock) -> None:
+        """Free from a garbage-collection finalizer, which may run while this
+        thread holds the lock: then the free waits for the next call."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if block.allocated:
+                    self._free_locked(block)
+            finally:
+                self._lock.release()
+        else:
+            self._gc_frees.append(block)
+
+    def _drain_gc_frees(self) -> None:
+        while self._gc_frees:
+            block = self._gc_frees.popleft()
+            if block.allocated:
+                self._free_locked(block)
+
+    def _free_locked(self, block: HostBlock) -> None:
+        block.allocated = False
+        self.allocated_bytes -= block.size
+        for device, handle in block.stream_uses:
+            pool = self._events.setdefault(device, [])
+            event = pool.pop() if pool else self.backend.event_create(
+                device, timing=False, blocking=False, interprocess=False
+            )
+            try:
+                self.backend.event_record(device, event, handle)
+            except InvalidHandleError:
+                pool.append(event)  # stream closed: wait for the whole device
+                self.backend.device_synchronize(device)
+                continue
+            block.events.append((device, event))
+        block.stream_uses.clear()
+        if block.events:
+            self._pending.append(block)
+        else:
+            self._cache(block)
+
+    def _cache(self, block: HostBlock) -> None:
+        self._free.setdefault(block.size, []).append(block)
+        self.cached_bytes += block.size
+        if self._max_cached is not None and self.cached_bytes > self._max_cached:
+            self._release_free()
+
+    def _process_events(self) -> None:
+        still = []
+        for block in self._pending:
+            while block.events and self.backend.event_query(*block.events[-1]):
+                device, event = block.events.pop()
+                self._events[device].append(event)
+            if block.events:
+                still.append(block)
+            else:
+                self._cache(block)
+        self._pending = still
+
+    def _release_free(self) -> None:
+        for blocks in self._free.values():
+            for block in blocks:
+                self.backend.host_free(block.ptr)
+                del self._live[block.ptr]
+                self.reserved_bytes -= block.size
+                self.cached_bytes -= block.size
+        self._free.clear()
+
+    def empty_cache(self) -> None:
+        """Free every cached block whose copies completed (pending ones stay)."""
+        with self._lock:
+            if self._gc_frees:
+                self._drain_gc_frees()
+            self._process_events()
+            self._release_free()
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            if self._gc_frees:
+                self._drain_gc_frees()
+            self._process_events()
+            return {
+                "allocated_bytes": self.allocated_bytes,
+                "reserved_bytes": self.reserved_bytes,
+                "cached_bytes": self.cached_bytes,
+                "pending_blocks": len(self._pending),
+            }

@@ -1,0 +1,104 @@
+"""Out-of-memory reports: PyTorch's information, a fragmentation measure, fitting advice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from accel._errors import OutOfMemoryError
+from accel._units import format_size
+
+__all__ = ["OutOfMemoryDetails", "out_of_memory"]
+
+
+@dataclass(frozen=True)
+class OutOfMemoryDetails:
+    """The state of a device allocator when a request failed (bytes unless noted).
+
+    Attached to the error as ``details``. ``fragmentation`` is the share of
+    cached free memory outside the largest free block: 0 when the free cache
+    is one piece (or empty), near 1 when it is scattered.
+    """
+
+    device: str
+    requested: int
+    total: int
+    free: int
+    allowed: int | None
+    fraction: float | None
+    allocated: int
+    reserved: int
+    private_pools: int
+    private_reserved: int
+    largest_free_block: int
+    cached_free: int
+    expandable_segments: bool
+    capturing: bool
+
+    @property
+    def reserved_unallocated(self) -> int:
+        return self.reserved - self.allocated
+
+    @property
+    def fragmentation(self) -> float:
+        if self.cached_free == 0:
+            return 0.0
+        return 1.0 - self.largest_free_block / self.cached_free
+
+
+def _advice(d: OutOfMemoryDetails) -> str:
+    if d.allowed is not None and d.reserved + d.requested > d.allowed and d.free >= d.requested:
+        return (
+            f"The per-process memory fraction ({d.fraction:g}) is what stops this request: raise it "
+            "with accel.memory.set_per_process_memory_fraction() or per_process_memory_fraction in "
+            "ACCEL_ALLOC_CONF."
+        )
+    tips = []
+    if d.capturing:
+        tips.append(
+            "A graph capture is under way, so the cache was not flushed to make room; allocate "
+            "before capturing, or capture a smaller batch."
+        )
+    if d.private_reserved and d.private_reserved >= d.requested:
+        tips.append(
+            f"{format_size(d.private_reserved)} is held by graph private pools: delete graphs you "
+            "no longer replay, or share one pool between graphs (accel.memory.graph_pool_handle())."
+        )
+    # Fragmentation is the cause when the request would fit in the cached free
+    # memory plus what the device still has, had the cache been one piece.
+    large_waste = d.reserved_unallocated > 0 and d.reserved_unallocated + d.free >= d.requested
+    if large_waste and not d.expandable_segments:
+        tips.append(
+            "Reserved but unallocated memory is large: set ACCEL_ALLOC_CONF=expandable_segments:True "
+            "to avoid fragmentation."
+        )
+    elif large_waste:
+        tips.append(
+            "Cached memory is fragmented even with expandable segments: free long-lived buffers "
+            "allocated between short-lived ones, or call accel.memory.empty_cache() after large "
+            "temporary use."
+        )
+    if not tips:
+        tips.append("Free buffers you no longer need, or allocate less (a smaller batch).")
+    return " ".join(tips)
+
+
+def out_of_memory(d: OutOfMemoryDetails, device: int) -> OutOfMemoryError:
+    """The error the caching allocator raises; ``details`` holds the numbers."""
+    backend = d.device.partition(":")[0]
+    text = (
+        f"{backend} out of memory. Tried to allocate {format_size(d.requested)}. Device {d.device} "
+        f"has a total capacity of {format_size(d.total)} of which {format_size(d.free)} is free. "
+    )
+    if d.allowed is not None:
+        text += f"{format_size(d.allowed)} allowed; "
+    text += f"Of the allocated memory {format_size(d.allocated)} is allocated by accel, "
+    if d.private_pools:
+        text += f"with {format_size(d.private_pools)} allocated in private pools (graph capture), "
+    text += (
+        f"and {format_size(d.reserved_unallocated)} is reserved by accel but unallocated. "
+        f"The largest free cached block is {format_size(d.largest_free_block)}; fragmentation "
+        f"{d.fragmentation:.2f}. {_advice(d)}"
+    )
+    error = OutOfMemoryError(text, requested=d.requested, device=device)
+    error.details = d  # type: ignore[attr-defined]
+    return error

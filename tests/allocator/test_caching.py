@@ -1,0 +1,769 @@
+"""Unit tests of the caching DeviceAllocator over a private host backend."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from accel._errors import CaptureError, DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
+from accel._runtime import Runtime
+from accel.allocator import _stats as S
+from accel.allocator._blocks import ALLOCATED, FREE, PENDING
+from accel.allocator._caching import DeviceAllocator, allocation_size, round_size
+from accel.allocator.config import AllocatorConfig, parse
+from accel.backends.cpu import CpuBackend
+
+MiB = 1 << 20
+
+
+def check_invariants(alloc: DeviceAllocator) -> None:
+    """Everything the allocator's structures must satisfy, recounted from scratch."""
+    with alloc._lock:
+        segments = sorted(alloc._segments.values(), key=lambda seg: seg.base)
+        for a, b in zip(segments, segments[1:]):
+            assert a.base + a.size <= b.base, "segments overlap"
+        # per pool kind: allocation, allocated, active, active_bytes, requested, segment,
+        # reserved, inactive_split, inactive_split_bytes
+        count = {k: [0] * 9 for k in (0, 1)}
+        listed = 0
+        for seg in segments:
+            kind = seg.pool.kind
+            blocks = seg.blocks()
+            assert blocks[0].ptr == seg.base and blocks[0].prev is None
+            end = seg.base
+            for prev, b in zip([None, *blocks], blocks):
+                assert b.prev is prev and b.ptr == end and b.size > 0, "blocks must tile the segment"
+                assert b.segment is seg and b.pool is seg.pool and b.stream == seg.stream
+                end += b.size
+                if prev is not None and b.state == FREE and prev.state == FREE:
+                    assert prev.mapped != b.mapped, "adjacent free blocks were not merged"
+                if not seg.expandable:
+                    assert b.mapped
+                if b.state == ALLOCATED:
+                    count[kind][0] += 1
+                    count[kind][1] += b.size
+                if b.state in (ALLOCATED, PENDING):
+                    count[kind][2] += 1
+                    count[kind][3] += b.size
+                    count[kind][4] += b.requested
+                if b.state == PENDING:
+                    assert b.event_count > 0 or b in alloc._deferred
+                if b.state == FREE and b.mapped:
+                    lst = seg.pool.free[seg.stream]
+                    from bisect import bisect_left
+
+                    i = bisect_left(lst, (b.size, b.ptr))
+                    assert lst[i][2] is b, "free block missing from its free list"
+                    listed += 1
+                    if not seg.expandable and b.is_split():
+                        count[kind][7] += 1
+                        count[kind][8] += b.size
+                if b.mapped:
+                    count[kind][6] += b.size
+                if seg.expandable:
+                    page = seg.page
+                    for p in range((b.ptr - seg.base) // page, (b.ptr + b.size - seg.base) // page):
+                        assert (p in seg.pages) == b.mapped, "page map disagrees with blocks"
+            assert end == seg.base + seg.size, "blocks do not cover the segment"
+            if not seg.expandable:
+                count[kind][5] += 1
+        total_listed = 0
+        for pool in alloc._all_pools():
+            for lst in pool.free.values():
+                assert lst == sorted(lst, key=lambda t: (t[0], t[1]))
+                for size, ptr, b in lst:
+                    assert b.state == FREE and b.mapped and (b.size, b.ptr) == (size, ptr)
+                total_listed += len(lst)
+        assert total_listed == listed, "a free list holds a block no segment has"
+        stats = alloc._stats
+        for kind in (0, 1):
+            got = [
+                stats.current(base, kind)
+                for base in (
+                    S.ALLOCATION, S.ALLOCATED_BYTES, S.ACTIVE, S.ACTIVE_BYTES, S.REQUESTED_BYTES,
+                    S.SEGMENT, S.RESERVED_BYTES, S.INACTIVE_SPLIT, S.INACTIVE_SPLIT_BYTES,
+                )
+            ]
+            assert got == count[kind], f"stats {got} != recount {count[kind]} (pool kind {kind})"
+        ms = alloc._ms
+        oversize_allocations = sum(
+            1 for seg in segments for b in seg.blocks() if b.state == ALLOCATED and b.size >= ms
+        )
+        oversize_segments = sum(1 for seg in segments if not seg.expandable and seg.size >= ms)
+        assert stats.current(S.OVERSIZE_ALLOCATIONS, 0) == oversize_allocations
+        assert stats.current(S.OVERSIZE_SEGMENTS, 0) == oversize_segments
+        pending = {}
+        for queue in alloc._pending.values():
+            for _, b in queue:
+                pending[id(b)] = pending.get(id(b), 0) + 1
+                assert b.state == PENDING
+        for seg in segments:
+            for b in seg.blocks():
+                assert b.event_count == pending.get(id(b), 0)
+
+
+@pytest.fixture
+def host():
+    backend = CpuBackend(1, None)
+    runtime = Runtime(backend)
+    yield backend, runtime
+    backend.device_synchronize(0)
+
+
+def make(backend, text: str = "", **kw) -> DeviceAllocator:
+    return DeviceAllocator(backend, 0, parse(text) if text else AllocatorConfig(), **kw)
+
+
+def stream(runtime: Runtime):
+    from accel.stream._stream import Stream
+
+    return Stream._wrap(runtime, 0, runtime.backend.stream_create(0, 0), owned=True)
+
+
+# -- sizes --------------------------------------------------------------------------
+
+
+def test_round_size_vectors():
+    assert round_size(1, 0) == 512
+    assert round_size(512, 0) == 512
+    assert round_size(513, 0) == 1024
+    assert round_size(1200, 4) == 1536  # not above 512 * 4: plain rounding, as in PyTorch
+    assert round_size(4800, 4) == 5120  # 4096 + steps of 1024
+    assert round_size(1200, 0) == 1536
+    assert round_size(1 << 20, 4) == 1 << 20  # powers of two stay
+    assert round_size(1000, 4) == 1024  # 1000 <= 512*4: plain 512 rounding
+    assert round_size(5 * MiB + 1, 4) == 6 * MiB
+    assert round_size(5 * MiB + 1, 2) == 6 * MiB
+    assert round_size(9 * MiB, 2) == 12 * MiB
+
+
+def test_allocation_size_vectors():
+    assert allocation_size(1 * MiB, 20 * MiB) == 2 * MiB
+    assert allocation_size(5 * MiB, 20 * MiB) == 20 * MiB
+    assert allocation_size(11 * MiB, 20 * MiB) == 12 * MiB
+    assert allocation_size(5 * MiB, 32 * MiB) == 32 * MiB
+
+
+def test_roundup_divisions_from_config(host):
+    backend, rt = host
+    a = make(backend, "roundup_power2_divisions:4")
+    b = a.malloc(5 * MiB + 1, rt.default_stream(0))
+    assert b.size == 6 * MiB
+    a.free(b)
+    check_invariants(a)
+
+
+# -- pools, best fit, split, merge ---------------------------------------------------------
+
+
+def test_small_and_large_pools(host):
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    small = a.malloc(MiB, s)
+    large = a.malloc(MiB + 1, s)
+    huge = a.malloc(25 * MiB, s)
+    st = a.stats()
+    assert st["segment.small_pool.current"] == 1 and st["reserved_bytes.small_pool.current"] == 2 * MiB
+    assert st["segment.large_pool.current"] == 2
+    assert st["reserved_bytes.large_pool.current"] == 20 * MiB + 26 * MiB
+    assert st["allocated_bytes.all.current"] == MiB + (MiB + 512) + 26 * MiB  # 1 MiB tail kept
+    assert st["requested_bytes.all.current"] == MiB + (MiB + 1) + 25 * MiB
+    for b in (small, large, huge):
+        a.free(b)
+    check_invariants(a)
+    a.empty_cache()
+    assert a.stats()["reserved_bytes.all.current"] == 0
+    assert backend._memory[0]._held == 0
+
+
+def test_best_fit_reuses_smallest_block_on_same_stream(host):
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    blocks = [a.malloc(n, s) for n in (4096, 8192, 4096, 16384)]
+    keep = [a.malloc(512, s) for _ in range(2)]
+    a.free(blocks[1])  # 8 KiB hole
+    a.free(blocks[3])  # a 16 KiB hole: the 512-byte blocks after it keep it apart from the tail
+    assert a.largest_free_block() == 2 * MiB - (4096 + 8192 + 4096 + 16384 + 2 * 512)  # the tail
+    got = a.malloc(6000, s)
+    assert got.ptr == blocks[1].ptr  # best fit picks the 8 KiB hole
+    other = stream(rt)
+    elsewhere = a.malloc(6000, other)
+    assert elsewhere.segment is not got.segment  # blocks never move between streams
+    check_invariants(a)
+    for b in (blocks[0], blocks[2], got, elsewhere, *keep):
+        a.free(b)
+    check_invariants(a)
+
+
+def test_split_thresholds(host):
+    backend, rt = host
+    a = make(backend, "max_split_size_mb:100")
+    s = rt.default_stream(0)
+    # Small pool: a remainder of >= 512 bytes is split off.
+    b = a.malloc(MiB - 512, s)
+    assert b.size == MiB - 512 and b.next is not None and b.next.size == MiB + 512
+    # Large pool: a remainder of exactly 1 MiB stays attached (it must be > 1 MiB).
+    c = a.malloc(19 * MiB, s)
+    assert c.size == 20 * MiB and c.next is None
+    d = a.malloc(8 * MiB, s)
+    assert d.size == 8 * MiB and d.next is not None and d.next.size == 12 * MiB
+    # Requests of max_split_size or more are never split.
+    e = a.malloc(120 * MiB, s)
+    a.free(e)
+    f = a.malloc(105 * MiB, s)
+    assert f.ptr == e.ptr and f.size == 120 * MiB
+    a.free(f)
+    for x in (b, c, d):
+        a.free(x)
+    check_invariants(a)
+
+
+def test_oversize_blocks_serve_only_close_requests(host):
+    backend, rt = host
+    a = make(backend, "max_split_size_mb:40,max_non_split_rounding_mb:20")
+    s = rt.default_stream(0)
+    big = a.malloc(64 * MiB, s)
+    ptr = big.ptr
+    assert a.stats()["oversize_allocations.current"] == 1
+    a.free(big)
+    small = a.malloc(12 * MiB, s)  # < MS: never takes an oversize block
+    assert small.ptr != ptr
+    near = a.malloc(50 * MiB, s)  # 64 < 50 + 20: close enough, reused unsplit
+    assert near.ptr == ptr and near.size == 64 * MiB
+    a.free(near)
+    far = a.malloc(41 * MiB, s)  # 64 >= 41 + 20: too wasteful
+    assert far.ptr != ptr
+    st = a.stats()
+    assert st["oversize_segments.current"] == 2 and st["max_split_size"] == 40 * MiB
+    for x in (small, far):
+        a.free(x)
+    check_invariants(a)
+
+
+def test_max_split_size_unlimited_reports_minus_one(host):
+    backend, _ = host
+    assert make(backend).stats()["max_split_size"] == -1
+
+
+def test_stats_keys_match_pytorch_scheme(host):
+    backend, _ = host
+    st = make(backend).stats()
+    assert len(st) == 9 * 3 * 4 + 8 + 5 + 1
+    assert list(st) == sorted(st)
+    for key in ("allocation.all.current", "reserved_bytes.large_pool.peak", "num_alloc_retries",
+                "num_ooms", "inactive_split_bytes.small_pool.freed", "oversize_segments.peak"):
+        assert key in st
+
+
+def test_peak_and_accumulated_resets(host):
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    x = a.malloc(4096, s)
+    y = a.malloc(4096, s)
+    a.free(y)
+    st = a.stats()
+    assert st["allocated_bytes.all.peak"] == 8192 and st["allocated_bytes.all.current"] == 4096
+    assert st["allocation.all.allocated"] == 2 and st["allocation.all.freed"] == 1
+    a.reset_peak_stats()
+    assert a.stats()["allocated_bytes.all.peak"] == 4096
+    a.reset_accumulated_stats()
+    st = a.stats()
+    assert st["allocation.all.allocated"] == 0 and st["allocation.all.freed"] == 0
+    assert st["allocation.all.current"] == 1 and st["num_device_alloc"] == 0
+    a.free(x)
+    st = a.stats()
+    assert st["allocation.all.freed"] == 1 and st["allocation.all.current"] == 0
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+def test_bad_sizes_and_double_free(host):
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    for bad in (0, -1, 1.5, True, "8"):
+        with pytest.raises(InvalidValueError):
+            a.malloc(bad, s)  # type: ignore[arg-type]
+    with pytest.raises(OutOfMemoryError, match="more than 1EB"):
+        a.malloc(1 << 61, s)
+    b = a.malloc(100, s)
+    a.free(b)
+    with pytest.raises(InvalidHandleError, match="freed twice"):
+        a.free(b)
+    other = make(backend)
+    c = other.malloc(100, s)
+    with pytest.raises(InvalidHandleError):
+        a.free(c)
+    other.free(c)
+    check_invariants(a)
+
+
+def test_upstream_of_other_device_refused(host):
+    from accel.allocator._resources import BackendResource
+
+    backend = CpuBackend(2, None)
+    with pytest.raises(DeviceError, match="device 1"):
+        DeviceAllocator(backend, 0, AllocatorConfig(), upstream=BackendResource(backend, 1))
+
+
+# -- OOM -----------------------------------------------------------------------------------------
+
+
+def test_oom_message_retry_and_stats():
+    backend = CpuBackend(1, 64 * MiB)
+    rt = Runtime(backend)
+    a = make(backend)
+    s = rt.default_stream(0)
+    held = a.malloc(40 * MiB, s)
+    cached = a.malloc(12 * MiB, s)
+    a.free(cached)
+    # 40 + 12 cached; 30 more needs the cache flushed, then still fails.
+    with pytest.raises(OutOfMemoryError) as info:
+        a.malloc(30 * MiB, s)
+    err = info.value
+    text = str(err)
+    assert "Tried to allocate 30.00 MiB" in text and "total capacity of 64.00 MiB" in text
+    assert "40.00 MiB is allocated by accel" in text
+    assert err.requested == 30 * MiB and err.device == 0
+    assert err.details.largest_free_block == 0  # type: ignore[attr-defined]
+    st = a.stats()
+    assert st["num_ooms"] == 1 and st["num_alloc_retries"] == 1 and st["num_sync_all_streams"] == 1
+    assert st["reserved_bytes.all.current"] == 40 * MiB  # the cached 12 MiB went back
+    # The retry path frees the cache and then succeeds.
+    more = a.malloc(20 * MiB, s)
+    a.free(more)
+    a.free(held)
+    check_invariants(a)
+
+
+def test_oom_advice_fits_the_state():
+    backend = CpuBackend(1, 64 * MiB)
+    rt = Runtime(backend)
+    s = rt.default_stream(0)
+    # Fragmented: small blocks keep large segments alive.
+    a = make(backend)
+    pins = []
+    for _ in range(3):
+        x = a.malloc(15 * MiB, s)
+        pins.append(a.malloc(4 * MiB, s))
+        a.free(x)
+    with pytest.raises(OutOfMemoryError) as info:
+        a.malloc(30 * MiB, s)
+    assert "expandable_segments:True" in str(info.value)
+    assert info.value.details.fragmentation > 0.2  # type: ignore[attr-defined]
+    for p in pins:
+        a.free(p)
+    a.empty_cache()
+    # With expandable segments on, never suggest them.
+    e = make(backend, "expandable_segments:True")
+    pins = [e.malloc(20 * MiB, s) for _ in range(3)]
+    with pytest.raises(OutOfMemoryError) as info:
+        e.malloc(30 * MiB, s)
+    assert "expandable_segments:True" not in str(info.value)
+    for p in pins:
+        e.free(p)
+    e.empty_cache()
+    check_invariants(e)
+
+
+def test_memory_fraction_caps_reservation_without_asking_the_device():
+    backend = CpuBackend(1, 100 * MiB)
+    rt = Runtime(backend)
+    a = make(backend)
+    a.set_memory_fraction(0.5)
+    s = rt.default_stream(0)
+    x = a.malloc(40 * MiB, s)
+    with pytest.raises(OutOfMemoryError, match="50.00 MiB allowed") as info:
+        a.malloc(20 * MiB, s)
+    assert "set_per_process_memory_fraction" in str(info.value)
+    with pytest.raises(InvalidValueError):
+        a.set_memory_fraction(1.5)
+    a.free(x)
+    assert a.get_memory_fraction() == 0.5
+
+
+def test_memory_fraction_from_the_configuration_follows_changes():
+    backend = CpuBackend(1, 100 * MiB)
+    a = make(backend, "per_process_memory_fraction:0.5")
+    assert a.get_memory_fraction() == 0.5 and a._allowed == 50 * MiB
+    a.update_config(parse("per_process_memory_fraction:1.0"))
+    assert a.get_memory_fraction() == 1.0 and a._allowed is None
+    a.set_memory_fraction(0.25)
+    a.update_config(parse("per_process_memory_fraction:0.5"))  # the explicit call wins
+    assert a.get_memory_fraction() == 0.25
+
+
+def test_garbage_collection_frees_old_blocks_first():
+    backend = CpuBackend(1, 400 * MiB)
+    rt = Runtime(backend)
+    # 40 MiB blocks and larger are never split nor given to small requests.
+    a = make(backend, "garbage_collection_threshold:0.4,max_split_size_mb:40")
+    a.set_memory_fraction(1.0)  # GC runs only under a fraction limit: above 40% of 400 MiB
+    s = rt.default_stream(0)
+    old, mid, new = (a.malloc(50 * MiB, s) for _ in range(3))
+    a.free(old)
+    for _ in range(5):  # each best-fit search advances the large pool's clock
+        a.free(a.malloc(12 * MiB, s))
+    a.free(mid)
+    a.free(new)
+    assert a.stats()["reserved_bytes.all.current"] == 162 * MiB
+    big = a.malloc(100 * MiB, s)  # a miss above the threshold: GC before asking upstream
+    bases = {seg.base for seg in a._segments.values()}
+    # Only blocks at least as old as the average age go: here `old` alone.
+    assert old.ptr not in bases and mid.ptr in bases and new.ptr in bases
+    assert a.stats()["num_device_free"] == 1
+    a.free(big)
+    check_invariants(a)
+    # No GC without a fraction limit.
+    plain = make(backend, "garbage_collection_threshold:0.3,max_split_size_mb:40")
+    cached = plain.malloc(50 * MiB, s)
+    plain.free(cached)
+    plain.free(plain.malloc(60 * MiB, s))
+    assert plain.stats()["num_device_free"] == 0
+
+
+# -- streams and events ----------------------------------------------------------------------------
+
+
+def test_block_used_on_other_stream_waits_for_its_event(host):
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    side = stream(rt)
+    gate = threading.Event()
+    b = a.malloc(4096, s)
+    a.record_stream(b, side)
+    side.launch_host_func(gate.wait)
+    a.free(b)
+    assert b.state == PENDING
+    st = a.stats()
+    assert st["allocated_bytes.all.current"] == 0 and st["active_bytes.all.current"] == 4096
+    again = a.malloc(4096, s)
+    assert again.ptr != b.ptr
+    check_invariants(a)
+    gate.set()
+    side.synchronize()
+    third = a.malloc(4096, s)  # the event passed: the block is back
+    assert a.stats()["active_bytes.all.current"] == 8192
+    check_invariants(a)
+    for x in (again, third):
+        a.free(x)
+
+
+def test_events_are_pooled_not_created_per_free(host):
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    side = stream(rt)
+    for _ in range(50):
+        b = a.malloc(4096, s)
+        a.record_stream(b, side)
+        a.free(b)
+        side.synchronize()
+    assert a.events_created <= 2
+
+
+def test_record_stream_on_own_stream_is_ignored_and_other_device_refused(host):
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    b = a.malloc(4096, s)
+    a.record_stream(b, s)
+    assert b.stream_uses is None
+    two = CpuBackend(2, None)
+    rt2 = Runtime(two)
+    from accel.stream._stream import Stream
+
+    foreign = Stream._wrap(rt2, 1, two.default_stream(1), owned=False)
+    with pytest.raises(DeviceError):
+        a.record_stream(b, foreign)
+    a.free(b)
+    with pytest.raises(InvalidHandleError):
+        a.record_stream(b, s)
+
+
+def test_closed_stream_after_record_stream(host):
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    side = stream(rt)
+    b = a.malloc(4096, s)
+    a.record_stream(b, side)
+    side.close()
+    a.free(b)  # recording on the closed stream fails: the device is synchronized instead
+    assert b.state == FREE
+    check_invariants(a)
+
+
+def test_empty_cache_synchronizes_pending_frees(host):
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    side = stream(rt)
+    b = a.malloc(4096, s)
+    a.record_stream(b, side)
+    side.launch_host_func(lambda: time.sleep(0.05))
+    a.free(b)
+    a.empty_cache()
+    assert a.stats()["reserved_bytes.all.current"] == 0
+    assert backend._memory[0]._held == 0
+
+
+# -- private pools ------------------------------------------------------------------------------------
+
+
+def test_private_pool_routing_and_lifetime(host):
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    side = stream(rt)
+    a.begin_allocate_to_pool((1, 0), lambda st: st == side)
+    inside = a.malloc(4096, side)
+    outside = a.malloc(4096, s)
+    assert inside.pool.private is not None and inside.pool.private.id == (1, 0)
+    assert outside.pool.private is None
+    with pytest.raises(CaptureError, match="already recording"):
+        a.begin_allocate_to_pool((1, 0), lambda st: True)
+    a.empty_cache()  # no memory goes back during a capture
+    a.free(inside)
+    a.free(outside)
+    a.empty_cache()
+    assert a.stats()["segment.all.current"] == 2
+    a.end_allocate_to_pool((1, 0))
+    with pytest.raises(CaptureError, match="not currently recording"):
+        a.end_allocate_to_pool((1, 0))
+    assert a.pool_ids() == [(1, 0)]
+    snap = a.snapshot()
+    assert {seg["segment_pool_id"] for seg in snap} == {(0, 0), (1, 0)}
+    a.release_pool((1, 0))  # last use: freeable, its memory goes at the next flush
+    assert a.pool_ids() == [(1, 0)] and a.stats()["segment.all.current"] == 2
+    a.empty_cache()
+    assert a.pool_ids() == [] and a.stats()["segment.all.current"] == 0
+    with pytest.raises(InvalidValueError):
+        a.release_pool((1, 0))
+    check_invariants(a)
+
+
+def test_pool_ids_are_checked(host):
+    backend, _ = host
+    a = make(backend)
+    for bad in ((0, 0), (1, 1), (1,), [1, 0], (-1, 0), "x"):
+        with pytest.raises(InvalidValueError):
+            a.begin_allocate_to_pool(bad, lambda s: True)  # type: ignore[arg-type]
+    with pytest.raises(InvalidValueError):
+        a.begin_allocate_to_pool((0, 3), None)  # type: ignore[arg-type]
+
+
+def test_pool_lives_until_its_last_user_is_gone(host):
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    shared = (0, 7)
+    for _ in range(2):  # two graphs share one pool
+        a.begin_allocate_to_pool(shared, lambda st: True)
+        a.free(a.malloc(4096, s))
+        a.end_allocate_to_pool(shared)
+    a.release_pool(shared)
+    assert a.pool_ids() == [shared]
+    assert a.stats()["reserved_bytes.all.current"] == 2 * MiB
+    a.release_pool(shared)
+    assert a.pool_ids() == [shared]  # freeable now; memory goes at the next flush
+    a.empty_cache()
+    assert a.pool_ids() == [] and a.stats()["reserved_bytes.all.current"] == 0
+    a.begin_allocate_to_pool((0, 8), lambda st: True)
+    a.end_allocate_to_pool((0, 8))
+    a.release_pool((0, 8))  # it never held memory: gone at once
+    assert a.pool_ids() == []
+
+
+def test_cross_stream_frees_deferred_during_capture(host):
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    side = stream(rt)
+    b = a.malloc(4096, s)
+    a.record_stream(b, side)
+    a.begin_allocate_to_pool((2, 0), lambda st: False)
+    a.free(b)
+    assert b.state == PENDING and a.events_created == 0
+    a.end_allocate_to_pool((2, 0))
+    side.synchronize()
+    a.release_pool((2, 0))
+    a.empty_cache()
+    assert a.stats()["reserved_bytes.all.current"] == 0
+    check_invariants(a)
+
+
+def test_during_capture_nothing_goes_back_and_oom_comes_sooner():
+    backend = CpuBackend(1, 64 * MiB)
+    rt = Runtime(backend)
+    a = make(backend, "max_split_size_mb:40")
+    s = rt.default_stream(0)
+    a.free(a.malloc(45 * MiB, s))  # a cached oversize block outside the pool
+    a.begin_allocate_to_pool((3, 0), lambda st: True)
+    with pytest.raises(OutOfMemoryError, match="capture is under way") as info:
+        a.malloc(30 * MiB, s)
+    assert a.stats()["num_device_free"] == 0 and a.stats()["num_alloc_retries"] == 0
+    assert info.value.details.capturing  # type: ignore[attr-defined]
+    a.end_allocate_to_pool((3, 0))
+    a.release_pool((3, 0))
+    ok = a.malloc(30 * MiB, s)  # outside the capture the cache is flushed and it fits
+    assert a.stats()["num_device_free"] == 1
+    a.free(ok)
+    check_invariants(a)
+
+
+# -- expandable segments ----------------------------------------------------------------------------------
+
+
+def test_expandable_segments_grow_and_shrink_by_pages(host):
+    backend, rt = host
+    a = make(backend, "expandable_segments:True")
+    s = rt.default_stream(0)
+    x = a.malloc(29 * MiB + 100, s)  # 15 pages of 2 MiB
+    st = a.stats()
+    assert st["reserved_bytes.all.current"] == 30 * MiB and st["segment.all.current"] == 0
+    y = a.malloc(15 * MiB, s)  # the free tail of x's last page (1 MiB - 512) plus 8 more pages
+    assert y.ptr == x.ptr + x.size  # one contiguous range
+    assert a.stats()["reserved_bytes.all.current"] == 46 * MiB
+    assert a.stats()["num_device_alloc"] == 2
+    check_invariants(a)
+    a.free(x)
+    a.empty_cache()  # x's 14 whole pages go back; the page it shares with y stays
+    assert a.stats()["reserved_bytes.all.current"] == 18 * MiB
+    check_invariants(a)
+    snap = a.snapshot()
+    assert len(snap) == 1 and snap[0]["is_expandable"] and snap[0]["total_size"] == 18 * MiB
+    a.free(y)
+    a.empty_cache()
+    assert a.stats()["reserved_bytes.all.current"] == 0 and not a._segments
+    assert backend._memory[0]._held == 0 and not backend._memory[0]._reservations
+
+
+def test_expandable_fills_holes_before_growing(host):
+    backend, rt = host
+    a = make(backend, "expandable_segments:True")
+    s = rt.default_stream(0)
+    blocks = [a.malloc(20 * MiB, s) for _ in range(3)]
+    a.free(blocks[1])
+    a.empty_cache()
+    again = a.malloc(20 * MiB, s)
+    assert again.ptr == blocks[1].ptr
+    for b in (blocks[0], blocks[2], again):
+        a.free(b)
+    check_invariants(a)
+
+
+def test_no_oversize_rules_inside_expandable_segments(host):
+    # PyTorch #193400: with max_split_size and expandable segments, reserved memory
+    # must not grow without bound while allocated stays small.
+    backend, rt = host
+    a = make(backend, "expandable_segments:True,max_split_size_mb:40")
+    s = rt.default_stream(0)
+    for i in range(30):
+        big = a.malloc((100 + i) * MiB, s)
+        a.free(big)
+        small = a.malloc((50 + i) * MiB, s)
+        a.free(small)
+    assert a.stats()["reserved_bytes.all.peak"] <= 140 * MiB
+    check_invariants(a)
+
+
+def test_toggling_expandable_segments_at_runtime(host):
+    backend, rt = host
+    a = make(backend, "expandable_segments:True")
+    s = rt.default_stream(0)
+    x = a.malloc(4 * MiB, s)
+    a.update_config(parse("expandable_segments:False"))
+    y = a.malloc(4 * MiB, s)  # free expandable memory is skipped while off
+    assert not y.segment.expandable
+    a.free(x)
+    a.free(y)
+    check_invariants(a)
+    a.empty_cache()
+    assert a.stats()["reserved_bytes.all.current"] == 0
+
+
+# -- history and snapshot -----------------------------------------------------------------------------------
+
+
+def test_history_and_snapshot_layout(host):
+    from accel.allocator._history import History
+
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    a.record_history(History("all", "all", "python", 100))
+    b = a.malloc(1000, s)
+    snap = a.snapshot()
+    seg = snap[0]
+    assert set(seg) >= {"device", "address", "total_size", "allocated_size", "active_size",
+                        "requested_size", "stream", "segment_type", "segment_pool_id",
+                        "is_expandable", "frames", "blocks"}
+    assert seg["blocks"][0]["state"] == "active_allocated" and seg["blocks"][0]["requested_size"] == 1000
+    assert any(f["name"] == "test_history_and_snapshot_layout" for f in seg["blocks"][0]["frames"])
+    a.free(b)
+    actions = [e["action"] for e in a.trace()]
+    assert actions == ["segment_alloc", "alloc", "snapshot", "free_requested", "free_completed"]
+    with pytest.raises(InvalidValueError, match="expected state"):
+        History("yes", "all", "python", 1)
+    with pytest.raises(InvalidValueError, match="expected context"):
+        History("all", "some", "python", 1)
+    with pytest.raises(InvalidValueError, match="expected stacks"):
+        History("all", "all", "cpp", 1)
+
+
+def test_history_ring_keeps_newest(host):
+    from accel.allocator._history import History
+
+    backend, rt = host
+    a = make(backend)
+    a.record_history(History("all", None, "python", 3))
+    s = rt.default_stream(0)
+    for _ in range(5):
+        a.free(a.malloc(512, s))
+    trace = a.trace()
+    assert len(trace) == 3 and trace[-1]["action"] == "free_completed" and trace[0]["frames"] == []
+
+
+# -- threads ------------------------------------------------------------------------------------------------
+
+
+def test_many_threads_on_several_streams(host):
+    backend, rt = host
+    a = make(backend)
+    streams = [rt.default_stream(0), stream(rt), stream(rt)]
+    errors = []
+
+    def work(seed: int) -> None:
+        try:
+            mine = []
+            for i in range(300):
+                s = streams[(seed + i) % 3]
+                b = a.malloc(512 * (1 + (seed * 7 + i) % 4000), s)
+                if i % 5 == 0:
+                    a.record_stream(b, streams[(seed + i + 1) % 3])
+                mine.append(b)
+                if len(mine) > 8:
+                    a.free(mine.pop(0))
+            for b in mine:
+                a.free(b)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    check_invariants(a)
+    assert a.stats()["allocated_bytes.all.current"] == 0
+    a.empty_cache()
+    assert backend._memory[0]._held == 0

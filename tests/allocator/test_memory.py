@@ -1,0 +1,309 @@
+"""accel.memory: Buffer, statistics functions, snapshots, staging memory (host backend)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+import accel
+from accel import memory
+from accel._errors import DeviceError, InvalidHandleError, InvalidValueError
+
+MiB = 1 << 20
+
+
+def test_buffer_basics():
+    before = memory.memory_allocated()
+    buf = memory.allocate(1000)
+    assert buf.nbytes == 1000 and buf.ptr % 512 == 0
+    assert str(buf.device) == "cpu:0"
+    assert buf.stream == accel.current_stream()
+    assert memory.memory_allocated() == before + 1024
+    assert "nbytes=1000" in repr(buf)
+    buf.free()
+    assert buf.freed and "freed" in repr(buf)
+    with pytest.raises(InvalidHandleError, match="was freed"):
+        _ = buf.ptr
+    with pytest.raises(InvalidHandleError):
+        buf.record_stream(accel.current_stream())
+    buf.free()  # a second free does nothing
+    assert memory.memory_allocated() == before
+
+
+def test_buffer_context_manager_and_garbage_collection():
+    before = memory.memory_allocated()
+    with memory.allocate(4096) as buf:
+        accel.current_stream().fill(buf, 3)
+    assert buf.freed
+    buf = memory.allocate(8192)
+    assert memory.memory_allocated() == before + 8192
+    del buf
+    assert memory.memory_allocated() == before
+
+
+def test_finalizer_while_the_allocator_lock_is_held_does_not_deadlock():
+    allocator = memory.get_allocator()
+    before = memory.memory_allocated()
+    buf = memory.allocate(4096)
+    with allocator._lock:
+        del buf  # the free is queued, not run under the held lock
+        gc.collect()
+    assert memory.memory_allocated() == before
+
+
+def test_allocate_arguments_are_checked():
+    with pytest.raises(InvalidValueError):
+        memory.allocate(0)
+    with pytest.raises(InvalidValueError):
+        memory.allocate("1MiB")  # type: ignore[arg-type]
+    with pytest.raises(DeviceError):
+        memory.allocate(10, device=5)
+    with pytest.raises(DeviceError):
+        memory.allocate(10, device="cuda:0")
+    s = accel.Stream()
+    s.close()
+    with pytest.raises(InvalidHandleError):
+        memory.allocate(10, stream=s)
+    with pytest.raises(InvalidValueError):
+        memory.allocate(10, stream=object())  # type: ignore[arg-type]
+
+
+def test_buffer_on_a_stream_and_record_stream():
+    s = accel.Stream()
+    other = accel.Stream()
+    buf = memory.allocate(MiB, stream=s)
+    assert buf.stream == s
+    s.fill(buf, 1)
+    gate = threading.Event()
+    other.launch_host_func(gate.wait)
+    buf.record_stream(other)
+    ptr = buf.ptr
+    buf.free()
+    again = memory.allocate(MiB, stream=s)
+    assert again.ptr != ptr  # other has not passed the free yet
+    gate.set()
+    other.synchronize()
+    third = memory.allocate(MiB, stream=s)
+    assert third.ptr == ptr
+    with pytest.raises(InvalidValueError):
+        third.record_stream("not a stream")  # type: ignore[arg-type]
+    again.free()
+    third.free()
+
+
+def test_stats_functions_and_resets():
+    stats = memory.memory_stats()
+    assert list(stats) == sorted(stats) and "allocated_bytes.all.current" in stats
+    buf = memory.allocate(3 * MiB)
+    assert memory.max_memory_allocated() >= memory.memory_allocated() >= 3 * MiB
+    assert memory.memory_reserved() >= 3 * MiB and memory.max_memory_reserved() >= memory.memory_reserved()
+    buf.free()
+    memory.reset_peak_memory_stats()
+    assert memory.max_memory_allocated() == memory.memory_allocated()
+    memory.reset_accumulated_memory_stats()
+    assert memory.memory_stats()["allocation.all.allocated"] == 0
+    memory.empty_cache()
+    # After empty_cache no cached block can hold 40 MiB: it gets a segment of its own.
+    memory.allocate(40 * MiB).free()
+    cached = memory.memory_reserved()
+    memory.empty_cache(0)
+    assert memory.memory_reserved() == cached - 40 * MiB
+    summary = memory.memory_summary()
+    assert "Allocated memory" in summary and "num_ooms" in summary
+    assert len({len(line) for line in summary.splitlines()}) == 1  # a well-formed table
+
+
+def test_memory_fraction_is_checked():
+    for bad in (-0.1, 1.5, "half", None):
+        with pytest.raises(InvalidValueError):
+            memory.set_per_process_memory_fraction(bad)  # type: ignore[arg-type]
+
+
+def test_graph_pool_handles_are_fresh():
+    a, b = memory.graph_pool_handle(), memory.graph_pool_handle()
+    assert a[0] == 0 and b[0] == 0 and b[1] > a[1] > 0
+
+
+def test_snapshot_and_dump_read_by_pytorch_viewer(tmp_path):
+    memory.record_memory_history(max_entries=1000)
+    try:
+        buf = memory.allocate(5 * MiB)
+        snap = memory.memory_snapshot()
+        assert any(b["state"] == "active_allocated" for seg in snap for b in seg["blocks"])
+        buf.free()
+        path = tmp_path / "snap.pickle"
+        memory.dump_snapshot(path)
+    finally:
+        memory.record_memory_history(None)
+    with open(path, "rb") as f:
+        data = pickle.load(f)
+    assert set(data) == {"segments", "device_traces", "allocator_settings", "external_annotations"}
+    actions = [e["action"] for e in data["device_traces"][0]]
+    assert "alloc" in actions and "free_completed" in actions
+    assert data["allocator_settings"]["max_split_size"] == -1
+    viz = pytest.importorskip("torch.cuda._memory_viz")
+    assert "total_reserved" in viz.segsum(data)
+    assert "5.0MiB" in viz.trace(data)
+    with pytest.raises(InvalidValueError, match="expected state"):
+        memory.record_memory_history("everything")
+
+
+def test_config_changes_reach_live_allocators():
+    from accel.allocator.config import set_settings
+
+    allocator = memory.get_allocator()
+    set_settings("expandable_segments:True", backend="cpu")
+    try:
+        assert allocator.config.expandable_segments and allocator._expandable
+        buf = memory.allocate(200 * MiB)  # misses the cache: new memory is expandable
+        assert buf._block is not None and buf._block.segment.expandable
+        buf.free()
+    finally:
+        set_settings("expandable_segments:False", backend="cpu")
+    assert not allocator.config.expandable_segments
+    memory.empty_cache()
+
+
+def test_many_threads_with_buffers():
+    errors = []
+    streams = [accel.Stream() for _ in range(3)]
+
+    def work(k: int) -> None:
+        try:
+            for i in range(200):
+                buf = memory.allocate(512 * (1 + (k * 31 + i) % 700), stream=streams[(k + i) % 3])
+                if i % 3 == 0:
+                    buf.record_stream(streams[(k + i + 1) % 3])
+                buf.free()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+# -- staging memory ------------------------------------------------------------------------
+
+
+def test_host_buffers_are_cached_and_wait_for_their_copies():
+    s = accel.Stream()
+    a = memory.allocate_host(5000)
+    assert a.nbytes == 5000 and "HostBuffer" in repr(a)
+    ptr = a.ptr
+    gate = threading.Event()
+    s.launch_host_func(gate.wait)
+    a.record_stream(s)
+    a.free()
+    b = memory.allocate_host(6000)  # same rounded size, but the copy is still queued
+    assert b.ptr != ptr
+    gate.set()
+    s.synchronize()
+    c = memory.allocate_host(8192)
+    assert c.ptr == ptr
+    for x in (b, c):
+        x.free()
+    with pytest.raises(InvalidHandleError):
+        _ = c.ptr
+    with pytest.raises(InvalidValueError):
+        memory.allocate_host(0)
+    memory.empty_host_cache()
+    host = memory._state().host
+    assert host is not None and host.stats()["cached_bytes"] == 0
+
+
+# -- a fresh process: out of memory, upstream adaptors -------------------------------------
+
+
+def _run(code: str, **env: str) -> str:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**os.environ, "ACCEL_BACKEND": "cpu", "PYTHONPATH": root, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_out_of_memory_through_the_facade():
+    out = _run(
+        """
+        import accel
+        keep = accel.memory.allocate(50 << 20)
+        try:
+            accel.memory.allocate(20 << 20)
+        except accel.OutOfMemoryError as exc:
+            print(exc)
+            print(accel.memory.memory_stats()["num_ooms"])
+        """,
+        ACCEL_CPU_MEMORY_LIMIT="64MiB",
+    )
+    assert "Tried to allocate 20.00 MiB" in out and "total capacity of 64.00 MiB" in out
+    assert out.strip().endswith("1")
+
+
+def test_set_upstream_with_adaptors():
+    out = _run(
+        """
+        import accel
+        from accel.allocator._resources import BackendResource, LimitingAdaptor, StatisticsAdaptor
+        backend = accel.memory.get_allocator(0).backend
+        stats = StatisticsAdaptor(LimitingAdaptor(BackendResource(backend, 1), 30 << 20))
+        accel.memory.set_upstream(stats, device=1)
+        buf = accel.memory.allocate(5 << 20, device=1)
+        print(stats.counts.allocations, stats.counts.current_bytes)
+        try:
+            accel.memory.allocate(25 << 20, device=1)
+        except accel.OutOfMemoryError:
+            print("oom")
+        try:
+            accel.memory.set_upstream(stats, device=1)
+        except accel.InvalidValueError:
+            print("too late")
+        try:
+            accel.memory.set_upstream(object(), device=0)
+        except accel.InvalidValueError:
+            print("refused")
+        """,
+        ACCEL_CPU_DEVICES="2",
+    )
+    assert out.split() == ["1", str(20 << 20), "oom", "too", "late", "refused"]
+
+
+def test_host_buffer_finalizer_and_cache_limits():
+    from accel.allocator._host_cache import HostCachingAllocator
+    from accel.allocator.config import parse
+    from accel.backends.cpu import CpuBackend
+
+    host = memory._state().host_allocator()
+    before = host.stats()["allocated_bytes"]
+    buf = memory.allocate_host(10_000)
+    with host._lock:
+        del buf  # queued: the lock is taken
+        gc.collect()
+    assert host.stats()["allocated_bytes"] == before
+
+    backend = CpuBackend(1, None)
+    capped = HostCachingAllocator(backend, parse("pinned_max_cached_size_mb:1"))
+    blocks = [capped.malloc(600_000) for _ in range(2)]  # 1 MiB each after rounding
+    for b in blocks:
+        capped.free(b)
+    assert capped.stats()["cached_bytes"] == 0 and capped.stats()["reserved_bytes"] == 0
+    rounded = HostCachingAllocator(backend, parse("pinned_max_round_threshold_mb:1"))
+    assert rounded.malloc(3 << 20).size == 3 << 20  # above the threshold: whole pages only
+    assert rounded.malloc(600_000).size == 1 << 20
+    with pytest.raises(InvalidHandleError):
+        capped.free(blocks[0])
