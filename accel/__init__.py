@@ -93,6 +93,21 @@ __all__ = [
 _LAZY_MODULES = ("allocator", "backends", "graph", "memory", "stream")
 _LAZY_NAMES = {
     "AllocatorConfigWarning": "accel.allocator.config",
+    **{
+        name: "accel.memory"
+        for name in (
+            "empty_cache",
+            "empty_host_cache",
+            "graph_pool_handle",
+            "max_memory_allocated",
+            "max_memory_reserved",
+            "memory_allocated",
+            "memory_reserved",
+            "memory_stats",
+            "reset_accumulated_memory_stats",
+            "reset_peak_memory_stats",
+        )
+    },
 }
 
 

@@ -220,3 +220,18 @@ def test_import_is_cheap() -> None:
     seconds, torch_loaded, cffi_loaded = result.stdout.split()
     assert torch_loaded == "False" and cffi_loaded == "False"
     print(f"import accel took {float(seconds) * 1000:.1f} ms")
+
+
+def test_memory_functions_are_on_the_facade_without_loading_them_at_import() -> None:
+    result = run_python(
+        "import sys, accel\n"
+        "print('accel.memory' in sys.modules)\n"
+        "b = accel.memory.allocate(4096)\n"
+        "print(accel.memory_allocated() >= 4096, accel.memory_reserved() > 0)\n"
+        "b.free(); accel.empty_cache(); accel.empty_host_cache()\n"
+        "print(accel.memory_reserved(), accel.max_memory_allocated() >= 4096)\n"
+        "accel.reset_peak_memory_stats(); accel.reset_accumulated_memory_stats()\n"
+        "print(accel.max_memory_allocated(), accel.memory_stats()['num_device_alloc'])"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "True", "True", "0", "True", "0", "0"]

@@ -1,4 +1,4 @@
-"""Allocator configuration (and, with the caching allocator, device memory management).
+"""Device memory management: the caching DeviceAllocator, its upstream resources, and its configuration.
 
 Import-cheap: nothing here imports torch or loads a backend.
 
@@ -9,6 +9,19 @@ True
 
 from __future__ import annotations
 
+from accel.allocator._blocks import Block
+from accel.allocator._caching import DeviceAllocator
+from accel.allocator._host_cache import HostCachingAllocator
+from accel.allocator._oom import OutOfMemoryDetails
+from accel.allocator._resources import (
+    BackendResource,
+    LimitingAdaptor,
+    LoggingAdaptor,
+    MemoryResource,
+    ResourceAdaptor,
+    ResourceCounts,
+    StatisticsAdaptor,
+)
 from accel.allocator.config import (
     ACCEL_BACKEND_VARIABLES,
     ACCEL_VARIABLE,
@@ -31,6 +44,17 @@ from accel.allocator.config import (
 )
 
 __all__ = [
+    "BackendResource",
+    "Block",
+    "DeviceAllocator",
+    "HostCachingAllocator",
+    "LimitingAdaptor",
+    "LoggingAdaptor",
+    "MemoryResource",
+    "OutOfMemoryDetails",
+    "ResourceAdaptor",
+    "ResourceCounts",
+    "StatisticsAdaptor",
     "ACCEL_BACKEND_VARIABLES",
     "ACCEL_VARIABLE",
     "PYTORCH_VARIABLES",

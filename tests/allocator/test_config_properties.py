@@ -142,7 +142,8 @@ def corrupted(draw: st.DrawFn) -> tuple[str, int, str]:
         assume(typo not in KEYS_BY_NAME)
         return f"{lead}{typo}:{value}{tail}", start, kind
     if kind == "bad_value":
-        garbage = draw(st.sampled_from(["?", "x", "-", "=1", "1.2.3"]))
+        # Not "-": a sign can make a valid value ("-1" is unlimited, "-0.0" is zero).
+        garbage = draw(st.sampled_from(["?", "x", "=1", "1.2.3"]))
         return f"{lead}{key}:{garbage}{value}{tail}", start + len(key) + 1, kind
     if kind == "drop_colon":
         # A list value keeps its '[' token, so the error is where the ':' should be.

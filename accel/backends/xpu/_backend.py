@@ -1,0 +1,1326 @@
+"""The XPU backend: the Backend protocol over oneAPI Level Zero.
+
+How the protocol maps onto Level Zero (docs/backends/xpu.md has the long form):
+
+- a stream is an in-order *immediate command list* (asynchronous mode); its
+  handle is the ``ze_command_list_handle_t`` address. Level Zero 1.4 lets a
+  driver overlap commands of one list unless a barrier separates them, so
+  every command is followed by a barrier;
+- ``stream_query``/``stream_synchronize`` use *markers*: a barrier that
+  signals a pooled event once everything before it completed
+  (``zeCommandListHostSynchronize`` is used instead when the loader has it);
+- events come from event pools (HOST_VISIBLE, plus KERNEL_TIMESTAMP for
+  timing events) through a small allocator; each record takes a fresh pooled
+  Level Zero event, so a wait queued before a re-record still waits for the
+  record it saw, as in CUDA. Event handles are accel's own ids;
+- host functions have no Level Zero equivalent: the stream signals event A
+  and waits on event B; a per-stream host thread waits for A, runs the
+  function and signals B;
+- capture records copies, fills and host functions into a *regular command
+  list*; replay submits it to the graph's own command queue, fenced between a
+  "start" event the stream signals and a "done" event the stream waits on;
+- Level Zero events may be referenced by queued commands after their owner
+  is gone, so every pooled event is reference-counted ("holds") and goes back
+  to its pool only when no owner and no queued command refers to it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from accel._errors import (
+    CaptureError,
+    InvalidHandleError,
+    InvalidValueError,
+    NotSupportedError,
+    OutOfMemoryError,
+)
+from accel._units import format_size
+from accel.backends.base import Backend, CaptureMode, CaptureStatus, DeviceProperties
+from accel.backends.xpu._bindings import WAIT_FOREVER, ZeLoader, describe_result
+
+__all__ = ["XpuBackend"]
+
+#: Lower numbers mean higher priority, as in CUDA: 0 is NORMAL, -1 is PRIORITY_HIGH.
+PRIORITY_RANGE = (0, -1)
+_MIN_VM_GRANULARITY = 2 << 20
+_EVENTS_PER_POOL = 64
+# A marker is added after this many commands without one, so that events held
+# by queued commands are given back even by code that never synchronizes.
+_MARKER_EVERY = 128
+_MALLOC_ALIGNMENT = 512
+_NOT_READY = 1  # ZE_RESULT_NOT_READY
+_UNSUPPORTED_FEATURE = 0x78000003
+_UNSUPPORTED_SIZE = 0x78000009
+_OOM_CODES = (0x70000002, 0x70000003)
+
+_handles = itertools.count(0x10000)
+
+
+def _new_handle() -> int:
+    return next(_handles) << 4
+
+
+# -- pooled events ------------------------------------------------------------
+
+
+class _Slot:
+    """One pooled Level Zero event and the number of owners still using it."""
+
+    __slots__ = ("cdata", "handle", "timing", "holds")
+
+    def __init__(self, cdata: object, handle: int, timing: bool) -> None:
+        self.cdata = cdata
+        self.handle = handle
+        self.timing = timing
+        self.holds = 0
+
+
+class _EventSlots:
+    """Event pools with free lists: cheap event creation and reuse."""
+
+    def __init__(self, ze: ZeLoader, context: object) -> None:
+        self._ze = ze
+        self._context = context
+        self._lock = threading.Lock()
+        self._free: dict[bool, list[_Slot]] = {False: [], True: []}
+        self._pools: list[object] = []
+
+    def _grow(self, timing: bool) -> None:
+        ffi, lib = self._ze.ffi, self._ze.lib
+        flags = lib.ZE_EVENT_POOL_FLAG_HOST_VISIBLE
+        if timing:
+            flags |= lib.ZE_EVENT_POOL_FLAG_KERNEL_TIMESTAMP
+        desc = ffi.new("ze_event_pool_desc_t *", {
+            "stype": lib.ZE_STRUCTURE_TYPE_EVENT_POOL_DESC, "flags": flags, "count": _EVENTS_PER_POOL,
+        })
+        pool = ffi.new("ze_event_pool_handle_t *")
+        self._ze.check("zeEventPoolCreate", lib.zeEventPoolCreate(self._context, desc, 0, ffi.NULL, pool))
+        self._pools.append(pool[0])
+        scope = lib.ZE_EVENT_SCOPE_FLAG_HOST
+        for index in range(_EVENTS_PER_POOL):
+            edesc = ffi.new("ze_event_desc_t *", {
+                "stype": lib.ZE_STRUCTURE_TYPE_EVENT_DESC, "index": index, "signal": scope, "wait": scope,
+            })
+            event = ffi.new("ze_event_handle_t *")
+            self._ze.check("zeEventCreate", lib.zeEventCreate(pool[0], edesc, event))
+            handle = int(ffi.cast("uintptr_t", event[0]))
+            self._free[timing].append(_Slot(event[0], handle, timing))
+
+    def acquire(self, timing: bool) -> _Slot:
+        """A reset event with one hold, owned by the caller."""
+        with self._lock:
+            if not self._free[timing]:
+                self._grow(timing)
+            slot = self._free[timing].pop()
+            slot.holds = 1
+        self._ze.check("zeEventHostReset", self._ze.lib.zeEventHostReset(slot.cdata))
+        return slot
+
+    def hold(self, slot: _Slot) -> None:
+        with self._lock:
+            slot.holds += 1
+
+    def drop(self, slot: _Slot | None) -> None:
+        if slot is None:
+            return
+        with self._lock:
+            slot.holds -= 1
+            if slot.holds == 0:
+                self._free[slot.timing].append(slot)
+
+
+# -- streams, events, graphs ------------------------------------------------------
+
+
+class _HostWorker:
+    """Runs a stream's host functions in order on one thread."""
+
+    def __init__(self, backend: XpuBackend, name: str) -> None:
+        self._backend = backend
+        self._items: deque[tuple[_Slot, _Slot, Callable[[], None], bool] | None] = deque()
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, item: tuple[_Slot, _Slot, Callable[[], None], bool] | None) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        ze, slots = self._backend._ze, self._backend._slots
+        lib = ze.lib
+        while True:
+            with self._cond:
+                while not self._items:
+                    self._cond.wait()
+                item = self._items.popleft()
+            if item is None:
+                return
+            reached, release, fn, owned = item
+            try:
+                ze.check("zeEventHostSynchronize", lib.zeEventHostSynchronize(reached.cdata, WAIT_FOREVER))
+                ze.check("zeEventHostReset", lib.zeEventHostReset(reached.cdata))
+                fn()
+            except BaseException:  # nothing may wedge the stream: report and carry on
+                print("accel xpu: a host function or its Level Zero events failed:", file=sys.stderr)
+                traceback.print_exc()
+            finally:
+                lib.zeEventHostSignal(release.cdata)
+                if owned:
+                    slots.drop(reached)
+                    slots.drop(release)
+
+
+@dataclass(eq=False)
+class _Stream:
+    device: int
+    cdata: object
+    handle: int
+    priority: int
+    is_default: bool
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    seq: int = 0  # commands appended so far
+    marked: int = 0  # seq covered by the newest marker
+    done: int = 0  # seq known complete
+    markers: deque[tuple[int, _Slot]] = field(default_factory=deque)
+    deferred: list[tuple[int, Callable[[], None]]] = field(default_factory=list)
+    capture: _Capture | None = None
+    worker: _HostWorker | None = None
+
+
+@dataclass(eq=False)
+class _Event:
+    device: int
+    handle: int
+    timing: bool
+    slot: _Slot | None = None
+    captured: tuple[_Capture, int, int] | None = None  # capture, stream handle, node index
+
+
+@dataclass(eq=False)
+class _Capture:
+    origin: _Stream
+    mode: CaptureMode
+    cdata: object  # the regular command list being recorded
+    start: _Slot
+    done: _Slot
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    streams: set[_Stream] = field(default_factory=set)
+    nodes: list[str] = field(default_factory=list)
+    last_node: dict[int, int] = field(default_factory=dict)
+    joined_upto: dict[int, int] = field(default_factory=dict)
+    host_nodes: list[tuple[_Slot, _Slot, Callable[[], None]]] = field(default_factory=list)
+    keep: list[object] = field(default_factory=list)  # memory the recorded commands point at
+    invalid_reason: str = ""
+
+    def invalidate(self, reason: str) -> None:
+        if not self.invalid_reason:
+            self.invalid_reason = reason
+
+
+@dataclass(eq=False)
+class _Graph:
+    device: int
+    handle: int
+    cdata: object
+    start: _Slot
+    done: _Slot
+    nodes: list[str]
+    host_nodes: list[tuple[_Slot, _Slot, Callable[[], None]]]
+    keep: list[object]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    owners: int = 1  # the graph itself plus each executable graph made from it
+    last_launch: _Slot | None = None  # signalled once the last replay is fully consumed
+    # Replays share the list's events, so they must run one at a time and in launch
+    # order: one command queue runs every replay (two queues could start the same
+    # list together), and one thread serves the host nodes of every replay.
+    queue: object | None = None
+    worker: _HostWorker | None = None
+
+
+@dataclass(eq=False)
+class _Chunk:
+    """A physical memory chunk; destroyed once released and no longer mapped."""
+
+    cdata: object
+    size: int
+    maps: int = 0
+    released: bool = False
+
+
+@dataclass(eq=False)
+class _Device:
+    index: int
+    cdata: object
+    properties: DeviceProperties
+    ordinal: int
+    ns_per_tick: float
+    timestamp_mask: int
+    sysman_modules: list[object]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    held: int = 0  # bytes accel holds: malloc + physical chunks
+    allocations: dict[int, int] = field(default_factory=dict)
+    reservations: dict[int, int] = field(default_factory=dict)
+    physical: dict[int, _Chunk] = field(default_factory=dict)
+    mappings: dict[int, tuple[int, int]] = field(default_factory=dict)  # addr -> (size, physical handle)
+    vm_page: int | None = None
+    next_hint: int = 0
+
+
+# -- the backend --------------------------------------------------------------------
+
+
+class XpuBackend(Backend):
+    """Level Zero GPU devices of one driver, one context.
+
+    >>> from accel.backends import load_backend
+    >>> xpu = load_backend("xpu")  # doctest: +SKIP
+    >>> xpu.device_properties(0).extra["memory_info_source"]  # doctest: +SKIP
+    "device properties minus accel's own allocations"
+    """
+
+    name = "xpu"
+
+    def __init__(self, ze: ZeLoader, driver: object, devices: list[object], *, loader_version: str) -> None:
+        self._ze = ze
+        ffi, lib = ze.ffi, ze.lib
+        self._lock = threading.Lock()
+        desc = ffi.new("ze_context_desc_t *", {"stype": lib.ZE_STRUCTURE_TYPE_CONTEXT_DESC})
+        context = ffi.new("ze_context_handle_t *")
+        ze.check("zeContextCreate", lib.zeContextCreate(driver, desc, context))
+        self._context = context[0]
+        self._slots = _EventSlots(ze, self._context)
+        self._host_synchronize = ze.has("zeCommandListHostSynchronize")
+        self._host_allocations: dict[int, int] = {}
+        self._streams: dict[int, _Stream] = {}
+        self._retired: list[tuple[_Stream, _Slot | None]] = []
+        self._events: dict[int, _Event] = {}
+        self._graphs: dict[int, _Graph] = {}
+        self._execs: dict[int, _Graph] = {}
+        self._vm_supported: dict[int, bool] = {}
+        api = ffi.new("ze_api_version_t *")
+        ze.check("zeDriverGetApiVersion", lib.zeDriverGetApiVersion(driver, api))
+        self._api_version = (api[0] >> 16, api[0] & 0xFFFF)
+        dprops = ffi.new("ze_driver_properties_t *", {"stype": lib.ZE_STRUCTURE_TYPE_DRIVER_PROPERTIES})
+        ze.check("zeDriverGetProperties", lib.zeDriverGetProperties(driver, dprops))
+        self._driver_version = str(dprops.driverVersion)
+        self._loader_version = loader_version
+        self._devices = [self._describe(i, d) for i, d in enumerate(devices)]
+        self._defaults = [self._new_stream(d.index, 0, is_default=True) for d in self._devices]
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _check(self, call: str, code: int, device: int | None = None) -> None:
+        self._ze.check(call, code, device=device)
+
+    def _addr(self, cdata: object) -> int:
+        return int(self._ze.ffi.cast("uintptr_t", cdata))
+
+    def _describe(self, index: int, cdata: object) -> _Device:
+        ze, ffi, lib = self._ze, self._ze.ffi, self._ze.lib
+        # The 1.2 form reports the timer in cycles per second instead of whole
+        # nanoseconds, which loses precision on 19.2 MHz timers.
+        modern = self._api_version >= (1, 2)
+        stype = lib.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES_1_2 if modern else lib.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES
+        props = ffi.new("ze_device_properties_t *", {"stype": stype})
+        ze.check("zeDeviceGetProperties", lib.zeDeviceGetProperties(cdata, props), device=index)
+        ns_per_tick = 1e9 / props.timerResolution if modern else float(props.timerResolution)
+        compute = ffi.new("ze_device_compute_properties_t *", {"stype": lib.ZE_STRUCTURE_TYPE_DEVICE_COMPUTE_PROPERTIES})
+        ze.check("zeDeviceGetComputeProperties", lib.zeDeviceGetComputeProperties(cdata, compute), device=index)
+        count = ffi.new("uint32_t *", 0)
+        ze.check("zeDeviceGetMemoryProperties", lib.zeDeviceGetMemoryProperties(cdata, count, ffi.NULL), device=index)
+        mems = ffi.new("ze_device_memory_properties_t[]", count[0])
+        for i in range(count[0]):
+            mems[i].stype = lib.ZE_STRUCTURE_TYPE_DEVICE_MEMORY_PROPERTIES
+        ze.check("zeDeviceGetMemoryProperties", lib.zeDeviceGetMemoryProperties(cdata, count, mems), device=index)
+        total = sum(mems[i].totalSize for i in range(count[0]))
+        ordinal = self._compute_ordinal(index, cdata)
+        modules = self._sysman_modules(cdata)
+        source = "device properties minus accel's own allocations"
+        if modules:
+            source = "sysman"
+            total = sum(self._sysman_state(m, index)[1] for m in modules)
+        bits = props.kernelTimestampValidBits or 64
+        uuid = bytes(ffi.buffer(props.uuid.id, 16)).hex()
+        extra = {
+            "memory_info_source": source,
+            "vendor_id": f"{props.vendorId:#06x}",
+            "device_id": f"{props.deviceId:#06x}",
+            "core_clock_mhz": props.coreClockRate,
+            "max_mem_alloc_size": props.maxMemAllocSize,
+            "eu_count": props.numSlices * props.numSubslicesPerSlice * props.numEUsPerSubslice,
+            "threads_per_eu": props.numThreadsPerEU,
+            "max_work_group_size": compute.maxTotalGroupSize,
+            "timer_ns_per_tick": ns_per_tick,
+            "kernel_timestamp_valid_bits": bits,
+            "api_version": "%d.%d" % self._api_version,
+            "loader_version": self._loader_version,
+            "loader_has_zeCommandListHostSynchronize": self._host_synchronize,
+        }
+        properties = DeviceProperties(
+            name=ffi.string(props.name).decode(errors="replace"),
+            type="xpu",
+            index=index,
+            total_memory=total,
+            uuid=f"{uuid[:8]}-{uuid[8:12]}-{uuid[12:16]}-{uuid[16:20]}-{uuid[20:]}",
+            multi_processor_count=max(1, props.numSlices * props.numSubslicesPerSlice),
+            driver_version=self._driver_version,
+            is_integrated=bool(props.flags & lib.ZE_DEVICE_PROPERTY_FLAG_INTEGRATED),
+            extra=extra,
+        )
+        return _Device(index, cdata, properties, ordinal, ns_per_tick, (1 << bits) - 1, modules)
+
+    def _compute_ordinal(self, index: int, cdata: object) -> int:
+        ze, ffi, lib = self._ze, self._ze.ffi, self._ze.lib
+        count = ffi.new("uint32_t *", 0)
+        call = "zeDeviceGetCommandQueueGroupProperties"
+        ze.check(call, lib.zeDeviceGetCommandQueueGroupProperties(cdata, count, ffi.NULL), device=index)
+        groups = ffi.new("ze_command_queue_group_properties_t[]", count[0])
+        for i in range(count[0]):
+            groups[i].stype = lib.ZE_STRUCTURE_TYPE_COMMAND_QUEUE_GROUP_PROPERTIES
+        ze.check(call, lib.zeDeviceGetCommandQueueGroupProperties(cdata, count, groups), device=index)
+        for i in range(count[0]):
+            if groups[i].flags & lib.ZE_COMMAND_QUEUE_GROUP_PROPERTY_FLAG_COMPUTE:
+                return i
+        raise NotSupportedError(f"xpu:{index} has no compute command queue group")
+
+    def _sysman_modules(self, cdata: object) -> list[object]:
+        """Sysman memory modules, or [] when Sysman is off (drivers need ZES_ENABLE_SYSMAN=1 at init)."""
+        ffi, lib = self._ze.ffi, self._ze.lib
+        count = ffi.new("uint32_t *", 0)
+        if lib.zesDeviceEnumMemoryModules(cdata, count, ffi.NULL) != 0 or count[0] == 0:
+            return []
+        handles = ffi.new("zes_mem_handle_t[]", count[0])
+        if lib.zesDeviceEnumMemoryModules(cdata, count, handles) != 0:
+            return []
+        modules = []
+        for i in range(count[0]):
+            props = ffi.new("zes_mem_properties_t *", {"stype": lib.ZES_STRUCTURE_TYPE_MEM_PROPERTIES})
+            if lib.zesMemoryGetProperties(handles[i], props) == 0 and props.location == lib.ZES_MEM_LOC_DEVICE:
+                modules.append(handles[i])
+        return modules
+
+    def _sysman_state(self, module: object, device: int) -> tuple[int, int]:
+        state = self._ze.ffi.new("zes_mem_state_t *", {"stype": self._ze.lib.ZES_STRUCTURE_TYPE_MEM_STATE})
+        self._check("zesMemoryGetState", self._ze.lib.zesMemoryGetState(module, state), device)
+        return state.free, state.size
+
+    def _stream(self, device: int, handle: int) -> _Stream:
+        stream = self._streams.get(handle)
+        if stream is None or stream.device != device:
+            raise InvalidHandleError(
+                f"xpu:{device}: stream {handle:#x} is not a live stream of this device "
+                "(destroyed, or created on another device)"
+            )
+        return stream
+
+    def _event(self, device: int, handle: int, *, any_device: bool = False) -> _Event:
+        event = self._events.get(handle)
+        if event is None or (event.device != device and not any_device):
+            raise InvalidHandleError(
+                f"xpu:{device}: event {handle:#x} is not a live event of this device "
+                "(destroyed, or created on another device)"
+            )
+        return event
+
+    # -- command appending (caller holds stream.lock) ------------------------------------
+
+    def _barrier(self, stream: _Stream, cdata: object, signal: _Slot | None = None) -> None:
+        ffi, lib = self._ze.ffi, self._ze.lib
+        event = signal.cdata if signal is not None else ffi.NULL
+        self._check("zeCommandListAppendBarrier", lib.zeCommandListAppendBarrier(cdata, event, 0, ffi.NULL), stream.device)
+
+    def _wait(self, stream: _Stream, cdata: object, slot: _Slot) -> None:
+        events = self._ze.ffi.new("ze_event_handle_t[1]", [slot.cdata])
+        lib = self._ze.lib
+        self._check("zeCommandListAppendWaitOnEvents", lib.zeCommandListAppendWaitOnEvents(cdata, 1, events), stream.device)
+
+    def _reset(self, stream: _Stream, cdata: object, slot: _Slot) -> None:
+        lib = self._ze.lib
+        self._check("zeCommandListAppendEventReset", lib.zeCommandListAppendEventReset(cdata, slot.cdata), stream.device)
+
+    def _defer(self, stream: _Stream, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once the stream has passed everything counted by ``_appended`` so far."""
+        stream.deferred.append((stream.seq, fn))
+
+    def _hold_until_passed(self, stream: _Stream, slot: _Slot) -> None:
+        """Keep ``slot`` out of the pool until the stream passed the command just counted."""
+        self._slots.hold(slot)
+        self._defer(stream, lambda: self._slots.drop(slot))
+
+    def _keep_until_passed(self, stream: _Stream, memory: object) -> None:
+        """Keep ``memory`` alive (a queued command points at it) until the stream passed it."""
+        self._defer(stream, lambda: memory)
+
+    def _appended(self, stream: _Stream) -> None:
+        stream.seq += 1
+        if stream.seq - stream.marked >= _MARKER_EVERY:
+            self._mark(stream)
+            self._reap(stream)
+
+    def _mark(self, stream: _Stream) -> None:
+        slot = self._slots.acquire(False)
+        try:
+            self._barrier(stream, stream.cdata, slot)
+        except BaseException:
+            self._slots.drop(slot)
+            raise
+        stream.markers.append((stream.seq, slot))
+        stream.marked = stream.seq
+
+    def _reap(self, stream: _Stream) -> None:
+        """Give back what completed markers prove the device no longer needs."""
+        lib = self._ze.lib
+        while stream.markers:
+            seq, slot = stream.markers[0]
+            code = lib.zeEventQueryStatus(slot.cdata)
+            if code == _NOT_READY:
+                break
+            self._check("zeEventQueryStatus", code, stream.device)
+            stream.markers.popleft()
+            stream.done = max(stream.done, seq)
+            self._slots.drop(slot)
+        self._run_deferred(stream, stream.done)
+
+    def _run_deferred(self, stream: _Stream, upto: int) -> None:
+        ready = [fn for seq, fn in stream.deferred if seq <= upto]
+        stream.deferred = [(seq, fn) for seq, fn in stream.deferred if seq > upto]
+        for fn in ready:
+            fn()
+
+    def _worker(self, stream: _Stream) -> _HostWorker:
+        if stream.worker is None:
+            stream.worker = _HostWorker(self, f"accel-xpu-host-{stream.handle:#x}")
+        return stream.worker
+
+    # -- devices ------------------------------------------------------------------------
+
+    def device_count(self) -> int:
+        return len(self._devices)
+
+    def device_properties(self, device: int) -> DeviceProperties:
+        return self._devices[device].properties
+
+    def memory_info(self, device: int) -> tuple[int, int]:
+        dev = self._devices[device]
+        if dev.sysman_modules:
+            states = [self._sysman_state(m, device) for m in dev.sysman_modules]
+            return sum(s[0] for s in states), sum(s[1] for s in states)
+        total = dev.properties.total_memory
+        with dev.lock:
+            return max(0, total - dev.held), total
+
+    def can_access_peer(self, device: int, peer: int) -> bool:
+        if device == peer:
+            return True
+        value = self._ze.ffi.new("ze_bool_t *")
+        lib = self._ze.lib
+        self._check(
+            "zeDeviceCanAccessPeer",
+            lib.zeDeviceCanAccessPeer(self._devices[device].cdata, self._devices[peer].cdata, value),
+            device,
+        )
+        return bool(value[0])
+
+    def device_synchronize(self, device: int) -> None:
+        streams = [s for s in list(self._streams.values()) if s.device == device]
+        for stream in streams:
+            if stream.capture is not None:
+                stream.capture.invalidate("the device was synchronized during capture")
+                raise CaptureError(
+                    f"xpu:{device}: cannot synchronize the device while stream {stream.handle:#x} "
+                    "is capturing; the capture is now invalidated. End the capture first."
+                )
+        for stream in streams:
+            if stream.handle in self._streams:
+                self._synchronize(stream)
+        self._reap_retired(wait=True)
+
+    # -- memory -------------------------------------------------------------------------
+
+    def malloc(self, device: int, nbytes: int) -> int:
+        if nbytes <= 0:
+            raise InvalidValueError(f"xpu:{device}: cannot allocate {nbytes} bytes; ask for at least 1 byte")
+        ffi, lib = self._ze.ffi, self._ze.lib
+        dev = self._devices[device]
+        desc = ffi.new("ze_device_mem_alloc_desc_t *", {"stype": lib.ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC})
+        out = ffi.new("void **")
+        code = lib.zeMemAllocDevice(self._context, desc, nbytes, _MALLOC_ALIGNMENT, dev.cdata, out)
+        if code in _OOM_CODES or code == _UNSUPPORTED_SIZE:
+            free, total = self.memory_info(device)
+            limit = dev.properties.extra["max_mem_alloc_size"]
+            hint = f" (the largest single allocation is {format_size(limit)})" if code == _UNSUPPORTED_SIZE else ""
+            raise OutOfMemoryError(
+                f"xpu:{device} is out of memory: zeMemAllocDevice could not allocate "
+                f"{format_size(nbytes)}{hint}; {format_size(free)} of {format_size(total)} free "
+                f"({describe_result(code)}). Free memory or release accel's cached blocks and retry.",
+                requested=nbytes,
+                device=device,
+            )
+        self._check("zeMemAllocDevice", code, device)
+        ptr = self._addr(out[0])
+        with dev.lock:
+            dev.allocations[ptr] = nbytes
+            dev.held += nbytes
+        return ptr
+
+    def free(self, device: int, ptr: int) -> None:
+        dev = self._devices[device]
+        with dev.lock:
+            nbytes = dev.allocations.pop(ptr, None)
+        if nbytes is None:
+            raise InvalidHandleError(
+                f"xpu:{device}: pointer {ptr:#x} was not returned by malloc on this device, or was already freed"
+            )
+        self._check("zeMemFree", self._ze.lib.zeMemFree(self._context, self._ze.ffi.cast("void *", ptr)), device)
+        with dev.lock:
+            dev.held -= nbytes
+
+    def host_malloc(self, nbytes: int) -> int:
+        if nbytes <= 0:
+            raise InvalidValueError(f"xpu: cannot allocate {nbytes} bytes of host memory; ask for at least 1 byte")
+        ffi, lib = self._ze.ffi, self._ze.lib
+        desc = ffi.new("ze_host_mem_alloc_desc_t *", {"stype": lib.ZE_STRUCTURE_TYPE_HOST_MEM_ALLOC_DESC})
+        out = ffi.new("void **")
+        code = lib.zeMemAllocHost(self._context, desc, nbytes, _MALLOC_ALIGNMENT, out)
+        self._ze.check("zeMemAllocHost", code, requested=nbytes)
+        ptr = self._addr(out[0])
+        with self._lock:
+            self._host_allocations[ptr] = nbytes
+        return ptr
+
+    def host_free(self, ptr: int) -> None:
+        with self._lock:
+            known = self._host_allocations.pop(ptr, None) is not None
+        if not known:
+            raise InvalidHandleError(f"xpu: pointer {ptr:#x} was not returned by host_malloc, or was already freed")
+        self._check("zeMemFree", self._ze.lib.zeMemFree(self._context, self._ze.ffi.cast("void *", ptr)))
+
+    # -- virtual memory ---------------------------------------------------------------------
+
+    def supports_virtual_memory(self, device: int) -> bool:
+        return self._vm_page(device) is not None
+
+    def _vm_page(self, device: int) -> int | None:
+        dev = self._devices[device]
+        if device not in self._vm_supported:
+            ffi, lib = self._ze.ffi, self._ze.lib
+            size = ffi.new("size_t *")
+            code = lib.zeVirtualMemQueryPageSize(self._context, dev.cdata, _MIN_VM_GRANULARITY, size)
+            if code == 0:
+                dev.vm_page = max(size[0], _MIN_VM_GRANULARITY)
+            elif code != _UNSUPPORTED_FEATURE:
+                self._check("zeVirtualMemQueryPageSize", code, device)
+            self._vm_supported[device] = code == 0
+        return dev.vm_page
+
+    def _require_vm(self, device: int) -> _Device:
+        if self._vm_page(device) is None:
+            raise self._unsupported("virtual memory")
+        return self._devices[device]
+
+    def _require_multiple(self, device: int, what: str, value: int) -> None:
+        granularity = self._devices[device].vm_page or 1
+        if value <= 0 or value % granularity:
+            raise InvalidValueError(
+                f"xpu:{device}: {what} {value:#x} is not a positive multiple of the granularity "
+                f"{granularity:#x}; round it with vm_granularity()"
+            )
+
+    def vm_granularity(self, device: int) -> int:
+        return self._require_vm(device).vm_page or _MIN_VM_GRANULARITY
+
+    def vm_reserve(self, device: int, nbytes: int) -> int:
+        dev = self._require_vm(device)
+        self._require_multiple(device, "size", nbytes)
+        ffi, lib = self._ze.ffi, self._ze.lib
+        out = ffi.new("void **")
+        # A non-null start hint: the loader's validation layer rejects NULL there
+        # (the 1.4 header does not mark it optional); drivers treat it as a hint.
+        with dev.lock:
+            hint = dev.next_hint or (dev.vm_page or _MIN_VM_GRANULARITY)
+        code = lib.zeVirtualMemReserve(self._context, ffi.cast("void *", hint), nbytes, out)
+        self._ze.check("zeVirtualMemReserve", code, device=device, requested=nbytes)
+        addr = self._addr(out[0])
+        with dev.lock:
+            dev.reservations[addr] = nbytes
+            dev.next_hint = addr + nbytes
+        return addr
+
+    def vm_free(self, device: int, addr: int, nbytes: int) -> None:
+        dev = self._require_vm(device)
+        with dev.lock:
+            if dev.reservations.get(addr) != nbytes:
+                raise InvalidHandleError(
+                    f"xpu:{device}: no reservation of {nbytes:#x} bytes at {addr:#x}; pass the address "
+                    "and size vm_reserve used"
+                )
+            if any(addr <= a < addr + nbytes for a in dev.mappings):
+                raise InvalidValueError(f"xpu:{device}: the reservation at {addr:#x} is still mapped; unmap it first")
+            del dev.reservations[addr]
+        lib = self._ze.lib
+        self._check("zeVirtualMemFree", lib.zeVirtualMemFree(self._context, self._ze.ffi.cast("void *", addr), nbytes), device)
+
+    def vm_create(self, device: int, nbytes: int) -> int:
+        dev = self._require_vm(device)
+        self._require_multiple(device, "size", nbytes)
+        ffi, lib = self._ze.ffi, self._ze.lib
+        desc = ffi.new("ze_physical_mem_desc_t *", {"stype": lib.ZE_STRUCTURE_TYPE_PHYSICAL_MEM_DESC, "size": nbytes})
+        out = ffi.new("ze_physical_mem_handle_t *")
+        code = lib.zePhysicalMemCreate(self._context, dev.cdata, desc, out)
+        if code in _OOM_CODES:
+            free, total = self.memory_info(device)
+            raise OutOfMemoryError(
+                f"xpu:{device} is out of memory: zePhysicalMemCreate could not create a "
+                f"{format_size(nbytes)} chunk; {format_size(free)} of {format_size(total)} free "
+                f"({describe_result(code)}). Free memory or release accel's cached blocks and retry.",
+                requested=nbytes,
+                device=device,
+            )
+        self._check("zePhysicalMemCreate", code, device)
+        handle = self._addr(out[0])
+        with dev.lock:
+            dev.physical[handle] = _Chunk(out[0], nbytes)
+            dev.held += nbytes
+        return handle
+
+    def _destroy_physical(self, dev: _Device, handle: int) -> None:
+        """Destroy a released, unmapped chunk (caller removed it from dev.physical)."""
+        chunk = dev.physical.pop(handle)
+        dev.held -= chunk.size
+        self._check("zePhysicalMemDestroy", self._ze.lib.zePhysicalMemDestroy(self._context, chunk.cdata), dev.index)
+
+    def vm_release(self, device: int, handle: int) -> None:
+        dev = self._require_vm(device)
+        with dev.lock:
+            chunk = dev.physical.get(handle)
+            if chunk is None or chunk.released:
+                raise InvalidHandleError(f"xpu:{device}: physical chunk {handle:#x} is not live (already released?)")
+            chunk.released = True
+            if chunk.maps == 0:
+                self._destroy_physical(dev, handle)
+
+    def vm_map(self, device: int, addr: int, nbytes: int, handle: int) -> None:
+        dev = self._require_vm(device)
+        ffi, lib = self._ze.ffi, self._ze.lib
+        with dev.lock:
+            chunk = dev.physical.get(handle)
+            if chunk is None or chunk.released:
+                raise InvalidHandleError(f"xpu:{device}: physical chunk {handle:#x} is not live (already released?)")
+            if nbytes != chunk.size:
+                raise InvalidValueError(
+                    f"xpu:{device}: map the whole chunk: it has {chunk.size:#x} bytes, not {nbytes:#x}"
+                )
+            if not any(base <= addr and addr + nbytes <= base + size for base, size in dev.reservations.items()):
+                raise InvalidValueError(
+                    f"xpu:{device}: [{addr:#x}, {addr + nbytes:#x}) is not inside a reservation from vm_reserve"
+                )
+            code = lib.zeVirtualMemMap(
+                self._context, ffi.cast("void *", addr), nbytes, chunk.cdata, 0,
+                lib.ZE_MEMORY_ACCESS_ATTRIBUTE_READWRITE,
+            )
+            self._check("zeVirtualMemMap", code, device)
+            chunk.maps += 1
+            dev.mappings[addr] = (nbytes, handle)
+
+    def vm_unmap(self, device: int, addr: int, nbytes: int) -> None:
+        dev = self._require_vm(device)
+        ffi, lib = self._ze.ffi, self._ze.lib
+        with dev.lock:
+            inside = sorted(a for a in dev.mappings if addr <= a < addr + nbytes)
+            if not inside:
+                raise InvalidValueError(f"xpu:{device}: nothing is mapped in [{addr:#x}, {addr + nbytes:#x})")
+            # One call per mapping: Level Zero unmaps what one zeVirtualMemMap mapped.
+            for start in inside:
+                size, handle = dev.mappings.pop(start)
+                code = lib.zeVirtualMemUnmap(self._context, ffi.cast("void *", start), size)
+                self._check("zeVirtualMemUnmap", code, device)
+                chunk = dev.physical[handle]
+                chunk.maps -= 1
+                if chunk.maps == 0 and chunk.released:
+                    self._destroy_physical(dev, handle)
+
+    # -- streams ---------------------------------------------------------------------------
+
+    def _new_stream(self, device: int, priority: int, *, is_default: bool = False) -> _Stream:
+        ffi, lib = self._ze.ffi, self._ze.lib
+        dev = self._devices[device]
+        desc = ffi.new("ze_command_queue_desc_t *", {
+            "stype": lib.ZE_STRUCTURE_TYPE_COMMAND_QUEUE_DESC,
+            "ordinal": dev.ordinal,
+            "mode": lib.ZE_COMMAND_QUEUE_MODE_ASYNCHRONOUS,
+            "priority": lib.ZE_COMMAND_QUEUE_PRIORITY_PRIORITY_HIGH if priority < 0 else lib.ZE_COMMAND_QUEUE_PRIORITY_NORMAL,
+        })
+        out = ffi.new("ze_command_list_handle_t *")
+        self._check("zeCommandListCreateImmediate", lib.zeCommandListCreateImmediate(self._context, dev.cdata, desc, out), device)
+        stream = _Stream(device, out[0], self._addr(out[0]), priority, is_default)
+        with self._lock:
+            self._streams[stream.handle] = stream
+        return stream
+
+    def default_stream(self, device: int) -> int:
+        return self._defaults[device].handle
+
+    def stream_priority_range(self, device: int) -> tuple[int, int]:
+        return PRIORITY_RANGE
+
+    def stream_create(self, device: int, priority: int) -> int:
+        self._reap_retired(wait=False)
+        return self._new_stream(device, priority).handle
+
+    def stream_destroy(self, device: int, stream: int) -> None:
+        s = self._stream(device, stream)
+        if s.is_default:
+            raise InvalidHandleError(f"xpu:{device}: the default stream cannot be destroyed")
+        if s.capture is not None:
+            s.capture.invalidate(f"stream {stream:#x} was destroyed while capturing")
+        with self._lock:
+            del self._streams[stream]
+        with s.lock:
+            if s.seq > s.marked:
+                self._mark(s)
+            marker = s.markers[-1][1] if s.markers else None
+            if marker is not None:
+                self._slots.hold(marker)
+            if s.worker is not None:
+                s.worker.put(None)  # ends after the host functions already queued
+        # Queued work still completes; the list goes once its last marker is reached.
+        with self._lock:
+            self._retired.append((s, marker))
+        self._reap_retired(wait=False)
+
+    def _reap_retired(self, *, wait: bool) -> None:
+        with self._lock:
+            retired, self._retired = self._retired, []
+        keep = []
+        lib = self._ze.lib
+        for stream, marker in retired:
+            if marker is not None:
+                if wait:
+                    self._check("zeEventHostSynchronize", lib.zeEventHostSynchronize(marker.cdata, WAIT_FOREVER))
+                elif lib.zeEventQueryStatus(marker.cdata) == _NOT_READY:
+                    keep.append((stream, marker))
+                    continue
+            with stream.lock:
+                self._run_deferred(stream, stream.seq)
+                for _, slot in stream.markers:
+                    self._slots.drop(slot)
+                stream.markers.clear()
+            self._slots.drop(marker)
+            self._check("zeCommandListDestroy", lib.zeCommandListDestroy(stream.cdata), stream.device)
+        if keep:
+            with self._lock:
+                self._retired.extend(keep)
+
+    def _refuse_during_capture(self, stream: _Stream, what: str) -> None:
+        if stream.capture is not None:
+            stream.capture.invalidate(f"{what} is not allowed during capture")
+            raise CaptureError(
+                f"xpu:{stream.device}: {what} is not allowed while stream {stream.handle:#x} "
+                "is capturing; the capture is now invalidated. End the capture, then synchronize."
+            )
+
+    def stream_query(self, device: int, stream: int) -> bool:
+        s = self._stream(device, stream)
+        self._refuse_during_capture(s, "querying a stream")
+        with s.lock:
+            if s.seq > s.marked:
+                self._mark(s)
+            self._reap(s)
+            return not s.markers
+
+    def stream_synchronize(self, device: int, stream: int) -> None:
+        s = self._stream(device, stream)
+        self._refuse_during_capture(s, "synchronizing a stream")
+        self._synchronize(s)
+
+    def _synchronize(self, s: _Stream) -> None:
+        lib = self._ze.lib
+        if self._host_synchronize:
+            with s.lock:
+                code = lib.zeCommandListHostSynchronize(s.cdata, WAIT_FOREVER)
+                if code != _UNSUPPORTED_FEATURE:
+                    self._check("zeCommandListHostSynchronize", code, s.device)
+                    s.done = s.seq
+                    self._reap(s)
+                    return
+            self._host_synchronize = False  # exported by the loader, not implemented by the driver
+        with s.lock:
+            if s.seq > s.marked:
+                self._mark(s)
+            if not s.markers:
+                return
+            slot = s.markers[-1][1]
+            self._slots.hold(slot)
+        try:
+            self._check("zeEventHostSynchronize", lib.zeEventHostSynchronize(slot.cdata, WAIT_FOREVER), s.device)
+        finally:
+            self._slots.drop(slot)
+        with s.lock:
+            self._reap(s)
+
+    def stream_wait_event(self, device: int, stream: int, event: int) -> None:
+        s = self._stream(device, stream)
+        # One context spans the driver's devices, so any device may wait on any event.
+        e = self._event(device, event, any_device=True)
+        captured = self._live_capture_of(e)
+        if captured is not None:
+            self._join_capture(s, captured)
+            return
+        if s.capture is not None:
+            s.capture.invalidate("a capturing stream waited on an event recorded outside the capture")
+            raise CaptureError(
+                f"xpu:{device}: stream {stream:#x} is capturing and cannot wait on event {event:#x}, "
+                "which was recorded outside the capture (the dependency would cross the capture "
+                "boundary); the capture is now invalidated. Record the event before beginning the "
+                "capture and synchronize instead."
+            )
+        slot = e.slot
+        if slot is None:
+            return  # never recorded: a no-op, as in CUDA
+        with s.lock:
+            self._wait(s, s.cdata, slot)
+            self._barrier(s, s.cdata)
+            self._appended(s)
+            self._hold_until_passed(s, slot)
+
+    # -- events ----------------------------------------------------------------------------
+
+    def event_create(self, device: int, *, timing: bool, blocking: bool, interprocess: bool) -> int:
+        if interprocess:
+            raise NotSupportedError(
+                f"xpu:{device}: interprocess events are not supported by accel's Level Zero backend "
+                "(IPC event pools are not implemented); create the event with interprocess=False"
+            )
+        # ``blocking`` changes nothing: zeEventHostSynchronize always blocks the thread.
+        handle = _new_handle()
+        with self._lock:
+            self._events[handle] = _Event(device, handle, timing)
+        return handle
+
+    def event_destroy(self, device: int, event: int) -> None:
+        e = self._event(device, event)
+        with self._lock:
+            del self._events[event]
+        self._slots.drop(e.slot)
+
+    def event_record(self, device: int, event: int, stream: int) -> None:
+        e = self._event(device, event)
+        s = self._stream(device, stream)
+        capture = s.capture
+        if capture is not None:
+            # Inside a capture a record is only a position: the captured work is one
+            # in-order command list, so waits on it need no Level Zero event.
+            with capture.lock:
+                e.captured = (capture, s.handle, capture.last_node.get(s.handle, -1))
+            return
+        slot = self._slots.acquire(e.timing)
+        try:
+            with s.lock:
+                self._barrier(s, s.cdata, slot)
+                self._appended(s)
+                self._hold_until_passed(s, slot)
+        except BaseException:
+            self._slots.drop(slot)
+            raise
+        old, e.slot, e.captured = e.slot, slot, None
+        self._slots.drop(old)
+
+    def _live_capture_of(self, e: _Event) -> tuple[_Capture, int, int] | None:
+        captured = e.captured
+        if captured is None:
+            return None
+        return captured if captured[0].origin.capture is captured[0] else None
+
+    def _refuse_captured(self, e: _Event, what: str) -> None:
+        if self._live_capture_of(e) is not None:
+            raise CaptureError(
+                f"xpu:{e.device}: {what} event {e.handle:#x} is not allowed: it was recorded "
+                "inside a capture that is still running"
+            )
+
+    def event_query(self, device: int, event: int) -> bool:
+        e = self._event(device, event)
+        self._refuse_captured(e, "querying")
+        slot = e.slot
+        if slot is None:
+            return True
+        code = self._ze.lib.zeEventQueryStatus(slot.cdata)
+        if code == _NOT_READY:
+            return False
+        self._check("zeEventQueryStatus", code, device)
+        return True
+
+    def event_synchronize(self, device: int, event: int) -> None:
+        e = self._event(device, event)
+        self._refuse_captured(e, "synchronizing")
+        slot = e.slot
+        if slot is None:
+            return
+        self._slots.hold(slot)  # a concurrent re-record or destroy must not recycle it meanwhile
+        try:
+            code = self._ze.lib.zeEventHostSynchronize(slot.cdata, WAIT_FOREVER)
+            self._check("zeEventHostSynchronize", code, device)
+        finally:
+            self._slots.drop(slot)
+
+    def event_elapsed_ms(self, device: int, start: int, end: int) -> float:
+        first, last = self._event(device, start), self._event(device, end)
+        stamps = []
+        for e in (first, last):
+            if not e.timing:
+                raise InvalidValueError(
+                    f"xpu:{device}: event {e.handle:#x} was created without timing; "
+                    "create both events with enable_timing=True"
+                )
+            slot = e.slot
+            if slot is None:
+                raise InvalidValueError(f"xpu:{device}: event {e.handle:#x} was never recorded; record it first")
+            result = self._ze.ffi.new("ze_kernel_timestamp_result_t *")
+            code = self._ze.lib.zeEventQueryKernelTimestamp(slot.cdata, result)
+            if code == _NOT_READY:
+                raise InvalidValueError(
+                    f"xpu:{device}: event {e.handle:#x} has not completed; synchronize it first"
+                )
+            self._check("zeEventQueryKernelTimestamp", code, device)
+            stamps.append(getattr(result, "global").kernelEnd)  # "global" is a Python keyword
+        dev = self._devices[device]
+        # Kernel timestamps wrap at their valid bits; the masked difference is
+        # right as long as the interval is shorter than one wrap.
+        ticks = (stamps[1] - stamps[0]) & dev.timestamp_mask
+        if stamps[1] < stamps[0] and ticks > dev.timestamp_mask // 2:
+            ticks = -((stamps[0] - stamps[1]) & dev.timestamp_mask)
+        return ticks * dev.ns_per_tick / 1e6
+
+    # -- stream work ---------------------------------------------------------------------
+
+    def _record_node(self, s: _Stream, description: str, append: Callable[[object], None]) -> None:
+        """Append one captured command (plus its ordering barrier) to the capture's list."""
+        capture = s.capture
+        assert capture is not None
+        with capture.lock:
+            if capture.invalid_reason:
+                return  # the capture will fail at its end; recording more is pointless
+            append(capture.cdata)
+            self._barrier(s, capture.cdata)
+            capture.nodes.append(description)
+            capture.last_node[s.handle] = len(capture.nodes) - 1
+
+    def memcpy_async(self, device: int, dst: int, src: int, nbytes: int, stream: int) -> None:
+        s = self._stream(device, stream)
+        if nbytes < 0:
+            raise InvalidValueError(f"xpu:{device}: cannot copy {nbytes} bytes")
+        if nbytes == 0:
+            return
+        ffi, lib = self._ze.ffi, self._ze.lib
+
+        def append(cdata: object) -> None:
+            code = lib.zeCommandListAppendMemoryCopy(
+                cdata, ffi.cast("void *", dst), ffi.cast("void *", src), nbytes, ffi.NULL, 0, ffi.NULL
+            )
+            self._check("zeCommandListAppendMemoryCopy", code, device)
+
+        if s.capture is not None:
+            self._record_node(s, f"copy {nbytes} bytes {src:#x} -> {dst:#x}", append)
+            return
+        with s.lock:
+            append(s.cdata)
+            self._barrier(s, s.cdata)
+            self._appended(s)
+
+    def memset_async(self, device: int, dst: int, value: int, nbytes: int, stream: int) -> None:
+        s = self._stream(device, stream)
+        if not 0 <= value <= 255:
+            raise InvalidValueError(f"xpu:{device}: fill value {value} is not a byte (0..255)")
+        if nbytes < 0:
+            raise InvalidValueError(f"xpu:{device}: cannot fill {nbytes} bytes")
+        if nbytes == 0:
+            return
+        ffi, lib = self._ze.ffi, self._ze.lib
+        # The specification does not say when a driver reads the pattern, so it
+        # lives until the fill has run (or as long as the captured graph).
+        pattern = ffi.new("uint8_t *", value)
+
+        def append(cdata: object) -> None:
+            code = lib.zeCommandListAppendMemoryFill(
+                cdata, ffi.cast("void *", dst), pattern, 1, nbytes, ffi.NULL, 0, ffi.NULL
+            )
+            self._check("zeCommandListAppendMemoryFill", code, device)
+
+        if s.capture is not None:
+            self._record_node(s, f"fill {nbytes} bytes at {dst:#x} with {value:#04x}", append)
+            s.capture.keep.append(pattern)
+            return
+        with s.lock:
+            append(s.cdata)
+            self._barrier(s, s.cdata)
+            self._appended(s)
+            self._keep_until_passed(s, pattern)
+
+    def launch_host_func(self, device: int, stream: int, fn: Callable[[], None]) -> None:
+        s = self._stream(device, stream)
+        reached, release = self._slots.acquire(False), self._slots.acquire(False)
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        if s.capture is not None:
+            capture = s.capture
+
+            def append(cdata: object) -> None:
+                self._barrier(s, cdata, reached)
+                self._wait(s, cdata, release)
+                self._reset(s, cdata, release)  # ready for the next replay
+
+            try:
+                self._record_node(s, f"host function {name}", append)
+            except BaseException:
+                self._slots.drop(reached)
+                self._slots.drop(release)
+                raise
+            with capture.lock:
+                capture.host_nodes.append((reached, release, fn))
+            return
+        try:
+            with s.lock:
+                self._barrier(s, s.cdata, reached)
+                self._wait(s, s.cdata, release)
+                self._barrier(s, s.cdata)
+                self._appended(s)
+                self._hold_until_passed(s, release)
+                self._worker(s).put((reached, release, fn, True))
+        except BaseException:
+            self._slots.drop(reached)
+            self._slots.drop(release)
+            raise
+
+    # -- capture and graphs -------------------------------------------------------------------
+
+    def supports_graphs(self, device: int) -> bool:
+        return True
+
+    def stream_begin_capture(self, device: int, stream: int, mode: CaptureMode) -> None:
+        s = self._stream(device, stream)
+        if s.is_default:
+            raise CaptureError(
+                f"xpu:{device}: graphs must be captured on a created stream, not the default "
+                "stream (replay may run on any stream). Use `with accel.Stream():`."
+            )
+        if s.capture is not None:
+            raise CaptureError(f"xpu:{device}: stream {stream:#x} is already capturing")
+        ffi, lib = self._ze.ffi, self._ze.lib
+        dev = self._devices[device]
+        desc = ffi.new("ze_command_list_desc_t *", {
+            "stype": lib.ZE_STRUCTURE_TYPE_COMMAND_LIST_DESC, "commandQueueGroupOrdinal": dev.ordinal,
+        })
+        out = ffi.new("ze_command_list_handle_t *")
+        self._check("zeCommandListCreate", lib.zeCommandListCreate(self._context, dev.cdata, desc, out), device)
+        start, done = self._slots.acquire(False), self._slots.acquire(False)
+        capture = _Capture(s, CaptureMode(mode), out[0], start, done)
+        try:
+            # Each replay waits until its stream reaches it, then re-arms the start event.
+            self._wait(s, out[0], start)
+            self._reset(s, out[0], start)
+        except BaseException:
+            self._discard_capture(capture)
+            raise
+        capture.streams.add(s)
+        s.capture = capture
+
+    def _discard_capture(self, capture: _Capture) -> None:
+        self._check("zeCommandListDestroy", self._ze.lib.zeCommandListDestroy(capture.cdata), capture.origin.device)
+        for slot in (capture.start, capture.done):
+            self._slots.drop(slot)
+        for reached, release, _ in capture.host_nodes:
+            self._slots.drop(reached)
+            self._slots.drop(release)
+
+    def _join_capture(self, s: _Stream, captured: tuple[_Capture, int, int]) -> None:
+        capture, source, node = captured
+        if s.capture is None:
+            if s.is_default:
+                capture.invalidate("the default stream waited on a captured event")
+                raise CaptureError(
+                    f"xpu:{s.device}: the default stream cannot join a capture; fork capture work "
+                    "onto a created stream instead. The capture is now invalidated."
+                )
+            s.capture = capture  # fork: this stream now records into the same command list
+            capture.streams.add(s)
+        elif s.capture is not capture:
+            s.capture.invalidate("two captures were merged")
+            raise CaptureError(
+                f"xpu:{s.device}: stream {s.handle:#x} waits on an event of another capture; "
+                "captures cannot be merged. The capture is now invalidated."
+            )
+        if source != s.handle:
+            with capture.lock:
+                capture.joined_upto[source] = max(capture.joined_upto.get(source, -1), node)
+
+    def stream_capture_status(self, device: int, stream: int) -> CaptureStatus:
+        s = self._stream(device, stream)
+        if s.capture is None:
+            return CaptureStatus.NONE
+        return CaptureStatus.INVALIDATED if s.capture.invalid_reason else CaptureStatus.ACTIVE
+
+    def stream_end_capture(self, device: int, stream: int) -> int:
+        s = self._stream(device, stream)
+        capture = s.capture
+        if capture is None:
+            raise CaptureError(f"xpu:{device}: stream {stream:#x} is not capturing")
+        if capture.origin is not s:
+            capture.invalidate("the capture was ended on a stream other than the one that began it")
+            raise CaptureError(
+                f"xpu:{device}: end the capture on stream {capture.origin.handle:#x}, which began it, "
+                f"not on the forked stream {stream:#x}; the capture is now invalidated"
+            )
+        for member in capture.streams:
+            member.capture = None
+        problem = ""
+        if capture.invalid_reason:
+            problem = f"xpu:{device}: the capture was invalidated: {capture.invalid_reason}"
+        for member in capture.streams:
+            if problem or member is s:
+                continue
+            if capture.last_node.get(member.handle, -1) > capture.joined_upto.get(member.handle, -1):
+                problem = (
+                    f"xpu:{device}: forked stream {member.handle:#x} was not joined back into the "
+                    "capturing stream: record an event on it after its last work and make the origin "
+                    "stream wait on that event before ending the capture"
+                )
+        if problem:
+            self._discard_capture(capture)
+            raise CaptureError(problem)
+        lib = self._ze.lib
+        try:
+            self._barrier(s, capture.cdata, capture.done)
+            self._check("zeCommandListClose", lib.zeCommandListClose(capture.cdata), device)
+        except BaseException:
+            self._discard_capture(capture)
+            raise
+        graph = _Graph(
+            device, self._addr(capture.cdata), capture.cdata, capture.start, capture.done,
+            list(capture.nodes), list(capture.host_nodes), capture.keep,
+        )
+        with self._lock:
+            self._graphs[graph.handle] = graph
+        return graph.handle
+
+    def _graph(self, device: int, handle: int) -> _Graph:
+        graph = self._graphs.get(handle)
+        if graph is None or graph.device != device:
+            raise InvalidHandleError(f"xpu:{device}: graph handle {handle:#x} is not a live captured graph")
+        return graph
+
+    def graph_instantiate(self, device: int, graph: int) -> int:
+        g = self._graph(device, graph)
+        # A closed regular command list is already executable: instances share it.
+        handle = _new_handle()
+        with self._lock:
+            g.owners += 1
+            self._execs[handle] = g
+        return handle
+
+    def graph_launch(self, device: int, graph_exec: int, stream: int) -> None:
+        g = self._execs.get(graph_exec)
+        if g is None or g.device != device:
+            raise InvalidHandleError(f"xpu:{device}: executable graph handle {graph_exec:#x} is not live")
+        s = self._stream(device, stream)
+        if s.capture is not None:
+            raise CaptureError(f"xpu:{device}: launching a graph inside a capture is not supported")
+        ffi, lib = self._ze.ffi, self._ze.lib
+        with g.lock, s.lock:
+            queue = self._graph_queue(g)
+            consumed = self._slots.acquire(False)
+            previous = g.last_launch
+            try:
+                if previous is not None:
+                    # Replays share the list's start/done events: the previous replay
+                    # must be consumed, on whichever stream ran it, before this one starts.
+                    self._wait(s, s.cdata, previous)
+                self._barrier(s, s.cdata, g.start)
+                lists = ffi.new("ze_command_list_handle_t[1]", [g.cdata])
+                code = lib.zeCommandQueueExecuteCommandLists(queue, 1, lists, ffi.NULL)
+                self._check("zeCommandQueueExecuteCommandLists", code, device)
+                self._wait(s, s.cdata, g.done)
+                self._reset(s, s.cdata, g.done)
+                self._barrier(s, s.cdata, consumed)
+                self._appended(s)
+                if previous is not None:
+                    self._hold_until_passed(s, previous)
+            except BaseException:
+                self._slots.drop(consumed)
+                raise
+            g.last_launch = consumed
+            self._slots.drop(previous)
+            if g.host_nodes:
+                if g.worker is None:
+                    g.worker = _HostWorker(self, f"accel-xpu-graph-{g.handle:#x}")
+                for reached, release, fn in g.host_nodes:
+                    g.worker.put((reached, release, fn, False))
+
+    def _graph_queue(self, g: _Graph) -> object:
+        """The graph's command queue, made on its first replay."""
+        if g.queue is None:
+            ffi, lib = self._ze.ffi, self._ze.lib
+            dev = self._devices[g.device]
+            desc = ffi.new("ze_command_queue_desc_t *", {
+                "stype": lib.ZE_STRUCTURE_TYPE_COMMAND_QUEUE_DESC,
+                "ordinal": dev.ordinal,
+                "mode": lib.ZE_COMMAND_QUEUE_MODE_ASYNCHRONOUS,
+            })
+            out = ffi.new("ze_command_queue_handle_t *")
+            self._check("zeCommandQueueCreate", lib.zeCommandQueueCreate(self._context, dev.cdata, desc, out), g.device)
+            g.queue = out[0]
+        return g.queue
+
+    def _release_graph(self, g: _Graph) -> None:
+        with self._lock:
+            g.owners -= 1
+            last = g.owners == 0
+        if not last:
+            return
+        lib = self._ze.lib
+        if g.last_launch is not None:
+            # The list may still be replaying; Level Zero forbids destroying it meanwhile.
+            code = lib.zeEventHostSynchronize(g.last_launch.cdata, WAIT_FOREVER)
+            self._check("zeEventHostSynchronize", code, g.device)
+            self._slots.drop(g.last_launch)
+        if g.worker is not None:
+            g.worker.put(None)
+        if g.queue is not None:
+            self._check("zeCommandQueueDestroy", lib.zeCommandQueueDestroy(g.queue), g.device)
+        self._check("zeCommandListDestroy", lib.zeCommandListDestroy(g.cdata), g.device)
+        for slot in (g.start, g.done):
+            self._slots.drop(slot)
+        for reached, release, _ in g.host_nodes:
+            self._slots.drop(reached)
+            self._slots.drop(release)
+
+    def graph_destroy(self, device: int, graph: int) -> None:
+        g = self._graph(device, graph)
+        with self._lock:
+            del self._graphs[graph]
+        self._release_graph(g)
+
+    def graph_exec_destroy(self, device: int, graph_exec: int) -> None:
+        with self._lock:
+            g = self._execs.get(graph_exec)
+            if g is None or g.device != device:
+                raise InvalidHandleError(f"xpu:{device}: executable graph handle {graph_exec:#x} is not live")
+            del self._execs[graph_exec]
+        self._release_graph(g)
+
+    def graph_debug_dump(self, device: int, graph: int, path: str) -> None:
+        g = self._graph(device, graph)
+        with open(path, "w") as f:
+            f.write(
+                f"accel xpu graph {graph:#x} on xpu:{device}: a Level Zero regular command list, "
+                f"{len(g.nodes)} commands run in order\n"
+            )
+            for i, node in enumerate(g.nodes):
+                f.write(f"{i:6d}  {node}\n")

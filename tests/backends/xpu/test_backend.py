@@ -1,0 +1,461 @@
+"""The XPU backend's own semantics, on accel's simulated Level Zero driver.
+
+The simulator is a CI stand-in: these tests prove the backend drives Level
+Zero the way the protocol needs, not how an Intel GPU behaves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import threading
+import time
+
+import pytest
+
+import accel
+from accel.backends.base import CaptureMode, CaptureStatus
+
+MiB = 1 << 20
+
+
+def host_buffer(xpu, nbytes: int, value: int = 0) -> int:
+    ptr = xpu.host_malloc(nbytes)
+    ctypes.memset(ptr, value, nbytes)
+    return ptr
+
+
+def gate(xpu, stream: int) -> threading.Event:
+    opened = threading.Event()
+    xpu.launch_host_func(0, stream, lambda: opened.wait(10))
+    return opened
+
+
+@pytest.fixture
+def stream(xpu):
+    handle = xpu.stream_create(0, 0)
+    yield handle
+    xpu.stream_synchronize(0, handle)
+    xpu.stream_destroy(0, handle)
+
+
+# -- devices and memory --------------------------------------------------------
+
+
+def test_device_properties_name_the_simulator_and_the_memory_source(xpu) -> None:
+    props = xpu.device_properties(0)
+    assert props.name == "accel simulated Level Zero device (host memory)"
+    assert props.type == "xpu" and props.total_memory == 1 << 30
+    assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", props.uuid)
+    assert props.uuid != xpu.device_properties(1).uuid
+    assert props.extra["memory_info_source"] == "device properties minus accel's own allocations"
+    assert props.extra["api_version"] == "1.4"
+    # The 1.8 loader lacks it; the backend must have probed, not assumed.
+    assert props.extra["loader_has_zeCommandListHostSynchronize"] is False
+    assert props.extra["timer_ns_per_tick"] == 10.0  # 1e9 / the simulator's 1e8 cycles per second
+
+
+def test_memory_info_counts_what_accel_holds(xpu) -> None:
+    free_before, total = xpu.memory_info(0)
+    ptr = xpu.malloc(0, 3 * MiB)
+    try:
+        assert xpu.memory_info(0) == (free_before - 3 * MiB, total)
+    finally:
+        xpu.free(0, ptr)
+    assert xpu.memory_info(0) == (free_before, total)
+
+
+def test_out_of_device_memory_names_the_call_and_leaks_nothing(xpu) -> None:
+    free, total = xpu.memory_info(0)
+    big = xpu.malloc(0, total // 2 + MiB)
+    try:
+        with pytest.raises(accel.OutOfMemoryError) as info:
+            xpu.malloc(0, total // 2)
+        assert info.value.requested == total // 2 and info.value.device == 0
+        assert "zeMemAllocDevice" in str(info.value) and "ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY" in str(info.value)
+    finally:
+        xpu.free(0, big)
+    assert xpu.memory_info(0) == (free, total)
+
+
+def test_allocation_above_the_largest_single_allocation_is_out_of_memory(xpu) -> None:
+    total = xpu.device_properties(0).total_memory
+    with pytest.raises(accel.OutOfMemoryError, match="largest single allocation"):
+        xpu.malloc(0, total + 1)
+
+
+def test_bad_sizes_and_pointers_are_refused(xpu) -> None:
+    with pytest.raises(accel.InvalidValueError):
+        xpu.malloc(0, 0)
+    with pytest.raises(accel.InvalidValueError):
+        xpu.host_malloc(-1)
+    with pytest.raises(accel.InvalidHandleError, match="not returned by malloc"):
+        xpu.free(0, 0x1000)
+    host = xpu.host_malloc(64)
+    xpu.host_free(host)
+    with pytest.raises(accel.InvalidHandleError, match="host_malloc"):
+        xpu.host_free(host)
+    ptr = xpu.malloc(1, 4096)
+    with pytest.raises(accel.InvalidHandleError):
+        xpu.free(0, ptr)  # allocated on device 1
+    xpu.free(1, ptr)
+
+
+def test_peer_access_between_simulated_devices(xpu) -> None:
+    assert xpu.can_access_peer(0, 1) and xpu.can_access_peer(1, 0)
+
+
+# -- virtual memory ---------------------------------------------------------------
+
+
+def test_two_reservations_alias_one_physical_chunk(xpu, stream) -> None:
+    g = xpu.vm_granularity(0)
+    assert g == 2 * MiB
+    a, b = xpu.vm_reserve(0, g), xpu.vm_reserve(0, g)
+    chunk = xpu.vm_create(0, g)
+    xpu.vm_map(0, a, g, chunk)
+    xpu.vm_map(0, b, g, chunk)
+    host = host_buffer(xpu, 16)
+    try:
+        xpu.memset_async(0, a, 0x3C, g, stream)
+        xpu.memcpy_async(0, host, b + g - 16, 16, stream)
+        xpu.stream_synchronize(0, stream)
+        assert ctypes.string_at(host, 16) == b"\x3c" * 16
+    finally:
+        xpu.host_free(host)
+        xpu.vm_unmap(0, a, g)
+        xpu.vm_unmap(0, b, g)
+        xpu.vm_release(0, chunk)
+        xpu.vm_free(0, a, g)
+        xpu.vm_free(0, b, g)
+
+
+def test_released_chunk_holds_memory_until_unmapped(xpu) -> None:
+    g = xpu.vm_granularity(0)
+    free = xpu.memory_info(0)[0]
+    base = xpu.vm_reserve(0, g)
+    chunk = xpu.vm_create(0, g)
+    xpu.vm_map(0, base, g, chunk)
+    xpu.vm_release(0, chunk)
+    assert xpu.memory_info(0)[0] == free - g  # still mapped: still held
+    with pytest.raises(accel.InvalidHandleError, match="already released"):
+        xpu.vm_release(0, chunk)
+    with pytest.raises(accel.InvalidValueError, match="still mapped"):
+        xpu.vm_free(0, base, g)
+    xpu.vm_unmap(0, base, g)
+    assert xpu.memory_info(0)[0] == free
+    xpu.vm_free(0, base, g)
+
+
+def test_virtual_memory_misuse_is_refused(xpu) -> None:
+    g = xpu.vm_granularity(0)
+    with pytest.raises(accel.InvalidValueError, match="granularity"):
+        xpu.vm_reserve(0, g + 4096)
+    base = xpu.vm_reserve(0, 2 * g)
+    chunk = xpu.vm_create(0, g)
+    try:
+        with pytest.raises(accel.InvalidValueError, match="whole chunk"):
+            xpu.vm_map(0, base, 2 * g, chunk)
+        with pytest.raises(accel.InvalidValueError, match="not inside a reservation"):
+            xpu.vm_map(0, base + 2 * g, g, chunk)
+        with pytest.raises(accel.InvalidValueError, match="nothing is mapped"):
+            xpu.vm_unmap(0, base, g)
+        with pytest.raises(accel.InvalidHandleError, match="no reservation"):
+            xpu.vm_free(0, base, g)
+    finally:
+        xpu.vm_release(0, chunk)
+        xpu.vm_free(0, base, 2 * g)
+
+
+# -- streams ---------------------------------------------------------------------------
+
+
+def test_default_streams_are_live_command_lists_that_cannot_be_destroyed(xpu) -> None:
+    defaults = {xpu.default_stream(d) for d in range(xpu.device_count())}
+    assert len(defaults) == xpu.device_count() and 0 not in defaults
+    with pytest.raises(accel.InvalidHandleError, match="default stream"):
+        xpu.stream_destroy(0, xpu.default_stream(0))
+    with pytest.raises(accel.InvalidHandleError):
+        xpu.stream_query(1, xpu.default_stream(0))  # a stream of another device
+
+
+def test_destroying_a_stream_lets_queued_work_finish(xpu) -> None:
+    s = xpu.stream_create(0, -1)
+    opened = gate(xpu, s)
+    ran = threading.Event()
+    xpu.launch_host_func(0, s, ran.set)
+    xpu.stream_destroy(0, s)
+    assert not ran.is_set()
+    opened.set()
+    assert ran.wait(10)
+    xpu.device_synchronize(0)
+
+
+def test_a_raising_host_function_is_reported_and_the_stream_goes_on(xpu, stream, capfd) -> None:
+    def broken() -> None:
+        raise ValueError("boom")
+
+    ran = []
+    xpu.launch_host_func(0, stream, broken)
+    xpu.launch_host_func(0, stream, lambda: ran.append(1))
+    xpu.stream_synchronize(0, stream)
+    assert ran == [1]
+    assert "ValueError: boom" in capfd.readouterr().err
+
+
+def test_long_unsynchronized_streams_keep_working(xpu, stream) -> None:
+    # Far more commands than one marker interval and than one event pool.
+    host = host_buffer(xpu, 4096)
+    try:
+        for i in range(600):
+            xpu.memset_async(0, host, i % 256, 4096, stream)
+        xpu.stream_synchronize(0, stream)
+        assert ctypes.string_at(host, 4096) == bytes([599 % 256]) * 4096
+    finally:
+        xpu.host_free(host)
+
+
+# -- events ---------------------------------------------------------------------------
+
+
+def new_event(xpu, timing: bool = False, device: int = 0) -> int:
+    return xpu.event_create(device, timing=timing, blocking=False, interprocess=False)
+
+
+def test_a_wait_queued_before_a_re_record_waits_for_the_old_record(xpu, stream) -> None:
+    other, idle = xpu.stream_create(0, 0), xpu.stream_create(0, 0)
+    event = new_event(xpu)
+    opened = gate(xpu, stream)
+    xpu.event_record(0, event, stream)
+    xpu.stream_wait_event(0, other, event)
+    seen = []
+    xpu.launch_host_func(0, other, lambda: seen.append("after"))
+    xpu.event_record(0, event, idle)  # re-recorded where nothing is pending
+    xpu.event_synchronize(0, event)
+    time.sleep(0.05)
+    assert seen == [] and not xpu.stream_query(0, other)
+    opened.set()
+    xpu.stream_synchronize(0, other)
+    assert seen == ["after"]
+    xpu.event_destroy(0, event)
+    for s in (other, idle):
+        xpu.stream_destroy(0, s)
+
+
+def test_destroying_an_event_with_a_pending_wait_keeps_the_waiter_correct(xpu, stream) -> None:
+    other = xpu.stream_create(0, 0)
+    event = new_event(xpu)
+    opened = gate(xpu, stream)
+    xpu.event_record(0, event, stream)
+    xpu.stream_wait_event(0, other, event)
+    seen = []
+    xpu.launch_host_func(0, other, lambda: seen.append("after"))
+    xpu.event_destroy(0, event)
+    # Churn the event pools: a recycled Level Zero event must not be the one waited on.
+    churn = [new_event(xpu) for _ in range(200)]
+    for e in churn:
+        xpu.event_record(0, e, xpu.default_stream(0))
+    xpu.stream_synchronize(0, xpu.default_stream(0))
+    time.sleep(0.05)
+    assert seen == []
+    opened.set()
+    xpu.stream_synchronize(0, other)
+    assert seen == ["after"]
+    for e in churn:
+        xpu.event_destroy(0, e)
+    xpu.stream_destroy(0, other)
+
+
+def test_events_of_one_device_order_streams_of_another(xpu) -> None:
+    s0, s1 = xpu.stream_create(0, 0), xpu.stream_create(1, 0)
+    event = new_event(xpu, device=0)
+    opened = gate(xpu, s0)
+    xpu.event_record(0, event, s0)
+    xpu.stream_wait_event(1, s1, event)
+    assert not xpu.stream_query(1, s1)
+    opened.set()
+    xpu.stream_synchronize(1, s1)
+    with pytest.raises(accel.InvalidHandleError):
+        xpu.event_record(1, event, s1)  # recording stays on the event's device
+    xpu.event_destroy(0, event)
+    xpu.stream_destroy(0, s0)
+    xpu.stream_destroy(1, s1)
+
+
+def test_elapsed_time_refuses_unrecorded_and_pending_events(xpu, stream) -> None:
+    start, end = new_event(xpu, True), new_event(xpu, True)
+    with pytest.raises(accel.InvalidValueError, match="never recorded"):
+        xpu.event_elapsed_ms(0, start, end)
+    opened = gate(xpu, stream)
+    xpu.event_record(0, start, stream)
+    xpu.event_record(0, end, stream)
+    with pytest.raises(accel.InvalidValueError, match="has not completed"):
+        xpu.event_elapsed_ms(0, start, end)
+    opened.set()
+    xpu.event_synchronize(0, end)
+    assert 0.0 <= xpu.event_elapsed_ms(0, start, end) < 1000.0
+    for e in (start, end):
+        xpu.event_destroy(0, e)
+
+
+def test_interprocess_events_are_not_supported(xpu) -> None:
+    with pytest.raises(accel.NotSupportedError, match="interprocess"):
+        xpu.event_create(0, timing=False, blocking=False, interprocess=True)
+
+
+# -- capture and replay ------------------------------------------------------------------
+
+
+def capture(xpu, stream: int, work) -> int:
+    xpu.stream_begin_capture(0, stream, CaptureMode.GLOBAL)
+    work()
+    return xpu.stream_end_capture(0, stream)
+
+
+def test_an_executable_graph_outlives_its_graph_and_replays_on_any_stream(xpu, stream) -> None:
+    n = 8192
+    dev = xpu.malloc(0, n)
+    host = host_buffer(xpu, n)
+    calls: list[int] = []
+
+    def work() -> None:
+        xpu.memset_async(0, dev, 0x61, n, stream)
+        xpu.memcpy_async(0, host, dev, n, stream)
+        xpu.launch_host_func(0, stream, lambda: calls.append(len(calls)))
+
+    graph = capture(xpu, stream, work)
+    graph_exec = xpu.graph_instantiate(0, graph)
+    xpu.graph_destroy(0, graph)
+    other = xpu.stream_create(0, 0)
+    try:
+        order = (stream, other, stream, other, other, stream, stream, other, stream, other, other, stream)
+        for s in order:
+            xpu.graph_launch(0, graph_exec, s)
+        xpu.stream_synchronize(0, stream)
+        assert calls == list(range(len(order)))
+        assert ctypes.string_at(host, n) == b"\x61" * n
+    finally:
+        xpu.graph_exec_destroy(0, graph_exec)
+        xpu.stream_destroy(0, other)
+        xpu.free(0, dev)
+        xpu.host_free(host)
+    with pytest.raises(accel.InvalidHandleError):
+        xpu.graph_launch(0, graph_exec, stream)
+    with pytest.raises(accel.InvalidHandleError):
+        xpu.graph_destroy(0, graph)
+
+
+def test_replay_is_ordered_after_earlier_stream_work_and_before_later_work(xpu, stream) -> None:
+    seen: list[str] = []
+    graph = capture(xpu, stream, lambda: xpu.launch_host_func(0, stream, lambda: seen.append("replay")))
+    graph_exec = xpu.graph_instantiate(0, graph)
+    opened = gate(xpu, stream)
+    xpu.launch_host_func(0, stream, lambda: seen.append("before"))
+    xpu.graph_launch(0, graph_exec, stream)
+    xpu.launch_host_func(0, stream, lambda: seen.append("after"))
+    time.sleep(0.05)
+    assert seen == []
+    opened.set()
+    xpu.stream_synchronize(0, stream)
+    assert seen == ["before", "replay", "after"]
+    xpu.graph_exec_destroy(0, graph_exec)
+    xpu.graph_destroy(0, graph)
+
+
+def test_capture_misuse_is_refused(xpu, stream) -> None:
+    done = new_event(xpu)
+    xpu.event_record(0, done, stream)
+    graph = capture(xpu, stream, lambda: xpu.launch_host_func(0, stream, lambda: None))
+    graph_exec = xpu.graph_instantiate(0, graph)
+    xpu.stream_begin_capture(0, stream, CaptureMode.GLOBAL)
+    with pytest.raises(accel.CaptureError, match="already capturing"):
+        xpu.stream_begin_capture(0, stream, CaptureMode.GLOBAL)
+    with pytest.raises(accel.CaptureError, match="inside a capture"):
+        xpu.graph_launch(0, graph_exec, stream)
+    inner = new_event(xpu)
+    xpu.event_record(0, inner, stream)
+    with pytest.raises(accel.CaptureError, match="still running"):
+        xpu.event_query(0, inner)
+    with pytest.raises(accel.CaptureError, match="recorded outside the capture"):
+        xpu.stream_wait_event(0, stream, done)
+    assert xpu.stream_capture_status(0, stream) == CaptureStatus.INVALIDATED
+    with pytest.raises(accel.CaptureError, match="invalidated"):
+        xpu.stream_end_capture(0, stream)
+    with pytest.raises(accel.CaptureError, match="not capturing"):
+        xpu.stream_end_capture(0, stream)
+    xpu.graph_exec_destroy(0, graph_exec)
+    xpu.graph_destroy(0, graph)
+    for e in (done, inner):
+        xpu.event_destroy(0, e)
+
+
+def test_device_synchronize_during_capture_invalidates_it(xpu, stream) -> None:
+    xpu.stream_begin_capture(0, stream, CaptureMode.RELAXED)
+    with pytest.raises(accel.CaptureError, match="synchronize the device"):
+        xpu.device_synchronize(0)
+    with pytest.raises(accel.CaptureError):
+        xpu.stream_end_capture(0, stream)
+
+
+def test_graph_debug_dump_lists_the_recorded_commands(xpu, stream, tmp_path) -> None:
+    dev = xpu.malloc(0, 4096)
+    graph = capture(xpu, stream, lambda: xpu.memset_async(0, dev, 1, 4096, stream))
+    path = tmp_path / "graph.txt"
+    xpu.graph_debug_dump(0, graph, str(path))
+    text = path.read_text()
+    assert "regular command list" in text and "fill 4096 bytes" in text
+    xpu.graph_destroy(0, graph)
+    xpu.free(0, dev)
+
+
+# -- entry points newer than the 1.8 loader ------------------------------------------------
+
+
+class _LoaderWithHostSynchronize:
+    """The real loader plus a ``zeCommandListHostSynchronize`` answering ``code``,
+    as a newer loader in front of a driver may."""
+
+    def __init__(self, lib: object, code: int) -> None:
+        self._lib, self.code, self.calls = lib, code, 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._lib, name)
+
+    def zeCommandListHostSynchronize(self, command_list: object, timeout: int) -> int:
+        self.calls += 1
+        return self.code
+
+
+def backend_with_host_synchronize(xpu, code: int):
+    from accel.backends.xpu._backend import XpuBackend
+    from accel.backends.xpu._bindings import ZeLoader
+
+    ze = xpu._ze
+    lib = _LoaderWithHostSynchronize(ze.lib, code)
+    count = ze.ffi.new("uint32_t *", 1)
+    driver = ze.ffi.new("ze_driver_handle_t[1]")
+    assert ze.lib.zeDriverGet(count, driver) == 0
+    devices = [xpu._devices[0].cdata]
+    return XpuBackend(ZeLoader(ze.ffi, lib, ze.path), driver[0], devices, loader_version="test"), lib
+
+
+def test_host_synchronize_is_used_when_exported_and_dropped_when_unsupported(xpu) -> None:
+    backend, lib = backend_with_host_synchronize(xpu, 0x78000003)  # UNSUPPORTED_FEATURE
+    assert backend.device_properties(0).extra["loader_has_zeCommandListHostSynchronize"] is True
+    s = backend.stream_create(0, 0)
+    host = backend.host_malloc(4096)
+    backend.memset_async(0, host, 0x2B, 4096, s)
+    backend.stream_synchronize(0, s)  # falls back to a marker event
+    backend.stream_synchronize(0, s)
+    assert lib.calls == 1 and ctypes.string_at(host, 4096) == b"\x2b" * 4096
+    backend.host_free(host)
+    backend.stream_destroy(0, s)
+
+
+def test_host_synchronize_failures_are_driver_errors(xpu) -> None:
+    backend, _ = backend_with_host_synchronize(xpu, 0x70000001)  # DEVICE_LOST
+    s = backend.stream_create(0, 0)
+    with pytest.raises(accel.DriverError) as info:
+        backend.stream_synchronize(0, s)
+    assert info.value.call == "zeCommandListHostSynchronize" and info.value.name == "ZE_RESULT_ERROR_DEVICE_LOST"
+    backend.stream_destroy(0, s)

@@ -1,0 +1,182 @@
+"""The XPU backend under other environments, one fresh process each.
+
+The Level Zero loader reads its environment once per process and cannot
+retry a failed ``zeInit``, so every configuration (no driver, no device,
+unsupported features, Sysman, the validation layer) runs in a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.backends.xpu.conftest import REPO, require_simulator, run_json, run_python
+
+PROBE = """
+import json
+from accel.backends import probe_backend
+info = probe_backend("xpu")
+print(json.dumps({"available": info.available, "reason": info.reason, "devices": info.device_count}))
+"""
+
+
+def test_no_driver_gives_one_line_with_the_ze_result_name() -> None:
+    info = run_json(PROBE, ZE_ENABLE_ALT_DRIVERS="/nonexistent/libze_no_such_driver.so")
+    assert not info["available"]
+    assert info["reason"].startswith("zeInit failed: ZE_RESULT_ERROR_UNINITIALIZED (0x78000001): ")
+    assert "\n" not in info["reason"]
+
+
+def test_cli_says_why_in_one_line_when_there_is_no_driver() -> None:
+    require_simulator()  # the real loader, pointed at a driver that does not exist
+    env = {**os.environ, "ACCEL_BACKEND": "xpu", "ZE_ENABLE_ALT_DRIVERS": "/nonexistent/libze_no_such_driver.so"}
+    result = subprocess.run(
+        [sys.executable, "-m", "accel"], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
+    )
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "'xpu' is unavailable: zeInit failed: ZE_RESULT_ERROR_UNINITIALIZED" in lines[0]
+
+
+def test_missing_loader_is_named() -> None:
+    info = run_json(PROBE, ACCEL_ZE_LOADER="/nonexistent/libze_loader.so.1")
+    assert info["reason"] == (
+        "ACCEL_ZE_LOADER=/nonexistent/libze_loader.so.1 not found: point it at libze_loader.so.1, or unset it"
+    )
+
+
+def test_a_driver_without_gpus_is_no_gpu_device() -> None:
+    info = run_json(PROBE, ACCEL_SIMZE_DEVICE_COUNT="0")
+    assert info["reason"].startswith("no GPU device: 1 Level Zero driver(s) loaded")
+
+
+def test_a_driver_that_fails_to_initialize_reports_its_code() -> None:
+    result = run_python(PROBE, ACCEL_SIMZE_MEMORY="lots")
+    assert "invalid ACCEL_SIMZE_MEMORY=lots" in result.stderr  # the simulator's own complaint
+    info = __import__("json").loads(result.stdout.strip().splitlines()[-1])
+    assert info["reason"] == "zeInit failed: ZE_RESULT_ERROR_INVALID_ARGUMENT (0x78000004): an argument is invalid"
+
+
+def test_importing_the_backend_loads_no_library() -> None:
+    info = run_json(
+        "import json, accel.backends.xpu, accel.backends.xpu._backend\n"
+        "maps = open('/proc/self/maps').read()\n"
+        "print(json.dumps({'loaded': 'libze' in maps}))"
+    )
+    assert info == {"loaded": False}
+
+
+UNSUPPORTED = """
+import json
+import accel
+from accel.backends import load_backend
+xpu = load_backend("xpu")
+out = {"vm": xpu.supports_virtual_memory(0)}
+for name, call in [
+    ("granularity", lambda: xpu.vm_granularity(0)),
+    ("create", lambda: xpu.vm_create(0, 2 << 20)),
+]:
+    try:
+        call()
+        out[name] = "ok"
+    except accel.NotSupportedError as exc:
+        out[name] = str(exc)
+s = xpu.default_stream(0)
+a, b = (xpu.event_create(0, timing=True, blocking=False, interprocess=False) for _ in range(2))
+xpu.event_record(0, a, s)
+xpu.event_record(0, b, s)
+xpu.stream_synchronize(0, s)
+try:
+    out["elapsed"] = xpu.event_elapsed_ms(0, a, b)
+except accel.NotSupportedError as exc:
+    out["elapsed"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def test_features_the_driver_lacks_are_not_supported() -> None:
+    out = run_json(UNSUPPORTED, ACCEL_SIMZE_UNSUPPORTED="zeVirtualMemQueryPageSize,zeEventQueryKernelTimestamp")
+    assert out["vm"] is False
+    assert out["granularity"] == "the xpu backend does not support virtual memory"
+    assert out["elapsed"].startswith("zeEventQueryKernelTimestamp is not supported by the Level Zero driver on xpu:0")
+    assert "ZE_RESULT_ERROR_UNSUPPORTED_FEATURE" in out["elapsed"]
+
+
+def test_a_missing_physical_memory_call_is_not_supported() -> None:
+    out = run_json(UNSUPPORTED, ACCEL_SIMZE_UNSUPPORTED="zePhysicalMemCreate")
+    assert out["vm"] is True and out["granularity"] == "ok"
+    assert out["create"].startswith("zePhysicalMemCreate is not supported by the Level Zero driver on xpu:0")
+
+
+SMALL = """
+import json
+import accel
+from accel.backends import load_backend
+xpu = load_backend("xpu")
+out = {"info": xpu.memory_info(0), "source": xpu.device_properties(0).extra["memory_info_source"]}
+keep = xpu.malloc(0, 5 << 20)
+out["after_malloc"] = xpu.memory_info(0)
+for name, call in [("malloc", lambda: xpu.malloc(0, 4 << 20)), ("vm_create", lambda: xpu.vm_create(0, 4 << 20))]:
+    try:
+        call()
+        out[name] = "ok"
+    except accel.OutOfMemoryError as exc:
+        out[name] = [str(exc), exc.requested, exc.device]
+xpu.free(0, keep)
+out["after_free"] = xpu.memory_info(0)
+print(json.dumps(out))
+"""
+
+
+def test_a_small_budget_runs_out_of_memory_for_malloc_and_physical_chunks() -> None:
+    out = run_json(SMALL, ACCEL_SIMZE_MEMORY="8MiB")
+    mib = 1 << 20
+    assert out["info"] == [8 * mib, 8 * mib] and out["after_malloc"] == [3 * mib, 8 * mib]
+    assert "ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY" in out["malloc"][0] and out["malloc"][1:] == [4 * mib, 0]
+    assert "zePhysicalMemCreate" in out["vm_create"][0] and out["vm_create"][1:] == [4 * mib, 0]
+    assert out["after_free"] == [8 * mib, 8 * mib]
+
+
+def test_sysman_is_the_memory_source_when_the_driver_enables_it() -> None:
+    out = run_json(SMALL, ACCEL_SIMZE_MEMORY="8MiB", ZES_ENABLE_SYSMAN="1")
+    assert out["source"] == "sysman"
+    assert out["after_malloc"] == [3 << 20, 8 << 20]  # the driver's count, not accel's
+
+
+def test_conformance_passes_under_the_validation_layer() -> None:
+    """The loader's validation layer checks every call's parameters and handles."""
+    require_simulator()
+    env = {
+        **os.environ,
+        "ZE_ENABLE_VALIDATION_LAYER": "1",
+        "ZE_ENABLE_PARAMETER_VALIDATION": "1",
+        "ZE_ENABLE_HANDLE_LIFETIME": "1",
+        "ZE_ENABLE_THREADING_VALIDATION": "1",
+    }
+    layer = run_json(
+        "import json\nfrom accel.backends import load_backend\nload_backend('xpu')\n"
+        "print(json.dumps({'layer': 'libze_validation_layer' in open('/proc/self/maps').read()}))",
+        ZE_ENABLE_VALIDATION_LAYER="1",
+        ZE_ENABLE_PARAMETER_VALIDATION="1",
+    )
+    assert layer == {"layer": True}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "xpu",
+         "tests/conformance", str(REPO / "tests/backends/xpu/test_backend.py")],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout
+
+
+def test_protocol_conformance_passes_through_the_loader_intercept_path() -> None:
+    """With ZE_ENABLE_LOADER_INTERCEPT=1 the loader wraps every handle (as with several drivers)."""
+    require_simulator()
+    env = {**os.environ, "ZE_ENABLE_LOADER_INTERCEPT": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "xpu", "tests/conformance/test_protocol.py"],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
