@@ -114,11 +114,15 @@ def bench(model_name: str, batch: int, calls: int, repeats: int, variants: list[
         fns["interpreted"] = lambda: interp(x)
     if "compiled" in variants:
         t0 = time.perf_counter()
-        comp = make_graphed_callables(model, (x,), tier="compiled")
-        build["compiled"] = time.perf_counter() - t0
-        (entry,) = comp._cache.values()
-        notes["compiled"] = "loaded from cache" if not entry.graph.program.compiled.built else "built"
-        fns["compiled"] = lambda: comp(x)
+        try:
+            comp = make_graphed_callables(model, (x,), tier="compiled")
+        except accel.NotSupportedError as exc:
+            notes["compiled"] = f"failed: {str(exc).splitlines()[0][:120]}"
+        else:
+            build["compiled"] = time.perf_counter() - t0
+            (entry,) = comp._cache.values()
+            notes["compiled"] = "loaded from cache" if not entry.graph.program.compiled.built else "built"
+            fns["compiled"] = lambda: comp(x)
     if "torch.compile" in variants:
         compiled_model = torch.compile(model)
         t0 = time.perf_counter()
@@ -223,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     for model_name in models:
         for batch in (int(b) for b in args.batches.split(",")):
             results.append(bench(model_name, batch, args.calls, args.repeats, variants))
-            if not args.json:
-                print(_markdown(results[-1:], variants).splitlines()[-1], file=sys.stderr, flush=True)
+            print(_markdown(results[-1:], variants).splitlines()[-1], file=sys.stderr, flush=True)
     env = {
         "torch": torch.__version__,
         "python": platform.python_version(),

@@ -177,7 +177,8 @@ def _to_fx(program: Program, inputs: list[torch.Tensor], outputs: list[torch.Ten
         node = graph.call_function(record.func, tuple(args), dict(kwargs))
         if record.kind == "mutate":
             continue  # the written tensors keep their nodes, now holding the new values
-        if len(record.func._schema.returns) == 1 and not str(record.func._schema.returns[0].type).endswith("[]"):
+        returns = record.func._schema.returns
+        if len(returns) == 1 and str(returns[0].type) == "Tensor":
             env[id(record.outputs[0])] = node
         else:
             for i, t in enumerate(record.outputs):
