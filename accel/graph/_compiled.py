@@ -238,9 +238,9 @@ def _build(gm: fx.GraphModule, inputs: list[torch.Tensor], path: Path) -> None:
             fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
             os.close(fd)
             try:
-                torch._inductor.aoti_compile_and_package(
-                    exported, package_path=tmp, inductor_configs=INDUCTOR_CONFIGS
-                )
+                # A copy: inductor adds keys to the dict it is given.
+                settings = dict(INDUCTOR_CONFIGS)
+                torch._inductor.aoti_compile_and_package(exported, package_path=tmp, inductor_configs=settings)
                 os.replace(tmp, path)  # atomic: a concurrent build of the same key is harmless
             finally:
                 if os.path.exists(tmp):
