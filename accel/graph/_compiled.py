@@ -177,7 +177,8 @@ def _to_fx(program: Program, inputs: list[torch.Tensor], outputs: list[torch.Ten
         node = graph.call_function(record.func, tuple(args), dict(kwargs))
         if record.kind == "mutate":
             continue  # the written tensors keep their nodes, now holding the new values
-        if len(record.func._schema.returns) == 1 and not str(record.func._schema.returns[0].type).endswith("[]"):
+        returns = record.func._schema.returns
+        if len(returns) == 1 and str(returns[0].type) == "Tensor":
             env[id(record.outputs[0])] = node
         else:
             for i, t in enumerate(record.outputs):
@@ -194,9 +195,15 @@ def _to_fx(program: Program, inputs: list[torch.Tensor], outputs: list[torch.Ten
     return fx.GraphModule(root, graph)
 
 
+def _cpu_model() -> str:
+    from accel._runtime import get_runtime
+
+    return get_runtime().backend.device_properties(0).name
+
+
 def _cache_key(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> str:
     h = hashlib.sha256()
-    h.update(f"torch {torch.__version__}\n".encode())
+    h.update(f"torch {torch.__version__} {_cpu_model()} {sorted(INDUCTOR_CONFIGS.items())}\n".encode())
     h.update(gm.code.encode())
     for t in inputs:
         h.update(f"input {tuple(t.shape)} {tuple(t.stride())} {t.dtype}\n".encode())
@@ -204,6 +211,20 @@ def _cache_key(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> str:
         h.update(f"constant {name} {tuple(buf.shape)} {tuple(buf.stride())} {buf.dtype}\n".encode())
         h.update(buf.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:32]
+
+
+#: Inductor settings for the build. Weights are constants of the program, so
+#: they may be folded and prepacked (freezing); small GEMMs, which dominate
+#: batch-1 inference, are faster with inductor's CPU micro-kernels than with
+#: the BLAS call, and autotuning picks between them per shape (this machine's
+#: timings, hence the CPU in the cache key). Autotuning reports are muted.
+INDUCTOR_CONFIGS: dict[str, Any] = {
+    "freezing": True,
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+    "autotune_num_choices_displayed": 0,
+    "max_autotune_report_choices_stats": False,
+}
 
 
 def _build(gm: fx.GraphModule, inputs: list[torch.Tensor], path: Path) -> None:
@@ -217,7 +238,9 @@ def _build(gm: fx.GraphModule, inputs: list[torch.Tensor], path: Path) -> None:
             fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
             os.close(fd)
             try:
-                torch._inductor.aoti_compile_and_package(exported, package_path=tmp)
+                # A copy: inductor adds keys to the dict it is given.
+                settings = dict(INDUCTOR_CONFIGS)
+                torch._inductor.aoti_compile_and_package(exported, package_path=tmp, inductor_configs=settings)
                 os.replace(tmp, path)  # atomic: a concurrent build of the same key is harmless
             finally:
                 if os.path.exists(tmp):

@@ -13,9 +13,21 @@ import accel  # noqa: E402
 from accel.graph import Graph, compile_graph, graph, make_graphed_callables  # noqa: E402
 
 
+class _Tiny(nn.Module):
+    """Small, and with an op returning a list of tensors (chunk -> split)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, value = self.a(x).chunk(2, dim=-1)
+        return self.b(torch.sigmoid(gate) * value)
+
+
 def _tiny() -> nn.Module:
     torch.manual_seed(1)
-    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)).eval()
+    return _Tiny().eval()
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +75,7 @@ def test_make_graphed_callables_compiled_tier(cache: Path) -> None:
 def test_changed_weights_change_the_cache_key(cache: Path) -> None:
     model, x = _tiny(), torch.randn(2, 8)
     with torch.no_grad():
-        model[0].weight.add_(1.0)
+        model.a.weight.add_(1.0)
     g, y = _capture(model, x)
     from accel.graph._compiled import _cache_key, _to_fx
 

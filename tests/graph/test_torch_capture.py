@@ -220,3 +220,23 @@ def test_capture_turns_autograd_off_and_restores_it() -> None:
         assert not torch.is_grad_enabled()
         y = model(x)
     assert torch.is_grad_enabled() and not y.requires_grad
+
+
+def _pool_segments(pool: tuple[int, int]) -> int:
+    return sum(1 for s in accel.memory.memory_snapshot() if tuple(s["segment_pool_id"]) == pool)
+
+
+def test_static_tensors_live_in_the_graph_pool_until_graph_and_tensors_are_gone() -> None:
+    x, lin = torch.randn(4, 8), nn.Linear(8, 8)
+    g = Graph()
+    with graph(g):
+        y = lin(x)
+    pool = g.pool()
+    assert _pool_segments(pool) >= 1
+    g.reset()
+    accel.memory.empty_cache()
+    expected = y.clone()
+    assert torch.equal(y, expected) and _pool_segments(pool) >= 1  # y still holds its memory
+    del y
+    accel.memory.empty_cache()
+    assert _pool_segments(pool) == 0
