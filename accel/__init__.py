@@ -93,6 +93,8 @@ __all__ = [
 _LAZY_MODULES = ("allocator", "backends", "graph", "memory", "stream")
 _LAZY_NAMES = {
     "AllocatorConfigWarning": "accel.allocator.config",
+    "as_tensor": "accel._interop.torch",
+    "empty": "accel._interop.torch",
     **{
         name: "accel.memory"
         for name in (

@@ -220,6 +220,35 @@ class Buffer:
             raise InvalidValueError(f"record_stream needs an accel.Stream, got {stream!r}")
         self._allocator.record_stream(block, stream)
 
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
+        """Export as DLPack with the array API's semantics (``np.from_dlpack(buf)``,
+        ``torch.from_dlpack(buf)``): the consumer's ``stream`` is ordered after
+        this buffer's stream; no copy is ever made."""
+        from accel._interop._dlpack import to_capsule
+
+        return to_capsule(self, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(DLPack device type, index)``: 1 host, 2 CUDA, 14 oneAPI."""
+        from accel._interop._dlpack import dlpack_device
+
+        return dlpack_device(self)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """CUDA Array Interface v3, with the buffer's stream (CUDA buffers only:
+        AttributeError elsewhere, so ``hasattr`` says False)."""
+        from accel._interop._cuda_array_interface import cuda_array_interface
+
+        return cuda_array_interface(self)
+
     def __enter__(self) -> Buffer:
         return self
 

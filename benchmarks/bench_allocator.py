@@ -210,6 +210,35 @@ def _fmt(n: int) -> str:
     return f"{n} B"
 
 
+def run(quick: bool) -> list[dict]:
+    """Rows for ``accel bench`` (benchmarks/README.md): speed against the raw
+    backend, and memory efficiency (peak requested / peak reserved)."""
+    rows: list[dict] = []
+    for size, cached, facade, raw in bench_latency(7 if quick else 31):
+        for label, (wall, cpu) in (("DeviceAllocator", cached), ("accel.memory.allocate", facade)):
+            rows.append({
+                "name": f"allocate+free {size}, {label}",
+                "ratio": raw[1] / cpu,
+                "baseline": "raw backend malloc+free",
+                "metric": "CPU time",
+                "accel_us": cpu,
+                "accel_wall_us": wall,
+                "baseline_us": raw[1],
+            })
+    for name, build in models().items():
+        trace = record(name, build)
+        for config in ("expandable_segments:False", "expandable_segments:True"):
+            requested, reserved, _ = replay(trace, config)
+            rows.append({
+                "name": f"{name}, {config}",
+                "ratio": requested / reserved,
+                "baseline": "peak requested bytes",
+                "metric": "peak requested / peak reserved",
+                "fragmentation": reserved / requested,
+            })
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")

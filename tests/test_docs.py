@@ -16,20 +16,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = ("index.md", "getting-started.md", "concepts.md")
 
-# Until accel/__init__.py exports the torch interop names and Buffer speaks the
-# protocols (the exact lines are in the eco branch's report), the doc run
-# installs them the same way, so the pages are checked against the intended
-# wiring; once wired, this prelude does nothing.
-_PRELUDE = '''
-import accel, accel._interop as _interop, accel.memory as _memory
-for _name in ("empty", "as_tensor"):
-    if not hasattr(accel, _name):
-        setattr(accel, _name, getattr(_interop, _name))
-if not hasattr(_memory.Buffer, "__dlpack__"):
-    _memory.Buffer.__dlpack__ = lambda self, *, stream=None, max_version=None, dl_device=None, copy=None: (
-        _interop.to_capsule(self, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy))
-    _memory.Buffer.__dlpack_device__ = lambda self: _interop.dlpack_device(self)
-'''
 
 
 def _python_blocks(page: str) -> list[str]:
@@ -48,7 +34,7 @@ def test_getting_started_runs_on_the_host_backend(tmp_path):
     blocks = _python_blocks("getting-started.md")
     assert len(blocks) >= 8
     script = tmp_path / "getting_started.py"
-    script.write_text(_PRELUDE + "\n".join(f"# --- block {i}\n{b}" for i, b in enumerate(blocks)))
+    script.write_text("\n".join(f"# --- block {i}\n{b}" for i, b in enumerate(blocks)))
     env = {**os.environ, "ACCEL_BACKEND": "cpu", "PYTHONPATH": str(ROOT)}
     for name in ("ACCEL_ALLOC_CONF", "ACCEL_CPU_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         env.pop(name, None)
@@ -72,10 +58,7 @@ def test_accel_names_exist(page):
     text = (DOCS / page).read_text()
     names = set(re.findall(r"`(accel(?:\.[A-Za-z_][A-Za-z0-9_]*)+)", text))
     assert names
-    pending = {"accel.empty": accel._interop.empty, "accel.as_tensor": accel._interop.as_tensor}
     for name in sorted(names):
-        if name in pending and not hasattr(accel, name.split(".")[1]):
-            continue  # wired by the facade once merged (see _PRELUDE)
         obj = accel
         for part in name.split(".")[1:]:
             assert hasattr(obj, part) or importlib.util.find_spec(f"{obj.__name__}.{part}") is not None, \

@@ -100,7 +100,6 @@ def test_numpy_and_torch_read_a_real_buffer():
     assert torch.from_dlpack(Exported(buf)).sum().item() == 0x11 * (1 << 16)
 
 
-@pytest.mark.skipif(not hasattr(memory.Buffer, "__dlpack__"), reason="Buffer.__dlpack__ is not wired yet (see the eco report)")
 def test_buffer_speaks_dlpack():
     buf = memory.allocate(64)
     assert buf.__dlpack_device__() == (1, 0)

@@ -6,23 +6,13 @@ import doctest
 
 import pytest
 
-import accel
-import accel._interop
 from accel._interop import _cuda_array_interface, _dlpack
 from accel._interop import torch as interop_torch
 from accel.stream._stream import Stream
 
 
-@pytest.fixture
-def facade(monkeypatch):
-    """accel.empty / accel.as_tensor as the facade exports them (see the eco report) until it does."""
-    for name in ("empty", "as_tensor"):
-        if not hasattr(accel, name):
-            monkeypatch.setattr(accel, name, getattr(accel._interop, name), raising=False)
-
-
 @pytest.mark.parametrize("module", [_dlpack, _cuda_array_interface, interop_torch], ids=lambda m: m.__name__)
-def test_module_examples(module, facade):
+def test_module_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
 

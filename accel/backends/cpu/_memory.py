@@ -70,7 +70,9 @@ class DeviceMemory:
     def __init__(self, device: int, limit: int | None) -> None:
         self.device = device
         self.limit = limit
-        self._lock = threading.Lock()
+        # Reentrant: a garbage-collected buffer's finalizer may free memory while
+        # this thread is inside an allocation.
+        self._lock = threading.RLock()
         self._held = 0
         self._allocations: dict[int, int] = {}
         self._reservations: dict[int, _Reservation] = {}
@@ -249,7 +251,9 @@ class HostMemory:
     """Page-aligned host memory for staging copies (every page is host memory here)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: a garbage-collected buffer's finalizer may free memory while
+        # this thread is inside an allocation.
+        self._lock = threading.RLock()
         self._allocations: dict[int, int] = {}
 
     def malloc(self, nbytes: int) -> int:

@@ -162,7 +162,9 @@ class StreamTable:
     """Every live stream and event of the host backend, with their capture rules."""
 
     def __init__(self, device_count: int) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: finalizers of garbage-collected streams and events destroy
+        # them, and collection can run while this thread holds the lock.
+        self._lock = threading.RLock()
         self._streams: dict[int, HostStream] = {}
         self._events: dict[int, HostEvent] = {}
         self._graphs: dict[int, list[Node]] = {}
