@@ -119,3 +119,25 @@ def test_captured_events_cannot_be_waited_on_from_the_host() -> None:
     with pytest.raises(accel.CaptureError):
         backend.stream_end_capture(0, s)
     assert backend.event_query(0, event)  # the capture is over: a plain event again
+
+
+def test_frees_from_finalizers_inside_an_allocation_do_not_deadlock() -> None:
+    """Garbage collection may run a finalizer that frees memory while the
+    same thread is inside the backend (holding its lock)."""
+    import threading
+
+    backend = CpuBackend(1, None)
+    p = backend.malloc(0, 100)
+    s = backend.stream_create(0, 0)
+    memory, streams = backend._memory[0], backend._streams
+
+    def nested() -> None:
+        with memory._lock:
+            backend.free(0, p)
+        with streams._lock:
+            backend.stream_destroy(0, s)
+
+    thread = threading.Thread(target=nested, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "a nested free deadlocked"
