@@ -7,8 +7,10 @@ out-of-memory paths can be exercised on any machine.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from accel._errors import InvalidHandleError, InvalidValueError, OutOfMemoryError
@@ -107,19 +109,25 @@ class DeviceMemory:
 
     # -- plain allocations ----------------------------------------------------
 
+    @contextlib.contextmanager
+    def _charged(self, nbytes: int, what: str) -> Iterator[None]:
+        """Hold ``nbytes`` against the capacity for the block's system call;
+        give them back and raise OutOfMemoryError if the call fails."""
+        self._charge(nbytes, what)
+        try:
+            yield
+        except OSError as exc:
+            self._held -= nbytes
+            raise OutOfMemoryError(
+                f"cpu:{self.device}: {what} of {format_size(nbytes)} failed: {exc}",
+                requested=nbytes,
+                device=self.device,
+            ) from exc
+
     def malloc(self, nbytes: int) -> int:
         size = round_up(nbytes, PAGE)
-        with self._lock:
-            self._charge(size, "allocation")
-            try:
-                ptr = _libc.map_anonymous(size)
-            except OSError as exc:
-                self._held -= size
-                raise OutOfMemoryError(
-                    f"cpu:{self.device}: allocation of {format_size(size)} failed: {exc}",
-                    requested=size,
-                    device=self.device,
-                ) from exc
+        with self._lock, self._charged(size, "allocation"):
+            ptr = _libc.map_anonymous(size)
             self._allocations[ptr] = size
         return ptr
 
@@ -175,17 +183,8 @@ class DeviceMemory:
 
     def create(self, nbytes: int) -> int:
         self._check_multiple("vm_create", nbytes)
-        with self._lock:
-            self._charge(nbytes, "physical memory creation")
-            try:
-                fd = _libc.memfd(nbytes)
-            except OSError as exc:
-                self._held -= nbytes
-                raise OutOfMemoryError(
-                    f"cpu:{self.device}: physical memory of {format_size(nbytes)} failed: {exc}",
-                    requested=nbytes,
-                    device=self.device,
-                ) from exc
+        with self._lock, self._charged(nbytes, "physical memory creation"):
+            fd = _libc.memfd(nbytes)
             handle = self._next_handle
             self._next_handle += 1
             self._physical[handle] = (fd, nbytes)
