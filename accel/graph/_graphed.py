@@ -131,7 +131,10 @@ class GraphedCallable:
                     GraphCacheWarning,
                     stacklevel=3,
                 )
-        inputs = [a.detach().clone() for a in args]
+        with torch.inference_mode(False), torch.no_grad():
+            # Normal tensors, even when called under inference mode: later
+            # calls copy into them, perhaps outside it.
+            inputs = [a.detach().clone() for a in args]
         _warm_up(self.fn, inputs, self._warmup)
         g = Graph(pool=self._pool)
         with _compilable(self._tier == "compiled"), graph(g):
