@@ -172,13 +172,18 @@ class Buffer:
     # Streams do not keep buffers alive for queued work: the allocator's
     # stream-ordered reuse already makes freeing early safe.
     __accel_buffer__ = True
-    __slots__ = ("_block", "_allocator", "_stream", "nbytes", "__weakref__")
+    __slots__ = ("_block", "_allocator", "_stream", "_nbytes", "__weakref__")
 
     def __init__(self, block: Block, allocator: DeviceAllocator, stream: Stream, nbytes: int) -> None:
         self._block: Block | None = block
         self._allocator = allocator
         self._stream = stream
-        self.nbytes = nbytes
+        self._nbytes = nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """The size asked for (the block behind it may be a little larger)."""
+        return self._nbytes
 
     @property
     def ptr(self) -> int:
@@ -229,7 +234,7 @@ class Buffer:
 
     def __repr__(self) -> str:
         where = "freed" if self._block is None else f"ptr={self._block.ptr:#x}"
-        return f"accel.memory.Buffer({where}, nbytes={self.nbytes}, device={self.device})"
+        return f"accel.memory.Buffer({where}, nbytes={self._nbytes}, device={self.device})"
 
 
 def allocate(nbytes: int, *, device: DeviceLike = None, stream: Stream | None = None) -> Buffer:
@@ -271,12 +276,17 @@ class HostBuffer:
     """
 
     __accel_buffer__ = True
-    __slots__ = ("_block", "_allocator", "nbytes", "__weakref__")
+    __slots__ = ("_block", "_allocator", "_nbytes", "__weakref__")
 
     def __init__(self, block: HostBlock, allocator: HostCachingAllocator, nbytes: int) -> None:
         self._block: HostBlock | None = block
         self._allocator = allocator
-        self.nbytes = nbytes
+        self._nbytes = nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """The size asked for."""
+        return self._nbytes
 
     @property
     def ptr(self) -> int:
@@ -309,13 +319,14 @@ class HostBuffer:
         self.free()
 
     def __del__(self) -> None:
-        # The staging cache's lock is never held while Python code runs, so
-        # freeing from a finalizer cannot deadlock.
-        self.free()
+        block = self._block
+        if block is not None:
+            self._block = None
+            self._allocator.free_from_finalizer(block)
 
     def __repr__(self) -> str:
         where = "freed" if self._block is None else f"ptr={self._block.ptr:#x}"
-        return f"accel.memory.HostBuffer({where}, nbytes={self.nbytes})"
+        return f"accel.memory.HostBuffer({where}, nbytes={self._nbytes})"
 
 
 def allocate_host(nbytes: int) -> HostBuffer:

@@ -1,7 +1,6 @@
 """The caching device allocator, written once against the Backend protocol.
 
-Behaviour follows PyTorch's ``DeviceCachingAllocator`` (see
-``docs``/the reference facts): 512-byte rounding with optional power-of-two
+Behaviour follows PyTorch's ``DeviceCachingAllocator``: 512-byte rounding with optional power-of-two
 divisions, a small pool (requests up to 1 MiB, 2 MiB segments) and a large
 pool (20 MiB segments for 1-10 MiB, else rounded to 2 MiB), best fit per
 stream, splitting and merging, ``max_split_size`` / ``max_non_split_rounding``,
@@ -155,6 +154,7 @@ class DeviceAllocator:
         self._gc_frees: deque[Block] = deque()  # frees from finalizers that found the lock taken
         self._history: History | None = None
         self._fraction: float | None = None
+        self._fraction_explicit = False
         self._allowed: int | None = None
         self._name = f"{backend.name}:{device}"
         self._vm = self.upstream.supports_virtual_memory()
@@ -174,7 +174,7 @@ class DeviceAllocator:
         self._any_divisions = any(d > 1 for d in self._divisions)
         self._large_segment = config.large_segment_size
         self._expandable = bool(config.expandable_segments) and self._vm
-        if self._fraction is None or config.per_process_memory_fraction < 1.0:
+        if not self._fraction_explicit:
             self._set_fraction(config.per_process_memory_fraction, explicit=False)
 
     def update_config(self, config: AllocatorConfig) -> None:
@@ -183,6 +183,8 @@ class DeviceAllocator:
             self._apply_config(config)
 
     def _set_fraction(self, fraction: float, *, explicit: bool) -> None:
+        # A call of set_memory_fraction wins over the configuration from then on.
+        self._fraction_explicit = self._fraction_explicit or explicit
         if fraction >= 1.0 and not explicit:
             self._fraction, self._allowed = None, None
             return
@@ -212,7 +214,8 @@ class DeviceAllocator:
         Raises :class:`~accel.OutOfMemoryError` (with a diagnosis) when even
         after freeing the cache the memory is not there.
         """
-        if nbytes.__class__ is not int or not 0 < nbytes < MAX_REQUEST:
+        # Literals instead of the module constants below: this is the hot path.
+        if nbytes.__class__ is not int or not 0 < nbytes < 1 << 60:  # MAX_REQUEST
             self._bad_size(nbytes)
         handle = stream._handle
         with self._lock:
@@ -220,8 +223,8 @@ class DeviceAllocator:
                 self._drain_gc_frees()
             if self._pending and not self._captures:
                 self._process_events()
-            if nbytes < KB_MIN:
-                size = KB_MIN
+            if nbytes < 512:
+                size = 512
             elif self._any_divisions:
                 slot = nbytes.bit_length() - 21
                 size = round_size(nbytes, self._divisions[0 if slot < 0 else (slot if slot < 15 else 15)])
@@ -230,7 +233,7 @@ class DeviceAllocator:
             if self._captures:
                 pool = self._capture_pool(size, stream)
             else:
-                pool = self._small if size <= SMALL_SIZE else self._large
+                pool = self._small if size <= 1048576 else self._large  # SMALL_SIZE
             block = None
             lst = pool.free.get(handle)
             if lst:
@@ -252,8 +255,8 @@ class DeviceAllocator:
             expandable = block.segment.expandable
             was_split = block.prev is not None or block.next is not None
             remaining = block.size - size
-            if remaining >= KB_MIN and (
-                pool.small or expandable or (size < self._ms and remaining > SMALL_SIZE)
+            if remaining >= 512 and (
+                pool.small or expandable or (size < self._ms and remaining > 1048576)
             ):
                 nxt = block.next
                 if self._spare:
@@ -854,11 +857,13 @@ class DeviceAllocator:
             self._release_cached_blocks()
 
     def _release_cached_blocks(self) -> None:
+        """Give back every free whole segment and free expandable page of the
+        default pools and of the private pools no graph uses any more."""
         if self._captures:
             return  # never return memory upstream during a capture
         self._synchronize_and_free_events()
-        pools = [self._small, self._large]
         freeable = [p for p in self._private.values() if p.use_count == 0]
+        pools = [self._small, self._large]
         for private in freeable:
             pools += [private.small, private.large]
         victims = [
@@ -989,16 +994,21 @@ class DeviceAllocator:
                     self._insert_events(block)
 
     def release_pool(self, pool_id: tuple[int, int]) -> None:
-        """Drop one use of ``pool_id`` (a graph that is gone). At zero uses its
-        unused memory goes back upstream, now if no capture is under way, else
-        at the next ``empty_cache``; blocks still allocated return later."""
+        """Drop one use of ``pool_id`` (a graph that is gone).
+
+        At zero uses the pool is *freeable*, as in PyTorch: its memory goes
+        back upstream at the next :meth:`empty_cache` or when an allocation
+        needs the room (that flush waits for the streams; doing it here would
+        make deleting a graph wait for unrelated work). A pool that holds no
+        memory goes at once.
+        """
         with self._lock:
             private = self._private.get(pool_id)
             if private is None or private.use_count == 0:
                 raise InvalidValueError(f"release_pool: {pool_id} is not a live private pool")
             private.use_count -= 1
-            if private.use_count == 0 and not self._captures:
-                self._release_cached_blocks()
+            if private.use_count == 0 and private.segments == 0:
+                del self._private[pool_id]
 
     def pool_ids(self) -> list[tuple[int, int]]:
         """Ids of the private pools that still exist."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,7 +21,9 @@ __all__ = [
     "KEYS_BY_FIELD",
     "KEYS_BY_NAME",
     "MAX_MIB",
+    "MAX_U64",
     "MIB",
+    "ROUNDUP_SLOTS",
     "KeySpec",
     "ValueProblem",
     "nearest_key",
@@ -109,14 +112,14 @@ KEYS: tuple[KeySpec, ...] = (
         "common", True,
     ),
     KeySpec(
-        "expandable_segments", "expandable_segments", "bool", "", "False", "True | False",
+        "expandable_segments", "expandable_segments", "bool", "", "False", "True or False",
         "Grow one virtual segment per stream by mapping pages instead of allocating "
         "many fixed segments; needs virtual memory support from the backend.",
         "common", True,
     ),
     KeySpec(
         "pinned_use_background_threads", "pinned_use_background_threads", "bool", "",
-        "False", "True | False",
+        "False", "True or False",
         "The pinned host allocator processes its events on a background thread.",
         "common", True, backends=("cuda", "xpu"),
     ),
@@ -140,20 +143,20 @@ KEYS: tuple[KeySpec, ...] = (
     ),
     KeySpec(
         "backend", "allocator_backend", "choice", "", "native",
-        "native | cudaMallocAsync",
+        "native or cudaMallocAsync",
         "PyTorch's choice between its caching allocator and cudaMallocAsync; accel always "
         "uses its own caching allocator.",
         "cuda", False, backends=("cuda",), choices=("native", "cudaMallocAsync"),
     ),
     KeySpec(
         "release_lock_on_cudamalloc", "release_lock_on_cudamalloc", "bool", "", "False",
-        "True | False",
+        "True or False",
         "PyTorch releases its allocator lock around cudaMalloc.",
         "cuda", False, backends=("cuda",), aliases=("release_lock_on_hipmalloc",),
     ),
     KeySpec(
         "pinned_use_cuda_host_register", "pinned_use_cuda_host_register", "bool", "",
-        "False", "True | False",
+        "False", "True or False",
         "PyTorch pins host memory with malloc + cudaHostRegister.",
         "cuda", False, backends=("cuda",), aliases=("pinned_use_hip_host_register",),
     ),
@@ -171,20 +174,20 @@ KEYS: tuple[KeySpec, ...] = (
     ),
     KeySpec(
         "graph_capture_record_stream_reuse", "graph_capture_record_stream_reuse", "bool",
-        "", "False", "True | False",
+        "", "False", "True or False",
         "PyTorch reuses, during graph capture, freed blocks that were used on several "
         "streams.",
         "cuda", False, backends=("cuda",),
     ),
     KeySpec(
         "pinned_free_catch_all", "pinned_free_catch_all", "bool", "", "False",
-        "True | False",
+        "True or False",
         "PyTorch's pinned host allocator accepts frees of pointers it did not allocate.",
         "cuda", False, backends=("cuda",),
     ),
     KeySpec(
         "throw_on_cudamalloc_oom", "throw_on_cudamalloc_oom", "bool", "", "False",
-        "True | False",
+        "True or False",
         "PyTorch fails early, without calling cudaMalloc, when a request would exceed "
         "the memory fraction.",
         "cuda", False, backends=("cuda",),
@@ -222,7 +225,12 @@ def parse_float(text: str) -> float:
     """A plain decimal number such as 0.8 or 5e-1."""
     if not _FLOAT.fullmatch(text):
         raise ValueProblem(f"expected a decimal number such as 0.8, got '{text}'")
-    return float(text)
+    value = float(text)
+    mantissa = re.split("[eE]", text)[0]
+    # std::stod (PyTorch) refuses results below the smallest normal double.
+    if abs(value) < sys.float_info.min and any(ch in "123456789" for ch in mantissa):
+        raise ValueProblem(f"{text} is out of range: too small to represent as a normal double")
+    return value
 
 
 def parse_bool(text: str) -> bool:

@@ -26,7 +26,7 @@ from accel.allocator._config_keys import (
     parse_uint,
 )
 
-__all__ = ["ConfigStringError", "Setting", "parse_settings", "roundup_from_list"]
+__all__ = ["ConfigStringError", "RoundupList", "Setting", "parse_settings", "roundup_from_list"]
 
 _SPECIALS = ",:[]"
 # std::isspace in the C locale: what PyTorch drops.
@@ -68,6 +68,12 @@ class ConfigStringError(AllocatorConfigError):
         self.suggestion = suggestion
         super().__init__(self._render())
 
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            _rebuild_error,
+            (self.text, self.position, self.end, self.reason, self.origin, self.suggestion),
+        )
+
     def _render(self) -> str:
         shown = "".join(" " if ch in _SPACES or not ch.isprintable() else ch for ch in self.text)
         marker = " " * (self.position + 1) + "^" * (self.end - self.position)
@@ -75,6 +81,16 @@ class ConfigStringError(AllocatorConfigError):
             f"invalid allocator configuration in {self.origin} at position {self.position}: "
             f"{self.reason}\n    '{shown}'\n    {marker}"
         )
+
+
+def _rebuild_error(
+    text: str, position: int, end: int, reason: str, origin: str, suggestion: str | None
+) -> ConfigStringError:
+    return ConfigStringError(text, position, end, reason, origin=origin, suggestion=suggestion)
+
+
+# Users meet it as accel.allocator.ConfigStringError; say so in tracebacks.
+ConfigStringError.__module__ = "accel.allocator"
 
 
 @dataclass(frozen=True)
@@ -87,6 +103,13 @@ class _Token:
     @property
     def special(self) -> bool:
         return self.text in _SPECIALS
+
+
+@dataclass(frozen=True)
+class RoundupList:
+    """A ``[B:D,...,>:D]`` value; its table depends on what the same string set before."""
+
+    entries: tuple[tuple[int | None, int], ...]
 
 
 @dataclass(frozen=True)
@@ -207,7 +230,11 @@ class _Parser:
             offset = token.text.index("=")
             # Map the offset back through any dropped whitespace.
             position = _original_index(self.text, token.start, offset)
-            return self.fail(position, position + 1, f"use ':' between a key and its value, not '=' (write {name}:<value>)")
+            return self.fail(
+                position,
+                position + 1,
+                f"use ':' between a key and its value, not '=' (write {name}:<value>)",
+            )
         suggestion = nearest_key(token.text)
         if suggestion:
             reason = f"unknown key '{token.text}' (did you mean {suggestion}?)"
@@ -217,8 +244,8 @@ class _Parser:
             )
         return self.fail(token.start, token.end, reason, suggestion)
 
-    def roundup_list(self, opening: _Token) -> tuple[tuple[int, ...], int]:
-        """Parse ``[B:D,...,>:D]``; returns the 16-slot table and the end position."""
+    def roundup_list(self, opening: _Token) -> tuple[RoundupList, int]:
+        """Parse ``[B:D,...,>:D]``; returns the entries and the end position."""
         self.i += 1
         entries: list[tuple[int | None, int]] = []
         previous: tuple[int, _Token] | None = None
@@ -230,11 +257,13 @@ class _Parser:
                 )
             if token.text == "]":
                 self.i += 1
-                return roundup_from_list(entries), token.end
+                return RoundupList(tuple(entries)), token.end
             if entries and entries[-1][0] is None:
                 raise self.fail(token.start, token.end, "'>' must be the last entry of the list")
             if token.special:
-                raise self.fail(token.start, token.end, f"expected a boundary in MiB or '>', found '{token.text}'")
+                raise self.fail(
+                    token.start, token.end, f"expected a boundary in MiB or '>', found '{token.text}'"
+                )
             boundary: int | None = None
             if token.text != ">":
                 try:
@@ -254,13 +283,20 @@ class _Parser:
             colon = self.peek()
             if colon is None or colon.text != ":":
                 where = (colon.start, colon.end) if colon else (len(self.text), len(self.text))
-                raise self.fail(*where, f"expected ':' after '{token.text}' in the list (write {token.text}:<divisions>)")
+                raise self.fail(
+                    *where,
+                    f"expected ':' after '{token.text}' in the list (write {token.text}:<divisions>)",
+                )
             self.i += 1
             value_token = self.peek()
             if value_token is None:
                 raise self.at_end_error(f"'{token.text}:' has no divisions")
             if value_token.special:
-                raise self.fail(value_token.start, value_token.end, f"expected divisions after '{token.text}:', found '{value_token.text}'")
+                raise self.fail(
+                    value_token.start,
+                    value_token.end,
+                    f"expected divisions after '{token.text}:', found '{value_token.text}'",
+                )
             try:
                 divisions = parse_uint(value_token.text)
                 if divisions & (divisions - 1):
@@ -337,13 +373,18 @@ def _convert(spec: KeySpec, word: str) -> object:
     return mib * MIB
 
 
-def roundup_from_list(entries: list[tuple[int | None, int]]) -> tuple[int, ...]:
+def roundup_from_list(
+    value: RoundupList, start: tuple[int, ...] = (0,) * ROUNDUP_SLOTS
+) -> tuple[int, ...]:
     """The 16-slot table PyTorch builds from ``[B:D,...,>:D]`` (``None`` is ``>``).
 
     The first boundary also fills every slot below its own; ``>`` fills every
-    slot after the last boundary (after slot 0 when it comes alone).
+    slot after the last boundary (after slot 0 when it comes alone). Slots no
+    entry reaches keep their ``start`` value: zeros, unless the same string
+    set the key before (PyTorch resets the table per string, not per key).
     """
-    table = [0] * ROUNDUP_SLOTS
+    entries = value.entries
+    table = list(start)
     last = 0
     for index, (boundary, divisions) in enumerate(entries):
         if boundary is None:

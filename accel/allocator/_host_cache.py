@@ -14,6 +14,7 @@ sizes round to whole pages. ``pinned_max_cached_size`` caps what is kept.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from typing import TYPE_CHECKING
 
 from accel._errors import DeviceError, InvalidHandleError, InvalidValueError
@@ -63,6 +64,7 @@ class HostCachingAllocator:
         self._pending: list[HostBlock] = []  # freed, waiting for their events
         self._live: dict[int, HostBlock] = {}  # ptr -> every block this cache holds
         self._events: dict[int, list[int]] = {}  # device -> pooled events
+        self._gc_frees: deque[HostBlock] = deque()  # frees from finalizers that found the lock taken
         self.allocated_bytes = 0
         self.reserved_bytes = 0
         self.cached_bytes = 0
@@ -83,6 +85,8 @@ class HostCachingAllocator:
             raise InvalidValueError(f"nbytes={nbytes!r} must be a positive int")
         size = self._round(nbytes)
         with self._lock:
+            if self._gc_frees:
+                self._drain_gc_frees()
             self._process_events()
             blocks = self._free.get(size)
             if blocks:
@@ -116,25 +120,46 @@ class HostCachingAllocator:
         with self._lock:
             if not block.allocated or self._live.get(block.ptr) is not block:
                 raise InvalidHandleError(f"{block!r} is not allocated (freed twice?)")
-            block.allocated = False
-            self.allocated_bytes -= block.size
-            for device, handle in block.stream_uses:
-                pool = self._events.setdefault(device, [])
-                event = pool.pop() if pool else self.backend.event_create(
-                    device, timing=False, blocking=False, interprocess=False
-                )
-                try:
-                    self.backend.event_record(device, event, handle)
-                except InvalidHandleError:
-                    pool.append(event)  # stream closed: wait for the whole device
-                    self.backend.device_synchronize(device)
-                    continue
-                block.events.append((device, event))
-            block.stream_uses.clear()
-            if block.events:
-                self._pending.append(block)
-            else:
-                self._cache(block)
+            self._free_locked(block)
+
+    def free_from_finalizer(self, block: HostBlock) -> None:
+        """Free from a garbage-collection finalizer, which may run while this
+        thread holds the lock: then the free waits for the next call."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if block.allocated:
+                    self._free_locked(block)
+            finally:
+                self._lock.release()
+        else:
+            self._gc_frees.append(block)
+
+    def _drain_gc_frees(self) -> None:
+        while self._gc_frees:
+            block = self._gc_frees.popleft()
+            if block.allocated:
+                self._free_locked(block)
+
+    def _free_locked(self, block: HostBlock) -> None:
+        block.allocated = False
+        self.allocated_bytes -= block.size
+        for device, handle in block.stream_uses:
+            pool = self._events.setdefault(device, [])
+            event = pool.pop() if pool else self.backend.event_create(
+                device, timing=False, blocking=False, interprocess=False
+            )
+            try:
+                self.backend.event_record(device, event, handle)
+            except InvalidHandleError:
+                pool.append(event)  # stream closed: wait for the whole device
+                self.backend.device_synchronize(device)
+                continue
+            block.events.append((device, event))
+        block.stream_uses.clear()
+        if block.events:
+            self._pending.append(block)
+        else:
+            self._cache(block)
 
     def _cache(self, block: HostBlock) -> None:
         self._free.setdefault(block.size, []).append(block)
@@ -166,11 +191,15 @@ class HostCachingAllocator:
     def empty_cache(self) -> None:
         """Free every cached block whose copies completed (pending ones stay)."""
         with self._lock:
+            if self._gc_frees:
+                self._drain_gc_frees()
             self._process_events()
             self._release_free()
 
     def stats(self) -> dict[str, int]:
         with self._lock:
+            if self._gc_frees:
+                self._drain_gc_frees()
             self._process_events()
             return {
                 "allocated_bytes": self.allocated_bytes,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -39,7 +40,13 @@ from accel.allocator._config_keys import (
     ROUNDUP_SLOTS,
     KeySpec,
 )
-from accel.allocator._config_parse import ConfigStringError, Setting, parse_settings
+from accel.allocator._config_parse import (
+    ConfigStringError,
+    RoundupList,
+    Setting,
+    parse_settings,
+    roundup_from_list,
+)
 
 __all__ = [
     "ACCEL_BACKEND_VARIABLES",
@@ -158,7 +165,7 @@ class AllocatorConfig:
         The slot is ``clamp(floor(log2 size) - 20, 0, 15)``: every size below
         2 MiB uses slot 0, every size from 32 GiB up uses slot 15.
 
-        >>> parse("roundup_power2_divisions:[64:8,>:2]").roundup_divisions(100 << 20)
+        >>> parse("roundup_power2_divisions:[64:8,>:2]").roundup_divisions(200 << 20)
         2
         """
         slot = size.bit_length() - 21
@@ -230,11 +237,14 @@ def _check_fields(config: AllocatorConfig) -> None:
         value = getattr(config, field)
         if type(value) is not float:
             problems.append(f"{field}={value!r} must be a float")
+        elif value and abs(value) < sys.float_info.min:
+            problems.append(f"{field}={value!r} is subnormal, which PyTorch cannot read back")
     if type(config.garbage_collection_threshold) is float and not (
         config.garbage_collection_threshold == 0.0 or 0.0 < config.garbage_collection_threshold < 1.0
     ):
         problems.append("garbage_collection_threshold must be 0.0 (off) or in (0.0, 1.0)")
-    if type(config.per_process_memory_fraction) is float and not 0.0 <= config.per_process_memory_fraction <= 1.0:
+    fraction = config.per_process_memory_fraction
+    if type(fraction) is float and not 0.0 <= fraction <= 1.0:
         problems.append("per_process_memory_fraction must be in [0.0, 1.0]")
     table = config.roundup_power2_divisions
     if (
@@ -342,13 +352,20 @@ def _apply(
     where: dict[str, Setting] = {}
     for setting in settings:
         field = setting.spec.field
+        value = setting.value
+        if isinstance(value, RoundupList):
+            earlier = values[field] if field in where else (0,) * ROUNDUP_SLOTS
+            value = roundup_from_list(value, earlier)
         if field in where:
-            new_events.append(
-                f"{origin}: {setting.spec.key} is given more than once in '{text}'; "
-                f"the last value ({setting.written}:{text[setting.value_start:setting.value_end]}) wins"
+            written = f"{setting.written}:{text[setting.value_start:setting.value_end]}"
+            outcome = (
+                f"the list {written} is applied on top of the earlier value, as PyTorch does"
+                if isinstance(setting.value, RoundupList)
+                else f"the last value ({written}) wins"
             )
+            new_events.append(f"{origin}: {setting.spec.key} is given more than once in '{text}'; {outcome}")
         where[field] = setting
-        values[field] = setting.value
+        values[field] = value
         sources[field] = origin
     if "large_segment_size" in where and sources["max_non_split_rounding"] == DEFAULT:
         # PyTorch resets max_non_split_rounding to the large segment size unless it is given.
@@ -436,7 +453,8 @@ def read_environment(environ: Mapping[str, str] | None = None) -> EnvironmentRep
     """
     variables = _snapshot(os.environ if environ is None else environ)
     notes: list[str] = []
-    accel_set = [name for name in (ACCEL_VARIABLE, *ACCEL_BACKEND_VARIABLES.values()) if variables[name] is not None]
+    accel_names = (ACCEL_VARIABLE, *ACCEL_BACKEND_VARIABLES.values())
+    accel_set = [name for name in accel_names if variables[name] is not None]
     pytorch_set = [name for name in PYTORCH_VARIABLES if variables[name] is not None]
     layers: dict[str, list[str]] = {}
     if accel_set:
@@ -502,8 +520,10 @@ class _State:
         self.emitted: set[str] = set()
         self.listeners: list[ChangeListener] = []
         self.init_lock = threading.Lock()
-        # Serialises changes; listeners run under it, so a listener must not call set_settings.
+        # Serialises changes. Listeners run under it; `notifying` catches a
+        # listener that tries to change settings itself.
         self.update_lock = threading.RLock()
+        self.notifying = False
 
 
 _state = _State()
@@ -523,13 +543,15 @@ def _configs() -> Mapping[str, AllocatorConfig]:
         _check_environment_unchanged()
         return configs
     with _state.init_lock:
-        if _state.configs is None:
+        configs = _state.configs
+        if configs is None:
             # A failure leaves the state unset, so the next call reports it again.
             report = read_environment()
+            configs = report.configs
             _state.snapshot = dict(report.variables)
-            _state.configs = report.configs
-            _emit(report.configs.values())
-        return _state.configs
+            _state.configs = configs
+            _emit(configs.values())
+        return configs
 
 
 def _check_environment_unchanged() -> None:
@@ -621,11 +643,20 @@ def remove_change_listener(listener: ChangeListener) -> None:
 
 def _commit(new: Mapping[str, AllocatorConfig], *, fresh_warnings: bool = False) -> None:
     """Ask the listeners, then publish ``new`` (called with the update lock held)."""
+    if _state.notifying:
+        raise AllocatorConfigError(
+            "allocator settings cannot be changed from inside a change listener; "
+            "a listener may only accept or refuse the change it is shown"
+        )
     old = _configs()
-    for backend, config in new.items():
-        if config != old[backend]:
-            for listener in list(_state.listeners):
-                listener(backend, old[backend], config)
+    _state.notifying = True
+    try:
+        for backend, config in new.items():
+            if config != old[backend]:
+                for listener in list(_state.listeners):
+                    listener(backend, old[backend], config)
+    finally:
+        _state.notifying = False
     _state.configs = MappingProxyType({**old, **new})
     if fresh_warnings:
         _state.emitted.clear()

@@ -1,4 +1,4 @@
-"""Random allocate/free/record_stream/empty_cache/sync sequences, checked after every step.
+"""Random allocate/free/record_stream/empty_cache/sync/capture sequences, checked after every step.
 
 Streams used through ``record_stream`` are held by a *gate*: a host function
 on that stream that waits for a threading.Event the test opens later. Until
@@ -66,6 +66,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.quarantine: list[tuple[int, int, list[threading.Event]]] = []
         self.gates: dict[int, list[threading.Event]] = {i: [] for i in range(3)}
         self.peaks: dict[str, int] = {}
+        self.capture: tuple[int, int] | None = None
+        self.pool_serial = 0
 
     @rule(target=buffers, nbytes=sizes, which=st.integers(0, 2))
     def allocate(self, nbytes: int, which: int) -> Live:
@@ -114,6 +116,24 @@ class AllocatorMachine(RuleBasedStateMachine):
             return  # a closed gate would block forever
         self.streams[which].synchronize()
 
+    @rule(which=st.integers(0, 2))
+    def begin_capture(self, which: int) -> None:
+        if self.capture is not None:
+            return
+        self.pool_serial += 1
+        pool_id = (self.pool_serial, 0)
+        capturing = self.streams[which]
+        self.alloc.begin_allocate_to_pool(pool_id, lambda s: s == capturing)
+        self.capture = pool_id
+
+    @rule()
+    def end_capture(self) -> None:
+        if self.capture is None:
+            return
+        self.alloc.end_allocate_to_pool(self.capture)
+        self.alloc.release_pool(self.capture)  # the graph is gone at once
+        self.capture = None
+
     @rule()
     def empty_cache(self) -> None:
         # empty_cache waits for every pending free: open the gates first.
@@ -144,6 +164,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         for which in (1, 2):
             self.open_gates(which)
+        self.end_capture()
         for item in list(self.live):
             self.alloc.free(item.block)
         for s in self.streams:

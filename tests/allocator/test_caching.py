@@ -87,6 +87,13 @@ def check_invariants(alloc: DeviceAllocator) -> None:
                 )
             ]
             assert got == count[kind], f"stats {got} != recount {count[kind]} (pool kind {kind})"
+        ms = alloc._ms
+        oversize_allocations = sum(
+            1 for seg in segments for b in seg.blocks() if b.state == ALLOCATED and b.size >= ms
+        )
+        oversize_segments = sum(1 for seg in segments if not seg.expandable and seg.size >= ms)
+        assert stats.current(S.OVERSIZE_ALLOCATIONS, 0) == oversize_allocations
+        assert stats.current(S.OVERSIZE_SEGMENTS, 0) == oversize_segments
         pending = {}
         for queue in alloc._pending.values():
             for _, b in queue:
@@ -179,7 +186,8 @@ def test_best_fit_reuses_smallest_block_on_same_stream(host):
     blocks = [a.malloc(n, s) for n in (4096, 8192, 4096, 16384)]
     keep = [a.malloc(512, s) for _ in range(2)]
     a.free(blocks[1])  # 8 KiB hole
-    a.free(blocks[3])  # 16 KiB hole... merged with the tail of the segment
+    a.free(blocks[3])  # a 16 KiB hole: the 512-byte blocks after it keep it apart from the tail
+    assert a.largest_free_block() == 2 * MiB - (4096 + 8192 + 4096 + 16384 + 2 * 512)  # the tail
     got = a.malloc(6000, s)
     assert got.ptr == blocks[1].ptr  # best fit picks the 8 KiB hole
     other = stream(rt)
@@ -380,26 +388,44 @@ def test_memory_fraction_caps_reservation_without_asking_the_device():
     assert a.get_memory_fraction() == 0.5
 
 
+def test_memory_fraction_from_the_configuration_follows_changes():
+    backend = CpuBackend(1, 100 * MiB)
+    a = make(backend, "per_process_memory_fraction:0.5")
+    assert a.get_memory_fraction() == 0.5 and a._allowed == 50 * MiB
+    a.update_config(parse("per_process_memory_fraction:1.0"))
+    assert a.get_memory_fraction() == 1.0 and a._allowed is None
+    a.set_memory_fraction(0.25)
+    a.update_config(parse("per_process_memory_fraction:0.5"))  # the explicit call wins
+    assert a.get_memory_fraction() == 0.25
+
+
 def test_garbage_collection_frees_old_blocks_first():
-    backend = CpuBackend(1, 200 * MiB)
+    backend = CpuBackend(1, 400 * MiB)
     rt = Runtime(backend)
-    a = make(backend, "garbage_collection_threshold:0.5,max_split_size_mb:1000")
-    a.set_memory_fraction(1.0)  # GC needs a fraction limit
+    # 40 MiB blocks and larger are never split nor given to small requests.
+    a = make(backend, "garbage_collection_threshold:0.4,max_split_size_mb:40")
+    a.set_memory_fraction(1.0)  # GC runs only under a fraction limit: above 40% of 400 MiB
     s = rt.default_stream(0)
-    old = a.malloc(30 * MiB, s)
-    newer = a.malloc(30 * MiB, s)
+    old, mid, new = (a.malloc(50 * MiB, s) for _ in range(3))
     a.free(old)
-    for _ in range(5):  # age `old`: searches advance the pool clock
+    for _ in range(5):  # each best-fit search advances the large pool's clock
         a.free(a.malloc(12 * MiB, s))
-    a.free(newer)
-    keep = a.malloc(50 * MiB, s)  # miss with reserved 72 MiB > 50% of 200 MiB? no
-    before = {seg.base for seg in a._segments.values()}
-    big = a.malloc(60 * MiB, s)  # reserved 132 MiB > 100 MiB: GC runs on the miss
-    after = {seg.base for seg in a._segments.values()}
-    assert old.ptr not in after and old.ptr in before
-    for x in (keep, big):
-        a.free(x)
+    a.free(mid)
+    a.free(new)
+    assert a.stats()["reserved_bytes.all.current"] == 162 * MiB
+    big = a.malloc(100 * MiB, s)  # a miss above the threshold: GC before asking upstream
+    bases = {seg.base for seg in a._segments.values()}
+    # Only blocks at least as old as the average age go: here `old` alone.
+    assert old.ptr not in bases and mid.ptr in bases and new.ptr in bases
+    assert a.stats()["num_device_free"] == 1
+    a.free(big)
     check_invariants(a)
+    # No GC without a fraction limit.
+    plain = make(backend, "garbage_collection_threshold:0.3,max_split_size_mb:40")
+    cached = plain.malloc(50 * MiB, s)
+    plain.free(cached)
+    plain.free(plain.malloc(60 * MiB, s))
+    assert plain.stats()["num_device_free"] == 0
 
 
 # -- streams and events ----------------------------------------------------------------------------
@@ -515,8 +541,10 @@ def test_private_pool_routing_and_lifetime(host):
     assert a.pool_ids() == [(1, 0)]
     snap = a.snapshot()
     assert {seg["segment_pool_id"] for seg in snap} == {(0, 0), (1, 0)}
-    a.release_pool((1, 0))  # last use: its free memory goes back, the pool goes away
-    assert a.pool_ids() == []
+    a.release_pool((1, 0))  # last use: freeable, its memory goes at the next flush
+    assert a.pool_ids() == [(1, 0)] and a.stats()["segment.all.current"] == 2
+    a.empty_cache()
+    assert a.pool_ids() == [] and a.stats()["segment.all.current"] == 0
     with pytest.raises(InvalidValueError):
         a.release_pool((1, 0))
     check_invariants(a)
@@ -543,10 +571,15 @@ def test_pool_lives_until_its_last_user_is_gone(host):
         a.end_allocate_to_pool(shared)
     a.release_pool(shared)
     assert a.pool_ids() == [shared]
-    live = a.stats()["reserved_bytes.all.current"]
-    assert live == 2 * MiB
+    assert a.stats()["reserved_bytes.all.current"] == 2 * MiB
     a.release_pool(shared)
+    assert a.pool_ids() == [shared]  # freeable now; memory goes at the next flush
+    a.empty_cache()
     assert a.pool_ids() == [] and a.stats()["reserved_bytes.all.current"] == 0
+    a.begin_allocate_to_pool((0, 8), lambda st: True)
+    a.end_allocate_to_pool((0, 8))
+    a.release_pool((0, 8))  # it never held memory: gone at once
+    assert a.pool_ids() == []
 
 
 def test_cross_stream_frees_deferred_during_capture(host):
@@ -564,6 +597,25 @@ def test_cross_stream_frees_deferred_during_capture(host):
     a.release_pool((2, 0))
     a.empty_cache()
     assert a.stats()["reserved_bytes.all.current"] == 0
+    check_invariants(a)
+
+
+def test_during_capture_nothing_goes_back_and_oom_comes_sooner():
+    backend = CpuBackend(1, 64 * MiB)
+    rt = Runtime(backend)
+    a = make(backend, "max_split_size_mb:40")
+    s = rt.default_stream(0)
+    a.free(a.malloc(45 * MiB, s))  # a cached oversize block outside the pool
+    a.begin_allocate_to_pool((3, 0), lambda st: True)
+    with pytest.raises(OutOfMemoryError, match="capture is under way") as info:
+        a.malloc(30 * MiB, s)
+    assert a.stats()["num_device_free"] == 0 and a.stats()["num_alloc_retries"] == 0
+    assert info.value.details.capturing  # type: ignore[attr-defined]
+    a.end_allocate_to_pool((3, 0))
+    a.release_pool((3, 0))
+    ok = a.malloc(30 * MiB, s)  # outside the capture the cache is flushed and it fits
+    assert a.stats()["num_device_free"] == 1
+    a.free(ok)
     check_invariants(a)
 
 

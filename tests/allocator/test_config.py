@@ -174,6 +174,7 @@ def test_canonical_form(text: str, canonical: str) -> None:
         ("garbage_collection_threshold:1.0", 29, "(0.0, 1.0)"),
         ("garbage_collection_threshold:0", 29, "(0.0, 1.0)"),
         ("garbage_collection_threshold:nan", 29, "decimal number"),
+        ("garbage_collection_threshold:1e-310", 29, "too small"),
         ("per_process_memory_fraction:1.01", 28, "[0.0, 1.0]"),
         ("roundup_power2_divisions:3", 25, "not a power of two"),
         ("roundup_power2_divisions:0", 25, "not a power of two"),
@@ -246,6 +247,7 @@ def test_config_is_frozen_and_hashable_ignoring_sources() -> None:
         ({"large_segment_size": 40 * MIB}, "max_non_split_rounding must be >= large_segment_size"),
         ({"garbage_collection_threshold": 1.0}, "garbage_collection_threshold"),
         ({"per_process_memory_fraction": 1}, "must be a float"),
+        ({"per_process_memory_fraction": 5e-324}, "subnormal"),
         ({"roundup_power2_divisions": (3,) * 16}, "roundup_power2_divisions"),
         ({"roundup_power2_divisions": (0,) * 15}, "roundup_power2_divisions"),
         ({"expandable_segments": 1}, "must be a bool"),
@@ -534,3 +536,72 @@ def test_concurrent_readers_and_writers(fresh: pytest.MonkeyPatch) -> None:
     assert errors == []
     final = {config_for_backend(name).max_split_size for name in ("cpu", "cuda", "xpu")}
     assert len(final) == 1
+
+
+def test_error_pickles_and_names_its_public_module() -> None:
+    import pickle
+
+    with pytest.raises(ConfigStringError) as info:
+        parse("expandable_segment:True")
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert str(copy) == str(info.value) and copy.suggestion == "expandable_segments"
+    assert ConfigStringError.__module__ == "accel.allocator"
+
+
+def test_docs_cover_every_key() -> None:
+    from pathlib import Path
+
+    docs = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    for spec in keys():
+        for name in (spec.key, *spec.aliases):
+            assert f"`{name}`" in docs, name
+        assert f"`{spec.field}`" in docs, spec.field
+
+
+def test_listener_cannot_change_settings(fresh: pytest.MonkeyPatch) -> None:
+    def meddle(backend: str, old: AllocatorConfig, new: AllocatorConfig) -> None:
+        set_settings("max_split_size_mb:64")
+
+    add_change_listener(meddle)
+    try:
+        with pytest.raises(AllocatorConfigError, match="inside a change listener"):
+            set_settings("expandable_segments:True")
+    finally:
+        remove_change_listener(meddle)
+    assert config_for_backend("cpu") == AllocatorConfig()
+
+
+def test_get_config_without_device_asks_the_runtime(fresh: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    runtime = types.ModuleType("accel._runtime")
+    runtime.current_backend_name = lambda: "xpu"  # type: ignore[attr-defined]
+    fresh.setitem(sys.modules, "accel._runtime", runtime)
+    set_settings("expandable_segments:True", backend="xpu")
+    assert get_config().expandable_segments is True
+    assert get_config(0).expandable_segments is True
+
+
+def test_repeated_roundup_list_overlays_like_pytorch() -> None:
+    # PyTorch resets the table once per string, so a later list only overwrites the slots it reaches.
+    config = parse("roundup_power2_divisions:4,roundup_power2_divisions:[64:8]")
+    assert config.roundup_power2_divisions == (8,) * 7 + (4,) * 9
+    assert any("applied on top of the earlier value" in w for w in config.warnings)
+    assert parse("roundup_power2_divisions:1,roundup_power2_divisions:[]").roundup_power2_divisions == (1,) * 16
+    # Across strings (a set_settings() call) the named key is replaced whole.
+    base = parse("roundup_power2_divisions:4")
+    later = config_module._apply(base, config_module.parse_settings("roundup_power2_divisions:[64:8]", "x"), "x", "")
+    assert later.roundup_power2_divisions == (8,) * 7 + (0,) * 9
+
+
+def test_docstring_examples(fresh: pytest.MonkeyPatch) -> None:
+    import doctest
+
+    import accel.allocator
+    from accel.allocator import _config_keys, _config_parse
+
+    for module in (accel.allocator, config_module, _config_keys, _config_parse):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0, module.__name__
+    assert doctest.testmod(config_module).attempted >= 8

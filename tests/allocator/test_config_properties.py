@@ -8,6 +8,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from accel._errors import AllocatorConfigError
 from accel.allocator import AllocatorConfig, ConfigStringError, keys, parse
 from accel.allocator._config_keys import KEYS_BY_NAME, MAX_MIB, KeySpec
 
@@ -26,7 +27,7 @@ def roundup_tables(draw: st.DrawFn) -> tuple[int, ...]:
 
 
 mib_sizes = st.one_of(st.integers(0, 4096), st.just(MAX_MIB)).map(lambda m: m * MIB)
-fractions = st.floats(0.0, 1.0, allow_nan=False)
+fractions = st.floats(0.0, 1.0, allow_nan=False, allow_subnormal=False)
 
 
 @st.composite
@@ -38,7 +39,7 @@ def configs(draw: st.DrawFn) -> AllocatorConfig:
         max_split_size=draw(st.none() | at_least_large),
         max_non_split_rounding=draw(at_least_large),
         garbage_collection_threshold=draw(
-            st.just(0.0) | st.floats(0.0, 1.0, exclude_min=True, exclude_max=True)
+            st.just(0.0) | st.floats(0.0, 1.0, exclude_min=True, exclude_max=True, allow_subnormal=False)
         ),
         roundup_power2_divisions=draw(roundup_tables()),
         expandable_segments=draw(st.booleans()),
@@ -67,7 +68,7 @@ def test_render_then_parse_gives_an_equal_config(config: AllocatorConfig) -> Non
 
 
 # A second, independent writer: any spelling PyTorch's grammar allows.
-def _write_value(draw: st.DrawFn, spec: KeySpec, value: object, config: AllocatorConfig) -> str:
+def _write_value(draw: st.DrawFn, spec: KeySpec, value: object) -> str:
     if spec.kind == "bool":
         return draw(st.sampled_from(["True", "true", "1"] if value else ["False", "false", "0"]))
     if spec.kind == "float":
@@ -100,7 +101,7 @@ def written_configs(draw: st.DrawFn) -> tuple[str, AllocatorConfig]:
         if value == 0 and spec.field in ("garbage_collection_threshold", "pinned_reserve_segment_size"):
             continue  # "off" is only reachable by leaving the key out
         name = draw(st.sampled_from((spec.key, *spec.aliases)))
-        items.append((name, _write_value(draw, spec, value, config)))
+        items.append((name, _write_value(draw, spec, value)))
     items = draw(st.permutations(items))
     space = st.sampled_from(["", "", " ", "  ", "\t"])
     parts = [f"{draw(space)}{k}{draw(space)}:{draw(space)}{v}{draw(space)}" for k, v in items]
@@ -205,6 +206,8 @@ def test_typo_suggests_the_intended_key() -> None:
             assert info.value.suggestion == spec.key, typo
 
 
-def test_replace_keeps_validation() -> None:
+def test_dataclasses_replace_is_validated() -> None:
     config = parse("large_segment_size_mb:64")
     assert dataclasses.replace(config, max_split_size=128 * MIB).max_split_size == 128 * MIB
+    with pytest.raises(AllocatorConfigError, match="max_split_size must be >= large_segment_size"):
+        dataclasses.replace(config, max_split_size=32 * MIB)
