@@ -4,11 +4,24 @@ Public names (re-exported by the ``accel`` facade): :class:`Graph`,
 :func:`graph`, :func:`is_capturing`, :func:`graph_pool_handle` and
 :func:`make_graphed_callables`. The torch-facing names are loaded on first
 use, so that importing accel.graph does not import torch.
+
+``accel.graph`` is this package *and* the capture context manager (as
+``torch.cuda.graph``): importing the package binds ``accel.graph`` to it,
+so the package itself is callable and ``accel.graph(g)`` is
+``accel.graph.graph(g)``.
+
+>>> import accel
+>>> g = accel.graph.Graph()
+>>> with accel.graph(g):
+...     accel.current_stream().launch_host_func(lambda: None)
+>>> g.replay()
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 from accel.graph._graph import Graph, graph, is_capturing
@@ -40,3 +53,18 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'accel.graph' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)
+
+
+class _CallablePackage(types.ModuleType):
+    def __call__(
+        self,
+        g: Graph,
+        *,
+        pool: tuple[int, int] | None = None,
+        stream: Any = None,
+        capture_error_mode: str | None = None,
+    ) -> graph:
+        return graph(g, pool=pool, stream=stream, capture_error_mode=capture_error_mode)
+
+
+sys.modules[__name__].__class__ = _CallablePackage

@@ -92,10 +92,15 @@ class GraphedCallable:
                 f"graphed {self.fn!r} takes tensors as positional arguments only, got keywords "
                 f"{sorted(kwargs)}"
             )
-        key = _signature(args, "call")
+        try:
+            # The hot path: torch.Size hashes and compares like the tuples
+            # _signature() stores; anything unusual is validated on the miss.
+            key = tuple([(a.shape, a.dtype) for a in args])
+        except AttributeError:
+            key = _signature(args, "call")
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._capture(args, key)
+            entry = self._capture(args, _signature(args, "call"))
         else:
             self.hits += 1
             self._cache.move_to_end(key)
@@ -126,7 +131,10 @@ class GraphedCallable:
                     GraphCacheWarning,
                     stacklevel=3,
                 )
-        inputs = [a.detach().clone() for a in args]
+        with torch.inference_mode(False), torch.no_grad():
+            # Normal tensors, even when called under inference mode: later
+            # calls copy into them, perhaps outside it.
+            inputs = [a.detach().clone() for a in args]
         _warm_up(self.fn, inputs, self._warmup)
         g = Graph(pool=self._pool)
         with _compilable(self._tier == "compiled"), graph(g):

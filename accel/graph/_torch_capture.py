@@ -14,6 +14,10 @@ once for real (so the code can go on), and is recorded:
 - a view op is not replayed at all: its result aliases static storage
   already, so it sees each replay's data.
 
+Only the capturing thread's ops are recorded (dispatch modes are
+thread-local), and autograd is off while capturing: captures are for
+inference.
+
 Ops whose replay would silently differ from eager are refused at capture time
 with a :class:`~accel.CaptureError` naming the op: ops that read tensor values
 on the host (``.item()``, ``if t.any():``, ``nonzero``), random ops, ops that

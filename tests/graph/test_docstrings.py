@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-MODULES = ["accel.graph._graph", "accel.graph._pool", "accel.graph._graphed", "accel.graph._compiled"]
+MODULES = ["accel.graph", "accel.graph._graph", "accel.graph._pool", "accel.graph._graphed", "accel.graph._compiled"]
 
 
 @pytest.mark.parametrize("name", MODULES)

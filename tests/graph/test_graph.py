@@ -233,3 +233,14 @@ def test_graph_rejects_a_non_graph_and_a_non_stream() -> None:
         graph(object())  # type: ignore[arg-type]
     with pytest.raises(accel.InvalidValueError, match="stream"):
         graph(Graph(), stream=7)  # type: ignore[arg-type]
+
+
+def test_the_package_is_the_capture_context_manager_too() -> None:
+    arr = _array()
+    g = Graph()
+    with accel.graph(g, stream=accel.Stream()):  # like torch.cuda.graph(g)
+        accel.current_stream().fill(arr, 4)
+    g.replay()
+    accel.synchronize()
+    assert (arr == 4).all()
+    assert accel.graph.graph is graph and accel.graph.Graph is Graph

@@ -127,3 +127,15 @@ def test_a_callable_that_cannot_be_captured_raises_capture_error() -> None:
     with pytest.raises(accel.CaptureError, match="reads tensor values"):
         make_graphed_callables(lambda x: x * float(x.sum()), (torch.ones(2),))
     assert not accel.graph.is_capturing()
+
+
+def test_graphed_under_inference_mode_is_usable_outside_it() -> None:
+    model = _mlp()
+    with torch.inference_mode():
+        fast = make_graphed_callables(model, (torch.randn(2, 8),))
+        fast(torch.randn(2, 8))
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(fast(x), model(x))
+    with torch.inference_mode():
+        assert torch.equal(fast(x), model(x))

@@ -240,3 +240,28 @@ def test_static_tensors_live_in_the_graph_pool_until_graph_and_tensors_are_gone(
     del y
     accel.memory.empty_cache()
     assert _pool_segments(pool) == 0
+
+
+def test_an_op_failing_during_replay_is_raised_by_replay() -> None:
+    x = torch.ones(3)
+    g = Graph()
+    with graph(g):
+        y = x * 2
+    (segment,) = g.program.segments
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("kernel failed")
+
+    _, args, kwargs, _ = segment.steps[0]
+    segment.steps[0] = (broken, args, kwargs, "aten.mul.out")
+    with pytest.raises(accel.HostFunctionError, match=r"aten\.mul\.out.*kernel failed"):
+        g.replay()
+    s = accel.Stream()  # asynchronous replay: raised by the next replay
+    with s:
+        g.replay()
+    s.synchronize()
+    segment.steps[0] = (lambda *a, **k: None, args, kwargs, "fixed")
+    with pytest.raises(accel.HostFunctionError, match="kernel failed"):
+        g.replay()
+    g.replay()  # reported once, then replays go on
+    assert torch.equal(y, torch.full((3,), 2.0))
