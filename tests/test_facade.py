@@ -235,3 +235,18 @@ def test_memory_functions_are_on_the_facade_without_loading_them_at_import() -> 
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "True", "True", "0", "True", "0", "0"]
+
+
+def test_graph_names_are_on_the_facade_without_importing_torch() -> None:
+    result = run_python(
+        "import sys, accel\n"
+        "g = accel.Graph()\n"
+        "with accel.graph(g):\n"
+        "    assert accel.is_capturing()\n"
+        "    accel.current_stream().launch_host_func(lambda: None)\n"
+        "g.replay(); accel.synchronize()\n"
+        "print(accel.is_capturing(), accel.graph_pool_handle()[0], 'torch' in sys.modules,"
+        " callable(accel.make_graphed_callables), sorted(set(accel.__all__) - set(dir(accel))))"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "0", "False", "True", "[]"]
