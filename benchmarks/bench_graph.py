@@ -212,6 +212,30 @@ def _markdown(results: list[dict], variants: list[str], stat: str = "") -> str:
     return "\n".join(lines)
 
 
+def run(quick: bool) -> list[dict]:
+    """Rows for ``accel bench`` (benchmarks/README.md): replay against eager.
+
+    ``quick`` times the interpreted tier only, at batch 1, with few calls; a
+    full run adds the compiled tier and torch.compile at batch sizes 1 and 8.
+    """
+    variants = ["interpreted"] if quick else ["interpreted", "compiled", "torch.compile"]
+    calls, repeats, batches = (20, 3, (1,)) if quick else (100, 31, (1, 8))
+    rows: list[dict] = []
+    for model_name in _models():
+        for batch in batches:
+            result = bench(model_name, batch, calls, repeats, variants)
+            for variant in variants:
+                rows.append({
+                    "name": f"{model_name}, batch {batch}: {LABELS[variant]}",
+                    "ratio": result["speedup_vs_eager"][variant],
+                    "baseline": "eager torch",
+                    "metric": "best-round latency",
+                    "latency_us": result["latency_us"][variant],
+                    "baseline_us": result["latency_us"]["eager"],
+                })
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp,transformer,cnn,gru_step")
