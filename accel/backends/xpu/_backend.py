@@ -1036,13 +1036,15 @@ class XpuBackend(Backend):
                 self._wait(s, cdata, release)
                 self._reset(s, cdata, release)  # ready for the next replay
 
-            try:
-                self._record_node(s, f"host function {name}", append)
-            except BaseException:
-                self._slots.drop(reached)
-                self._slots.drop(release)
-                raise
+            # One hold of the lock for the command and its host node: replay serves
+            # host nodes in list order, and forked streams record from other threads.
             with capture.lock:
+                try:
+                    self._record_node(s, f"host function {name}", append)
+                except BaseException:
+                    self._slots.drop(reached)
+                    self._slots.drop(release)
+                    raise
                 capture.host_nodes.append((reached, release, fn))
             return
         try:
