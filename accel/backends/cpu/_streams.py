@@ -10,8 +10,10 @@ Events are markers in those queues. Capture follows CUDA's model: while a
 stream captures, work is recorded as graph nodes instead of run; an event
 recorded during capture is a *captured event*, and a stream that waits on it
 joins the capture (fork); the capture can only end once every forked stream
-was joined back. Replay runs the nodes in recording order, which respects
-every dependency recorded (recording order is a valid topological order).
+was joined back (``accel.backends._capture`` keeps those rules, for every
+backend that captures by itself). Replay runs the nodes in recording order,
+which respects every dependency recorded (recording order is a valid
+topological order).
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from accel._errors import CaptureError, InvalidHandleError
+from accel.backends import _capture
+from accel.backends._capture import Capture, Mark
 from accel.backends.base import CaptureMode, CaptureStatus
 
 _handles = itertools.count(0x1000)
@@ -43,23 +47,6 @@ class Node:
     run: Callable[[], None]
 
 
-@dataclass
-class Capture:
-    """State of one capture sequence, shared by the origin and forked streams."""
-
-    origin: HostStream
-    mode: CaptureMode
-    nodes: list[Node] = field(default_factory=list)
-    streams: set[HostStream] = field(default_factory=set)
-    last_node: dict[int, int] = field(default_factory=dict)  # stream handle -> node index
-    joined_upto: dict[int, int] = field(default_factory=dict)
-    invalid_reason: str = ""
-
-    def invalidate(self, reason: str) -> None:
-        if not self.invalid_reason:
-            self.invalid_reason = reason
-
-
 class HostEvent:
     """A marker that completes when its stream's worker reaches it."""
 
@@ -71,8 +58,7 @@ class HostEvent:
         self.record_gen = 0
         self.done_gen = 0
         self.timestamp_ns = 0
-        # (capture, stream handle, node index) while recorded inside a capture
-        self.captured: tuple[Capture, int, int] | None = None
+        self.captured: Mark | None = None  # where it was recorded inside a capture
 
     def complete(self, gen: int) -> None:
         with self.cond:
@@ -97,7 +83,7 @@ class HostStream:
         self.device = device
         self.priority = priority
         self.inline = inline
-        self.capture: Capture | None = None
+        self.capture: Capture[Node] | None = None
         self._cond = threading.Condition()
         self._queue: collections.deque[Callable[[], None] | None] = collections.deque()
         self._submitted = 0
@@ -109,12 +95,16 @@ class HostStream:
             )
             self._thread.start()
 
+    @property
+    def is_default(self) -> bool:
+        """The default stream is the inline one; it can neither capture nor join a capture."""
+        return self.inline
+
     def submit(self, description: str, work: Callable[[], None]) -> None:
         """Run ``work`` after everything queued before it (or record it while capturing)."""
         capture = self.capture
         if capture is not None:
-            capture.nodes.append(Node(description, work))
-            capture.last_node[self.handle] = len(capture.nodes) - 1
+            capture.add(self, Node(description, work))
             return
         if self.inline:
             work()
@@ -220,34 +210,19 @@ class StreamTable:
 
     def query(self, device: int, handle: int) -> bool:
         stream = self.stream(device, handle)
-        self._refuse_during_capture(stream, "querying a stream")
+        _capture.refuse_while_capturing(stream, "querying a stream")
         return stream.idle()
 
     def synchronize(self, device: int, handle: int) -> None:
         stream = self.stream(device, handle)
-        self._refuse_during_capture(stream, "synchronizing a stream")
+        _capture.refuse_while_capturing(stream, "synchronizing a stream")
         stream.synchronize()
 
     def synchronize_device(self, device: int) -> None:
         streams = self.streams_of(device)
-        for stream in streams:
-            if stream.capture is not None:
-                stream.capture.invalidate("the device was synchronized during capture")
-                raise CaptureError(
-                    f"cpu:{device}: cannot synchronize the device while stream "
-                    f"{stream.handle:#x} is capturing; the capture is now invalidated. "
-                    "End the capture first."
-                )
+        _capture.refuse_device_synchronize(device, streams)
         for stream in streams:
             stream.synchronize()
-
-    def _refuse_during_capture(self, stream: HostStream, what: str) -> None:
-        if stream.capture is not None:
-            stream.capture.invalidate(f"{what} is not allowed during capture")
-            raise CaptureError(
-                f"cpu:{stream.device}: {what} is not allowed while stream {stream.handle:#x} "
-                "is capturing; the capture is now invalidated. End the capture, then synchronize."
-            )
 
     # -- events -----------------------------------------------------------
 
@@ -267,7 +242,7 @@ class StreamTable:
         stream = self.stream(device, stream_handle)
         capture = stream.capture
         if capture is not None:
-            event.captured = (capture, stream.handle, capture.last_node.get(stream.handle, -1))
+            event.captured = capture.mark(stream)
             return
         event.captured = None
         with event.cond:
@@ -275,116 +250,38 @@ class StreamTable:
             gen = event.record_gen
         stream.submit("event record", lambda: event.complete(gen))
 
-    def _live_capture_of(self, event: HostEvent) -> tuple[Capture, int, int] | None:
-        captured = event.captured
-        if captured is None:
-            return None
-        capture = captured[0]
-        return captured if capture.origin.capture is capture else None
-
     def event_query(self, device: int, handle: int) -> bool:
         event = self.event(device, handle)
-        self._refuse_captured(event, "querying")
+        _capture.refuse_captured_event(event.captured, event.device, event.handle, "querying")
         return event.is_done()
 
     def event_synchronize(self, device: int, handle: int) -> None:
         event = self.event(device, handle)
-        self._refuse_captured(event, "synchronizing")
+        _capture.refuse_captured_event(event.captured, event.device, event.handle, "synchronizing")
         event.wait(event.record_gen)
-
-    def _refuse_captured(self, event: HostEvent, what: str) -> None:
-        if self._live_capture_of(event) is not None:
-            raise CaptureError(
-                f"cpu:{event.device}: {what} event {event.handle:#x} is not allowed: it was "
-                "recorded inside a capture that is still running"
-            )
 
     def wait_event(self, device: int, stream_handle: int, event_handle: int) -> None:
         stream = self.stream(device, stream_handle)
         event = self.event(None, event_handle)  # streams may wait on events of any device
-        captured = self._live_capture_of(event)
-        if captured is not None:
-            self._join_capture(stream, event, captured)
+        if _capture.wait_event(stream, event.captured, event.handle):
             return
-        if stream.capture is not None:
-            stream.capture.invalidate("a capturing stream waited on an event recorded outside the capture")
-            raise CaptureError(
-                f"cpu:{device}: stream {stream.handle:#x} is capturing and cannot wait on event "
-                f"{event.handle:#x}, which was recorded outside the capture (the dependency would "
-                "cross the capture boundary); the capture is now invalidated. Record the event "
-                "before beginning the capture and synchronize instead."
-            )
         target = event.record_gen
         if target == 0:
             return  # never recorded: waiting on it is a no-op, as in CUDA
         stream.submit("wait event", lambda: event.wait(target))
 
-    def _join_capture(self, stream: HostStream, event: HostEvent, captured: tuple[Capture, int, int]) -> None:
-        capture, source, node = captured
-        if stream.capture is None:
-            if stream.inline:
-                capture.invalidate("the default stream waited on a captured event")
-                raise CaptureError(
-                    f"cpu:{stream.device}: the default stream cannot join a capture; fork "
-                    "capture work onto a created stream instead. The capture is now invalidated."
-                )
-            stream.capture = capture  # fork: this stream now records into the same graph
-            capture.streams.add(stream)
-        elif stream.capture is not capture:
-            stream.capture.invalidate("two captures were merged")
-            raise CaptureError(
-                f"cpu:{stream.device}: stream {stream.handle:#x} waits on an event of another "
-                "capture; captures cannot be merged. The capture is now invalidated."
-            )
-        if source != stream.handle:
-            capture.joined_upto[source] = max(capture.joined_upto.get(source, -1), node)
-
     # -- capture and graphs -------------------------------------------------
 
     def begin_capture(self, device: int, handle: int, mode: CaptureMode) -> None:
         stream = self.stream(device, handle)
-        if stream.inline:
-            raise CaptureError(
-                f"cpu:{device}: graphs must be captured on a created stream, not the default "
-                "stream (replay may run on any stream). Use `with accel.Stream():`."
-            )
-        if stream.capture is not None:
-            raise CaptureError(f"cpu:{device}: stream {handle:#x} is already capturing")
-        capture = Capture(origin=stream, mode=CaptureMode(mode))
-        capture.streams.add(stream)
-        stream.capture = capture
+        _capture.check_begin("cpu", stream)
+        stream.capture = Capture("cpu", stream, mode)
 
     def capture_status(self, device: int, handle: int) -> CaptureStatus:
-        stream = self.stream(device, handle)
-        if stream.capture is None:
-            return CaptureStatus.NONE
-        return CaptureStatus.INVALIDATED if stream.capture.invalid_reason else CaptureStatus.ACTIVE
+        return _capture.status(self.stream(device, handle))
 
     def end_capture(self, device: int, handle: int) -> int:
-        stream = self.stream(device, handle)
-        capture = stream.capture
-        if capture is None:
-            raise CaptureError(f"cpu:{device}: stream {handle:#x} is not capturing")
-        if capture.origin is not stream:
-            capture.invalidate("the capture was ended on a stream other than the one that began it")
-            raise CaptureError(
-                f"cpu:{device}: end the capture on stream {capture.origin.handle:#x}, which began "
-                f"it, not on the forked stream {handle:#x}; the capture is now invalidated"
-            )
-        for member in capture.streams:
-            member.capture = None
-        if capture.invalid_reason:
-            raise CaptureError(f"cpu:{device}: the capture was invalidated: {capture.invalid_reason}")
-        for member in capture.streams:
-            if member is stream:
-                continue
-            last = capture.last_node.get(member.handle, -1)
-            if last > capture.joined_upto.get(member.handle, -1):
-                raise CaptureError(
-                    f"cpu:{device}: forked stream {member.handle:#x} was not joined back into the "
-                    "capturing stream: record an event on it after its last work and make the "
-                    "origin stream wait on that event before ending the capture"
-                )
+        capture = _capture.end_capture("cpu", self.stream(device, handle))
         graph = new_handle()
         with self._lock:
             self._graphs[graph] = list(capture.nodes)

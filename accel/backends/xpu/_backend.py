@@ -17,8 +17,9 @@ How the protocol maps onto Level Zero (docs/backends/xpu.md has the long form):
   and waits on event B; a per-stream host thread waits for A, runs the
   function and signals B;
 - capture records copies, fills and host functions into a *regular command
-  list*; replay submits it to the graph's own command queue, fenced between a
-  "start" event the stream signals and a "done" event the stream waits on;
+  list*, under the fork/join rules of ``accel.backends._capture``; replay
+  submits it to the graph's own command queue, fenced between a "start"
+  event the stream signals and a "done" event the stream waits on;
 - Level Zero events may be referenced by queued commands after their owner
   is gone, so every pooled event is reference-counted ("holds") and goes back
   to its pool only when no owner and no queued command refers to it.
@@ -42,6 +43,8 @@ from accel._errors import (
     OutOfMemoryError,
 )
 from accel._units import format_size
+from accel.backends import _capture
+from accel.backends._capture import Capture, Mark
 from accel.backends.base import Backend, CaptureMode, CaptureStatus, DeviceProperties
 from accel.backends.xpu._bindings import WAIT_FOREVER, ZeLoader, describe_result
 
@@ -202,28 +205,23 @@ class _Event:
     handle: int
     timing: bool
     slot: _Slot | None = None
-    captured: tuple[_Capture, int, int] | None = None  # capture, stream handle, node index
+    captured: Mark | None = None  # where it was recorded inside a capture
 
 
-@dataclass(eq=False)
-class _Capture:
-    origin: _Stream
-    mode: CaptureMode
-    cdata: object  # the regular command list being recorded
-    start: _Slot
-    done: _Slot
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    streams: set[_Stream] = field(default_factory=set)
-    nodes: list[str] = field(default_factory=list)
-    last_node: dict[int, int] = field(default_factory=dict)
-    joined_upto: dict[int, int] = field(default_factory=dict)
-    host_nodes: list[tuple[_Slot, _Slot, Callable[[], None]]] = field(default_factory=list)
-    keep: list[object] = field(default_factory=list)  # memory the recorded commands point at
-    invalid_reason: str = ""
+class _Capture(Capture[str]):
+    """A capture recording into a regular command list; its nodes are command descriptions.
 
-    def invalidate(self, reason: str) -> None:
-        if not self.invalid_reason:
-            self.invalid_reason = reason
+    ``lock`` also serializes appends to the list, which streams forked into
+    the capture make from their own threads.
+    """
+
+    def __init__(self, origin: _Stream, mode: CaptureMode, cdata: object, start: _Slot, done: _Slot) -> None:
+        super().__init__("xpu", origin, mode)
+        self.cdata = cdata  # the regular command list being recorded
+        self.start = start
+        self.done = done
+        self.host_nodes: list[tuple[_Slot, _Slot, Callable[[], None]]] = []
+        self.keep: list[object] = []  # memory the recorded commands point at
 
 
 @dataclass(eq=False)
@@ -532,13 +530,7 @@ class XpuBackend(Backend):
 
     def device_synchronize(self, device: int) -> None:
         streams = [s for s in list(self._streams.values()) if s.device == device]
-        for stream in streams:
-            if stream.capture is not None:
-                stream.capture.invalidate("the device was synchronized during capture")
-                raise CaptureError(
-                    f"xpu:{device}: cannot synchronize the device while stream {stream.handle:#x} "
-                    "is capturing; the capture is now invalidated. End the capture first."
-                )
+        _capture.refuse_device_synchronize(device, streams)
         for stream in streams:
             if stream.handle in self._streams:
                 self._synchronize(stream)
@@ -820,17 +812,9 @@ class XpuBackend(Backend):
             with self._lock:
                 self._retired.extend(keep)
 
-    def _refuse_during_capture(self, stream: _Stream, what: str) -> None:
-        if stream.capture is not None:
-            stream.capture.invalidate(f"{what} is not allowed during capture")
-            raise CaptureError(
-                f"xpu:{stream.device}: {what} is not allowed while stream {stream.handle:#x} "
-                "is capturing; the capture is now invalidated. End the capture, then synchronize."
-            )
-
     def stream_query(self, device: int, stream: int) -> bool:
         s = self._stream(device, stream)
-        self._refuse_during_capture(s, "querying a stream")
+        _capture.refuse_while_capturing(s, "querying a stream")
         with s.lock:
             if s.seq > s.marked:
                 self._mark(s)
@@ -839,7 +823,7 @@ class XpuBackend(Backend):
 
     def stream_synchronize(self, device: int, stream: int) -> None:
         s = self._stream(device, stream)
-        self._refuse_during_capture(s, "synchronizing a stream")
+        _capture.refuse_while_capturing(s, "synchronizing a stream")
         self._synchronize(s)
 
     def _synchronize(self, s: _Stream) -> None:
@@ -871,18 +855,8 @@ class XpuBackend(Backend):
         s = self._stream(device, stream)
         # One context spans the driver's devices, so any device may wait on any event.
         e = self._event(device, event, any_device=True)
-        captured = self._live_capture_of(e)
-        if captured is not None:
-            self._join_capture(s, captured)
+        if _capture.wait_event(s, e.captured, e.handle):
             return
-        if s.capture is not None:
-            s.capture.invalidate("a capturing stream waited on an event recorded outside the capture")
-            raise CaptureError(
-                f"xpu:{device}: stream {stream:#x} is capturing and cannot wait on event {event:#x}, "
-                "which was recorded outside the capture (the dependency would cross the capture "
-                "boundary); the capture is now invalidated. Record the event before beginning the "
-                "capture and synchronize instead."
-            )
         slot = e.slot
         if slot is None:
             return  # never recorded: a no-op, as in CUDA
@@ -919,8 +893,7 @@ class XpuBackend(Backend):
         if capture is not None:
             # Inside a capture a record is only a position: the captured work is one
             # in-order command list, so waits on it need no Level Zero event.
-            with capture.lock:
-                e.captured = (capture, s.handle, capture.last_node.get(s.handle, -1))
+            e.captured = capture.mark(s)
             return
         slot = self._slots.acquire(e.timing)
         try:
@@ -934,22 +907,9 @@ class XpuBackend(Backend):
         old, e.slot, e.captured = e.slot, slot, None
         self._slots.drop(old)
 
-    def _live_capture_of(self, e: _Event) -> tuple[_Capture, int, int] | None:
-        captured = e.captured
-        if captured is None:
-            return None
-        return captured if captured[0].origin.capture is captured[0] else None
-
-    def _refuse_captured(self, e: _Event, what: str) -> None:
-        if self._live_capture_of(e) is not None:
-            raise CaptureError(
-                f"xpu:{e.device}: {what} event {e.handle:#x} is not allowed: it was recorded "
-                "inside a capture that is still running"
-            )
-
     def event_query(self, device: int, event: int) -> bool:
         e = self._event(device, event)
-        self._refuse_captured(e, "querying")
+        _capture.refuse_captured_event(e.captured, e.device, e.handle, "querying")
         slot = e.slot
         if slot is None:
             return True
@@ -961,7 +921,7 @@ class XpuBackend(Backend):
 
     def event_synchronize(self, device: int, event: int) -> None:
         e = self._event(device, event)
-        self._refuse_captured(e, "synchronizing")
+        _capture.refuse_captured_event(e.captured, e.device, e.handle, "synchronizing")
         slot = e.slot
         if slot is None:
             return
@@ -1011,8 +971,7 @@ class XpuBackend(Backend):
                 return  # the capture will fail at its end; recording more is pointless
             append(capture.cdata)
             self._barrier(s, capture.cdata)
-            capture.nodes.append(description)
-            capture.last_node[s.handle] = len(capture.nodes) - 1
+            capture.add(s, description)
 
     def memcpy_async(self, device: int, dst: int, src: int, nbytes: int, stream: int) -> None:
         s = self._stream(device, stream)
@@ -1077,13 +1036,15 @@ class XpuBackend(Backend):
                 self._wait(s, cdata, release)
                 self._reset(s, cdata, release)  # ready for the next replay
 
-            try:
-                self._record_node(s, f"host function {name}", append)
-            except BaseException:
-                self._slots.drop(reached)
-                self._slots.drop(release)
-                raise
+            # One hold of the lock for the command and its host node: replay serves
+            # host nodes in list order, and forked streams record from other threads.
             with capture.lock:
+                try:
+                    self._record_node(s, f"host function {name}", append)
+                except BaseException:
+                    self._slots.drop(reached)
+                    self._slots.drop(release)
+                    raise
                 capture.host_nodes.append((reached, release, fn))
             return
         try:
@@ -1106,13 +1067,7 @@ class XpuBackend(Backend):
 
     def stream_begin_capture(self, device: int, stream: int, mode: CaptureMode) -> None:
         s = self._stream(device, stream)
-        if s.is_default:
-            raise CaptureError(
-                f"xpu:{device}: graphs must be captured on a created stream, not the default "
-                "stream (replay may run on any stream). Use `with accel.Stream():`."
-            )
-        if s.capture is not None:
-            raise CaptureError(f"xpu:{device}: stream {stream:#x} is already capturing")
+        _capture.check_begin("xpu", s)
         ffi, lib = self._ze.ffi, self._ze.lib
         dev = self._devices[device]
         desc = ffi.new("ze_command_list_desc_t *", {
@@ -1121,7 +1076,7 @@ class XpuBackend(Backend):
         out = ffi.new("ze_command_list_handle_t *")
         self._check("zeCommandListCreate", lib.zeCommandListCreate(self._context, dev.cdata, desc, out), device)
         start, done = self._slots.acquire(False), self._slots.acquire(False)
-        capture = _Capture(s, CaptureMode(mode), out[0], start, done)
+        capture = _Capture(s, mode, out[0], start, done)
         try:
             # Each replay waits until its stream reaches it, then re-arms the start event.
             self._wait(s, out[0], start)
@@ -1129,7 +1084,6 @@ class XpuBackend(Backend):
         except BaseException:
             self._discard_capture(capture)
             raise
-        capture.streams.add(s)
         s.capture = capture
 
     def _discard_capture(self, capture: _Capture) -> None:
@@ -1140,67 +1094,23 @@ class XpuBackend(Backend):
             self._slots.drop(reached)
             self._slots.drop(release)
 
-    def _join_capture(self, s: _Stream, captured: tuple[_Capture, int, int]) -> None:
-        capture, source, node = captured
-        if s.capture is None:
-            if s.is_default:
-                capture.invalidate("the default stream waited on a captured event")
-                raise CaptureError(
-                    f"xpu:{s.device}: the default stream cannot join a capture; fork capture work "
-                    "onto a created stream instead. The capture is now invalidated."
-                )
-            s.capture = capture  # fork: this stream now records into the same command list
-            capture.streams.add(s)
-        elif s.capture is not capture:
-            s.capture.invalidate("two captures were merged")
-            raise CaptureError(
-                f"xpu:{s.device}: stream {s.handle:#x} waits on an event of another capture; "
-                "captures cannot be merged. The capture is now invalidated."
-            )
-        if source != s.handle:
-            with capture.lock:
-                capture.joined_upto[source] = max(capture.joined_upto.get(source, -1), node)
-
     def stream_capture_status(self, device: int, stream: int) -> CaptureStatus:
-        s = self._stream(device, stream)
-        if s.capture is None:
-            return CaptureStatus.NONE
-        return CaptureStatus.INVALIDATED if s.capture.invalid_reason else CaptureStatus.ACTIVE
+        return _capture.status(self._stream(device, stream))
 
     def stream_end_capture(self, device: int, stream: int) -> int:
         s = self._stream(device, stream)
         capture = s.capture
-        if capture is None:
-            raise CaptureError(f"xpu:{device}: stream {stream:#x} is not capturing")
-        if capture.origin is not s:
-            capture.invalidate("the capture was ended on a stream other than the one that began it")
-            raise CaptureError(
-                f"xpu:{device}: end the capture on stream {capture.origin.handle:#x}, which began it, "
-                f"not on the forked stream {stream:#x}; the capture is now invalidated"
-            )
-        for member in capture.streams:
-            member.capture = None
-        problem = ""
-        if capture.invalid_reason:
-            problem = f"xpu:{device}: the capture was invalidated: {capture.invalid_reason}"
-        for member in capture.streams:
-            if problem or member is s:
-                continue
-            if capture.last_node.get(member.handle, -1) > capture.joined_upto.get(member.handle, -1):
-                problem = (
-                    f"xpu:{device}: forked stream {member.handle:#x} was not joined back into the "
-                    "capturing stream: record an event on it after its last work and make the origin "
-                    "stream wait on that event before ending the capture"
-                )
-        if problem:
-            self._discard_capture(capture)
-            raise CaptureError(problem)
         lib = self._ze.lib
         try:
+            _capture.end_capture("xpu", s)
+            assert capture is not None  # end_capture refuses a stream that is not capturing
             self._barrier(s, capture.cdata, capture.done)
             self._check("zeCommandListClose", lib.zeCommandListClose(capture.cdata), device)
         except BaseException:
-            self._discard_capture(capture)
+            if capture is not None and not capture.active:
+                # Over without giving a graph (invalidated, a fork not joined back, or the
+                # list failed to close): nothing will replay the list.
+                self._discard_capture(capture)
             raise
         graph = _Graph(
             device, self._addr(capture.cdata), capture.cdata, capture.start, capture.done,
