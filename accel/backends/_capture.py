@@ -159,6 +159,12 @@ def status(stream: CaptureStream) -> CaptureStatus:
     return CaptureStatus.INVALIDATED if capture.invalid_reason else CaptureStatus.ACTIVE
 
 
+def length(stream: CaptureStream) -> int | None:
+    """How many nodes the capture ``stream`` takes part in holds (None if not capturing)."""
+    capture = stream.capture
+    return None if capture is None else len(capture.nodes)
+
+
 def end_capture(kind: str, stream: CaptureStream) -> Capture[Any]:
     """End the capture that ``stream`` began and return it; its ``nodes`` are the graph.
 

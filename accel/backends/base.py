@@ -280,6 +280,16 @@ class Backend(abc.ABC):
         """Capture state of ``stream`` (NONE where graphs are unsupported)."""
         return CaptureStatus.NONE
 
+    def stream_capture_length(self, device: int, stream: int) -> int | None:
+        """How many operations the capture ``stream`` takes part in has recorded
+        so far (all its streams together), or None when ``stream`` is not
+        capturing or the backend cannot tell.
+
+        Layers above use it to see whether anything else was recorded between
+        two of their own operations (e.g. to batch consecutive torch ops into
+        one node); None must always be a safe answer."""
+        return None
+
     def graph_instantiate(self, device: int, graph: int) -> int:
         """Turn a captured graph into an executable graph; returns its handle."""
         raise self._unsupported("graph capture")

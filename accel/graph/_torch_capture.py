@@ -172,21 +172,14 @@ def _out_overload(func: Any) -> tuple[Any, tuple[str, ...]] | None:
 
 
 def _capture_position(runtime: Runtime, device: int, stream: int) -> int | None:
-    """How many nodes the capture ``stream`` belongs to holds, on the host backend.
+    """How many nodes the capture ``stream`` belongs to holds.
 
     Consecutive torch ops share one graph node (so the compiled tier can take
-    them whole) only while no other stream work was recorded in between. The
-    Backend protocol has no query for this, so the host backend's capture
-    state is read here; without it, every op gets its own node, which is
+    them whole) only while no other stream work was recorded in between.
+    Where the backend cannot tell (None), every op gets its own node, which is
     correct, only slower.
     """
-    table = getattr(runtime.backend, "_streams", None)
-    lookup = getattr(table, "stream", None)
-    if lookup is None:
-        return None
-    capture = getattr(lookup(device, stream), "capture", None)
-    nodes = getattr(capture, "nodes", None)
-    return None if nodes is None else len(nodes)
+    return runtime.backend.stream_capture_length(device, stream)
 
 
 def _storage_ptr(t: torch.Tensor) -> int:

@@ -372,3 +372,17 @@ def test_graph_debug_dump_describes_the_graph(backend: Backend, stream: int, tmp
         pytest.skip(f"{backend.name} cannot dump graphs")
     assert path.stat().st_size > 0
     backend.graph_destroy(0, graph)
+
+
+def test_capture_length_counts_recorded_work_or_says_none(backend: Backend, stream: int) -> None:
+    assert backend.stream_capture_length(0, stream) is None  # not capturing
+    if not backend.supports_graphs(0):
+        return
+    backend.stream_begin_capture(0, stream, CaptureMode.GLOBAL)
+    before = backend.stream_capture_length(0, stream)
+    backend.launch_host_func(0, stream, lambda: None)
+    after = backend.stream_capture_length(0, stream)
+    graph = backend.stream_end_capture(0, stream)
+    backend.graph_destroy(0, graph)
+    if before is not None:  # None is always allowed: "cannot tell"
+        assert after is not None and after > before

@@ -16,6 +16,7 @@ from functools import cache
 
 from accel._errors import BackendUnavailableError, InvalidValueError
 from accel._units import parse_size
+from accel.backends import _capture
 from accel.backends.base import Backend, CaptureMode, CaptureStatus, DeviceProperties
 from accel.backends.cpu import _libc
 from accel.backends.cpu._memory import VM_GRANULARITY, DeviceMemory, HostMemory, machine_memory
@@ -237,6 +238,9 @@ class CpuBackend(Backend):
 
     def stream_capture_status(self, device: int, stream: int) -> CaptureStatus:
         return self._streams.capture_status(device, stream)
+
+    def stream_capture_length(self, device: int, stream: int) -> int | None:
+        return _capture.length(self._streams.stream(device, stream))
 
     def graph_instantiate(self, device: int, graph: int) -> int:
         return self._streams.instantiate(graph)

@@ -1097,6 +1097,9 @@ class XpuBackend(Backend):
     def stream_capture_status(self, device: int, stream: int) -> CaptureStatus:
         return _capture.status(self._stream(device, stream))
 
+    def stream_capture_length(self, device: int, stream: int) -> int | None:
+        return _capture.length(self._stream(device, stream))
+
     def stream_end_capture(self, device: int, stream: int) -> int:
         s = self._stream(device, stream)
         capture = s.capture

@@ -459,3 +459,43 @@ def test_host_synchronize_failures_are_driver_errors(xpu) -> None:
         backend.stream_synchronize(0, s)
     assert info.value.call == "zeCommandListHostSynchronize" and info.value.name == "ZE_RESULT_ERROR_DEVICE_LOST"
     backend.stream_destroy(0, s)
+
+
+def test_host_functions_recorded_from_forked_threads_replay_in_order(xpu) -> None:
+    """Streams forked into one capture record host functions from their own
+    threads; replay serves host nodes in list order, so it must not deadlock."""
+    origin = xpu.stream_create(0, 0)
+    sides = [xpu.stream_create(0, 0) for _ in range(4)]
+    fork = xpu.event_create(0, timing=False, blocking=False, interprocess=False)
+    joins = [xpu.event_create(0, timing=False, blocking=False, interprocess=False) for _ in sides]
+    calls = [0] * len(sides)
+    xpu.stream_begin_capture(0, origin, CaptureMode.GLOBAL)
+    xpu.event_record(0, fork, origin)
+
+    def record(i: int) -> None:
+        xpu.stream_wait_event(0, sides[i], fork)
+        for _ in range(20):
+            xpu.launch_host_func(0, sides[i], lambda i=i: calls.__setitem__(i, calls[i] + 1))
+        xpu.event_record(0, joins[i], sides[i])
+
+    threads = [threading.Thread(target=record, args=(i,)) for i in range(len(sides))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for join in joins:
+        xpu.stream_wait_event(0, origin, join)
+    graph = xpu.stream_end_capture(0, origin)
+    graph_exec = xpu.graph_instantiate(0, graph)
+    replayed = threading.Event()
+    xpu.graph_launch(0, graph_exec, origin)
+    xpu.launch_host_func(0, origin, replayed.set)
+    # No synchronize before this check: on a deadlock it would never return.
+    assert replayed.wait(30), "the replay deadlocked: host nodes out of list order"
+    assert calls == [20] * len(sides)
+    xpu.graph_exec_destroy(0, graph_exec)
+    xpu.graph_destroy(0, graph)
+    for event in (fork, *joins):
+        xpu.event_destroy(0, event)
+    for s in (origin, *sides):
+        xpu.stream_destroy(0, s)
