@@ -322,6 +322,19 @@ def _synchronize(obj: Any, stream: object, kind: DLDeviceType) -> None:
 # -- export ------------------------------------------------------------------------
 
 
+def as_shape(shape: object) -> tuple[int, ...]:
+    """``shape`` (an int or a sequence of ints) as a tuple of non-negative ints."""
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)
+    try:
+        dims = tuple(shape)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidValueError(f"shape={shape!r} must be an int or a sequence of ints") from None
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+        raise InvalidValueError(f"shape={shape!r} must hold non-negative ints")
+    return dims
+
+
 def _read_shape(shape: object, itemsize: int, nbytes: int) -> tuple[int, ...]:
     if shape is None:
         if nbytes % itemsize:
@@ -329,15 +342,7 @@ def _read_shape(shape: object, itemsize: int, nbytes: int) -> tuple[int, ...]:
                 f"a {nbytes}-byte buffer is not a whole number of {itemsize}-byte items; pass a shape"
             )
         return (nbytes // itemsize,)
-    if isinstance(shape, int) and not isinstance(shape, bool):
-        shape = (shape,)
-    try:
-        dims = tuple(shape)  # type: ignore[arg-type]
-    except TypeError:
-        raise InvalidValueError(f"shape={shape!r} must be an int or a sequence of ints") from None
-    for dim in dims:
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
-            raise InvalidValueError(f"shape={shape!r} must hold non-negative ints")
+    dims = as_shape(shape)
     count = 1
     for dim in dims:
         count *= dim

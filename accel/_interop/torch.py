@@ -56,18 +56,6 @@ def _dtype_name(dtype: object) -> tuple[Any, str]:
     return dtype, name
 
 
-def _shape(shape: object) -> tuple[int, ...]:
-    if isinstance(shape, int) and not isinstance(shape, bool):
-        shape = (shape,)
-    try:
-        dims = tuple(shape)  # type: ignore[arg-type]
-    except TypeError:
-        raise InvalidValueError(f"shape={shape!r} must be an int or a sequence of ints") from None
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
-        raise InvalidValueError(f"shape={shape!r} must hold non-negative ints")
-    return dims
-
-
 def _consumer_stream(device_type: str, index: int) -> object:
     """What torch will read on, in ``__dlpack__``'s terms (see accel._interop._dlpack)."""
     if device_type == "cuda":
@@ -99,7 +87,7 @@ def empty(
     from accel import memory
 
     torch_dtype, name = _dtype_name(dtype)
-    dims = _shape(shape)
+    dims = _dlpack.as_shape(shape)
     nbytes = math.prod(dims) * torch_dtype.itemsize
     if stream is None:
         from accel._runtime import get_runtime
@@ -130,7 +118,7 @@ def as_tensor(buffer: Any, dtype: torch.dtype | str = "uint8", shape: int | tupl
     torch.Size([2, 2])
     """
     _, name = _dtype_name(dtype)
-    dims = None if shape is None else _shape(shape)
+    dims = None if shape is None else _dlpack.as_shape(shape)
     _, index = _dlpack.dlpack_device(buffer)  # also checks buffer.device
     capsule = _dlpack.to_capsule(
         buffer,
