@@ -68,7 +68,7 @@ class _State:
     """Per-runtime memory state: one allocator per device, the staging cache."""
 
     def __init__(self, runtime: Runtime) -> None:
-        from accel.allocator.config import add_change_listener, config_for_backend
+        from accel.allocator.config import add_change_observer, config_for_backend
 
         self.runtime = runtime
         self.lock = threading.Lock()
@@ -77,7 +77,7 @@ class _State:
         self.upstreams: dict[int, MemoryResource] = {}
         self.host: HostCachingAllocator | None = None
         self.history: tuple[str, str | None, str, int] | None = None
-        add_change_listener(self._config_changed)
+        add_change_observer(self._config_changed)
 
     def _config_changed(self, backend: str, old: Any, new: Any) -> None:
         if backend != self.runtime.name:

@@ -392,6 +392,8 @@ class DeviceAllocator:
     def _grow(self, pool: Pool, handle: int, size: int, stream: Stream) -> Block:
         """Cache miss: new memory, after giving back cache if needed; or OOM."""
         capturing = bool(self._captures)
+        if self._gc_frees:
+            self._drain_gc_frees()  # buffers collected while the lock was taken are free memory
         if self._gc_threshold and self._allowed is not None and not capturing:
             self._garbage_collect()
         block = self._alloc_segment(pool, handle, size)
@@ -790,15 +792,19 @@ class DeviceAllocator:
 
     def _insert_events(self, block: Block) -> None:
         uses, block.stream_uses = block.stream_uses or set(), None
+        error: BaseException | None = None
         for handle in uses:
             event = self._events.pop() if self._events else self._new_event()
             try:
                 self.backend.event_record(self.device, event, handle)
-            except InvalidHandleError:
-                # The stream was closed; its queued work still runs, so wait
-                # for the whole device instead of that stream.
+            except BaseException as exc:
+                # The stream was closed (its queued work still runs) or the
+                # driver failed: wait for the whole device instead, so the
+                # block is still freed safely and nothing leaks.
                 self._events.append(event)
                 self.backend.device_synchronize(self.device)
+                if not isinstance(exc, InvalidHandleError):
+                    error = error or exc
                 continue
             block.event_count += 1
             queue = self._pending.get(handle)
@@ -807,6 +813,8 @@ class DeviceAllocator:
             queue.append((event, block))
         if block.event_count == 0:
             self._free_block(block)
+        if error is not None:
+            raise error
 
     def _new_event(self) -> int:
         self._events_created += 1

@@ -76,8 +76,8 @@ class KeySpec:
 KEYS: tuple[KeySpec, ...] = (
     KeySpec(
         "large_segment_size_mb", "large_segment_size", "mib", "MiB", "20", "> 10",
-        "Segment size cached for requests between 1 and 10 MiB; also the page size of "
-        "large expandable segments. Read before every other key of the same string.",
+        "Segment size cached for requests between 1 and 10 MiB (expandable segments map "
+        "2 MiB pages in both pools). Read before every other key of the same string.",
         "common", True,
     ),
     KeySpec(
@@ -121,7 +121,7 @@ KEYS: tuple[KeySpec, ...] = (
         "pinned_use_background_threads", "pinned_use_background_threads", "bool", "",
         "False", "True or False",
         "The pinned host allocator processes its events on a background thread.",
-        "common", True, backends=("cuda", "xpu"),
+        "common", False, backends=("cuda", "xpu"),
     ),
     KeySpec(
         "pinned_max_round_threshold_mb", "pinned_max_round_threshold", "mib", "MiB",

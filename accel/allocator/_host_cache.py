@@ -143,6 +143,7 @@ class HostCachingAllocator:
     def _free_locked(self, block: HostBlock) -> None:
         block.allocated = False
         self.allocated_bytes -= block.size
+        error: BaseException | None = None
         for device, handle in block.stream_uses:
             pool = self._events.setdefault(device, [])
             event = pool.pop() if pool else self.backend.event_create(
@@ -150,9 +151,13 @@ class HostCachingAllocator:
             )
             try:
                 self.backend.event_record(device, event, handle)
-            except InvalidHandleError:
-                pool.append(event)  # stream closed: wait for the whole device
+            except BaseException as exc:
+                # Stream closed, or the driver failed: wait for the whole
+                # device instead, so the block is still reused safely.
+                pool.append(event)
                 self.backend.device_synchronize(device)
+                if not isinstance(exc, InvalidHandleError):
+                    error = error or exc
                 continue
             block.events.append((device, event))
         block.stream_uses.clear()
@@ -160,12 +165,19 @@ class HostCachingAllocator:
             self._pending.append(block)
         else:
             self._cache(block)
+        if error is not None:
+            raise error
 
     def _cache(self, block: HostBlock) -> None:
+        if self._max_cached is not None and self.cached_bytes + block.size > self._max_cached:
+            # Keeping it would take the cache past pinned_max_cached_size:
+            # release this block, and keep what is already cached.
+            self.backend.host_free(block.ptr)
+            del self._live[block.ptr]
+            self.reserved_bytes -= block.size
+            return
         self._free.setdefault(block.size, []).append(block)
         self.cached_bytes += block.size
-        if self._max_cached is not None and self.cached_bytes > self._max_cached:
-            self._release_free()
 
     def _process_events(self) -> None:
         still = []

@@ -519,6 +519,7 @@ class _State:
         self.snapshot: dict[str, str | None] = {}
         self.emitted: set[str] = set()
         self.listeners: list[ChangeListener] = []
+        self.observers: list[ChangeListener] = []
         self.init_lock = threading.Lock()
         # Serialises changes. Listeners run under it; `notifying` catches a
         # listener that tries to change settings itself.
@@ -632,6 +633,13 @@ def add_change_listener(listener: ChangeListener) -> None:
         _state.listeners.append(listener)
 
 
+def add_change_observer(observer: ChangeListener) -> None:
+    """Call ``observer(backend, old, new)`` after a change is applied (it cannot
+    refuse it); the live allocators follow settings changes this way."""
+    with _state.update_lock:
+        _state.observers.append(observer)
+
+
 def remove_change_listener(listener: ChangeListener) -> None:
     """Stop calling ``listener``; raises AllocatorConfigError if it was not added."""
     with _state.update_lock:
@@ -649,15 +657,19 @@ def _commit(new: Mapping[str, AllocatorConfig], *, fresh_warnings: bool = False)
             "a listener may only accept or refuse the change it is shown"
         )
     old = _configs()
+    changed = [(backend, config) for backend, config in new.items() if config != old[backend]]
     _state.notifying = True
     try:
-        for backend, config in new.items():
-            if config != old[backend]:
-                for listener in list(_state.listeners):
-                    listener(backend, old[backend], config)
+        for backend, config in changed:
+            for listener in list(_state.listeners):
+                listener(backend, old[backend], config)
+        _state.configs = MappingProxyType({**old, **new})
+        # Only a change every listener accepted reaches the observers.
+        for backend, config in changed:
+            for observer in list(_state.observers):
+                observer(backend, old[backend], config)
     finally:
         _state.notifying = False
-    _state.configs = MappingProxyType({**old, **new})
     if fresh_warnings:
         _state.emitted.clear()
     _emit(new.values())

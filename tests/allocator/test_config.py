@@ -277,6 +277,7 @@ def test_keys_cover_every_field_once() -> None:
     assert sorted(spec.field for spec in keys()) == sorted(fields)
     assert {spec.key for spec in keys() if not spec.used_by_accel} == {
         "backend",
+        "pinned_use_background_threads",
         "release_lock_on_cudamalloc",
         "pinned_use_cuda_host_register",
         "pinned_num_register_threads",

@@ -123,3 +123,30 @@ def test_backend_errors_reach_the_caller_unchanged(config):
     for at in range(1, clean.calls + 1):
         _, errors, _ = run(config, at, sticky=False, error="driver")
         assert errors == [DriverError]
+
+
+def test_a_failing_event_record_at_free_still_frees_the_block() -> None:
+    """A cross-stream free records an event on each stream that used the block;
+    if the driver fails there, the block is still freed (after a device wait)
+    and the error reaches the caller; nothing leaks."""
+    backend = CpuBackend(1, 256 * MiB)
+    runtime = Runtime(backend)
+    side = Stream._wrap(runtime, 0, backend.stream_create(0, 0), owned=True)
+    alloc = DeviceAllocator(backend, 0, parse(""))
+    block = alloc.malloc(MiB, runtime.default_stream(0))
+    alloc.record_stream(block, side)
+    real_record = backend.event_record
+
+    def failing_record(device: int, event: int, stream: int) -> None:
+        raise DriverError("cpu", "event_record", 999, "INJECTED", "injected by the test")
+
+    backend.event_record = failing_record  # type: ignore[method-assign]
+    try:
+        with pytest.raises(DriverError, match="INJECTED"):
+            alloc.free(block)
+    finally:
+        backend.event_record = real_record  # type: ignore[method-assign]
+    check_invariants(alloc)
+    assert alloc.stats()["active.all.current"] == 0
+    alloc.empty_cache()
+    assert alloc.stats()["reserved_bytes.all.current"] == 0 and backend._memory[0]._held == 0

@@ -301,9 +301,31 @@ def test_host_buffer_finalizer_and_cache_limits():
     blocks = [capped.malloc(600_000) for _ in range(2)]  # 1 MiB each after rounding
     for b in blocks:
         capped.free(b)
-    assert capped.stats()["cached_bytes"] == 0 and capped.stats()["reserved_bytes"] == 0
+    # The first fits under the cap and stays cached; the second would not: released.
+    assert capped.stats()["cached_bytes"] == 1 << 20 and capped.stats()["reserved_bytes"] == 1 << 20
+    again = capped.malloc(600_000)
+    assert again.ptr in (blocks[0].ptr, blocks[1].ptr)  # served from the cache
+    capped.free(again)
     rounded = HostCachingAllocator(backend, parse("pinned_max_round_threshold_mb:1"))
     assert rounded.malloc(3 << 20).size == 3 << 20  # above the threshold: whole pages only
     assert rounded.malloc(600_000).size == 1 << 20
     with pytest.raises(InvalidHandleError):
         capped.free(blocks[0])
+
+
+def test_a_refused_settings_change_never_reaches_the_live_allocator():
+    from accel.allocator import add_change_listener, config_for_backend, remove_change_listener, set_settings
+
+    allocator = memory.get_allocator()
+    before = allocator.config
+
+    def refuse(backend, old, new):
+        raise accel.AllocatorConfigError("refused by the test")
+
+    add_change_listener(refuse)
+    try:
+        with pytest.raises(accel.AllocatorConfigError, match="refused by the test"):
+            set_settings("max_split_size_mb:64")
+    finally:
+        remove_change_listener(refuse)
+    assert allocator.config == before == config_for_backend("cpu")
