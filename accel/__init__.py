@@ -68,7 +68,6 @@ __all__ = [
     "DriverError",
     "Event",
     "Graph",
-    "GraphCacheWarning",
     "ExternalStream",
     "HostFunctionError",
     "InvalidHandleError",
@@ -81,7 +80,6 @@ __all__ = [
     "can_device_access_peer",
     "current_accelerator",
     "current_device_index",
-    "compile_graph",
     "current_stream",
     "device_count",
     "device_index",
@@ -95,7 +93,6 @@ __all__ = [
     "graph_pool_handle",
     "is_available",
     "is_capturing",
-    "make_graphed_callables",
     "max_memory_allocated",
     "max_memory_reserved",
     "memory",
@@ -110,6 +107,9 @@ __all__ = [
 ]
 
 # Subpackages and names loaded on first access, so that `import accel` stays cheap.
+# Names that need torch (make_graphed_callables, compile_graph, GraphCacheWarning)
+# are reachable as attributes but left out of __all__, so `from accel import *`
+# never imports torch.
 _LAZY_MODULES = ("allocator", "backends", "graph", "memory", "stream")
 _LAZY_NAMES = {
     "AllocatorConfigWarning": "accel.allocator.config",

@@ -25,7 +25,6 @@ import weakref
 from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("ACCEL_BACKEND", "cpu")
 
 from accel._runtime import Runtime  # noqa: E402
 from accel.allocator._caching import DeviceAllocator  # noqa: E402
@@ -240,6 +239,7 @@ def run(quick: bool) -> list[dict]:
 
 
 def main() -> None:
+    os.environ.setdefault("ACCEL_BACKEND", "cpu")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     args = parser.parse_args()

@@ -250,3 +250,12 @@ def test_graph_names_are_on_the_facade_without_importing_torch() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "0", "False", "True", "[]"]
+
+
+def test_star_import_needs_no_torch() -> None:
+    result = run_python(
+        "import sys\nsys.modules['torch'] = None  # as if torch were not installed\n"
+        "from accel import *\nprint(is_available(), Graph is not None)"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "True"]

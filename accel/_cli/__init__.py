@@ -82,6 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader went away (`accel info | head`): stop quietly, like coreutils.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as exc:  # a file that cannot be read or written
+        print(f"accel {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 def print_json(payload: Any) -> None:

@@ -75,10 +75,15 @@ def _load(path: Path) -> ModuleType:
     if spec is None or spec.loader is None:
         raise InvalidValueError(f"cannot import {path}")
     module = importlib.util.module_from_spec(spec)
-    # Benchmarks may import helpers that sit beside them.
+    # Registered while it runs, as an import would (dataclasses look it up);
+    # benchmarks may import helpers that sit beside them.
+    sys.modules[spec.name] = module
     sys.path.insert(0, str(path.parent))
     try:
         spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(spec.name, None)
+        raise
     finally:
         sys.path.remove(str(path.parent))
     return module

@@ -108,6 +108,11 @@ class GraphedCallable:
                 if static.data_ptr() != arg.data_ptr():
                     static.copy_(arg)
         entry.graph.replay()
+        # Torch reads the outputs on this host thread right away: wait for the
+        # replay when the current stream runs it on a worker (the default host
+        # stream replays inline, so this costs nothing there).
+        runtime = get_runtime()
+        runtime.current_stream(runtime.current_index).synchronize()
         return entry.output
 
     def capture(self, *sample_args: torch.Tensor) -> None:

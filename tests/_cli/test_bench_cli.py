@@ -154,3 +154,20 @@ def test_finds_the_source_tree_benchmarks_from_anywhere(tmp_path):
     result = subprocess.run([sys.executable, "-m", "accel", "bench", "--list"], cwd=tmp_path,
                             env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip()
+
+
+def test_benchmarks_may_use_dataclasses(tmp_path, capsys):
+    directory = _bench_dir(tmp_path, rows="""
+        from dataclasses import dataclass
+
+        @dataclass
+        class Row:
+            name: str
+            ratio: float
+
+        def run(quick):
+            return [vars(Row("case", 1.5))]
+    """)
+    code, out, err = _run(["bench", "--dir", str(directory), "--quick"], capsys)
+    assert code == 0, err
+    assert "1.50x" in out

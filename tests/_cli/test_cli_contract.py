@@ -78,3 +78,19 @@ def test_real_process_has_no_traceback(tmp_path):
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == expected
         assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def test_file_errors_are_one_line(tmp_path):
+    """An OSError (an unwritable output path) ends in one line, not a traceback."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ACCEL_BACKEND": "cpu"}
+    snapshot = tmp_path / "snap.pickle"
+    subprocess.run(
+        [sys.executable, "-c", "import accel; accel.memory.allocate(4096); accel.memory.dump_snapshot(%r)" % str(snapshot)],
+        env=env, check=True, timeout=60,
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "accel", "memory", "plot", str(snapshot), "-o", str(tmp_path / "no" / "such" / "x.png")],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr

@@ -139,3 +139,18 @@ def test_graphed_under_inference_mode_is_usable_outside_it() -> None:
         assert torch.equal(fast(x), model(x))
     with torch.inference_mode():
         assert torch.equal(fast(x), model(x))
+
+
+def test_outputs_are_ready_when_called_on_a_created_stream() -> None:
+    """On a created host stream the replay runs on a worker thread; the call
+    must not return the static output before the replay wrote it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)]).eval()
+    sample = torch.randn(64, 256)
+    with accel.Stream():
+        f = make_graphed_callables(model, (sample,))
+        for _ in range(4):
+            x = torch.randn(64, 256)
+            out = f(x).clone()  # read at once, no synchronize
+            with torch.inference_mode():
+                assert torch.equal(out, model(x))
