@@ -15,7 +15,7 @@ import importlib
 import os
 import threading
 
-from accel._errors import BackendUnavailableError
+from accel._errors import AccelError, BackendUnavailableError
 from accel.backends.base import Backend, BackendInfo
 
 __all__ = ["BACKEND_NAMES", "load_backend", "probe_backend", "select_backend"]
@@ -66,10 +66,12 @@ def probe_backend(name: str) -> BackendInfo:
     """Whether backend ``name`` is usable here, and if not, why; never raises."""
     try:
         backend = load_backend(name)
+        count = backend.device_count()
+        driver = backend.device_properties(0).driver_version if count else ""
     except BackendUnavailableError as exc:
         return BackendInfo(name, False, exc.reason)
-    count = backend.device_count()
-    driver = backend.device_properties(0).driver_version if count else ""
+    except AccelError as exc:
+        return BackendInfo(name, False, str(exc))
     return BackendInfo(name, True, "", count, driver)
 
 

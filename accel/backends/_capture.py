@@ -159,6 +159,22 @@ def status(stream: CaptureStream) -> CaptureStatus:
     return CaptureStatus.INVALIDATED if capture.invalid_reason else CaptureStatus.ACTIVE
 
 
+def abandon(stream: CaptureStream) -> Capture[Any] | None:
+    """``stream`` is being destroyed: invalidate its capture. When it began the
+    capture, every member stream leaves it (nothing can end it any more) and
+    the capture is returned so the backend can free what it recorded into."""
+    capture = stream.capture
+    if capture is None:
+        return None
+    capture.invalidate(f"stream {stream.handle:#x} was destroyed while capturing")
+    if capture.origin is not stream:
+        return None
+    with capture.lock:
+        for member in capture.streams:
+            member.capture = None
+    return capture
+
+
 def length(stream: CaptureStream) -> int | None:
     """How many nodes the capture ``stream`` takes part in holds (None if not capturing)."""
     capture = stream.capture

@@ -74,6 +74,11 @@ class Event:
         with self._lock:
             if self._closed:
                 raise InvalidHandleError(f"{self!r} was closed; create a new accel.Event")
+            if self._device is not None and index != self._device:
+                raise DeviceError(
+                    f"{self!r} lives on {self.device}; it cannot be recorded on a stream of "
+                    f"{self._runtime.device(index)}. Use one event per device."
+                )
             if self._handle == 0:
                 backend = self._runtime.backend
                 self._handle = backend.event_create(
@@ -81,11 +86,6 @@ class Event:
                 )
                 self._device = index
                 self._finalizer = weakref.finalize(self, backend.event_destroy, index, self._handle)
-            elif index != self._device:
-                raise DeviceError(
-                    f"{self!r} lives on {self.device}; it cannot be recorded on a stream of "
-                    f"{self._runtime.device(index)}. Use one event per device."
-                )
             return self._handle
 
     def close(self) -> None:

@@ -35,6 +35,8 @@ def operand(obj: object, role: str) -> Operand:
         interface = getattr(obj, attr, None)
         if isinstance(interface, dict) and "data" in interface:
             nbytes = getattr(obj, "nbytes", None)
+            if role == "dst" and interface["data"][1]:
+                raise InvalidValueError(f"{role} is a read-only array; copy into a writable one")
             strides = interface.get("strides")
             if strides is not None:
                 raise InvalidValueError(

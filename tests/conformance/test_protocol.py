@@ -386,3 +386,24 @@ def test_capture_length_counts_recorded_work_or_says_none(backend: Backend, stre
     backend.graph_destroy(0, graph)
     if before is not None:  # None is always allowed: "cannot tell"
         assert after is not None and after > before
+
+
+def test_destroying_the_capturing_stream_releases_forked_streams(backend: Backend, stream: int) -> None:
+    if not backend.supports_graphs(0):
+        pytest.skip(f"{backend.name} has no graphs")
+    if backend.name == "cuda" and cuda_driver.cuda_mode() == "real":
+        pytest.skip("destroying a capturing CUstream is undefined behaviour in the real CUDA driver")
+    origin, side = backend.stream_create(0, 0), backend.stream_create(0, 0)
+    fork = backend.event_create(0, timing=False, blocking=False, interprocess=False)
+    backend.stream_begin_capture(0, origin, CaptureMode.GLOBAL)
+    backend.event_record(0, fork, origin)
+    backend.stream_wait_event(0, side, fork)
+    backend.stream_destroy(0, origin)
+    # The forked stream works again: its work runs instead of vanishing.
+    assert backend.stream_capture_status(0, side) == CaptureStatus.NONE
+    ran: list[int] = []
+    backend.launch_host_func(0, side, lambda: ran.append(1))
+    backend.stream_synchronize(0, side)
+    assert ran == [1]
+    backend.event_destroy(0, fork)
+    backend.stream_destroy(0, side)

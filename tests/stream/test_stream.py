@@ -89,3 +89,19 @@ def test_default_stream_is_not_capturable_and_not_closable() -> None:
     assert not default.is_capturing()
     default.close()  # not owned: nothing happens
     default.synchronize()
+
+
+def test_read_only_arrays_are_refused_as_destinations() -> None:
+    np = pytest.importorskip("numpy")
+    constant = np.frombuffer(b"abcdefgh", np.uint8)
+    with pytest.raises(accel.InvalidValueError, match="read-only"):
+        accel.Stream().copy(constant, np.zeros(8, np.uint8))
+    accel.current_stream().copy(np.zeros(8, np.uint8), constant)  # reading it is fine
+
+
+def test_an_event_made_for_one_device_refuses_another_devices_stream() -> None:
+    event = accel.Event(device=1)
+    with pytest.raises(accel.DeviceError, match="lives on cpu:1"):
+        event.record(accel.Stream(0))
+    event.record(accel.Stream(1))
+    assert event.device == accel.Device("cpu", 1)

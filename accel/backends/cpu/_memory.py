@@ -8,12 +8,13 @@ out-of-memory paths can be exercised on any machine.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from accel._errors import InvalidHandleError, InvalidValueError, OutOfMemoryError
+from accel._errors import DriverError, InvalidHandleError, InvalidValueError, OutOfMemoryError
 from accel._units import format_size
 from accel.backends.cpu import _libc
 
@@ -118,6 +119,11 @@ class DeviceMemory:
             yield
         except OSError as exc:
             self._held -= nbytes
+            if not _libc.is_oom(exc):
+                raise DriverError(
+                    "cpu", what, exc.errno or 0, errno.errorcode.get(exc.errno or 0, "OSError"), str(exc),
+                    device=self.device,
+                ) from exc
             raise OutOfMemoryError(
                 f"cpu:{self.device}: {what} of {format_size(nbytes)} failed: {exc}",
                 requested=nbytes,

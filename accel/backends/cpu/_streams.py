@@ -202,8 +202,7 @@ class StreamTable:
         stream = self.stream(device, handle)
         if stream.inline:
             raise InvalidHandleError(f"cpu:{device}: the default stream cannot be destroyed")
-        if stream.capture is not None:
-            stream.capture.invalidate(f"stream {handle:#x} was destroyed while capturing")
+        _capture.abandon(stream)
         with self._lock:
             del self._streams[handle]
         stream.close()

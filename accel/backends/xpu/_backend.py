@@ -772,8 +772,9 @@ class XpuBackend(Backend):
         s = self._stream(device, stream)
         if s.is_default:
             raise InvalidHandleError(f"xpu:{device}: the default stream cannot be destroyed")
-        if s.capture is not None:
-            s.capture.invalidate(f"stream {stream:#x} was destroyed while capturing")
+        abandoned = _capture.abandon(s)
+        if abandoned is not None:
+            self._discard_capture(abandoned)
         with self._lock:
             del self._streams[stream]
         with s.lock:

@@ -147,4 +147,10 @@ def open_loader(path: str, *, from_env: bool = False) -> ZeLoader:
         else:
             reason = f"cannot load {path}: {detail}"
         raise BackendUnavailableError("xpu", reason) from None
-    return ZeLoader(ffi, lib, path)
+    loader = ZeLoader(ffi, lib, path)
+    for name in ("zeInit", "zeDriverGet", "zeDeviceGet"):
+        if not loader.has(name):
+            raise BackendUnavailableError(
+                "xpu", f"{path} does not export {name}: it is not a Level Zero loader (libze_loader.so.1)"
+            )
+    return loader

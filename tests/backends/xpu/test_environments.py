@@ -47,6 +47,12 @@ def test_missing_loader_is_named() -> None:
     )
 
 
+def test_a_library_that_is_not_a_loader_is_unavailable_not_a_crash() -> None:
+    info = run_json(PROBE, ACCEL_ZE_LOADER="libc.so.6")
+    assert not info["available"]
+    assert info["reason"] == "libc.so.6 does not export zeInit: it is not a Level Zero loader (libze_loader.so.1)"
+
+
 def test_a_driver_without_gpus_is_no_gpu_device() -> None:
     info = run_json(PROBE, ACCEL_SIMZE_DEVICE_COUNT="0")
     assert info["reason"].startswith("no GPU device: 1 Level Zero driver(s) loaded")
