@@ -7,6 +7,7 @@ current stream are thread-local, like CUDA's.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import threading
@@ -41,9 +42,34 @@ class Runtime:
         self._lock = threading.Lock()
         self._default_streams: dict[int, Stream] = {}
         self.extensions: dict[str, object] = {}  # per-runtime singletons (allocators...)
+        # Errors of host functions, per (device, stream handle): shared by every
+        # wrapper of one stream (Stream, ExternalStream, from_torch...).
+        self._host_errors: dict[tuple[int, int], collections.deque[tuple[str, BaseException]]] = {}
 
     def __repr__(self) -> str:
         return f"<accel runtime {self.name}: {self.device_count()} device(s)>"
+
+    def host_errors(self, index: int, handle: int) -> collections.deque[tuple[str, BaseException]]:
+        """Where host functions queued on stream ``handle`` of device ``index`` report failures."""
+        key = (index, handle)
+        errors = self._host_errors.get(key)
+        if errors is None:
+            with self._lock:
+                errors = self._host_errors.setdefault(key, collections.deque())
+        return errors
+
+    def take_host_errors(self, index: int, handle: int) -> list[tuple[str, BaseException]]:
+        """The host-function failures of a stream reported so far, oldest first."""
+        errors = self._host_errors.get((index, handle))
+        taken = []
+        while errors:  # popleft: a failure reported meanwhile stays for next time
+            taken.append(errors.popleft())
+        return taken
+
+    def destroy_stream(self, index: int, handle: int) -> None:
+        """Destroy a stream accel created, and forget what was kept for it."""
+        self._host_errors.pop((index, handle), None)
+        self.backend.stream_destroy(index, handle)
 
     # -- devices --------------------------------------------------------------
 

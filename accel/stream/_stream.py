@@ -55,11 +55,10 @@ class Stream:
         self._handle = handle
         self._priority = priority
         self._owned = owned
-        self._errors: list[tuple[str, BaseException]] = []
         self._closed = False
         self._close_lock = threading.Lock()
         self._finalizer = (
-            weakref.finalize(self, runtime.backend.stream_destroy, index, handle) if owned else None
+            weakref.finalize(self, runtime.destroy_stream, index, handle) if owned else None
         )
 
     @classmethod
@@ -198,12 +197,15 @@ class Stream:
         """Run ``fn()`` on a host thread once the work queued before it completed.
 
         An exception from ``fn`` is re-raised (as :class:`~accel.HostFunctionError`)
-        by the next :meth:`synchronize` of this stream.
+        by the next :meth:`synchronize` of this stream, whichever wrapper of
+        the stream calls it. As with CUDA host functions, ``fn`` must not wait
+        on accel streams or events (it would wait on itself); it may do host
+        work and set Python-level flags.
         """
         if not callable(fn):
             raise InvalidValueError(f"{fn!r} is not callable")
         name = getattr(fn, "__qualname__", repr(fn))
-        errors = self._errors
+        errors = self._runtime.host_errors(self._device, self._live())
 
         def run() -> None:
             try:
@@ -221,8 +223,8 @@ class Stream:
             self._runtime.backend.launch_host_func(self._device, self._handle, lambda: owners)
 
     def _raise_host_errors(self) -> None:
-        if self._errors:
-            failures, self._errors[:] = list(self._errors), []
+        failures = self._runtime.take_host_errors(self._device, self._handle)
+        if failures:
             name, first = failures[0]
             more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
             raise HostFunctionError(

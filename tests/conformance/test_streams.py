@@ -205,3 +205,16 @@ def test_many_threads_share_streams_and_events(runtime) -> None:
     for t in threads:
         t.join(60)
     assert not errors and counts == [25] * 8
+
+
+def test_host_function_errors_reach_every_wrapper_of_the_stream(runtime) -> None:
+    s = accel.Stream()
+    external = accel.ExternalStream(s.native_handle)
+
+    def broken() -> None:
+        raise ValueError("through the external wrapper")
+
+    external.launch_host_func(broken)
+    with pytest.raises(accel.HostFunctionError, match="through the external wrapper"):
+        s.synchronize()
+    external.synchronize()  # reported once, to one caller
