@@ -22,6 +22,7 @@ Where accel deliberately differs:
 from __future__ import annotations
 
 import threading
+import warnings
 from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from accel.allocator._blocks import ALLOCATED, FREE, PENDING, Block, Pool, Priva
 from accel.allocator._history import History
 from accel.allocator._oom import OutOfMemoryDetails, out_of_memory
 from accel.allocator._resources import BackendResource, MemoryResource
+from accel.allocator.config import AllocatorConfigWarning
 from accel.backends.base import Backend
 
 if TYPE_CHECKING:
@@ -167,15 +169,41 @@ class DeviceAllocator:
 
     def _apply_config(self, config: AllocatorConfig) -> None:
         self.config = config
+        old_ms = getattr(self, "_ms", None)
         self._ms = _UNLIMITED if config.max_split_size is None else config.max_split_size
+        if old_ms is not None and old_ms != self._ms:
+            self._recount_oversize()
         self._nsr = config.max_non_split_rounding
         self._gc_threshold = config.garbage_collection_threshold
         self._divisions = tuple(config.roundup_power2_divisions)
         self._any_divisions = any(d > 1 for d in self._divisions)
         self._large_segment = config.large_segment_size
         self._expandable = bool(config.expandable_segments) and self._vm
+        if config.expandable_segments and not self._vm:
+            warnings.warn(
+                f"expandable_segments:True has no effect on {self._name}: its memory resource has "
+                "no virtual memory, so segments stay plain allocations",
+                AllocatorConfigWarning,
+                stacklevel=3,
+            )
         if not self._fraction_explicit:
             self._set_fraction(config.per_process_memory_fraction, explicit=False)
+
+    def _recount_oversize(self) -> None:
+        """max_split_size changed: count oversize blocks and segments again, so
+        frees under the new bound keep the statistics right."""
+        s = self._stats.s
+        blocks = segments = 0
+        for seg in self._segments.values():
+            if not seg.expandable and seg.size >= self._ms:
+                segments += 1
+            for b in seg.blocks():
+                if b.state == ALLOCATED and b.size >= self._ms:
+                    blocks += 1
+        for base, count in ((S.OVERSIZE_ALLOCATIONS, blocks), (S.OVERSIZE_SEGMENTS, segments)):
+            s[base] = count
+            s[base + 2] = max(s[base + 2], count)
+            s[base + 6] = max(s[base + 6], count)
 
     def update_config(self, config: AllocatorConfig) -> None:
         """Take new settings (the config module's change listener calls this)."""

@@ -767,3 +767,39 @@ def test_many_threads_on_several_streams(host):
     assert a.stats()["allocated_bytes.all.current"] == 0
     a.empty_cache()
     assert backend._memory[0]._held == 0
+
+
+def test_oversize_statistics_follow_a_runtime_max_split_size_change():
+    from accel._runtime import Runtime
+    from accel.allocator._caching import DeviceAllocator
+    from accel.allocator.config import parse
+    from accel.backends.cpu import CpuBackend
+
+    backend = CpuBackend(1, None)
+    stream = Runtime(backend).default_stream(0)
+    alloc = DeviceAllocator(backend, 0, parse(""))
+    big = alloc.malloc(30 << 20, stream)
+    alloc.update_config(parse("max_split_size_mb:20"))
+    assert alloc.stats()["oversize_allocations.current"] == 1
+    alloc.free(big)
+    alloc.empty_cache()
+    stats = alloc.stats()
+    assert stats["oversize_allocations.current"] == 0 and stats["oversize_segments.current"] == 0
+
+
+def test_expandable_segments_without_virtual_memory_warn():
+    from accel._runtime import Runtime
+    from accel.allocator import AllocatorConfigWarning
+    from accel.allocator._caching import DeviceAllocator
+    from accel.allocator._resources import BackendResource
+    from accel.allocator.config import parse
+    from accel.backends.cpu import CpuBackend
+
+    class NoVirtualMemory(BackendResource):
+        def supports_virtual_memory(self) -> bool:
+            return False
+
+    backend = CpuBackend(1, None)
+    with pytest.warns(AllocatorConfigWarning, match="has no effect on cpu:0"):
+        alloc = DeviceAllocator(backend, 0, parse("expandable_segments:True"), upstream=NoVirtualMemory(backend, 0))
+    alloc.free(alloc.malloc(4096, Runtime(backend).default_stream(0)))
