@@ -127,8 +127,10 @@ class Capture(Generic[N]):
                     "stream instead. The capture is now invalidated.",
                 )
             with self.lock:
+                if not self.active:
+                    return  # ended by another thread meanwhile: nothing left to join
                 self.streams.add(stream)
-            stream.capture = self  # fork: the stream now records into this capture
+                stream.capture = self  # fork: the stream now records into this capture
         elif current is not self:
             current.refuse(
                 "two captures were merged", stream.device,

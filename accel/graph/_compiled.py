@@ -112,6 +112,8 @@ def compile_graph(g: Graph, *, inputs: Sequence[torch.Tensor], outputs: Sequence
     program: Program | None = g.program
     if program is None or not program.records:
         raise NotSupportedError(f"{g!r} recorded no torch ops; there is nothing to compile")
+    if not program.segments:
+        raise NotSupportedError(f"{g!r} recorded only views and allocations; there is nothing to compile")
     if len(program.segments) != 1:
         raise NotSupportedError(
             f"{g!r} interleaves its torch ops with other stream work ({len(program.segments)} pieces); "

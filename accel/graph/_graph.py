@@ -414,9 +414,9 @@ class graph:  # noqa: N801 - named like torch.cuda.graph
     def __enter__(self) -> Graph:
         runtime = get_runtime()
         stream = self._stream or _side_stream(runtime, runtime.current_index)
-        _prepare_for_capture()
-        stream.__enter__()
+        stream.__enter__()  # first, so the stream's device is the one prepared
         try:
+            _prepare_for_capture()
             self._graph.capture_begin(pool=self._pool, capture_error_mode=self._mode)
         except BaseException:
             stream.__exit__(None, None, None)

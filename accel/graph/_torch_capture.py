@@ -412,6 +412,8 @@ class Recorder(TorchDispatchMode):
                 self._program.static_bytes += nbytes
             else:
                 static = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
+                # No bytes: writing to it in place touches no memory outside the graph.
+                self._owned.add(_storage_ptr(static))
             static.copy_(t)
         return static
 

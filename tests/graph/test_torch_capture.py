@@ -265,3 +265,14 @@ def test_an_op_failing_during_replay_is_raised_by_replay() -> None:
         g.replay()
     g.replay()  # reported once, then replays go on
     assert torch.equal(y, torch.full((3,), 2.0))
+
+
+def test_zero_element_results_made_in_the_graph_can_be_written_in_place() -> None:
+    x = torch.randn(4)
+    g = accel.Graph()
+    with accel.graph(g):
+        z = x[:0] * 2
+        z.add_(1)
+    g.replay()
+    accel.synchronize()
+    assert z.numel() == 0

@@ -180,8 +180,9 @@ class StreamTable:
         """The live event ``handle`` of ``device`` (of any device when None)."""
         event = self._events.get(handle)
         if event is None or device is not None and event.device != device:
+            where = "cpu" if device is None else f"cpu:{device}"
             raise InvalidHandleError(
-                f"cpu:{device}: event handle {handle:#x} is not a live event of this device "
+                f"{where}: event handle {handle:#x} is not a live event of this device "
                 "(destroyed, never created, or created on another device)"
             )
         return event
