@@ -160,6 +160,7 @@ class DeviceAllocator:
         self._allowed: int | None = None
         self._name = f"{backend.name}:{device}"
         self._vm = self.upstream.supports_virtual_memory()
+        self._fraction_refused = False
         self._apply_config(config)
 
     def __repr__(self) -> str:
@@ -420,6 +421,7 @@ class DeviceAllocator:
     def _grow(self, pool: Pool, handle: int, size: int, stream: Stream) -> Block:
         """Cache miss: new memory, after giving back cache if needed; or OOM."""
         capturing = bool(self._captures)
+        self._fraction_refused = False  # set when the memory fraction, not the device, says no
         if self._gc_frees:
             self._drain_gc_frees()  # buffers collected while the lock was taken are free memory
         if self._gc_threshold and self._allowed is not None and not capturing:
@@ -442,6 +444,7 @@ class DeviceAllocator:
             return self._alloc_expandable(pool, handle, size)
         alloc = allocation_size(size, self._large_segment)
         if self._allowed is not None and self._reserved() + alloc > self._allowed:
+            self._fraction_refused = True
             return None
         try:
             ptr = self.upstream.allocate(alloc)
@@ -500,6 +503,7 @@ class DeviceAllocator:
         page = seg.page
         nbytes = -(-(size - before) // page) * page
         if self._allowed is not None and self._reserved() + nbytes > self._allowed:
+            self._fraction_refused = True
             return None
         if not self._map_pages(seg, b.ptr, nbytes):
             return None
@@ -1189,6 +1193,7 @@ class DeviceAllocator:
             cached_free=cached_free,
             expandable_segments=self._expandable,
             capturing=bool(self._captures),
+            fraction_refused=self._fraction_refused,
         )
         return out_of_memory(details, self.device)
 

@@ -33,6 +33,7 @@ class OutOfMemoryDetails:
     cached_free: int
     expandable_segments: bool
     capturing: bool
+    fraction_refused: bool = False  # the memory fraction, not the device, refused the growth
 
     @property
     def reserved_unallocated(self) -> int:
@@ -46,7 +47,7 @@ class OutOfMemoryDetails:
 
 
 def _advice(d: OutOfMemoryDetails) -> str:
-    if d.allowed is not None and d.reserved + d.requested > d.allowed and d.free >= d.requested:
+    if d.fraction_refused and d.free >= d.requested:
         return (
             f"The per-process memory fraction ({d.fraction:g}) is what stops this request: raise it "
             "with accel.memory.set_per_process_memory_fraction() or per_process_memory_fraction in "

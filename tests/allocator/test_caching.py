@@ -803,3 +803,18 @@ def test_expandable_segments_without_virtual_memory_warn():
     with pytest.warns(AllocatorConfigWarning, match="has no effect on cpu:0"):
         alloc = DeviceAllocator(backend, 0, parse("expandable_segments:True"), upstream=NoVirtualMemory(backend, 0))
     alloc.free(alloc.malloc(4096, Runtime(backend).default_stream(0)))
+
+
+def test_oom_advice_names_the_memory_fraction_when_it_refused():
+    from accel._runtime import Runtime
+    from accel.allocator._caching import DeviceAllocator
+    from accel.allocator.config import parse
+    from accel.backends.cpu import CpuBackend
+
+    backend = CpuBackend(1, 64 << 20)
+    alloc = DeviceAllocator(backend, 0, parse(""))
+    alloc.set_memory_fraction(1 / 64)  # 1 MiB allowed: a 1000-byte request needs a 2 MiB segment
+    from accel import OutOfMemoryError
+
+    with pytest.raises(OutOfMemoryError, match="memory fraction .* is what stops this request"):
+        alloc.malloc(1000, Runtime(backend).default_stream(0))
