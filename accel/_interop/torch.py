@@ -99,7 +99,9 @@ def empty(
     # The allocator takes at least one byte; a zero-element tensor still gets
     # its (tiny) block so that it is accel memory like any other.
     buffer = memory.allocate(max(nbytes, 1), device=device, stream=stream)
-    capsule = _dlpack.export_owned(buffer, dtype=name, shape=dims, on_release=buffer.free)
+    # Legacy ("dltensor") capsules: every torch this package supports reads
+    # them, while versioned DLPack 1.0 capsules need a recent torch.
+    capsule = _dlpack.export_owned(buffer, dtype=name, shape=dims, on_release=buffer.free, versioned=False)
     return _torch().from_dlpack(capsule)
 
 
@@ -123,7 +125,7 @@ def as_tensor(buffer: Any, dtype: torch.dtype | str = "uint8", shape: int | tupl
     capsule = _dlpack.to_capsule(
         buffer,
         stream=_consumer_stream(buffer.device.type, index),
-        max_version=_dlpack.DLPACK_VERSION,
+        max_version=None,  # legacy capsule, as in empty()
         dtype=name,
         shape=dims,
     )
