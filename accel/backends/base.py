@@ -310,6 +310,25 @@ class Backend(abc.ABC):
         """Write a human-readable description of a captured graph to ``path``."""
         raise self._unsupported("graph debug dumps")
 
+    # A capture begun and ended by another runtime on the same driver (torch's
+    # own graphs, which also instantiate and replay it) still holds what this
+    # backend queued into it, such as host functions: these three methods keep
+    # that alive exactly as long as the other runtime's graph can replay.
+
+    def stream_capture_detach(self, device: int, stream: int) -> int:
+        """Hand what this backend queued into the capture ``stream`` takes part in
+        to a new handle (0 when nothing needs keeping), just before another
+        runtime ends that capture and takes the graph over."""
+        raise self._unsupported("captures ended by another runtime")
+
+    def detached_graph_launched(self, device: int, handle: int, stream: int) -> None:
+        """Note that the graph holding ``handle``'s resources was just launched on ``stream``."""
+        raise self._unsupported("captures ended by another runtime")
+
+    def detached_graph_release(self, device: int, handle: int) -> None:
+        """The graph is gone: free ``handle``'s resources once its launches have finished."""
+        raise self._unsupported("captures ended by another runtime")
+
     # -- helpers ---------------------------------------------------------
 
     def _unsupported(self, what: str) -> Exception:

@@ -184,6 +184,7 @@ class CudaBackend(Backend):
         self._exec_events: dict[int, dict[int, int]] = {}
         # Per device: (events, keys) of destroyed executable graphs whose replays may still run.
         self._retiring: dict[int, list[tuple[list[int], list[int]]]] = {}
+        self._detached_ids = itertools.count(1)
 
     # -- plumbing --------------------------------------------------------
 
@@ -695,8 +696,11 @@ class CudaBackend(Backend):
         capture_id = self._capture_id(device, stream) if keys else 0
         code = self._fn["cuGraphLaunch"](self._ffi.cast("CUgraphExec", graph_exec), self._stream(stream))
         self._check("cuGraphLaunch", code, device, handle=f"executable graph {graph_exec:#x} or stream {stream:#x}")
-        if not keys:
-            return
+        if keys:
+            self._note_launch(device, graph_exec, keys, stream, capture_id)
+
+    def _note_launch(self, device: int, owner: int, keys: list[int], stream: int, capture_id: int) -> None:
+        """Keep the host functions ``keys`` of ``owner`` (an executable graph) alive for its launch on ``stream``."""
         with self._lock:
             if capture_id:
                 # Launched inside a capture: the new graph replays these host functions too.
@@ -705,7 +709,7 @@ class CudaBackend(Backend):
             else:
                 # Only our own event marks when this replay is over; the stream
                 # itself may be destroyed before the executable graph is.
-                events = self._exec_events.setdefault(graph_exec, {})
+                events = self._exec_events.setdefault(owner, {})
                 if stream not in events:
                     events[stream] = self.event_create(device, timing=False, blocking=False, interprocess=False)
                 self.event_record(device, events[stream], stream)
@@ -724,14 +728,49 @@ class CudaBackend(Backend):
         self._activate(device)
         code = self._fn["cuGraphExecDestroy"](self._ffi.cast("CUgraphExec", graph_exec))
         self._check("cuGraphExecDestroy", code, device, handle=f"executable graph {graph_exec:#x}")
+        self._retire(device, graph_exec)
+
+    def _retire(self, device: int, owner: int) -> None:
+        """``owner`` (an executable graph) is gone; release its host functions once its launches finished."""
         with self._lock:
-            keys = self._exec_keys.pop(graph_exec, [])
-            events = list(self._exec_events.pop(graph_exec, {}).values())
+            keys = self._exec_keys.pop(owner, [])
+            events = list(self._exec_events.pop(owner, {}).values())
             if keys:
                 # CUDA lets replays already queued finish after cuGraphExecDestroy,
                 # so the callables stay until the replays' events completed.
                 self._retiring.setdefault(device, []).append((events, keys))
         self._retire_finished(device)
+
+    # A detached capture's host functions are owned like an executable
+    # graph's, under a negative key: executable graph handles are addresses,
+    # so the two never collide.
+
+    def stream_capture_detach(self, device: int, stream: int) -> int:
+        self._require_graphs(device)
+        self._activate(device)
+        capture_id = self._capture_id(device, stream)
+        if not capture_id:
+            raise CaptureError(f"cuda:{device}: stream {stream:#x} is not capturing; there is no capture to detach")
+        with self._lock:
+            keys = self._capture_keys.pop(capture_id, [])
+            if not keys:
+                return 0
+            handle = next(self._detached_ids)
+            self._exec_keys[-handle] = keys
+        return handle
+
+    def detached_graph_launched(self, device: int, handle: int, stream: int) -> None:
+        keys = self._exec_keys.get(-handle)
+        if not keys:
+            raise InvalidHandleError(f"cuda:{device}: {handle} is not a live detached-capture handle")
+        self._activate(device)
+        self._note_launch(device, -handle, keys, stream, self._capture_id(device, stream))
+
+    def detached_graph_release(self, device: int, handle: int) -> None:
+        if -handle not in self._exec_keys:
+            raise InvalidHandleError(f"cuda:{device}: {handle} is not a live detached-capture handle")
+        self._activate(device)
+        self._retire(device, -handle)
 
     def _retire_finished(self, device: int) -> None:
         """Release host functions of destroyed executable graphs whose replays are over."""
