@@ -7,7 +7,10 @@ running it; :meth:`Graph.replay` runs it all again, in the same order with the
 same dependencies, at the same addresses. Allocations made on the capturing
 streams come from the graph's private memory pool, so replays allocate
 nothing. On the host backend, torch CPU ops run during a capture are recorded
-too (see :mod:`accel.graph._torch_capture`).
+too (see :mod:`accel.graph._torch_capture`); where torch has the backend's
+devices and shares its streams (CUDA), torch's own graph machinery carries
+the capture, so torch kernels land in the same graph (see
+:mod:`accel.graph._torch_graphs`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from accel.stream._stream import Stream
 
 if TYPE_CHECKING:
     from accel.graph._torch_capture import Recorder
+    from accel.graph._torch_graphs import DeviceOpGuard, TorchDeviceGraph
 
 __all__ = ["Graph", "graph", "is_capturing"]
 
@@ -89,6 +93,8 @@ class Graph:
         self._stream: Stream | None = None  # the capturing stream, while capturing
         self._lease: PoolLease | None = None
         self._recorder: Recorder | None = None
+        self._torch_graph: TorchDeviceGraph | None = None  # torch's graph carrying the capture
+        self._guard: DeviceOpGuard | None = None
         self._program: Any = None  # the recorded torch program (host backend)
         self._graph = 0  # raw captured graph handle
         self._exec = 0  # executable graph handle
@@ -148,7 +154,7 @@ class Graph:
 
             lease = PoolLease(device, pool_id, routes)
             try:
-                runtime.backend.stream_begin_capture(device, stream._live(), _MODES[mode])
+                torch_graph = self._begin(runtime, device, stream, pool_id, mode)
             except BaseException:
                 lease.release()
                 raise
@@ -157,18 +163,40 @@ class Graph:
                 _capturing.pop(key, None)
             raise
         self._runtime, self._device, self._stream, self._lease = runtime, device, stream, lease
+        self._torch_graph = torch_graph
         self.replay_errors.clear()
-        if runtime.name == "cpu" and sys.modules.get("torch") is not None:
-            from accel.graph._torch_capture import Recorder
+        if sys.modules.get("torch") is None:
+            return
+        try:
+            if runtime.name == "cpu":
+                from accel.graph._torch_capture import Recorder
 
-            try:
                 self._recorder = Recorder(self, runtime, device, stream, lease)
                 self._recorder.register_inputs(self._inputs)
                 self._recorder.start()
-            except BaseException:
-                self._recorder = None
-                self._abort()
-                raise
+            elif torch_graph is None:
+                from accel.graph._torch_graphs import DeviceOpGuard, torch_device_type
+
+                device_type = torch_device_type(runtime.name)
+                if device_type is not None:
+                    self._guard = DeviceOpGuard(device_type, runtime.name).__enter__()
+        except BaseException:
+            self._recorder = None
+            self._abort()
+            raise
+
+    def _begin(self, runtime: Runtime, device: int, stream: Stream, pool_id: PoolId, mode: str) -> TorchDeviceGraph | None:
+        """Begin the backend's capture: through torch's graph where torch shares the backend's streams."""
+        if runtime.name != "cpu" and sys.modules.get("torch") is not None:
+            from accel.graph._torch_graphs import TorchDeviceGraph, torch_graph_api
+
+            api = torch_graph_api(runtime.name)
+            if api is not None:
+                torch_graph = TorchDeviceGraph(api, runtime, device, stream, keep_graph=self._keep_graph)
+                torch_graph.begin(pool_id, mode)
+                return torch_graph
+        runtime.backend.stream_begin_capture(device, stream._live(), _MODES[mode])
+        return None
 
     def capture_end(self) -> None:
         """End the capture begun by :meth:`capture_begin` (on the stream that began it).
@@ -181,10 +209,14 @@ class Graph:
         if stream is None or runtime is None:
             raise CaptureError(f"capture_end() called on {self!r}, which is not capturing")
         recorder, self._recorder = self._recorder, None
+        self._leave_guard()
         try:
             if recorder is not None:
                 self._program = recorder.stop()
-            self._graph = runtime.backend.stream_end_capture(self._device, stream._live())
+            if self._torch_graph is not None:
+                self._torch_graph.end()
+            else:
+                self._graph = runtime.backend.stream_end_capture(self._device, stream._live())
         except BaseException:
             self._abort()
             raise
@@ -192,7 +224,7 @@ class Graph:
         self._lease.stop_routing()
         self._finish_capture()
         self._captured = True
-        if not self._keep_graph:
+        if not self._keep_graph and self._torch_graph is None:
             self.instantiate()
             runtime.backend.graph_destroy(self._device, self._graph)
             self._graph = 0
@@ -203,13 +235,22 @@ class Graph:
                 _capturing.pop((self._runtime.name, self._device), None)
         self._stream = None
 
+    def _leave_guard(self) -> None:
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            guard.__exit__(None, None, None)
+
     def _abort(self) -> None:
         """Drop a capture under way: backend capture, recorder, pool routing and use."""
         runtime, stream = self._runtime, self._stream
         recorder, self._recorder = self._recorder, None
         if recorder is not None:
             recorder.discard()
-        if runtime is not None and stream is not None and stream.is_capturing():
+        self._leave_guard()
+        torch_graph, self._torch_graph = self._torch_graph, None
+        if torch_graph is not None:
+            torch_graph.abort()
+        elif runtime is not None and stream is not None and stream.is_capturing():
             try:
                 graph = runtime.backend.stream_end_capture(self._device, stream._live())
             except CaptureError:
@@ -230,6 +271,9 @@ class Graph:
         Needs the raw graph: after :meth:`capture_end` with ``keep_graph=True``.
         """
         runtime = self._require_captured("instantiate")
+        if self._torch_graph is not None and self._keep_graph:
+            self._torch_graph.instantiate()
+            return
         if not self._graph:
             raise CaptureError(
                 f"{self!r} was instantiated at capture_end and its raw graph dropped; "
@@ -248,11 +292,14 @@ class Graph:
         op that failed in an earlier asynchronous replay is raised here.
         """
         runtime = self._require_captured("replay")
-        if not self._exec:
+        stream = runtime.current_stream(self._device)
+        if self._torch_graph is None and not self._exec:
             self.instantiate()
         self._raise_replay_errors()
-        stream = runtime.current_stream(self._device)
-        runtime.backend.graph_launch(self._device, self._exec, stream._live())
+        if self._torch_graph is not None:
+            self._torch_graph.replay(stream)
+        else:
+            runtime.backend.graph_launch(self._device, self._exec, stream._live())
         self._raise_replay_errors()
 
     def _raise_replay_errors(self) -> None:
@@ -274,6 +321,9 @@ class Graph:
             self._abort()
             return
         runtime = self._runtime
+        torch_graph, self._torch_graph = self._torch_graph, None
+        if torch_graph is not None:
+            torch_graph.reset()
         if runtime is not None:
             if self._exec:
                 runtime.backend.graph_exec_destroy(self._device, self._exec)
@@ -313,6 +363,9 @@ class Graph:
         host, the recorded torch ops are listed after the stream work.
         """
         runtime = self._require_captured("debug_dump")
+        if self._torch_graph is not None and self._keep_graph:
+            self._torch_graph.debug_dump(path)
+            return
         if not self._graph:
             raise CaptureError(
                 f"debug_dump needs the raw graph, which {self!r} dropped at capture_end; "

@@ -24,6 +24,7 @@ from accel._errors import InvalidValueError, NotSupportedError
 from accel._runtime import get_runtime
 from accel.graph._graph import Graph, graph
 from accel.graph._pool import PoolId, check_pool_id, graph_pool_handle
+from accel.graph import _torch_graphs
 
 __all__ = ["GraphCacheWarning", "GraphedCallable", "make_graphed_callables"]
 
@@ -72,6 +73,11 @@ class GraphedCallable:
         self._cache: OrderedDict[Signature, _Entry] = OrderedDict()
         self.hits = self.misses = self.evictions = 0
         self._warned = False
+        runtime = get_runtime()
+        self._device_type = runtime.name
+        # Where torch's graphs carry the capture, torch reads the outputs in
+        # stream order after the replay; on the host it reads them right away.
+        self._torch_api = _torch_graphs.torch_graph_api(runtime.name)
 
     def __repr__(self) -> str:
         return f"GraphedCallable({self.fn!r}, {len(self._cache)}/{self._cache_size} graphs)"
@@ -97,10 +103,10 @@ class GraphedCallable:
             # _signature() stores; anything unusual is validated on the miss.
             key = tuple([(a.shape, a.dtype) for a in args])
         except AttributeError:
-            key = _signature(args, "call")
+            key = _signature(args, "call", self._device_type)
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._capture(args, _signature(args, "call"))
+            entry = self._capture(args, _signature(args, "call", self._device_type))
         else:
             self.hits += 1
             self._cache.move_to_end(key)
@@ -108,16 +114,20 @@ class GraphedCallable:
                 if static.data_ptr() != arg.data_ptr():
                     static.copy_(arg)
         entry.graph.replay()
-        # Torch reads the outputs on this host thread right away: wait for the
-        # replay when the current stream runs it on a worker (the default host
-        # stream replays inline, so this costs nothing there).
         runtime = get_runtime()
-        runtime.current_stream(runtime.current_index).synchronize()
+        stream = runtime.current_stream(runtime.current_index)
+        if self._torch_api is not None:
+            _torch_graphs.wait_for_replay_in_torch(self._torch_api, stream, runtime.current_index)
+        else:
+            # Torch reads the outputs on this host thread right away: wait for the
+            # replay when the current stream runs it on a worker (the default host
+            # stream replays inline, so this costs nothing there).
+            stream.synchronize()
         return entry.output
 
     def capture(self, *sample_args: torch.Tensor) -> None:
         """Capture the graph for the signature of ``sample_args`` now, if not cached."""
-        key = _signature(sample_args, "sample_args")
+        key = _signature(sample_args, "sample_args", self._device_type)
         if key not in self._cache:
             self._capture(sample_args, key)
 
@@ -176,13 +186,14 @@ def _compilable(enabled: bool) -> Iterator[None]:
         torch.backends.mha.set_fastpath_enabled(previous)
 
 
-def _signature(args: Sequence[Any], role: str) -> Signature:
+def _signature(args: Sequence[Any], role: str, device_type: str) -> Signature:
     for i, a in enumerate(args):
         if not isinstance(a, torch.Tensor):
             raise InvalidValueError(f"{role}[{i}] is a {type(a).__name__}; graphed callables take tensors only")
-        if a.device.type != "cpu":
+        if a.device.type != device_type:
             raise InvalidValueError(
-                f"{role}[{i}] is on {a.device}; on the host backend graphed callables take CPU tensors"
+                f"{role}[{i}] is on {a.device}; on the {device_type} backend graphed callables take "
+                f"{device_type} tensors. Move it with .to({device_type!r})"
             )
     return tuple((tuple(a.shape), a.dtype) for a in args)
 
@@ -213,12 +224,16 @@ def make_graphed_callables(
     A call with a new shape signature captures another graph, keeping at
     most ``cache_size`` per callable (least recently used go first).
 
-    ``tier`` picks how replays run: ``"interpreted"`` re-runs the recorded
-    aten ops (bitwise identical to eager for deterministic ops, always
-    available); ``"compiled"`` runs the captured program compiled ahead of
-    time by inductor (faster, numerically close but not bitwise identical;
-    the first build of a graph takes seconds and is cached on disk; see
-    :func:`accel.graph.compile_graph`).
+    On the host backend, ``tier`` picks how replays run: ``"interpreted"``
+    re-runs the recorded aten ops (bitwise identical to eager for
+    deterministic ops, always available); ``"compiled"`` runs the captured
+    program compiled ahead of time by inductor (faster, numerically close but
+    not bitwise identical; the first build of a graph takes seconds and is
+    cached on disk; see :func:`accel.graph.compile_graph`). On CUDA, with a
+    torch built for it, torch's CUDA graphs carry the capture and replay the
+    kernels (the default tier only); a call queues the replay on the current
+    stream and orders torch's current stream after it, without waiting on
+    the host.
 
     Unlike torch's, the result is inference-only and modules are not
     modified: a :class:`GraphedCallable` is returned in their place.
@@ -231,10 +246,11 @@ def make_graphed_callables(
     True
     """
     runtime = get_runtime()
-    if runtime.name != "cpu":
+    if runtime.name != "cpu" and _torch_graphs.torch_graph_api(runtime.name) is None:
         raise NotSupportedError(
-            f"make_graphed_callables records torch ops on the host backend only; on {runtime.name} "
-            "use torch's own graphs (torch.cuda.make_graphed_callables / torch.xpu)"
+            f"make_graphed_callables on the {runtime.name} backend needs torch's graphs to share accel's "
+            f"streams, which this torch cannot do (it has no {runtime.name} devices, or its {runtime.name} "
+            "streams are not accel's); use torch's own graphs there (torch.xpu.XPUGraph)"
         )
     single = callable(callables)
     if not single and not isinstance(callables, (tuple, list)):
@@ -253,6 +269,11 @@ def make_graphed_callables(
         )
     if tier not in ("interpreted", "compiled"):
         raise InvalidValueError(f"tier={tier!r} must be 'interpreted' or 'compiled'")
+    if tier == "compiled" and runtime.name != "cpu":
+        raise NotSupportedError(
+            f"tier='compiled' compiles host programs; on the {runtime.name} backend torch's graph replays "
+            "the captured kernels already: use the default tier"
+        )
     for name, value, low in (("num_warmup_iters", num_warmup_iters, 0), ("cache_size", cache_size, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise InvalidValueError(f"{name}={value!r} must be an int >= {low}")

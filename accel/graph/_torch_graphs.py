@@ -1,0 +1,247 @@
+"""Captures through torch's own device graphs, on accel's stream.
+
+When torch can run kernels on the backend's devices (a CUDA build of torch
+over the CUDA backend), torch ops launched during an accel capture must be
+recorded by torch's graph machinery: its caching allocator has to route the
+capture's allocations into a private pool, and its random generators have to
+register their state so that each replay draws new numbers. So
+:class:`accel.Graph` lets ``torch.cuda.CUDAGraph`` begin and end the capture,
+on accel's capturing stream made torch's current stream. Both runtimes queue
+into the same driver stream, so torch's kernels and accel's own stream work
+(copies, fills, host functions, event waits) land in one graph, which torch
+instantiates and replays.
+
+What accel queued into the capture and must outlive it (host functions) is
+detached from the backend's capture before torch ends it, and kept until the
+graph is reset and its replays have finished.
+
+Where torch's device streams are not the backend's (torch's XPU streams are
+SYCL queues, accel's are Level Zero command lists), torch kernels cannot join
+an accel capture: :class:`DeviceOpGuard` refuses them with a
+:class:`~accel.CaptureError` rather than letting them run once and be
+missing from every replay.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from accel._errors import CaptureError, InvalidValueError
+
+if TYPE_CHECKING:
+    from accel._runtime import Runtime
+    from accel.graph._pool import PoolId
+    from accel.stream._stream import Stream
+
+__all__ = [
+    "DeviceOpGuard",
+    "TorchDeviceGraph",
+    "TorchGraphAPI",
+    "torch_device_type",
+    "torch_graph_api",
+    "wait_for_replay_in_torch",
+]
+
+# accel's capture_error_mode names -> torch's
+_TORCH_MODES = {"default": "global", "global": "global", "thread_local": "thread_local", "relaxed": "relaxed"}
+
+
+@dataclass(frozen=True)
+class TorchGraphAPI:
+    """The pieces of torch's device graph API accel drives (``torch.cuda``'s)."""
+
+    #: ``torch.cuda.CUDAGraph``: ``(keep_graph) -> graph`` with capture_begin/end, replay, reset, pool, debug_dump.
+    graph_type: Callable[..., Any]
+    #: ``(native stream handle, device index) -> torch stream`` over the same driver stream.
+    external_stream: Callable[[int, int], Any]
+    #: ``torch.cuda.stream``: makes a torch stream current inside a ``with`` block.
+    use_stream: Callable[[Any], AbstractContextManager[Any]]
+    #: ``torch.cuda.current_stream``: ``(device index) -> torch stream``.
+    current_stream: Callable[[int], Any]
+
+
+def torch_device_type(runtime_name: str) -> str | None:
+    """The torch device type of the runtime's devices, when torch is imported and has them."""
+    torch = sys.modules.get("torch")
+    if torch is None or runtime_name == "cpu":
+        return None
+    module = getattr(torch, runtime_name, None)
+    is_available = getattr(module, "is_available", None)
+    return runtime_name if callable(is_available) and is_available() else None
+
+
+def torch_graph_api(runtime_name: str) -> TorchGraphAPI | None:
+    """torch's graph API for the runtime's devices, or None when torch cannot
+    launch kernels on them or has no graphs that share accel's streams."""
+    if runtime_name != "cuda" or torch_device_type(runtime_name) is None:
+        return None
+    import torch
+
+    return TorchGraphAPI(
+        graph_type=torch.cuda.CUDAGraph,
+        external_stream=lambda handle, device: torch.cuda.ExternalStream(handle, device=torch.device("cuda", device)),
+        use_stream=torch.cuda.stream,
+        current_stream=torch.cuda.current_stream,
+    )
+
+
+# accel pool id -> torch pool handle, per (runtime, device): graphs that share
+# an accel pool share the torch pool too.
+_torch_pools: dict[tuple[str, int, tuple[int, int]], Any] = {}
+_torch_pools_lock = threading.Lock()
+
+
+class TorchDeviceGraph:
+    """One accel capture carried out by torch's device graph on accel's stream."""
+
+    def __init__(self, api: TorchGraphAPI, runtime: Runtime, device: int, stream: Stream, *, keep_graph: bool) -> None:
+        self._api = api
+        self._runtime = runtime
+        self._device = device
+        self._stream = stream
+        self._graph = api.graph_type(keep_graph=keep_graph)
+        if keep_graph:
+            self._graph.enable_debug_mode()  # torch's debug_dump needs it, as accel's needs keep_graph
+        self._stream_scope: AbstractContextManager[Any] | None = None
+        self._detached = 0  # backend handle of what accel queued into the capture
+        # The torch stream last replayed on, by accel stream handle (made once, not per replay).
+        self._replay_stream: tuple[int, Any] = (-1, None)
+
+    def begin(self, pool_id: PoolId, mode: str) -> None:
+        """Make accel's stream torch's current one and begin torch's capture on it."""
+        key = (self._runtime.name, self._device, pool_id)
+        with _torch_pools_lock:
+            torch_pool = _torch_pools.get(key)
+        scope = self._api.use_stream(self._api.external_stream(self._stream.native_handle, self._device))
+        scope.__enter__()
+        try:
+            self._graph.capture_begin(pool=torch_pool, capture_error_mode=_TORCH_MODES[mode])
+        except BaseException as exc:
+            scope.__exit__(None, None, None)
+            raise CaptureError(f"torch could not begin capturing on {self._stream!r}: {exc}") from exc
+        self._stream_scope = scope
+        if torch_pool is None:
+            with _torch_pools_lock:
+                _torch_pools.setdefault(key, self._graph.pool())
+
+    def end(self) -> None:
+        """End torch's capture (it instantiates the graph); accel's queued work goes with it."""
+        backend = self._runtime.backend
+        try:
+            self._detached = backend.stream_capture_detach(self._device, self._stream._live())
+            self._graph.capture_end()
+        except BaseException as exc:
+            self._release_detached()
+            try:
+                self._graph.reset()
+            except Exception:  # noqa: BLE001 - the failure being raised says more than this one
+                pass
+            if isinstance(exc, CaptureError):
+                raise
+            raise CaptureError(f"the capture on {self._stream!r} failed when torch ended it: {exc}") from exc
+        finally:
+            self._leave_stream()
+
+    def abort(self) -> None:
+        """Give up a capture under way: end it wherever it stands and drop the graph."""
+        backend = self._runtime.backend
+        try:
+            if self._stream.is_capturing():
+                self._detached = backend.stream_capture_detach(self._device, self._stream._live())
+                try:
+                    self._graph.capture_end()
+                except Exception:  # noqa: BLE001 - an invalidated capture ends by raising; it is over either way
+                    pass
+        finally:
+            self._leave_stream()
+            self._release_detached()
+            self._graph.reset()
+
+    def replay(self, stream: Stream) -> None:
+        """Launch the graph on ``stream`` (made torch's current stream for the launch)."""
+        handle = stream.native_handle
+        cached, torch_stream = self._replay_stream
+        if cached != handle:
+            torch_stream = self._api.external_stream(handle, self._device)
+            self._replay_stream = (handle, torch_stream)
+        with self._api.use_stream(torch_stream):
+            self._graph.replay()
+        if self._detached:
+            self._runtime.backend.detached_graph_launched(self._device, self._detached, stream._live())
+
+    def instantiate(self) -> None:
+        """(Re-)instantiate torch's kept graph."""
+        self._graph.instantiate()
+
+    def reset(self) -> None:
+        """Drop torch's graph; accel's host functions go once its replays finished."""
+        self._graph.reset()
+        self._release_detached()
+
+    def debug_dump(self, path: str) -> None:
+        """torch's description of the captured graph (needs ``keep_graph=True``)."""
+        self._graph.debug_dump(path)
+
+    def _leave_stream(self) -> None:
+        scope, self._stream_scope = self._stream_scope, None
+        if scope is not None:
+            scope.__exit__(None, None, None)
+
+    def _release_detached(self) -> None:
+        handle, self._detached = self._detached, 0
+        if handle:
+            self._runtime.backend.detached_graph_release(self._device, handle)
+
+
+def wait_for_replay_in_torch(api: TorchGraphAPI, stream: Stream, device: int) -> None:
+    """Order torch's current stream after ``stream``, so torch may read a replay's outputs."""
+    torch_current = api.current_stream(device)
+    replay_stream = api.external_stream(stream.native_handle, device)
+    if torch_current != replay_stream:
+        torch_current.wait_stream(replay_stream)
+
+
+class DeviceOpGuard:
+    """Refuses torch ops on ``device_type`` tensors while an accel capture runs on a
+    backend whose streams torch cannot share (torch's XPU streams are SYCL queues)."""
+
+    def __init__(self, device_type: str, runtime_name: str) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        if not device_type:
+            raise InvalidValueError("DeviceOpGuard needs a torch device type")
+        guard = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                guard.check(func, args, kwargs or {})
+                return func(*args, **(kwargs or {}))
+
+        self._device_type = device_type
+        self._runtime_name = runtime_name
+        self._mode = _Mode()
+
+    def check(self, func: Any, args: Any, kwargs: Any) -> None:
+        import torch
+        from torch.utils._pytree import tree_flatten
+
+        for value in tree_flatten((args, kwargs))[0]:
+            if isinstance(value, torch.Tensor) and value.device.type == self._device_type:
+                raise CaptureError(
+                    f"{func} on a {self._device_type} tensor cannot be captured into an accel graph on the "
+                    f"{self._runtime_name} backend: torch's {self._device_type} streams are not accel's, so the "
+                    f"op would run once now and be missing from every replay. Capture torch work with "
+                    f"torch.{self._device_type}'s own graphs, and accel's stream work with accel.Graph."
+                )
+
+    def __enter__(self) -> DeviceOpGuard:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)

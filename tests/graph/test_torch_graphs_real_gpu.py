@@ -1,0 +1,112 @@
+"""torch's CUDA graphs carrying accel captures, on a real GPU (``python -m pytest -m gpu``).
+
+Runs in a fresh interpreter with the system's CUDA driver and needs a CUDA
+build of torch; it skips otherwise. tests/graph/test_torch_graphs.py covers
+the same integration on the simulated driver in every CI run.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from tests.backends.cuda.conftest import run_python
+from tests.fixtures.cuda_driver import probe_driver
+
+pytestmark = pytest.mark.gpu
+
+SCENARIO = """
+import sys
+import torch
+if not torch.cuda.is_available():
+    print("SKIP: torch has no CUDA here (" + str(torch.version.cuda) + ")")
+    sys.exit(0)
+import accel
+from accel.graph import Graph, graph, make_graphed_callables
+assert accel.current_accelerator().type == "cuda"
+
+# torch kernels, an accel copy and an accel host function in one graph.
+x = torch.zeros(1 << 16, device="cuda")
+y = torch.empty_like(x)
+ran = []
+g = Graph()
+with graph(g):
+    z = x * 2 + 1                                   # torch kernels, into the graph's pool
+    accel.current_stream().copy(y, z)               # accel's stream work, after them
+    accel.current_stream().launch_host_func(lambda: ran.append(1))
+for value in (1.0, 5.0):
+    x.fill_(value)
+    torch.cuda.synchronize()
+    g.replay()
+    accel.synchronize()
+    assert torch.equal(y, torch.full_like(x, value * 2 + 1)), (value, y[:4])
+assert ran == [1, 1]
+pending = accel._runtime.get_runtime().backend.pending_host_functions()
+g.reset()
+accel.synchronize()
+assert accel._runtime.get_runtime().backend.pending_host_functions() == pending - 1
+
+# Random ops replay with fresh numbers (torch's generator registration).
+r = Graph()
+with graph(r):
+    noise = torch.rand(1024, device="cuda")
+r.replay(); accel.synchronize(); first = noise.clone()
+r.replay(); accel.synchronize()
+assert not torch.equal(first, noise)
+r.reset()
+
+# make_graphed_callables on CUDA: replay matches eager, no host sync needed.
+torch.manual_seed(0)
+mlp = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda().eval()
+fast = make_graphed_callables(mlp, (torch.randn(8, 64, device="cuda"),))
+with torch.no_grad():
+    for _ in range(3):
+        inp = torch.randn(8, 64, device="cuda")
+        torch.testing.assert_close(fast(inp), mlp(inp), rtol=0, atol=0)
+print("OK")
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def _system_driver() -> dict[str, object]:
+    return probe_driver(None)
+
+
+def test_torch_cuda_graph_carries_accel_capture() -> None:
+    probe = _system_driver()
+    if not probe["available"]:
+        pytest.skip(f"no real CUDA GPU: {probe['reason']}")
+    result = run_python(SCENARIO, {"ACCEL_TEST_CUDA": "real", "ACCEL_BACKEND": "cuda"}, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    if result.stdout.startswith("SKIP: "):
+        pytest.skip(result.stdout.strip()[len("SKIP: "):])
+    assert result.stdout.strip().endswith("OK")
+
+
+DEMO = """
+import json, subprocess, sys
+import torch
+if not torch.cuda.is_available():
+    print("SKIP: torch has no CUDA here")
+    sys.exit(0)
+out = subprocess.run([sys.executable, "-m", "accel", "demo", "--json", "--calls", "50"],
+                     capture_output=True, text=True, check=True).stdout
+report = json.loads(out)
+assert report["backend"] == "cuda" and "torch's graphs" in report["workload"], report
+assert report["interpreted"]["allocations_during_replays"] == 0, report
+assert report["interpreted"]["max_abs_error"] < 1e-5, report
+print(json.dumps(report))
+print("OK")
+"""
+
+
+def test_demo_replays_a_torch_model_through_torch_cuda_graphs() -> None:
+    probe = _system_driver()
+    if not probe["available"]:
+        pytest.skip(f"no real CUDA GPU: {probe['reason']}")
+    result = run_python(DEMO, {"ACCEL_TEST_CUDA": "real", "ACCEL_BACKEND": "cuda"}, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    if result.stdout.startswith("SKIP: "):
+        pytest.skip(result.stdout.strip()[len("SKIP: "):])
+    assert result.stdout.strip().endswith("OK")
