@@ -1,9 +1,10 @@
 """``accel demo``: capture a small model once, replay it, compare with eager.
 
 On the host backend with torch installed, a small MLP is captured with
-:func:`accel.graph.make_graphed_callables` and replayed; elsewhere (no torch,
-or a GPU backend, where accel does not record torch ops) a graph of stream
-copies is captured instead. Either way the report gives the eager and replay
+:func:`accel.graph.make_graphed_callables` and replayed; so it is on CUDA
+with a CUDA build of torch (torch's CUDA graph carries the capture).
+Elsewhere (no torch, or a backend whose streams torch cannot share) a graph
+of stream copies is captured instead. Either way the report gives the eager and replay
 time per call, whether the outputs match, the memory the graph holds and the
 allocations replays made (none).
 """
@@ -57,13 +58,19 @@ def _per_call_us(fn: Callable[[], object], calls: int) -> float:
     return statistics.median(rounds)
 
 
-def _allocations() -> int:
+def _allocations(device_type: str = "cpu") -> int:
+    """Allocations made so far by accel's allocator (and torch's, on a GPU)."""
     from accel.memory import memory_stats
 
-    return int(memory_stats().get("allocation.all.allocated", 0))
+    count = int(memory_stats().get("allocation.all.allocated", 0))
+    if device_type == "cuda":
+        import torch
+
+        count += int(torch.cuda.memory_stats().get("allocation.all.allocated", 0))
+    return count
 
 
-def _torch_demo(calls: int, compiled: bool) -> dict[str, Any]:
+def _torch_demo(calls: int, compiled: bool, device_type: str) -> dict[str, Any]:
     import torch
 
     from accel.graph import make_graphed_callables
@@ -72,14 +79,19 @@ def _torch_demo(calls: int, compiled: bool) -> dict[str, Any]:
     model = torch.nn.Sequential(
         torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 128), torch.nn.GELU(),
         torch.nn.Linear(128, 10),
-    ).eval()
-    x = torch.randn(1, 64)
+    ).eval().to(device_type)
+    x = torch.randn(1, 64, device=device_type)
+    # On a GPU a call returns before its kernels ran: time them to the end.
+    finish = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
 
     def eager() -> Any:
         with torch.inference_mode():
-            return model(x)
+            out = model(x)
+        finish()
+        return out
 
-    report: dict[str, Any] = {"workload": "MLP 64-128-128-10, batch 1 (torch, host backend)"}
+    where = "host backend" if device_type == "cpu" else f"{device_type}, torch's graphs"
+    report: dict[str, Any] = {"workload": f"MLP 64-128-128-10, batch 1 (torch, {where})"}
     variants = {"interpreted": make_graphed_callables(model, (x,))}
     if compiled:
         variants["compiled"] = make_graphed_callables(model, (x,), tier="compiled")
@@ -87,18 +99,26 @@ def _torch_demo(calls: int, compiled: bool) -> dict[str, Any]:
     report["eager_us"] = _per_call_us(eager, calls)
     for name, fn in variants.items():
         out = fn(x)
+        finish()
         (entry,) = fn._cache.values()
-        before = _allocations()
-        per_call = _per_call_us(lambda fn=fn: fn(x), calls)
+
+        def call(fn: Any = fn) -> None:
+            fn(x)
+            finish()
+
+        before = _allocations(device_type)
+        per_call = _per_call_us(call, calls)
         report[name] = {
             "replay_us": per_call,
             "speedup": report["eager_us"] / per_call,
             "bitwise_equal": bool(torch.equal(out, reference)),
             "max_abs_error": float((out - reference).abs().max()),
-            "graph_static_bytes": entry.graph.program.static_bytes,
-            "recorded_ops": len(entry.graph.program.records),
-            "allocations_during_replays": _allocations() - before,
+            "allocations_during_replays": _allocations(device_type) - before,
         }
+        program = entry.graph.program  # the recorded aten program (host backend)
+        if program is not None:
+            report[name]["graph_static_bytes"] = program.static_bytes
+            report[name]["recorded_ops"] = len(program.records)
     return report
 
 
@@ -157,13 +177,24 @@ def collect(calls: int, compiled: bool) -> dict[str, Any]:
 
     runtime = get_runtime()
     report: dict[str, Any] = {"backend": runtime.name}
-    if runtime.name == "cpu" and _torch_available():
-        report.update(_torch_demo(calls, compiled))
+    if _torch_available() and (runtime.name == "cpu" or _torch_graphs_available(runtime.name)):
+        if compiled and runtime.name != "cpu":
+            report["note"] = "--compiled compiles host programs; ignored on a GPU backend"
+            compiled = False
+        report.update(_torch_demo(calls, compiled, runtime.name))
     else:
         if compiled:
             report["note"] = "--compiled needs torch on the host backend; timing stream work instead"
         report.update(_stream_demo(calls))
     return report
+
+
+def _torch_graphs_available(runtime_name: str) -> bool:
+    import torch  # noqa: F401 - accel hands captures to torch only once it is imported
+
+    from accel.graph._torch_graphs import torch_graph_api
+
+    return torch_graph_api(runtime_name) is not None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -185,7 +216,9 @@ def run(args: argparse.Namespace) -> int:
         line = f"  {label:<21} {r['replay_us']:9.1f} µs per call ({r['speedup']:.2f}x)"
         if "bitwise_equal" in r:
             match = "bitwise equal to eager" if r["bitwise_equal"] else f"max |error| {r['max_abs_error']:.1e}"
-            line += f", {match}, {r['recorded_ops']} ops, {r['graph_static_bytes']} bytes held by the graph"
+            line += f", {match}"
+        if "recorded_ops" in r:
+            line += f", {r['recorded_ops']} ops, {r['graph_static_bytes']} bytes held by the graph"
         line += f", {r['allocations_during_replays']} allocations during replays"
         print(line)
     return 0
