@@ -31,7 +31,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from accel._errors import CaptureError, InvalidValueError
+from accel._errors import CaptureError, InvalidValueError, NotSupportedError
 
 if TYPE_CHECKING:
     from accel._runtime import Runtime
@@ -104,9 +104,17 @@ class TorchDeviceGraph:
         self._runtime = runtime
         self._device = device
         self._stream = stream
-        self._graph = api.graph_type(keep_graph=keep_graph)
         if keep_graph:
+            try:
+                self._graph = api.graph_type(keep_graph=True)
+            except TypeError:
+                raise NotSupportedError(
+                    "accel.Graph(keep_graph=True) on CUDA keeps torch's raw graph, which needs torch >= 2.7 "
+                    "(CUDAGraph(keep_graph=...)); upgrade torch, or capture with keep_graph=False"
+                ) from None
             self._graph.enable_debug_mode()  # torch's debug_dump needs it, as accel's needs keep_graph
+        else:
+            self._graph = api.graph_type()
         self._stream_scope: AbstractContextManager[Any] | None = None
         self._detached = 0  # backend handle of what accel queued into the capture
         # The torch stream last replayed on, by accel stream handle (made once, not per replay).

@@ -425,3 +425,27 @@ def test_torch_reads_replay_outputs_in_stream_order(torch_cuda: TorchCudaAtDrive
     _torch_graphs.wait_for_replay_in_torch(api, s, 0)
     assert waited == [s.native_handle], "no wait when torch already runs on the replay's stream"
     torch_cuda.current = _Stream(0)
+
+
+def test_keep_graph_with_a_torch_too_old_for_it_is_refused(
+    torch_cuda: TorchCudaAtDriverLevel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api = torch_cuda.api()
+    original = api.graph_type
+
+    def old_torch_graph(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:  # torch < 2.7: CUDAGraph() takes no keep_graph
+            raise TypeError("CUDAGraph.__new__() got an unexpected keyword argument 'keep_graph'")
+        return original()
+
+    old = _torch_graphs.TorchGraphAPI(old_torch_graph, api.external_stream, api.use_stream, api.current_stream)
+    monkeypatch.setattr(_torch_graphs, "torch_graph_api", lambda name: old)
+    with pytest.raises(accel.NotSupportedError, match="torch >= 2.7"):
+        with graph(Graph(keep_graph=True)):
+            pass
+    assert not accel.graph.is_capturing() and torch_cuda.current.handle == 0
+    g = Graph()
+    with graph(g):
+        pass
+    g.replay()
+    g.reset()
