@@ -73,15 +73,20 @@ def _system_driver() -> dict[str, object]:
     return probe_driver(None)
 
 
-def test_torch_cuda_graph_carries_accel_capture() -> None:
+def _run_on_gpu(code: str) -> None:
+    """Run ``code`` with the real driver; it prints OK, or SKIP: and why."""
     probe = _system_driver()
     if not probe["available"]:
         pytest.skip(f"no real CUDA GPU: {probe['reason']}")
-    result = run_python(SCENARIO, {"ACCEL_TEST_CUDA": "real", "ACCEL_BACKEND": "cuda"}, timeout=300)
+    result = run_python(code, {"ACCEL_TEST_CUDA": "real", "ACCEL_BACKEND": "cuda"}, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     if result.stdout.startswith("SKIP: "):
         pytest.skip(result.stdout.strip()[len("SKIP: "):])
     assert result.stdout.strip().endswith("OK")
+
+
+def test_torch_cuda_graph_carries_accel_capture() -> None:
+    _run_on_gpu(SCENARIO)
 
 
 DEMO = """
@@ -102,11 +107,4 @@ print("OK")
 
 
 def test_demo_replays_a_torch_model_through_torch_cuda_graphs() -> None:
-    probe = _system_driver()
-    if not probe["available"]:
-        pytest.skip(f"no real CUDA GPU: {probe['reason']}")
-    result = run_python(DEMO, {"ACCEL_TEST_CUDA": "real", "ACCEL_BACKEND": "cuda"}, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    if result.stdout.startswith("SKIP: "):
-        pytest.skip(result.stdout.strip()[len("SKIP: "):])
-    assert result.stdout.strip().endswith("OK")
+    _run_on_gpu(DEMO)
