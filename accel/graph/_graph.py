@@ -192,6 +192,11 @@ class Graph:
 
             api = torch_graph_api(runtime.name)
             if api is not None:
+                if stream.native_handle == runtime.backend.default_stream(device):
+                    raise CaptureError(
+                        f"cannot capture on the default stream of {runtime.device(device)}; enter a created "
+                        "accel.Stream first, or use accel.graph.graph(), which captures on a side stream"
+                    )
                 torch_graph = TorchDeviceGraph(api, runtime, device, stream, keep_graph=self._keep_graph)
                 torch_graph.begin(pool_id, mode)
                 return torch_graph
@@ -208,6 +213,8 @@ class Graph:
         stream, runtime = self._stream, self._runtime
         if stream is None or runtime is None:
             raise CaptureError(f"capture_end() called on {self!r}, which is not capturing")
+        if self._torch_graph is not None:
+            self._torch_graph.check_thread("capture_end()")  # before anything is torn down
         recorder, self._recorder = self._recorder, None
         self._leave_guard()
         try:

@@ -39,6 +39,7 @@ Signature = tuple[tuple[tuple[int, ...], torch.dtype], ...]
 @dataclass
 class _Entry:
     graph: Graph
+    device: int
     inputs: list[torch.Tensor]
     output: Any
 
@@ -113,16 +114,21 @@ class GraphedCallable:
             for static, arg in zip(entry.inputs, args):
                 if static.data_ptr() != arg.data_ptr():
                     static.copy_(arg)
-        entry.graph.replay()
-        runtime = get_runtime()
-        stream = runtime.current_stream(runtime.current_index)
-        if self._torch_api is not None:
-            _torch_graphs.wait_for_replay_in_torch(self._torch_api, stream, runtime.current_index)
-        else:
+        stream = get_runtime().current_stream(entry.device)
+        api = self._torch_api
+        if api is None:
+            entry.graph.replay()
             # Torch reads the outputs on this host thread right away: wait for the
             # replay when the current stream runs it on a worker (the default host
             # stream replays inline, so this costs nothing there).
             stream.synchronize()
+            return entry.output
+        # torch copied the inputs on its current stream and reads the outputs
+        # there: order the replay's stream between the two, without host waits.
+        torch_current, replay_stream = api.current_stream(entry.device), _torch_graphs.torch_stream(api, stream)
+        _torch_graphs.order_after(api, replay_stream, torch_current)
+        entry.graph.replay()
+        _torch_graphs.order_after(api, torch_current, replay_stream)
         return entry.output
 
     def capture(self, *sample_args: torch.Tensor) -> None:
@@ -167,7 +173,7 @@ class GraphedCallable:
             except BaseException:
                 g.reset()
                 raise
-        entry = self._cache[key] = _Entry(g, inputs, output)
+        entry = self._cache[key] = _Entry(g, get_runtime().current_index, inputs, output)
         return entry
 
 

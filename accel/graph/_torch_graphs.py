@@ -44,7 +44,8 @@ __all__ = [
     "TorchGraphAPI",
     "torch_device_type",
     "torch_graph_api",
-    "wait_for_replay_in_torch",
+    "order_after",
+    "torch_stream",
 ]
 
 # accel's capture_error_mode names -> torch's
@@ -55,14 +56,22 @@ _TORCH_MODES = {"default": "global", "global": "global", "thread_local": "thread
 class TorchGraphAPI:
     """The pieces of torch's device graph API accel drives (``torch.cuda``'s)."""
 
-    #: ``torch.cuda.CUDAGraph``: ``(keep_graph) -> graph`` with capture_begin/end, replay, reset, pool, debug_dump.
+    #: ``torch.cuda.CUDAGraph``: ``([keep_graph]) -> graph`` with capture_begin/end, replay, reset, debug_dump.
     graph_type: Callable[..., Any]
-    #: ``(native stream handle, device index) -> torch stream`` over the same driver stream.
+    #: ``(native stream handle, device index) -> torch stream`` over the same driver stream (handle != 0).
     external_stream: Callable[[int, int], Any]
-    #: ``torch.cuda.stream``: makes a torch stream current inside a ``with`` block.
-    use_stream: Callable[[Any], AbstractContextManager[Any]]
+    #: ``torch.cuda.default_stream``: ``(device index) -> torch stream`` (the driver's NULL stream).
+    default_stream: Callable[[int], Any]
     #: ``torch.cuda.current_stream``: ``(device index) -> torch stream``.
     current_stream: Callable[[int], Any]
+    #: ``torch.cuda.stream``: makes a torch stream (and its device) current inside a ``with`` block.
+    use_stream: Callable[[Any], AbstractContextManager[Any]]
+    #: ``torch.cuda.graph_pool_handle``: a new id for a memory pool of torch's allocator.
+    pool_handle: Callable[[], Any]
+    #: ``(device, pool) -> None``: stop routing allocations into ``pool``; raises when they are not routed there.
+    end_pool_routing: Callable[[int, Any], None]
+    #: ``(device, pool) -> None``: drop one use of ``pool`` (its memory goes when no use is left).
+    release_pool: Callable[[int, Any], None]
 
 
 def torch_device_type(runtime_name: str) -> str | None:
@@ -85,19 +94,47 @@ def torch_graph_api(runtime_name: str) -> TorchGraphAPI | None:
     return TorchGraphAPI(
         graph_type=torch.cuda.CUDAGraph,
         external_stream=lambda handle, device: torch.cuda.ExternalStream(handle, device=torch.device("cuda", device)),
-        use_stream=torch.cuda.stream,
+        default_stream=torch.cuda.default_stream,
         current_stream=torch.cuda.current_stream,
+        use_stream=torch.cuda.stream,
+        pool_handle=torch.cuda.graph_pool_handle,
+        end_pool_routing=torch._C._cuda_endAllocateToPool,
+        release_pool=torch._C._cuda_releasePool,
     )
 
 
-# accel pool id -> torch pool handle, per (runtime, device): graphs that share
-# an accel pool share the torch pool too.
-_torch_pools: dict[tuple[str, int, tuple[int, int]], Any] = {}
+def torch_stream(api: TorchGraphAPI, stream: Stream) -> Any:
+    """The torch stream over the same driver stream as ``stream``.
+
+    accel's CUDA default stream is the NULL stream, which is torch's default
+    stream; ``torch.cuda.ExternalStream(0)`` would be a new pool stream instead.
+    """
+    handle = stream.native_handle
+    if handle == 0:
+        return api.default_stream(stream.device_index)
+    return api.external_stream(handle, stream.device_index)
+
+
+def order_after(api: TorchGraphAPI, later: Any, earlier: Any) -> None:
+    """Make work queued on torch stream ``later`` wait for what ``earlier`` has queued."""
+    if later != earlier:
+        later.wait_stream(earlier)
+
+
+# accel pool id -> [torch pool handle, graphs using it], per (runtime, device):
+# graphs that share an accel pool share the torch pool. An entry goes with
+# its last graph, as the accel pool does.
+_torch_pools: dict[tuple[str, int, tuple[int, int]], list[Any]] = {}
 _torch_pools_lock = threading.Lock()
 
 
 class TorchDeviceGraph:
-    """One accel capture carried out by torch's device graph on accel's stream."""
+    """One accel capture carried out by torch's device graph on accel's stream.
+
+    Begun, ended and aborted on one thread: torch's current stream is per
+    thread, and CUDA ends a global or thread-local capture only on the thread
+    that began it.
+    """
 
     def __init__(self, api: TorchGraphAPI, runtime: Runtime, device: int, stream: Stream, *, keep_graph: bool) -> None:
         self._api = api
@@ -106,49 +143,66 @@ class TorchDeviceGraph:
         self._stream = stream
         if keep_graph:
             try:
+                # torch's debug_dump works on graphs it keeps (no process-wide debug mode needed).
                 self._graph = api.graph_type(keep_graph=True)
             except TypeError:
                 raise NotSupportedError(
                     "accel.Graph(keep_graph=True) on CUDA keeps torch's raw graph, which needs torch >= 2.7 "
                     "(CUDAGraph(keep_graph=...)); upgrade torch, or capture with keep_graph=False"
                 ) from None
-            self._graph.enable_debug_mode()  # torch's debug_dump needs it, as accel's needs keep_graph
         else:
             self._graph = api.graph_type()
+        self._thread = threading.get_ident()
         self._stream_scope: AbstractContextManager[Any] | None = None
+        self._pool_key: tuple[str, int, tuple[int, int]] | None = None
+        self._torch_pool: Any = None
+        self._capturing = False  # torch's capture is under way
         self._detached = 0  # backend handle of what accel queued into the capture
         # The torch stream last replayed on, by accel stream handle (made once, not per replay).
         self._replay_stream: tuple[int, Any] = (-1, None)
 
     def begin(self, pool_id: PoolId, mode: str) -> None:
         """Make accel's stream torch's current one and begin torch's capture on it."""
-        key = (self._runtime.name, self._device, pool_id)
+        self._pool_key = key = (self._runtime.name, self._device, pool_id)
         with _torch_pools_lock:
-            torch_pool = _torch_pools.get(key)
-        scope = self._api.use_stream(self._api.external_stream(self._stream.native_handle, self._device))
+            entry = _torch_pools.get(key)
+            if entry is None:
+                entry = _torch_pools[key] = [self._api.pool_handle(), 0]
+            entry[1] += 1
+            self._torch_pool = entry[0]
+        scope = self._api.use_stream(torch_stream(self._api, self._stream))
         scope.__enter__()
-        try:
-            self._graph.capture_begin(pool=torch_pool, capture_error_mode=_TORCH_MODES[mode])
-        except BaseException as exc:
-            scope.__exit__(None, None, None)
-            raise CaptureError(f"torch could not begin capturing on {self._stream!r}: {exc}") from exc
         self._stream_scope = scope
-        if torch_pool is None:
-            with _torch_pools_lock:
-                _torch_pools.setdefault(key, self._graph.pool())
+        try:
+            self._graph.capture_begin(pool=self._torch_pool, capture_error_mode=_TORCH_MODES[mode])
+        except BaseException as exc:
+            # torch routes its allocator into the pool (a use of it) before it asks the driver to capture.
+            if self._end_torch_pool_routing():
+                self._api.release_pool(self._device, self._torch_pool)
+            self._leave_stream()
+            self._release_pool_key()
+            raise CaptureError(f"torch could not begin capturing on {self._stream!r}: {exc}") from exc
+        self._capturing = True
+
+    def check_thread(self, what: str) -> None:
+        """Refuse ``what`` on a thread other than the one that began the capture."""
+        if threading.get_ident() != self._thread:
+            raise CaptureError(
+                f"{what} on {self._stream!r} from another thread than the one that began the capture: "
+                "torch's current stream is per thread and CUDA ends a capture on its own thread. "
+                "Call it on the capturing thread"
+            )
 
     def end(self) -> None:
         """End torch's capture (it instantiates the graph); accel's queued work goes with it."""
+        self.check_thread("capture_end()")
         backend = self._runtime.backend
         try:
             self._detached = backend.stream_capture_detach(self._device, self._stream._live())
+            self._capturing = False
             self._graph.capture_end()
         except BaseException as exc:
-            self._release_detached()
-            try:
-                self._graph.reset()
-            except Exception:  # noqa: BLE001 - the failure being raised says more than this one
-                pass
+            self._drop_failed_capture()
             if isinstance(exc, CaptureError):
                 raise
             raise CaptureError(f"the capture on {self._stream!r} failed when torch ended it: {exc}") from exc
@@ -156,28 +210,38 @@ class TorchDeviceGraph:
             self._leave_stream()
 
     def abort(self) -> None:
-        """Give up a capture under way: end it wherever it stands and drop the graph."""
-        backend = self._runtime.backend
+        """Give up the capture under way: end it wherever it stands and drop the graph."""
+        if threading.get_ident() != self._thread:
+            # Neither torch's stream nor the capture can be ended here; the
+            # capturing thread's next capture on this stream reports it.
+            self._release_detached()
+            return
         try:
-            if self._stream.is_capturing():
-                self._detached = backend.stream_capture_detach(self._device, self._stream._live())
+            if self._capturing:
+                self._capturing = False
+                try:
+                    self._detached = self._runtime.backend.stream_capture_detach(self._device, self._stream._live())
+                except CaptureError:
+                    pass  # the driver capture is already over
                 try:
                     self._graph.capture_end()
                 except Exception:  # noqa: BLE001 - an invalidated capture ends by raising; it is over either way
-                    pass
-        finally:
-            self._leave_stream()
+                    self._drop_failed_capture()
+                    return
             self._release_detached()
             self._graph.reset()
+            self._release_pool_key()
+        finally:
+            self._leave_stream()
 
     def replay(self, stream: Stream) -> None:
         """Launch the graph on ``stream`` (made torch's current stream for the launch)."""
         handle = stream.native_handle
-        cached, torch_stream = self._replay_stream
+        cached, replay_stream = self._replay_stream
         if cached != handle:
-            torch_stream = self._api.external_stream(handle, self._device)
-            self._replay_stream = (handle, torch_stream)
-        with self._api.use_stream(torch_stream):
+            replay_stream = torch_stream(self._api, stream)
+            self._replay_stream = (handle, replay_stream)
+        with self._api.use_stream(replay_stream):
             self._graph.replay()
         if self._detached:
             self._runtime.backend.detached_graph_launched(self._device, self._detached, stream._live())
@@ -190,10 +254,39 @@ class TorchDeviceGraph:
         """Drop torch's graph; accel's host functions go once its replays finished."""
         self._graph.reset()
         self._release_detached()
+        self._release_pool_key()
 
     def debug_dump(self, path: str) -> None:
         """torch's description of the captured graph (needs ``keep_graph=True``)."""
         self._graph.debug_dump(path)
+
+    def _drop_failed_capture(self) -> None:
+        """After torch's capture_end raised: leave nothing of the capture behind."""
+        self._release_detached()
+        # torch stops routing its allocator into the pool only once the driver
+        # ended the capture, and releases the pool at reset only after that.
+        if self._end_torch_pool_routing():
+            self._api.release_pool(self._device, self._torch_pool)
+        try:
+            self._graph.reset()
+        except Exception:  # noqa: BLE001 - the capture's own failure is the one to report
+            pass
+        if self._stream.is_capturing():  # torch refused to end it (wrong stream): end it at the driver
+            try:
+                graph = self._runtime.backend.stream_end_capture(self._device, self._stream._live())
+            except CaptureError:
+                pass
+            else:
+                self._runtime.backend.graph_destroy(self._device, graph)
+        self._release_pool_key()
+
+    def _end_torch_pool_routing(self) -> bool:
+        """Stop torch's allocator routing into the pool; False when it already had."""
+        try:
+            self._api.end_pool_routing(self._device, self._torch_pool)
+        except RuntimeError:
+            return False
+        return True
 
     def _leave_stream(self) -> None:
         scope, self._stream_scope = self._stream_scope, None
@@ -205,13 +298,16 @@ class TorchDeviceGraph:
         if handle:
             self._runtime.backend.detached_graph_release(self._device, handle)
 
-
-def wait_for_replay_in_torch(api: TorchGraphAPI, stream: Stream, device: int) -> None:
-    """Order torch's current stream after ``stream``, so torch may read a replay's outputs."""
-    torch_current = api.current_stream(device)
-    replay_stream = api.external_stream(stream.native_handle, device)
-    if torch_current != replay_stream:
-        torch_current.wait_stream(replay_stream)
+    def _release_pool_key(self) -> None:
+        key, self._pool_key = self._pool_key, None
+        if key is None:
+            return
+        with _torch_pools_lock:
+            entry = _torch_pools.get(key)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _torch_pools[key]
 
 
 class DeviceOpGuard:
@@ -239,9 +335,11 @@ class DeviceOpGuard:
         from torch.utils._pytree import tree_flatten
 
         for value in tree_flatten((args, kwargs))[0]:
-            if isinstance(value, torch.Tensor) and value.device.type == self._device_type:
+            # Factories and copies name the device (device=, .to()); other ops take its tensors.
+            device = value.device if isinstance(value, torch.Tensor) else value
+            if isinstance(device, torch.device) and device.type == self._device_type:
                 raise CaptureError(
-                    f"{func} on a {self._device_type} tensor cannot be captured into an accel graph on the "
+                    f"{func} on a {self._device_type} device cannot be captured into an accel graph on the "
                     f"{self._runtime_name} backend: torch's {self._device_type} streams are not accel's, so the "
                     f"op would run once now and be missing from every replay. Capture torch work with "
                     f"torch.{self._device_type}'s own graphs, and accel's stream work with accel.Graph."

@@ -13,8 +13,9 @@ the same scenario with a real torch on a GPU.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import itertools
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,6 +46,7 @@ CUresult cuGraphExecDestroy(CUgraphExec hGraphExec);
 CUresult cuGraphDestroy(CUgraph hGraph);
 CUresult cuMemsetD8Async(unsigned long long dst, unsigned char value, size_t n, CUstream hStream);
 CUresult cuStreamSynchronize(CUstream hStream);
+int simcuda_set_failure(const char *name, int code);
 """
 _MODES = {"global": 0, "thread_local": 1, "relaxed": 2}
 
@@ -60,17 +62,37 @@ class _Stream:
         return self.handle
 
     def wait_stream(self, other: _Stream) -> None:
-        TorchCudaAtDriverLevel.instance.check(
-            "cuStreamSynchronize", TorchCudaAtDriverLevel.instance.lib.cuStreamSynchronize(_cu(other.handle))
-        )
+        fake = TorchCudaAtDriverLevel.instance
+        fake.waits.append((self.handle, other.handle))
+        fake.check("cuStreamSynchronize", fake.lib.cuStreamSynchronize(_cu(other.handle)))
 
 
 def _cu(handle: int) -> Any:
     return TorchCudaAtDriverLevel.instance.ffi.cast("CUstream", handle)
 
 
+class _UseStream:
+    """torch.cuda.StreamContext: a class, entered and exited explicitly."""
+
+    def __init__(self, fake: TorchCudaAtDriverLevel, stream: _Stream) -> None:
+        self._fake, self._stream, self._previous = fake, stream, None
+
+    def __enter__(self) -> None:
+        self._previous, self._fake.current = self._fake.current, self._stream
+
+    def __exit__(self, *exc: object) -> None:
+        self._fake.current = self._previous
+
+
 class TorchCudaAtDriverLevel:
-    """The driver calls torch.cuda makes for streams, graphs and a kernel launch."""
+    """What torch.cuda does for streams, graphs, its allocator's pools and a kernel launch.
+
+    Where torch behaves in a way accel must cope with, so does this:
+    ``ExternalStream(0)`` is not the NULL stream, ``pool()`` works only after
+    a successful capture_end, capture_end must run with the capture stream
+    current, and the allocator routes into a pool from before the driver
+    capture begins until after it ended successfully.
+    """
 
     instance: TorchCudaAtDriverLevel
 
@@ -80,6 +102,9 @@ class TorchCudaAtDriverLevel:
         self.lib = self.ffi.dlopen(path)  # the library accel loaded: same driver state
         self.current = _Stream(0)
         self.calls: list[tuple[str, Any]] = []
+        self.waits: list[tuple[int, int]] = []
+        self.routing: list[tuple[int, int]] = []  # pools the allocator routes into
+        self.pool_uses: dict[tuple[int, int], int] = {}
         self._pools = itertools.count(1)
         ctx = self.ffi.new("CUcontext *")
         self.check("cuDevicePrimaryCtxRetain", self.lib.cuDevicePrimaryCtxRetain(ctx, 0))
@@ -99,16 +124,19 @@ class TorchCudaAtDriverLevel:
         self.bind()
         self.check("cuMemsetD8Async", self.lib.cuMemsetD8Async(ptr, value, nbytes, _cu(self.current.handle)))
 
-    def new_pool(self) -> tuple[int, int]:
-        return (next(self._pools), 0)
+    def external_stream(self, handle: int, device: int) -> _Stream:
+        assert handle != 0, "torch.cuda.ExternalStream(0) is a new pool stream, not the NULL stream"
+        return _Stream(handle)
 
-    @contextlib.contextmanager
-    def use_stream(self, stream: _Stream) -> Iterator[None]:
-        previous, self.current = self.current, stream
-        try:
-            yield
-        finally:
-            self.current = previous
+    def end_pool_routing(self, device: int, pool: tuple[int, int]) -> None:
+        if pool not in self.routing:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+        self.routing.remove(pool)
+
+    def release_pool(self, device: int, pool: tuple[int, int]) -> None:
+        self.pool_uses[pool] -= 1
+        if self.pool_uses[pool] == 0:
+            del self.pool_uses[pool]
 
     def api(self) -> _torch_graphs.TorchGraphAPI:
         fake = self
@@ -119,29 +147,32 @@ class TorchCudaAtDriverLevel:
                 self.graph = self.exec = None
                 self.stream: _Stream | None = None
                 self._pool: tuple[int, int] | None = None
-                self.debug = False
-
-            def enable_debug_mode(self) -> None:
-                self.debug = True
+                self.capture_ended = False
 
             def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
                 fake.calls.append(("capture_begin", (fake.current.handle, pool, capture_error_mode)))
                 if fake.current.handle == 0:
                     raise RuntimeError("CUDA graphs must be captured on a non-default stream.")
+                self._pool = pool or (next(fake._pools), 0)
+                fake.pool_uses[self._pool] = fake.pool_uses.get(self._pool, 0) + 1
+                fake.routing.append(self._pool)  # beginAllocateToPool, then the driver
                 fake.bind()
                 fake.check(
                     "cuStreamBeginCapture",
                     fake.lib.cuStreamBeginCapture_v2(_cu(fake.current.handle), _MODES[capture_error_mode]),
                 )
                 self.stream = fake.current
-                self._pool = pool or fake.new_pool()
 
             def capture_end(self) -> None:
-                assert self.stream is not None
+                assert self.stream is not None and self._pool is not None
                 fake.calls.append(("capture_end", fake.current.handle))
+                if fake.current != self.stream:
+                    raise RuntimeError("Capture must end on the same stream it began on.")
                 out = fake.ffi.new("CUgraph *")
                 fake.check("cuStreamEndCapture", fake.lib.cuStreamEndCapture(_cu(self.stream.handle), out))
+                fake.routing.remove(self._pool)
                 self.graph = out[0]
+                self.capture_ended = True
                 if not self.keep_graph:
                     self.instantiate()
                     fake.lib.cuGraphDestroy(self.graph)
@@ -167,22 +198,37 @@ class TorchCudaAtDriverLevel:
                     fake.lib.cuGraphExecDestroy(self.exec)
                 if self.graph is not None:
                     fake.lib.cuGraphDestroy(self.graph)
+                if self.capture_ended:  # torch releases the pool only for a capture that ended
+                    fake.release_pool(0, self._pool)
                 self.graph = self.exec = None
+                self.capture_ended = False
 
             def pool(self) -> tuple[int, int]:
+                if not self.capture_ended:
+                    raise RuntimeError("Called CUDAGraph::pool() without a preceding successful capture.")
                 assert self._pool is not None
                 return self._pool
 
             def debug_dump(self, path: str) -> None:
-                assert self.debug and self.graph is not None
+                assert self.keep_graph and self.graph is not None
                 with open(path, "w") as f:
                     f.write("torch's graph\n")
 
         return _torch_graphs.TorchGraphAPI(
             graph_type=CUDAGraph,
-            external_stream=lambda handle, device: _Stream(handle),
-            use_stream=self.use_stream,
+            external_stream=self.external_stream,
+            default_stream=lambda device: _Stream(0),
             current_stream=lambda device: self.current,
+            use_stream=lambda stream: _UseStream(self, stream),
+            pool_handle=lambda: (0, next(self._pools)),
+            end_pool_routing=self.end_pool_routing,
+            release_pool=self.release_pool,
+        )
+
+    def assert_clean(self) -> None:
+        """No routing, no pool in use, torch's stream back to the default."""
+        assert self.routing == [] and self.pool_uses == {} and self.current.handle == 0, (
+            self.routing, self.pool_uses, self.current.handle
         )
 
 
@@ -267,12 +313,18 @@ def test_shared_pool_maps_to_one_torch_pool(torch_cuda: TorchCudaAtDriverLevel) 
     for g in graphs:
         with graph(g):
             accel.current_stream().launch_host_func(lambda: None)
+    later = Graph(pool=graphs[2].pool())  # another graph's own pool, shared by passing pool()
+    with graph(later):
+        pass
     pools = [args[1] for call, args in torch_cuda.calls if call == "capture_begin"]
-    assert pools[0] is None, "the first capture lets torch make the pool"
-    assert pools[1] == graphs[0]._torch_graph._graph.pool(), "the second shares it"
-    assert pools[2] is None, "a private accel pool is a private torch pool"
-    for g in graphs:
+    assert pools[0] is not None and pools[1] == pools[0], "graphs sharing an accel pool share a torch pool"
+    assert pools[2] not in (None, pools[0]), "a private accel pool is a private torch pool"
+    assert pools[3] == pools[2]
+    assert torch_cuda.pool_uses == {pools[0]: 2, pools[2]: 2}
+    for g in [*graphs, later]:
         g.reset()
+    assert _torch_graphs._torch_pools == {}, "the pool map forgets a pool with its last graph"
+    torch_cuda.assert_clean()
 
 
 def test_capture_mode_is_passed_to_torch(torch_cuda: TorchCudaAtDriverLevel) -> None:
@@ -299,6 +351,7 @@ def test_failed_capture_leaves_nothing_behind_and_next_capture_works(torch_cuda:
     assert torch_cuda.current.handle == 0
     accel.synchronize()
     assert backend.pending_host_functions() == before, "the failed capture's host functions are let go"
+    torch_cuda.assert_clean()
     ran: list[int] = []
     with graph(g):
         accel.current_stream().launch_host_func(lambda: ran.append(1))
@@ -306,6 +359,7 @@ def test_failed_capture_leaves_nothing_behind_and_next_capture_works(torch_cuda:
     accel.synchronize()
     assert ran == [1]
     g.reset()
+    torch_cuda.assert_clean()
 
 
 def test_error_in_block_aborts_torch_capture(torch_cuda: TorchCudaAtDriverLevel) -> None:
@@ -322,6 +376,68 @@ def test_error_in_block_aborts_torch_capture(torch_cuda: TorchCudaAtDriverLevel)
     assert backend.pending_host_functions() == before
     with pytest.raises(CaptureError, match="holds no captured graph"):
         g.replay()
+    torch_cuda.assert_clean()
+
+
+def test_failed_torch_begin_leaves_nothing_behind(torch_cuda: TorchCudaAtDriverLevel) -> None:
+    torch_cuda.lib.simcuda_set_failure(b"cuStreamBeginCapture_v2", 2)  # out of memory, after torch's routing began
+    try:
+        with pytest.raises(CaptureError, match="torch could not begin capturing"):
+            with graph(Graph()):
+                pass
+    finally:
+        torch_cuda.lib.simcuda_set_failure(b"cuStreamBeginCapture_v2", 0)
+    assert not accel.graph.is_capturing() and _torch_graphs._torch_pools == {}
+    torch_cuda.assert_clean()
+    g = Graph()
+    with graph(g):
+        pass
+    g.reset()
+
+
+def test_capture_end_on_another_thread_is_refused_and_the_capture_survives(
+    torch_cuda: TorchCudaAtDriverLevel,
+) -> None:
+    s = accel.Stream()
+    g = Graph()
+    with s:
+        g.capture_begin()
+        accel.current_stream().launch_host_func(lambda: None)
+        errors: list[BaseException] = []
+
+        def end_elsewhere() -> None:
+            try:
+                g.capture_end()
+            except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+                errors.append(exc)
+
+        t = threading.Thread(target=end_elsewhere)
+        t.start()
+        t.join()
+        assert len(errors) == 1 and isinstance(errors[0], CaptureError)
+        assert "another thread" in str(errors[0])
+        assert s.is_capturing() and torch_cuda.current.handle == s.native_handle
+        g.capture_end()
+    g.replay()
+    s.synchronize()
+    accel.synchronize()
+    g.reset()
+    torch_cuda.assert_clean()
+
+
+def test_default_stream_is_refused_and_replays_there_use_torchs_default_stream(
+    torch_cuda: TorchCudaAtDriverLevel,
+) -> None:
+    g = Graph()
+    with pytest.raises(CaptureError, match="default stream"):
+        g.capture_begin()
+    torch_cuda.assert_clean()
+    with graph(g):
+        accel.current_stream().launch_host_func(lambda: None)
+    g.replay()  # on accel's default stream: torch's default stream, not ExternalStream(0)
+    assert torch_cuda.calls[-1] == ("replay", 0)
+    accel.synchronize()
+    g.reset()
 
 
 def test_debug_dump_and_instantiate_with_keep_graph(torch_cuda: TorchCudaAtDriverLevel, tmp_path: Any) -> None:
@@ -373,10 +489,15 @@ def test_torch_ops_on_unshared_device_streams_are_refused(monkeypatch: pytest.Mo
     monkeypatch.setattr(_torch_graphs, "torch_device_type", lambda name: "cpu" if name == "xpu" else None)
     with activate("xpu"):
         g = Graph()
-        with pytest.raises(CaptureError, match="aten.add.Tensor on a cpu tensor cannot be captured"):
+        t = torch.ones(2)
+        with pytest.raises(CaptureError, match="aten.add.Tensor on a cpu device cannot be captured"):
             with graph(g):
-                torch.ones(2) + 1
+                t + 1  # noqa: B018
         assert not accel.graph.is_capturing()
+        for make in (lambda: torch.ones(2, device="cpu"), lambda: torch.ones(2, device="meta").to("cpu")):
+            with pytest.raises(CaptureError, match="on a cpu device cannot be captured"):
+                with graph(g):
+                    make()  # factories and copies name the device rather than passing its tensors
         ran: list[int] = []
         with graph(g):  # the next capture works, and the guard is gone after it
             accel.current_stream().launch_host_func(lambda: ran.append(1))
@@ -409,22 +530,15 @@ def test_graphed_callables_need_torch_graphs_that_share_streams() -> None:
         make_graphed_callables(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
 
 
-def test_torch_reads_replay_outputs_in_stream_order(torch_cuda: TorchCudaAtDriverLevel) -> None:
+def test_stream_ordering_helpers(torch_cuda: TorchCudaAtDriverLevel) -> None:
     api = torch_cuda.api()
-    waited: list[int] = []
-
-    class Current(_Stream):
-        def wait_stream(self, other: _Stream) -> None:
-            waited.append(other.handle)
-
     s = accel.Stream()
-    torch_cuda.current = Current(0)
-    _torch_graphs.wait_for_replay_in_torch(api, s, 0)
-    assert waited == [s.native_handle]
-    torch_cuda.current = Current(s.native_handle)
-    _torch_graphs.wait_for_replay_in_torch(api, s, 0)
-    assert waited == [s.native_handle], "no wait when torch already runs on the replay's stream"
-    torch_cuda.current = _Stream(0)
+    ts = _torch_graphs.torch_stream(api, s)
+    assert ts.handle == s.native_handle
+    assert _torch_graphs.torch_stream(api, accel.current_stream()).handle == 0, "default stream, not ExternalStream(0)"
+    _torch_graphs.order_after(api, ts, _Stream(0))
+    _torch_graphs.order_after(api, ts, ts)
+    assert torch_cuda.waits == [(s.native_handle, 0)], "one wait, none for a stream on itself"
 
 
 def test_keep_graph_with_a_torch_too_old_for_it_is_refused(
@@ -438,7 +552,7 @@ def test_keep_graph_with_a_torch_too_old_for_it_is_refused(
             raise TypeError("CUDAGraph.__new__() got an unexpected keyword argument 'keep_graph'")
         return original()
 
-    old = _torch_graphs.TorchGraphAPI(old_torch_graph, api.external_stream, api.use_stream, api.current_stream)
+    old = dataclasses.replace(api, graph_type=old_torch_graph)
     monkeypatch.setattr(_torch_graphs, "torch_graph_api", lambda name: old)
     with pytest.raises(accel.NotSupportedError, match="torch >= 2.7"):
         with graph(Graph(keep_graph=True)):
