@@ -130,6 +130,14 @@ class _HostFunctions:
                 return self._fns.get(key)
             return self._fns.pop(key, None)
 
+    def share(self, key: int) -> bool:
+        """Turn a one-shot entry that has not run yet into a shared one (owned once); False if it ran."""
+        with self._lock:
+            if key not in self._fns or key in self._refs:
+                return False
+            self._refs[key] = 1
+            return True
+
     def discard(self, key: int) -> None:
         with self._lock:
             self._fns.pop(key, None)
@@ -178,6 +186,19 @@ class CudaBackend(Backend):
         # One callback for every host function: userData carries the registry key.
         self._trampoline = self._ffi.callback("void(void *)", self._run_host_function)
         self._capture_keys: dict[int, list[int]] = {}
+        # Orders launches into a capturing stream against the end of that
+        # capture: a launch reads the capture id, launches and files its host
+        # functions under the id before the capture can be ended (else they
+        # would be filed under a capture that is gone, and never let go).
+        # Holding it across driver calls is fine because it covers only
+        # cuStreamGetCaptureInfo (a host-side query) and calls made while the
+        # stream captures: then cuLaunchHostFunc and cuGraphLaunch only add
+        # nodes to the capture's graph on the host, cuStreamEndCapture only
+        # finishes that graph, and none of them waits for the device. A launch
+        # on a stream that does not capture (which can block while the
+        # device's queue is full) never holds it. Taken before self._lock,
+        # never after.
+        self._capture_lock = threading.Lock()
         self._graph_keys: dict[int, list[int]] = {}
         self._exec_keys: dict[int, list[int]] = {}
         # Per executable graph with host functions: an event per stream it was
@@ -711,17 +732,37 @@ class CudaBackend(Backend):
     def launch_host_func(self, device: int, stream: int, fn: Callable[[], None]) -> None:
         pushed = self._enter(device)
         try:
-            capture_id = self._capture_id(device, stream)
-            key = self._host_fns.add(fn, shared=capture_id != 0)
-            code = self._fn["cuLaunchHostFunc"](self._stream(stream), self._trampoline, self._ffi.cast("void *", key))
+            with self._capture_lock:
+                capture_id = self._capture_id(device, stream)
+                if capture_id:
+                    self._launch_host_function(device, stream, fn, capture_id)
+                    return
+            key = self._launch_host_function(device, stream, fn, 0)
+            # Another thread may have begun a capture on this stream (or joined
+            # it to one) between the check and the launch, and the driver may
+            # have captured the function. If the stream captures now, that
+            # capture owns the function too: at worst one that ran already is
+            # kept until the graph goes. (A capture begun and ended in that
+            # window goes unseen: CUDA leaves that race to the application.)
+            with self._capture_lock:
+                capture_id = self._capture_id(device, stream)
+                if capture_id and self._host_fns.share(key):
+                    with self._lock:
+                        self._capture_keys.setdefault(capture_id, []).append(key)
         finally:
             self._leave(device, pushed)
+
+    def _launch_host_function(self, device: int, stream: int, fn: Callable[[], None], capture_id: int) -> int:
+        """Queue ``fn`` on ``stream``, filed under ``capture_id`` when that capture records it; its key."""
+        key = self._host_fns.add(fn, shared=capture_id != 0)
+        code = self._fn["cuLaunchHostFunc"](self._stream(stream), self._trampoline, self._ffi.cast("void *", key))
         if code != CUDA_SUCCESS:
             self._host_fns.discard(key)
             self._check("cuLaunchHostFunc", code, device, handle=f"stream {stream:#x}")
         if capture_id:
             with self._lock:
                 self._capture_keys.setdefault(capture_id, []).append(key)
+        return key
 
     def _run_host_function(self, data: Any) -> None:
         # Runs on the driver's callback thread and makes no driver call, so it
@@ -777,17 +818,19 @@ class CudaBackend(Backend):
     def stream_end_capture(self, device: int, stream: int) -> int:
         self._require_graphs(device)
         out = self._ffi.new("CUgraph *")
+        keys: list[int] = []
         pushed = self._enter(device)
         try:
-            capture_id = self._capture_id(device, stream)
-            code = self._fn["cuStreamEndCapture"](self._stream(stream), out)
+            with self._capture_lock:  # no launch is between recording and filing its host functions
+                capture_id = self._capture_id(device, stream)
+                code = self._fn["cuStreamEndCapture"](self._stream(stream), out)
+                ended = code in (CUDA_SUCCESS, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+                                 CUDA_ERROR_STREAM_CAPTURE_UNJOINED)
+                if ended and capture_id:
+                    with self._lock:
+                        keys = self._capture_keys.pop(capture_id, [])
         finally:
             self._leave(device, pushed)
-        ended = code in (CUDA_SUCCESS, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, CUDA_ERROR_STREAM_CAPTURE_UNJOINED)
-        keys: list[int] = []
-        if ended and capture_id:
-            with self._lock:
-                keys = self._capture_keys.pop(capture_id, [])
         if code != CUDA_SUCCESS:
             self._host_fns.release(keys)  # the capture is discarded: its host functions never run
             self._check("cuStreamEndCapture", code, device, handle=f"stream {stream:#x}", capture=True)
@@ -832,25 +875,42 @@ class CudaBackend(Backend):
         pushed = self._enter(device)
         try:
             keys = self._exec_keys.get(graph_exec)
-            capture_id = self._capture_id(device, stream) if keys else 0
-            code = self._fn["cuGraphLaunch"](self._ffi.cast("CUgraphExec", graph_exec), self._stream(stream))
-            self._check("cuGraphLaunch", code, device, handle=f"executable graph {graph_exec:#x} or stream {stream:#x}")
+            if keys:
+                with self._capture_lock:
+                    capture_id = self._capture_id(device, stream)
+                    if capture_id:
+                        # Launched inside a capture: the new graph replays these host functions too.
+                        self._launch_graph(device, graph_exec, stream)
+                        with self._lock:
+                            self._host_fns.retain(keys)
+                            self._capture_keys.setdefault(capture_id, []).extend(keys)
+                        return
+            self._launch_graph(device, graph_exec, stream)
             if not keys:
                 return
-            with self._lock:
+            # As in launch_host_func: a capture begun on the stream since the
+            # check may have recorded the launch, so it owns the host functions
+            # too (and no event goes into its graph).
+            with self._capture_lock:
+                capture_id = self._capture_id(device, stream)
                 if capture_id:
-                    # Launched inside a capture: the new graph replays these host functions too.
-                    self._host_fns.retain(keys)
-                    self._capture_keys.setdefault(capture_id, []).extend(keys)
-                else:
-                    # Only our own event marks when this replay is over; the stream
-                    # itself may be destroyed before the executable graph is.
-                    events = self._exec_events.setdefault(graph_exec, {})
-                    if stream not in events:
-                        events[stream] = self._create_event(device, CU_EVENT_DISABLE_TIMING)
-                    self._record_event(device, events[stream], stream)
+                    with self._lock:
+                        self._host_fns.retain(keys)
+                        self._capture_keys.setdefault(capture_id, []).extend(keys)
+                    return
+            with self._lock:
+                # Only our own event marks when this replay is over; the stream
+                # itself may be destroyed before the executable graph is.
+                events = self._exec_events.setdefault(graph_exec, {})
+                if stream not in events:
+                    events[stream] = self._create_event(device, CU_EVENT_DISABLE_TIMING)
+                self._record_event(device, events[stream], stream)
         finally:
             self._leave(device, pushed)
+
+    def _launch_graph(self, device: int, graph_exec: int, stream: int) -> None:
+        code = self._fn["cuGraphLaunch"](self._ffi.cast("CUgraphExec", graph_exec), self._stream(stream))
+        self._check("cuGraphLaunch", code, device, handle=f"executable graph {graph_exec:#x} or stream {stream:#x}")
 
     def graph_destroy(self, device: int, graph: int) -> None:
         self._require_graphs(device)

@@ -46,7 +46,7 @@ def test_cuda_backend_suite_on_the_gpu() -> None:
     # test_errors' simulator-only tests skip themselves there; the misuse tests run.
     suite = REPO_ROOT / "tests" / "backends" / "cuda"
     _pytest("-q", "-p", "no:cacheprovider", *(str(suite / name) for name in
-            ("test_semantics.py", "test_errors.py", "test_context.py")))
+            ("test_semantics.py", "test_errors.py", "test_context.py", "test_capture_races.py")))
 
 
 def test_device_properties_are_real() -> None:
