@@ -289,16 +289,24 @@ class CudaBackend(Backend):
             current = tls.current
         except AttributeError:
             current = tls.current = self._ffi.new("CUcontext *")
-        self._check("cuCtxGetCurrent", self._fn["cuCtxGetCurrent"](current), device)
-        if current[0] == ctx:
+        # Checked inline, not with _check: this runs before every driver call.
+        fn = self._fn
+        code = fn["cuCtxGetCurrent"](current)
+        if code == CUDA_SUCCESS and current[0] == ctx:
             return False
-        self._check("cuCtxPushCurrent", self._fn["cuCtxPushCurrent"](ctx), device)
+        if code != CUDA_SUCCESS:
+            raise self._error("cuCtxGetCurrent", code, device)
+        code = fn["cuCtxPushCurrent"](ctx)
+        if code != CUDA_SUCCESS:
+            raise self._error("cuCtxPushCurrent", code, device)
         return True
 
     def _leave(self, device: int, pushed: bool) -> None:
         """Undo :meth:`_enter` (pop the context it pushed)."""
         if pushed:
-            self._check("cuCtxPopCurrent", self._fn["cuCtxPopCurrent"](self._tls.current), device)
+            code = self._fn["cuCtxPopCurrent"](self._tls.current)
+            if code != CUDA_SUCCESS:
+                raise self._error("cuCtxPopCurrent", code, device)
 
     def _stream(self, stream: int) -> Any:
         return self._ffi.cast("CUstream", stream)
