@@ -20,7 +20,8 @@ import pytest
 
 from accel._errors import AccelError, DriverError, OutOfMemoryError
 from accel.backends.base import CaptureMode
-from tests.backends.cuda.conftest import SimControl
+from tests.backends.cuda.conftest import SimControl, run_json
+from tests.fixtures.cuda_driver import build_simulator
 
 CU_STREAM_CAPTURE_MODE_GLOBAL = 0
 CU_STREAM_CAPTURE_MODE_RELAXED = 2
@@ -280,3 +281,29 @@ def test_no_switch_when_the_context_is_current(
     cuda.event_destroy(0, e)
     cuda.free(0, ptr)
     cuda.stream_destroy(0, s)
+
+
+ONE_DEVICE = """
+import json
+from accel.backends.cuda import load
+b = load()
+fn, ffi = b.driver.fn, b.driver.ffi
+s = b.stream_create(0, 0)
+ptr = b.malloc(0, 64)
+# Other code on the thread drops the context between two accel calls.
+assert fn["cuCtxSetCurrent"](ffi.NULL) == 0
+b.memset_async(0, ptr, 1, 64, s)
+b.free(0, ptr)
+b.stream_destroy(0, s)
+current = ffi.new("CUcontext *")
+fn["cuCtxGetCurrent"](current)
+print(json.dumps({"none_current": current[0] == ffi.NULL}))
+"""
+
+
+def test_one_device_does_not_trust_a_cached_context(sim: SimControl) -> None:
+    # With a single device the backend used to remember that it had made the
+    # context current and skip the driver; a thread whose context was dropped
+    # by someone else then got CUDA_ERROR_INVALID_CONTEXT.
+    env = {"ACCEL_CUDA_DRIVER": str(build_simulator()), "ACCEL_SIMCUDA_DEVICE_COUNT": "1"}
+    assert run_json(ONE_DEVICE, env) == {"none_current": True}
