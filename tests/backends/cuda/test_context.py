@@ -293,6 +293,7 @@ ptr = b.malloc(0, 64)
 # Other code on the thread drops the context between two accel calls.
 assert fn["cuCtxSetCurrent"](ffi.NULL) == 0
 b.memset_async(0, ptr, 1, 64, s)
+b.stream_synchronize(0, s)
 b.free(0, ptr)
 b.stream_destroy(0, s)
 current = ffi.new("CUcontext *")
