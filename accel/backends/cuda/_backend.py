@@ -277,9 +277,10 @@ class CudaBackend(Backend):
 
         When the context is already current (torch's current device, or an
         enclosing call) this costs one ``cuCtxGetCurrent``. Otherwise the
-        context is pushed and later popped: unlike set-and-restore, popping
-        never has to make the previous context current again, so it also
-        restores "no context" and cannot fail on a context destroyed meanwhile.
+        context is pushed and later popped, which restores "no context" and
+        deeper stacks alike; unlike set-and-restore, popping never has to make
+        the previous context current again, so it cannot fail on a context
+        that another thread destroyed meanwhile.
         """
         ctx = self._contexts.get(device)
         if ctx is None:
