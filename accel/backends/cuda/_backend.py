@@ -3,12 +3,13 @@
 Design points (the protocol docstrings in ``accel.backends.base`` are the contract):
 
 - **Primary contexts.** Each device's primary context is retained on first
-  use and made current on the calling thread before every call that needs
-  one. That is the context the CUDA runtime (and so PyTorch) uses, which is
+  use. That is the context the CUDA runtime (and so PyTorch) uses, which is
   why streams, events and pointers can be passed between accel and torch.
-  The current device is cached per thread; with several devices the cache is
-  checked against ``cuCtxGetCurrent``, since other code on the thread (torch)
-  may have switched contexts in between.
+- **Context hygiene.** Every entry point leaves the calling thread's context
+  stack as it found it, also when it raises: it pushes the device's primary
+  context only when it is not current already and pops it on the way out.
+  torch and CuPy read their current device from the current context, so an
+  accel call on device 1 must not switch torch to device 1.
 - **Handles** are the driver's pointers as ints: a stream's handle is its
   ``CUstream`` address, ``default_stream`` is 0 (the legacy NULL stream).
 - **Capture safety.** ``malloc``/``free`` and host allocations run with the
@@ -129,6 +130,14 @@ class _HostFunctions:
                 return self._fns.get(key)
             return self._fns.pop(key, None)
 
+    def share(self, key: int) -> bool:
+        """Turn a one-shot entry that has not run yet into a shared one (owned once); False if it ran."""
+        with self._lock:
+            if key not in self._fns or key in self._refs:
+                return False
+            self._refs[key] = 1
+            return True
+
     def discard(self, key: int) -> None:
         with self._lock:
             self._fns.pop(key, None)
@@ -177,6 +186,19 @@ class CudaBackend(Backend):
         # One callback for every host function: userData carries the registry key.
         self._trampoline = self._ffi.callback("void(void *)", self._run_host_function)
         self._capture_keys: dict[int, list[int]] = {}
+        # Orders launches into a capturing stream against the end of that
+        # capture: a launch reads the capture id, launches and files its host
+        # functions under the id before the capture can be ended (else they
+        # would be filed under a capture that is gone, and never let go).
+        # Holding it across driver calls is fine because it covers only
+        # cuStreamGetCaptureInfo (a host-side query) and calls made while the
+        # stream captures: then cuLaunchHostFunc and cuGraphLaunch only add
+        # nodes to the capture's graph on the host, cuStreamEndCapture only
+        # finishes that graph, and none of them waits for the device. A launch
+        # on a stream that does not capture (which can block while the
+        # device's queue is full) never holds it. Taken before self._lock,
+        # never after.
+        self._capture_lock = threading.Lock()
         self._graph_keys: dict[int, list[int]] = {}
         self._exec_keys: dict[int, list[int]] = {}
         # Per executable graph with host functions: an event per stream it was
@@ -236,25 +258,57 @@ class CudaBackend(Backend):
         if code != CUDA_SUCCESS:
             raise self._error(call, code, device, handle=handle, requested=requested, capture=capture)
 
-    def _activate(self, device: int) -> None:
-        """Make ``device``'s primary context current on this thread."""
-        tls = self._tls
+    def _retain(self, device: int) -> Any:
+        """``device``'s primary context, retained on first use (kept for the backend's life)."""
+        with self._lock:
+            ctx = self._contexts.get(device)
+            if ctx is None:
+                out = self._ffi.new("CUcontext *")
+                self._check("cuDevicePrimaryCtxRetain", self._fn["cuDevicePrimaryCtxRetain"](out, device), device)
+                ctx = self._contexts[device] = out[0]
+        return ctx
+
+    def _enter(self, device: int) -> bool:
+        """Make ``device``'s primary context current on this thread; True if :meth:`_leave` must undo it.
+
+        Every public entry point brackets its driver calls with ``_enter`` and
+        ``_leave`` (in ``try``/``finally``), so the thread's context stack is
+        the same after the call as before it, also when the call raises:
+        torch and CuPy take the current device from the current context.
+
+        When the context is already current (torch's current device, or an
+        enclosing call) this costs one ``cuCtxGetCurrent``. Otherwise the
+        context is pushed and later popped, which restores "no context" and
+        deeper stacks alike; unlike set-and-restore, popping never has to make
+        the previous context current again, so it cannot fail on a context
+        that another thread destroyed meanwhile.
+        """
         ctx = self._contexts.get(device)
-        if ctx is not None and getattr(tls, "device", None) == device:
-            if self._count == 1:
-                return
-            current = self._ffi.new("CUcontext *")
-            if self._fn["cuCtxGetCurrent"](current) == CUDA_SUCCESS and current[0] == ctx:
-                return
         if ctx is None:
-            with self._lock:
-                ctx = self._contexts.get(device)
-                if ctx is None:
-                    out = self._ffi.new("CUcontext *")
-                    self._check("cuDevicePrimaryCtxRetain", self._fn["cuDevicePrimaryCtxRetain"](out, device), device)
-                    ctx = self._contexts[device] = out[0]
-        self._check("cuCtxSetCurrent", self._fn["cuCtxSetCurrent"](ctx), device)
-        tls.device = device
+            ctx = self._retain(device)
+        tls = self._tls
+        try:
+            current = tls.current
+        except AttributeError:
+            current = tls.current = self._ffi.new("CUcontext *")
+        # Checked inline, not with _check: this runs before every driver call.
+        fn = self._fn
+        code = fn["cuCtxGetCurrent"](current)
+        if code == CUDA_SUCCESS and current[0] == ctx:
+            return False
+        if code != CUDA_SUCCESS:
+            raise self._error("cuCtxGetCurrent", code, device)
+        code = fn["cuCtxPushCurrent"](ctx)
+        if code != CUDA_SUCCESS:
+            raise self._error("cuCtxPushCurrent", code, device)
+        return True
+
+    def _leave(self, device: int, pushed: bool) -> None:
+        """Undo :meth:`_enter` (pop the context it pushed)."""
+        if pushed:
+            code = self._fn["cuCtxPopCurrent"](self._tls.current)
+            if code != CUDA_SUCCESS:
+                raise self._error("cuCtxPopCurrent", code, device)
 
     def _stream(self, stream: int) -> Any:
         return self._ffi.cast("CUstream", stream)
@@ -329,10 +383,14 @@ class CudaBackend(Backend):
         return props
 
     def memory_info(self, device: int) -> tuple[int, int]:
-        self._activate(device)
         free = self._ffi.new("size_t *")
         total = self._ffi.new("size_t *")
-        self._check("cuMemGetInfo", self._fn["cuMemGetInfo"](free, total), device)
+        pushed = self._enter(device)
+        try:
+            code = self._fn["cuMemGetInfo"](free, total)
+        finally:
+            self._leave(device, pushed)
+        self._check("cuMemGetInfo", code, device)
         return int(free[0]), int(total[0])
 
     def can_access_peer(self, device: int, peer: int) -> bool:
@@ -343,32 +401,44 @@ class CudaBackend(Backend):
         return bool(out[0])
 
     def device_synchronize(self, device: int) -> None:
-        self._activate(device)
-        self._check("cuCtxSynchronize", self._fn["cuCtxSynchronize"](), device)
-        self._retire_finished(device)
+        pushed = self._enter(device)
+        try:
+            self._check("cuCtxSynchronize", self._fn["cuCtxSynchronize"](), device)
+            self._retire_finished(device)
+        finally:
+            self._leave(device, pushed)
 
     # -- memory ------------------------------------------------------------
 
     def malloc(self, device: int, nbytes: int) -> int:
-        self._activate(device)
         out = self._ffi.new("CUdeviceptr *")
-        with self._relaxed_capture_mode(device):
-            code = self._fn["cuMemAlloc"](out, nbytes)
+        pushed = self._enter(device)
+        try:
+            with self._relaxed_capture_mode(device):
+                code = self._fn["cuMemAlloc"](out, nbytes)
+        finally:
+            self._leave(device, pushed)
         self._check("cuMemAlloc", code, device, requested=nbytes)
         return int(out[0])
 
     def free(self, device: int, ptr: int) -> None:
-        self._activate(device)
-        with self._relaxed_capture_mode(device):
-            code = self._fn["cuMemFree"](ptr)
+        pushed = self._enter(device)
+        try:
+            with self._relaxed_capture_mode(device):
+                code = self._fn["cuMemFree"](ptr)
+        finally:
+            self._leave(device, pushed)
         self._check("cuMemFree", code, device, handle=f"device pointer {ptr:#x}")
 
     def host_malloc(self, nbytes: int) -> int:
         # Page-locked memory is made portable, so any device's context can copy with it.
-        self._activate(0)
         out = self._ffi.new("void **")
-        with self._relaxed_capture_mode(0):
-            code = self._fn["cuMemHostAlloc"](out, nbytes, CU_MEMHOSTALLOC_PORTABLE)
+        pushed = self._enter(0)
+        try:
+            with self._relaxed_capture_mode(0):
+                code = self._fn["cuMemHostAlloc"](out, nbytes, CU_MEMHOSTALLOC_PORTABLE)
+        finally:
+            self._leave(0, pushed)
         if code == CUDA_ERROR_OUT_OF_MEMORY:
             raise OutOfMemoryError(
                 f"cuda: cuMemHostAlloc could not allocate {nbytes} bytes of page-locked host memory: "
@@ -379,9 +449,12 @@ class CudaBackend(Backend):
         return self._address(out[0])
 
     def host_free(self, ptr: int) -> None:
-        self._activate(0)
-        with self._relaxed_capture_mode(0):
-            code = self._fn["cuMemFreeHost"](self._ffi.cast("void *", ptr))
+        pushed = self._enter(0)
+        try:
+            with self._relaxed_capture_mode(0):
+                code = self._fn["cuMemFreeHost"](self._ffi.cast("void *", ptr))
+        finally:
+            self._leave(0, pushed)
         self._check("cuMemFreeHost", code, None, handle=f"host pointer {ptr:#x}")
 
     # -- virtual memory ----------------------------------------------------
@@ -415,11 +488,13 @@ class CudaBackend(Backend):
         if cached is not None:
             return cached
         self._require_vmm(device)
-        self._activate(device)
         out = self._ffi.new("size_t *")
-        code = self._fn["cuMemGetAllocationGranularity"](
-            out, self._allocation_prop(device), CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
-        )
+        prop = self._allocation_prop(device)
+        pushed = self._enter(device)
+        try:
+            code = self._fn["cuMemGetAllocationGranularity"](out, prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
+        finally:
+            self._leave(device, pushed)
         self._check("cuMemGetAllocationGranularity", code, device)
         granularity = max(int(out[0]), _MIN_VM_GRANULARITY)
         self._granularity[device] = granularity
@@ -427,48 +502,69 @@ class CudaBackend(Backend):
 
     def vm_reserve(self, device: int, nbytes: int) -> int:
         granularity = self.vm_granularity(device)
-        self._activate(device)
         out = self._ffi.new("CUdeviceptr *")
-        code = self._fn["cuMemAddressReserve"](out, nbytes, granularity, 0, 0)
+        pushed = self._enter(device)
+        try:
+            code = self._fn["cuMemAddressReserve"](out, nbytes, granularity, 0, 0)
+        finally:
+            self._leave(device, pushed)
         self._check("cuMemAddressReserve", code, device, requested=nbytes)
         return int(out[0])
 
     def vm_free(self, device: int, addr: int, nbytes: int) -> None:
         self._require_vmm(device)
-        self._activate(device)
-        code = self._fn["cuMemAddressFree"](addr, nbytes)
+        pushed = self._enter(device)
+        try:
+            code = self._fn["cuMemAddressFree"](addr, nbytes)
+        finally:
+            self._leave(device, pushed)
         self._check("cuMemAddressFree", code, device, handle=f"reservation {addr:#x}+{nbytes}")
 
     def vm_create(self, device: int, nbytes: int) -> int:
         self.vm_granularity(device)  # raises NotSupportedError without VMM
-        self._activate(device)
         out = self._ffi.new("CUmemGenericAllocationHandle *")
-        code = self._fn["cuMemCreate"](out, nbytes, self._allocation_prop(device), 0)
+        prop = self._allocation_prop(device)
+        pushed = self._enter(device)
+        try:
+            code = self._fn["cuMemCreate"](out, nbytes, prop, 0)
+        finally:
+            self._leave(device, pushed)
         self._check("cuMemCreate", code, device, requested=nbytes)
         return int(out[0])
 
     def vm_release(self, device: int, handle: int) -> None:
         self._require_vmm(device)
-        self._activate(device)
-        self._check("cuMemRelease", self._fn["cuMemRelease"](handle), device, handle=f"memory handle {handle:#x}")
+        pushed = self._enter(device)
+        try:
+            code = self._fn["cuMemRelease"](handle)
+        finally:
+            self._leave(device, pushed)
+        self._check("cuMemRelease", code, device, handle=f"memory handle {handle:#x}")
 
     def vm_map(self, device: int, addr: int, nbytes: int, handle: int) -> None:
         self._require_vmm(device)
-        self._activate(device)
-        self._check("cuMemMap", self._fn["cuMemMap"](addr, nbytes, 0, handle, 0), device)
         access = self._ffi.new("CUmemAccessDesc *")
         access.location.type = CU_MEM_LOCATION_TYPE_DEVICE
         access.location.id = device
         access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        code = self._fn["cuMemSetAccess"](addr, nbytes, access, 1)
-        if code != CUDA_SUCCESS:
-            self._fn["cuMemUnmap"](addr, nbytes)  # leave the range as it was
-            self._check("cuMemSetAccess", code, device)
+        pushed = self._enter(device)
+        try:
+            self._check("cuMemMap", self._fn["cuMemMap"](addr, nbytes, 0, handle, 0), device)
+            code = self._fn["cuMemSetAccess"](addr, nbytes, access, 1)
+            if code != CUDA_SUCCESS:
+                self._fn["cuMemUnmap"](addr, nbytes)  # leave the range as it was
+                self._check("cuMemSetAccess", code, device)
+        finally:
+            self._leave(device, pushed)
 
     def vm_unmap(self, device: int, addr: int, nbytes: int) -> None:
         self._require_vmm(device)
-        self._activate(device)
-        self._check("cuMemUnmap", self._fn["cuMemUnmap"](addr, nbytes), device)
+        pushed = self._enter(device)
+        try:
+            code = self._fn["cuMemUnmap"](addr, nbytes)
+        finally:
+            self._leave(device, pushed)
+        self._check("cuMemUnmap", code, device)
 
     # -- streams -----------------------------------------------------------
 
@@ -476,17 +572,23 @@ class CudaBackend(Backend):
         return 0
 
     def stream_priority_range(self, device: int) -> tuple[int, int]:
-        self._activate(device)
         least = self._ffi.new("int *")
         greatest = self._ffi.new("int *")
-        code = self._fn["cuCtxGetStreamPriorityRange"](least, greatest)
+        pushed = self._enter(device)
+        try:
+            code = self._fn["cuCtxGetStreamPriorityRange"](least, greatest)
+        finally:
+            self._leave(device, pushed)
         self._check("cuCtxGetStreamPriorityRange", code, device)
         return int(least[0]), int(greatest[0])
 
     def stream_create(self, device: int, priority: int) -> int:
-        self._activate(device)
         out = self._ffi.new("CUstream *")
-        code = self._fn["cuStreamCreateWithPriority"](out, CU_STREAM_NON_BLOCKING, priority)
+        pushed = self._enter(device)
+        try:
+            code = self._fn["cuStreamCreateWithPriority"](out, CU_STREAM_NON_BLOCKING, priority)
+        finally:
+            self._leave(device, pushed)
         self._check("cuStreamCreateWithPriority", code, device)
         return self._address(out[0])
 
@@ -495,29 +597,63 @@ class CudaBackend(Backend):
             raise InvalidHandleError(
                 f"cuda:{device}: stream {stream:#x} is a default stream (legacy or per-thread); it cannot be destroyed"
             )
-        self._activate(device)
-        code = self._fn["cuStreamDestroy"](self._stream(stream))
+        pushed = self._enter(device)
+        try:
+            code = self._fn["cuStreamDestroy"](self._stream(stream))
+        finally:
+            self._leave(device, pushed)
         self._check("cuStreamDestroy", code, device, handle=f"stream {stream:#x}")
 
     def stream_query(self, device: int, stream: int) -> bool:
-        self._activate(device)
-        code = self._fn["cuStreamQuery"](self._stream(stream))
+        pushed = self._enter(device)
+        try:
+            code = self._fn["cuStreamQuery"](self._stream(stream))
+        finally:
+            self._leave(device, pushed)
         if code == CUDA_ERROR_NOT_READY:
             return False
         self._check("cuStreamQuery", code, device, handle=f"stream {stream:#x}")
         return True
 
     def stream_synchronize(self, device: int, stream: int) -> None:
-        self._activate(device)
-        code = self._fn["cuStreamSynchronize"](self._stream(stream))
+        pushed = self._enter(device)
+        try:
+            code = self._fn["cuStreamSynchronize"](self._stream(stream))
+        finally:
+            self._leave(device, pushed)
         self._check("cuStreamSynchronize", code, device, handle=f"stream {stream:#x}")
 
     def stream_wait_event(self, device: int, stream: int, event: int) -> None:
-        self._activate(device)
-        code = self._fn["cuStreamWaitEvent"](self._stream(stream), self._event(event), 0)
+        pushed = self._enter(device)
+        try:
+            code = self._fn["cuStreamWaitEvent"](self._stream(stream), self._event(event), 0)
+        finally:
+            self._leave(device, pushed)
         self._check("cuStreamWaitEvent", code, device, handle=f"stream {stream:#x} or event {event:#x}")
 
     # -- events ------------------------------------------------------------
+    # The _create/_record/_query/_destroy_event helpers expect the device's
+    # context to be current already (the backend calls them inside an entry point).
+
+    def _create_event(self, device: int, flags: int) -> int:
+        out = self._ffi.new("CUevent *")
+        self._check("cuEventCreate", self._fn["cuEventCreate"](out, flags), device)
+        return self._address(out[0])
+
+    def _record_event(self, device: int, event: int, stream: int) -> None:
+        code = self._fn["cuEventRecord"](self._event(event), self._stream(stream))
+        self._check("cuEventRecord", code, device, handle=f"event {event:#x} or stream {stream:#x}")
+
+    def _query_event(self, device: int, event: int) -> bool:
+        code = self._fn["cuEventQuery"](self._event(event))
+        if code == CUDA_ERROR_NOT_READY:
+            return False
+        self._check("cuEventQuery", code, device, handle=f"event {event:#x}")
+        return True
+
+    def _destroy_event(self, device: int, event: int) -> None:
+        code = self._fn["cuEventDestroy"](self._event(event))
+        self._check("cuEventDestroy", code, device, handle=f"event {event:#x}")
 
     def event_create(self, device: int, *, timing: bool, blocking: bool, interprocess: bool) -> int:
         if interprocess and timing:
@@ -529,38 +665,48 @@ class CudaBackend(Backend):
             flags |= CU_EVENT_BLOCKING_SYNC
         if interprocess:
             flags |= CU_EVENT_INTERPROCESS
-        self._activate(device)
-        out = self._ffi.new("CUevent *")
-        self._check("cuEventCreate", self._fn["cuEventCreate"](out, flags), device)
-        return self._address(out[0])
+        pushed = self._enter(device)
+        try:
+            return self._create_event(device, flags)
+        finally:
+            self._leave(device, pushed)
 
     def event_destroy(self, device: int, event: int) -> None:
-        self._activate(device)
-        code = self._fn["cuEventDestroy"](self._event(event))
-        self._check("cuEventDestroy", code, device, handle=f"event {event:#x}")
+        pushed = self._enter(device)
+        try:
+            self._destroy_event(device, event)
+        finally:
+            self._leave(device, pushed)
 
     def event_record(self, device: int, event: int, stream: int) -> None:
-        self._activate(device)
-        code = self._fn["cuEventRecord"](self._event(event), self._stream(stream))
-        self._check("cuEventRecord", code, device, handle=f"event {event:#x} or stream {stream:#x}")
+        pushed = self._enter(device)
+        try:
+            self._record_event(device, event, stream)
+        finally:
+            self._leave(device, pushed)
 
     def event_query(self, device: int, event: int) -> bool:
-        self._activate(device)
-        code = self._fn["cuEventQuery"](self._event(event))
-        if code == CUDA_ERROR_NOT_READY:
-            return False
-        self._check("cuEventQuery", code, device, handle=f"event {event:#x}")
-        return True
+        pushed = self._enter(device)
+        try:
+            return self._query_event(device, event)
+        finally:
+            self._leave(device, pushed)
 
     def event_synchronize(self, device: int, event: int) -> None:
-        self._activate(device)
-        code = self._fn["cuEventSynchronize"](self._event(event))
+        pushed = self._enter(device)
+        try:
+            code = self._fn["cuEventSynchronize"](self._event(event))
+        finally:
+            self._leave(device, pushed)
         self._check("cuEventSynchronize", code, device, handle=f"event {event:#x}")
 
     def event_elapsed_ms(self, device: int, start: int, end: int) -> float:
-        self._activate(device)
         out = self._ffi.new("float *")
-        code = self._fn["cuEventElapsedTime"](out, self._event(start), self._event(end))
+        pushed = self._enter(device)
+        try:
+            code = self._fn["cuEventElapsedTime"](out, self._event(start), self._event(end))
+        finally:
+            self._leave(device, pushed)
         if code == CUDA_ERROR_INVALID_HANDLE:
             # The driver gives this one code for three different mistakes.
             raise InvalidHandleError(
@@ -578,18 +724,46 @@ class CudaBackend(Backend):
     # -- stream work -------------------------------------------------------
 
     def memcpy_async(self, device: int, dst: int, src: int, nbytes: int, stream: int) -> None:
-        self._activate(device)
-        code = self._fn["cuMemcpyAsync"](dst, src, nbytes, self._stream(stream))
+        pushed = self._enter(device)
+        try:
+            code = self._fn["cuMemcpyAsync"](dst, src, nbytes, self._stream(stream))
+        finally:
+            self._leave(device, pushed)
         self._check("cuMemcpyAsync", code, device, handle=f"stream {stream:#x}" if code == CUDA_ERROR_INVALID_HANDLE else "")
 
     def memset_async(self, device: int, dst: int, value: int, nbytes: int, stream: int) -> None:
-        self._activate(device)
-        code = self._fn["cuMemsetD8Async"](dst, value, nbytes, self._stream(stream))
+        pushed = self._enter(device)
+        try:
+            code = self._fn["cuMemsetD8Async"](dst, value, nbytes, self._stream(stream))
+        finally:
+            self._leave(device, pushed)
         self._check("cuMemsetD8Async", code, device, handle=f"stream {stream:#x}" if code == CUDA_ERROR_INVALID_HANDLE else "")
 
     def launch_host_func(self, device: int, stream: int, fn: Callable[[], None]) -> None:
-        self._activate(device)
-        capture_id = self._capture_id(device, stream)
+        pushed = self._enter(device)
+        try:
+            with self._capture_lock:
+                capture_id = self._capture_id(device, stream)
+                if capture_id:
+                    self._launch_host_function(device, stream, fn, capture_id)
+                    return
+            key = self._launch_host_function(device, stream, fn, 0)
+            # Another thread may have begun a capture on this stream (or joined
+            # it to one) between the check and the launch, and the driver may
+            # have captured the function. If the stream captures now, that
+            # capture owns the function too: at worst one that ran already is
+            # kept until the graph goes. (A capture begun and ended in that
+            # window goes unseen: CUDA leaves that race to the application.)
+            with self._capture_lock:
+                capture_id = self._capture_id(device, stream)
+                if capture_id and self._host_fns.share(key):
+                    with self._lock:
+                        self._capture_keys.setdefault(capture_id, []).append(key)
+        finally:
+            self._leave(device, pushed)
+
+    def _launch_host_function(self, device: int, stream: int, fn: Callable[[], None], capture_id: int) -> int:
+        """Queue ``fn`` on ``stream``, filed under ``capture_id`` when that capture records it; its key."""
         key = self._host_fns.add(fn, shared=capture_id != 0)
         code = self._fn["cuLaunchHostFunc"](self._stream(stream), self._trampoline, self._ffi.cast("void *", key))
         if code != CUDA_SUCCESS:
@@ -598,8 +772,11 @@ class CudaBackend(Backend):
         if capture_id:
             with self._lock:
                 self._capture_keys.setdefault(capture_id, []).append(key)
+        return key
 
     def _run_host_function(self, data: Any) -> None:
+        # Runs on the driver's callback thread and makes no driver call, so it
+        # neither needs nor changes that thread's current context.
         fn = self._host_fns.take(self._address(data))
         if fn is not None:
             fn()
@@ -641,21 +818,29 @@ class CudaBackend(Backend):
 
     def stream_begin_capture(self, device: int, stream: int, mode: CaptureMode) -> None:
         self._require_graphs(device)
-        self._activate(device)
-        code = self._fn["cuStreamBeginCapture"](self._stream(stream), int(mode))
+        pushed = self._enter(device)
+        try:
+            code = self._fn["cuStreamBeginCapture"](self._stream(stream), int(mode))
+        finally:
+            self._leave(device, pushed)
         self._check("cuStreamBeginCapture", code, device, handle=f"stream {stream:#x}", capture=True)
 
     def stream_end_capture(self, device: int, stream: int) -> int:
         self._require_graphs(device)
-        self._activate(device)
-        capture_id = self._capture_id(device, stream)
         out = self._ffi.new("CUgraph *")
-        code = self._fn["cuStreamEndCapture"](self._stream(stream), out)
-        ended = code in (CUDA_SUCCESS, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, CUDA_ERROR_STREAM_CAPTURE_UNJOINED)
         keys: list[int] = []
-        if ended and capture_id:
-            with self._lock:
-                keys = self._capture_keys.pop(capture_id, [])
+        pushed = self._enter(device)
+        try:
+            with self._capture_lock:  # no launch is between recording and filing its host functions
+                capture_id = self._capture_id(device, stream)
+                code = self._fn["cuStreamEndCapture"](self._stream(stream), out)
+                ended = code in (CUDA_SUCCESS, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+                                 CUDA_ERROR_STREAM_CAPTURE_UNJOINED)
+                if ended and capture_id:
+                    with self._lock:
+                        keys = self._capture_keys.pop(capture_id, [])
+        finally:
+            self._leave(device, pushed)
         if code != CUDA_SUCCESS:
             self._host_fns.release(keys)  # the capture is discarded: its host functions never run
             self._check("cuStreamEndCapture", code, device, handle=f"stream {stream:#x}", capture=True)
@@ -668,18 +853,24 @@ class CudaBackend(Backend):
     def stream_capture_status(self, device: int, stream: int) -> CaptureStatus:
         if not self._driver.has_graphs:
             return CaptureStatus.NONE
-        self._activate(device)
         out = self._ffi.new("int *")
-        code = self._fn["cuStreamIsCapturing"](self._stream(stream), out)
+        pushed = self._enter(device)
+        try:
+            code = self._fn["cuStreamIsCapturing"](self._stream(stream), out)
+        finally:
+            self._leave(device, pushed)
         self._check("cuStreamIsCapturing", code, device, handle=f"stream {stream:#x}")
         return CaptureStatus(out[0])
 
     def graph_instantiate(self, device: int, graph: int) -> int:
         self._require_graphs(device)
-        self._activate(device)
-        self._retire_finished(device)
         out = self._ffi.new("CUgraphExec *")
-        code = self._fn["cuGraphInstantiateWithFlags"](out, self._ffi.cast("CUgraph", graph), 0)
+        pushed = self._enter(device)
+        try:
+            self._retire_finished(device)
+            code = self._fn["cuGraphInstantiateWithFlags"](out, self._ffi.cast("CUgraph", graph), 0)
+        finally:
+            self._leave(device, pushed)
         self._check("cuGraphInstantiateWithFlags", code, device, handle=f"graph {graph:#x}")
         graph_exec = self._address(out[0])
         with self._lock:
@@ -691,33 +882,60 @@ class CudaBackend(Backend):
 
     def graph_launch(self, device: int, graph_exec: int, stream: int) -> None:
         self._require_graphs(device)
-        self._activate(device)
-        keys = self._exec_keys.get(graph_exec)
-        capture_id = self._capture_id(device, stream) if keys else 0
+        pushed = self._enter(device)
+        try:
+            keys = self._exec_keys.get(graph_exec)
+            if keys:
+                with self._capture_lock:
+                    capture_id = self._capture_id(device, stream)
+                    if capture_id:
+                        # Launched inside a capture: the new graph replays these host functions too.
+                        self._launch_graph(device, graph_exec, stream)
+                        self._capture_owns(capture_id, keys)
+                        return
+            self._launch_graph(device, graph_exec, stream)
+            if keys:
+                self._hold_for_launch(device, graph_exec, keys, stream)
+        finally:
+            self._leave(device, pushed)
+
+    def _launch_graph(self, device: int, graph_exec: int, stream: int) -> None:
         code = self._fn["cuGraphLaunch"](self._ffi.cast("CUgraphExec", graph_exec), self._stream(stream))
         self._check("cuGraphLaunch", code, device, handle=f"executable graph {graph_exec:#x} or stream {stream:#x}")
-        if keys:
-            self._note_launch(device, graph_exec, keys, stream, capture_id)
 
-    def _note_launch(self, device: int, owner: int, keys: list[int], stream: int, capture_id: int) -> None:
-        """Keep the host functions ``keys`` of ``owner`` (an executable graph) alive for its launch on ``stream``."""
+    def _capture_owns(self, capture_id: int, keys: list[int]) -> None:
         with self._lock:
+            self._host_fns.retain(keys)
+            self._capture_keys.setdefault(capture_id, []).extend(keys)
+
+    def _hold_for_launch(self, device: int, owner: int, keys: list[int], stream: int) -> None:
+        """Keep ``owner``'s host functions ``keys`` until its launch just queued on ``stream`` ran.
+
+        Called with ``device``'s context current. As in launch_host_func: a
+        capture begun on the stream since the launch was checked may have
+        recorded it, so that capture owns the host functions too (and no event
+        goes into its graph).
+        """
+        with self._capture_lock:
+            capture_id = self._capture_id(device, stream)
             if capture_id:
-                # Launched inside a capture: the new graph replays these host functions too.
-                self._host_fns.retain(keys)
-                self._capture_keys.setdefault(capture_id, []).extend(keys)
-            else:
-                # Only our own event marks when this replay is over; the stream
-                # itself may be destroyed before the executable graph is.
-                events = self._exec_events.setdefault(owner, {})
-                if stream not in events:
-                    events[stream] = self.event_create(device, timing=False, blocking=False, interprocess=False)
-                self.event_record(device, events[stream], stream)
+                self._capture_owns(capture_id, keys)
+                return
+        with self._lock:
+            # Only our own event marks when this replay is over; the stream
+            # itself may be destroyed before the executable graph is.
+            events = self._exec_events.setdefault(owner, {})
+            if stream not in events:
+                events[stream] = self._create_event(device, CU_EVENT_DISABLE_TIMING)
+            self._record_event(device, events[stream], stream)
 
     def graph_destroy(self, device: int, graph: int) -> None:
         self._require_graphs(device)
-        self._activate(device)
-        code = self._fn["cuGraphDestroy"](self._ffi.cast("CUgraph", graph))
+        pushed = self._enter(device)
+        try:
+            code = self._fn["cuGraphDestroy"](self._ffi.cast("CUgraph", graph))
+        finally:
+            self._leave(device, pushed)
         self._check("cuGraphDestroy", code, device, handle=f"graph {graph:#x}")
         with self._lock:
             keys = self._graph_keys.pop(graph, [])
@@ -725,13 +943,19 @@ class CudaBackend(Backend):
 
     def graph_exec_destroy(self, device: int, graph_exec: int) -> None:
         self._require_graphs(device)
-        self._activate(device)
-        code = self._fn["cuGraphExecDestroy"](self._ffi.cast("CUgraphExec", graph_exec))
-        self._check("cuGraphExecDestroy", code, device, handle=f"executable graph {graph_exec:#x}")
-        self._retire(device, graph_exec)
+        pushed = self._enter(device)
+        try:
+            code = self._fn["cuGraphExecDestroy"](self._ffi.cast("CUgraphExec", graph_exec))
+            self._check("cuGraphExecDestroy", code, device, handle=f"executable graph {graph_exec:#x}")
+            self._retire(device, graph_exec)
+        finally:
+            self._leave(device, pushed)
 
     def _retire(self, device: int, owner: int) -> None:
-        """``owner`` (an executable graph) is gone; release its host functions once its launches finished."""
+        """``owner`` is gone: release its host functions once its launches finished.
+
+        Called with ``device``'s context current.
+        """
         with self._lock:
             keys = self._exec_keys.pop(owner, [])
             events = list(self._exec_events.pop(owner, {}).values())
@@ -747,33 +971,48 @@ class CudaBackend(Backend):
 
     def stream_capture_detach(self, device: int, stream: int) -> int:
         self._require_graphs(device)
-        self._activate(device)
-        capture_id = self._capture_id(device, stream)
-        if not capture_id:
-            raise CaptureError(f"cuda:{device}: stream {stream:#x} is not capturing; there is no capture to detach")
-        with self._lock:
-            keys = self._capture_keys.pop(capture_id, [])
-            if not keys:
-                return 0
-            handle = next(self._detached_ids)
-            self._exec_keys[-handle] = keys
-        return handle
+        pushed = self._enter(device)
+        try:
+            with self._capture_lock:  # no host function is being filed under the capture meanwhile
+                capture_id = self._capture_id(device, stream)
+                if not capture_id:
+                    raise CaptureError(
+                        f"cuda:{device}: stream {stream:#x} is not capturing; there is no capture to detach"
+                    )
+                with self._lock:
+                    keys = self._capture_keys.pop(capture_id, [])
+                    if not keys:
+                        return 0
+                    handle = next(self._detached_ids)
+                    self._exec_keys[-handle] = keys
+            return handle
+        finally:
+            self._leave(device, pushed)
 
     def detached_graph_launched(self, device: int, handle: int, stream: int) -> None:
         keys = self._exec_keys.get(-handle)
         if not keys:
             raise InvalidHandleError(f"cuda:{device}: {handle} is not a live detached-capture handle")
-        self._activate(device)
-        self._note_launch(device, -handle, keys, stream, self._capture_id(device, stream))
+        pushed = self._enter(device)
+        try:
+            self._hold_for_launch(device, -handle, keys, stream)
+        finally:
+            self._leave(device, pushed)
 
     def detached_graph_release(self, device: int, handle: int) -> None:
         if -handle not in self._exec_keys:
             raise InvalidHandleError(f"cuda:{device}: {handle} is not a live detached-capture handle")
-        self._activate(device)
-        self._retire(device, -handle)
+        pushed = self._enter(device)
+        try:
+            self._retire(device, -handle)
+        finally:
+            self._leave(device, pushed)
 
     def _retire_finished(self, device: int) -> None:
-        """Release host functions of destroyed executable graphs whose replays are over."""
+        """Release host functions of destroyed executable graphs whose replays are over.
+
+        Called inside an entry point, with ``device``'s context current.
+        """
         if not self._retiring.get(device):
             return
         with self._lock:
@@ -782,9 +1021,9 @@ class CudaBackend(Backend):
         # Relaxed: an event query must not invalidate another thread's global capture.
         with self._relaxed_capture_mode(device):
             for events, keys in entries:
-                if all(self.event_query(device, e) for e in events):
+                if all(self._query_event(device, e) for e in events):
                     for e in events:
-                        self.event_destroy(device, e)
+                        self._destroy_event(device, e)
                     self._host_fns.release(keys)
                 else:
                     unfinished.append((events, keys))
@@ -798,10 +1037,12 @@ class CudaBackend(Backend):
             raise NotSupportedError(
                 f"cuda:{device}: the CUDA driver {self._driver.path} does not export cuGraphDebugDotPrint"
             )
-        self._activate(device)
-        code = dot(self._ffi.cast("CUgraph", graph), path.encode(), CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE)
+        pushed = self._enter(device)
+        try:
+            code = dot(self._ffi.cast("CUgraph", graph), path.encode(), CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE)
+        finally:
+            self._leave(device, pushed)
         self._check("cuGraphDebugDotPrint", code, device, handle=f"graph {graph:#x}" if code == 1 else "")
-
 
 def create_backend() -> CudaBackend:
     """Open the driver, initialize it and count devices; BackendUnavailableError otherwise."""

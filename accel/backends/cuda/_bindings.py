@@ -87,6 +87,8 @@ CUresult cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice peerDe
 CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev);
 CUresult cuCtxSetCurrent(CUcontext ctx);
 CUresult cuCtxGetCurrent(CUcontext *pctx);
+CUresult cuCtxPushCurrent_v2(CUcontext ctx);
+CUresult cuCtxPopCurrent_v2(CUcontext *pctx);
 CUresult cuCtxSynchronize(void);
 CUresult cuCtxGetStreamPriorityRange(int *leastPriority, int *greatestPriority);
 
@@ -178,6 +180,8 @@ REQUIRED_FUNCTIONS: dict[str, tuple[str, ...]] = {
 } | {
     "cuDeviceTotalMem": ("cuDeviceTotalMem_v2",),
     "cuDeviceGetUuid": ("cuDeviceGetUuid_v2", "cuDeviceGetUuid"),
+    "cuCtxPushCurrent": ("cuCtxPushCurrent_v2",),
+    "cuCtxPopCurrent": ("cuCtxPopCurrent_v2",),
     "cuMemGetInfo": ("cuMemGetInfo_v2",),
     "cuMemAlloc": ("cuMemAlloc_v2",),
     "cuMemFree": ("cuMemFree_v2",),

@@ -90,6 +90,14 @@ def test_missing_required_symbol_is_named() -> None:
     assert "does not export cuStreamCreateWithPriority" in info["reason"]
 
 
+@pytest.mark.parametrize("symbol", ["cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2"])
+def test_context_push_and_pop_are_required(symbol: str) -> None:
+    # Every entry point restores the thread's context with them; no CUDA 12 or 13 driver lacks them.
+    info = probe(**sim_env(hide=(symbol,)))
+    assert not info["available"]
+    assert f"does not export {symbol}" in info["reason"]
+
+
 def test_missing_versioned_symbol_lists_the_candidates() -> None:
     info = probe(**sim_env(hide=("cuEventElapsedTime", "cuEventElapsedTime_v2")))
     assert "does not export cuEventElapsedTime_v2 or cuEventElapsedTime" in info["reason"]

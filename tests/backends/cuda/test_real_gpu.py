@@ -45,7 +45,8 @@ def test_conformance_suite_on_the_gpu() -> None:
 def test_cuda_backend_suite_on_the_gpu() -> None:
     # test_errors' simulator-only tests skip themselves there; the misuse tests run.
     suite = REPO_ROOT / "tests" / "backends" / "cuda"
-    _pytest("-q", "-p", "no:cacheprovider", str(suite / "test_semantics.py"), str(suite / "test_errors.py"))
+    _pytest("-q", "-p", "no:cacheprovider", *(str(suite / name) for name in
+            ("test_semantics.py", "test_errors.py", "test_context.py", "test_capture_races.py")))
 
 
 def test_device_properties_are_real() -> None:
@@ -120,3 +121,71 @@ def test_torch_interop_both_ways() -> None:
     if result.stdout.startswith("SKIP: "):
         pytest.skip(result.stdout.strip()[len("SKIP: "):])
     assert result.stdout.strip().endswith("OK")
+
+
+TORCH_CURRENT_DEVICE = """
+import sys, threading
+import torch
+if not torch.cuda.is_available():
+    print("SKIP: torch has no CUDA here (" + str(torch.version.cuda) + ")")
+    sys.exit(0)
+from accel.backends.base import CaptureMode, CaptureStatus
+from accel.backends.cuda import load
+b = load()
+count = torch.cuda.device_count()
+host = b.host_malloc(64)
+
+def tour(device):
+    s = b.stream_create(device, 0)
+    p = b.malloc(device, 64)
+    b.memset_async(device, p, 1, 64, s)
+    b.memcpy_async(device, host, p, 64, s)
+    b.stream_synchronize(device, s)
+    b.memory_info(device)
+    b.free(device, p)
+    b.stream_destroy(device, s)
+
+# torch's current device stays what torch set, whichever device accel works on.
+for current in range(min(count, 2)):
+    torch.cuda.set_device(current)
+    torch.empty(1, device="cuda")
+    for device in range(count):
+        tour(device)
+        assert torch.cuda.current_device() == current, (device, current, torch.cuda.current_device())
+    b.host_free(b.host_malloc(64))  # host memory uses device 0's context
+    assert torch.cuda.current_device() == current
+    assert torch.empty(1, device="cuda").device.index == current
+
+# A thread that never touched CUDA has no current context, before and after;
+# the push and pop around calls during a global capture leave the capture valid.
+fn, ffi = b.driver.fn, b.driver.ffi
+out = []
+def fresh():
+    ctx = ffi.new("CUcontext *")
+    fn["cuCtxGetCurrent"](ctx); before = ctx[0] == ffi.NULL
+    tour(0)
+    s = b.stream_create(0, 0)
+    p = b.malloc(0, 64)
+    b.stream_begin_capture(0, s, CaptureMode.GLOBAL)
+    b.memset_async(0, p, 2, 64, s)
+    status = b.stream_capture_status(0, s)
+    g = b.stream_end_capture(0, s)
+    b.graph_destroy(0, g)
+    b.free(0, p)
+    b.stream_destroy(0, s)
+    fn["cuCtxGetCurrent"](ctx); after = ctx[0] == ffi.NULL
+    out.append((before, after, status))
+t = threading.Thread(target=fresh)
+t.start(); t.join()
+assert out == [(True, True, CaptureStatus.ACTIVE)], out
+b.host_free(host)
+print(f"OK ({count} devices)")
+"""
+
+
+def test_torch_current_device_is_left_alone() -> None:
+    result = run_python(TORCH_CURRENT_DEVICE, REAL, timeout=300)
+    assert result.returncode == 0, result.stderr
+    if result.stdout.startswith("SKIP: "):
+        pytest.skip(result.stdout.strip()[len("SKIP: "):])
+    assert "OK" in result.stdout
