@@ -134,9 +134,32 @@ class _EventSlots:
         if slot is None:
             return
         with self._lock:
-            slot.holds -= 1
-            if slot.holds == 0:
-                self._free[slot.timing].append(slot)
+            self._drop_locked(slot)
+
+    def _drop_locked(self, slot: _Slot) -> None:
+        slot.holds -= 1
+        if slot.holds == 0:
+            self._free[slot.timing].append(slot)
+
+    def hold_current(self, event: _Event) -> _Slot | None:
+        """The event's current slot with one more hold for the caller (who drops it), or None.
+
+        Reading and holding happen under the pool lock, as the swap in ``set_current``
+        does: otherwise a concurrent re-record could give the slot back to the pool, and
+        another record take it, between the caller's read and its hold.
+        """
+        with self._lock:
+            slot = event.slot
+            if slot is not None:
+                slot.holds += 1
+            return slot
+
+    def set_current(self, event: _Event, slot: _Slot | None) -> None:
+        """Make ``slot`` (and the caller's hold on it) the event's; drop the previous slot's hold."""
+        with self._lock:
+            old, event.slot = event.slot, slot
+            if old is not None:
+                self._drop_locked(old)
 
 
 # -- streams, events, graphs ------------------------------------------------------
@@ -858,14 +881,17 @@ class XpuBackend(Backend):
         e = self._event(device, event, any_device=True)
         if _capture.wait_event(s, e.captured, e.handle):
             return
-        slot = e.slot
+        slot = self._slots.hold_current(e)  # not recycled by a concurrent re-record before the wait is queued
         if slot is None:
             return  # never recorded: a no-op, as in CUDA
-        with s.lock:
-            self._wait(s, s.cdata, slot)
-            self._barrier(s, s.cdata)
-            self._appended(s)
-            self._hold_until_passed(s, slot)
+        try:
+            with s.lock:
+                self._wait(s, s.cdata, slot)
+                self._barrier(s, s.cdata)
+                self._appended(s)
+                self._hold_until_passed(s, slot)
+        finally:
+            self._slots.drop(slot)
 
     # -- events ----------------------------------------------------------------------------
 
@@ -885,7 +911,7 @@ class XpuBackend(Backend):
         e = self._event(device, event)
         with self._lock:
             del self._events[event]
-        self._slots.drop(e.slot)
+        self._slots.set_current(e, None)
 
     def event_record(self, device: int, event: int, stream: int) -> None:
         e = self._event(device, event)
@@ -905,16 +931,19 @@ class XpuBackend(Backend):
         except BaseException:
             self._slots.drop(slot)
             raise
-        old, e.slot, e.captured = e.slot, slot, None
-        self._slots.drop(old)
+        self._slots.set_current(e, slot)
+        e.captured = None
 
     def event_query(self, device: int, event: int) -> bool:
         e = self._event(device, event)
         _capture.refuse_captured_event(e.captured, e.device, e.handle, "querying")
-        slot = e.slot
+        slot = self._slots.hold_current(e)
         if slot is None:
             return True
-        code = self._ze.lib.zeEventQueryStatus(slot.cdata)
+        try:
+            code = self._ze.lib.zeEventQueryStatus(slot.cdata)
+        finally:
+            self._slots.drop(slot)
         if code == _NOT_READY:
             return False
         self._check("zeEventQueryStatus", code, device)
@@ -923,10 +952,9 @@ class XpuBackend(Backend):
     def event_synchronize(self, device: int, event: int) -> None:
         e = self._event(device, event)
         _capture.refuse_captured_event(e.captured, e.device, e.handle, "synchronizing")
-        slot = e.slot
+        slot = self._slots.hold_current(e)  # a concurrent re-record or destroy must not recycle it meanwhile
         if slot is None:
             return
-        self._slots.hold(slot)  # a concurrent re-record or destroy must not recycle it meanwhile
         try:
             code = self._ze.lib.zeEventHostSynchronize(slot.cdata, WAIT_FOREVER)
             self._check("zeEventHostSynchronize", code, device)
@@ -942,11 +970,14 @@ class XpuBackend(Backend):
                     f"xpu:{device}: event {e.handle:#x} was created without timing; "
                     "create both events with enable_timing=True"
                 )
-            slot = e.slot
+            slot = self._slots.hold_current(e)  # read from the record it saw, not a recycled one
             if slot is None:
                 raise InvalidValueError(f"xpu:{device}: event {e.handle:#x} was never recorded; record it first")
             result = self._ze.ffi.new("ze_kernel_timestamp_result_t *")
-            code = self._ze.lib.zeEventQueryKernelTimestamp(slot.cdata, result)
+            try:
+                code = self._ze.lib.zeEventQueryKernelTimestamp(slot.cdata, result)
+            finally:
+                self._slots.drop(slot)
             if code == _NOT_READY:
                 raise InvalidValueError(
                     f"xpu:{device}: event {e.handle:#x} has not completed; synchronize it first"
