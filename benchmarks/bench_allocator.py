@@ -2,7 +2,8 @@
 
 (a) Latency: a cached allocate+free pair against the backend's raw
     malloc+free, for several sizes, through the DeviceAllocator and through
-    ``accel.memory.allocate`` (which adds the Buffer object).
+    ``accel.memory.allocate`` (which adds the Buffer object), all on the host
+    backend's device 0 and its one allocator.
 (b) Fragmentation: allocation traces recorded from torch inference models
     (an MLP, a transformer encoder, a CNN) with a TorchDispatchMode, replayed
     through the allocator with and without expandable segments; the figure is
@@ -26,10 +27,12 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from accel._runtime import Runtime  # noqa: E402
+from accel._runtime import Runtime, activate  # noqa: E402
 from accel.allocator._caching import DeviceAllocator  # noqa: E402
-from accel.allocator.config import AllocatorConfig, parse  # noqa: E402
+from accel.allocator.config import parse  # noqa: E402
+from accel.backends.base import Backend  # noqa: E402
 from accel.backends.cpu import CpuBackend  # noqa: E402
+from accel.stream import Stream  # noqa: E402
 
 MiB = 1 << 20
 SIZES = (512, 64 << 10, 1 << 20, 8 << 20, 64 << 20)
@@ -52,9 +55,24 @@ def _per_call_us(fn: Callable[[], None], number: int, repeat: int) -> tuple[floa
 def bench_latency(repeat: int) -> list[tuple[str, tuple[float, float], tuple[float, float], tuple[float, float]]]:
     import accel
 
-    backend = CpuBackend(1, None)
-    stream = Runtime(backend).default_stream(0)
-    alloc = DeviceAllocator(backend, 0, AllocatorConfig())
+    # accel.memory.allocate takes no backend or allocator: it uses the process's
+    # runtime and that runtime's allocator of the device. So every row runs there,
+    # on the host backend's device 0 (activated whatever ACCEL_BACKEND says): the
+    # DeviceAllocator row times the very allocator the facade calls, and the raw
+    # row the very backend, so the facade row minus the DeviceAllocator row is
+    # what the facade adds (the stream lookup and the Buffer object).
+    with activate("cpu") as runtime:
+        backend = runtime.backend
+        alloc = accel.memory.get_allocator(0)
+        stream = runtime.current_stream(0)
+        return _latency_rows(backend, alloc, stream, repeat)
+
+
+def _latency_rows(
+    backend: Backend, alloc: DeviceAllocator, stream: Stream, repeat: int
+) -> list[tuple[str, tuple[float, float], tuple[float, float], tuple[float, float]]]:
+    import accel
+
     rows = []
     for size in SIZES:
         alloc.free(alloc.malloc(size, stream))  # warm the cache
@@ -63,7 +81,7 @@ def bench_latency(repeat: int) -> list[tuple[str, tuple[float, float], tuple[flo
             alloc.free(alloc.malloc(size, stream))
 
         def facade(size: int = size) -> None:
-            accel.memory.allocate(size).free()
+            accel.memory.allocate(size, device=0).free()
 
         def raw(size: int = size) -> None:
             backend.free(0, backend.malloc(0, size))
@@ -239,7 +257,6 @@ def run(quick: bool) -> list[dict]:
 
 
 def main() -> None:
-    os.environ.setdefault("ACCEL_BACKEND", "cpu")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     args = parser.parse_args()
