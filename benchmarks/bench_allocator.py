@@ -60,7 +60,9 @@ def bench_latency(repeat: int) -> list[tuple[str, tuple[float, float], tuple[flo
     # on the host backend's device 0 (activated whatever ACCEL_BACKEND says): the
     # DeviceAllocator row times the very allocator the facade calls, and the raw
     # row the very backend, so the facade row minus the DeviceAllocator row is
-    # what the facade adds (the stream lookup and the Buffer object).
+    # what the facade adds (the stream lookup and the Buffer object). That
+    # allocator is configured from the environment (ACCEL_ALLOC_CONF...), as
+    # for any accel.memory user.
     with activate("cpu") as runtime:
         backend = runtime.backend
         alloc = accel.memory.get_allocator(0)
