@@ -32,8 +32,9 @@ import sys
 import threading
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from accel._errors import (
     CaptureError,
@@ -68,6 +69,25 @@ _handles = itertools.count(0x10000)
 
 def _new_handle() -> int:
     return next(_handles) << 4
+
+
+class _OnDevice(Protocol):
+    device: int
+
+
+_T = TypeVar("_T", bound=_OnDevice)
+
+
+def _live(table: Mapping[int, _T], handle: int, device: int, kind: str, *, any_device: bool = False) -> _T:
+    """``table[handle]`` if it is live and of ``device`` (of any device with ``any_device``),
+    else InvalidHandleError."""
+    found = table.get(handle)
+    if found is None or (found.device != device and not any_device):
+        raise InvalidHandleError(
+            f"xpu:{device}: {kind} {handle:#x} is not a live {kind} of this device "
+            "(destroyed, never created, or created on another device)"
+        )
+    return found
 
 
 # -- pooled events ------------------------------------------------------------
@@ -435,22 +455,10 @@ class XpuBackend(Backend):
         return state.free, state.size
 
     def _stream(self, device: int, handle: int) -> _Stream:
-        stream = self._streams.get(handle)
-        if stream is None or stream.device != device:
-            raise InvalidHandleError(
-                f"xpu:{device}: stream {handle:#x} is not a live stream of this device "
-                "(destroyed, or created on another device)"
-            )
-        return stream
+        return _live(self._streams, handle, device, "stream")
 
     def _event(self, device: int, handle: int, *, any_device: bool = False) -> _Event:
-        event = self._events.get(handle)
-        if event is None or (event.device != device and not any_device):
-            raise InvalidHandleError(
-                f"xpu:{device}: event {handle:#x} is not a live event of this device "
-                "(destroyed, or created on another device)"
-            )
-        return event
+        return _live(self._events, handle, device, "event", any_device=any_device)
 
     # -- command appending (caller holds stream.lock) ------------------------------------
 
@@ -570,22 +578,26 @@ class XpuBackend(Backend):
         out = ffi.new("void **")
         code = lib.zeMemAllocDevice(self._context, desc, nbytes, _MALLOC_ALIGNMENT, dev.cdata, out)
         if code in _OOM_CODES or code == _UNSUPPORTED_SIZE:
-            free, total = self.memory_info(device)
-            limit = dev.properties.extra["max_mem_alloc_size"]
-            hint = f" (the largest single allocation is {format_size(limit)})" if code == _UNSUPPORTED_SIZE else ""
-            raise OutOfMemoryError(
-                f"xpu:{device} is out of memory: zeMemAllocDevice could not allocate "
-                f"{format_size(nbytes)}{hint}; {format_size(free)} of {format_size(total)} free "
-                f"({describe_result(code)}). Free memory or release accel's cached blocks and retry.",
-                requested=nbytes,
-                device=device,
-            )
+            what = f"allocate {format_size(nbytes)}"
+            if code == _UNSUPPORTED_SIZE:
+                what += f" (the largest single allocation is {format_size(dev.properties.extra['max_mem_alloc_size'])})"
+            raise self._out_of_memory(device, "zeMemAllocDevice", what, nbytes, code)
         self._check("zeMemAllocDevice", code, device)
         ptr = self._addr(out[0])
         with dev.lock:
             dev.allocations[ptr] = nbytes
             dev.held += nbytes
         return ptr
+
+    def _out_of_memory(self, device: int, call: str, what: str, nbytes: int, code: int) -> OutOfMemoryError:
+        free, total = self.memory_info(device)
+        return OutOfMemoryError(
+            f"xpu:{device} is out of memory: {call} could not {what}; {format_size(free)} of "
+            f"{format_size(total)} free ({describe_result(code)}). Free memory or release accel's "
+            "cached blocks and retry.",
+            requested=nbytes,
+            device=device,
+        )
 
     def free(self, device: int, ptr: int) -> None:
         dev = self._devices[device]
@@ -692,20 +704,21 @@ class XpuBackend(Backend):
         out = ffi.new("ze_physical_mem_handle_t *")
         code = lib.zePhysicalMemCreate(self._context, dev.cdata, desc, out)
         if code in _OOM_CODES:
-            free, total = self.memory_info(device)
-            raise OutOfMemoryError(
-                f"xpu:{device} is out of memory: zePhysicalMemCreate could not create a "
-                f"{format_size(nbytes)} chunk; {format_size(free)} of {format_size(total)} free "
-                f"({describe_result(code)}). Free memory or release accel's cached blocks and retry.",
-                requested=nbytes,
-                device=device,
-            )
+            what = f"create a {format_size(nbytes)} chunk"
+            raise self._out_of_memory(device, "zePhysicalMemCreate", what, nbytes, code)
         self._check("zePhysicalMemCreate", code, device)
         handle = self._addr(out[0])
         with dev.lock:
             dev.physical[handle] = _Chunk(out[0], nbytes)
             dev.held += nbytes
         return handle
+
+    def _live_chunk(self, dev: _Device, handle: int) -> _Chunk:
+        """The chunk ``handle`` of ``dev``, unless released (caller holds dev.lock)."""
+        chunk = dev.physical.get(handle)
+        if chunk is None or chunk.released:
+            raise InvalidHandleError(f"xpu:{dev.index}: physical chunk {handle:#x} is not live (already released?)")
+        return chunk
 
     def _destroy_physical(self, dev: _Device, handle: int) -> None:
         """Destroy a released, unmapped chunk (caller removed it from dev.physical)."""
@@ -716,9 +729,7 @@ class XpuBackend(Backend):
     def vm_release(self, device: int, handle: int) -> None:
         dev = self._require_vm(device)
         with dev.lock:
-            chunk = dev.physical.get(handle)
-            if chunk is None or chunk.released:
-                raise InvalidHandleError(f"xpu:{device}: physical chunk {handle:#x} is not live (already released?)")
+            chunk = self._live_chunk(dev, handle)
             chunk.released = True
             if chunk.maps == 0:
                 self._destroy_physical(dev, handle)
@@ -727,9 +738,7 @@ class XpuBackend(Backend):
         dev = self._require_vm(device)
         ffi, lib = self._ze.ffi, self._ze.lib
         with dev.lock:
-            chunk = dev.physical.get(handle)
-            if chunk is None or chunk.released:
-                raise InvalidHandleError(f"xpu:{device}: physical chunk {handle:#x} is not live (already released?)")
+            chunk = self._live_chunk(dev, handle)
             if nbytes != chunk.size:
                 raise InvalidValueError(
                     f"xpu:{device}: map the whole chunk: it has {chunk.size:#x} bytes, not {nbytes:#x}"
@@ -1156,10 +1165,7 @@ class XpuBackend(Backend):
         return graph.handle
 
     def _graph(self, device: int, handle: int) -> _Graph:
-        graph = self._graphs.get(handle)
-        if graph is None or graph.device != device:
-            raise InvalidHandleError(f"xpu:{device}: graph handle {handle:#x} is not a live captured graph")
-        return graph
+        return _live(self._graphs, handle, device, "graph")
 
     def graph_instantiate(self, device: int, graph: int) -> int:
         g = self._graph(device, graph)
@@ -1171,9 +1177,7 @@ class XpuBackend(Backend):
         return handle
 
     def graph_launch(self, device: int, graph_exec: int, stream: int) -> None:
-        g = self._execs.get(graph_exec)
-        if g is None or g.device != device:
-            raise InvalidHandleError(f"xpu:{device}: executable graph handle {graph_exec:#x} is not live")
+        g = _live(self._execs, graph_exec, device, "executable graph")
         s = self._stream(device, stream)
         if s.capture is not None:
             raise CaptureError(f"xpu:{device}: launching a graph inside a capture is not supported")
@@ -1254,9 +1258,7 @@ class XpuBackend(Backend):
 
     def graph_exec_destroy(self, device: int, graph_exec: int) -> None:
         with self._lock:
-            g = self._execs.get(graph_exec)
-            if g is None or g.device != device:
-                raise InvalidHandleError(f"xpu:{device}: executable graph handle {graph_exec:#x} is not live")
+            g = _live(self._execs, graph_exec, device, "executable graph")
             del self._execs[graph_exec]
         self._release_graph(g)
 

@@ -175,7 +175,7 @@ def test_default_streams_are_live_command_lists_that_cannot_be_destroyed(xpu) ->
     assert len(defaults) == xpu.device_count() and 0 not in defaults
     with pytest.raises(accel.InvalidHandleError, match="default stream"):
         xpu.stream_destroy(0, xpu.default_stream(0))
-    with pytest.raises(accel.InvalidHandleError):
+    with pytest.raises(accel.InvalidHandleError, match="xpu:1: stream .* is not a live stream of this device"):
         xpu.stream_query(1, xpu.default_stream(0))  # a stream of another device
 
 
@@ -275,7 +275,7 @@ def test_events_of_one_device_order_streams_of_another(xpu) -> None:
     assert not xpu.stream_query(1, s1)
     opened.set()
     xpu.stream_synchronize(1, s1)
-    with pytest.raises(accel.InvalidHandleError):
+    with pytest.raises(accel.InvalidHandleError, match="xpu:1: event .* is not a live event of this device"):
         xpu.event_record(1, event, s1)  # recording stays on the event's device
     xpu.event_destroy(0, event)
     xpu.stream_destroy(0, s0)
@@ -339,9 +339,11 @@ def test_an_executable_graph_outlives_its_graph_and_replays_on_any_stream(xpu, s
         xpu.stream_destroy(0, other)
         xpu.free(0, dev)
         xpu.host_free(host)
-    with pytest.raises(accel.InvalidHandleError):
+    with pytest.raises(accel.InvalidHandleError, match=f"xpu:0: executable graph {graph_exec:#x} is not a live"):
         xpu.graph_launch(0, graph_exec, stream)
-    with pytest.raises(accel.InvalidHandleError):
+    with pytest.raises(accel.InvalidHandleError, match="executable graph .* not a live"):
+        xpu.graph_exec_destroy(0, graph_exec)
+    with pytest.raises(accel.InvalidHandleError, match=f"xpu:0: graph {graph:#x} is not a live graph of this device"):
         xpu.graph_destroy(0, graph)
 
 
