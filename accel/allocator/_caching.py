@@ -26,7 +26,7 @@ import warnings
 from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from accel._errors import CaptureError, DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
 from accel.allocator import _stats as S
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from accel.allocator.config import AllocatorConfig
     from accel.stream._stream import Stream
 
-__all__ = ["DeviceAllocator", "FinalizerFrees"]
+__all__ = ["DeviceAllocator"]
 
 KB_MIN = 512  # minimum block size and rounding quantum
 SMALL_SIZE = 1 << 20  # requests up to this go to the small pool
@@ -104,52 +104,7 @@ def _check_pool_id(pool_id: object) -> tuple[int, int]:
     return pool_id  # type: ignore[return-value]
 
 
-class _HasState(Protocol):
-    state: int
-
-
-_B = TypeVar("_B", bound=_HasState)
-
-
-class FinalizerFrees(Generic[_B]):
-    """Frees asked for by garbage-collection finalizers, for an allocator with a
-    non-reentrant ``_lock``, a ``_gc_frees`` deque and a ``_free_locked(block)``
-    (the device allocator and the staging-memory cache).
-
-    A finalizer runs wherever the collector happens to run, possibly in a
-    thread that holds the lock inside an allocation, so it never blocks on the
-    lock: when the lock is taken the free is queued, and the next call that
-    takes the lock drains the queue (guarded by ``if self._gc_frees:``, so that
-    the common case costs one test). A block no longer ALLOCATED by then was
-    freed another way and is left alone.
-    """
-
-    _lock: threading.Lock
-    _gc_frees: deque[_B]
-
-    if TYPE_CHECKING:
-
-        def _free_locked(self, block: _B) -> None: ...
-
-    def free_from_finalizer(self, block: _B) -> None:
-        """Free ``block`` now if the lock is free, else at the next locked call."""
-        if self._lock.acquire(blocking=False):
-            try:
-                if block.state == ALLOCATED:
-                    self._free_locked(block)
-            finally:
-                self._lock.release()
-        else:
-            self._gc_frees.append(block)
-
-    def _drain_gc_frees(self) -> None:
-        while self._gc_frees:
-            block = self._gc_frees.popleft()
-            if block.state == ALLOCATED:
-                self._free_locked(block)
-
-
-class DeviceAllocator(FinalizerFrees[Block]):
+class DeviceAllocator:
     """Caching allocator for one device of one backend.
 
     Memory comes from ``upstream`` (default: the backend itself); streams are
@@ -727,6 +682,24 @@ class DeviceAllocator(FinalizerFrees[Block]):
                 self._insert_events(block)
         else:
             self._free_block(block)
+
+    def free_from_finalizer(self, block: Block) -> None:
+        """Free from a garbage-collection finalizer, which may run while this
+        thread already holds the lock: then the free waits for the next call."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if block.state == ALLOCATED:
+                    self._free_locked(block)
+            finally:
+                self._lock.release()
+        else:
+            self._gc_frees.append(block)
+
+    def _drain_gc_frees(self) -> None:
+        while self._gc_frees:
+            block = self._gc_frees.popleft()
+            if block.state == ALLOCATED:
+                self._free_locked(block)
 
     def _free_block(self, block: Block) -> None:
         """Return ``block`` to its pool's free list, merged with free neighbours.

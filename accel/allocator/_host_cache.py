@@ -18,8 +18,6 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from accel._errors import DeviceError, InvalidHandleError, InvalidValueError
-from accel.allocator._blocks import ALLOCATED, FREE, PENDING
-from accel.allocator._caching import FinalizerFrees
 from accel.backends.base import Backend
 
 if TYPE_CHECKING:
@@ -32,14 +30,14 @@ _PAGE = 4096
 
 
 class HostBlock:
-    """One staging allocation: ``ptr``, ``size`` (rounded), its state and who used it."""
+    """One staging allocation: ``ptr``, ``size`` (rounded) and who used it."""
 
-    __slots__ = ("ptr", "size", "state", "stream_uses", "events")
+    __slots__ = ("ptr", "size", "allocated", "stream_uses", "events")
 
     def __init__(self, ptr: int, size: int) -> None:
         self.ptr = ptr
         self.size = size
-        self.state = FREE  # ALLOCATED, PENDING (freed, waiting for its events) or FREE (cached)
+        self.allocated = False
         self.stream_uses: set[tuple[int, int]] = set()  # (device, stream handle)
         self.events: list[tuple[int, int]] = []  # (device, event) recorded at free
 
@@ -47,7 +45,7 @@ class HostBlock:
         return f"<HostBlock {self.ptr:#x} {self.size} bytes>"
 
 
-class HostCachingAllocator(FinalizerFrees[HostBlock]):
+class HostCachingAllocator:
     """Staging memory of one backend, cached by rounded size.
 
     >>> from accel.backends.cpu import CpuBackend
@@ -103,7 +101,7 @@ class HostCachingAllocator(FinalizerFrees[HostBlock]):
                 self._live[block.ptr] = block
                 self.reserved_bytes += size
         with self._lock:
-            block.state = ALLOCATED
+            block.allocated = True
             self.allocated_bytes += size
         return block
 
@@ -113,19 +111,37 @@ class HostCachingAllocator(FinalizerFrees[HostBlock]):
             raise DeviceError(f"{stream!r} belongs to another backend than this staging memory")
         handle = stream._live()
         with self._lock:
-            if block.state != ALLOCATED or self._live.get(block.ptr) is not block:
+            if not block.allocated or self._live.get(block.ptr) is not block:
                 raise InvalidHandleError(f"record_stream on {block!r}, which is not allocated")
             block.stream_uses.add((stream.device_index, handle))
 
     def free(self, block: HostBlock) -> None:
         """Give ``block`` back; it is reused after the streams that used it pass this point."""
         with self._lock:
-            if block.state != ALLOCATED or self._live.get(block.ptr) is not block:
+            if not block.allocated or self._live.get(block.ptr) is not block:
                 raise InvalidHandleError(f"{block!r} is not allocated (freed twice?)")
             self._free_locked(block)
 
+    def free_from_finalizer(self, block: HostBlock) -> None:
+        """Free from a garbage-collection finalizer, which may run while this
+        thread holds the lock: then the free waits for the next call."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if block.allocated:
+                    self._free_locked(block)
+            finally:
+                self._lock.release()
+        else:
+            self._gc_frees.append(block)
+
+    def _drain_gc_frees(self) -> None:
+        while self._gc_frees:
+            block = self._gc_frees.popleft()
+            if block.allocated:
+                self._free_locked(block)
+
     def _free_locked(self, block: HostBlock) -> None:
-        block.state = PENDING
+        block.allocated = False
         self.allocated_bytes -= block.size
         error: BaseException | None = None
         for device, handle in block.stream_uses:
@@ -153,7 +169,6 @@ class HostCachingAllocator(FinalizerFrees[HostBlock]):
             raise error
 
     def _cache(self, block: HostBlock) -> None:
-        block.state = FREE
         if self._max_cached is not None and self.cached_bytes + block.size > self._max_cached:
             # Keeping it would take the cache past pinned_max_cached_size:
             # release this block, and keep what is already cached.
