@@ -3,7 +3,7 @@
 (a) Latency: a cached allocate+free pair against the backend's raw
     malloc+free, for several sizes, through the DeviceAllocator and through
     ``accel.memory.allocate`` (which adds the Buffer object), all on the host
-    backend's device 0 and its one allocator.
+    backend's current device and its one allocator.
 (b) Fragmentation: allocation traces recorded from torch inference models
     (an MLP, a transformer encoder, a CNN) with a TorchDispatchMode, replayed
     through the allocator with and without expandable segments; the figure is
@@ -56,22 +56,21 @@ def bench_latency(repeat: int) -> list[tuple[str, tuple[float, float], tuple[flo
     import accel
 
     # accel.memory.allocate takes no backend or allocator: it uses the process's
-    # runtime and that runtime's allocator of the device. So every row runs there,
-    # on the host backend's device 0 (activated whatever ACCEL_BACKEND says): the
-    # DeviceAllocator row times the very allocator the facade calls, and the raw
-    # row the very backend, so the facade row minus the DeviceAllocator row is
-    # what the facade adds (the stream lookup and the Buffer object). That
-    # allocator is configured from the environment (ACCEL_ALLOC_CONF...), as
-    # for any accel.memory user.
+    # runtime and that runtime's allocator of the current device. So every row
+    # runs there, on the host backend (activated whatever ACCEL_BACKEND says):
+    # the DeviceAllocator row times the very allocator the facade calls, and the
+    # raw row the very backend and device, so the facade row minus the
+    # DeviceAllocator row is what the facade adds (the stream lookup and the
+    # Buffer object). That allocator is configured from the environment
+    # (ACCEL_ALLOC_CONF...), as for any accel.memory user.
     with activate("cpu") as runtime:
-        backend = runtime.backend
-        alloc = accel.memory.get_allocator(0)
-        stream = runtime.current_stream(0)
-        return _latency_rows(backend, alloc, stream, repeat)
+        device = runtime.current_index
+        alloc = accel.memory.get_allocator(device)
+        return _latency_rows(runtime.backend, device, alloc, runtime.current_stream(device), repeat)
 
 
 def _latency_rows(
-    backend: Backend, alloc: DeviceAllocator, stream: Stream, repeat: int
+    backend: Backend, device: int, alloc: DeviceAllocator, stream: Stream, repeat: int
 ) -> list[tuple[str, tuple[float, float], tuple[float, float], tuple[float, float]]]:
     import accel
 
@@ -83,10 +82,10 @@ def _latency_rows(
             alloc.free(alloc.malloc(size, stream))
 
         def facade(size: int = size) -> None:
-            accel.memory.allocate(size, device=0).free()
+            accel.memory.allocate(size).free()
 
         def raw(size: int = size) -> None:
-            backend.free(0, backend.malloc(0, size))
+            backend.free(device, backend.malloc(device, size))
 
         facade()
         rows.append(
