@@ -10,6 +10,7 @@ import ctypes
 import re
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -421,7 +422,7 @@ class _PreemptAfterSlotRead:
     cannot let it through, so waiting longer would deadlock.
     """
 
-    def __init__(self, xpu, monkeypatch, event: int, reader: threading.Thread, interleave) -> None:
+    def __init__(self, xpu, monkeypatch, event: int, reader: threading.Thread, interleave: Callable[[], None]) -> None:
         from accel.backends.xpu._backend import _Event
 
         self.other = threading.Thread(target=self._run, args=(interleave,), daemon=True)
@@ -445,16 +446,16 @@ class _PreemptAfterSlotRead:
                 self._inner.release()
 
         class Hooked(_Event):
-            def _get(e):
-                slot = e.__dict__["slot"]
+            def _get(event):
+                slot = event.__dict__["slot"]
                 if threading.current_thread() is hook._reader and not hook._started:
                     hook._started = True
                     hook.other.start()
                     assert hook._progress.wait(10), "the interleaving thread made no progress"
                 return slot
 
-            def _set(e, slot) -> None:
-                e.__dict__["slot"] = slot
+            def _set(event, slot) -> None:
+                event.__dict__["slot"] = slot
 
             slot = property(_get, _set)
 
@@ -462,7 +463,7 @@ class _PreemptAfterSlotRead:
         target = xpu._events[event]
         monkeypatch.setattr(target, "__class__", Hooked)
 
-    def _run(self, interleave) -> None:
+    def _run(self, interleave: Callable[[], None]) -> None:
         try:
             interleave()
         except BaseException as exc:  # reported by finish()
@@ -489,13 +490,16 @@ def test_a_concurrent_re_record_cannot_recycle_the_event_a_reader_uses(xpu, stre
     outcome: list[object] = []
 
     def use_event() -> None:
-        if use == "event_synchronize":
-            xpu.event_synchronize(0, event)
-        elif use == "stream_wait_event":
-            xpu.stream_wait_event(0, waiter, event)
-            xpu.stream_synchronize(0, waiter)
-        else:
-            outcome.append(xpu.event_query(0, event))
+        try:
+            if use == "event_synchronize":
+                xpu.event_synchronize(0, event)
+            elif use == "stream_wait_event":
+                xpu.stream_wait_event(0, waiter, event)
+                xpu.stream_synchronize(0, waiter)
+            else:
+                outcome.append(xpu.event_query(0, event))
+        except BaseException as exc:  # reported below, from the test's thread
+            outcome.append(exc)
 
     def re_record() -> None:
         xpu.event_record(0, event, idle)
@@ -514,6 +518,8 @@ def test_a_concurrent_re_record_cannot_recycle_the_event_a_reader_uses(xpu, stre
     assert not hung, f"{use} waited on the gated record of another event"
     if use == "event_query":
         assert outcome == [True], "event_query saw the gated record of another event"
+    else:
+        assert outcome == []
     for s in (gated, idle, waiter):
         xpu.stream_synchronize(0, s)
         xpu.stream_destroy(0, s)
