@@ -2,7 +2,8 @@
 
 (a) Latency: a cached allocate+free pair against the backend's raw
     malloc+free, for several sizes, through the DeviceAllocator and through
-    ``accel.memory.allocate`` (which adds the Buffer object).
+    ``accel.memory.allocate`` (which adds the Buffer object), all on the host
+    backend's current device and its one allocator.
 (b) Fragmentation: allocation traces recorded from torch inference models
     (an MLP, a transformer encoder, a CNN) with a TorchDispatchMode, replayed
     through the allocator with and without expandable segments; the figure is
@@ -26,10 +27,12 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from accel._runtime import Runtime  # noqa: E402
+from accel._runtime import Runtime, activate  # noqa: E402
 from accel.allocator._caching import DeviceAllocator  # noqa: E402
-from accel.allocator.config import AllocatorConfig, parse  # noqa: E402
+from accel.allocator.config import parse  # noqa: E402
+from accel.backends.base import Backend  # noqa: E402
 from accel.backends.cpu import CpuBackend  # noqa: E402
+from accel.stream import Stream  # noqa: E402
 
 MiB = 1 << 20
 SIZES = (512, 64 << 10, 1 << 20, 8 << 20, 64 << 20)
@@ -52,9 +55,25 @@ def _per_call_us(fn: Callable[[], None], number: int, repeat: int) -> tuple[floa
 def bench_latency(repeat: int) -> list[tuple[str, tuple[float, float], tuple[float, float], tuple[float, float]]]:
     import accel
 
-    backend = CpuBackend(1, None)
-    stream = Runtime(backend).default_stream(0)
-    alloc = DeviceAllocator(backend, 0, AllocatorConfig())
+    # accel.memory.allocate takes no backend or allocator: it uses the process's
+    # runtime and that runtime's allocator of the current device. So every row
+    # runs there, on the host backend (activated whatever ACCEL_BACKEND says):
+    # the DeviceAllocator row times the very allocator the facade calls, and the
+    # raw row the very backend and device, so the facade row minus the
+    # DeviceAllocator row is what the facade adds (the stream lookup and the
+    # Buffer object). That allocator is configured from the environment
+    # (ACCEL_ALLOC_CONF...), as for any accel.memory user.
+    with activate("cpu") as runtime:
+        device = runtime.current_index
+        alloc = accel.memory.get_allocator(device)
+        return _latency_rows(runtime.backend, device, alloc, runtime.current_stream(device), repeat)
+
+
+def _latency_rows(
+    backend: Backend, device: int, alloc: DeviceAllocator, stream: Stream, repeat: int
+) -> list[tuple[str, tuple[float, float], tuple[float, float], tuple[float, float]]]:
+    import accel
+
     rows = []
     for size in SIZES:
         alloc.free(alloc.malloc(size, stream))  # warm the cache
@@ -66,7 +85,7 @@ def bench_latency(repeat: int) -> list[tuple[str, tuple[float, float], tuple[flo
             accel.memory.allocate(size).free()
 
         def raw(size: int = size) -> None:
-            backend.free(0, backend.malloc(0, size))
+            backend.free(device, backend.malloc(device, size))
 
         facade()
         rows.append(
@@ -239,7 +258,6 @@ def run(quick: bool) -> list[dict]:
 
 
 def main() -> None:
-    os.environ.setdefault("ACCEL_BACKEND", "cpu")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     args = parser.parse_args()

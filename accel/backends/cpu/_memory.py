@@ -67,17 +67,41 @@ class _Reservation:
     mapped: dict[int, tuple[int, int]] = field(default_factory=dict)  # addr -> (size, handle)
 
 
-class DeviceMemory:
-    """Allocations of one host device, optionally capped at ``limit`` bytes."""
+class _Allocations:
+    """The mappings ``malloc`` handed out, by address, so that ``free`` unmaps
+    exactly what was mapped there and refuses any other pointer."""
 
-    def __init__(self, device: int, limit: int | None) -> None:
-        self.device = device
-        self.limit = limit
+    def __init__(self, where: str, free_call: str, allocator: str) -> None:
+        # How a bad free is reported: "cpu:0: free(0x...): not an allocation of this device ..."
+        self._where, self._free_call, self._allocator = where, free_call, allocator
         # Reentrant: a garbage-collected buffer's finalizer may free memory while
         # this thread is inside an allocation.
         self._lock = threading.RLock()
-        self._held = 0
         self._allocations: dict[int, int] = {}
+
+    def _released(self, nbytes: int) -> None:
+        """Account for ``nbytes`` given back by ``free`` (the lock is held)."""
+
+    def free(self, ptr: int) -> None:
+        with self._lock:
+            size = self._allocations.pop(ptr, None)
+            if size is None:
+                raise InvalidHandleError(
+                    f"{self._where}: {self._free_call}({ptr:#x}): not an allocation of {self._allocator} "
+                    "(already freed, or allocated elsewhere)"
+                )
+            self._released(size)
+        _libc.unmap(ptr, size)
+
+
+class DeviceMemory(_Allocations):
+    """Allocations of one host device, optionally capped at ``limit`` bytes."""
+
+    def __init__(self, device: int, limit: int | None) -> None:
+        super().__init__(f"cpu:{device}", "free", "this device")
+        self.device = device
+        self.limit = limit
+        self._held = 0
         self._reservations: dict[int, _Reservation] = {}
         self._physical: dict[int, tuple[int, int]] = {}  # handle -> (fd, size)
         self._next_handle = 1
@@ -137,16 +161,8 @@ class DeviceMemory:
             self._allocations[ptr] = size
         return ptr
 
-    def free(self, ptr: int) -> None:
-        with self._lock:
-            size = self._allocations.pop(ptr, None)
-            if size is None:
-                raise InvalidHandleError(
-                    f"cpu:{self.device}: free({ptr:#x}): not an allocation of this device "
-                    "(already freed, or allocated elsewhere)"
-                )
-            self._held -= size
-        _libc.unmap(ptr, size)
+    def _released(self, nbytes: int) -> None:
+        self._held -= nbytes
 
     # -- virtual memory -------------------------------------------------------
 
@@ -252,14 +268,11 @@ class DeviceMemory:
                 del res.mapped[start]
 
 
-class HostMemory:
+class HostMemory(_Allocations):
     """Page-aligned host memory for staging copies (every page is host memory here)."""
 
     def __init__(self) -> None:
-        # Reentrant: a garbage-collected buffer's finalizer may free memory while
-        # this thread is inside an allocation.
-        self._lock = threading.RLock()
-        self._allocations: dict[int, int] = {}
+        super().__init__("cpu", "host_free", "host_malloc")
 
     def malloc(self, nbytes: int) -> int:
         size = round_up(nbytes, PAGE)
@@ -272,12 +285,3 @@ class HostMemory:
         with self._lock:
             self._allocations[ptr] = size
         return ptr
-
-    def free(self, ptr: int) -> None:
-        with self._lock:
-            size = self._allocations.pop(ptr, None)
-        if size is None:
-            raise InvalidHandleError(
-                f"host_free({ptr:#x}): not host memory from host_malloc (already freed?)"
-            )
-        _libc.unmap(ptr, size)

@@ -287,11 +287,17 @@ class StreamTable:
             self._graphs[graph] = list(capture.nodes)
         return graph
 
-    def graph_nodes(self, graph: int) -> list[Node]:
-        nodes = self._graphs.get(graph)
+    @staticmethod
+    def _live_nodes(table: dict[int, list[Node]], handle: int, kind: str) -> list[Node]:
+        """The nodes of graph or executable graph ``handle`` (graphs of every device share
+        ``table``), else InvalidHandleError."""
+        nodes = table.get(handle)
         if nodes is None:
-            raise InvalidHandleError(f"graph handle {graph:#x} is not a live captured graph")
+            raise InvalidHandleError(f"cpu: {kind} handle {handle:#x} is not live (destroyed, or never created)")
         return nodes
+
+    def graph_nodes(self, graph: int) -> list[Node]:
+        return self._live_nodes(self._graphs, graph, "graph")
 
     def instantiate(self, graph: int) -> int:
         nodes = self.graph_nodes(graph)
@@ -301,9 +307,7 @@ class StreamTable:
         return graph_exec
 
     def launch(self, device: int, graph_exec: int, stream_handle: int) -> None:
-        nodes = self._execs.get(graph_exec)
-        if nodes is None:
-            raise InvalidHandleError(f"executable graph handle {graph_exec:#x} is not live")
+        nodes = self._live_nodes(self._execs, graph_exec, "executable graph")
         stream = self.stream(device, stream_handle)
         if stream.capture is not None:
             raise CaptureError(f"cpu:{device}: launching a graph inside a capture is not supported")
@@ -317,10 +321,10 @@ class StreamTable:
 
     def destroy_graph(self, graph: int) -> None:
         with self._lock:
-            if self._graphs.pop(graph, None) is None:
-                raise InvalidHandleError(f"graph handle {graph:#x} is not a live captured graph")
+            self._live_nodes(self._graphs, graph, "graph")
+            del self._graphs[graph]
 
     def destroy_exec(self, graph_exec: int) -> None:
         with self._lock:
-            if self._execs.pop(graph_exec, None) is None:
-                raise InvalidHandleError(f"executable graph handle {graph_exec:#x} is not live")
+            self._live_nodes(self._execs, graph_exec, "executable graph")
+            del self._execs[graph_exec]

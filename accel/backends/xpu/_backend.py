@@ -32,8 +32,9 @@ import sys
 import threading
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from accel._errors import (
     CaptureError,
@@ -68,6 +69,25 @@ _handles = itertools.count(0x10000)
 
 def _new_handle() -> int:
     return next(_handles) << 4
+
+
+class _OnDevice(Protocol):
+    device: int
+
+
+_T = TypeVar("_T", bound=_OnDevice)
+
+
+def _live(table: Mapping[int, _T], handle: int, device: int, kind: str, *, any_device: bool = False) -> _T:
+    """``table[handle]`` if it is live and of ``device`` (of any device with ``any_device``),
+    else InvalidHandleError."""
+    found = table.get(handle)
+    if found is None or (found.device != device and not any_device):
+        raise InvalidHandleError(
+            f"xpu:{device}: {kind} {handle:#x} is not a live {kind} of this device "
+            "(destroyed, never created, or created on another device)"
+        )
+    return found
 
 
 # -- pooled events ------------------------------------------------------------
@@ -134,9 +154,32 @@ class _EventSlots:
         if slot is None:
             return
         with self._lock:
-            slot.holds -= 1
-            if slot.holds == 0:
-                self._free[slot.timing].append(slot)
+            self._drop_locked(slot)
+
+    def _drop_locked(self, slot: _Slot) -> None:
+        slot.holds -= 1
+        if slot.holds == 0:
+            self._free[slot.timing].append(slot)
+
+    def hold_current(self, event: _Event) -> _Slot | None:
+        """The event's current slot with one more hold for the caller (who drops it), or None.
+
+        Reading and holding happen under the pool lock, as the swap in ``set_current``
+        does: otherwise a concurrent re-record could give the slot back to the pool, and
+        another record take it, between the caller's read and its hold.
+        """
+        with self._lock:
+            slot = event.slot
+            if slot is not None:
+                slot.holds += 1
+            return slot
+
+    def set_current(self, event: _Event, slot: _Slot | None) -> None:
+        """Make ``slot`` (and the caller's hold on it) the event's; drop the previous slot's hold."""
+        with self._lock:
+            old, event.slot = event.slot, slot
+            if old is not None:
+                self._drop_locked(old)
 
 
 # -- streams, events, graphs ------------------------------------------------------
@@ -412,22 +455,10 @@ class XpuBackend(Backend):
         return state.free, state.size
 
     def _stream(self, device: int, handle: int) -> _Stream:
-        stream = self._streams.get(handle)
-        if stream is None or stream.device != device:
-            raise InvalidHandleError(
-                f"xpu:{device}: stream {handle:#x} is not a live stream of this device "
-                "(destroyed, or created on another device)"
-            )
-        return stream
+        return _live(self._streams, handle, device, "stream")
 
     def _event(self, device: int, handle: int, *, any_device: bool = False) -> _Event:
-        event = self._events.get(handle)
-        if event is None or (event.device != device and not any_device):
-            raise InvalidHandleError(
-                f"xpu:{device}: event {handle:#x} is not a live event of this device "
-                "(destroyed, or created on another device)"
-            )
-        return event
+        return _live(self._events, handle, device, "event", any_device=any_device)
 
     # -- command appending (caller holds stream.lock) ------------------------------------
 
@@ -547,22 +578,26 @@ class XpuBackend(Backend):
         out = ffi.new("void **")
         code = lib.zeMemAllocDevice(self._context, desc, nbytes, _MALLOC_ALIGNMENT, dev.cdata, out)
         if code in _OOM_CODES or code == _UNSUPPORTED_SIZE:
-            free, total = self.memory_info(device)
-            limit = dev.properties.extra["max_mem_alloc_size"]
-            hint = f" (the largest single allocation is {format_size(limit)})" if code == _UNSUPPORTED_SIZE else ""
-            raise OutOfMemoryError(
-                f"xpu:{device} is out of memory: zeMemAllocDevice could not allocate "
-                f"{format_size(nbytes)}{hint}; {format_size(free)} of {format_size(total)} free "
-                f"({describe_result(code)}). Free memory or release accel's cached blocks and retry.",
-                requested=nbytes,
-                device=device,
-            )
+            what = f"allocate {format_size(nbytes)}"
+            if code == _UNSUPPORTED_SIZE:
+                what += f" (the largest single allocation is {format_size(dev.properties.extra['max_mem_alloc_size'])})"
+            raise self._out_of_memory(device, "zeMemAllocDevice", what, nbytes, code)
         self._check("zeMemAllocDevice", code, device)
         ptr = self._addr(out[0])
         with dev.lock:
             dev.allocations[ptr] = nbytes
             dev.held += nbytes
         return ptr
+
+    def _out_of_memory(self, device: int, call: str, what: str, nbytes: int, code: int) -> OutOfMemoryError:
+        free, total = self.memory_info(device)
+        return OutOfMemoryError(
+            f"xpu:{device} is out of memory: {call} could not {what}; {format_size(free)} of "
+            f"{format_size(total)} free ({describe_result(code)}). Free memory or release accel's "
+            "cached blocks and retry.",
+            requested=nbytes,
+            device=device,
+        )
 
     def free(self, device: int, ptr: int) -> None:
         dev = self._devices[device]
@@ -669,20 +704,21 @@ class XpuBackend(Backend):
         out = ffi.new("ze_physical_mem_handle_t *")
         code = lib.zePhysicalMemCreate(self._context, dev.cdata, desc, out)
         if code in _OOM_CODES:
-            free, total = self.memory_info(device)
-            raise OutOfMemoryError(
-                f"xpu:{device} is out of memory: zePhysicalMemCreate could not create a "
-                f"{format_size(nbytes)} chunk; {format_size(free)} of {format_size(total)} free "
-                f"({describe_result(code)}). Free memory or release accel's cached blocks and retry.",
-                requested=nbytes,
-                device=device,
-            )
+            what = f"create a {format_size(nbytes)} chunk"
+            raise self._out_of_memory(device, "zePhysicalMemCreate", what, nbytes, code)
         self._check("zePhysicalMemCreate", code, device)
         handle = self._addr(out[0])
         with dev.lock:
             dev.physical[handle] = _Chunk(out[0], nbytes)
             dev.held += nbytes
         return handle
+
+    def _live_chunk(self, dev: _Device, handle: int) -> _Chunk:
+        """The chunk ``handle`` of ``dev``, unless released (caller holds dev.lock)."""
+        chunk = dev.physical.get(handle)
+        if chunk is None or chunk.released:
+            raise InvalidHandleError(f"xpu:{dev.index}: physical chunk {handle:#x} is not live (already released?)")
+        return chunk
 
     def _destroy_physical(self, dev: _Device, handle: int) -> None:
         """Destroy a released, unmapped chunk (caller removed it from dev.physical)."""
@@ -693,9 +729,7 @@ class XpuBackend(Backend):
     def vm_release(self, device: int, handle: int) -> None:
         dev = self._require_vm(device)
         with dev.lock:
-            chunk = dev.physical.get(handle)
-            if chunk is None or chunk.released:
-                raise InvalidHandleError(f"xpu:{device}: physical chunk {handle:#x} is not live (already released?)")
+            chunk = self._live_chunk(dev, handle)
             chunk.released = True
             if chunk.maps == 0:
                 self._destroy_physical(dev, handle)
@@ -704,9 +738,7 @@ class XpuBackend(Backend):
         dev = self._require_vm(device)
         ffi, lib = self._ze.ffi, self._ze.lib
         with dev.lock:
-            chunk = dev.physical.get(handle)
-            if chunk is None or chunk.released:
-                raise InvalidHandleError(f"xpu:{device}: physical chunk {handle:#x} is not live (already released?)")
+            chunk = self._live_chunk(dev, handle)
             if nbytes != chunk.size:
                 raise InvalidValueError(
                     f"xpu:{device}: map the whole chunk: it has {chunk.size:#x} bytes, not {nbytes:#x}"
@@ -858,14 +890,17 @@ class XpuBackend(Backend):
         e = self._event(device, event, any_device=True)
         if _capture.wait_event(s, e.captured, e.handle):
             return
-        slot = e.slot
+        slot = self._slots.hold_current(e)  # not recycled by a concurrent re-record before the wait is queued
         if slot is None:
             return  # never recorded: a no-op, as in CUDA
-        with s.lock:
-            self._wait(s, s.cdata, slot)
-            self._barrier(s, s.cdata)
-            self._appended(s)
-            self._hold_until_passed(s, slot)
+        try:
+            with s.lock:
+                self._wait(s, s.cdata, slot)
+                self._barrier(s, s.cdata)
+                self._appended(s)
+                self._hold_until_passed(s, slot)
+        finally:
+            self._slots.drop(slot)
 
     # -- events ----------------------------------------------------------------------------
 
@@ -885,7 +920,7 @@ class XpuBackend(Backend):
         e = self._event(device, event)
         with self._lock:
             del self._events[event]
-        self._slots.drop(e.slot)
+        self._slots.set_current(e, None)
 
     def event_record(self, device: int, event: int, stream: int) -> None:
         e = self._event(device, event)
@@ -905,16 +940,19 @@ class XpuBackend(Backend):
         except BaseException:
             self._slots.drop(slot)
             raise
-        old, e.slot, e.captured = e.slot, slot, None
-        self._slots.drop(old)
+        self._slots.set_current(e, slot)
+        e.captured = None
 
     def event_query(self, device: int, event: int) -> bool:
         e = self._event(device, event)
         _capture.refuse_captured_event(e.captured, e.device, e.handle, "querying")
-        slot = e.slot
+        slot = self._slots.hold_current(e)
         if slot is None:
             return True
-        code = self._ze.lib.zeEventQueryStatus(slot.cdata)
+        try:
+            code = self._ze.lib.zeEventQueryStatus(slot.cdata)
+        finally:
+            self._slots.drop(slot)
         if code == _NOT_READY:
             return False
         self._check("zeEventQueryStatus", code, device)
@@ -923,10 +961,9 @@ class XpuBackend(Backend):
     def event_synchronize(self, device: int, event: int) -> None:
         e = self._event(device, event)
         _capture.refuse_captured_event(e.captured, e.device, e.handle, "synchronizing")
-        slot = e.slot
+        slot = self._slots.hold_current(e)  # a concurrent re-record or destroy must not recycle it meanwhile
         if slot is None:
             return
-        self._slots.hold(slot)  # a concurrent re-record or destroy must not recycle it meanwhile
         try:
             code = self._ze.lib.zeEventHostSynchronize(slot.cdata, WAIT_FOREVER)
             self._check("zeEventHostSynchronize", code, device)
@@ -942,11 +979,14 @@ class XpuBackend(Backend):
                     f"xpu:{device}: event {e.handle:#x} was created without timing; "
                     "create both events with enable_timing=True"
                 )
-            slot = e.slot
+            slot = self._slots.hold_current(e)  # read from the record it saw, not a recycled one
             if slot is None:
                 raise InvalidValueError(f"xpu:{device}: event {e.handle:#x} was never recorded; record it first")
             result = self._ze.ffi.new("ze_kernel_timestamp_result_t *")
-            code = self._ze.lib.zeEventQueryKernelTimestamp(slot.cdata, result)
+            try:
+                code = self._ze.lib.zeEventQueryKernelTimestamp(slot.cdata, result)
+            finally:
+                self._slots.drop(slot)
             if code == _NOT_READY:
                 raise InvalidValueError(
                     f"xpu:{device}: event {e.handle:#x} has not completed; synchronize it first"
@@ -1125,10 +1165,7 @@ class XpuBackend(Backend):
         return graph.handle
 
     def _graph(self, device: int, handle: int) -> _Graph:
-        graph = self._graphs.get(handle)
-        if graph is None or graph.device != device:
-            raise InvalidHandleError(f"xpu:{device}: graph handle {handle:#x} is not a live captured graph")
-        return graph
+        return _live(self._graphs, handle, device, "graph")
 
     def graph_instantiate(self, device: int, graph: int) -> int:
         g = self._graph(device, graph)
@@ -1140,9 +1177,7 @@ class XpuBackend(Backend):
         return handle
 
     def graph_launch(self, device: int, graph_exec: int, stream: int) -> None:
-        g = self._execs.get(graph_exec)
-        if g is None or g.device != device:
-            raise InvalidHandleError(f"xpu:{device}: executable graph handle {graph_exec:#x} is not live")
+        g = _live(self._execs, graph_exec, device, "executable graph")
         s = self._stream(device, stream)
         if s.capture is not None:
             raise CaptureError(f"xpu:{device}: launching a graph inside a capture is not supported")
@@ -1223,9 +1258,7 @@ class XpuBackend(Backend):
 
     def graph_exec_destroy(self, device: int, graph_exec: int) -> None:
         with self._lock:
-            g = self._execs.get(graph_exec)
-            if g is None or g.device != device:
-                raise InvalidHandleError(f"xpu:{device}: executable graph handle {graph_exec:#x} is not live")
+            g = _live(self._execs, graph_exec, device, "executable graph")
             del self._execs[graph_exec]
         self._release_graph(g)
 

@@ -46,11 +46,30 @@ def test_freeing_twice_or_foreign_pointers_is_refused(limited: CpuBackend) -> No
     with pytest.raises(accel.InvalidHandleError, match="already freed"):
         limited.free(0, p)
     h = limited.host_malloc(100)
-    with pytest.raises(accel.InvalidHandleError):
+    with pytest.raises(accel.InvalidHandleError, match=rf"cpu:0: free\({h:#x}\): not an allocation of this device"):
         limited.free(0, h)
     limited.host_free(h)
-    with pytest.raises(accel.InvalidHandleError):
+    with pytest.raises(accel.InvalidHandleError, match=rf"cpu: host_free\({h:#x}\): not an allocation of host_malloc"):
         limited.host_free(h)
+    assert limited.memory_info(0) == (16 * MiB, 16 * MiB)  # a refused free changes no account
+
+
+def test_stale_graph_handles_are_refused_by_name(limited: CpuBackend) -> None:
+    stream = limited.stream_create(0, 0)
+    limited.stream_begin_capture(0, stream, CaptureMode.GLOBAL)
+    graph = limited.stream_end_capture(0, stream)
+    graph_exec = limited.graph_instantiate(0, graph)
+    limited.graph_exec_destroy(0, graph_exec)
+    limited.graph_destroy(0, graph)
+    with pytest.raises(accel.InvalidHandleError, match=f"cpu: executable graph handle {graph_exec:#x} is not live"):
+        limited.graph_launch(0, graph_exec, stream)
+    with pytest.raises(accel.InvalidHandleError, match="executable graph .* not live"):
+        limited.graph_exec_destroy(0, graph_exec)
+    with pytest.raises(accel.InvalidHandleError, match=f"cpu: graph handle {graph:#x} is not live"):
+        limited.graph_instantiate(0, graph)
+    with pytest.raises(accel.InvalidHandleError, match="graph .* not live"):
+        limited.graph_destroy(0, graph)
+    limited.stream_destroy(0, stream)
 
 
 def test_virtual_memory_misuse_is_explained(limited: CpuBackend) -> None:

@@ -10,6 +10,7 @@ import ctypes
 import re
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -175,7 +176,7 @@ def test_default_streams_are_live_command_lists_that_cannot_be_destroyed(xpu) ->
     assert len(defaults) == xpu.device_count() and 0 not in defaults
     with pytest.raises(accel.InvalidHandleError, match="default stream"):
         xpu.stream_destroy(0, xpu.default_stream(0))
-    with pytest.raises(accel.InvalidHandleError):
+    with pytest.raises(accel.InvalidHandleError, match="xpu:1: stream .* is not a live stream of this device"):
         xpu.stream_query(1, xpu.default_stream(0))  # a stream of another device
 
 
@@ -275,7 +276,7 @@ def test_events_of_one_device_order_streams_of_another(xpu) -> None:
     assert not xpu.stream_query(1, s1)
     opened.set()
     xpu.stream_synchronize(1, s1)
-    with pytest.raises(accel.InvalidHandleError):
+    with pytest.raises(accel.InvalidHandleError, match="xpu:1: event .* is not a live event of this device"):
         xpu.event_record(1, event, s1)  # recording stays on the event's device
     xpu.event_destroy(0, event)
     xpu.stream_destroy(0, s0)
@@ -339,9 +340,11 @@ def test_an_executable_graph_outlives_its_graph_and_replays_on_any_stream(xpu, s
         xpu.stream_destroy(0, other)
         xpu.free(0, dev)
         xpu.host_free(host)
-    with pytest.raises(accel.InvalidHandleError):
+    with pytest.raises(accel.InvalidHandleError, match=f"xpu:0: executable graph {graph_exec:#x} is not a live"):
         xpu.graph_launch(0, graph_exec, stream)
-    with pytest.raises(accel.InvalidHandleError):
+    with pytest.raises(accel.InvalidHandleError, match="executable graph .* not a live"):
+        xpu.graph_exec_destroy(0, graph_exec)
+    with pytest.raises(accel.InvalidHandleError, match=f"xpu:0: graph {graph:#x} is not a live graph of this device"):
         xpu.graph_destroy(0, graph)
 
 
@@ -406,6 +409,122 @@ def test_graph_debug_dump_lists_the_recorded_commands(xpu, stream, tmp_path) -> 
     assert "regular command list" in text and "fill 4096 bytes" in text
     xpu.graph_destroy(0, graph)
     xpu.free(0, dev)
+
+
+class _PreemptAfterSlotRead:
+    """Forces the interleaving of a re-record race, deterministically.
+
+    The first time ``reader`` reads the event's current Level Zero event (its
+    pooled slot), ``interleave`` runs on another thread right after the read,
+    as if the reader were preempted there. The reader goes on once
+    ``interleave`` has finished, or once it has to wait for the slot pool's
+    lock: a reader that reads and holds the slot under that lock (the fix)
+    cannot let it through, so waiting longer would deadlock.
+    """
+
+    def __init__(self, xpu, monkeypatch, event: int, reader: threading.Thread, interleave: Callable[[], None]) -> None:
+        from accel.backends.xpu._backend import _Event
+
+        self.other = threading.Thread(target=self._run, args=(interleave,), daemon=True)
+        self.errors: list[BaseException] = []
+        self._progress = threading.Event()
+        self._started = False
+        self._reader = reader
+        slots, hook = xpu._slots, self
+
+        class Lock:  # the pool lock, reporting when the interleaving thread must wait for it
+            def __init__(self, inner) -> None:
+                self._inner = inner
+
+            def __enter__(self) -> None:
+                if not self._inner.acquire(blocking=False):
+                    if threading.current_thread() is hook.other:
+                        hook._progress.set()
+                    self._inner.acquire()
+
+            def __exit__(self, *exc) -> None:
+                self._inner.release()
+
+        class Hooked(_Event):
+            def _get(event):
+                slot = event.__dict__["slot"]
+                if threading.current_thread() is hook._reader and not hook._started:
+                    hook._started = True
+                    hook.other.start()
+                    assert hook._progress.wait(10), "the interleaving thread made no progress"
+                return slot
+
+            def _set(event, slot) -> None:
+                event.__dict__["slot"] = slot
+
+            slot = property(_get, _set)
+
+        monkeypatch.setattr(slots, "_lock", Lock(slots._lock))
+        target = xpu._events[event]
+        monkeypatch.setattr(target, "__class__", Hooked)
+
+    def _run(self, interleave: Callable[[], None]) -> None:
+        try:
+            interleave()
+        except BaseException as exc:  # reported by finish()
+            self.errors.append(exc)
+        finally:
+            self._progress.set()
+
+    def finish(self) -> None:
+        assert self._started, "the reader never read the event's slot: the hook is not where the race is"
+        self.other.join(10)
+        assert not self.other.is_alive() and not self.errors, self.errors
+
+
+@pytest.mark.parametrize("use", ["event_synchronize", "stream_wait_event", "event_query"])
+def test_a_concurrent_re_record_cannot_recycle_the_event_a_reader_uses(xpu, stream, monkeypatch, use) -> None:
+    """Thread A uses an event while thread B re-records it and records another event:
+    the Level Zero event A read must not go back to the pool and serve B's second record
+    (gated here) before A waited on it, queued a wait on it or queried it."""
+    gated, idle, waiter = xpu.stream_create(0, 0), xpu.stream_create(0, 0), xpu.stream_create(0, 0)
+    event, other = new_event(xpu), new_event(xpu)
+    xpu.event_record(0, event, stream)
+    xpu.stream_synchronize(0, stream)  # the stream lets go of the event's slot: the event alone holds it
+    opened = gate(xpu, gated)
+    outcome: list[object] = []
+
+    def use_event() -> None:
+        try:
+            if use == "event_synchronize":
+                xpu.event_synchronize(0, event)
+            elif use == "stream_wait_event":
+                xpu.stream_wait_event(0, waiter, event)
+                xpu.stream_synchronize(0, waiter)
+            else:
+                outcome.append(xpu.event_query(0, event))
+        except BaseException as exc:  # reported below, from the test's thread
+            outcome.append(exc)
+
+    def re_record() -> None:
+        xpu.event_record(0, event, idle)
+        xpu.event_record(0, other, gated)  # the pool hands out the slot it got back last
+
+    reader = threading.Thread(target=use_event, daemon=True)
+    race = _PreemptAfterSlotRead(xpu, monkeypatch, event, reader, re_record)
+    try:
+        reader.start()
+        reader.join(10)
+        hung = reader.is_alive()
+    finally:
+        opened.set()
+        reader.join(10)
+        race.finish()
+    assert not hung, f"{use} waited on the gated record of another event"
+    if use == "event_query":
+        assert outcome == [True], "event_query saw the gated record of another event"
+    else:
+        assert outcome == []
+    for s in (gated, idle, waiter):
+        xpu.stream_synchronize(0, s)
+        xpu.stream_destroy(0, s)
+    for e in (event, other):
+        xpu.event_destroy(0, e)
 
 
 # -- entry points newer than the 1.8 loader ------------------------------------------------
