@@ -138,8 +138,16 @@ def set_upstream(resource: MemoryResource, device: DeviceLike = None) -> None:
     """Make the allocator of ``device`` take its memory from ``resource``
     (an adaptor stack over :class:`~accel.allocator.BackendResource`).
 
-    Only before the device's first allocation: an allocator that holds memory
-    cannot change where it came from.
+    Only while the device's caching allocator does not exist yet: the first
+    allocation on the device creates it, and so does the first call that reads
+    or configures it (``memory_stats()``, ``memory_allocated()``,
+    ``set_per_process_memory_fraction()``, ``get_allocator()``...). An
+    allocator cannot change where its memory comes from, so call this first.
+
+    >>> import accel
+    >>> from accel.allocator import BackendResource, StatisticsAdaptor
+    >>> backend = accel.memory.get_allocator(0).backend  # doctest: +SKIP
+    >>> accel.memory.set_upstream(StatisticsAdaptor(BackendResource(backend, 1)), device=1)  # doctest: +SKIP
     """
     runtime = get_runtime()
     index = runtime.index(device)
@@ -149,8 +157,13 @@ def set_upstream(resource: MemoryResource, device: DeviceLike = None) -> None:
     with state.lock:
         if index in state.allocators:
             raise InvalidValueError(
-                f"the allocator of {runtime.device(index)} already exists; call set_upstream() "
-                "before the first allocation on that device"
+                f"set_upstream() is too late for {runtime.device(index)}: its caching allocator already "
+                "exists (made by the first allocation on the device, or by the first call that reads or "
+                "configures it, such as memory_stats(), memory_allocated(), set_per_process_memory_fraction() "
+                "or get_allocator()), and it cannot change where its memory comes from. Call set_upstream() "
+                "for this device before any other accel.memory call on it, or give the resource to an "
+                f"allocator of your own: accel.allocator.DeviceAllocator(backend, {index}, config, "
+                "upstream=resource)"
             )
         state.upstreams[index] = resource
 

@@ -283,6 +283,20 @@ def test_set_upstream_with_adaptors():
     assert out.split() == ["1", str(20 << 20), "oom", "too", "late", "refused"]
 
 
+def test_set_upstream_too_late_says_when_it_is_allowed_and_what_to_do():
+    from accel.allocator import BackendResource
+
+    allocator = memory.get_allocator(0)  # made by this call: nothing was allocated through it
+    with pytest.raises(InvalidValueError) as info:
+        memory.set_upstream(BackendResource(allocator.backend, 0), device=0)
+    message = str(info.value)
+    assert "too late for cpu:0" in message and "already exists" in message
+    # Not only an allocation makes the allocator: the message must say so, and what to do instead.
+    assert "memory_stats()" in message and "get_allocator()" in message
+    assert "before any other accel.memory call" in message
+    assert "DeviceAllocator(backend, 0, config, upstream=resource)" in message
+
+
 def test_host_buffer_finalizer_and_cache_limits():
     from accel.allocator._host_cache import HostCachingAllocator
     from accel.allocator.config import parse
