@@ -114,14 +114,16 @@ class GraphedCallable:
             for static, arg in zip(entry.inputs, args):
                 if static.data_ptr() != arg.data_ptr():
                     static.copy_(arg)
-        stream = get_runtime().current_stream(entry.device)
+        runtime = get_runtime()
+        stream = runtime.current_stream(entry.device)
         api = self._torch_api
         if api is None:
             entry.graph.replay()
             # Torch reads the outputs on this host thread right away: wait for the
-            # replay when the current stream runs it on a worker (the default host
-            # stream replays inline, so this costs nothing there).
-            stream.synchronize()
+            # replay when the current stream runs it on a worker. The host
+            # backend's default stream replays inline: nothing to wait for.
+            if stream is not runtime.default_stream(entry.device):
+                stream.synchronize()
             return entry.output
         # torch copied the inputs on its current stream and reads the outputs
         # there: order the replay's stream between the two, without host waits.
