@@ -36,6 +36,15 @@ def cuda() -> Any:
     return load_backend("cuda")
 
 
+@pytest.fixture
+def stream(cuda: Any) -> Iterator[int]:
+    """A created stream on device 0, synchronized and destroyed after the test."""
+    s = cuda.stream_create(0, 0)
+    yield s
+    cuda.stream_synchronize(0, s)
+    cuda.stream_destroy(0, s)
+
+
 class SimControl:
     """The simulator's test-only entry points, on the library this process loaded."""
 

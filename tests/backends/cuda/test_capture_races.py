@@ -13,7 +13,6 @@ may be ended from another thread.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,14 +20,6 @@ import pytest
 from accel.backends.base import CaptureMode
 
 D = 0
-
-
-@pytest.fixture
-def stream(cuda: Any) -> Iterator[int]:
-    s = cuda.stream_create(D, 0)
-    yield s
-    cuda.stream_synchronize(D, s)
-    cuda.stream_destroy(D, s)
 
 
 class EndDuringLaunch:

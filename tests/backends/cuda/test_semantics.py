@@ -40,14 +40,6 @@ class Gate:
 
 
 @pytest.fixture
-def stream(cuda: Any) -> Iterator[int]:
-    s = cuda.stream_create(D, 0)
-    yield s
-    cuda.stream_synchronize(D, s)
-    cuda.stream_destroy(D, s)
-
-
-@pytest.fixture
 def host(cuda: Any) -> Iterator[Callable[[int], int]]:
     """Pinned host buffers, freed after the test."""
     buffers: list[int] = []
