@@ -318,7 +318,9 @@ class Backend(abc.ABC):
     def stream_capture_detach(self, device: int, stream: int) -> int:
         """Hand what this backend queued into the capture ``stream`` takes part in
         to a new handle (0 when nothing needs keeping), just before another
-        runtime ends that capture and takes the graph over."""
+        runtime ends that capture and takes the graph over.
+
+        Raises :class:`~accel.CaptureError` if ``stream`` is not capturing."""
         raise self._unsupported("captures ended by another runtime")
 
     def detached_graph_launched(self, device: int, handle: int, stream: int) -> None:
