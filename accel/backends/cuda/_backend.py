@@ -107,13 +107,19 @@ class _HostFunctions:
 
     A one-shot entry (plain stream work) is dropped when it runs. A shared
     entry (captured into a graph) is reference-counted by its owners: the
-    capture, the graph, each executable graph and parked replays.
+    capture, the graph, each executable graph and guarded replays.
+
+    An entry queued as plain work and then shared (:meth:`share`: a capture
+    that may have recorded it began around the launch) may still run eagerly
+    once. Until some run of it is seen, letting go of the last owner turns it
+    back into a one-shot entry instead of dropping it.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._fns: dict[int, Callable[[], None]] = {}
         self._refs: dict[int, int] = {}
+        self._unrun: set[int] = set()  # shared by share() and not run since
         self._keys = itertools.count(1)
 
     def add(self, fn: Callable[[], None], *, shared: bool) -> int:
@@ -127,6 +133,7 @@ class _HostFunctions:
     def take(self, key: int) -> Callable[[], None] | None:
         with self._lock:
             if key in self._refs:
+                self._unrun.discard(key)
                 return self._fns.get(key)
             return self._fns.pop(key, None)
 
@@ -136,12 +143,14 @@ class _HostFunctions:
             if key not in self._fns or key in self._refs:
                 return False
             self._refs[key] = 1
+            self._unrun.add(key)
             return True
 
     def discard(self, key: int) -> None:
         with self._lock:
             self._fns.pop(key, None)
             self._refs.pop(key, None)
+            self._unrun.discard(key)
 
     def retain(self, keys: list[int]) -> None:
         with self._lock:
@@ -154,7 +163,13 @@ class _HostFunctions:
                 self._refs[key] -= 1
                 if self._refs[key] == 0:
                     del self._refs[key]
-                    self._fns.pop(key, None)
+                    if key in self._unrun:
+                        # Its eager run may still be queued: one-shot again.
+                        # (A function the capture did record, in a graph
+                        # never replayed, is kept for good: the cost.)
+                        self._unrun.discard(key)
+                    else:
+                        self._fns.pop(key, None)
 
     def __len__(self) -> int:
         with self._lock:
