@@ -54,6 +54,7 @@ CUDA_ERROR_NOT_READY = 600
 CUDA_ERROR_NOT_SUPPORTED = 801
 CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901
 CUDA_ERROR_STREAM_CAPTURE_UNJOINED = 904
+CUDA_ERROR_CAPTURED_EVENT = 907
 _CAPTURE_ERRORS = frozenset(range(900, 909))  # STREAM_CAPTURE_* and CAPTURED_EVENT
 
 CU_STREAM_NON_BLOCKING = 1
@@ -219,8 +220,10 @@ class CudaBackend(Backend):
         # Per executable graph with host functions: an event per stream it was
         # launched on, re-recorded after each launch (marks its last replay there).
         self._exec_events: dict[int, dict[int, int]] = {}
-        # Per device: (events, keys) of destroyed executable graphs whose replays may still run.
-        self._retiring: dict[int, list[tuple[list[int], list[int]]]] = {}
+        # Per device: (events, keys) of launches that may still run, whose
+        # owners are gone; released once every event completed. Events None:
+        # released by the next device_synchronize (no event marks the launch).
+        self._retiring: dict[int, list[tuple[list[int] | None, list[int]]]] = {}
         self._detached_ids = itertools.count(1)
 
     # -- plumbing --------------------------------------------------------
@@ -418,8 +421,15 @@ class CudaBackend(Backend):
     def device_synchronize(self, device: int) -> None:
         pushed = self._enter(device)
         try:
-            self._check("cuCtxSynchronize", self._fn["cuCtxSynchronize"](), device)
-            self._retire_finished(device)
+            # Whatever was queued before the synchronize began is over after it,
+            # whether or not an event marks it.
+            with self._lock:
+                entries = self._retiring.pop(device, [])
+            code = self._fn["cuCtxSynchronize"]()
+            if code != CUDA_SUCCESS:
+                self._park(device, entries)
+                raise self._error("cuCtxSynchronize", code, device)
+            self._release_retired(device, entries)
         finally:
             self._leave(device, pushed)
 
@@ -926,23 +936,48 @@ class CudaBackend(Backend):
     def _hold_for_launch(self, device: int, owner: int, keys: list[int], stream: int) -> None:
         """Keep ``owner``'s host functions ``keys`` until its launch just queued on ``stream`` ran.
 
-        Called with ``device``'s context current. As in launch_host_func: a
-        capture begun on the stream since the launch was checked may have
-        recorded it, so that capture owns the host functions too (and no event
-        goes into its graph).
+        Called with ``device``'s context current. Normally an event recorded
+        after the launch marks when it ran. As in launch_host_func, another
+        thread may begin a capture on the stream around the launch: then the
+        capture may have recorded the launch, so it owns the host functions
+        too, and the launch may also have been queued before the capture
+        began. An event recorded now would go into the capture and mark
+        nothing, so that possible eager launch holds them until the device's
+        next synchronize instead. The same holds when the capture began
+        between the check and the event's record.
         """
         with self._capture_lock:
             capture_id = self._capture_id(device, stream)
             if capture_id:
                 self._capture_owns(capture_id, keys)
+                self._hold_until_synchronize(device, keys)
                 return
         with self._lock:
             # Only our own event marks when this replay is over; the stream
             # itself may be destroyed before the executable graph is.
             events = self._exec_events.setdefault(owner, {})
-            if stream not in events:
-                events[stream] = self._create_event(device, CU_EVENT_DISABLE_TIMING)
-            self._record_event(device, events[stream], stream)
+            event = events.get(stream)
+            if event is None:
+                event = events[stream] = self._create_event(device, CU_EVENT_DISABLE_TIMING)
+        # Not under the lock: the record may wait for room in the stream's queue.
+        self._record_event(device, event, stream)
+        if self._capture_id(device, stream):
+            # The capture may have recorded the event, which then marks no
+            # eager work any more (and querying it fails); the device's next
+            # synchronize guards this and the earlier launches instead.
+            with self._lock:
+                mine = events.get(stream) == event
+                if mine:
+                    del events[stream]
+            if mine:  # else the executable graph was destroyed meanwhile: its check copes with such an event
+                self._destroy_event(device, event)
+            self._hold_until_synchronize(device, keys)
+
+    def _hold_until_synchronize(self, device: int, keys: list[int]) -> None:
+        """Keep ``keys`` (one more reference) until the next device_synchronize on ``device``."""
+        with self._lock:
+            self._host_fns.retain(keys)
+            self._retiring.setdefault(device, []).append((None, list(keys)))
 
     def graph_destroy(self, device: int, graph: int) -> None:
         self._require_graphs(device)
@@ -1024,27 +1059,61 @@ class CudaBackend(Backend):
             self._leave(device, pushed)
 
     def _retire_finished(self, device: int) -> None:
-        """Release host functions of destroyed executable graphs whose replays are over.
+        """Release host functions of launches whose owners are gone once those launches are over.
 
-        Called inside an entry point, with ``device``'s context current.
+        Called inside an entry point, with ``device``'s context current. If it
+        raises, what it did not get to stays for the next call.
         """
         if not self._retiring.get(device):
             return
         with self._lock:
             entries = self._retiring.pop(device, [])
-        unfinished = []
-        # Relaxed: an event query must not invalidate another thread's global capture.
-        with self._relaxed_capture_mode(device):
-            for events, keys in entries:
-                if all(self._query_event(device, e) for e in events):
-                    for e in events:
-                        self._destroy_event(device, e)
-                    self._host_fns.release(keys)
-                else:
-                    unfinished.append((events, keys))
-        if unfinished:
+        keep: list[tuple[list[int] | None, list[int]]] = []
+        done: list[tuple[list[int] | None, list[int]]] = []
+        index = 0
+        try:
+            # Relaxed: an event query must not invalidate another thread's global capture.
+            with self._relaxed_capture_mode(device):
+                while index < len(entries):
+                    events, keys = entries[index]
+                    over = self._launches_over(device, events) if events is not None else False
+                    index += 1
+                    if over is None:  # an event went into a capture: wait for a synchronize instead
+                        done.append((events, []))
+                        keep.append((None, keys))
+                    elif over:
+                        done.append((events, keys))
+                    else:
+                        keep.append((events, keys))
+        finally:
+            self._park(device, keep + entries[index:])
+        self._release_retired(device, done)
+
+    def _launches_over(self, device: int, events: list[int]) -> bool | None:
+        """Whether every event completed; None when one was last recorded in a capture (it marks nothing)."""
+        query = self._fn["cuEventQuery"]
+        for event in events:
+            code = query(self._event(event))
+            if code == CUDA_ERROR_NOT_READY:
+                return False
+            if code == CUDA_ERROR_CAPTURED_EVENT:
+                return None
+            self._check("cuEventQuery", code, device, handle=f"event {event:#x}")
+        return True
+
+    def _park(self, device: int, entries: list[tuple[list[int] | None, list[int]]]) -> None:
+        """Put retiring entries back for a later check."""
+        if entries:
             with self._lock:
-                self._retiring.setdefault(device, []).extend(unfinished)
+                self._retiring.setdefault(device, []).extend(entries)
+
+    def _release_retired(self, device: int, entries: list[tuple[list[int] | None, list[int]]]) -> None:
+        """Release the keys of finished entries and destroy their events (context current)."""
+        for _, keys in entries:
+            self._host_fns.release(keys)
+        for events, _ in entries:
+            for event in events or ():
+                self._destroy_event(device, event)
 
     def graph_debug_dump(self, device: int, graph: int, path: str) -> None:
         dot = self._fn.get("cuGraphDebugDotPrint")
