@@ -316,7 +316,15 @@ class CudaBackend(Backend):
             return False
         if code != CUDA_SUCCESS:
             raise self._error("cuCtxGetCurrent", code, device)
-        code = fn["cuCtxPushCurrent"](ctx)
+        try:
+            code = fn["cuCtxPushCurrent"](ctx)
+        except BaseException:
+            # An exception delivered as the push returned (KeyboardInterrupt
+            # from a signal handler) must not leave the context pushed: the
+            # caller's finally is not armed yet. ctx was not current before.
+            if fn["cuCtxGetCurrent"](current) == CUDA_SUCCESS and current[0] == ctx:
+                fn["cuCtxPopCurrent"](self._ffi.NULL)
+            raise
         if code != CUDA_SUCCESS:
             raise self._error("cuCtxPushCurrent", code, device)
         return True
@@ -324,7 +332,9 @@ class CudaBackend(Backend):
     def _leave(self, device: int, pushed: bool) -> None:
         """Undo :meth:`_enter` (pop the context it pushed)."""
         if pushed:
-            code = self._fn["cuCtxPopCurrent"](self._tls.current)
+            # NULL, not the thread's buffer: a reentrant call (a finalizer run
+            # inside _enter) would otherwise overwrite what _enter compares.
+            code = self._fn["cuCtxPopCurrent"](self._ffi.NULL)
             if code != CUDA_SUCCESS:
                 raise self._error("cuCtxPopCurrent", code, device)
 

@@ -308,3 +308,59 @@ def test_one_device_does_not_trust_a_cached_context(sim: SimControl) -> None:
     # by someone else then got CUDA_ERROR_INVALID_CONTEXT.
     env = {"ACCEL_CUDA_DRIVER": str(build_simulator()), "ACCEL_SIMCUDA_DEVICE_COUNT": "1"}
     assert run_json(ONE_DEVICE, env) == {"none_current": True}
+
+
+def test_a_reentrant_call_inside_the_check_keeps_the_device(
+    cuda: Any, contexts: Contexts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A finalizer (accel.Event's) can run an accel call on this thread between
+    # the outer call's cuCtxGetCurrent and its compare; the outer call must
+    # still run on its own device, not on the one that happened to be current.
+    if contexts.count < 2:
+        pytest.skip("needs two devices")
+    ffi, fn = cuda.driver.ffi, cuda.driver.fn
+    event = cuda.event_create(0, timing=False, blocking=False, interprocess=False)
+    contexts.push(contexts.primary(1))
+    real_get, real_alloc = fn["cuCtxGetCurrent"], fn["cuMemAlloc"]
+    reentered: list[bool] = []
+    seen: list[int] = []
+
+    def get_then_reenter(out: Any) -> int:
+        code = int(real_get(out))
+        if not reentered:
+            reentered.append(True)
+            cuda.event_destroy(0, event)
+        return code
+
+    def alloc(out: Any, nbytes: int) -> int:
+        current = ffi.new("CUcontext *")
+        real_get(current)
+        seen.append(contexts.address(current[0]))
+        return int(real_alloc(out, nbytes))
+
+    monkeypatch.setitem(fn, "cuCtxGetCurrent", get_then_reenter)
+    monkeypatch.setitem(fn, "cuMemAlloc", alloc)
+    ptr = cuda.malloc(0, 4096)
+    monkeypatch.undo()
+    assert reentered == [True]
+    assert seen == [contexts.address(contexts.primary(0))], "the allocation ran in another device's context"
+    assert contexts.current() == contexts.address(contexts.primary(1))
+    cuda.free(0, ptr)
+
+
+def test_an_interrupt_right_after_the_push_pops_it(
+    cuda: Any, contexts: Contexts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A signal handler's KeyboardInterrupt can surface as the push returns,
+    # before the entry point's finally is armed.
+    real = cuda.driver.fn["cuCtxPushCurrent"]
+
+    def push_then_interrupt(ctx: Any) -> int:
+        real(ctx)
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cuda.driver.fn, "cuCtxPushCurrent", push_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        cuda.memory_info(0)
+    monkeypatch.undo()
+    assert contexts.current() == 0
