@@ -23,6 +23,7 @@ Design points (the protocol docstrings in ``accel.backends.base`` are the contra
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import threading
@@ -201,6 +202,8 @@ class CudaBackend(Backend):
         self._host_fns = _HostFunctions()
         # One callback for every host function: userData carries the registry key.
         self._trampoline = self._ffi.callback("void(void *)", self._run_host_function)
+        # Callables that ran, waiting to be let go on a user thread (see _run_host_function).
+        self._spent: collections.deque[Callable[[], None] | BaseException] = collections.deque()
         self._capture_keys: dict[int, list[int]] = {}
         # Orders launches into a capturing stream against the end of that
         # capture: a launch reads the capture id, launches and files its host
@@ -442,6 +445,7 @@ class CudaBackend(Backend):
             self._release_retired(device, entries)
         finally:
             self._leave(device, pushed)
+        self._drop_spent()
 
     # -- memory ------------------------------------------------------------
 
@@ -657,6 +661,7 @@ class CudaBackend(Backend):
         finally:
             self._leave(device, pushed)
         self._check("cuStreamSynchronize", code, device, handle=f"stream {stream:#x}")
+        self._drop_spent()
 
     def stream_wait_event(self, device: int, stream: int, event: int) -> None:
         pushed = self._enter(device)
@@ -734,6 +739,7 @@ class CudaBackend(Backend):
         finally:
             self._leave(device, pushed)
         self._check("cuEventSynchronize", code, device, handle=f"event {event:#x}")
+        self._drop_spent()
 
     def event_elapsed_ms(self, device: int, start: int, end: int) -> float:
         out = self._ffi.new("float *")
@@ -775,6 +781,7 @@ class CudaBackend(Backend):
         self._check("cuMemsetD8Async", code, device, handle=f"stream {stream:#x}" if code == CUDA_ERROR_INVALID_HANDLE else "")
 
     def launch_host_func(self, device: int, stream: int, fn: Callable[[], None]) -> None:
+        self._drop_spent()
         pushed = self._enter(device)
         try:
             with self._capture_lock:
@@ -811,17 +818,39 @@ class CudaBackend(Backend):
 
     def _run_host_function(self, data: Any) -> None:
         # Runs on the driver's callback thread and makes no driver call, so it
-        # neither needs nor changes that thread's current context.
+        # neither needs nor changes that thread's current context. Nor may the
+        # callable die here: finalizers of what its closure holds (an accel
+        # Event's, a torch tensor's) call CUDA, which CUDA forbids on this
+        # thread. The next launch_host_func, graph_launch or synchronize on a
+        # user thread lets go of it, and of the exception it raised, whose
+        # traceback holds the call's frames; cffi reports that exception
+        # through sys.unraisablehook.
         fn = self._host_fns.take(self._address(data))
         if fn is not None:
-            fn()
+            try:
+                fn()
+            except BaseException as exc:
+                self._spent.append(exc)
+                raise
+            finally:
+                self._spent.append(fn)
+
+    def _drop_spent(self) -> None:
+        """Let go of host functions that ran, on this (user) thread."""
+        spent = self._spent
+        while spent:
+            try:
+                spent.popleft()
+            except IndexError:  # another thread emptied it first
+                return
 
     def pending_host_functions(self) -> int:
         """How many host functions are held (queued, or owned by graphs); for leak checks.
 
         Those of destroyed executable graphs are let go by the next
         device_synchronize, graph_instantiate or graph_exec_destroy after their
-        last replay ran.
+        last replay ran (those of a replay raced by a capture begin only by
+        the next device_synchronize).
         """
         return len(self._host_fns)
 
@@ -917,6 +946,7 @@ class CudaBackend(Backend):
 
     def graph_launch(self, device: int, graph_exec: int, stream: int) -> None:
         self._require_graphs(device)
+        self._drop_spent()
         pushed = self._enter(device)
         try:
             keys = self._exec_keys.get(graph_exec)
