@@ -228,6 +228,10 @@ class CudaBackend(Backend):
         # released by the next device_synchronize (no event marks the launch).
         self._retiring: dict[int, list[tuple[list[int] | None, list[int]]]] = {}
         self._detached_ids = itertools.count(1)
+        # Capture id -> detached handle, until the handle is released: what is
+        # launched into a capture after it was detached (another thread, in a
+        # relaxed capture, before torch ends it) goes to the handle.
+        self._detached_captures: dict[int, int] = {}
 
     # -- plumbing --------------------------------------------------------
 
@@ -800,7 +804,7 @@ class CudaBackend(Backend):
                 capture_id = self._capture_id(device, stream)
                 if capture_id and self._host_fns.share(key):
                     with self._lock:
-                        self._capture_keys.setdefault(capture_id, []).append(key)
+                        self._file_under_capture(capture_id, [key])
         finally:
             self._leave(device, pushed)
 
@@ -813,8 +817,16 @@ class CudaBackend(Backend):
             self._check("cuLaunchHostFunc", code, device, handle=f"stream {stream:#x}")
         if capture_id:
             with self._lock:
-                self._capture_keys.setdefault(capture_id, []).append(key)
+                self._file_under_capture(capture_id, [key])
         return key
+
+    def _file_under_capture(self, capture_id: int, keys: list[int]) -> None:
+        """Hand ``keys`` (already counted for it) to a capture, or to its detached handle; self._lock held."""
+        handle = self._detached_captures.get(capture_id)
+        if handle is not None:
+            self._exec_keys[-handle].extend(keys)
+        else:
+            self._capture_keys.setdefault(capture_id, []).extend(keys)
 
     def _run_host_function(self, data: Any) -> None:
         # Runs on the driver's callback thread and makes no driver call, so it
@@ -971,7 +983,7 @@ class CudaBackend(Backend):
     def _capture_owns(self, capture_id: int, keys: list[int]) -> None:
         with self._lock:
             self._host_fns.retain(keys)
-            self._capture_keys.setdefault(capture_id, []).extend(keys)
+            self._file_under_capture(capture_id, keys)
 
     def _hold_for_launch(self, device: int, owner: int, keys: list[int], stream: int) -> None:
         """Keep ``owner``'s host functions ``keys`` until its launch just queued on ``stream`` ran.
@@ -1070,19 +1082,23 @@ class CudaBackend(Backend):
                         f"cuda:{device}: stream {stream:#x} is not capturing; there is no capture to detach"
                     )
                 with self._lock:
-                    keys = self._capture_keys.pop(capture_id, [])
-                    if not keys:
-                        return 0
-                    handle = next(self._detached_ids)
-                    self._exec_keys[-handle] = keys
+                    handle = self._detached_captures.get(capture_id)
+                    if handle is None:
+                        # A handle even with nothing filed yet: a launch may
+                        # still come before the other runtime ends the capture.
+                        handle = next(self._detached_ids)
+                        self._exec_keys[-handle] = self._capture_keys.pop(capture_id, [])
+                        self._detached_captures[capture_id] = handle
             return handle
         finally:
             self._leave(device, pushed)
 
     def detached_graph_launched(self, device: int, handle: int, stream: int) -> None:
         keys = self._exec_keys.get(-handle)
-        if not keys:
+        if keys is None:
             raise InvalidHandleError(f"cuda:{device}: {handle} is not a live detached-capture handle")
+        if not keys:
+            return  # the capture holds no host functions: nothing to guard
         pushed = self._enter(device)
         try:
             self._hold_for_launch(device, -handle, keys, stream)
@@ -1092,6 +1108,9 @@ class CudaBackend(Backend):
     def detached_graph_release(self, device: int, handle: int) -> None:
         if -handle not in self._exec_keys:
             raise InvalidHandleError(f"cuda:{device}: {handle} is not a live detached-capture handle")
+        with self._lock:
+            for capture_id in [c for c, h in self._detached_captures.items() if h == handle]:
+                del self._detached_captures[capture_id]
         pushed = self._enter(device)
         try:
             self._retire(device, -handle)
