@@ -473,15 +473,32 @@ class CudaBackend(Backend):
             self._leave(device, pushed)
         self._check("cuMemFree", code, device, handle=f"device pointer {ptr:#x}")
 
+    def _host_device(self) -> int:
+        """The device whose context host allocations use: any will do, but each costs memory.
+
+        The thread's current context when accel retained it (torch's device),
+        else a device accel already works with, else device 0; so a process
+        that uses only GPU k never creates a context on GPU 0 for them.
+        """
+        current = self._ffi.new("CUcontext *")
+        if self._fn["cuCtxGetCurrent"](current) == CUDA_SUCCESS and current[0] != self._ffi.NULL:
+            with self._lock:
+                for device, ctx in self._contexts.items():
+                    if ctx == current[0]:
+                        return device
+        with self._lock:
+            return min(self._contexts, default=0)
+
     def host_malloc(self, nbytes: int) -> int:
         # Page-locked memory is made portable, so any device's context can copy with it.
         out = self._ffi.new("void **")
-        pushed = self._enter(0)
+        device = self._host_device()
+        pushed = self._enter(device)
         try:
-            with self._relaxed_capture_mode(0):
+            with self._relaxed_capture_mode(device):
                 code = self._fn["cuMemHostAlloc"](out, nbytes, CU_MEMHOSTALLOC_PORTABLE)
         finally:
-            self._leave(0, pushed)
+            self._leave(device, pushed)
         if code == CUDA_ERROR_OUT_OF_MEMORY:
             raise OutOfMemoryError(
                 f"cuda: cuMemHostAlloc could not allocate {nbytes} bytes of page-locked host memory: "
@@ -492,12 +509,13 @@ class CudaBackend(Backend):
         return self._address(out[0])
 
     def host_free(self, ptr: int) -> None:
-        pushed = self._enter(0)
+        device = self._host_device()
+        pushed = self._enter(device)
         try:
-            with self._relaxed_capture_mode(0):
+            with self._relaxed_capture_mode(device):
                 code = self._fn["cuMemFreeHost"](self._ffi.cast("void *", ptr))
         finally:
-            self._leave(0, pushed)
+            self._leave(device, pushed)
         self._check("cuMemFreeHost", code, None, handle=f"host pointer {ptr:#x}")
 
     # -- virtual memory ----------------------------------------------------

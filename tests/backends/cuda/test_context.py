@@ -364,3 +364,75 @@ def test_an_interrupt_right_after_the_push_pops_it(
         cuda.memory_info(0)
     monkeypatch.undo()
     assert contexts.current() == 0
+
+
+def test_host_memory_uses_the_current_context(
+    cuda: Any, contexts: Contexts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Any context can allocate portable pinned memory; the one torch (or the
+    # caller) has current is already there, so no other device's is needed.
+    if contexts.count < 2:
+        pytest.skip("needs two devices")
+    cuda.memory_info(1)  # accel works with device 1
+    ffi, fn = cuda.driver.ffi, cuda.driver.fn
+    seen: list[int] = []
+
+    def in_context(name: str) -> Callable[..., int]:
+        real = fn[name]
+
+        def call(*args: Any) -> int:
+            current = ffi.new("CUcontext *")
+            fn["cuCtxGetCurrent"](current)
+            seen.append(contexts.address(current[0]))
+            return int(real(*args))
+
+        return call
+
+    for name in ("cuMemHostAlloc", "cuMemFreeHost"):
+        monkeypatch.setitem(fn, name, in_context(name))
+    contexts.push(contexts.primary(1))
+    cuda.host_free(cuda.host_malloc(64))
+    assert seen == [contexts.address(contexts.primary(1))] * 2
+    assert contexts.current() == contexts.address(contexts.primary(1))
+
+
+ONLY_DEVICE_1 = """
+import json
+from accel.backends.cuda import load
+b = load()
+fn = b.driver.fn
+real = fn["cuDevicePrimaryCtxRetain"]
+retained = []
+def retain(out, device):
+    retained.append(device)
+    return real(out, device)
+fn["cuDevicePrimaryCtxRetain"] = retain
+s = b.stream_create(1, 0)
+host = b.host_malloc(64)  # no context current: the device accel works with
+b.memset_async(1, host, 0, 64, s)
+b.stream_synchronize(1, s)
+b.host_free(host)
+b.stream_destroy(1, s)
+print(json.dumps(retained))
+"""
+
+FRESH = """
+import json
+from accel.backends.cuda import load
+b = load()
+fn = b.driver.fn
+real = fn["cuDevicePrimaryCtxRetain"]
+retained = []
+def retain(out, device):
+    retained.append(device)
+    return real(out, device)
+fn["cuDevicePrimaryCtxRetain"] = retain
+b.host_free(b.host_malloc(64))
+print(json.dumps(retained))
+"""
+
+
+def test_host_memory_creates_no_context_on_a_device_left_unused(sim: SimControl) -> None:
+    env = {"ACCEL_CUDA_DRIVER": str(build_simulator()), "ACCEL_SIMCUDA_DEVICE_COUNT": "2"}
+    assert run_json(ONLY_DEVICE_1, env) == [1]
+    assert run_json(FRESH, env) == [0], "with no device in use yet, device 0's context serves"
