@@ -216,8 +216,11 @@ class CudaBackend(Backend):
         # finishes that graph, and none of them waits for the device. A launch
         # on a stream that does not capture (which can block while the
         # device's queue is full) never holds it. Taken before self._lock,
-        # never after.
-        self._capture_lock = threading.Lock()
+        # never after. Reentrant: a finalizer run on this thread while it is
+        # held (Graph.__del__ ending its capture) must not deadlock; at worst
+        # the outer launch then files under a capture that just ended, and
+        # that host function is kept for the life of the backend.
+        self._capture_lock = threading.RLock()
         self._graph_keys: dict[int, list[int]] = {}
         self._exec_keys: dict[int, list[int]] = {}
         # Per executable graph with host functions: an event per stream it was
