@@ -1025,15 +1025,19 @@ class CudaBackend(Backend):
                 self._capture_owns(capture_id, keys)
                 self._hold_until_synchronize(device, keys)
                 return
-        with self._lock:
-            # Only our own event marks when this replay is over; the stream
-            # itself may be destroyed before the executable graph is.
-            events = self._exec_events.setdefault(owner, {})
-            event = events.get(stream)
-            if event is None:
-                event = events[stream] = self._create_event(device, CU_EVENT_DISABLE_TIMING)
-        # Not under the lock: the record may wait for room in the stream's queue.
-        self._record_event(device, event, stream)
+        try:
+            with self._lock:
+                # Only our own event marks when this replay is over; the stream
+                # itself may be destroyed before the executable graph is.
+                events = self._exec_events.setdefault(owner, {})
+                event = events.get(stream)
+                if event is None:
+                    event = events[stream] = self._create_event(device, CU_EVENT_DISABLE_TIMING)
+            # Not under the lock: the record may wait for room in the stream's queue.
+            self._record_event(device, event, stream)
+        except AccelError:
+            self._hold_until_synchronize(device, keys)  # the launch is queued all the same
+            raise
         if self._capture_id(device, stream):
             # The capture may have recorded the event, which then marks no
             # eager work any more (and querying it fails); the device's next

@@ -116,6 +116,34 @@ def tour(cuda: Any, device: int, tmp_path: Path, after: Callable[[str], None]) -
         call("graph_debug_dump", cuda.graph_debug_dump, device, graph, str(tmp_path / f"graph{device}.dot"))
         graph_exec = call("graph_instantiate", cuda.graph_instantiate, device, graph)
         call("graph_launch", cuda.graph_launch, device, graph_exec, s)
+        # A capture that torch ends: accel's part is detached first, and each
+        # replay of torch's graph and its reset are reported.
+        call("stream_begin_capture", cuda.stream_begin_capture, device, s, CaptureMode.RELAXED)
+        call("graph_launch (capturing)", cuda.graph_launch, device, graph_exec, s)
+        handle = call("stream_capture_detach", cuda.stream_capture_detach, device, s)
+        outer = call("stream_end_capture", cuda.stream_end_capture, device, s)
+        outer_exec = call("graph_instantiate", cuda.graph_instantiate, device, outer)
+        call("graph_launch", cuda.graph_launch, device, outer_exec, s)
+        call("detached_graph_launched", cuda.detached_graph_launched, device, handle, s)
+        call("graph_exec_destroy", cuda.graph_exec_destroy, device, outer_exec)
+        call("graph_destroy", cuda.graph_destroy, device, outer)
+        call("detached_graph_release", cuda.detached_graph_release, device, handle)
+        # A capture begun right after a launch (by other code, at the driver):
+        # the launch's second check files the host function under it.
+        fn, ffi = cuda.driver.fn, cuda.driver.ffi
+        real_launch = fn["cuLaunchHostFunc"]
+
+        def launch_then_capture(*args: Any) -> int:
+            code = int(real_launch(*args))
+            assert fn["cuStreamBeginCapture"](ffi.cast("CUstream", s), CU_STREAM_CAPTURE_MODE_RELAXED) == 0
+            return code
+
+        fn["cuLaunchHostFunc"] = launch_then_capture
+        try:
+            call("launch_host_func (capture begun after it)", cuda.launch_host_func, device, s, lambda: None)
+        finally:
+            fn["cuLaunchHostFunc"] = real_launch
+        call("graph_destroy", cuda.graph_destroy, device, call("stream_end_capture", cuda.stream_end_capture, device, s))
         call("graph_exec_destroy", cuda.graph_exec_destroy, device, graph_exec)
         call("graph_destroy", cuda.graph_destroy, device, graph)
     if cuda.supports_virtual_memory(device):
@@ -193,9 +221,16 @@ def test_failing_calls_restore_the_context(cuda: Any, contexts: Contexts, sim: S
     g = cuda.vm_granularity(1)
     base, chunk = cuda.vm_reserve(1, g), cuda.vm_create(1, g)
     e = cuda.event_create(1, timing=False, blocking=False, interprocess=False)
+    cuda.stream_begin_capture(1, s, CaptureMode.GLOBAL)
+    cuda.launch_host_func(1, s, lambda: None)
+    graph = cuda.stream_end_capture(1, s)
+    graph_exec = cuda.graph_instantiate(1, graph)
     contexts.push(contexts.primary(0))
     expected = contexts.current()
     failures: list[tuple[str, int, Callable[[], Any], type[AccelError]]] = [
+        # Failures in the helpers an entry point calls after its own driver call.
+        ("cuEventCreate", 999, lambda: cuda.graph_launch(1, graph_exec, s), DriverError),
+        ("cuEventRecord", 999, lambda: cuda.graph_launch(1, graph_exec, s), DriverError),
         ("cuMemsetD8Async", 999, lambda: cuda.memset_async(1, base, 0, 1, s), DriverError),
         ("cuStreamSynchronize", 999, lambda: cuda.stream_synchronize(1, s), DriverError),
         ("cuMemAlloc_v2", 2, lambda: cuda.malloc(1, 4096), OutOfMemoryError),
@@ -210,6 +245,9 @@ def test_failing_calls_restore_the_context(cuda: Any, contexts: Contexts, sim: S
         sim.clear()
         assert contexts.current() == expected, f"a failed {entry_point} left another context current"
     contexts.clear()
+    cuda.stream_synchronize(1, s)
+    cuda.graph_exec_destroy(1, graph_exec)
+    cuda.graph_destroy(1, graph)
     cuda.event_destroy(1, e)
     cuda.vm_release(1, chunk)
     cuda.vm_free(1, base, g)
