@@ -1195,9 +1195,11 @@ class CudaBackend(Backend):
         """Release the keys of finished entries and destroy their events (context current)."""
         for _, keys in entries:
             self._host_fns.release(keys)
-        for events, _ in entries:
-            for event in events or ():
-                self._destroy_event(device, event)
+        events = [event for owned, _ in entries for event in owned or ()]
+        if events:
+            with self._relaxed_capture_mode(device):  # as for the queries
+                for event in events:
+                    self._destroy_event(device, event)
 
     def graph_debug_dump(self, device: int, graph: int, path: str) -> None:
         dot = self._fn.get("cuGraphDebugDotPrint")
