@@ -23,6 +23,7 @@ Design points (the protocol docstrings in ``accel.backends.base`` are the contra
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import threading
@@ -54,6 +55,7 @@ CUDA_ERROR_NOT_READY = 600
 CUDA_ERROR_NOT_SUPPORTED = 801
 CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901
 CUDA_ERROR_STREAM_CAPTURE_UNJOINED = 904
+CUDA_ERROR_CAPTURED_EVENT = 907
 _CAPTURE_ERRORS = frozenset(range(900, 909))  # STREAM_CAPTURE_* and CAPTURED_EVENT
 
 CU_STREAM_NON_BLOCKING = 1
@@ -107,13 +109,19 @@ class _HostFunctions:
 
     A one-shot entry (plain stream work) is dropped when it runs. A shared
     entry (captured into a graph) is reference-counted by its owners: the
-    capture, the graph, each executable graph and parked replays.
+    capture, the graph, each executable graph and guarded replays.
+
+    An entry queued as plain work and then shared (:meth:`share`: a capture
+    that may have recorded it began around the launch) may still run eagerly
+    once. Until some run of it is seen, letting go of the last owner turns it
+    back into a one-shot entry instead of dropping it.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._fns: dict[int, Callable[[], None]] = {}
         self._refs: dict[int, int] = {}
+        self._unrun: set[int] = set()  # shared by share() and not run since
         self._keys = itertools.count(1)
 
     def add(self, fn: Callable[[], None], *, shared: bool) -> int:
@@ -127,6 +135,7 @@ class _HostFunctions:
     def take(self, key: int) -> Callable[[], None] | None:
         with self._lock:
             if key in self._refs:
+                self._unrun.discard(key)
                 return self._fns.get(key)
             return self._fns.pop(key, None)
 
@@ -136,12 +145,14 @@ class _HostFunctions:
             if key not in self._fns or key in self._refs:
                 return False
             self._refs[key] = 1
+            self._unrun.add(key)
             return True
 
     def discard(self, key: int) -> None:
         with self._lock:
             self._fns.pop(key, None)
             self._refs.pop(key, None)
+            self._unrun.discard(key)
 
     def retain(self, keys: list[int]) -> None:
         with self._lock:
@@ -154,7 +165,13 @@ class _HostFunctions:
                 self._refs[key] -= 1
                 if self._refs[key] == 0:
                     del self._refs[key]
-                    self._fns.pop(key, None)
+                    if key in self._unrun:
+                        # Its eager run may still be queued: one-shot again.
+                        # (A function the capture did record, in a graph
+                        # never replayed, is kept for good: the cost.)
+                        self._unrun.discard(key)
+                    else:
+                        self._fns.pop(key, None)
 
     def __len__(self) -> int:
         with self._lock:
@@ -185,6 +202,8 @@ class CudaBackend(Backend):
         self._host_fns = _HostFunctions()
         # One callback for every host function: userData carries the registry key.
         self._trampoline = self._ffi.callback("void(void *)", self._run_host_function)
+        # Callables that ran, waiting to be let go on a user thread (see _run_host_function).
+        self._spent: collections.deque[Callable[[], None] | BaseException] = collections.deque()
         self._capture_keys: dict[int, list[int]] = {}
         # Orders launches into a capturing stream against the end of that
         # capture: a launch reads the capture id, launches and files its host
@@ -197,16 +216,25 @@ class CudaBackend(Backend):
         # finishes that graph, and none of them waits for the device. A launch
         # on a stream that does not capture (which can block while the
         # device's queue is full) never holds it. Taken before self._lock,
-        # never after.
-        self._capture_lock = threading.Lock()
+        # never after. Reentrant: a finalizer run on this thread while it is
+        # held (Graph.__del__ ending its capture) must not deadlock; at worst
+        # the outer launch then files under a capture that just ended, and
+        # that host function is kept for the life of the backend.
+        self._capture_lock = threading.RLock()
         self._graph_keys: dict[int, list[int]] = {}
         self._exec_keys: dict[int, list[int]] = {}
         # Per executable graph with host functions: an event per stream it was
         # launched on, re-recorded after each launch (marks its last replay there).
         self._exec_events: dict[int, dict[int, int]] = {}
-        # Per device: (events, keys) of destroyed executable graphs whose replays may still run.
-        self._retiring: dict[int, list[tuple[list[int], list[int]]]] = {}
+        # Per device: (events, keys) of launches that may still run, whose
+        # owners are gone; released once every event completed. Events None:
+        # released by the next device_synchronize (no event marks the launch).
+        self._retiring: dict[int, list[tuple[list[int] | None, list[int]]]] = {}
         self._detached_ids = itertools.count(1)
+        # Capture id -> detached handle, until the handle is released: what is
+        # launched into a capture after it was detached (another thread, in a
+        # relaxed capture, before torch ends it) goes to the handle.
+        self._detached_captures: dict[int, int] = {}
 
     # -- plumbing --------------------------------------------------------
 
@@ -298,7 +326,15 @@ class CudaBackend(Backend):
             return False
         if code != CUDA_SUCCESS:
             raise self._error("cuCtxGetCurrent", code, device)
-        code = fn["cuCtxPushCurrent"](ctx)
+        try:
+            code = fn["cuCtxPushCurrent"](ctx)
+        except BaseException:
+            # An exception delivered as the push returned (KeyboardInterrupt
+            # from a signal handler) must not leave the context pushed: the
+            # caller's finally is not armed yet. ctx was not current before.
+            if fn["cuCtxGetCurrent"](current) == CUDA_SUCCESS and current[0] == ctx:
+                fn["cuCtxPopCurrent"](self._ffi.NULL)
+            raise
         if code != CUDA_SUCCESS:
             raise self._error("cuCtxPushCurrent", code, device)
         return True
@@ -306,7 +342,9 @@ class CudaBackend(Backend):
     def _leave(self, device: int, pushed: bool) -> None:
         """Undo :meth:`_enter` (pop the context it pushed)."""
         if pushed:
-            code = self._fn["cuCtxPopCurrent"](self._tls.current)
+            # NULL, not the thread's buffer: a reentrant call (a finalizer run
+            # inside _enter) would otherwise overwrite what _enter compares.
+            code = self._fn["cuCtxPopCurrent"](self._ffi.NULL)
             if code != CUDA_SUCCESS:
                 raise self._error("cuCtxPopCurrent", code, device)
 
@@ -403,10 +441,18 @@ class CudaBackend(Backend):
     def device_synchronize(self, device: int) -> None:
         pushed = self._enter(device)
         try:
-            self._check("cuCtxSynchronize", self._fn["cuCtxSynchronize"](), device)
-            self._retire_finished(device)
+            # Whatever was queued before the synchronize began is over after it,
+            # whether or not an event marks it.
+            with self._lock:
+                entries = self._retiring.pop(device, [])
+            code = self._fn["cuCtxSynchronize"]()
+            if code != CUDA_SUCCESS:
+                self._park(device, entries)
+                raise self._error("cuCtxSynchronize", code, device)
+            self._release_retired(device, entries)
         finally:
             self._leave(device, pushed)
+        self._drop_spent()
 
     # -- memory ------------------------------------------------------------
 
@@ -430,15 +476,32 @@ class CudaBackend(Backend):
             self._leave(device, pushed)
         self._check("cuMemFree", code, device, handle=f"device pointer {ptr:#x}")
 
+    def _host_device(self) -> int:
+        """The device whose context host allocations use: any will do, but each costs memory.
+
+        The thread's current context when accel retained it (torch's device),
+        else a device accel already works with, else device 0; so a process
+        that uses only GPU k never creates a context on GPU 0 for them.
+        """
+        current = self._ffi.new("CUcontext *")
+        if self._fn["cuCtxGetCurrent"](current) == CUDA_SUCCESS and current[0] != self._ffi.NULL:
+            with self._lock:
+                for device, ctx in self._contexts.items():
+                    if ctx == current[0]:
+                        return device
+        with self._lock:
+            return min(self._contexts, default=0)
+
     def host_malloc(self, nbytes: int) -> int:
         # Page-locked memory is made portable, so any device's context can copy with it.
         out = self._ffi.new("void **")
-        pushed = self._enter(0)
+        device = self._host_device()
+        pushed = self._enter(device)
         try:
-            with self._relaxed_capture_mode(0):
+            with self._relaxed_capture_mode(device):
                 code = self._fn["cuMemHostAlloc"](out, nbytes, CU_MEMHOSTALLOC_PORTABLE)
         finally:
-            self._leave(0, pushed)
+            self._leave(device, pushed)
         if code == CUDA_ERROR_OUT_OF_MEMORY:
             raise OutOfMemoryError(
                 f"cuda: cuMemHostAlloc could not allocate {nbytes} bytes of page-locked host memory: "
@@ -449,12 +512,13 @@ class CudaBackend(Backend):
         return self._address(out[0])
 
     def host_free(self, ptr: int) -> None:
-        pushed = self._enter(0)
+        device = self._host_device()
+        pushed = self._enter(device)
         try:
-            with self._relaxed_capture_mode(0):
+            with self._relaxed_capture_mode(device):
                 code = self._fn["cuMemFreeHost"](self._ffi.cast("void *", ptr))
         finally:
-            self._leave(0, pushed)
+            self._leave(device, pushed)
         self._check("cuMemFreeHost", code, None, handle=f"host pointer {ptr:#x}")
 
     # -- virtual memory ----------------------------------------------------
@@ -622,6 +686,7 @@ class CudaBackend(Backend):
         finally:
             self._leave(device, pushed)
         self._check("cuStreamSynchronize", code, device, handle=f"stream {stream:#x}")
+        self._drop_spent()
 
     def stream_wait_event(self, device: int, stream: int, event: int) -> None:
         pushed = self._enter(device)
@@ -699,6 +764,7 @@ class CudaBackend(Backend):
         finally:
             self._leave(device, pushed)
         self._check("cuEventSynchronize", code, device, handle=f"event {event:#x}")
+        self._drop_spent()
 
     def event_elapsed_ms(self, device: int, start: int, end: int) -> float:
         out = self._ffi.new("float *")
@@ -740,6 +806,7 @@ class CudaBackend(Backend):
         self._check("cuMemsetD8Async", code, device, handle=f"stream {stream:#x}" if code == CUDA_ERROR_INVALID_HANDLE else "")
 
     def launch_host_func(self, device: int, stream: int, fn: Callable[[], None]) -> None:
+        self._drop_spent()
         pushed = self._enter(device)
         try:
             with self._capture_lock:
@@ -758,7 +825,7 @@ class CudaBackend(Backend):
                 capture_id = self._capture_id(device, stream)
                 if capture_id and self._host_fns.share(key):
                     with self._lock:
-                        self._capture_keys.setdefault(capture_id, []).append(key)
+                        self._file_under_capture(capture_id, [key])
         finally:
             self._leave(device, pushed)
 
@@ -771,22 +838,52 @@ class CudaBackend(Backend):
             self._check("cuLaunchHostFunc", code, device, handle=f"stream {stream:#x}")
         if capture_id:
             with self._lock:
-                self._capture_keys.setdefault(capture_id, []).append(key)
+                self._file_under_capture(capture_id, [key])
         return key
+
+    def _file_under_capture(self, capture_id: int, keys: list[int]) -> None:
+        """Hand ``keys`` (already counted for it) to a capture, or to its detached handle; self._lock held."""
+        handle = self._detached_captures.get(capture_id)
+        if handle is not None:
+            self._exec_keys[-handle].extend(keys)
+        else:
+            self._capture_keys.setdefault(capture_id, []).extend(keys)
 
     def _run_host_function(self, data: Any) -> None:
         # Runs on the driver's callback thread and makes no driver call, so it
-        # neither needs nor changes that thread's current context.
+        # neither needs nor changes that thread's current context. Nor may the
+        # callable die here: finalizers of what its closure holds (an accel
+        # Event's, a torch tensor's) call CUDA, which CUDA forbids on this
+        # thread. The next launch_host_func, graph_launch or synchronize on a
+        # user thread lets go of it, and of the exception it raised, whose
+        # traceback holds the call's frames; cffi reports that exception
+        # through sys.unraisablehook.
         fn = self._host_fns.take(self._address(data))
         if fn is not None:
-            fn()
+            try:
+                fn()
+            except BaseException as exc:
+                self._spent.append(exc)
+                raise
+            finally:
+                self._spent.append(fn)
+
+    def _drop_spent(self) -> None:
+        """Let go of host functions that ran, on this (user) thread."""
+        spent = self._spent
+        while spent:
+            try:
+                spent.popleft()
+            except IndexError:  # another thread emptied it first
+                return
 
     def pending_host_functions(self) -> int:
         """How many host functions are held (queued, or owned by graphs); for leak checks.
 
         Those of destroyed executable graphs are let go by the next
         device_synchronize, graph_instantiate or graph_exec_destroy after their
-        last replay ran.
+        last replay ran (those of a replay raced by a capture begin only by
+        the next device_synchronize).
         """
         return len(self._host_fns)
 
@@ -882,6 +979,7 @@ class CudaBackend(Backend):
 
     def graph_launch(self, device: int, graph_exec: int, stream: int) -> None:
         self._require_graphs(device)
+        self._drop_spent()
         pushed = self._enter(device)
         try:
             keys = self._exec_keys.get(graph_exec)
@@ -906,28 +1004,57 @@ class CudaBackend(Backend):
     def _capture_owns(self, capture_id: int, keys: list[int]) -> None:
         with self._lock:
             self._host_fns.retain(keys)
-            self._capture_keys.setdefault(capture_id, []).extend(keys)
+            self._file_under_capture(capture_id, keys)
 
     def _hold_for_launch(self, device: int, owner: int, keys: list[int], stream: int) -> None:
         """Keep ``owner``'s host functions ``keys`` until its launch just queued on ``stream`` ran.
 
-        Called with ``device``'s context current. As in launch_host_func: a
-        capture begun on the stream since the launch was checked may have
-        recorded it, so that capture owns the host functions too (and no event
-        goes into its graph).
+        Called with ``device``'s context current. Normally an event recorded
+        after the launch marks when it ran. As in launch_host_func, another
+        thread may begin a capture on the stream around the launch: then the
+        capture may have recorded the launch, so it owns the host functions
+        too, and the launch may also have been queued before the capture
+        began. An event recorded now would go into the capture and mark
+        nothing, so that possible eager launch holds them until the device's
+        next synchronize instead. The same holds when the capture began
+        between the check and the event's record.
         """
         with self._capture_lock:
             capture_id = self._capture_id(device, stream)
             if capture_id:
                 self._capture_owns(capture_id, keys)
+                self._hold_until_synchronize(device, keys)
                 return
+        try:
+            with self._lock:
+                # Only our own event marks when this replay is over; the stream
+                # itself may be destroyed before the executable graph is.
+                events = self._exec_events.setdefault(owner, {})
+                event = events.get(stream)
+                if event is None:
+                    event = events[stream] = self._create_event(device, CU_EVENT_DISABLE_TIMING)
+            # Not under the lock: the record may wait for room in the stream's queue.
+            self._record_event(device, event, stream)
+        except AccelError:
+            self._hold_until_synchronize(device, keys)  # the launch is queued all the same
+            raise
+        if self._capture_id(device, stream):
+            # The capture may have recorded the event, which then marks no
+            # eager work any more (and querying it fails); the device's next
+            # synchronize guards this and the earlier launches instead.
+            with self._lock:
+                mine = events.get(stream) == event
+                if mine:
+                    del events[stream]
+            if mine:  # else the executable graph was destroyed meanwhile: its check copes with such an event
+                self._destroy_event(device, event)
+            self._hold_until_synchronize(device, keys)
+
+    def _hold_until_synchronize(self, device: int, keys: list[int]) -> None:
+        """Keep ``keys`` (one more reference) until the next device_synchronize on ``device``."""
         with self._lock:
-            # Only our own event marks when this replay is over; the stream
-            # itself may be destroyed before the executable graph is.
-            events = self._exec_events.setdefault(owner, {})
-            if stream not in events:
-                events[stream] = self._create_event(device, CU_EVENT_DISABLE_TIMING)
-            self._record_event(device, events[stream], stream)
+            self._host_fns.retain(keys)
+            self._retiring.setdefault(device, []).append((None, list(keys)))
 
     def graph_destroy(self, device: int, graph: int) -> None:
         self._require_graphs(device)
@@ -980,19 +1107,23 @@ class CudaBackend(Backend):
                         f"cuda:{device}: stream {stream:#x} is not capturing; there is no capture to detach"
                     )
                 with self._lock:
-                    keys = self._capture_keys.pop(capture_id, [])
-                    if not keys:
-                        return 0
-                    handle = next(self._detached_ids)
-                    self._exec_keys[-handle] = keys
+                    handle = self._detached_captures.get(capture_id)
+                    if handle is None:
+                        # A handle even with nothing filed yet: a launch may
+                        # still come before the other runtime ends the capture.
+                        handle = next(self._detached_ids)
+                        self._exec_keys[-handle] = self._capture_keys.pop(capture_id, [])
+                        self._detached_captures[capture_id] = handle
             return handle
         finally:
             self._leave(device, pushed)
 
     def detached_graph_launched(self, device: int, handle: int, stream: int) -> None:
         keys = self._exec_keys.get(-handle)
-        if not keys:
+        if keys is None:
             raise InvalidHandleError(f"cuda:{device}: {handle} is not a live detached-capture handle")
+        if not keys:
+            return  # the capture holds no host functions: nothing to guard
         pushed = self._enter(device)
         try:
             self._hold_for_launch(device, -handle, keys, stream)
@@ -1002,6 +1133,9 @@ class CudaBackend(Backend):
     def detached_graph_release(self, device: int, handle: int) -> None:
         if -handle not in self._exec_keys:
             raise InvalidHandleError(f"cuda:{device}: {handle} is not a live detached-capture handle")
+        with self._lock:
+            for capture_id in [c for c, h in self._detached_captures.items() if h == handle]:
+                del self._detached_captures[capture_id]
         pushed = self._enter(device)
         try:
             self._retire(device, -handle)
@@ -1009,27 +1143,63 @@ class CudaBackend(Backend):
             self._leave(device, pushed)
 
     def _retire_finished(self, device: int) -> None:
-        """Release host functions of destroyed executable graphs whose replays are over.
+        """Release host functions of launches whose owners are gone once those launches are over.
 
-        Called inside an entry point, with ``device``'s context current.
+        Called inside an entry point, with ``device``'s context current. If it
+        raises, what it did not get to stays for the next call.
         """
         if not self._retiring.get(device):
             return
         with self._lock:
             entries = self._retiring.pop(device, [])
-        unfinished = []
-        # Relaxed: an event query must not invalidate another thread's global capture.
-        with self._relaxed_capture_mode(device):
-            for events, keys in entries:
-                if all(self._query_event(device, e) for e in events):
-                    for e in events:
-                        self._destroy_event(device, e)
-                    self._host_fns.release(keys)
-                else:
-                    unfinished.append((events, keys))
-        if unfinished:
+        keep: list[tuple[list[int] | None, list[int]]] = []
+        done: list[tuple[list[int] | None, list[int]]] = []
+        index = 0
+        try:
+            # Relaxed: an event query must not invalidate another thread's global capture.
+            with self._relaxed_capture_mode(device):
+                while index < len(entries):
+                    events, keys = entries[index]
+                    over = self._launches_over(device, events) if events is not None else False
+                    index += 1
+                    if over is None:  # an event went into a capture: wait for a synchronize instead
+                        done.append((events, []))
+                        keep.append((None, keys))
+                    elif over:
+                        done.append((events, keys))
+                    else:
+                        keep.append((events, keys))
+        finally:
+            self._park(device, keep + entries[index:])
+        self._release_retired(device, done)
+
+    def _launches_over(self, device: int, events: list[int]) -> bool | None:
+        """Whether every event completed; None when one was last recorded in a capture (it marks nothing)."""
+        query = self._fn["cuEventQuery"]
+        for event in events:
+            code = query(self._event(event))
+            if code == CUDA_ERROR_NOT_READY:
+                return False
+            if code == CUDA_ERROR_CAPTURED_EVENT:
+                return None
+            self._check("cuEventQuery", code, device, handle=f"event {event:#x}")
+        return True
+
+    def _park(self, device: int, entries: list[tuple[list[int] | None, list[int]]]) -> None:
+        """Put retiring entries back for a later check."""
+        if entries:
             with self._lock:
-                self._retiring.setdefault(device, []).extend(unfinished)
+                self._retiring.setdefault(device, []).extend(entries)
+
+    def _release_retired(self, device: int, entries: list[tuple[list[int] | None, list[int]]]) -> None:
+        """Release the keys of finished entries and destroy their events (context current)."""
+        for _, keys in entries:
+            self._host_fns.release(keys)
+        events = [event for owned, _ in entries for event in owned or ()]
+        if events:
+            with self._relaxed_capture_mode(device):  # as for the queries
+                for event in events:
+                    self._destroy_event(device, event)
 
     def graph_debug_dump(self, device: int, graph: int, path: str) -> None:
         dot = self._fn.get("cuGraphDebugDotPrint")

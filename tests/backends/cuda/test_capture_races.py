@@ -12,12 +12,15 @@ may be ended from another thread.
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
 import pytest
 
 from accel.backends.base import CaptureMode
+from tests.backends.cuda.conftest import SimControl, run_python
+from tests.fixtures.cuda_driver import build_simulator
 
 D = 0
 
@@ -207,3 +210,33 @@ def test_capture_begun_just_before_a_graph_launch(cuda: Any, stream: int, monkey
     replay(cuda, outer, stream, 2)
     assert calls == ["inner", "inner"]
     assert cuda.pending_host_functions() == held
+
+
+REENTRANT_END = """
+import json
+from accel.backends.base import CaptureMode
+from accel.backends.cuda import load
+b = load()
+fn = b.driver.fn
+launching, capturing = b.stream_create(0, 0), b.stream_create(0, 0)
+b.stream_begin_capture(0, capturing, CaptureMode.RELAXED)
+real = fn["cuStreamGetCaptureInfo"]
+def finalizer_runs_here(*args):
+    fn["cuStreamGetCaptureInfo"] = real
+    b.graph_destroy(0, b.stream_end_capture(0, capturing))  # as Graph.__del__ would
+    return real(*args)
+fn["cuStreamGetCaptureInfo"] = finalizer_runs_here
+ran = []
+b.launch_host_func(0, launching, lambda: ran.append(1))
+b.stream_synchronize(0, launching)
+print(json.dumps({"ran": ran, "capturing": int(b.stream_capture_status(0, capturing))}))
+"""
+
+
+def test_a_finalizer_ending_a_capture_inside_a_launch_does_not_deadlock(sim: SimControl) -> None:
+    # The launch holds the capture lock while it checks for a capture; the
+    # garbage collector can run a finalizer on this thread right then.
+    env = {"ACCEL_CUDA_DRIVER": str(build_simulator())}
+    result = run_python(REENTRANT_END, env, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"ran": [1], "capturing": 0}

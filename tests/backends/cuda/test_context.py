@@ -116,6 +116,34 @@ def tour(cuda: Any, device: int, tmp_path: Path, after: Callable[[str], None]) -
         call("graph_debug_dump", cuda.graph_debug_dump, device, graph, str(tmp_path / f"graph{device}.dot"))
         graph_exec = call("graph_instantiate", cuda.graph_instantiate, device, graph)
         call("graph_launch", cuda.graph_launch, device, graph_exec, s)
+        # A capture that torch ends: accel's part is detached first, and each
+        # replay of torch's graph and its reset are reported.
+        call("stream_begin_capture", cuda.stream_begin_capture, device, s, CaptureMode.RELAXED)
+        call("graph_launch (capturing)", cuda.graph_launch, device, graph_exec, s)
+        handle = call("stream_capture_detach", cuda.stream_capture_detach, device, s)
+        outer = call("stream_end_capture", cuda.stream_end_capture, device, s)
+        outer_exec = call("graph_instantiate", cuda.graph_instantiate, device, outer)
+        call("graph_launch", cuda.graph_launch, device, outer_exec, s)
+        call("detached_graph_launched", cuda.detached_graph_launched, device, handle, s)
+        call("graph_exec_destroy", cuda.graph_exec_destroy, device, outer_exec)
+        call("graph_destroy", cuda.graph_destroy, device, outer)
+        call("detached_graph_release", cuda.detached_graph_release, device, handle)
+        # A capture begun right after a launch (by other code, at the driver):
+        # the launch's second check files the host function under it.
+        fn, ffi = cuda.driver.fn, cuda.driver.ffi
+        real_launch = fn["cuLaunchHostFunc"]
+
+        def launch_then_capture(*args: Any) -> int:
+            code = int(real_launch(*args))
+            assert fn["cuStreamBeginCapture"](ffi.cast("CUstream", s), CU_STREAM_CAPTURE_MODE_RELAXED) == 0
+            return code
+
+        fn["cuLaunchHostFunc"] = launch_then_capture
+        try:
+            call("launch_host_func (capture begun after it)", cuda.launch_host_func, device, s, lambda: None)
+        finally:
+            fn["cuLaunchHostFunc"] = real_launch
+        call("graph_destroy", cuda.graph_destroy, device, call("stream_end_capture", cuda.stream_end_capture, device, s))
         call("graph_exec_destroy", cuda.graph_exec_destroy, device, graph_exec)
         call("graph_destroy", cuda.graph_destroy, device, graph)
     if cuda.supports_virtual_memory(device):
@@ -193,9 +221,17 @@ def test_failing_calls_restore_the_context(cuda: Any, contexts: Contexts, sim: S
     g = cuda.vm_granularity(1)
     base, chunk = cuda.vm_reserve(1, g), cuda.vm_create(1, g)
     e = cuda.event_create(1, timing=False, blocking=False, interprocess=False)
+    held = cuda.pending_host_functions()
+    cuda.stream_begin_capture(1, s, CaptureMode.GLOBAL)
+    cuda.launch_host_func(1, s, lambda: None)
+    graph = cuda.stream_end_capture(1, s)
+    graph_exec = cuda.graph_instantiate(1, graph)
     contexts.push(contexts.primary(0))
     expected = contexts.current()
     failures: list[tuple[str, int, Callable[[], Any], type[AccelError]]] = [
+        # Failures in the helpers an entry point calls after its own driver call.
+        ("cuEventCreate", 999, lambda: cuda.graph_launch(1, graph_exec, s), DriverError),
+        ("cuEventRecord", 999, lambda: cuda.graph_launch(1, graph_exec, s), DriverError),
         ("cuMemsetD8Async", 999, lambda: cuda.memset_async(1, base, 0, 1, s), DriverError),
         ("cuStreamSynchronize", 999, lambda: cuda.stream_synchronize(1, s), DriverError),
         ("cuMemAlloc_v2", 2, lambda: cuda.malloc(1, 4096), OutOfMemoryError),
@@ -210,6 +246,10 @@ def test_failing_calls_restore_the_context(cuda: Any, contexts: Contexts, sim: S
         sim.clear()
         assert contexts.current() == expected, f"a failed {entry_point} left another context current"
     contexts.clear()
+    cuda.graph_exec_destroy(1, graph_exec)
+    cuda.graph_destroy(1, graph)
+    cuda.device_synchronize(1)  # lets go of the launches whose bookkeeping event failed
+    assert cuda.pending_host_functions() == held
     cuda.event_destroy(1, e)
     cuda.vm_release(1, chunk)
     cuda.vm_free(1, base, g)
@@ -308,3 +348,131 @@ def test_one_device_does_not_trust_a_cached_context(sim: SimControl) -> None:
     # by someone else then got CUDA_ERROR_INVALID_CONTEXT.
     env = {"ACCEL_CUDA_DRIVER": str(build_simulator()), "ACCEL_SIMCUDA_DEVICE_COUNT": "1"}
     assert run_json(ONE_DEVICE, env) == {"none_current": True}
+
+
+def test_a_reentrant_call_inside_the_check_keeps_the_device(
+    cuda: Any, contexts: Contexts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A finalizer (accel.Event's) can run an accel call on this thread between
+    # the outer call's cuCtxGetCurrent and its compare; the outer call must
+    # still run on its own device, not on the one that happened to be current.
+    if contexts.count < 2:
+        pytest.skip("needs two devices")
+    ffi, fn = cuda.driver.ffi, cuda.driver.fn
+    event = cuda.event_create(0, timing=False, blocking=False, interprocess=False)
+    contexts.push(contexts.primary(1))
+    real_get, real_alloc = fn["cuCtxGetCurrent"], fn["cuMemAlloc"]
+    reentered: list[bool] = []
+    seen: list[int] = []
+
+    def get_then_reenter(out: Any) -> int:
+        code = int(real_get(out))
+        if not reentered:
+            reentered.append(True)
+            cuda.event_destroy(0, event)
+        return code
+
+    def alloc(out: Any, nbytes: int) -> int:
+        current = ffi.new("CUcontext *")
+        real_get(current)
+        seen.append(contexts.address(current[0]))
+        return int(real_alloc(out, nbytes))
+
+    monkeypatch.setitem(fn, "cuCtxGetCurrent", get_then_reenter)
+    monkeypatch.setitem(fn, "cuMemAlloc", alloc)
+    ptr = cuda.malloc(0, 4096)
+    monkeypatch.undo()
+    assert reentered == [True]
+    assert seen == [contexts.address(contexts.primary(0))], "the allocation ran in another device's context"
+    assert contexts.current() == contexts.address(contexts.primary(1))
+    cuda.free(0, ptr)
+
+
+def test_an_interrupt_right_after_the_push_pops_it(
+    cuda: Any, contexts: Contexts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A signal handler's KeyboardInterrupt can surface as the push returns,
+    # before the entry point's finally is armed.
+    real = cuda.driver.fn["cuCtxPushCurrent"]
+
+    def push_then_interrupt(ctx: Any) -> int:
+        real(ctx)
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cuda.driver.fn, "cuCtxPushCurrent", push_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        cuda.memory_info(0)
+    monkeypatch.undo()
+    assert contexts.current() == 0
+
+
+def test_host_memory_uses_the_current_context(
+    cuda: Any, contexts: Contexts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Any context can allocate portable pinned memory; the one torch (or the
+    # caller) has current is already there, so no other device's is needed.
+    if contexts.count < 2:
+        pytest.skip("needs two devices")
+    cuda.memory_info(1)  # accel works with device 1
+    ffi, fn = cuda.driver.ffi, cuda.driver.fn
+    seen: list[int] = []
+
+    def in_context(name: str) -> Callable[..., int]:
+        real = fn[name]
+
+        def call(*args: Any) -> int:
+            current = ffi.new("CUcontext *")
+            fn["cuCtxGetCurrent"](current)
+            seen.append(contexts.address(current[0]))
+            return int(real(*args))
+
+        return call
+
+    for name in ("cuMemHostAlloc", "cuMemFreeHost"):
+        monkeypatch.setitem(fn, name, in_context(name))
+    contexts.push(contexts.primary(1))
+    cuda.host_free(cuda.host_malloc(64))
+    assert seen == [contexts.address(contexts.primary(1))] * 2
+    assert contexts.current() == contexts.address(contexts.primary(1))
+
+
+ONLY_DEVICE_1 = """
+import json
+from accel.backends.cuda import load
+b = load()
+fn = b.driver.fn
+real = fn["cuDevicePrimaryCtxRetain"]
+retained = []
+def retain(out, device):
+    retained.append(device)
+    return real(out, device)
+fn["cuDevicePrimaryCtxRetain"] = retain
+s = b.stream_create(1, 0)
+host = b.host_malloc(64)  # no context current: the device accel works with
+b.memset_async(1, host, 0, 64, s)
+b.stream_synchronize(1, s)
+b.host_free(host)
+b.stream_destroy(1, s)
+print(json.dumps(retained))
+"""
+
+FRESH = """
+import json
+from accel.backends.cuda import load
+b = load()
+fn = b.driver.fn
+real = fn["cuDevicePrimaryCtxRetain"]
+retained = []
+def retain(out, device):
+    retained.append(device)
+    return real(out, device)
+fn["cuDevicePrimaryCtxRetain"] = retain
+b.host_free(b.host_malloc(64))
+print(json.dumps(retained))
+"""
+
+
+def test_host_memory_creates_no_context_on_a_device_left_unused(sim: SimControl) -> None:
+    env = {"ACCEL_CUDA_DRIVER": str(build_simulator()), "ACCEL_SIMCUDA_DEVICE_COUNT": "2"}
+    assert run_json(ONLY_DEVICE_1, env) == [1]
+    assert run_json(FRESH, env) == [0], "with no device in use yet, device 0's context serves"

@@ -134,6 +134,12 @@ from accel.backends.cuda import load
 b = load()
 count = torch.cuda.device_count()
 host = b.host_malloc(64)
+fn, ffi = b.driver.fn, b.driver.ffi
+
+def current_context():
+    ctx = ffi.new("CUcontext *")
+    fn["cuCtxGetCurrent"](ctx)
+    return int(ffi.cast("uintptr_t", ctx[0]))
 
 def tour(device):
     s = b.stream_create(device, 0)
@@ -152,13 +158,17 @@ for current in range(min(count, 2)):
     for device in range(count):
         tour(device)
         assert torch.cuda.current_device() == current, (device, current, torch.cuda.current_device())
-    b.host_free(b.host_malloc(64))  # host memory uses device 0's context
+    # Host memory uses the context torch has current (accel retained it): no switch.
+    torch_context, seen, real_alloc = current_context(), [], fn["cuMemHostAlloc"]
+    fn["cuMemHostAlloc"] = lambda *args: (seen.append(current_context()), real_alloc(*args))[1]
+    b.host_free(b.host_malloc(64))
+    fn["cuMemHostAlloc"] = real_alloc
+    assert seen == [torch_context], (seen, torch_context)
     assert torch.cuda.current_device() == current
     assert torch.empty(1, device="cuda").device.index == current
 
 # A thread that never touched CUDA has no current context, before and after;
 # the push and pop around calls during a global capture leave the capture valid.
-fn, ffi = b.driver.fn, b.driver.ffi
 out = []
 def fresh():
     ctx = ffi.new("CUcontext *")

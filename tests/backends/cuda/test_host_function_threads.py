@@ -1,0 +1,85 @@
+"""Host functions run on the driver's callback thread, but are let go on user threads.
+
+CUDA forbids CUDA calls on the callback thread. A host function's closure can
+hold objects whose finalizers make such calls (an accel Event or Stream, a
+torch tensor), so the last reference to the callable must not be dropped
+there: the backend keeps spent callables until the next launch or
+synchronize on a user thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+D = 0
+
+
+class Finalized:
+    """Notes the thread its finalizer runs on."""
+
+    def __init__(self, threads: list[str]) -> None:
+        self._threads = threads
+
+    def __del__(self) -> None:
+        self._threads.append(threading.current_thread().name)
+
+
+def holding(owner: Finalized, also: Callable[[], None] = lambda: None) -> Callable[[], None]:
+    """A host function whose closure holds the only reference to ``owner``."""
+    return lambda: (owner, also())[1]
+
+
+def synchronizers(cuda: Any, stream: int) -> dict[str, Callable[[], None]]:
+    def by_event() -> None:
+        event = cuda.event_create(D, timing=False, blocking=False, interprocess=False)
+        cuda.event_record(D, event, stream)
+        cuda.event_synchronize(D, event)
+        cuda.event_destroy(D, event)
+
+    return {
+        "stream_synchronize": lambda: cuda.stream_synchronize(D, stream),
+        "event_synchronize": by_event,
+        "device_synchronize": lambda: cuda.device_synchronize(D),
+    }
+
+
+@pytest.mark.parametrize("synchronize", ["stream_synchronize", "event_synchronize", "device_synchronize"])
+def test_a_spent_host_function_dies_on_the_synchronizing_thread(cuda: Any, stream: int, synchronize: str) -> None:
+    threads: list[str] = []
+    cuda.launch_host_func(D, stream, holding(Finalized(threads)))
+    synchronizers(cuda, stream)[synchronize]()
+    assert threads == [threading.current_thread().name]
+
+
+def test_the_next_launch_lets_go_of_spent_host_functions(cuda: Any, stream: int) -> None:
+    threads: list[str] = []
+    ran = threading.Event()
+    cuda.launch_host_func(D, stream, holding(Finalized(threads)))
+    cuda.launch_host_func(D, stream, ran.set)  # runs once the first one was handed back
+    assert ran.wait(10)
+    assert threads == []
+    cuda.launch_host_func(D, stream, lambda: None)
+    assert threads == [threading.current_thread().name]
+
+
+def test_a_failing_host_function_is_let_go_on_a_user_thread(
+    cuda: Any, stream: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The exception's traceback holds the call's frames, and what they hold.
+    # It is reported as cffi reports any error in a callback.
+    threads: list[str] = []
+    reports: list[str] = []
+    monkeypatch.setattr("sys.unraisablehook", lambda args: reports.append(str(args.exc_value)))
+
+    def fail() -> None:
+        local = Finalized(threads)  # noqa: F841 - dies with the frame
+        raise ValueError("from a host function")
+
+    cuda.launch_host_func(D, stream, holding(Finalized(threads), fail))
+    cuda.stream_synchronize(D, stream)
+    assert reports == ["from a host function"]
+    assert threads == [threading.current_thread().name] * 2
