@@ -317,8 +317,10 @@ class Backend(abc.ABC):
 
     def stream_capture_detach(self, device: int, stream: int) -> int:
         """Hand what this backend queued into the capture ``stream`` takes part in
-        to a new handle (0 when nothing needs keeping), just before another
-        runtime ends that capture and takes the graph over.
+        to a new handle, just before another runtime ends that capture and
+        takes the graph over. A backend may return 0 when nothing can need
+        keeping; CUDA always returns a handle, because host functions may still
+        be launched into the capture until the other runtime ends it.
 
         Raises :class:`~accel.CaptureError` if ``stream`` is not capturing."""
         raise self._unsupported("captures ended by another runtime")
