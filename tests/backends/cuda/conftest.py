@@ -45,6 +45,16 @@ def stream(cuda: Any) -> Iterator[int]:
     cuda.stream_destroy(0, s)
 
 
+def captured_host_function(cuda: Any, stream: int, fn: Any) -> tuple[int, int]:
+    """A graph recording ``fn`` as a host function on device 0, and an executable graph of it."""
+    from accel.backends.base import CaptureMode
+
+    cuda.stream_begin_capture(0, stream, CaptureMode.GLOBAL)
+    cuda.launch_host_func(0, stream, fn)
+    graph = cuda.stream_end_capture(0, stream)
+    return graph, cuda.graph_instantiate(0, graph)
+
+
 class SimControl:
     """The simulator's test-only entry points, on the library this process loaded."""
 

@@ -17,7 +17,7 @@ import pytest
 
 from accel._errors import CaptureError, DriverError
 from accel.backends.base import CaptureMode
-from tests.backends.cuda.conftest import SimControl
+from tests.backends.cuda.conftest import SimControl, captured_host_function
 from tests.backends.cuda.test_capture_races import begin_capture_around_launch
 
 D = 0
@@ -63,14 +63,6 @@ def test_a_host_function_queued_before_the_capture_still_runs(
     cuda.stream_synchronize(D, stream)
     assert calls == [1], "a host function queued before the capture began never ran"
     assert cuda.pending_host_functions() == held
-
-
-def captured_host_function(cuda: Any, stream: int, fn: Any) -> tuple[int, int]:
-    """A graph recording ``fn`` as a host function, and an executable graph of it."""
-    cuda.stream_begin_capture(D, stream, CaptureMode.GLOBAL)
-    cuda.launch_host_func(D, stream, fn)
-    graph = cuda.stream_end_capture(D, stream)
-    return graph, cuda.graph_instantiate(D, graph)
 
 
 def test_an_eager_replay_keeps_its_host_functions_when_a_capture_begins_after_it(

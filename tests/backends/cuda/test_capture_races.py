@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from accel.backends.base import CaptureMode
-from tests.backends.cuda.conftest import SimControl, run_python
+from tests.backends.cuda.conftest import SimControl, captured_host_function, run_python
 from tests.fixtures.cuda_driver import build_simulator
 
 D = 0
@@ -89,10 +89,7 @@ def test_capture_ended_during_a_host_function_launch(
 def test_capture_ended_during_a_graph_launch(cuda: Any, stream: int, monkeypatch: pytest.MonkeyPatch) -> None:
     held = cuda.pending_host_functions()
     calls: list[str] = []
-    cuda.stream_begin_capture(D, stream, CaptureMode.GLOBAL)
-    cuda.launch_host_func(D, stream, lambda: calls.append("inner"))
-    inner = cuda.stream_end_capture(D, stream)
-    inner_exec = cuda.graph_instantiate(D, inner)
+    inner, inner_exec = captured_host_function(cuda, stream, lambda: calls.append("inner"))
     cuda.stream_begin_capture(D, stream, CaptureMode.RELAXED)
     race = EndDuringLaunch(cuda, monkeypatch, "cuGraphLaunch", stream)
     cuda.graph_launch(D, inner_exec, stream)
@@ -198,10 +195,7 @@ def test_capture_begun_just_after_a_host_function_launch(
 def test_capture_begun_just_before_a_graph_launch(cuda: Any, stream: int, monkeypatch: pytest.MonkeyPatch) -> None:
     held = cuda.pending_host_functions()
     calls: list[str] = []
-    cuda.stream_begin_capture(D, stream, CaptureMode.GLOBAL)
-    cuda.launch_host_func(D, stream, lambda: calls.append("inner"))
-    inner = cuda.stream_end_capture(D, stream)
-    inner_exec = cuda.graph_instantiate(D, inner)
+    inner, inner_exec = captured_host_function(cuda, stream, lambda: calls.append("inner"))
     begin_capture_around_launch(cuda, monkeypatch, stream, before=True, entry_point="cuGraphLaunch")
     cuda.graph_launch(D, inner_exec, stream)
     outer = cuda.stream_end_capture(D, stream)

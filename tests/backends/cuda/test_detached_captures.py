@@ -15,6 +15,7 @@ import pytest
 
 from accel._errors import InvalidHandleError
 from accel.backends.base import CaptureMode
+from tests.backends.cuda.conftest import captured_host_function
 
 D = 0
 
@@ -63,10 +64,7 @@ def test_host_functions_launched_after_the_detach_go_to_the_handle(
 def test_a_graph_launched_into_a_detached_capture(cuda: Any, stream: int) -> None:
     held = cuda.pending_host_functions()
     calls: list[str] = []
-    cuda.stream_begin_capture(D, stream, CaptureMode.GLOBAL)
-    cuda.launch_host_func(D, stream, lambda: calls.append("inner"))
-    inner = cuda.stream_end_capture(D, stream)
-    inner_exec = cuda.graph_instantiate(D, inner)
+    inner, inner_exec = captured_host_function(cuda, stream, lambda: calls.append("inner"))
     cuda.stream_begin_capture(D, stream, CaptureMode.RELAXED)
     handle = cuda.stream_capture_detach(D, stream)
     cuda.graph_launch(D, inner_exec, stream)  # after the detach, still in the capture
