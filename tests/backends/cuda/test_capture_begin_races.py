@@ -65,41 +65,30 @@ def test_a_host_function_queued_before_the_capture_still_runs(
     assert cuda.pending_host_functions() == held
 
 
-def test_an_eager_replay_keeps_its_host_functions_when_a_capture_begins_after_it(
-    cuda: Any, stream: int, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("entry_point", "before"),
+    [
+        # The capture begins right after the eager replay's launch.
+        ("cuGraphLaunch", False),
+        # The backend saw no capture after the launch, but its bookkeeping event
+        # was recorded into one: it must not rely on that event (querying it
+        # fails with CUDA_ERROR_CAPTURED_EVENT).
+        ("cuEventRecord", True),
+    ],
+    ids=["capture-begun-after-the-launch", "capture-begun-before-the-event-record"],
+)
+def test_an_eager_replay_keeps_its_host_functions_when_a_capture_begins_around_it(
+    cuda: Any, stream: int, monkeypatch: pytest.MonkeyPatch, entry_point: str, before: bool
 ) -> None:
     held = cuda.pending_host_functions()
     calls: list[str] = []
     inner, inner_exec = captured_host_function(cuda, stream, lambda: calls.append("inner"))
     gate = block(cuda, stream)
-    begin_capture_around_launch(cuda, monkeypatch, stream, before=False, entry_point="cuGraphLaunch")
+    begin_capture_around_launch(cuda, monkeypatch, stream, before=before, entry_point=entry_point)
     cuda.graph_launch(D, inner_exec, stream)  # an eager replay, queued behind the gate
     monkeypatch.undo()
     cuda.graph_destroy(D, cuda.stream_end_capture(D, stream))
     cuda.graph_exec_destroy(D, inner_exec)  # CUDA lets the queued replay finish
-    cuda.graph_destroy(D, inner)
-    gate.set()
-    cuda.stream_synchronize(D, stream)
-    assert calls == ["inner"]
-    cuda.device_synchronize(D)
-    assert cuda.pending_host_functions() == held
-
-
-def test_a_capture_begun_before_the_replays_event_record(
-    cuda: Any, stream: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The backend saw no capture after the launch, but its bookkeeping event
-    # was recorded into one: it must not rely on that event (querying it
-    # fails with CUDA_ERROR_CAPTURED_EVENT).
-    held = cuda.pending_host_functions()
-    calls: list[str] = []
-    inner, inner_exec = captured_host_function(cuda, stream, lambda: calls.append("inner"))
-    gate = block(cuda, stream)
-    begin_capture_around_launch(cuda, monkeypatch, stream, before=True, entry_point="cuEventRecord")
-    cuda.graph_launch(D, inner_exec, stream)
-    monkeypatch.undo()
-    cuda.graph_destroy(D, cuda.stream_end_capture(D, stream))
-    cuda.graph_exec_destroy(D, inner_exec)
     cuda.graph_destroy(D, inner)
     gate.set()
     cuda.stream_synchronize(D, stream)
