@@ -132,12 +132,13 @@ class _HostFunctions:
                 self._refs[key] = 1
         return key
 
-    def take(self, key: int) -> Callable[[], None] | None:
+    def take(self, key: int) -> tuple[Callable[[], None] | None, bool]:
+        """The callable for ``key``, and whether running it drops it (a one-shot entry)."""
         with self._lock:
             if key in self._refs:
                 self._unrun.discard(key)
-                return self._fns.get(key)
-            return self._fns.pop(key, None)
+                return self._fns.get(key), False
+            return self._fns.pop(key, None), True
 
     def share(self, key: int) -> bool:
         """Turn a one-shot entry that has not run yet into a shared one (owned once); False if it ran."""
@@ -150,9 +151,10 @@ class _HostFunctions:
 
     def discard(self, key: int) -> None:
         with self._lock:
-            self._fns.pop(key, None)
+            dropped = self._fns.pop(key, None)
             self._refs.pop(key, None)
             self._unrun.discard(key)
+        del dropped  # outside the lock: a finalizer of what it holds may call back into the backend
 
     def retain(self, keys: list[int]) -> None:
         with self._lock:
@@ -160,6 +162,7 @@ class _HostFunctions:
                 self._refs[key] += 1
 
     def release(self, keys: list[int]) -> None:
+        dropped = []
         with self._lock:
             for key in keys:
                 self._refs[key] -= 1
@@ -171,7 +174,8 @@ class _HostFunctions:
                         # never replayed, is kept for good: the cost.)
                         self._unrun.discard(key)
                     else:
-                        self._fns.pop(key, None)
+                        dropped.append(self._fns.pop(key, None))
+        del dropped  # outside the lock: a finalizer of what they hold may call back into the backend
 
     def __len__(self) -> int:
         with self._lock:
@@ -669,6 +673,7 @@ class CudaBackend(Backend):
         self._check("cuStreamDestroy", code, device, handle=f"stream {stream:#x}")
 
     def stream_query(self, device: int, stream: int) -> bool:
+        self._drop_spent()
         pushed = self._enter(device)
         try:
             code = self._fn["cuStreamQuery"](self._stream(stream))
@@ -751,6 +756,7 @@ class CudaBackend(Backend):
             self._leave(device, pushed)
 
     def event_query(self, device: int, event: int) -> bool:
+        self._drop_spent()
         pushed = self._enter(device)
         try:
             return self._query_event(device, event)
@@ -858,7 +864,7 @@ class CudaBackend(Backend):
         # user thread lets go of it, and of the exception it raised, whose
         # traceback holds the call's frames; cffi reports that exception
         # through sys.unraisablehook.
-        fn = self._host_fns.take(self._address(data))
+        fn, one_shot = self._host_fns.take(self._address(data))
         if fn is not None:
             try:
                 fn()
@@ -866,7 +872,8 @@ class CudaBackend(Backend):
                 self._spent.append(exc)
                 raise
             finally:
-                self._spent.append(fn)
+                if one_shot:  # a graph's callable stays in the registry and goes on a user thread
+                    self._spent.append(fn)
 
     def _drop_spent(self) -> None:
         """Let go of host functions that ran, on this (user) thread."""
@@ -964,7 +971,7 @@ class CudaBackend(Backend):
         out = self._ffi.new("CUgraphExec *")
         pushed = self._enter(device)
         try:
-            self._retire_finished(device)
+            self._retire_quietly(device)
             code = self._fn["cuGraphInstantiateWithFlags"](out, self._ffi.cast("CUgraph", graph), 0)
         finally:
             self._leave(device, pushed)
@@ -1040,14 +1047,9 @@ class CudaBackend(Backend):
             raise
         if self._capture_id(device, stream):
             # The capture may have recorded the event, which then marks no
-            # eager work any more (and querying it fails); the device's next
-            # synchronize guards this and the earlier launches instead.
-            with self._lock:
-                mine = events.get(stream) == event
-                if mine:
-                    del events[stream]
-            if mine:  # else the executable graph was destroyed meanwhile: its check copes with such an event
-                self._destroy_event(device, event)
+            # eager work (the next eager record re-arms it; a check that meets
+            # it captured holds until synchronize): the device's next
+            # synchronize guards this launch instead.
             self._hold_until_synchronize(device, keys)
 
     def _hold_until_synchronize(self, device: int, keys: list[int]) -> None:
@@ -1090,7 +1092,14 @@ class CudaBackend(Backend):
                 # CUDA lets replays already queued finish after cuGraphExecDestroy,
                 # so the callables stay until the replays' events completed.
                 self._retiring.setdefault(device, []).append((events, keys))
-        self._retire_finished(device)
+        self._retire_quietly(device)
+
+    def _retire_quietly(self, device: int) -> None:
+        """Housekeeping inside an unrelated call: a failing check must not fail
+        that call (its own work is done). The entries stay parked, and
+        device_synchronize retries them and reports the error."""
+        with contextlib.suppress(AccelError):
+            self._retire_finished(device)
 
     # A detached capture's host functions are owned like an executable
     # graph's, under a negative key: executable graph handles are addresses,
@@ -1122,6 +1131,7 @@ class CudaBackend(Backend):
         keys = self._exec_keys.get(-handle)
         if keys is None:
             raise InvalidHandleError(f"cuda:{device}: {handle} is not a live detached-capture handle")
+        self._drop_spent()  # torch drives these replays: accel's other entry points may not run
         if not keys:
             return  # the capture holds no host functions: nothing to guard
         pushed = self._enter(device)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from accel._errors import CaptureError, DriverError
+from accel._errors import CaptureError
 from accel.backends.base import CaptureMode
 from tests.backends.cuda.conftest import SimControl, captured_host_function
 from tests.backends.cuda.test_capture_races import begin_capture_around_launch
@@ -132,7 +132,7 @@ def test_a_capture_begun_and_ended_around_the_replays_event_record(
     assert cuda.pending_host_functions() == held
 
 
-def test_a_failed_check_loses_no_retiring_graph(cuda: Any, stream: int, sim: SimControl) -> None:
+def test_a_failed_check_loses_no_retiring_graph_and_fails_no_unrelated_call(cuda: Any, stream: int, sim: SimControl) -> None:
     held = cuda.pending_host_functions()
     calls: list[int] = []
     gate = block(cuda, stream)
@@ -144,8 +144,8 @@ def test_a_failed_check_loses_no_retiring_graph(cuda: Any, stream: int, sim: Sim
     assert cuda.pending_host_functions() > held
     spare = cuda.stream_begin_capture(D, stream, CaptureMode.GLOBAL) or cuda.stream_end_capture(D, stream)
     sim.fail("cuEventQuery", 999)
-    with pytest.raises(DriverError, match="cuEventQuery"):
-        cuda.graph_instantiate(D, spare)  # releases what finished first
+    # The check of what finished is housekeeping: its failure fails neither call.
+    cuda.graph_exec_destroy(D, cuda.graph_instantiate(D, spare))
     sim.clear()
     gate.set()
     cuda.stream_synchronize(D, stream)

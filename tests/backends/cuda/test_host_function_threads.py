@@ -83,3 +83,51 @@ def test_a_failing_host_function_is_let_go_on_a_user_thread(
     cuda.stream_synchronize(D, stream)
     assert reports == ["from a host function"]
     assert threads == [threading.current_thread().name] * 2
+
+
+def test_replays_torch_drives_do_not_pile_up_spent_callables(cuda: Any, stream: int) -> None:
+    """A graph's callable stays in the registry when it runs: nothing is queued
+    per replay, even when only torch launches and synchronizes (no accel entry
+    point but detached_graph_launched runs)."""
+    from accel.backends.base import CaptureMode
+
+    ffi, fn = cuda.driver.ffi, cuda.driver.fn
+    calls: list[int] = []
+    cuda.stream_begin_capture(D, stream, CaptureMode.GLOBAL)
+    cuda.launch_host_func(D, stream, lambda: calls.append(1))
+    handle = cuda.stream_capture_detach(D, stream)
+    graph, graph_exec = ffi.new("CUgraph *"), ffi.new("CUgraphExec *")
+    assert fn["cuStreamEndCapture"](ffi.cast("CUstream", stream), graph) == 0
+    assert fn["cuGraphInstantiateWithFlags"](graph_exec, graph[0], 0) == 0
+    for _ in range(200):
+        assert fn["cuGraphLaunch"](graph_exec[0], ffi.cast("CUstream", stream)) == 0  # torch's replay
+        cuda.detached_graph_launched(D, handle, stream)
+    assert fn["cuStreamSynchronize"](ffi.cast("CUstream", stream)) == 0  # torch's synchronize
+    assert len(calls) == 200
+    assert len(cuda._spent) == 0, "a replayed graph's callables must not queue up"
+    fn["cuGraphExecDestroy"](graph_exec[0])
+    fn["cuGraphDestroy"](graph[0])
+    cuda.detached_graph_release(D, handle)
+    cuda.device_synchronize(D)
+
+
+def test_a_finalizer_calling_the_backend_as_a_graph_lets_go_of_its_callable(cuda: Any, stream: int) -> None:
+    """The last reference to a graph's callable goes outside the registry's lock:
+    a finalizer of what it holds may call the backend (an accel Graph's does)."""
+    from accel.backends.base import CaptureMode
+
+    class CallsBack:
+        def __del__(self) -> None:
+            cuda.pending_host_functions()
+
+    def work() -> None:
+        owner = CallsBack()
+        cuda.stream_begin_capture(D, stream, CaptureMode.GLOBAL)
+        cuda.launch_host_func(D, stream, lambda owner=owner: None)
+        del owner
+        cuda.graph_destroy(D, cuda.stream_end_capture(D, stream))
+
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "graph_destroy deadlocked in the finalizer of its host function's closure"
