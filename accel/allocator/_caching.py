@@ -104,6 +104,15 @@ def _check_pool_id(pool_id: object) -> tuple[int, int]:
     return pool_id  # type: ignore[return-value]
 
 
+class _PoolRelease:
+    """A pool's use given back by a finalizer that found the allocator's lock taken."""
+
+    __slots__ = ("pool_id",)
+
+    def __init__(self, pool_id: tuple[int, int]) -> None:
+        self.pool_id = pool_id
+
+
 class DeviceAllocator:
     """Caching allocator for one device of one backend.
 
@@ -153,7 +162,8 @@ class DeviceAllocator:
         self._events: list[int] = []  # pooled events, ready for reuse
         self._events_created = 0
         self._spare: list[Block] = []  # block objects merged away, for reuse by splits
-        self._gc_frees: deque[Block] = deque()  # frees from finalizers that found the lock taken
+        # Frees (and pool releases) from finalizers that found the lock taken.
+        self._gc_frees: deque[Block | _PoolRelease] = deque()
         self._history: History | None = None
         self._fraction: float | None = None
         self._fraction_explicit = False
@@ -697,9 +707,11 @@ class DeviceAllocator:
 
     def _drain_gc_frees(self) -> None:
         while self._gc_frees:
-            block = self._gc_frees.popleft()
-            if block.state == ALLOCATED:
-                self._free_locked(block)
+            item = self._gc_frees.popleft()
+            if item.__class__ is _PoolRelease:
+                self._release_pool_locked(item.pool_id)
+            elif item.state == ALLOCATED:
+                self._free_locked(item)
 
     def _free_block(self, block: Block) -> None:
         """Return ``block`` to its pool's free list, merged with free neighbours.
@@ -1043,12 +1055,29 @@ class DeviceAllocator:
         memory goes at once.
         """
         with self._lock:
-            private = self._private.get(pool_id)
-            if private is None or private.use_count == 0:
+            if not self._release_pool_locked(pool_id):
                 raise InvalidValueError(f"release_pool: {pool_id} is not a live private pool")
-            private.use_count -= 1
-            if private.use_count == 0 and private.segments == 0:
-                del self._private[pool_id]
+
+    def release_pool_from_finalizer(self, pool_id: tuple[int, int]) -> None:
+        """:meth:`release_pool` from a garbage-collection finalizer (a graph
+        collected), which may run while this thread holds the lock: then the
+        release waits for the allocator's next call."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._release_pool_locked(pool_id)
+            finally:
+                self._lock.release()
+        else:
+            self._gc_frees.append(_PoolRelease(pool_id))
+
+    def _release_pool_locked(self, pool_id: tuple[int, int]) -> bool:
+        private = self._private.get(pool_id)
+        if private is None or private.use_count == 0:
+            return False
+        private.use_count -= 1
+        if private.use_count == 0 and private.segments == 0:
+            del self._private[pool_id]
+        return True
 
     def pool_ids(self) -> list[tuple[int, int]]:
         """Ids of the private pools that still exist."""

@@ -324,6 +324,9 @@ class Graph:
         Tensors the capture returned stay valid while referenced; their
         memory goes back to the pool once they are gone.
         """
+        self._reset(from_finalizer=False)
+
+    def _reset(self, *, from_finalizer: bool) -> None:
         if self._stream is not None:
             self._abort()
             return
@@ -339,14 +342,17 @@ class Graph:
         self._exec = self._graph = 0
         self._program = None
         if self._lease is not None:
-            self._lease.release()
+            self._lease.release(from_finalizer=from_finalizer)
             self._lease = None
         self._captured = False
         self.replay_errors.clear()
 
     def __del__(self) -> None:
+        # A collection can run this inside the allocator's locked sections:
+        # the pool's release then waits for the allocator's next call. (A
+        # graph still capturing is never collected: _capturing holds it.)
         try:
-            self.reset()
+            self._reset(from_finalizer=True)
         except Exception:  # noqa: BLE001 - interpreter shutdown; nothing to report to
             pass
 

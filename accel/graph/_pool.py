@@ -103,9 +103,17 @@ class PoolLease:
             self._routing = False
             self._allocator.end_allocate_to_pool(self.pool_id)
 
-    def release(self) -> None:
-        """Stop routing and give this capture's use of the pool back (idempotent)."""
+    def release(self, *, from_finalizer: bool = False) -> None:
+        """Stop routing and give this capture's use of the pool back (idempotent).
+
+        ``from_finalizer``: called by a garbage collection (a graph's
+        ``__del__``), which may run inside the allocator's locked sections, so
+        the release may wait for the allocator's next call instead.
+        """
         self.stop_routing()
         if not self._released:
             self._released = True
-            self._allocator.release_pool(self.pool_id)
+            if from_finalizer:
+                self._allocator.release_pool_from_finalizer(self.pool_id)
+            else:
+                self._allocator.release_pool(self.pool_id)

@@ -125,7 +125,9 @@ def order_after(api: TorchGraphAPI, later: Any, earlier: Any) -> None:
 # graphs that share an accel pool share the torch pool. An entry goes with
 # its last graph, as the accel pool does.
 _torch_pools: dict[tuple[str, int, tuple[int, int]], list[Any]] = {}
-_torch_pools_lock = threading.Lock()
+# Reentrant: a graph collected while the lock is held (the map allocates
+# under it) releases its entry from its finalizer.
+_torch_pools_lock = threading.RLock()
 
 
 class TorchDeviceGraph:

@@ -244,3 +244,29 @@ def test_the_package_is_the_capture_context_manager_too() -> None:
     accel.synchronize()
     assert (arr == 4).all()
     assert accel.graph.graph is graph and accel.graph.Graph is Graph
+
+
+def test_a_graph_collected_while_its_allocator_is_locked_gives_its_pool_back_later() -> None:
+    """Graph.__del__ can run in a garbage collection triggered anywhere, also
+    inside the allocator's locked sections: it must not wait for that lock."""
+    import gc
+
+    g = Graph()
+    with graph(g):
+        accel.current_stream().launch_host_func(lambda: None)
+    pool = g.pool()
+    g.cycle = g  # only a collection frees it
+    allocator = accel.memory.get_allocator()
+    assert pool in allocator.pool_ids()
+    del g
+
+    def collect_inside_the_allocator() -> None:
+        with allocator._lock:
+            gc.collect()
+
+    t = threading.Thread(target=collect_inside_the_allocator, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "Graph.__del__ deadlocked on the allocator's lock"
+    accel.memory.allocate(1).free()  # the allocator's next call gives the pool back
+    assert pool not in allocator.pool_ids()
