@@ -111,7 +111,9 @@ class _EventSlots:
     def __init__(self, ze: ZeLoader, context: object) -> None:
         self._ze = ze
         self._context = context
-        self._lock = threading.Lock()
+        # Reentrant, as the backend's: an accel Event collected while the lock
+        # is held (this code allocates under it) returns its slot from its finalizer.
+        self._lock = threading.RLock()
         self._free: dict[bool, list[_Slot]] = {False: [], True: []}
         self._pools: list[object] = []
 
@@ -333,7 +335,10 @@ class XpuBackend(Backend):
     def __init__(self, ze: ZeLoader, driver: object, devices: list[object], *, loader_version: str) -> None:
         self._ze = ze
         ffi, lib = ze.ffi, ze.lib
-        self._lock = threading.Lock()
+        # Reentrant: the finalizers of accel Streams and Events destroy them
+        # through this backend, and a garbage collection can run them inside
+        # its locked sections (which allocate), on the same thread.
+        self._lock = threading.RLock()
         desc = ffi.new("ze_context_desc_t *", {"stype": lib.ZE_STRUCTURE_TYPE_CONTEXT_DESC})
         context = ffi.new("ze_context_handle_t *")
         ze.check("zeContextCreate", lib.zeContextCreate(driver, desc, context))

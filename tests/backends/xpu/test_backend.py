@@ -16,6 +16,7 @@ import pytest
 
 import accel
 from accel.backends.base import CaptureMode, CaptureStatus
+from tests.backends.xpu.conftest import run_python
 
 MiB = 1 << 20
 
@@ -618,3 +619,41 @@ def test_host_functions_recorded_from_forked_threads_replay_in_order(xpu) -> Non
         xpu.event_destroy(0, event)
     for s in (origin, *sides):
         xpu.stream_destroy(0, s)
+
+
+COLLECTED_INSIDE = """
+import gc, sys, threading
+import accel
+from accel._runtime import activate, get_runtime
+kind = sys.argv[1]
+with activate("xpu"):
+    backend = get_runtime().backend
+    obj = accel.Stream() if kind == "stream" else accel.Event()
+    if kind == "event":
+        obj.record()
+    obj.cycle = obj  # only a collection frees it
+    del obj
+
+    def collect_inside_the_backend():
+        with backend._lock, backend._slots._lock:
+            gc.collect()
+
+    t = threading.Thread(target=collect_inside_the_backend, daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():
+        print("DEADLOCK", flush=True)
+        sys.exit(3)
+    accel.synchronize()
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("kind", ["stream", "event"])
+def test_a_stream_or_event_collected_inside_the_backend_does_not_deadlock(kind: str) -> None:
+    """Their finalizers destroy them through the backend, and a garbage
+    collection can run inside the backend's locked sections (they allocate).
+    In a subprocess: a deadlocked backend would hang this one."""
+    result = run_python(COLLECTED_INSIDE.replace("sys.argv[1]", repr(kind)), ACCEL_BACKEND="xpu")
+    assert "DEADLOCK" not in result.stdout, f"a collected {kind}'s finalizer deadlocked on the backend's lock"
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-2000:]
