@@ -118,7 +118,9 @@ class _HostFunctions:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: a finalizer run by a collection inside these methods may
+        # release a graph's callables (accel.Graph.__del__).
+        self._lock = threading.RLock()
         self._fns: dict[int, Callable[[], None]] = {}
         self._refs: dict[int, int] = {}
         self._unrun: set[int] = set()  # shared by share() and not run since
