@@ -131,3 +131,38 @@ def test_a_finalizer_calling_the_backend_as_a_graph_lets_go_of_its_callable(cuda
     t.start()
     t.join(10)
     assert not t.is_alive(), "graph_destroy deadlocked in the finalizer of its host function's closure"
+
+
+COLLECTED_INSIDE_THE_REGISTRY = """
+import gc, sys, threading
+import accel
+from accel.graph import Graph, graph
+assert accel.current_accelerator().type == "cuda"
+g = Graph()
+with graph(g):
+    accel.current_stream().launch_host_func(lambda: None)
+g.cycle = g  # only a collection frees it
+del g
+registry = accel._runtime.get_runtime().backend._host_fns
+
+def collect_inside_the_registry():
+    with registry._lock:
+        gc.collect()  # Graph.__del__ releases the graph's host functions
+
+t = threading.Thread(target=collect_inside_the_registry, daemon=True)
+t.start()
+t.join(10)
+print("DEADLOCK" if t.is_alive() else "OK", flush=True)
+sys.exit(3 if t.is_alive() else 0)
+"""
+
+
+def test_a_graph_collected_inside_the_host_function_registry_does_not_deadlock(sim: Any) -> None:
+    """In a subprocess: a deadlocked backend would hang this one."""
+    from tests.backends.cuda.conftest import run_python
+    from tests.fixtures.cuda_driver import build_simulator
+
+    env = {"ACCEL_CUDA_DRIVER": str(build_simulator()), "ACCEL_BACKEND": "cuda"}
+    result = run_python(COLLECTED_INSIDE_THE_REGISTRY, env, timeout=60)
+    assert "DEADLOCK" not in result.stdout, "a graph's finalizer deadlocked on the host-function registry's lock"
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-2000:]
