@@ -195,9 +195,10 @@ def models() -> dict[str, Callable[[], tuple]]:
             "CNN 8 convs, 8x3x112x112": cnn}
 
 
-def replay(trace: Trace, config: str) -> tuple[int, int, int]:
-    """(peak requested, peak reserved, peak allocated) of ``trace`` through a fresh allocator."""
-    backend = CpuBackend(1, None)
+def replay(trace: Trace, config: str, backend: Backend | None = None) -> tuple[int, int, int]:
+    """(peak requested, peak reserved, peak allocated) of ``trace`` through a fresh
+    allocator on device 0 of ``backend`` (a fresh one-device host backend by default)."""
+    backend = backend or CpuBackend(1, None)
     stream = Runtime(backend).default_stream(0)
     alloc = DeviceAllocator(backend, 0, parse(config))
     live: dict[int, object] = {}
