@@ -1181,8 +1181,11 @@ class CudaBackend(Backend):
                         done.append((events, keys))
                     else:
                         keep.append((events, keys))
-        finally:
-            self._park(device, keep + entries[index:])
+        except BaseException:
+            # Nothing is lost: what was found over is checked again next time.
+            self._park(device, done + keep + entries[index:])
+            raise
+        self._park(device, keep)
         self._release_retired(device, done)
 
     def _launches_over(self, device: int, events: list[int]) -> bool | None:

@@ -153,3 +153,27 @@ def test_a_failed_check_loses_no_retiring_graph_and_fails_no_unrelated_call(cuda
     cuda.graph_destroy(D, spare)
     cuda.device_synchronize(D)
     assert cuda.pending_host_functions() == held
+
+
+def test_a_failed_check_keeps_what_it_had_found_over(cuda: Any, stream: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check of one parked graph fails after another's was found over: both stay
+    parked (nothing leaks), and device_synchronize lets both go."""
+    held = cuda.pending_host_functions()
+    gate = block(cuda, stream)
+    owners = [captured_host_function(cuda, stream, lambda: None) for _ in range(2)]
+    for _, graph_exec in owners:
+        cuda.graph_launch(D, graph_exec, stream)
+    second = cuda._event(next(iter(cuda._exec_events[owners[1][1]].values())))
+    for graph, graph_exec in owners:
+        cuda.graph_exec_destroy(D, graph_exec)  # parked: the replays wait behind the gate
+        cuda.graph_destroy(D, graph)
+    gate.set()
+    cuda.stream_synchronize(D, stream)
+    query = cuda.driver.fn["cuEventQuery"]
+    monkeypatch.setitem(cuda.driver.fn, "cuEventQuery", lambda event: 999 if event == second else query(event))
+    spare = cuda.stream_begin_capture(D, stream, CaptureMode.GLOBAL) or cuda.stream_end_capture(D, stream)
+    cuda.graph_exec_destroy(D, cuda.graph_instantiate(D, spare))  # checks: the first is over, the second fails
+    monkeypatch.undo()
+    cuda.graph_destroy(D, spare)
+    cuda.device_synchronize(D)
+    assert cuda.pending_host_functions() == held
