@@ -1022,6 +1022,8 @@ class DeviceAllocator:
         if not callable(stream_filter):
             raise InvalidValueError(f"stream_filter={stream_filter!r} must be callable")
         with self._lock:
+            if self._gc_frees:
+                self._drain_gc_frees()
             if any(p.id == pool_id for p, _ in self._captures):
                 raise CaptureError(f"begin_allocate_to_pool: already recording to pool {pool_id}")
             private = self._private.get(pool_id)
@@ -1055,13 +1057,16 @@ class DeviceAllocator:
         memory goes at once.
         """
         with self._lock:
+            if self._gc_frees:
+                self._drain_gc_frees()
             if not self._release_pool_locked(pool_id):
                 raise InvalidValueError(f"release_pool: {pool_id} is not a live private pool")
 
     def release_pool_from_finalizer(self, pool_id: tuple[int, int]) -> None:
         """:meth:`release_pool` from a garbage-collection finalizer (a graph
-        collected), which may run while this thread holds the lock: then the
-        release waits for the allocator's next call."""
+        collected), which may run while this thread holds the lock. When the
+        lock is taken (by this thread or another), the release waits for the
+        allocator's next call that takes it."""
         if self._lock.acquire(blocking=False):
             try:
                 self._release_pool_locked(pool_id)
@@ -1082,6 +1087,8 @@ class DeviceAllocator:
     def pool_ids(self) -> list[tuple[int, int]]:
         """Ids of the private pools that still exist."""
         with self._lock:
+            if self._gc_frees:
+                self._drain_gc_frees()
             return list(self._private)
 
     # -- introspection -----------------------------------------------------------------

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -246,27 +250,42 @@ def test_the_package_is_the_capture_context_manager_too() -> None:
     assert accel.graph.graph is graph and accel.graph.Graph is Graph
 
 
+COLLECTED_INSIDE_THE_ALLOCATOR = """
+import gc, sys, threading
+import accel
+from accel.graph import Graph, graph
+g = Graph()
+with graph(g):
+    accel.current_stream().launch_host_func(lambda: None)
+pool = g.pool()
+g.cycle = g  # only a collection frees it
+allocator = accel.memory.get_allocator()
+assert pool in allocator.pool_ids()
+del g
+
+def collect_inside_the_allocator():
+    with allocator._lock:
+        gc.collect()
+
+t = threading.Thread(target=collect_inside_the_allocator, daemon=True)
+t.start()
+t.join(10)
+if t.is_alive():
+    print("DEADLOCK", flush=True)
+    sys.exit(3)
+assert pool not in allocator.pool_ids(), "the deferred release is done at the allocator's next locked call"
+print("OK")
+"""
+
+
 def test_a_graph_collected_while_its_allocator_is_locked_gives_its_pool_back_later() -> None:
     """Graph.__del__ can run in a garbage collection triggered anywhere, also
-    inside the allocator's locked sections: it must not wait for that lock."""
-    import gc
-
-    g = Graph()
-    with graph(g):
-        accel.current_stream().launch_host_func(lambda: None)
-    pool = g.pool()
-    g.cycle = g  # only a collection frees it
-    allocator = accel.memory.get_allocator()
-    assert pool in allocator.pool_ids()
-    del g
-
-    def collect_inside_the_allocator() -> None:
-        with allocator._lock:
-            gc.collect()
-
-    t = threading.Thread(target=collect_inside_the_allocator, daemon=True)
-    t.start()
-    t.join(10)
-    assert not t.is_alive(), "Graph.__del__ deadlocked on the allocator's lock"
-    accel.memory.allocate(1).free()  # the allocator's next call gives the pool back
-    assert pool not in allocator.pool_ids()
+    inside the allocator's locked sections: it must not wait for that lock.
+    In a subprocess: a deadlocked allocator would hang this one."""
+    env = {**os.environ, "ACCEL_BACKEND": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-c", COLLECTED_INSIDE_THE_ALLOCATOR], capture_output=True, text=True, env=env,
+        cwd=Path(__file__).resolve().parents[2], timeout=120, check=False,
+    )
+    assert "DEADLOCK" not in result.stdout, "Graph.__del__ deadlocked on the allocator's lock"
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-2000:]
