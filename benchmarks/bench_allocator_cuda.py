@@ -5,7 +5,8 @@ says why and measures nothing. In one run, on device 0:
 
 (a) Latency of a cached allocate+free pair, on one created stream:
     - allocator level: ``DeviceAllocator.malloc`` + ``free`` against torch's
-      ``torch.cuda.caching_allocator_alloc`` + ``caching_allocator_delete``;
+      caching allocator's raw alloc + delete (the C++ entry points under
+      ``torch.cuda.caching_allocator_alloc`` / ``caching_allocator_delete``);
     - public API: ``accel.memory.allocate(n).free()`` against
       ``torch.empty(n, dtype=torch.uint8, device="cuda")`` and dropping it
       (torch's also builds a tensor, accel's a Buffer);
@@ -67,13 +68,18 @@ def bench_latency(repeat: int) -> list[dict[str, Any]]:
         torch_stream = torch.cuda.ExternalStream(stream.native_handle, device=torch.device("cuda", 0))
         alloc = accel.memory.get_allocator(0)
         backend = runtime.backend
+        # torch's allocator without caching_allocator_alloc's Python wrapper
+        # (device lookups and a device switch per call, about as costly as the
+        # allocation itself): the C++ entry points that wrapper calls.
+        raw_alloc = torch._C._cuda_cudaCachingAllocator_raw_alloc
+        raw_delete = torch._C._cuda_cudaCachingAllocator_raw_delete
         for size in SIZES:
 
             def accel_pair(size: int = size) -> None:
                 alloc.free(alloc.malloc(size, stream))
 
             def torch_pair(size: int = size) -> None:
-                torch.cuda.caching_allocator_delete(torch.cuda.caching_allocator_alloc(size, 0, torch_stream))
+                raw_delete(raw_alloc(size, torch_stream.cuda_stream))
 
             def accel_buffer(size: int = size) -> None:
                 accel.memory.allocate(size, stream=stream).free()
@@ -103,7 +109,7 @@ def torch_replay(trace: Trace, expandable: bool) -> tuple[int, int]:
     """(peak requested, peak reserved) of ``trace`` through torch's CUDA caching allocator."""
     import torch
 
-    torch.cuda.memory._set_allocator_settings(f"expandable_segments:{expandable}")
+    _set_torch_expandable(expandable)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -130,25 +136,41 @@ def torch_replay(trace: Trace, expandable: bool) -> tuple[int, int]:
     return peak_requested, peak_reserved
 
 
+def _set_torch_expandable(expandable: bool) -> None:
+    import torch
+
+    setting = f"expandable_segments:{expandable}"
+    set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if set_settings is not None:  # torch >= 2.9; torch.cuda.memory's spelling is deprecated there
+        set_settings(setting)
+    else:
+        torch.cuda.memory._set_allocator_settings(setting)
+
+
 def bench_fragmentation() -> list[dict[str, Any]]:
     from accel.backends import load_backend
 
     cuda = load_backend("cuda")
+    # Restored afterwards: `accel bench` runs every benchmark in this process.
+    configured = " ".join(os.environ.get(v, "") for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
     rows = []
-    for name, build in models().items():
-        trace = record(name, build)
-        for expandable in (False, True):
-            config = f"expandable_segments:{expandable}"
-            requested, accel_reserved, _ = replay(trace, config, backend=cuda)
-            _, torch_reserved = torch_replay(trace, expandable)
-            rows.append({
-                "model": name,
-                "config": config,
-                "events": len(trace.events),
-                "requested": requested,
-                "accel": accel_reserved,
-                "torch": torch_reserved,
-            })
+    try:
+        for name, build in models().items():
+            trace = record(name, build)
+            for expandable in (False, True):
+                config = f"expandable_segments:{expandable}"
+                requested, accel_reserved, _ = replay(trace, config, backend=cuda)
+                _, torch_reserved = torch_replay(trace, expandable)
+                rows.append({
+                    "model": name,
+                    "config": config,
+                    "events": len(trace.events),
+                    "requested": requested,
+                    "accel": accel_reserved,
+                    "torch": torch_reserved,
+                })
+    finally:
+        _set_torch_expandable("expandable_segments:True" in configured.replace(" ", ""))
     return rows
 
 
@@ -161,7 +183,7 @@ def run(quick: bool) -> list[dict]:
     rows: list[dict] = []
     for r in bench_latency(5 if quick else 31):
         for level, mine, theirs, baseline in (
-            ("allocator", "accel", "torch", "torch caching_allocator_alloc+delete"),
+            ("allocator", "accel", "torch", "torch caching allocator raw alloc+delete"),
             ("public API", "accel_buffer", "torch_tensor", "torch.empty + drop"),
         ):
             rows.append({
