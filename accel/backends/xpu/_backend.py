@@ -348,6 +348,10 @@ class XpuBackend(Backend):
         self._host_allocations: dict[int, int] = {}
         self._streams: dict[int, _Stream] = {}
         self._retired: list[tuple[_Stream, _Slot | None]] = []
+        # Destroyed streams whose lock was taken when they were destroyed (a
+        # collected accel.Stream's finalizer can run inside a section holding
+        # it, on the same thread): retired by the next reap.
+        self._dying: list[_Stream] = []
         self._events: dict[int, _Event] = {}
         self._graphs: dict[int, _Graph] = {}
         self._execs: dict[int, _Graph] = {}
@@ -814,7 +818,15 @@ class XpuBackend(Backend):
             self._discard_capture(abandoned)
         with self._lock:
             del self._streams[stream]
-        with s.lock:
+            self._dying.append(s)
+        self._reap_retired(wait=False)
+
+    def _retire(self, s: _Stream, *, wait: bool) -> bool:
+        """Move a destroyed stream to the retired list; False when its lock is
+        taken and ``wait`` is False (it stays dying)."""
+        if not s.lock.acquire(blocking=wait):
+            return False
+        try:
             if s.seq > s.marked:
                 self._mark(s)
             marker = s.markers[-1][1] if s.markers else None
@@ -822,12 +834,20 @@ class XpuBackend(Backend):
                 self._slots.hold(marker)
             if s.worker is not None:
                 s.worker.put(None)  # ends after the host functions already queued
+        finally:
+            s.lock.release()
         # Queued work still completes; the list goes once its last marker is reached.
         with self._lock:
             self._retired.append((s, marker))
-        self._reap_retired(wait=False)
+        return True
 
     def _reap_retired(self, *, wait: bool) -> None:
+        with self._lock:
+            dying, self._dying = self._dying, []
+        still_dying = [s for s in dying if not self._retire(s, wait=wait)]
+        if still_dying:
+            with self._lock:
+                self._dying.extend(still_dying)
         with self._lock:
             retired, self._retired = self._retired, []
         keep = []

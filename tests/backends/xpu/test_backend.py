@@ -632,10 +632,12 @@ with activate("xpu"):
     if kind == "event":
         obj.record()
     obj.cycle = obj  # only a collection frees it
+    stream_lock = backend._streams[obj.native_handle].lock if kind == "stream" else backend._lock
     del obj
 
     def collect_inside_the_backend():
-        with backend._lock, backend._slots._lock:
+        # As inside event_record on that very stream, which holds all three.
+        with backend._lock, backend._slots._lock, stream_lock:
             gc.collect()
 
     t = threading.Thread(target=collect_inside_the_backend, daemon=True)
