@@ -436,7 +436,8 @@ def test_host_memory_uses_the_current_context(
     assert contexts.current() == contexts.address(contexts.primary(1))
 
 
-ONLY_DEVICE_1 = """
+# Counts the devices whose primary context the backend retains (creates).
+COUNT_RETAINS = """
 import json
 from accel.backends.cuda import load
 b = load()
@@ -447,6 +448,9 @@ def retain(out, device):
     retained.append(device)
     return real(out, device)
 fn["cuDevicePrimaryCtxRetain"] = retain
+"""
+
+ONLY_DEVICE_1 = COUNT_RETAINS + """
 s = b.stream_create(1, 0)
 host = b.host_malloc(64)  # no context current: the device accel works with
 b.memset_async(1, host, 0, 64, s)
@@ -456,17 +460,7 @@ b.stream_destroy(1, s)
 print(json.dumps(retained))
 """
 
-FRESH = """
-import json
-from accel.backends.cuda import load
-b = load()
-fn = b.driver.fn
-real = fn["cuDevicePrimaryCtxRetain"]
-retained = []
-def retain(out, device):
-    retained.append(device)
-    return real(out, device)
-fn["cuDevicePrimaryCtxRetain"] = retain
+FRESH = COUNT_RETAINS + """
 b.host_free(b.host_malloc(64))
 print(json.dumps(retained))
 """
