@@ -20,7 +20,7 @@ use (``ACCEL_BACKEND=cpu|cuda|xpu``, or the first available of cuda, xpu, cpu).
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from accel._device import Device
 from accel._errors import (
@@ -53,6 +53,10 @@ from accel._facade import (
 )
 from accel.backends.base import DeviceProperties
 from accel.stream import Event, ExternalStream, Stream
+
+# The interop layer gives buffers their exchange formats (DLPack, CUDA Array
+# Interface) when it loads; it imports neither torch nor numpy.
+from accel import _interop  # noqa: F401
 
 __version__ = "0.1.0"
 
@@ -105,6 +109,32 @@ __all__ = [
     "set_stream",
     "synchronize",
 ]
+
+if TYPE_CHECKING:
+    # What __getattr__ below loads on first use, spelled out for type checkers so
+    # that accel.Graph, accel.memory_stats() or accel.empty() have their real types.
+    from accel import allocator, backends, graph, memory, stream
+    from accel._interop.torch import as_tensor, empty
+    from accel.allocator.config import AllocatorConfigWarning
+    from accel.graph import (
+        Graph,
+        GraphCacheWarning,
+        compile_graph,
+        graph_pool_handle,
+        is_capturing,
+        make_graphed_callables,
+    )
+    from accel.memory import (
+        empty_cache,
+        empty_host_cache,
+        max_memory_allocated,
+        max_memory_reserved,
+        memory_allocated,
+        memory_reserved,
+        memory_stats,
+        reset_accumulated_memory_stats,
+        reset_peak_memory_stats,
+    )
 
 # Subpackages and names loaded on first access, so that `import accel` stays cheap.
 # Names that need torch (make_graphed_callables, compile_graph, GraphCacheWarning)

@@ -15,7 +15,7 @@ from accel._device import Device, DeviceLike
 from accel._errors import BackendUnavailableError, DeviceError
 from accel._runtime import get_runtime, requested_backend_name
 from accel.backends.base import DeviceProperties
-from accel.stream._stream import Stream
+from accel.stream import Stream
 
 __all__ = [
     "can_device_access_peer",

@@ -11,18 +11,25 @@ import collections
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from accel._device import Device, as_device
 from accel._errors import BackendUnavailableError, DeviceError
-from accel.backends import load_backend, select_backend
+from accel.backends import BACKEND_NAMES, load_backend, select_backend
 from accel.backends.base import Backend
 
 if TYPE_CHECKING:
-    from accel.stream._stream import Stream
+    from accel.stream import Stream
 
-__all__ = ["Runtime", "activate", "current_backend_name", "get_runtime", "requested_backend_name"]
+__all__ = [
+    "Runtime",
+    "activate",
+    "current_backend_name",
+    "get_runtime",
+    "install_default_stream_wrapper",
+    "requested_backend_name",
+]
 
 
 class _ThreadState(threading.local):
@@ -107,9 +114,9 @@ class Runtime:
         return dev
 
     def _backend_hint(self, wanted: str) -> str:
-        if wanted in ("cpu", "cuda", "xpu"):
+        if wanted in BACKEND_NAMES:
             return f"; start the process with ACCEL_BACKEND={wanted} to use that backend"
-        return "; device types are 'cpu', 'cuda' and 'xpu'"
+        return "; device types are " + ", ".join(repr(name) for name in sorted(BACKEND_NAMES))
 
     def device(self, index: int) -> Device:
         return Device(self.name, index)
@@ -126,14 +133,11 @@ class Runtime:
     def default_stream(self, index: int) -> Stream:
         stream = self._default_streams.get(index)
         if stream is None:
-            from accel.stream._stream import Stream
-
             with self._lock:
                 stream = self._default_streams.get(index)
                 if stream is None:
                     handle = self.backend.default_stream(index)
-                    stream = Stream._wrap(self, index, handle, owned=False)
-                    self._default_streams[index] = stream
+                    stream = self._default_streams[index] = _wrap_default_stream(self, index, handle)
         return stream
 
     def current_stream(self, index: int) -> Stream:
@@ -163,6 +167,22 @@ class Runtime:
         else:
             self._state.streams[index] = previous
         self._state.device = device
+
+
+def _no_stream_layer(runtime: Runtime, index: int, handle: int) -> Stream:
+    raise BackendUnavailableError("accel.stream is not loaded: import accel before using its runtime")
+
+
+# Wraps a backend's default-stream handle as an accel Stream. The stream layer sits above
+# this module and installs it when imported (accel/__init__.py imports it first), so the
+# runtime holds the current-stream state without importing the layer that defines Stream.
+_wrap_default_stream: Callable[[Runtime, int, int], Stream] = _no_stream_layer
+
+
+def install_default_stream_wrapper(wrap: Callable[[Runtime, int, int], Stream]) -> None:
+    """Set how default-stream handles become accel Streams (called once, by accel.stream)."""
+    global _wrap_default_stream
+    _wrap_default_stream = wrap
 
 
 _runtime_lock = threading.Lock()

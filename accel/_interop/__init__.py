@@ -2,14 +2,18 @@
 
 - :mod:`accel._interop._dlpack`: the DLPack producer behind ``Buffer.__dlpack__``.
 - :mod:`accel._interop._cuda_array_interface`: ``Buffer.__cuda_array_interface__`` (CUDA).
-- :mod:`accel._interop.torch`: ``accel.empty``, ``accel.as_tensor`` and stream mapping.
+- :mod:`accel._interop.torch`: ``accel.empty`` and ``accel.as_tensor``.
 
-Nothing here imports torch or numpy until a function that needs them is called.
+This layer sits above the allocator and the streams: buffers reach their
+exchange formats through :func:`accel.allocator.install_exports`, which this
+package calls when ``accel`` is imported. Nothing here imports torch or numpy
+until a function that needs them is called.
 """
 
 from accel._interop._cuda_array_interface import cuda_array_interface
 from accel._interop._dlpack import DLDeviceType, DLPackExportError, dlpack_device, to_capsule
-from accel._interop.torch import as_tensor, empty, stream_from_torch, stream_to_torch
+from accel._interop.torch import as_tensor, empty
+from accel.allocator import install_exports
 
 __all__ = [
     "DLDeviceType",
@@ -18,7 +22,16 @@ __all__ = [
     "cuda_array_interface",
     "dlpack_device",
     "empty",
-    "stream_from_torch",
-    "stream_to_torch",
     "to_capsule",
 ]
+
+
+class _BufferExports:
+    """The exchange formats of accel buffers (see accel.allocator.BufferExports)."""
+
+    to_capsule = staticmethod(to_capsule)
+    dlpack_device = staticmethod(dlpack_device)
+    cuda_array_interface = staticmethod(cuda_array_interface)
+
+
+install_exports(_BufferExports())

@@ -253,7 +253,7 @@ def dlpack_device(obj: Any) -> tuple[DLDeviceType, int]:
 
 
 def _producer_stream(obj: Any) -> Any:
-    from accel.stream._stream import Stream
+    from accel.stream import Stream
 
     stream = getattr(obj, "stream", None)
     if not isinstance(stream, Stream):
@@ -269,7 +269,7 @@ def _consumer_stream(stream: object, producer: Any, kind: DLDeviceType) -> Any:
 
     Returns ``False`` when the consumer asked for no synchronization (``-1``).
     """
-    from accel.stream._stream import ExternalStream, Stream, as_stream
+    from accel.stream import ExternalStream, Stream, as_stream
 
     if isinstance(stream, Stream):
         return stream

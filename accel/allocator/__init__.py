@@ -1,4 +1,5 @@
-"""Device memory management: the caching DeviceAllocator, its upstream resources, and its configuration.
+"""Device memory management: the caching DeviceAllocator, its upstream resources, its
+configuration, the per-device registry, buffers and memory pool ids.
 
 Import-cheap: nothing here imports torch or loads a backend.
 
@@ -10,9 +11,19 @@ True
 from __future__ import annotations
 
 from accel.allocator._blocks import Block
+from accel.allocator._buffer import Buffer, BufferExports, HostBuffer, allocate, allocate_host, install_exports
 from accel.allocator._caching import DeviceAllocator
 from accel.allocator._host_cache import HostCachingAllocator
 from accel.allocator._oom import OutOfMemoryDetails
+from accel.allocator._pool_ids import PoolId, check_pool_id, graph_pool_handle, new_private_pool_id
+from accel.allocator._registry import (
+    AllocatorRegistry,
+    allocators,
+    empty_cache,
+    get_allocator,
+    registry,
+    set_upstream,
+)
 from accel.allocator._resources import (
     BackendResource,
     LimitingAdaptor,
@@ -22,6 +33,7 @@ from accel.allocator._resources import (
     ResourceCounts,
     StatisticsAdaptor,
 )
+from accel.allocator._snapshot import dump_snapshot, full_snapshot, summary
 from accel.allocator.config import (
     ACCEL_BACKEND_VARIABLES,
     ACCEL_VARIABLE,
@@ -45,10 +57,29 @@ from accel.allocator.config import (
 )
 
 __all__ = [
+    "AllocatorRegistry",
     "BackendResource",
     "Block",
+    "Buffer",
+    "BufferExports",
     "DeviceAllocator",
+    "HostBuffer",
     "HostCachingAllocator",
+    "PoolId",
+    "allocate",
+    "allocate_host",
+    "allocators",
+    "check_pool_id",
+    "dump_snapshot",
+    "empty_cache",
+    "full_snapshot",
+    "get_allocator",
+    "graph_pool_handle",
+    "install_exports",
+    "new_private_pool_id",
+    "registry",
+    "set_upstream",
+    "summary",
     "LimitingAdaptor",
     "LoggingAdaptor",
     "MemoryResource",

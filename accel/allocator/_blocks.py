@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from accel.allocator._pool_ids import PoolId
+
 __all__ = ["ALLOCATED", "FREE", "PENDING", "Block", "Pool", "PrivatePool", "Segment"]
 
 #: Block states. PENDING: freed by the caller but waiting for other streams'
@@ -98,7 +100,7 @@ class PrivatePool:
 
     __slots__ = ("id", "small", "large", "use_count", "segments")
 
-    def __init__(self, pool_id: tuple[int, int]) -> None:
+    def __init__(self, pool_id: PoolId) -> None:
         self.id = pool_id
         self.small = Pool(True, self)
         self.large = Pool(False, self)

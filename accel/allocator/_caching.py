@@ -33,13 +33,14 @@ from accel.allocator import _stats as S
 from accel.allocator._blocks import ALLOCATED, FREE, PENDING, Block, Pool, PrivatePool, Segment
 from accel.allocator._history import History
 from accel.allocator._oom import OutOfMemoryDetails, out_of_memory
+from accel.allocator._pool_ids import PoolId, check_pool_id
 from accel.allocator._resources import BackendResource, MemoryResource
 from accel.allocator.config import AllocatorConfigWarning
 from accel.backends.base import Backend
 
 if TYPE_CHECKING:
     from accel.allocator.config import AllocatorConfig
-    from accel.stream._stream import Stream
+    from accel.stream import Stream
 
 __all__ = ["DeviceAllocator"]
 
@@ -86,30 +87,12 @@ def allocation_size(size: int, large_segment: int) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
-def _check_pool_id(pool_id: object) -> tuple[int, int]:
-    if (
-        not isinstance(pool_id, tuple)
-        or len(pool_id) != 2
-        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pool_id)
-    ):
-        raise InvalidValueError(
-            f"pool id {pool_id!r} must be a tuple of two non-negative ints, such as (1, 0) for a "
-            "graph's own pool or accel.memory.graph_pool_handle()"
-        )
-    if pool_id == (0, 0) or (pool_id[0] and pool_id[1]):
-        raise InvalidValueError(
-            f"pool id {pool_id!r} is not a private pool: exactly one component must be non-zero "
-            "((N, 0) for a graph's own pool, (0, N) from graph_pool_handle())"
-        )
-    return pool_id  # type: ignore[return-value]
-
-
 class _PoolRelease:
     """A pool's use given back by a finalizer that found the allocator's lock taken."""
 
     __slots__ = ("pool_id",)
 
-    def __init__(self, pool_id: tuple[int, int]) -> None:
+    def __init__(self, pool_id: PoolId) -> None:
         self.pool_id = pool_id
 
 
@@ -154,7 +137,7 @@ class DeviceAllocator:
         self._small = Pool(True, None)
         self._large = Pool(False, None)
         self._segments: dict[int, Segment] = {}
-        self._private: dict[tuple[int, int], PrivatePool] = {}
+        self._private: dict[PoolId, PrivatePool] = {}
         # (pool id, stream filter) of the captures under way, innermost last
         self._captures: list[tuple[PrivatePool, Callable[[Stream], bool]]] = []
         self._deferred: list[Block] = []  # frees held back until the captures end
@@ -1015,10 +998,10 @@ class DeviceAllocator:
 
     # -- private pools ------------------------------------------------------------------
 
-    def begin_allocate_to_pool(self, pool_id: tuple[int, int], stream_filter: Callable[[Stream], bool]) -> None:
+    def begin_allocate_to_pool(self, pool_id: PoolId, stream_filter: Callable[[Stream], bool]) -> None:
         """Route allocations on streams that ``stream_filter`` accepts to private pool
         ``pool_id`` (created here, or its use count raised) until :meth:`end_allocate_to_pool`."""
-        pool_id = _check_pool_id(pool_id)
+        pool_id = check_pool_id(pool_id, where="begin_allocate_to_pool")
         if not callable(stream_filter):
             raise InvalidValueError(f"stream_filter={stream_filter!r} must be callable")
         with self._lock:
@@ -1033,7 +1016,7 @@ class DeviceAllocator:
                 private.use_count += 1
             self._captures.append((private, stream_filter))
 
-    def end_allocate_to_pool(self, pool_id: tuple[int, int]) -> None:
+    def end_allocate_to_pool(self, pool_id: PoolId) -> None:
         """Stop routing allocations to ``pool_id``; the pool stays until :meth:`release_pool`."""
         with self._lock:
             for i, (private, _) in enumerate(self._captures):
@@ -1047,7 +1030,7 @@ class DeviceAllocator:
                 for block in deferred:
                     self._insert_events(block)
 
-    def release_pool(self, pool_id: tuple[int, int]) -> None:
+    def release_pool(self, pool_id: PoolId) -> None:
         """Drop one use of ``pool_id`` (a graph that is gone).
 
         At zero uses the pool is *freeable*, as in PyTorch: its memory goes
@@ -1062,7 +1045,7 @@ class DeviceAllocator:
             if not self._release_pool_locked(pool_id):
                 raise InvalidValueError(f"release_pool: {pool_id} is not a live private pool")
 
-    def release_pool_from_finalizer(self, pool_id: tuple[int, int]) -> None:
+    def release_pool_from_finalizer(self, pool_id: PoolId) -> None:
         """:meth:`release_pool` from a garbage-collection finalizer (a graph
         collected), which may run while this thread holds the lock. When the
         lock is taken (by this thread or another), the release waits for the
@@ -1075,7 +1058,7 @@ class DeviceAllocator:
         else:
             self._gc_frees.append(_PoolRelease(pool_id))
 
-    def _release_pool_locked(self, pool_id: tuple[int, int]) -> bool:
+    def _release_pool_locked(self, pool_id: PoolId) -> bool:
         private = self._private.get(pool_id)
         if private is None or private.use_count == 0:
             return False
@@ -1084,7 +1067,7 @@ class DeviceAllocator:
             del self._private[pool_id]
         return True
 
-    def pool_ids(self) -> list[tuple[int, int]]:
+    def pool_ids(self) -> list[PoolId]:
         """Ids of the private pools that still exist."""
         with self._lock:
             if self._gc_frees:
@@ -1142,7 +1125,7 @@ class DeviceAllocator:
                 self._history.record("snapshot", 0, active, 0, None)
             return sorted(out, key=lambda x: x["address"])
 
-    def _segment_dict(self, seg: Segment, run: list[Block], pool_id: tuple[int, int]) -> dict[str, Any]:
+    def _segment_dict(self, seg: Segment, run: list[Block], pool_id: PoolId) -> dict[str, Any]:
         blocks = []
         allocated = active = requested = 0
         for b in run:

@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
+from accel.backends import BACKEND_NAMES
+
 __all__ = [
     "BACKENDS",
     "KEYS",
@@ -40,7 +42,8 @@ MAX_U64 = (1 << 64) - 1
 #: Number of slots of the roundup table (1 MiB .. 64 GiB, one per power of two).
 ROUNDUP_SLOTS = 16
 #: accel's backends, in the order the CLI lists them.
-BACKENDS: tuple[str, ...] = ("cpu", "cuda", "xpu")
+#: The backends that have a configuration, in alphabetical order (the order messages list them in).
+BACKENDS: tuple[str, ...] = tuple(sorted(BACKEND_NAMES))
 
 Kind = Literal["mib", "uint", "float", "bool", "choice", "roundup"]
 

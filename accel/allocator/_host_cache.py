@@ -22,7 +22,7 @@ from accel.backends.base import Backend
 
 if TYPE_CHECKING:
     from accel.allocator.config import AllocatorConfig
-    from accel.stream._stream import Stream
+    from accel.stream import Stream
 
 __all__ = ["HostBlock", "HostCachingAllocator"]
 

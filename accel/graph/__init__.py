@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 import sys
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from accel.graph._graph import Graph, graph, is_capturing
 from accel.graph._pool import graph_pool_handle
@@ -38,6 +38,10 @@ __all__ = [
     "is_capturing",
     "make_graphed_callables",
 ]
+
+if TYPE_CHECKING:  # loaded by __getattr__ on first use, since they import torch
+    from accel.graph._compiled import CompiledProgram, compile_graph
+    from accel.graph._graphed import GraphCacheWarning, GraphedCallable, make_graphed_callables
 
 _LAZY = {
     "GraphCacheWarning": "accel.graph._graphed",

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 from accel._errors import CaptureError, HostFunctionError, InvalidValueError
 from accel._runtime import Runtime, get_runtime
+from accel.allocator import empty_cache
 from accel.backends.base import CaptureMode
-from accel.graph._pool import PoolId, PoolLease, check_pool_id, new_graph_pool_id
-from accel.stream._stream import Stream
+from accel.graph._pool import PoolId, PoolLease, check_pool_id, new_private_pool_id
+from accel.stream import Stream
 
 if TYPE_CHECKING:
     from accel.graph._torch_capture import Recorder
@@ -147,7 +148,7 @@ class Graph:
             _capturing[key] = self
         try:
             if pool_id is None:
-                pool_id = new_graph_pool_id()
+                pool_id = new_private_pool_id()
 
             def routes(s: Stream) -> bool:
                 return s.device_index == device and s.is_capturing()
@@ -424,8 +425,6 @@ def _check_no_capture(runtime: Runtime, device: int) -> None:
 def _prepare_for_capture() -> None:
     """What ``torch.accelerator.Graph.__enter__`` does before a capture: wait for
     the device, and give cached memory back so the capture starts lean."""
-    from accel.memory import empty_cache
-
     runtime = get_runtime()
     # Synchronizing would invalidate a capture under way; say why instead.
     _check_no_capture(runtime, runtime.current_index)

@@ -10,67 +10,21 @@ graph's.
 
 from __future__ import annotations
 
-import itertools
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from accel._errors import InvalidValueError
+from accel.allocator import PoolId, allocate, get_allocator, graph_pool_handle, new_private_pool_id
+from accel.allocator import check_pool_id as _check_allocator_pool_id
 
 if TYPE_CHECKING:
-    from accel.stream._stream import Stream
+    from accel.stream import Stream
 
-__all__ = ["PoolId", "PoolLease", "check_pool_id", "graph_pool_handle", "new_graph_pool_id"]
-
-PoolId = tuple[int, int]
-
-_graph_ids = itertools.count(1)
-_graph_ids_lock = threading.Lock()
-
-
-def new_graph_pool_id() -> PoolId:
-    """A fresh ``(N, 0)`` id for a graph that brings no pool of its own."""
-    with _graph_ids_lock:
-        return (next(_graph_ids), 0)
-
-
-def graph_pool_handle() -> PoolId:
-    """A new pool id to share between graphs: pass it as ``pool=`` to each.
-
-    >>> import accel
-    >>> a = accel.graph.graph_pool_handle()
-    >>> a[0] == 0 and a[1] > 0
-    True
-    """
-    from accel.memory import graph_pool_handle as allocator_handle
-
-    return tuple(allocator_handle())  # type: ignore[return-value]
+__all__ = ["PoolId", "PoolLease", "check_pool_id", "graph_pool_handle", "new_private_pool_id"]
 
 
 def check_pool_id(pool: object, *, where: str) -> PoolId | None:
-    """``pool`` as a pool id, or None; a malformed id is refused with the reason."""
-    if pool is None:
-        return None
-    if (
-        isinstance(pool, tuple)
-        and len(pool) == 2
-        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pool)
-    ):
-        if pool == (0, 0):
-            raise InvalidValueError(
-                f"{where}: pool=(0, 0) is the default pool, which graphs cannot capture into; "
-                "pass None for a private pool, or a handle from accel.graph_pool_handle()"
-            )
-        if pool[0] and pool[1]:
-            raise InvalidValueError(
-                f"{where}: pool={pool!r} is not a pool id (one of its two numbers must be 0); "
-                "use accel.graph_pool_handle() or another graph's pool()"
-            )
-        return pool  # type: ignore[return-value]
-    raise InvalidValueError(
-        f"{where}: pool={pool!r} must be None, a handle from accel.graph_pool_handle(), or "
-        "another graph's pool() (a tuple of two non-negative ints)"
-    )
+    """``pool`` as a pool id, or None (a graph's own private pool); a malformed id is refused."""
+    return None if pool is None else _check_allocator_pool_id(pool, where=where)
 
 
 class PoolLease:
@@ -82,8 +36,6 @@ class PoolLease:
     """
 
     def __init__(self, device: int, pool_id: PoolId, stream_filter: Callable[[Stream], bool]) -> None:
-        from accel.memory import get_allocator
-
         self.device = device
         self.pool_id = pool_id
         self._allocator: Any = get_allocator(device)
@@ -93,8 +45,6 @@ class PoolLease:
 
     def allocate(self, nbytes: int, stream: Stream) -> Any:
         """An allocator Buffer of ``nbytes`` from the pool (routing must be on)."""
-        from accel.memory import allocate
-
         return allocate(nbytes, device=self.device, stream=stream)
 
     def stop_routing(self) -> None:

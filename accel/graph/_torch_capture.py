@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from accel._runtime import Runtime
     from accel.graph._graph import Graph
     from accel.graph._pool import PoolLease
-    from accel.stream._stream import Stream
+    from accel.stream import Stream
 
 __all__ = ["Program", "Record", "Recorder", "sweep"]
 

@@ -36,7 +36,7 @@ from accel._errors import CaptureError, InvalidValueError, NotSupportedError
 if TYPE_CHECKING:
     from accel._runtime import Runtime
     from accel.graph._pool import PoolId
-    from accel.stream._stream import Stream
+    from accel.stream import Stream
 
 __all__ = [
     "DeviceOpGuard",

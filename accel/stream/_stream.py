@@ -8,8 +8,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from accel._device import Device, DeviceLike
-from accel._errors import DeviceError, HostFunctionError, InvalidHandleError, InvalidValueError
-from accel._runtime import Runtime, get_runtime
+from accel._errors import DeviceError, HostFunctionError, InvalidHandleError, InvalidValueError, NotSupportedError
+from accel._runtime import Runtime, get_runtime, install_default_stream_wrapper
+from accel._torch import import_torch
 from accel.backends.base import CaptureStatus
 from accel.stream._operands import byte_count, operand
 
@@ -245,23 +246,63 @@ class Stream:
 
     @classmethod
     def from_torch(cls, torch_stream: Any) -> Stream:
-        """The accel Stream for a torch stream: the same ``CUstream`` on CUDA,
-        the host default stream for torch's CPU stream.
+        """The accel Stream for a torch stream (``torch.Stream``, ``torch.cuda.Stream``).
+
+        CUDA: an :class:`ExternalStream` over the same ``CUstream``. CPU: the
+        host backend's default stream of the current device, which runs work
+        inline like torch's CPU stream.
 
         >>> import accel, torch
         >>> accel.Stream.from_torch(torch.Stream("cpu")) == accel.current_stream()
         True
         """
-        from accel._interop.torch import stream_from_torch
-
-        return stream_from_torch(torch_stream)
+        torch = import_torch()
+        if not isinstance(torch_stream, torch.Stream) and not hasattr(torch_stream, "__cuda_stream__"):
+            raise InvalidValueError(
+                f"{torch_stream!r} ({type(torch_stream).__name__}) is not a torch stream; "
+                "pass a torch.Stream or torch.cuda.Stream"
+            )
+        device = getattr(torch_stream, "device", None)
+        kind = getattr(device, "type", "cuda")
+        runtime = get_runtime()
+        if kind != runtime.name:
+            raise DeviceError(f"{torch_stream!r} is a {kind} stream, but the current accelerator is {runtime.name!r}")
+        if kind == "cpu":
+            return runtime.default_stream(runtime.current_index)
+        if kind == "cuda":
+            if hasattr(torch_stream, "__cuda_stream__"):
+                _, handle = torch_stream.__cuda_stream__()
+            else:
+                handle = torch_stream.native_handle
+            return ExternalStream(int(handle), getattr(device, "index", None))
+        raise NotSupportedError(_NO_SHARED_STREAMS.format(kind=kind))
 
     def to_torch(self) -> Any:
-        """The torch stream for this stream (``torch.cuda.ExternalStream`` on CUDA,
-        torch's CPU stream on the host)."""
-        from accel._interop.torch import stream_to_torch
+        """The torch stream for this stream.
 
-        return stream_to_torch(self)
+        CUDA: ``torch.cuda.ExternalStream`` over the same ``CUstream``. Host:
+        torch's CPU stream; torch CPU work runs inline on the calling thread,
+        so synchronize a non-default accel host stream before torch reads its
+        results.
+
+        >>> import accel
+        >>> accel.current_stream().to_torch()
+        torch.Stream device_type=cpu, device_index=-1, stream_id=0
+        """
+        torch = import_torch()
+        kind = self.device.type
+        if kind == "cpu":
+            return torch.Stream("cpu")
+        if kind == "cuda":
+            return torch.cuda.ExternalStream(self.native_handle, device=torch.device("cuda", self._device))
+        raise NotSupportedError(_NO_SHARED_STREAMS.format(kind=kind))
+
+
+# torch's XPU streams are SYCL queues; accel's are Level Zero command lists.
+_NO_SHARED_STREAMS = (
+    "accel cannot share {kind} streams with torch: torch's XPU streams are SYCL queues, "
+    "accel's are Level Zero command lists. Order work across them with synchronize()"
+)
 
 
 def _is_stream_ordered(owner: object) -> bool:
@@ -314,3 +355,10 @@ def as_stream(obj: object, device: DeviceLike = None) -> Stream:
     raise InvalidValueError(
         f"{obj!r} is not a stream: pass an accel.Stream or an object with __cuda_stream__"
     )
+
+
+def _wrap_default_stream(runtime: Runtime, index: int, handle: int) -> Stream:
+    return Stream._wrap(runtime, index, handle, owned=False)
+
+
+install_default_stream_wrapper(_wrap_default_stream)

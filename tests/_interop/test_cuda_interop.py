@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import accel
-from accel._interop import _dlpack, cuda_array_interface, stream_from_torch
+from accel._interop import _dlpack, cuda_array_interface
 from accel._interop._dlpack import DLPackExportError
 from accel._runtime import activate
 from tests.conftest import backend_skip_reason
@@ -115,7 +115,7 @@ class _TorchCudaStreamLike:
 def test_cuda_stream_protocol_objects_become_accel_streams(cuda):
     side = accel.Stream()
     theirs = _TorchCudaStreamLike(side.native_handle)
-    assert stream_from_torch(theirs) == side
+    assert accel.Stream.from_torch(theirs) == side
     event = accel.Event()
     event.record(theirs)  # accepted wherever accel takes a stream
     event.synchronize()

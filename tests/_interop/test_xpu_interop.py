@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import accel
-from accel._interop import _dlpack, cuda_array_interface, stream_from_torch, stream_to_torch
+from accel._interop import _dlpack, cuda_array_interface
 from accel._interop._dlpack import DLPackExportError
 from accel._runtime import activate
 from tests.conftest import backend_skip_reason
@@ -72,7 +72,7 @@ def test_no_cuda_array_interface(xpu):
 
 def test_streams_are_not_shared_with_torch(xpu):
     with pytest.raises(accel.NotSupportedError, match="SYCL queues"):
-        stream_to_torch(accel.Stream())
+        accel.Stream().to_torch()
 
     with pytest.raises(accel.DeviceError, match="is a cpu stream, but the current accelerator is 'xpu'"):
-        stream_from_torch(torch.Stream("cpu"))
+        accel.Stream.from_torch(torch.Stream("cpu"))

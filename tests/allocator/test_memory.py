@@ -14,6 +14,7 @@ import pytest
 
 import accel
 from accel import memory
+from accel.allocator._registry import registry
 from accel._errors import DeviceError, InvalidHandleError, InvalidValueError
 
 MiB = 1 << 20
@@ -218,7 +219,7 @@ def test_host_buffers_are_cached_and_wait_for_their_copies():
     with pytest.raises(InvalidValueError):
         memory.allocate_host(0)
     memory.empty_host_cache()
-    host = memory._state().host
+    host = registry().host
     assert host is not None and host.stats()["cached_bytes"] == 0
 
 
@@ -302,7 +303,7 @@ def test_host_buffer_finalizer_and_cache_limits():
     from accel.allocator.config import parse
     from accel.backends.cpu import CpuBackend
 
-    host = memory._state().host_allocator()
+    host = registry().host_allocator()
     before = host.stats()["allocated_bytes"]
     buf = memory.allocate_host(10_000)
     with host._lock:

@@ -1,0 +1,45 @@
+"""The layering of docs/architecture.md, checked on every run.
+
+pyproject.toml's import-linter contracts say which layer may import which;
+this runs them (as CI's ``lint-imports`` would) so that an upward import or an
+import cycle between subpackages fails the suite.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _lint_imports(cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"],
+        cwd=cwd,
+        env={"PYTHONPATH": str(cwd), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_layers_point_down_and_subpackages_have_no_cycles() -> None:
+    result = _lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+def test_an_upward_import_breaks_the_contract(tmp_path: Path) -> None:
+    # A copy of the package where the stream layer reaches up into the allocator:
+    # the check must fail and name the import.
+    copy = tmp_path / "repo"
+    copy.mkdir()
+    (copy / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    subprocess.run(["cp", "-r", str(ROOT / "accel"), str(copy / "accel")], check=True)
+    stream = copy / "accel" / "stream" / "_operands.py"
+    stream.write_text(stream.read_text() + "\n\ndef _upward() -> object:\n    from accel.allocator import allocate\n\n    return allocate\n")
+    result = _lint_imports(copy)
+    assert result.returncode != 0
+    assert "accel.stream is not allowed to import accel.allocator" in result.stdout
