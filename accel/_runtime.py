@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from accel._device import Device, as_device
-from accel._errors import BackendUnavailableError, DeviceError
+from accel._errors import AccelError, BackendUnavailableError, DeviceError
 from accel.backends import BACKEND_NAMES, load_backend, select_backend
 from accel.backends.base import Backend
 
@@ -170,7 +170,7 @@ class Runtime:
 
 
 def _no_stream_layer(runtime: Runtime, index: int, handle: int) -> Stream:
-    raise BackendUnavailableError("accel.stream is not loaded: import accel before using its runtime")
+    raise AccelError("accel.stream is not loaded: import accel before using accel._runtime")
 
 
 # Wraps a backend's default-stream handle as an accel Stream. The stream layer sits above
