@@ -11,6 +11,7 @@ forever, and a warning says when the cache keeps missing.
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -42,6 +43,10 @@ class _Entry:
     device: int
     inputs: list[torch.Tensor]
     output: Any
+    # Compiled tier: the CompiledProgram or BackgroundCompile, and the engine's
+    # bound replay when the graph is that program alone (called directly).
+    compiled: Any = None
+    fast: Callable[[], Any] | None = None
 
 
 class GraphedCallable:
@@ -118,6 +123,10 @@ class GraphedCallable:
         stream = runtime.current_stream(entry.device)
         api = self._torch_api
         if api is None:
+            fast = entry.fast
+            if fast is not None and stream is runtime.default_stream(entry.device):
+                fast()  # the graph is one compiled program: run it without the graph around it
+                return entry.output
             entry.graph.replay()
             # Torch reads the outputs on this host thread right away: wait for the
             # replay when the current stream runs it on a worker. The host
@@ -160,23 +169,73 @@ class GraphedCallable:
             inputs = [a.detach().clone() for a in args]
         _warm_up(self.fn, inputs, self._warmup)
         g = Graph(pool=self._pool)
-        with _compilable(self._tier == "compiled"), graph(g):
+        with _compilable(self._tier != "interpreted"), graph(g):
             output = self.fn(*inputs)
+            runtime = get_runtime()
+            index = runtime.current_index
+            nodes = runtime.backend.stream_capture_length(index, runtime.current_stream(index).native_handle)
         if not all(isinstance(t, torch.Tensor) for t in tree_flatten(output)[0]):
             g.reset()
             raise InvalidValueError(
                 f"graphed {self.fn!r} must return tensors (or tuples, lists, dicts of tensors)"
             )
-        if self._tier == "compiled":
-            from accel.graph._compiled import compile_graph
+        entry = _Entry(g, get_runtime().current_index, inputs, output)
+        if self._tier != "interpreted":
+            from accel.graph import _compiled
+
+            program = g.program
+            # One node in the whole graph, and it is the torch program: a
+            # replay may call the engine alone.
+            alone = nodes == 1 and program is not None and len(program.segments) == 1
+
+            def ready(compiled: _compiled.CompiledProgram) -> None:
+                if alone:
+                    entry.fast = compiled.replay
 
             try:
-                compile_graph(g, inputs=inputs, outputs=tree_flatten(output)[0])
-            except BaseException:
-                g.reset()
-                raise
-        entry = self._cache[key] = _Entry(g, get_runtime().current_index, inputs, output)
+                if self._tier == "compiled":
+                    entry.compiled = _compiled.compile_graph(g, inputs=inputs, outputs=tree_flatten(output)[0])
+                    ready(entry.compiled)
+                else:  # auto: build in the background, replay the interpreted tier meanwhile
+                    entry.compiled = _compiled.BackgroundCompile(
+                        g, inputs, tree_flatten(output)[0], on_ready=ready
+                    )
+            except BaseException as exc:
+                # auto: a program the compiled tier cannot take replays interpreted.
+                if self._tier == "compiled" or not isinstance(exc, NotSupportedError):
+                    g.reset()
+                    raise
+        self._cache[key] = entry
         return entry
+
+    def compile_status(self) -> dict[Signature, str]:
+        """Per captured signature, how its replays run: "interpreted", "building
+        (last build took N s)", "compiled: <engine>" or "interpreted (compile
+        failed: why)"."""
+        status = {}
+        for key, entry in self._cache.items():
+            c = entry.compiled
+            if c is None:
+                status[key] = "interpreted"
+            elif hasattr(c, "engine"):
+                status[key] = f"compiled: {c.engine}"
+            elif c.state == "ready":
+                status[key] = f"compiled: {c.compiled.engine}"
+            elif c.state == "failed":
+                status[key] = f"interpreted (compile failed: {c.error})"
+            else:
+                last = "" if c.last_build_seconds is None else f" (last build took {c.last_build_seconds:.1f} s)"
+                status[key] = f"building{last}"
+        return status
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """With ``tier="auto"``: wait until no build is running; True if none is."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for entry in list(self._cache.values()):
+            wait = getattr(entry.compiled, "wait", None)
+            if wait is not None and not wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                return False
+        return True
 
 
 @contextlib.contextmanager
@@ -235,9 +294,13 @@ def make_graphed_callables(
     On the host backend, ``tier`` picks how replays run: ``"interpreted"``
     re-runs the recorded aten ops (bitwise identical to eager for
     deterministic ops, always available); ``"compiled"`` runs the captured
-    program compiled ahead of time by inductor (faster, numerically close but
-    not bitwise identical; the first build of a graph takes seconds and is
-    cached on disk; see :func:`accel.graph.compile_graph`). On CUDA, with a
+    program with the fastest engine installed that agrees with eager
+    (AOTInductor, ONNX Runtime; numerically close but not bitwise identical;
+    the first build of a graph takes seconds, is announced by a
+    ``BuildWarning`` and cached on disk; see
+    :func:`accel.graph.compile_graph`); ``"auto"`` replays the interpreted
+    tier while the compiled one builds in a background thread, then switches
+    (``compile_status()`` says which runs, ``wait_compiled()`` waits). On CUDA, with a
     torch built for it, torch's CUDA graphs carry the capture and replay the
     kernels (the default tier only); a call queues the replay on the current
     stream and orders torch's current stream after it, without waiting on
@@ -275,11 +338,11 @@ def make_graphed_callables(
         raise InvalidValueError(
             f"sample_args has {len(samples)} entries for {len(fns)} callables; pass one tuple per callable"
         )
-    if tier not in ("interpreted", "compiled"):
-        raise InvalidValueError(f"tier={tier!r} must be 'interpreted' or 'compiled'")
-    if tier == "compiled" and runtime.name != "cpu":
+    if tier not in ("interpreted", "compiled", "auto"):
+        raise InvalidValueError(f"tier={tier!r} must be 'interpreted', 'compiled' or 'auto'")
+    if tier != "interpreted" and runtime.name != "cpu":
         raise NotSupportedError(
-            f"tier='compiled' compiles host programs; on the {runtime.name} backend torch's graph replays "
+            f"tier={tier!r} compiles host programs; on the {runtime.name} backend torch's graph replays "
             "the captured kernels already: use the default tier"
         )
     for name, value, low in (("num_warmup_iters", num_warmup_iters, 0), ("cache_size", cache_size, 1)):
