@@ -136,6 +136,8 @@ class CompiledProgram:
         self.candidates = candidates
         #: The bound replay: the engine's own call, with nothing of accel's around it where possible.
         self.replay = replay
+        #: The engine's runner called directly on the inputs (no copy of results), for comparison.
+        self.raw: Callable[[], Any] = getattr(replay, "raw", replay)
 
     def __repr__(self) -> str:
         return f"CompiledProgram({self.engine}, {self.path.name})"

@@ -47,6 +47,9 @@ class _Entry:
     # bound replay when the graph is that program alone (called directly).
     compiled: Any = None
     fast: Callable[[], Any] | None = None
+    # fast() runs only while current_stream(device) is default_stream (set with fast).
+    current_stream: Callable[[int], Any] | None = None
+    default_stream: Any = None
 
 
 class GraphedCallable:
@@ -119,14 +122,14 @@ class GraphedCallable:
             for static, arg in zip(entry.inputs, args):
                 if static.data_ptr() != arg.data_ptr():
                     static.copy_(arg)
+        fast = entry.fast
+        if fast is not None and entry.current_stream(entry.device) is entry.default_stream:  # type: ignore[misc]
+            fast()  # the graph is one compiled program: run it without the graph around it
+            return entry.output
         runtime = get_runtime()
         stream = runtime.current_stream(entry.device)
         api = self._torch_api
         if api is None:
-            fast = entry.fast
-            if fast is not None and stream is runtime.default_stream(entry.device):
-                fast()  # the graph is one compiled program: run it without the graph around it
-                return entry.output
             entry.graph.replay()
             # Torch reads the outputs on this host thread right away: wait for the
             # replay when the current stream runs it on a worker. The host
@@ -190,7 +193,9 @@ class GraphedCallable:
 
             def ready(compiled: _compiled.CompiledProgram) -> None:
                 if alone:
-                    entry.fast = compiled.replay
+                    entry.current_stream = runtime.current_stream
+                    entry.default_stream = runtime.default_stream(entry.device)
+                    entry.fast = compiled.replay  # last: the hot path reads it first
 
             try:
                 if self._tier == "compiled":
