@@ -138,6 +138,9 @@ class CompiledProgram:
         self.replay = replay
         #: The engine's runner called directly on the inputs (no copy of results), for comparison.
         self.raw: Callable[[], Any] = getattr(replay, "raw", replay)
+        #: Where the engine allows it (AOTInductor), a call on any tensors laid out
+        #: like the inputs that returns new outputs: no copy in or out.
+        self.direct: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = getattr(replay, "direct", None)
 
     def __repr__(self) -> str:
         return f"CompiledProgram({self.engine}, {self.path.name})"

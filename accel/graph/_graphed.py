@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from accel._errors import InvalidValueError, NotSupportedError
 from accel._runtime import get_runtime
@@ -47,7 +47,10 @@ class _Entry:
     # bound replay when the graph is that program alone (called directly).
     compiled: Any = None
     fast: Callable[[], Any] | None = None
-    # fast() runs only while current_stream(device) is default_stream (set with fast).
+    # An engine that takes the caller's tensors and returns new outputs
+    # (AOTInductor): called in place of copy-in, replay and static outputs.
+    direct: Callable[[Sequence[torch.Tensor]], Any] | None = None
+    # fast() and direct() run only while current_stream(device) is default_stream.
     current_stream: Callable[[int], Any] | None = None
     default_stream: Any = None
 
@@ -119,6 +122,9 @@ class GraphedCallable:
         else:
             self.hits += 1
             self._cache.move_to_end(key)
+            direct = entry.direct
+            if direct is not None and entry.current_stream(entry.device) is entry.default_stream:  # type: ignore[misc]
+                return direct(args)  # the compiled program, on the caller's tensors
             for static, arg in zip(entry.inputs, args):
                 if static.data_ptr() != arg.data_ptr():
                     static.copy_(arg)
@@ -195,7 +201,8 @@ class GraphedCallable:
                 if alone:
                     entry.current_stream = runtime.current_stream
                     entry.default_stream = runtime.default_stream(entry.device)
-                    entry.fast = compiled.replay  # last: the hot path reads it first
+                    entry.fast = compiled.replay  # after the streams: the hot path reads it first
+                    entry.direct = _direct(compiled, inputs, output)
 
             try:
                 if self._tier == "compiled":
@@ -241,6 +248,37 @@ class GraphedCallable:
             if wait is not None and not wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
                 return False
         return True
+
+
+def _direct(compiled: Any, inputs: list[torch.Tensor], output: Any) -> Callable[[Sequence[torch.Tensor]], Any] | None:
+    """A call of ``compiled``'s engine on the caller's own tensors, returning
+    its new outputs, where the engine allows it: no copy in or out."""
+    run = compiled.direct
+    if run is None or not all(t.is_contiguous() for t in inputs):
+        return None
+    leaves, spec = tree_flatten(output)
+
+    if isinstance(output, torch.Tensor):
+
+        def call_one(args: Sequence[torch.Tensor]) -> Any:
+            for a in args:
+                if not a.is_contiguous():  # the program was built for contiguous inputs
+                    return _contiguous(call_one, args)
+            return run(list(args))[0]
+
+        return call_one
+
+    def call(args: Sequence[torch.Tensor]) -> Any:
+        for a in args:
+            if not a.is_contiguous():
+                return _contiguous(call, args)
+        return tree_unflatten(run(list(args)), spec)
+
+    return call
+
+
+def _contiguous(call: Callable[[Sequence[torch.Tensor]], Any], args: Sequence[torch.Tensor]) -> Any:
+    return call([a.contiguous() for a in args])
 
 
 @contextlib.contextmanager
@@ -305,7 +343,10 @@ def make_graphed_callables(
     ``BuildWarning`` and cached on disk; see
     :func:`accel.graph.compile_graph`); ``"auto"`` replays the interpreted
     tier while the compiled one builds in a background thread, then switches
-    (``compile_status()`` says which runs, ``wait_compiled()`` waits). On CUDA, with a
+    (``compile_status()`` says which runs, ``wait_compiled()`` waits). Where
+    the engine chosen returns new tensors (AOTInductor), a compiled call on
+    the default stream passes it the caller's tensors and returns its new
+    outputs, without copies. On CUDA, with a
     torch built for it, torch's CUDA graphs carry the capture and replay the
     kernels (the default tier only); a call queues the replay on the current
     stream and orders torch's current stream after it, without waiting on

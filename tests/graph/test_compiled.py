@@ -236,6 +236,27 @@ def test_a_missing_engine_is_reported_and_the_others_are_used(
         compile_graph(g2, inputs=[x], outputs=[y2], engines=["onnxruntime"])
 
 
+def test_graphed_callables_call_aotinductor_on_the_callers_tensors(cache: Path, engines: Any) -> None:
+    engines(_engines.AOTInductor())
+    model = _tiny()  # the program the missing-engine test built: loaded from the cache
+    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
+    (entry,) = fast._cache.values()
+    assert entry.compiled.engine == "aotinductor" and entry.direct is not None
+    new = torch.randn(2, 8)
+    first = fast(new)
+    torch.testing.assert_close(first, _eager(model, new))
+    # New tensors per call (no copy into static outputs): the earlier result stays.
+    kept = first.clone()
+    fast(torch.randn(2, 8))
+    assert torch.equal(first, kept)
+    wide = torch.randn(8, 2).t()  # not contiguous: made contiguous for the program
+    torch.testing.assert_close(fast(wide), _eager(model, wide))
+    # On a side stream the graph replays as a graph, into its static outputs.
+    with accel.Stream():
+        torch.testing.assert_close(fast(new), _eager(model, new))
+    accel.synchronize()
+
+
 class _Gated(_engines.OnnxRuntime):
     """ONNX Runtime whose build waits for the test to let it go."""
 
