@@ -474,12 +474,12 @@ def _to_fx(program: Program, inputs: list[torch.Tensor], outputs: list[torch.Ten
                 env[id(t)] = graph.call_function(operator.getitem, (node, i))
     results = []
     for t in outputs:
-        node = env.get(id(t))
-        if node is None or id(t) in {id(i) for i in inputs}:
+        made = env.get(id(t))
+        if made is None or id(t) in {id(i) for i in inputs}:
             raise InvalidValueError(
                 f"compile_graph: an output of shape {tuple(t.shape)} was not produced by the captured program"
             )
-        results.append(node)
+        results.append(made)
     graph.output(tuple(results))
     return fx.GraphModule(root, graph)
 
