@@ -154,6 +154,7 @@ class DeviceAllocator:
         self._name = f"{backend.name}:{device}"
         self._vm = self.upstream.supports_virtual_memory()
         self._fraction_refused = False
+        self._refusal = ""  # the device's own words when it last refused memory
         self._apply_config(config)
 
     def __repr__(self) -> str:
@@ -415,6 +416,7 @@ class DeviceAllocator:
         """Cache miss: new memory, after giving back cache if needed; or OOM."""
         capturing = bool(self._captures)
         self._fraction_refused = False  # set when the memory fraction, not the device, says no
+        self._refusal = ""
         if self._gc_frees:
             self._drain_gc_frees()  # buffers collected while the lock was taken are free memory
         if self._gc_threshold and self._allowed is not None and not capturing:
@@ -441,7 +443,8 @@ class DeviceAllocator:
             return None
         try:
             ptr = self.upstream.allocate(alloc)
-        except OutOfMemoryError:
+        except OutOfMemoryError as exc:
+            self._refusal = str(exc)
             return None
         seg = Segment(self, ptr, alloc, handle, pool, False)
         block = Block(ptr, alloc, seg)
@@ -522,7 +525,8 @@ class DeviceAllocator:
         size = -(-(total + total // 8) // page) * page
         try:
             base = self.upstream.vm_reserve(size)
-        except OutOfMemoryError:
+        except OutOfMemoryError as exc:
+            self._refusal = str(exc)
             return None
         seg = Segment(self, base, size, handle, pool, True)
         seg.page = page
@@ -554,6 +558,7 @@ class DeviceAllocator:
                 self.upstream.vm_unmap(start, page)
                 self.upstream.vm_release(h, page)
             if isinstance(exc, OutOfMemoryError):
+                self._refusal = str(exc)
                 return False
             raise
         for start, h in done:
@@ -1213,6 +1218,7 @@ class DeviceAllocator:
             expandable_segments=self._expandable,
             capturing=bool(self._captures),
             fraction_refused=self._fraction_refused,
+            refusal=self._refusal,
         )
         return out_of_memory(details, self.device)
 

@@ -15,6 +15,7 @@ ffi.cdef(
     int munmap(void *addr, size_t length);
     int memfd_create(const char *name, unsigned int flags);
     int ftruncate(int fd, long length);
+    int fallocate(int fd, int mode, long offset, long len);
     int close(int fd);
     void *memmove(void *dest, const void *src, size_t n);
     void *memset(void *s, int c, size_t n);
@@ -31,6 +32,8 @@ MAP_FIXED = 0x10
 MAP_ANONYMOUS = 0x20
 MAP_NORESERVE = 0x4000
 MFD_CLOEXEC = 0x0001
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
 MAP_FAILED = ffi.cast("void *", -1)
 
 
@@ -42,6 +45,11 @@ def _os_error(call: str) -> OSError:
 def is_oom(exc: OSError) -> bool:
     """Whether an OSError from these calls means 'no memory'."""
     return exc.errno in (errno.ENOMEM, errno.ENOSPC, errno.EFBIG)
+
+
+def is_out_of_descriptors(exc: OSError) -> bool:
+    """Whether an OSError means the process (EMFILE) or system (ENFILE) has no free file descriptor."""
+    return exc.errno in (errno.EMFILE, errno.ENFILE)
 
 
 def map_anonymous(nbytes: int) -> int:
@@ -66,26 +74,35 @@ def unmap(addr: int, nbytes: int) -> None:
         raise _os_error("munmap")
 
 
-def memfd(nbytes: int) -> int:
-    """An anonymous file of ``nbytes``: a physical chunk that can be mapped anywhere."""
+def memfd() -> int:
+    """An empty anonymous file: physical memory that can be mapped anywhere (and passed on as an fd)."""
     fd = libc.memfd_create(b"accel-host-physical", MFD_CLOEXEC)
     if fd < 0:
         raise _os_error("memfd_create")
-    if libc.ftruncate(fd, nbytes) != 0:
-        exc = _os_error("ftruncate")
-        libc.close(fd)
-        raise exc
     return int(fd)
+
+
+def truncate(fd: int, nbytes: int) -> None:
+    """Set the file's length; growing it adds holes (no memory until touched)."""
+    if libc.ftruncate(fd, nbytes) != 0:
+        raise _os_error("ftruncate")
+
+
+def punch_hole(fd: int, offset: int, nbytes: int) -> None:
+    """Give the file's pages in ``[offset, offset + nbytes)`` back to the system; they read as zeros."""
+    if libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, nbytes) != 0:
+        raise _os_error("fallocate")
 
 
 def close(fd: int) -> None:
     libc.close(fd)
 
 
-def map_fd_fixed(addr: int, nbytes: int, fd: int) -> None:
-    """Map file ``fd`` read-write over ``[addr, addr + nbytes)``, replacing what is there."""
+def map_fd_fixed(addr: int, nbytes: int, fd: int, offset: int) -> None:
+    """Map ``nbytes`` of file ``fd`` from ``offset`` read-write over ``[addr, addr + nbytes)``,
+    replacing what is there."""
     ptr = libc.mmap(
-        ffi.cast("void *", addr), nbytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0
+        ffi.cast("void *", addr), nbytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, offset
     )
     if ptr == MAP_FAILED:
         raise _os_error("mmap")
