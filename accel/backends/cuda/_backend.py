@@ -39,10 +39,19 @@ from accel._errors import (
     NotSupportedError,
     OutOfMemoryError,
 )
+from accel.backends._cffi import resolve_everything
 from accel.backends.base import Backend, CaptureMode, CaptureStatus, DeviceProperties
 from accel.backends.cuda._bindings import Driver, open_driver
 
 __all__ = ["CudaBackend", "create_backend"]
+
+# Every C type this backend and its bindings name, parsed when the backend is created.
+_CTYPES = (
+    "CUcontext *", "CUdeviceptr *", "CUevent", "CUevent *", "CUgraph", "CUgraph *", "CUgraphExec",
+    "CUgraphExec *", "CUmemAccessDesc *", "CUmemAllocationProp *", "CUmemGenericAllocationHandle *",
+    "CUstream", "CUstream *", "CUuuid *", "char[256]", "char[64]", "const char **", "cuuint64_t *",
+    "float *", "int *", "size_t *", "uintptr_t", "void *", "void **",
+)
 
 # CUresult codes (identical in the CUDA 12 and 13 headers).
 CUDA_SUCCESS = 0
@@ -208,6 +217,9 @@ class CudaBackend(Backend):
         self._host_fns = _HostFunctions()
         # One callback for every host function: userData carries the registry key.
         self._trampoline = self._ffi.callback("void(void *)", self._run_host_function)
+        # Every call goes through driver.fn (resolved when the driver was opened); parse
+        # every type now, so that no finalizer's call can wait on cffi's locks.
+        resolve_everything(self._ffi, _CTYPES)
         # Callables that ran, waiting to be let go on a user thread (see _run_host_function).
         self._spent: collections.deque[Callable[[], None] | BaseException] = collections.deque()
         self._capture_keys: dict[int, list[int]] = {}

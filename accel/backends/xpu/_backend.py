@@ -46,6 +46,7 @@ from accel._errors import (
 from accel._units import format_size
 from accel.backends import _capture
 from accel.backends._capture import Capture, Mark
+from accel.backends._cffi import resolve_everything
 from accel.backends.base import Backend, CaptureMode, CaptureStatus, DeviceProperties
 from accel.backends.xpu._bindings import WAIT_FOREVER, ZeLoader, describe_result
 
@@ -53,6 +54,18 @@ __all__ = ["XpuBackend"]
 
 #: Lower numbers mean higher priority, as in CUDA: 0 is NORMAL, -1 is PRIORITY_HIGH.
 PRIORITY_RANGE = (0, -1)
+# Every C type this backend and its bindings name, parsed when the backend is created.
+_CTYPES = (
+    "size_t *", "uint32_t *", "uint8_t *", "uintptr_t", "void *", "void **", "ze_api_version_t *",
+    "ze_bool_t *", "ze_command_list_desc_t *", "ze_command_list_handle_t *", "ze_command_list_handle_t[1]",
+    "ze_command_queue_desc_t *", "ze_command_queue_group_properties_t[]", "ze_command_queue_handle_t *",
+    "ze_context_desc_t *", "ze_context_handle_t *", "ze_device_compute_properties_t *",
+    "ze_device_mem_alloc_desc_t *", "ze_device_memory_properties_t[]", "ze_device_properties_t *",
+    "ze_driver_properties_t *", "ze_event_desc_t *", "ze_event_handle_t *", "ze_event_handle_t[1]",
+    "ze_event_pool_desc_t *", "ze_event_pool_handle_t *", "ze_host_mem_alloc_desc_t *",
+    "ze_kernel_timestamp_result_t *", "ze_physical_mem_desc_t *", "ze_physical_mem_handle_t *",
+    "ze_result_t", "zes_mem_handle_t[]", "zes_mem_properties_t *", "zes_mem_state_t *",
+)
 _MIN_VM_GRANULARITY = 2 << 20
 _EVENTS_PER_POOL = 64
 # A marker is added after this many commands without one, so that events held
@@ -335,6 +348,9 @@ class XpuBackend(Backend):
     def __init__(self, ze: ZeLoader, driver: object, devices: list[object], *, loader_version: str) -> None:
         self._ze = ze
         ffi, lib = ze.ffi, ze.lib
+        # The loader resolved its symbols when opened; parse every type now, so that
+        # no finalizer's call can wait on cffi's locks.
+        resolve_everything(ffi, _CTYPES)
         # Reentrant: the finalizers of accel Streams and Events destroy them
         # through this backend, and a garbage collection can run them inside
         # its locked sections (which allocate), on the same thread.

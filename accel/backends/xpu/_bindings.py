@@ -17,6 +17,7 @@ from accel._errors import (
     NotSupportedError,
     OutOfMemoryError,
 )
+from accel.backends._cffi import resolve_everything
 from accel.backends.xpu._cdef import CDEF
 
 __all__ = ["DEFAULT_LOADER", "WAIT_FOREVER", "ZeLoader", "describe_result", "open_loader", "result_name"]
@@ -88,20 +89,22 @@ def describe_result(code: int) -> str:
 
 
 class ZeLoader:
-    """The dlopened loader: ``ffi``, ``lib`` and error checking."""
+    """The dlopened loader: ``ffi``, ``lib`` and error checking.
+
+    Every declared symbol is resolved here, once: cffi resolves a symbol under
+    its lock on first access (and retries a missing one on every access), which a
+    finalizer must never wait on (see accel/backends/_cffi.py).
+    """
 
     def __init__(self, ffi: cffi.FFI, lib: object, path: str) -> None:
         self.ffi = ffi
         self.lib = lib
         self.path = path
+        self._missing = resolve_everything(ffi, (), lib)
 
     def has(self, name: str) -> bool:
-        """Whether the loader exports ``name`` (cffi resolves symbols on first access)."""
-        try:
-            getattr(self.lib, name)
-        except AttributeError:
-            return False
-        return True
+        """Whether the loader exports ``name``."""
+        return name not in self._missing
 
     def check(self, call: str, code: int, *, device: int | None = None, requested: int = 0) -> None:
         """Raise the accel exception for a failed ``call`` (``code`` != ZE_RESULT_SUCCESS)."""
