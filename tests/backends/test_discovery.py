@@ -100,3 +100,39 @@ def test_later_lookups_raise_the_same_error_afresh() -> None:
     assert first[2].startswith("cannot load the CUDA driver library ACCEL_CUDA_DRIVER=/nonexistent")
     assert first[3].startswith("Install the NVIDIA driver")
     assert second[5] == third[5]  # the traceback does not grow from one lookup to the next
+
+
+STARTUP = """
+import json, sys
+import accel
+imported = [m for m in ("cffi", "pycparser", "torch", "numpy") if m in sys.modules]
+device = accel.current_accelerator()
+print(json.dumps({"at_import": imported, "device": str(device),
+                  "after": [m for m in ("cffi", "pycparser", "torch", "numpy") if m in sys.modules]}))
+"""
+
+
+def no_gpu_env(**extra: str) -> dict[str, str]:
+    """No backend asked for; the Level Zero simulator (set up by tests/conftest.py) hidden."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCEL_", "ZE_"))}
+    return {**env, **extra}
+
+
+def run_startup(env: dict[str, str]) -> Any:
+    result = subprocess.run(
+        [sys.executable, "-c", STARTUP], capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_selecting_the_host_backend_without_driver_libraries_imports_no_cffi() -> None:
+    env = no_gpu_env(ACCEL_CUDA_DRIVER="/nonexistent/libcuda.so.1", ACCEL_ZE_LOADER="/nonexistent/libze_loader.so.1")
+    assert run_startup(env) == {"at_import": [], "device": "cpu", "after": []}
+
+
+def test_a_level_zero_loader_without_a_gpu_driver_costs_no_declarations() -> None:
+    # The loader (where installed) finds no driver: zeInit fails before cffi is imported.
+    env = no_gpu_env(ACCEL_CUDA_DRIVER="/nonexistent/libcuda.so.1", ZE_ENABLE_ALT_DRIVERS="/nonexistent/libze_none.so")
+    assert run_startup(env) == {"at_import": [], "device": "cpu", "after": []}

@@ -64,7 +64,7 @@ _CTYPES = (
     "ze_driver_properties_t *", "ze_event_desc_t *", "ze_event_handle_t *", "ze_event_handle_t[1]",
     "ze_event_pool_desc_t *", "ze_event_pool_handle_t *", "ze_host_mem_alloc_desc_t *",
     "ze_kernel_timestamp_result_t *", "ze_physical_mem_desc_t *", "ze_physical_mem_handle_t *",
-    "ze_result_t", "zes_mem_handle_t[]", "zes_mem_properties_t *", "zes_mem_state_t *",
+    "zes_mem_handle_t[]", "zes_mem_properties_t *", "zes_mem_state_t *",
 )
 _MIN_VM_GRANULARITY = 2 << 20
 _EVENTS_PER_POOL = 64
