@@ -14,7 +14,6 @@ import os
 import resource
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 from accel._errors import AccelError, DriverError, InvalidHandleError, InvalidValueError, OutOfMemoryError
 from accel._units import format_size
@@ -74,20 +73,25 @@ def round_up(n: int, unit: int) -> int:
     return (n + unit - 1) // unit * unit
 
 
-@dataclass
+# Plain classes, not dataclasses: generating a dataclass's methods at import costs start-up time.
 class _Reservation:
-    size: int
-    mapped: dict[int, tuple[int, int]] = field(default_factory=dict)  # addr -> (size, handle)
+    __slots__ = ("mapped", "size")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.mapped: dict[int, tuple[int, int]] = {}  # addr -> (size, handle)
 
 
-@dataclass
 class _Chunk:
     """A physical memory handle: ``size`` bytes of the device's file from ``offset``."""
 
-    offset: int
-    size: int
-    live: bool = True  # False once released; the pages stay while ranges still map them
-    mappings: int = 0
+    __slots__ = ("live", "mappings", "offset", "size")
+
+    def __init__(self, offset: int, size: int) -> None:
+        self.offset = offset
+        self.size = size
+        self.live = True  # False once released; the pages stay while ranges still map them
+        self.mappings = 0
 
 
 class _PhysicalFile:
