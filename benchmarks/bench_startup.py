@@ -57,7 +57,9 @@ def _env(cache: str) -> dict[str, str]:
 
 def _start(code: str, env: dict[str, str]) -> tuple[float, str]:
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO_ROOT, check=True
+    )
     return time.perf_counter() - start, result.stdout
 
 
