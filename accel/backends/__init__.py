@@ -59,7 +59,7 @@ def load_backend(name: str) -> Backend:
                 if exc.name != f"accel.backends.{name}":
                     raise  # the backend exists but something it imports is missing
                 raise BackendUnavailableError(name, "this installation of accel has no such backend") from None
-            backend = module.load()
+            backend: Backend = module.load()
         except BackendUnavailableError as exc:
             _failed[name] = (type(exc), exc.reason, exc.remedy)
             raise

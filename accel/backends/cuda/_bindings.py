@@ -265,7 +265,8 @@ class Driver:
         out = self.ffi.new("const char **")
         if self.fn[call](code, out) != 0 or out[0] == self.ffi.NULL:
             return ""
-        return self.ffi.string(out[0]).decode(errors="replace")
+        text: bytes = self.ffi.string(out[0])
+        return text.decode(errors="replace")
 
     def describe(self, code: int) -> str:
         """``"NAME (code): description"``, the form every accel message uses."""

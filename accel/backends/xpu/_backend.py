@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import cast
 
 from accel._errors import (
     CaptureError,
@@ -255,8 +256,9 @@ class XpuBackend(Backend):
         lib = self._ze.lib
         self._check("zeCommandListAppendEventReset", lib.zeCommandListAppendEventReset(cdata, slot.cdata), stream.device)
 
-    def _defer(self, stream: StreamState, fn: Callable[[], None]) -> None:
-        """Run ``fn`` once the stream has passed everything counted by ``_appended`` so far."""
+    def _defer(self, stream: StreamState, fn: Callable[[], object]) -> None:
+        """Run ``fn`` once the stream has passed everything counted by ``_appended`` so far
+        (what it returns is dropped: a closure may exist only to keep memory alive)."""
         stream.deferred.append((stream.seq, fn))
 
     def _hold_until_passed(self, stream: StreamState, slot: EventSlot) -> None:
@@ -359,7 +361,8 @@ class XpuBackend(Backend):
         if code in _OOM_CODES or code == _UNSUPPORTED_SIZE:
             what = f"allocate {format_size(nbytes)}"
             if code == _UNSUPPORTED_SIZE:
-                what += f" (the largest single allocation is {format_size(dev.properties.extra['max_mem_alloc_size'])})"
+                largest = cast(int, dev.properties.extra["max_mem_alloc_size"])  # set by _describe
+                what += f" (the largest single allocation is {format_size(largest)})"
             raise self._out_of_memory(device, "zeMemAllocDevice", what, nbytes, code)
         self._check("zeMemAllocDevice", code, device)
         ptr = self._addr(out[0])
@@ -585,6 +588,7 @@ class XpuBackend(Backend):
             raise InvalidHandleError(f"xpu:{device}: the default stream cannot be destroyed")
         abandoned = _capture.abandon(s)
         if abandoned is not None:
+            assert isinstance(abandoned, CaptureState)  # s, an xpu stream, began it
             self._discard_capture(abandoned)
         with self._lock:
             del self._streams[stream]
@@ -794,13 +798,14 @@ class XpuBackend(Backend):
         ticks = (stamps[1] - stamps[0]) & dev.timestamp_mask
         if stamps[1] < stamps[0] and ticks > dev.timestamp_mask // 2:
             ticks = -((stamps[0] - stamps[1]) & dev.timestamp_mask)
-        return ticks * dev.ns_per_tick / 1e6
+        milliseconds: float = ticks * dev.ns_per_tick / 1e6
+        return milliseconds
 
     # -- stream work ---------------------------------------------------------------------
 
     def _record_node(self, s: StreamState, description: str, append: Callable[[object], None]) -> None:
         """Append one captured command (plus its ordering barrier) to the capture's list."""
-        capture = s.capture
+        capture = s.xpu_capture()
         assert capture is not None
         with capture.lock:
             if capture.invalid_reason:
@@ -850,9 +855,10 @@ class XpuBackend(Backend):
             )
             self._check("zeCommandListAppendMemoryFill", code, device)
 
-        if s.capture is not None:
+        capture = s.xpu_capture()
+        if capture is not None:
             self._record_node(s, f"fill {nbytes} bytes at {dst:#x} with {value:#04x}", append)
-            s.capture.keep.append(pattern)
+            capture.keep.append(pattern)
             return
         with s.lock:
             append(s.cdata)
@@ -864,8 +870,8 @@ class XpuBackend(Backend):
         s = self._stream(device, stream)
         reached, release = self._slots.acquire(False), self._slots.acquire(False)
         name = getattr(fn, "__qualname__", type(fn).__name__)
-        if s.capture is not None:
-            capture = s.capture
+        capture = s.xpu_capture()
+        if capture is not None:
 
             def append(cdata: object) -> None:
                 self._barrier(s, cdata, reached)
@@ -938,7 +944,7 @@ class XpuBackend(Backend):
 
     def stream_end_capture(self, device: int, stream: int) -> int:
         s = self._stream(device, stream)
-        capture = s.capture
+        capture = s.xpu_capture()
         lib = self._ze.lib
         try:
             _capture.end_capture("xpu", s)

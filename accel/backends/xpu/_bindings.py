@@ -8,6 +8,7 @@ accel/backends/xpu/_library.py found, without cffi, that ``zeInit`` works).
 from __future__ import annotations
 
 import threading
+from typing import Any, TypeAlias
 
 import cffi
 
@@ -33,6 +34,12 @@ _OOM = frozenset({0x70000002, 0x70000003})  # OUT_OF_HOST_MEMORY, OUT_OF_DEVICE_
 _INVALID_HANDLE = 0x78000005  # ZE_RESULT_ERROR_INVALID_NULL_HANDLE
 _UNSUPPORTED = 0x78000003  # ZE_RESULT_ERROR_UNSUPPORTED_FEATURE
 
+#: A library cffi dlopened: its attributes (functions, enum constants) are made from the
+#: declarations in _cdef.py at run time, so no static type describes them; the
+#: declarations are their types. (cffi ships no type information for ``cffi.FFI``
+#: either.)
+ZeLib: TypeAlias = Any
+
 _ffi: cffi.FFI | None = None
 _ffi_lock = threading.Lock()
 
@@ -55,7 +62,7 @@ class ZeLoader:
     finalizer must never wait on (see accel/backends/_cffi.py).
     """
 
-    def __init__(self, ffi: cffi.FFI, lib: object, path: str) -> None:
+    def __init__(self, ffi: cffi.FFI, lib: ZeLib, path: str) -> None:
         self.ffi = ffi
         self.lib = lib
         self.path = path

@@ -8,7 +8,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from accel._errors import InvalidHandleError
 from accel.backends._capture import Capture, Mark
@@ -60,9 +60,17 @@ class StreamState:
     marked: int = 0  # seq covered by the newest marker
     done: int = 0  # seq known complete
     markers: deque[tuple[int, EventSlot]] = field(default_factory=deque)
-    deferred: list[tuple[int, Callable[[], None]]] = field(default_factory=list)
-    capture: CaptureState | None = None
+    deferred: list[tuple[int, Callable[[], object]]] = field(default_factory=list)
+    # Set by the capture rules (accel/backends/_capture.py), which know captures only as
+    # Capture; see xpu_capture() for the backend's own view.
+    capture: Capture[Any] | None = None
     worker: HostWorker | None = None
+
+    def xpu_capture(self) -> CaptureState | None:
+        """The capture this stream records into: one an xpu stream began, so a CaptureState."""
+        capture = self.capture
+        assert capture is None or isinstance(capture, CaptureState)
+        return capture
 
 
 @dataclass(eq=False)
