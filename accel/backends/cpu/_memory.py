@@ -83,11 +83,12 @@ class _Reservation:
 
 
 class _Chunk:
-    """A physical memory handle: ``size`` bytes of the device's file from ``offset``."""
+    """A physical memory handle: ``size`` bytes of ``file`` from ``offset``."""
 
-    __slots__ = ("live", "mappings", "offset", "size")
+    __slots__ = ("file", "live", "mappings", "offset", "size")
 
-    def __init__(self, offset: int, size: int) -> None:
+    def __init__(self, file: _PhysicalFile, offset: int, size: int) -> None:
+        self.file = file
         self.offset = offset
         self.size = size
         self.live = True  # False once released; the pages stay while ranges still map them
@@ -103,17 +104,28 @@ class _PhysicalFile:
     given back has its pages returned to the system (a punched hole, or a
     shorter file when it is the last range) and its range is reused. Another
     process can map a chunk given this descriptor and the chunk's offset.
+
+    A forked child shares the file (and the parent's mappings of it) but
+    keeps its own copy of this bookkeeping, so only the process that created
+    the file may lay out or free its ranges: see ``owned``.
     """
 
     def __init__(self) -> None:
         self.fd = -1
+        self.pid = os.getpid()
         self.length = 0
         self._holes: list[tuple[int, int]] = []  # (offset, size): sorted, coalesced, never at the end
+
+    @property
+    def owned(self) -> bool:
+        """Whether this process created the file (False in a forked child)."""
+        return self.pid == os.getpid()
 
     def take(self, nbytes: int) -> int:
         """The offset of ``nbytes`` of fresh (zero) pages; raises OSError."""
         if self.fd < 0:
             self.fd = _libc.memfd()
+            self.pid = os.getpid()
         for i, (offset, size) in enumerate(self._holes):
             if size >= nbytes:
                 if size == nbytes:
@@ -313,10 +325,12 @@ class DeviceMemory(_Allocations):
     def create(self, nbytes: int) -> int:
         self._check_multiple("vm_create", nbytes)
         with self._lock, self._charged(nbytes, "physical memory creation"):
+            if not self._file.owned:  # forked: new chunks go to a file of this process's own
+                self._file = _PhysicalFile()
             offset = self._file.take(nbytes)
             handle = self._next_handle
             self._next_handle += 1
-            self._physical[handle] = _Chunk(offset, nbytes)
+            self._physical[handle] = _Chunk(self._file, offset, nbytes)
         return handle
 
     def _live_chunk(self, call: str, handle: int) -> _Chunk:
@@ -330,8 +344,10 @@ class DeviceMemory(_Allocations):
         if chunk.live or chunk.mappings:
             return
         del self._physical[handle]
+        if not chunk.file.owned:
+            return  # the parent's file: its pages go when both processes have unmapped them
         try:
-            self._file.give_back(chunk.offset, chunk.size)
+            chunk.file.give_back(chunk.offset, chunk.size)
         except OSError as exc:
             raise self._driver_error("releasing physical memory", exc) from exc
 
@@ -366,7 +382,7 @@ class DeviceMemory(_Allocations):
                         f"mapped range at {start:#x}"
                     )
             with self._system_call(nbytes, "mapping physical memory"):
-                _libc.map_fd_fixed(addr, nbytes, self._file.fd, chunk.offset)
+                _libc.map_fd_fixed(addr, nbytes, chunk.file.fd, chunk.offset)
             chunk.mappings += 1
             res.mapped[addr] = (nbytes, handle)
 

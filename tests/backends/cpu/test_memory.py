@@ -147,3 +147,42 @@ def test_a_released_handle_is_refused_even_while_still_mapped() -> None:
     finally:
         backend.vm_unmap(0, base, G)
         backend.vm_free(0, base, 2 * G)
+
+
+def test_a_forked_child_never_frees_or_reuses_the_parents_physical_memory() -> None:
+    result = run_json(
+        """
+        import ctypes, json, os
+        from accel.backends.cpu import CpuBackend
+
+        G = 2 << 20
+        backend = CpuBackend(1, None)
+        base = backend.vm_reserve(0, 2 * G)
+        ours = backend.vm_create(0, G)
+        backend.vm_map(0, base, G, ours)
+        ctypes.memset(base, 0xAA, G)
+        pid = os.fork()
+        if pid == 0:  # the child lets go of the inherited chunk and makes one of its own
+            code = 1
+            try:
+                backend.vm_unmap(0, base, G)
+                backend.vm_release(0, ours)
+                theirs = backend.vm_create(0, G)
+                backend.vm_map(0, base + G, G, theirs)
+                ctypes.memset(base + G, 0xBB, G)
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        second = backend.vm_create(0, G)  # must not be the range the child used
+        backend.vm_map(0, base + G, G, second)
+        print(json.dumps({
+            "child": os.waitstatus_to_exitcode(status),
+            "ours_intact": ctypes.string_at(base, 4) == b"\\xaa" * 4 and ctypes.string_at(base + G - 4, 4) == b"\\xaa" * 4,
+            "second_fresh": ctypes.string_at(base + G, 4) == b"\\0" * 4,
+        }))
+        """,
+    )
+    # Before: the child's release truncated the shared file under the parent's chunk,
+    # and its new chunk took the range the parent then handed out again.
+    assert result == {"child": 0, "ours_intact": True, "second_fresh": True}
