@@ -12,11 +12,14 @@ from typing import Any
 
 from accel.allocator._pool_ids import PoolId
 
-__all__ = ["ALLOCATED", "FREE", "PENDING", "Block", "Pool", "PrivatePool", "Segment"]
+__all__ = ["ALLOCATED", "FREE", "PENDING", "RETIRED", "Block", "Pool", "PrivatePool", "Segment"]
 
 #: Block states. PENDING: freed by the caller but waiting for other streams'
-#: events (or for a capture to end) before it may be reused.
-FREE, ALLOCATED, PENDING = 0, 1, 2
+#: events (or for a capture to end) before it may be reused. RETIRED: a block
+#: object that was handed to a caller and freed; it is never part of a segment
+#: again, so a stale second ``free`` of it is refused instead of freeing the
+#: memory's next owner.
+FREE, ALLOCATED, PENDING, RETIRED = 0, 1, 2, 3
 
 
 class Segment:
@@ -73,7 +76,7 @@ class Block:
         self.frames: list[dict[str, Any]] | None = None
 
     def __repr__(self) -> str:
-        state = ("free", "allocated", "pending")[self.state] if self.mapped else "unmapped"
+        state = ("free", "allocated", "pending", "freed")[self.state] if self.mapped else "unmapped"
         return f"<Block {self.ptr:#x} {self.size} bytes {state}>"
 
     def is_split(self) -> bool:

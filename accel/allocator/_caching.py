@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from accel._errors import CaptureError, DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
 from accel.allocator import _stats as S
-from accel.allocator._blocks import ALLOCATED, FREE, PENDING, Block, Pool, PrivatePool, Segment
+from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED, Block, Pool, PrivatePool, Segment
 from accel.allocator._history import History
 from accel.allocator._oom import OutOfMemoryDetails, out_of_memory
 from accel.allocator._pool_ids import PoolId, check_pool_id
@@ -239,6 +239,8 @@ class DeviceAllocator:
         # Literals instead of the module constants below: this is the hot path.
         if nbytes.__class__ is not int or not 0 < nbytes < 1 << 60:  # MAX_REQUEST
             self._bad_size(nbytes)
+        if stream._device != self.device or stream._runtime.backend is not self.backend:
+            self._bad_stream(stream, "malloc")
         handle = stream._handle
         with self._lock:
             if self._gc_frees:
@@ -382,6 +384,12 @@ class DeviceAllocator:
                 )
             raise InvalidValueError(f"cannot allocate {nbytes} bytes: the size must be at least 1")
         raise InvalidValueError(f"nbytes={nbytes!r} must be an int number of bytes")
+
+    def _bad_stream(self, stream: Stream, call: str) -> None:
+        raise DeviceError(
+            f"{stream!r} is not a stream of {self._name}; {call} needs a stream of "
+            "the device the memory lives on"
+        )
 
     def _capture_pool(self, size: int, stream: Stream) -> Pool:
         for private, accepts in reversed(self._captures):
@@ -697,9 +705,13 @@ class DeviceAllocator:
                 self._free_locked(item)
 
     def _free_block(self, block: Block) -> None:
-        """Return ``block`` to its pool's free list, merged with free neighbours.
+        """Return ``block``'s memory to its pool's free list, merged with free neighbours.
 
-        The hot half of every free: merging and list updates are inlined.
+        ``block`` itself was handed to a caller, who may still hold it: it is
+        retired, and a free neighbour (or a spare block object) takes its
+        place in the segment, so a stale ``free(block)`` is refused later
+        instead of freeing whoever gets this memory next. The hot half of
+        every free: merging and list updates are inlined.
         """
         s = self._s
         pool = block.pool
@@ -708,47 +720,84 @@ class DeviceAllocator:
             s[16 + kind] -= 1  # pending part of active
             s[48 + kind] -= block.size  # pending part of active_bytes
         s[64 + kind] -= block.requested  # requested_bytes
-        block.requested = 0
-        block.stream_uses = None
-        block.frames = None
         if self._history is not None:
             self._history.record("free_completed", block.ptr, block.size, block.stream, None)
-        block.state = FREE
+        block.state = RETIRED
         lst = pool.free.get(block.stream)
         if lst is None:
             lst = pool.free[block.stream] = []
         split_counted = not block.segment.expandable
-        spare = self._spare
         prev = block.prev
+        nxt = block.next
+        block.prev = block.next = None
         if prev is not None and prev.state == FREE and prev.mapped:
+            # The free block before absorbs this one (and the one after, if free).
             del lst[bisect_left(lst, (prev.size, prev.ptr))]
             if split_counted:
                 s[24 + kind] -= 1  # inactive_split
                 s[56 + kind] -= prev.size  # inactive_split_bytes
-            block.ptr = prev.ptr
-            block.size += prev.size
-            spare.append(prev)
-            prev = block.prev = prev.prev
-            if prev is not None:
-                prev.next = block
-            else:
-                block.segment.head = block
-        nxt = block.next
-        if nxt is not None and nxt.state == FREE and nxt.mapped:
+            survivor = prev
+            survivor.size += block.size
+            if nxt is not None and nxt.state == FREE and nxt.mapped:
+                del lst[bisect_left(lst, (nxt.size, nxt.ptr))]
+                if split_counted:
+                    s[24 + kind] -= 1
+                    s[56 + kind] -= nxt.size
+                survivor.size += nxt.size
+                self._spare.append(nxt)
+                nxt = nxt.next
+            survivor.next = nxt
+            if nxt is not None:
+                nxt.prev = survivor
+            prev = survivor.prev
+        elif nxt is not None and nxt.state == FREE and nxt.mapped:
+            # The free block after takes this one's place and start.
             del lst[bisect_left(lst, (nxt.size, nxt.ptr))]
             if split_counted:
                 s[24 + kind] -= 1
                 s[56 + kind] -= nxt.size
-            block.size += nxt.size
-            spare.append(nxt)
-            nxt = block.next = nxt.next
-            if nxt is not None:
-                nxt.prev = block
-        block.gc_base = pool.calls
-        insort(lst, (block.size, block.ptr, block))
+            survivor = nxt
+            survivor.ptr = block.ptr
+            survivor.size += block.size
+            survivor.prev = prev
+            if prev is not None:
+                prev.next = survivor
+            else:
+                block.segment.head = survivor
+            nxt = survivor.next
+        else:
+            # No free neighbour: a fresh block object stands in for this one.
+            survivor = self._stand_in(block, prev, nxt)
+        survivor.gc_base = pool.calls
+        insort(lst, (survivor.size, survivor.ptr, survivor))
         if split_counted and (prev is not None or nxt is not None):
             S.inc(s, S.INACTIVE_SPLIT, kind, 1)
-            S.inc(s, S.INACTIVE_SPLIT_BYTES, kind, block.size)
+            S.inc(s, S.INACTIVE_SPLIT_BYTES, kind, survivor.size)
+
+    def _stand_in(self, block: Block, prev: Block | None, nxt: Block | None) -> Block:
+        """A FREE block object for ``block``'s range, linked where ``block`` was."""
+        if self._spare:
+            # A block object merged away earlier; its other fields were reset
+            # when it was freed.
+            new = self._spare.pop()
+            new.ptr = block.ptr
+            new.size = block.size
+            new.segment = block.segment
+            new.stream = block.stream
+            new.pool = block.pool
+            new.state = FREE
+            new.mapped = True
+        else:
+            new = Block(block.ptr, block.size, block.segment)
+        new.prev = prev
+        new.next = nxt
+        if prev is not None:
+            prev.next = new
+        else:
+            block.segment.head = new
+        if nxt is not None:
+            nxt.prev = new
+        return new
 
     def _merge_free(self, block: Block) -> Block:
         """Merge free mapped neighbours into ``block`` (FREE, off every list)."""
@@ -802,10 +851,7 @@ class DeviceAllocator:
         """Mark ``block`` as used on ``stream`` too: after a free it is reused only
         once ``stream`` passed an event recorded at free time."""
         if stream._device != self.device or stream._runtime.backend is not self.backend:
-            raise DeviceError(
-                f"{stream!r} is not a stream of {self._name}; record_stream needs a stream of "
-                "the device the memory lives on"
-            )
+            self._bad_stream(stream, "record_stream")
         handle = stream._live()
         with self._lock:
             if block.state != ALLOCATED or block.segment.owner is not self:
