@@ -2,14 +2,15 @@
 
 A *segment* is one piece of upstream memory (one ``allocate``), or one
 expandable address reservation, cut into a doubly linked chain of *blocks*
-that tile it exactly. A *pool* keeps, per stream, a list of its free blocks
-sorted by ``(size, ptr)``, so best fit is one ``bisect``.
+that tile it exactly. A *pool* keeps, per stream, a :class:`FreeList` of its
+free blocks ordered by ``(size, ptr)``, so best fit costs O(log n).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from accel.allocator._freelist import FreeList
 from accel.allocator._pool_ids import PoolId
 
 __all__ = ["ALLOCATED", "FREE", "PENDING", "RETIRED", "Block", "Pool", "PrivatePool", "Segment"]
@@ -92,8 +93,8 @@ class Pool:
         self.small = small
         self.kind = 0 if small else 1  # index into the stats arrays
         self.private = private
-        # stream handle -> [(size, ptr, block)] sorted; (size, ptr) is unique
-        self.free: dict[int, list[tuple[int, int, Block]]] = {}
+        # stream handle -> its free blocks; (size, ptr) is unique among them
+        self.free: dict[int, FreeList] = {}
         self.expandable: dict[int, Segment] = {}  # stream handle -> its expandable segment
         self.calls = 0  # best-fit searches, the clock of garbage collection ages
 
