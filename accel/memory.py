@@ -28,17 +28,20 @@ from accel.allocator import (
     Buffer,
     DeviceAllocator,
     HostBuffer,
+    MemPool,
     allocate,
     allocate_host,
     get_allocator,
     graph_pool_handle,
     set_upstream,
+    use_mem_pool,
 )
 
 __all__ = [
     "Buffer",
     "DeviceAllocator",
     "HostBuffer",
+    "MemPool",
     "allocate",
     "allocate_host",
     "dump_snapshot",
@@ -62,6 +65,7 @@ __all__ = [
     "reset_peak_memory_stats",
     "set_per_process_memory_fraction",
     "set_upstream",
+    "use_mem_pool",
 ]
 
 

@@ -162,6 +162,9 @@ class DeviceAllocator:
         self._name = f"{backend.name}:{device}"
         self._vm = self.upstream.supports_virtual_memory()
         self._fraction_refused = False
+        # Set when the owner (a dropped MemPool) needs this allocator no more: every
+        # segment goes back upstream once nothing is allocated from it.
+        self._orphaned = False
         self._apply_config(config)
 
     def __repr__(self) -> str:
@@ -609,8 +612,10 @@ class DeviceAllocator:
                 raise InvalidHandleError(
                     f"{block!r} is not allocated by {self!r} (freed twice, or from another allocator)"
                 )
-            if block.stream_uses or self._history is not None:
+            if block.stream_uses or self._history is not None or self._orphaned:
                 self._free_locked(block)
+                if self._orphaned:
+                    self._release_if_idle()
                 return
             # The common case of _free_locked inline: no other stream, no history.
             s = self._s
@@ -648,10 +653,32 @@ class DeviceAllocator:
             try:
                 if block.state == ALLOCATED:
                     self._free_locked(block)
+                    if self._orphaned:
+                        self._release_if_idle()
             finally:
                 self._lock.release()
         else:
             self._gc_frees.append(block)
+
+    def release_when_idle(self) -> None:
+        """The owner of this allocator (a :class:`MemPool` that was dropped) needs it
+        no more: give every segment back upstream now if nothing is allocated, else
+        when the last allocation is freed. Safe from a finalizer."""
+        self._orphaned = True
+        if self._lock.acquire(blocking=False):
+            try:
+                if self._gc_frees:
+                    self._drain_gc_frees()
+                self._release_if_idle()
+            finally:
+                self._lock.release()
+        # Lock taken: the free that follows (or the draining of collected
+        # buffers) sees the flag.
+
+    def _release_if_idle(self) -> None:
+        s = self._s
+        if not (s[ALLOCATION] or s[ALLOCATION + 1]):
+            self._release_cached_blocks()
 
     def _drain_gc_frees(self) -> None:
         while self._gc_frees:
@@ -660,6 +687,8 @@ class DeviceAllocator:
                 self._release_pool_locked(item.pool_id)
             elif item.state == ALLOCATED:
                 self._free_locked(item)
+        if self._orphaned:
+            self._release_if_idle()
 
     def _free_block(self, block: Block) -> None:
         """Return ``block``'s memory to its pool's free list, merged with free neighbours.
