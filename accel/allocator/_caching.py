@@ -266,14 +266,14 @@ class DeviceAllocator:
             # Find the best-fitting cached block; it stays listed until _split.
             free = pool.free.get(handle)
             block = free.best_fit(size) if free else None
-            if block is not None and (block.size >= self._ms or block.segment.expandable):
+            if free is not None and block is not None and (block.size >= self._ms or block.segment.expandable):
                 block = self._find_free(free, size)  # the oversize and expandable rules
             if self._gc_threshold and free:
                 pool.calls += 1
-            listed = block is not None
-            if not listed:
+            if block is None:
                 block = self._grow(pool, handle, size, stream)
-            self._split(block, size, pool, handle, free if listed else None)
+                free = None  # the new block is on no list
+            self._split(block, size, pool, handle, free)
             self._account(block, nbytes, handle)
             return block
 
@@ -564,7 +564,7 @@ class DeviceAllocator:
         if end > last:
             pieces.append((last, end - last, True))
         prev, nxt = b.prev, b.next
-        made = []
+        made: list[Block] = []
         for ptr, size, mapped in pieces:
             nb = b if not made else Block(ptr, size, seg, mapped)
             nb.ptr, nb.size, nb.mapped = ptr, size, mapped

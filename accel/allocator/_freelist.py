@@ -22,7 +22,10 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from accel.allocator._blocks import Block
 
 __all__ = ["FreeList"]
 
@@ -43,14 +46,14 @@ class FreeList:
 
     def __init__(self) -> None:
         self._keys: list[list[int]] = []  # sorted buckets of keys
-        self._blocks: list[list[Any]] = []  # the blocks, bucket by bucket, in key order
+        self._blocks: list[list[Block]] = []  # the blocks, bucket by bucket, in key order
         self._maxes: list[int] = []  # the last key of each bucket
         self._len = 0
 
     def __len__(self) -> int:
         return self._len
 
-    def add(self, block: Any) -> None:
+    def add(self, block: Block) -> None:
         key = block.size << _SHIFT | block.ptr
         self._len += 1
         maxes = self._maxes
@@ -78,7 +81,7 @@ class FreeList:
             del keys[LOAD:], blocks[LOAD:]
             maxes.insert(k, keys[-1])
 
-    def remove(self, block: Any) -> None:
+    def remove(self, block: Block) -> None:
         """Take ``block`` off the list (ValueError when it is not on it)."""
         key = block.size << _SHIFT | block.ptr
         maxes = self._maxes
@@ -97,7 +100,7 @@ class FreeList:
         if i == len(keys):
             maxes[k] = keys[-1]
 
-    def replace(self, size: int, ptr: int, block: Any) -> None:
+    def replace(self, size: int, ptr: int, block: Block) -> None:
         """Take the block listed as ``(size, ptr)`` off the list and put ``block`` on it
         under its current size and address: in place when the new key sorts into the
         same slot, as when a free block gives way to its rest after a split, or grows
@@ -131,7 +134,7 @@ class FreeList:
                 return
         raise ValueError(f"no block of {size} bytes at {ptr:#x} is on this free list")
 
-    def best_fit(self, size: int) -> Any:
+    def best_fit(self, size: int) -> Block | None:
         """The block with the smallest ``(size, ptr)`` of at least ``size`` bytes, left on
         the list; None when every block is smaller."""
         key = size << _SHIFT
@@ -141,7 +144,7 @@ class FreeList:
             return None
         return self._blocks[k][bisect_left(self._keys[k], key)]
 
-    def at_least(self, size: int) -> Iterator[Any]:
+    def at_least(self, size: int) -> Iterator[Block]:
         """The blocks of at least ``size`` bytes, smallest first (do not change the list
         while iterating)."""
         key = size << _SHIFT
@@ -154,12 +157,12 @@ class FreeList:
         """The size of the largest block (0 when empty)."""
         return self._maxes[-1] >> _SHIFT if self._maxes else 0
 
-    def __iter__(self) -> Iterator[tuple[int, int, Any]]:
+    def __iter__(self) -> Iterator[tuple[int, int, Block]]:
         for keys, blocks in zip(self._keys, self._blocks):
             for key, block in zip(keys, blocks):
                 yield key >> _SHIFT, block.ptr, block
 
-    def __getitem__(self, index: int) -> tuple[int, int, Any]:
+    def __getitem__(self, index: int) -> tuple[int, int, Block]:
         """The ``index``-th ``(size, ptr, block)``: O(number of buckets), for tests and
         diagnostics (the allocator itself never indexes)."""
         if index < 0:
