@@ -32,7 +32,7 @@ from accel._device import DeviceLike
 from accel._errors import DeviceError, InvalidValueError
 from accel._runtime import Runtime, get_runtime
 from accel.allocator._caching import DeviceAllocator
-from accel.allocator._pool_ids import PoolId, graph_pool_handle
+from accel.allocator._pool_ids import PoolId, graph_pool_handle, register_mem_pool, unregister_mem_pool
 from accel.allocator._registry import registry
 from accel.allocator._resources import MemoryResource
 from accel.allocator.config import AllocatorConfig, parse
@@ -91,7 +91,8 @@ class MemPool:
         self._uses = 0  # open use_mem_pool contexts
         # Dropped: give the memory back now if nothing is allocated, else when
         # the last allocation is freed (buffers keep the allocators alive).
-        self._finalizer = weakref.finalize(self, _release, self._allocators)
+        register_mem_pool(self._id)
+        self._finalizer = weakref.finalize(self, _release, self._allocators, self._id)
 
     @property
     def id(self) -> PoolId:
@@ -157,7 +158,8 @@ class MemPool:
             allocator.empty_cache()
 
 
-def _release(allocators: dict[int, DeviceAllocator]) -> None:
+def _release(allocators: dict[int, DeviceAllocator], pool_id: PoolId) -> None:
+    unregister_mem_pool(pool_id)
     for allocator in allocators.values():
         allocator.release_when_idle()
 

@@ -178,3 +178,13 @@ def test_graph_captured_inside_use_mem_pool_takes_the_pools_memory():
     buf.free()
     del g
     gc.collect()
+
+
+def test_a_mempool_id_is_not_a_graph_pool():
+    pool = accel.memory.MemPool()
+    with pytest.raises(accel.InvalidValueError, match="use_mem_pool"):
+        Graph(pool=pool.id)
+    pool_id = pool.id
+    del pool
+    gc.collect()
+    Graph(pool=pool_id)  # a dead pool's id is an ordinary id again
