@@ -159,6 +159,9 @@ class StreamTable:
         self._events: dict[int, HostEvent] = {}
         self._graphs: dict[int, list[Node]] = {}
         self._execs: dict[int, list[Node]] = {}
+        # Destroyed streams whose queued work may still run: device synchronization
+        # (and so every release of memory, which synchronizes first) waits for them too.
+        self._closing: list[HostStream] = []
         self.defaults = []
         for device in range(device_count):
             stream = HostStream(device, 0, inline=True)
@@ -206,6 +209,8 @@ class StreamTable:
         _capture.abandon(stream)
         with self._lock:
             del self._streams[handle]
+            self._closing = [s for s in self._closing if not s.idle()]
+            self._closing.append(stream)
         stream.close()
 
     def query(self, device: int, handle: int) -> bool:
@@ -221,8 +226,13 @@ class StreamTable:
     def synchronize_device(self, device: int) -> None:
         streams = self.streams_of(device)
         _capture.refuse_device_synchronize(device, streams)
-        for stream in streams:
+        with self._lock:
+            closing = [s for s in self._closing if s.device == device]
+        for stream in streams + closing:
             stream.synchronize()
+        if closing:
+            with self._lock:
+                self._closing = [s for s in self._closing if not s.idle()]
 
     # -- events -----------------------------------------------------------
 
