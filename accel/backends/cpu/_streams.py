@@ -18,10 +18,14 @@ topological order).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import itertools
+import os
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +35,26 @@ from accel.backends._capture import Capture, Mark
 from accel.backends.base import CaptureMode, CaptureStatus
 
 _handles = itertools.count(0x1000)
+
+# How long interpreter exit waits for work still queued on host streams (their
+# worker threads are daemons: whatever is left when the interpreter ends is lost).
+EXIT_WAIT_S = 5.0
+
+
+def _finish_at_exit(table_ref: weakref.ref[StreamTable]) -> None:
+    table = table_ref()
+    if table is None or table.pid != os.getpid():
+        return  # a forked child has no workers: the parent runs its queued work
+    dropped = table.finish_queued_work(EXIT_WAIT_S)
+    if dropped:
+        warnings.warn_explicit(  # no user frame to point at during exit
+            f"{dropped} item(s) of work queued on host streams (host functions, copies, fills) "
+            f"were still pending {EXIT_WAIT_S:g} s into interpreter exit and were dropped; "
+            "synchronize streams before exiting",
+            RuntimeWarning,
+            "accel",
+            0,
+        )
 
 
 def new_handle() -> int:
@@ -123,6 +147,12 @@ class HostStream:
             target = self._submitted
             self._cond.wait_for(lambda: self._completed >= target)
 
+    def wait_idle(self, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for the queue to drain; the items still queued."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._completed >= self._submitted, timeout)
+            return self._submitted - self._completed
+
     def close(self) -> None:
         """Stop the worker once the work already queued has run."""
         if self._thread is not None:
@@ -163,6 +193,8 @@ class StreamTable:
         # (and so every release of memory, which synchronizes first) waits for them too.
         self._closing: list[HostStream] = []
         self.defaults = []
+        self.pid = os.getpid()
+        atexit.register(_finish_at_exit, weakref.ref(self))
         for device in range(device_count):
             stream = HostStream(device, 0, inline=True)
             self._streams[stream.handle] = stream
@@ -189,6 +221,13 @@ class StreamTable:
                 "(destroyed, never created, or created on another device)"
             )
         return event
+
+    def finish_queued_work(self, timeout: float) -> int:
+        """Let queued work run for up to ``timeout`` seconds; how many items are left."""
+        with self._lock:
+            streams = [s for s in self._streams.values() if not s.inline] + self._closing
+        deadline = time.monotonic() + timeout
+        return sum(s.wait_idle(max(deadline - time.monotonic(), 0.0)) for s in streams)
 
     def streams_of(self, device: int) -> list[HostStream]:
         with self._lock:
