@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -58,6 +60,8 @@ class Stream:
         self._priority = priority
         self._owned = owned
         self._closed = False
+        # Where host functions report failures: shared by every wrapper of the stream.
+        self._errors: collections.deque[tuple[str, BaseException]] | None = None
         self._end: Event | None = None  # marks the end of the work queued before close()
         self._close_lock = threading.Lock()
         self._finalizer = (
@@ -255,17 +259,12 @@ class Stream:
         """
         if not callable(fn):
             raise InvalidValueError(f"{fn!r} is not callable")
-        name = getattr(fn, "__qualname__", repr(fn))
-        errors = self._runtime.host_errors(self._device, self._live())
-
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as exc:  # noqa: BLE001 - reported at synchronize
-                errors.append((name, exc))
-
-        run.__qualname__ = name
-        self._runtime.backend.launch_host_func(self._device, self._live(), run)
+        handle = self._live()
+        errors = self._errors
+        if errors is None:
+            errors = self._errors = self._runtime.host_errors(self._device, handle)
+        # A partial (one C object) rather than a closure: the launch is on the hot path.
+        self._runtime.backend.launch_host_func(self._device, handle, functools.partial(_run_host_func, fn, errors))
 
     def _keep_alive(self, *owners: object) -> None:
         """Hold Python objects that own copy operands until the work ran."""
@@ -353,6 +352,14 @@ _NO_SHARED_STREAMS = (
     "accel cannot share {kind} streams with torch: torch's XPU streams are SYCL queues, "
     "accel's are Level Zero command lists. Order work across them with synchronize()"
 )
+
+
+def _run_host_func(fn: Callable[[], object], errors: collections.deque[tuple[str, BaseException]]) -> None:
+    """Run a host function on the stream's thread; a failure is kept for synchronize()."""
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - reported at synchronize
+        errors.append((getattr(fn, "__qualname__", repr(fn)), exc))
 
 
 def _is_stream_ordered(owner: object) -> bool:

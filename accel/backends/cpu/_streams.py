@@ -19,9 +19,9 @@ topological order).
 from __future__ import annotations
 
 import atexit
-import collections
 import itertools
 import os
+import queue
 import threading
 import time
 import warnings
@@ -72,35 +72,58 @@ class Node:
 
 
 class HostEvent:
-    """A marker that completes when its stream's worker reaches it."""
+    """A marker that completes when its stream's worker reaches it.
+
+    ``done_gen`` is written by one completer at a time and read without a lock
+    (the GIL orders it); the condition is only used by a thread that has to
+    wait, and only notified when one does.
+    """
 
     def __init__(self, device: int, timing: bool) -> None:
         self.handle = new_handle()
         self.device = device
         self.timing = timing
-        self.cond = threading.Condition()
+        self.cond = threading.Condition(threading.Lock())
         self.record_gen = 0
         self.done_gen = 0
         self.timestamp_ns = 0
+        self._waiting = 0
         self.captured: Mark | None = None  # where it was recorded inside a capture
 
     def complete(self, gen: int) -> None:
-        with self.cond:
-            if gen > self.done_gen:
-                self.done_gen = gen
-                self.timestamp_ns = time.monotonic_ns()
-            self.cond.notify_all()
+        if gen > self.done_gen:
+            self.timestamp_ns = time.monotonic_ns()
+            self.done_gen = gen
+        # A waiter counts itself before it checks done_gen: it either sees the new
+        # value or is counted here (and then waits on the condition this notifies).
+        if self._waiting:
+            with self.cond:
+                self.cond.notify_all()
 
     def is_done(self) -> bool:
         return self.done_gen >= self.record_gen
 
     def wait(self, gen: int) -> None:
+        if self.done_gen >= gen:
+            return
         with self.cond:
-            self.cond.wait_for(lambda: self.done_gen >= gen)
+            self._waiting += 1
+            try:
+                while self.done_gen < gen:
+                    self.cond.wait()
+            finally:
+                self._waiting -= 1
 
 
 class HostStream:
-    """An ordered queue of work; ``inline`` streams run work on the caller's thread."""
+    """An ordered queue of work; ``inline`` streams run work on the caller's thread.
+
+    The hot paths take as few locks and wake-ups as CPython allows: work goes
+    into a ``queue.SimpleQueue`` (a C queue: one call to enqueue, the worker
+    blocks in C), the submit count is bumped under a plain lock, and the
+    worker takes a lock after an item only to publish the completion count and
+    to wake a synchronizing thread, which it wakes only when one waits.
+    """
 
     def __init__(self, device: int, priority: int, *, inline: bool) -> None:
         self.handle = new_handle()
@@ -108,10 +131,11 @@ class HostStream:
         self.priority = priority
         self.inline = inline
         self.capture: Capture[Node] | None = None
-        self._cond = threading.Condition()
-        self._queue: collections.deque[Callable[[], None] | None] = collections.deque()
+        self._lock = threading.Lock()  # orders submits; guards _waiters
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._submitted = 0
-        self._completed = 0
+        self._completed = 0  # written by the worker only
+        self._waiters: list[tuple[int, threading.Lock]] = []
         self._thread: threading.Thread | None = None
         if not inline:
             self._thread = threading.Thread(
@@ -124,47 +148,61 @@ class HostStream:
         """The default stream is the inline one; it can neither capture nor join a capture."""
         return self.inline
 
-    def submit(self, description: str, work: Callable[[], None]) -> None:
-        """Run ``work`` after everything queued before it (or record it while capturing)."""
+    def submit(self, description: str | Callable[[], str], work: Callable[[], None]) -> None:
+        """Run ``work`` after everything queued before it (or record it while capturing).
+
+        ``description`` names the work in a captured graph; a callable is only
+        called then (formatting it on every submit costs more than the submit)."""
         capture = self.capture
         if capture is not None:
-            capture.add(self, Node(description, work))
+            capture.add(self, Node(description if isinstance(description, str) else description(), work))
             return
         if self.inline:
             work()
             return
-        with self._cond:
-            self._queue.append(work)
+        # Counted before it is queued, in queue order: when the worker has completed
+        # ``_submitted`` items as read by a synchronizing thread, everything that
+        # thread saw queued has run.
+        with self._lock:
             self._submitted += 1
-            self._cond.notify_all()
+            self._queue.put(work)
 
     def idle(self) -> bool:
-        with self._cond:
-            return self._completed == self._submitted
+        return self._completed >= self._submitted
 
     def synchronize(self) -> None:
-        with self._cond:
-            target = self._submitted
-            self._cond.wait_for(lambda: self._completed >= target)
+        target = self._submitted
+        if self._completed >= target:
+            return
+        waiter = threading.Lock()
+        waiter.acquire()
+        with self._lock:
+            if self._completed >= target:
+                return
+            self._waiters.append((target, waiter))
+        waiter.acquire()  # released by the worker; a signal interrupts it (KeyboardInterrupt)
 
     def wait_idle(self, timeout: float) -> int:
         """Wait up to ``timeout`` seconds for the queue to drain; the items still queued."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._completed >= self._submitted, timeout)
-            return self._submitted - self._completed
+        target = self._submitted
+        if self._completed < target:
+            waiter = threading.Lock()
+            waiter.acquire()
+            with self._lock:
+                self._waiters.append((target, waiter))
+            waiter.acquire(timeout=timeout)
+        return self._submitted - self._completed
 
     def close(self) -> None:
         """Stop the worker once the work already queued has run."""
         if self._thread is not None:
-            with self._cond:
-                self._queue.append(None)
-                self._cond.notify_all()
+            self._queue.put(None)
 
     def _drain(self) -> None:
+        get = self._queue.get
+        lock = self._lock
         while True:
-            with self._cond:
-                self._cond.wait_for(lambda: bool(self._queue))
-                work = self._queue.popleft()
+            work = get()
             if work is None:
                 return
             try:
@@ -173,9 +211,17 @@ class HostStream:
                 # Host functions are wrapped above the backend and report their
                 # own errors; nothing else queued here can raise.
                 pass
-            with self._cond:
-                self._completed += 1
-                self._cond.notify_all()
+            with lock:
+                done = self._completed = self._completed + 1
+                waiters = self._waiters
+                if waiters:
+                    keep = []
+                    for target, waiter in waiters:
+                        if target <= done:
+                            waiter.release()
+                        else:
+                            keep.append((target, waiter))
+                    self._waiters = keep
 
 
 class StreamTable:
@@ -297,6 +343,11 @@ class StreamTable:
         with event.cond:
             event.record_gen += 1
             gen = event.record_gen
+        if stream.inline or stream.idle():
+            # Everything queued before the record has run: the event completes now,
+            # without a trip through the worker.
+            event.complete(gen)
+            return
         stream.submit("event record", lambda: event.complete(gen))
 
     def event_query(self, device: int, handle: int) -> bool:
