@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -259,12 +258,22 @@ class Stream:
         """
         if not callable(fn):
             raise InvalidValueError(f"{fn!r} is not callable")
-        handle = self._live()
+        if self._closed:
+            self._live()  # raises
+        handle = self._handle
         errors = self._errors
         if errors is None:
             errors = self._errors = self._runtime.host_errors(self._device, handle)
-        # A partial (one C object) rather than a closure: the launch is on the hot path.
-        self._runtime.backend.launch_host_func(self._device, handle, functools.partial(_run_host_func, fn, errors))
+        name = getattr(fn, "__qualname__", repr(fn))
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - reported at synchronize
+                errors.append((name, exc))
+
+        run.__qualname__ = name
+        self._runtime.backend.launch_host_func(self._device, handle, run)
 
     def _keep_alive(self, *owners: object) -> None:
         """Hold Python objects that own copy operands until the work ran."""
@@ -352,14 +361,6 @@ _NO_SHARED_STREAMS = (
     "accel cannot share {kind} streams with torch: torch's XPU streams are SYCL queues, "
     "accel's are Level Zero command lists. Order work across them with synchronize()"
 )
-
-
-def _run_host_func(fn: Callable[[], object], errors: collections.deque[tuple[str, BaseException]]) -> None:
-    """Run a host function on the stream's thread; a failure is kept for synchronize()."""
-    try:
-        fn()
-    except BaseException as exc:  # noqa: BLE001 - reported at synchronize
-        errors.append((getattr(fn, "__qualname__", repr(fn)), exc))
 
 
 def _is_stream_ordered(owner: object) -> bool:
