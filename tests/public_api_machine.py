@@ -19,6 +19,7 @@ timeout, so a crash or a hang fails the test instead of the session::
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import threading
@@ -302,6 +303,10 @@ class PublicApiMachine(RuleBasedStateMachine):
 
 
 def main(examples: int) -> None:
+    # A hang prints every thread's stack and ends the run before the caller's timeout.
+    hang_s = float(os.environ.get("ACCEL_MACHINE_HANG_S", "0"))
+    if hang_s:
+        faulthandler.dump_traceback_later(hang_s, exit=True)
     run_state_machine_as_test(
         PublicApiMachine,
         settings=settings(

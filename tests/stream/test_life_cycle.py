@@ -8,6 +8,7 @@ across fork) or work silently lost at exit.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -52,17 +53,23 @@ def run(backend: str, code: str, *, timeout: float = 60) -> subprocess.Completed
     reason = backend_skip_reason(backend)
     if reason:
         pytest.skip(reason)
+    # A session of its own, so that a hung forked grandchild is killed with it.
+    proc = subprocess.Popen(
+        [sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        env={**os.environ, "ACCEL_BACKEND": backend},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        return subprocess.run(
-            [sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code)],
-            cwd=ROOT,
-            env={**os.environ, "ACCEL_BACKEND": backend},
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{backend}: no result in {timeout} s (a hang)\n{exc.stdout}\n{exc.stderr}")
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{backend}: no result in {timeout} s (a hang)\n{out}\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def ok(result: subprocess.CompletedProcess[str], marker: str = "ok") -> None:
