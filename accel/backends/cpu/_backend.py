@@ -230,8 +230,9 @@ class CpuBackend(Backend):
         )
 
     def launch_host_func(self, device: int, stream: int, fn: Callable[[], None]) -> None:
-        name = getattr(fn, "__qualname__", type(fn).__name__)
-        self._streams.stream(device, stream).submit(f"host function {name}", fn)
+        self._streams.stream(device, stream).submit(
+            lambda: f"host function {getattr(fn, '__qualname__', type(fn).__name__)}", fn
+        )
 
     # -- capture and graphs ---------------------------------------------------------
 
