@@ -28,24 +28,29 @@ from accel.allocator import (
     Buffer,
     DeviceAllocator,
     HostBuffer,
+    MemPool,
     allocate,
     allocate_host,
     get_allocator,
     graph_pool_handle,
     set_upstream,
+    use_mem_pool,
 )
 
 __all__ = [
     "Buffer",
     "DeviceAllocator",
     "HostBuffer",
+    "MemPool",
     "allocate",
     "allocate_host",
     "dump_snapshot",
     "empty_cache",
     "empty_host_cache",
     "get_allocator",
+    "get_per_process_memory_fraction",
     "graph_pool_handle",
+    "host_memory_stats",
     "max_memory_allocated",
     "max_memory_reserved",
     "memory_allocated",
@@ -54,10 +59,13 @@ __all__ = [
     "memory_stats",
     "memory_summary",
     "record_memory_history",
+    "reset_accumulated_host_memory_stats",
     "reset_accumulated_memory_stats",
+    "reset_peak_host_memory_stats",
     "reset_peak_memory_stats",
     "set_per_process_memory_fraction",
     "set_upstream",
+    "use_mem_pool",
 ]
 
 
@@ -77,6 +85,39 @@ def empty_cache(device: DeviceLike = None) -> None:
 def set_per_process_memory_fraction(fraction: float, device: DeviceLike = None) -> None:
     """Cap what the allocator of ``device`` reserves at ``fraction`` (0..1) of its memory."""
     get_allocator(device).set_memory_fraction(fraction)
+
+
+def get_per_process_memory_fraction(device: DeviceLike = None) -> float:
+    """The fraction of ``device``'s memory its allocator may reserve (1.0 when uncapped).
+
+    >>> import accel
+    >>> accel.memory.get_per_process_memory_fraction()
+    1.0
+    """
+    return get_allocator(device).get_memory_fraction()
+
+
+def host_memory_stats() -> OrderedDict[str, int | float]:
+    """Statistics of the page-locked staging cache, with torch's keys
+    (``allocations.current``, ``active_bytes.peak``, ``num_host_alloc``,
+    ``host_alloc_time.avg``...; times in µs).
+
+    >>> import accel
+    >>> with accel.memory.allocate_host(4096):
+    ...     accel.memory.host_memory_stats()["active_requests.current"]
+    1
+    """
+    return OrderedDict(_allocator.registry().host_allocator().memory_stats())
+
+
+def reset_peak_host_memory_stats() -> None:
+    """Set the peaks of :func:`host_memory_stats` to the current values."""
+    _allocator.registry().host_allocator().reset_peak_stats()
+
+
+def reset_accumulated_host_memory_stats() -> None:
+    """Zero the totals of :func:`host_memory_stats` (``.allocated``, ``.freed``, call counts and times)."""
+    _allocator.registry().host_allocator().reset_accumulated_stats()
 
 
 def memory_stats(device: DeviceLike = None) -> OrderedDict[str, int]:

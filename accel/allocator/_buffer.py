@@ -24,6 +24,7 @@ from typing_extensions import Self
 from accel._device import Device, DeviceLike
 from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, NotSupportedError
 from accel._runtime import get_runtime
+from accel.allocator._mempool import routed_allocator
 from accel.allocator._registry import registry
 from accel.stream import Stream, as_stream
 
@@ -212,7 +213,7 @@ def allocate(nbytes: int, *, device: DeviceLike = None, stream: Stream | None = 
                 f"stream {stream!r} is on {stream.device}, not on the device asked for ({device!r})"
             )
     stream._live()
-    allocator = registry(runtime).allocator(stream.device_index)
+    allocator = routed_allocator(runtime, stream.device_index)  # a MemPool's, inside use_mem_pool
     return Buffer(allocator.malloc(nbytes, stream), allocator, stream, nbytes)
 
 

@@ -399,8 +399,9 @@ def _apply(
     return dataclasses.replace(config, sources=config.sources, warnings=tuple(notes))
 
 
-def parse(text: str, *, origin: str = "parse()") -> AllocatorConfig:
-    """Parse a configuration string on top of the defaults; pure (touches no state).
+def parse(text: str, *, origin: str = "parse()", base: AllocatorConfig | None = None) -> AllocatorConfig:
+    """Parse a configuration string on top of ``base`` (default: the defaults); pure
+    (touches no state).
 
     Raises :class:`ConfigStringError` (an ``AllocatorConfigError``, hence a
     ``ValueError``) that quotes the string and points at the mistake.
@@ -410,7 +411,7 @@ def parse(text: str, *, origin: str = "parse()") -> AllocatorConfig:
     >>> parse("garbage_collection_threshold:0.6").garbage_collection_threshold
     0.6
     """
-    return _apply(AllocatorConfig(), parse_settings(text, origin), origin, text)
+    return _apply(AllocatorConfig() if base is None else base, parse_settings(text, origin), origin, text)
 
 
 def keys() -> tuple[KeySpec, ...]:

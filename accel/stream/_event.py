@@ -85,7 +85,7 @@ class Event:
                     index, timing=self._timing, blocking=self._blocking, interprocess=self._interprocess
                 )
                 self._device = index
-                self._finalizer = weakref.finalize(self, backend.event_destroy, index, self._handle)
+                self._finalizer = weakref.finalize(self, _destroy, self._runtime, index, self._handle)
             return self._handle
 
     def close(self) -> None:
@@ -144,3 +144,9 @@ class Event:
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidHandleError(f"{self!r} was closed; create a new accel.Event")
+
+
+def _destroy(runtime: Runtime, index: int, handle: int) -> None:
+    # Through the runtime, not a bound method of the backend: after a fork the
+    # runtime's backend is a stand-in that ignores releases of the parent's events.
+    runtime.backend.event_destroy(index, handle)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from accel._device import Device, DeviceLike
-from accel._errors import DeviceError, HostFunctionError, InvalidHandleError, InvalidValueError, NotSupportedError
+from accel._errors import AccelError, DeviceError, HostFunctionError, InvalidHandleError, InvalidValueError, NotSupportedError
 from accel._runtime import Runtime, get_runtime, install_default_stream_wrapper
 from accel._torch import import_torch
 from accel.backends.base import CaptureStatus
@@ -57,6 +59,9 @@ class Stream:
         self._priority = priority
         self._owned = owned
         self._closed = False
+        # Where host functions report failures: shared by every wrapper of the stream.
+        self._errors: collections.deque[tuple[str, BaseException]] | None = None
+        self._end: Event | None = None  # marks the end of the work queued before close()
         self._close_lock = threading.Lock()
         self._finalizer = (
             weakref.finalize(self, runtime.destroy_stream, index, handle) if owned else None
@@ -125,16 +130,39 @@ class Stream:
     def close(self) -> None:
         """Destroy the stream (work already queued still completes).
 
-        Closing an :class:`ExternalStream` only retires this wrapper; the
-        device's default stream cannot be closed (this is a no-op)."""
+        New work is refused afterwards, but the stream can still be waited
+        on: ``other.wait_stream(s)`` and ``s.record_event()`` order after the
+        work queued before the close. Closing an :class:`ExternalStream` only
+        retires this wrapper; the device's default stream cannot be closed
+        (this is a no-op)."""
         if self._handle == self._runtime.backend.default_stream(self._device) and not self._owned:
             return
         with self._close_lock:
             if self._closed:
                 return
+            if self._finalizer is not None:
+                self._end = self._mark_end()
             self._closed = True
         if self._finalizer is not None:
             self._finalizer()
+
+    def _mark_end(self) -> Event | None:
+        """An event after all work queued so far, recorded just before the stream is
+        destroyed (None when there is nothing left to wait for)."""
+        from accel.stream._event import Event
+
+        try:
+            if self.is_capturing():
+                return None  # the capture is abandoned: its work never runs
+            end = Event(device=self._device)
+            end.record(self)
+            return end
+        except AccelError:
+            # The driver refused the record: wait here instead, so that waiting
+            # on the closed stream later has nothing left to wait for.
+            with contextlib.suppress(AccelError):
+                self._runtime.backend.stream_synchronize(self._device, self._handle)
+            return None
 
     def query(self) -> bool:
         """True when all work queued so far has completed."""
@@ -157,17 +185,42 @@ class Stream:
         event.wait(self)
 
     def wait_stream(self, stream: Stream) -> None:
-        """Make later work on this stream wait for the work queued on ``stream`` so far."""
+        """Make later work on this stream wait for the work queued on ``stream`` so far
+        (``stream`` may be closed: then for the work queued before its close)."""
         from accel.stream._event import Event
 
+        if stream._closed and stream._owned:
+            if stream._end is not None:
+                self.wait_event(stream._end)
+            return
         self.wait_event(stream.record_event(Event()))
 
     def record_event(self, event: Event | None = None) -> Event:
-        """Record ``event`` (a new one if None) at the current end of this stream."""
+        """Record ``event`` (a new one if None) at the current end of this stream.
+
+        On a closed stream, a new event completes with the work queued before
+        the close; recording a given event there is refused."""
         from accel.stream._event import Event
 
+        if event is None and self._closed and self._owned:
+            return self._event_after_end()
         event = Event() if event is None else event
         event.record(self)
+        return event
+
+    def _event_after_end(self) -> Event:
+        """A new event that completes with a closed stream's last work."""
+        from accel.stream._event import Event
+
+        event = Event(device=self._device)
+        # The end event stays private (a caller could re-record the one it is given):
+        # record the new one on a helper stream that waits for the end.
+        helper = Stream(self._device)
+        try:
+            helper.wait_stream(self)
+            event.record(helper)
+        finally:
+            helper.close()
         return event
 
     # -- work ----------------------------------------------------------------
@@ -205,8 +258,13 @@ class Stream:
         """
         if not callable(fn):
             raise InvalidValueError(f"{fn!r} is not callable")
+        if self._closed:
+            self._live()  # raises
+        handle = self._handle
+        errors = self._errors
+        if errors is None:
+            errors = self._errors = self._runtime.host_errors(self._device, handle)
         name = getattr(fn, "__qualname__", repr(fn))
-        errors = self._runtime.host_errors(self._device, self._live())
 
         def run() -> None:
             try:
@@ -215,7 +273,7 @@ class Stream:
                 errors.append((name, exc))
 
         run.__qualname__ = name
-        self._runtime.backend.launch_host_func(self._device, self._live(), run)
+        self._runtime.backend.launch_host_func(self._device, handle, run)
 
     def _keep_alive(self, *owners: object) -> None:
         """Hold Python objects that own copy operands until the work ran."""
