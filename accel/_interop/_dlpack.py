@@ -37,11 +37,12 @@ from __future__ import annotations
 import ctypes
 import enum
 import math
-from collections.abc import Callable
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from accel._errors import InvalidValueError
+from accel.allocator import Buffer
 
 __all__ = [
     "DLDeviceType",
@@ -49,7 +50,7 @@ __all__ = [
     "DLPackExportError",
     "dlpack_device",
     "dtype_from_name",
-    "export_owned",
+    "make_capsule",
     "live_exports",
     "to_capsule",
 ]
@@ -160,25 +161,38 @@ class _DLManagedTensorVersioned(ctypes.Structure):
 
 
 # -- the capsule ------------------------------------------------------------------
+#
+# Two C callbacks would normally tie an export's life to its consumer: the
+# capsule's destructor (for a capsule never consumed) and the tensor's
+# deleter (called by the consumer when done). Without a compiler, both can
+# only be ctypes thunks into Python, and that has two traps:
+#
+# - A consumer may drop a capsule it refused with its error already set
+#   (numpy for a device buffer); Python code run then loses that error and the
+#   consumer fails with SystemError. So capsules get *no* destructor: the
+#   registry keeps a reference to each capsule until a consumer renames it
+#   ("used_dltensor"), and one nobody else references any more was never
+#   consumed and is released by the next sweep (every export and every
+#   ``live_exports()`` call sweeps).
+# - A consumer may call the deleter during interpreter shutdown, after
+#   module teardown freed a module-level thunk (a jump into freed memory).
+#   So the one deleter thunk is leaked on purpose (it lives as long as the
+#   process), and the function behind it reaches nothing through module
+#   globals (teardown sets them to None) and does nothing while the
+#   interpreter is finalizing: the process is ending, its memory with it.
 
-_CapsuleDestructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-
-# Indexing (not attribute access) gives function objects of our own, so that
-# other code setting argtypes on ctypes.pythonapi's shared ones cannot break these.
 _PyCapsule_New = ctypes.pythonapi["PyCapsule_New"]
 _PyCapsule_New.restype = ctypes.py_object
-_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, _CapsuleDestructor]
+_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 _PyCapsule_IsValid = ctypes.pythonapi["PyCapsule_IsValid"]
 _PyCapsule_IsValid.restype = ctypes.c_int
-_PyCapsule_IsValid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-_PyCapsule_GetPointer = ctypes.pythonapi["PyCapsule_GetPointer"]
-_PyCapsule_GetPointer.restype = ctypes.c_void_p
-_PyCapsule_GetPointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+_PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
-# The capsule keeps a pointer to its name for its whole life, so the names are
-# module constants; a consumer renames the capsule to "used_..." with its own.
-_LEGACY_NAME = ctypes.create_string_buffer(b"dltensor")
-_VERSIONED_NAME = ctypes.create_string_buffer(b"dltensor_versioned")
+# A capsule keeps a pointer to its name for its whole life: bytes constants
+# are never freed while referenced, and these are referenced by the leaked
+# deleter's closure below.
+_LEGACY_NAME = b"dltensor"
+_VERSIONED_NAME = b"dltensor_versioned"
 
 
 @dataclass
@@ -188,45 +202,57 @@ class _Export:
     managed: ctypes.Structure
     layout: ctypes.Array  # type: ignore[type-arg]  # shape and strides
     owner: object
-    on_release: Callable[[], None] | None
 
 
-# No lock around this registry, on purpose: a capsule destructor or a torch
-# deleter can run from the garbage collector at any allocation, including
-# one made while a lock held here would be taken, and would then deadlock on
-# it. Single dict operations are atomic, which is all the registry needs.
+# No lock around these registries, on purpose: a deleter can run from the
+# garbage collector at any allocation, including one made while a lock held
+# here would be taken, and would then deadlock on it. Single dict operations
+# are atomic, which is all they need.
 _exports: dict[int, _Export] = {}
+# Capsules handed out and not yet consumed, by managed-tensor address.
+_unconsumed: dict[int, tuple[Any, bytes]] = {}
 
 
-def _release(address: int | None) -> None:
-    """Drop what the managed tensor at ``address`` holds (called once, from any thread).
+def _make_deleter() -> Any:
+    exports, is_finalizing = _exports, sys.is_finalizing
 
-    An error from ``on_release`` cannot reach the consumer (C code called
-    us); ctypes reports it through ``sys.unraisablehook``, traceback included.
-    """
-    if not address:
-        return
-    export = _exports.pop(address, None)
-    if export is not None and export.on_release is not None:
-        export.on_release()
+    def release(address: int | None) -> None:
+        # Called by C code, once per export, from any thread. An error here
+        # cannot reach the consumer; ctypes reports it through
+        # sys.unraisablehook.
+        if address and not is_finalizing():
+            exports.pop(address, None)
+
+    thunk = _Deleter(release)
+    # Leaked on purpose (see above): a consumer may call it at any time
+    # until the process ends.
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(thunk))
+    return thunk
 
 
-# One deleter for every export: the struct address is the registry key.
-_deleter = _Deleter(_release)
+_deleter = _make_deleter()
 
 
-@_CapsuleDestructor
-def _capsule_destructor(capsule: int) -> None:
-    # A consumer that took ownership renamed the capsule ("used_dltensor"): it
-    # calls the deleter itself. Otherwise nobody will, so do it here.
-    for name in (_LEGACY_NAME, _VERSIONED_NAME):
-        if _PyCapsule_IsValid(capsule, name):
-            _release(_PyCapsule_GetPointer(capsule, name))
-            return
+def _sweep() -> None:
+    """Release the exports whose capsules died unconsumed; forget consumed ones."""
+    for address in list(_unconsumed):
+        entry = _unconsumed.get(address)
+        if entry is None:
+            continue
+        if not _PyCapsule_IsValid(entry[0], entry[1]):
+            # Renamed: a consumer owns it and will call the deleter.
+            _unconsumed.pop(address, None)
+        elif sys.getrefcount(entry[0]) == 2:  # the registry's and the call's argument
+            if _unconsumed.pop(address, None) is not None:
+                _exports.pop(address, None)
 
 
 def live_exports() -> int:
-    """How many exported tensors still hold their owner (for tests and leak checks)."""
+    """How many exported tensors still hold their owner (for tests and leak checks).
+
+    Counts after releasing the exports of capsules that died unconsumed.
+    """
+    _sweep()
     return len(_exports)
 
 
@@ -307,11 +333,16 @@ def _consumer_stream(stream: object, producer: Any, kind: DLDeviceType) -> Any:
     return ExternalStream(stream, producer.device)
 
 
-def _synchronize(obj: Any, stream: object, kind: DLDeviceType) -> None:
+def synchronize(obj: Any, stream: object, kind: DLDeviceType) -> None:
     """Order the consumer after the work queued on the buffer's stream so far."""
     producer = _producer_stream(obj)
     consumer = _consumer_stream(stream, producer, kind)
     if consumer is False or consumer == producer:
+        return
+    if producer._closed:
+        # A closed stream takes no new work, not even an event, but finishes
+        # what it had: wait for the device, which waits for it too.
+        producer._runtime.backend.device_synchronize(producer.device_index)
         return
     if consumer is None:
         producer.record_event().synchronize()
@@ -335,7 +366,7 @@ def as_shape(shape: object) -> tuple[int, ...]:
     return dims
 
 
-def _read_shape(shape: object, itemsize: int, nbytes: int) -> tuple[int, ...]:
+def read_shape(shape: object, itemsize: int, nbytes: int) -> tuple[int, ...]:
     if shape is None:
         if nbytes % itemsize:
             raise InvalidValueError(
@@ -407,12 +438,16 @@ def to_capsule(
             f"{type(obj).__name__} has no int ptr and nbytes; DLPack export needs both"
         )
     code, bits = dtype_from_name(dtype)
-    dims = _read_shape(shape, bits // 8, nbytes)
-    _synchronize(obj, stream, kind)
-    return _make_capsule(obj, ptr, (kind, index), code, bits, dims, versioned, None)
+    dims = read_shape(shape, bits // 8, nbytes)
+    synchronize(obj, stream, kind)
+    # An accel Buffer is held through its lease, so that Buffer.free() while
+    # the consumer reads waits for the consumer (the view never aliases new
+    # memory); other producers are held themselves.
+    owner = obj.export_lease() if isinstance(obj, Buffer) else obj
+    return make_capsule(owner, ptr, (kind, index), code, bits, dims, versioned)
 
 
-def _make_capsule(
+def make_capsule(
     owner: object,
     ptr: int,
     device: tuple[DLDeviceType, int],
@@ -420,8 +455,13 @@ def _make_capsule(
     bits: int,
     dims: tuple[int, ...],
     versioned: bool,
-    on_release: Callable[[], None] | None,
 ) -> Any:
+    """A capsule over ``ptr`` that keeps ``owner`` alive until the consumer is done.
+
+    No checks and no stream synchronization: :func:`to_capsule` is the
+    public way in.
+    """
+    _sweep()
     # One array holds the shape and then the strides (C-contiguous, in
     # elements). Strides are explicit rather than NULL ("compact"), a form
     # every DLPack version and consumer reads the same way.
@@ -452,28 +492,11 @@ def _make_capsule(
     address = ctypes.addressof(managed)
     managed.manager_ctx = address
     managed.deleter = _deleter
-    _exports[address] = _Export(managed, layout, owner, on_release)
+    _exports[address] = _Export(managed, layout, owner)
     try:
-        return _PyCapsule_New(address, name, _capsule_destructor)
+        capsule = _PyCapsule_New(address, name, None)
     except BaseException:
-        _release(address)
+        _exports.pop(address, None)
         raise
-
-
-def export_owned(
-    owner: Any,
-    *,
-    dtype: str,
-    shape: tuple[int, ...],
-    on_release: Callable[[], None],
-    versioned: bool = True,
-) -> Any:
-    """A capsule over ``owner`` that calls ``on_release`` when the consumer is done.
-
-    For memory whose only user is the consumer (``accel.empty``): the
-    release hands it back to accel's allocator. No stream synchronization is
-    done, as nothing was written yet.
-    """
-    code, bits = dtype_from_name(dtype)
-    dims = _read_shape(shape, bits // 8, owner.nbytes)
-    return _make_capsule(owner, owner.ptr, dlpack_device(owner), code, bits, dims, versioned, on_release)
+    _unconsumed[address] = (capsule, name)
+    return capsule
