@@ -173,7 +173,9 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module(f"accel.{name}")
     module = _LAZY_NAMES.get(name)
     if module is not None:
-        return getattr(importlib.import_module(module), name)
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # later lookups skip this function (accel.empty is on hot paths)
+        return value
     raise AttributeError(f"module 'accel' has no attribute {name!r}")
 
 

@@ -43,6 +43,7 @@ from typing import Any
 
 from accel._errors import InvalidValueError
 from accel.allocator import Buffer
+from accel.stream import ExternalStream, Stream, as_stream
 
 __all__ = [
     "DLDeviceType",
@@ -279,8 +280,6 @@ def dlpack_device(obj: Any) -> tuple[DLDeviceType, int]:
 
 
 def _producer_stream(obj: Any) -> Any:
-    from accel.stream import Stream
-
     stream = getattr(obj, "stream", None)
     if not isinstance(stream, Stream):
         raise InvalidValueError(
@@ -295,8 +294,6 @@ def _consumer_stream(stream: object, producer: Any, kind: DLDeviceType) -> Any:
 
     Returns ``False`` when the consumer asked for no synchronization (``-1``).
     """
-    from accel.stream import ExternalStream, Stream, as_stream
-
     if isinstance(stream, Stream):
         return stream
     if stream is None:
@@ -345,7 +342,8 @@ def synchronize(obj: Any, stream: object, kind: DLDeviceType) -> None:
         producer._runtime.backend.device_synchronize(producer.device_index)
         return
     if consumer is None:
-        producer.record_event().synchronize()
+        if not producer.query():  # an idle stream has nothing to wait for (the common case, and cheap)
+            producer.record_event().synchronize()
     else:
         consumer.wait_stream(producer)
 
@@ -355,6 +353,8 @@ def synchronize(obj: Any, stream: object, kind: DLDeviceType) -> None:
 
 def as_shape(shape: object) -> tuple[int, ...]:
     """``shape`` (an int or a sequence of ints) as a tuple of non-negative ints."""
+    if type(shape) is int and shape >= 0:  # the common case, first
+        return (shape,)
     if isinstance(shape, int) and not isinstance(shape, bool):
         shape = (shape,)
     try:

@@ -33,9 +33,18 @@ if TYPE_CHECKING:
 __all__ = ["as_tensor", "empty"]
 
 
+# Resolved dtypes, by what the caller passed (a torch dtype or a valid name).
+_dtypes: dict[object, tuple[Any, str]] = {}
+
+
 def _dtype_name(dtype: object) -> tuple[Any, str]:
     """The torch dtype and its DLPack name for a torch dtype or a name such as ``"float16"``."""
+    try:
+        return _dtypes[dtype]
+    except (KeyError, TypeError):
+        pass
     torch = import_torch()
+    key = dtype
     if isinstance(dtype, str):
         resolved = getattr(torch, dtype, None)
         if not isinstance(resolved, torch.dtype):
@@ -45,6 +54,7 @@ def _dtype_name(dtype: object) -> tuple[Any, str]:
         raise InvalidValueError(f"dtype={dtype!r} must be a torch.dtype or its name")
     name = str(dtype).removeprefix("torch.")
     _dlpack.dtype_from_name(name)  # refuses dtypes DLPack export does not cover
+    _dtypes[key] = dtype, name
     return dtype, name
 
 
@@ -113,17 +123,16 @@ def empty(
     dims = _dlpack.as_shape(shape)
     itemsize = torch_dtype.itemsize
     nbytes = math.prod(dims) * itemsize
-    if stream is None:
-        runtime = get_runtime()
-        if runtime.name == "cuda":
-            index = runtime.index(device)
-            stream = Stream.from_torch(import_torch().cuda.current_stream(index))
+    runtime = get_runtime()
+    if stream is None and runtime.name == "cuda":
+        index = runtime.index(device)
+        stream = Stream.from_torch(import_torch().cuda.current_stream(index))
     # A zero-element tensor still gets a block of one item, so that it is
     # accel memory like any other.
     buffer = allocate(max(nbytes, itemsize), device=device, stream=stream)
     # The tensor holds the buffer: when the tensor dies, so does the buffer,
     # which gives the memory back.
-    if buffer.device.type == "cpu":
+    if runtime.name == "cpu":
         return _host_tensor(buffer.ptr, buffer.nbytes, buffer, torch_dtype, dims)
     code, bits = _dlpack.dtype_from_name(name)
     # Legacy ("dltensor") capsules: every torch this package supports reads
@@ -150,12 +159,12 @@ def as_tensor(buffer: Any, dtype: torch.dtype | str = "uint8", shape: int | tupl
     """
     torch_dtype, name = _dtype_name(dtype)
     dims = None if shape is None else _dlpack.as_shape(shape)
-    _, index = _dlpack.dlpack_device(buffer)  # also checks buffer.device
-    if isinstance(buffer, Buffer) and buffer.device.type == "cpu":
+    if isinstance(buffer, Buffer) and buffer.stream._runtime.name == "cpu":
         ptr, nbytes = buffer.ptr, buffer.nbytes
         dims = _dlpack.read_shape(dims, torch_dtype.itemsize, nbytes)
         _dlpack.synchronize(buffer, None, _dlpack.DLDeviceType.kDLCPU)
         return _host_tensor(ptr, nbytes, buffer.export_lease(), torch_dtype, dims)
+    _, index = _dlpack.dlpack_device(buffer)  # also checks buffer.device
     capsule = _dlpack.to_capsule(
         buffer,
         stream=_consumer_stream(buffer.device.type, index),

@@ -203,6 +203,9 @@ class Buffer(_CachedMemory):
 
     def export_lease(self) -> object:
         """What an export holds so that the memory outlives :meth:`free` while exported."""
+        lease = self._lease
+        if lease is not None:
+            return lease
         with _lease_lock:
             lease = self._lease
             if lease is None:
