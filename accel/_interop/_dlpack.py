@@ -10,9 +10,12 @@ that ``__dlpack__`` hands to consumers (``torch.from_dlpack``,
 Both capsule kinds are produced: the legacy ``"dltensor"`` capsule holding a
 ``DLManagedTensor``, and, when the consumer passes ``max_version`` with a
 major version of at least 1, the DLPack 1.0 ``"dltensor_versioned"`` capsule
-holding a ``DLManagedTensorVersioned``. The exporting object is kept alive
-until the consumer calls the tensor's deleter (or, if the capsule is never
-consumed, until the capsule is collected).
+holding a ``DLManagedTensorVersioned``. The exporting object (for an accel
+Buffer, its memory, even past ``Buffer.free()``) is kept alive until the
+consumer calls the tensor's deleter, or, if the capsule is never consumed,
+until the next export after the capsule died. Exports still held at
+interpreter exit are safe: the deleter stays valid for the life of the
+process.
 
 Stream semantics follow the array API standard's ``__dlpack__``: the
 consumer names the stream it will use and the producer makes that stream
@@ -358,7 +361,7 @@ def as_shape(shape: object) -> tuple[int, ...]:
     if isinstance(shape, int) and not isinstance(shape, bool):
         shape = (shape,)
     try:
-        dims = tuple(shape)  # type: ignore[arg-type]
+        dims: tuple[Any, ...] = tuple(shape)  # type: ignore[arg-type]
     except TypeError:
         raise InvalidValueError(f"shape={shape!r} must be an int or a sequence of ints") from None
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
@@ -443,7 +446,7 @@ def to_capsule(
     # An accel Buffer is held through its lease, so that Buffer.free() while
     # the consumer reads waits for the consumer (the view never aliases new
     # memory); other producers are held themselves.
-    owner = obj.export_lease() if isinstance(obj, Buffer) else obj
+    owner = obj._export_lease() if isinstance(obj, Buffer) else obj
     return make_capsule(owner, ptr, (kind, index), code, bits, dims, versioned)
 
 

@@ -7,7 +7,10 @@ and torch stays an optional dependency.
   tensor over that memory; when the tensor (and every view of it) dies, the
   memory goes back to accel's cache, not to the driver.
 - :func:`as_tensor` views an existing accel buffer as a tensor, without a
-  copy; the tensor keeps the buffer alive.
+  copy; the tensor keeps the memory alive, even past ``buffer.free()``.
+
+On the host backend both build the tensor with ``torch.frombuffer``; on
+devices, through a DLPack capsule.
 
 Streams map both ways through :meth:`accel.Stream.from_torch` and
 :meth:`accel.Stream.to_torch`, in the stream layer.
@@ -73,7 +76,7 @@ def _consumer_stream(device_type: str, index: int) -> object:
 # two (ctypes caches every array type forever); torch reads only ``count``
 # items of it.
 class _HostView:
-    types: dict[int, type] = {}
+    types: dict[int, Any] = {}
 
     @classmethod
     def over(cls, ptr: int, nbytes: int, owner: object) -> Any:
@@ -163,7 +166,7 @@ def as_tensor(buffer: Any, dtype: torch.dtype | str = "uint8", shape: int | tupl
         ptr, nbytes = buffer.ptr, buffer.nbytes
         dims = _dlpack.read_shape(dims, torch_dtype.itemsize, nbytes)
         _dlpack.synchronize(buffer, None, _dlpack.DLDeviceType.kDLCPU)
-        return _host_tensor(ptr, nbytes, buffer.export_lease(), torch_dtype, dims)
+        return _host_tensor(ptr, nbytes, buffer._export_lease(), torch_dtype, dims)
     _, index = _dlpack.dlpack_device(buffer)  # also checks buffer.device
     capsule = _dlpack.to_capsule(
         buffer,

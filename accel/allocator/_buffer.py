@@ -201,7 +201,7 @@ class Buffer(_CachedMemory):
             else:
                 self._lease = None  # the lease frees the block with the last export
 
-    def export_lease(self) -> object:
+    def _export_lease(self) -> object:
         """What an export holds so that the memory outlives :meth:`free` while exported."""
         lease = self._lease
         if lease is not None:

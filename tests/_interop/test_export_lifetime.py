@@ -82,6 +82,29 @@ def test_exit_with_live_exports(holder, selection):
     assert "Exception ignored" not in result.stderr, result.stderr
 
 
+def test_views_outlive_the_teardown_of_accels_modules():
+    """The worst teardown order made explicit: accel's interop modules lose
+    their globals (as interpreter shutdown does to every module) while
+    consumers still hold exports, and the consumers let go afterwards."""
+    lines = ["import accel, gc, sys"]
+    for name, (setup, expr) in sorted(_EXPORTS.items()):
+        lines += [setup, f"held_{name} = {expr}"]
+    lines += [
+        "buf = None",
+        "for module in ('accel._interop._dlpack', 'accel._interop.torch'):",
+        "    namespace = vars(sys.modules[module])",
+        "    for key in [k for k in namespace if not k.startswith('__')]:",
+        "        namespace[key] = None",
+        "gc.collect()",
+        *[f"del held_{name}" for name in sorted(_EXPORTS)],
+        "gc.collect()",
+        "print('released')",
+    ]
+    result = _run("\n".join(lines))
+    assert result.returncode == 0 and "released" in result.stdout, f"exit {result.returncode}\n{result.stderr}"
+    assert "Exception ignored" not in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("selection", ["auto", "cpu"])
 def test_a_dropped_zero_element_tensor_exits_cleanly(selection):
     result = _run("import accel; accel.empty((0, 16))", selection)
