@@ -45,8 +45,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from accel._errors import InvalidValueError
-from accel.allocator import Buffer
+from accel.allocator import Buffer, allocate
 from accel.stream import ExternalStream, Stream, as_stream
+# The C structures (dlpack.h, v1.0) live in the stream layer, which reads
+# DLPack operands of copies and fills.
+from accel.stream._dlpack_abi import (
+    Deleter as _Deleter,
+    DLDataType as _DLDataType,
+    DLDevice as _DLDevice,
+    DLManagedTensor as _DLManagedTensor,
+    DLManagedTensorVersioned as _DLManagedTensorVersioned,
+    DLPackVersion as _DLPackVersion,
+)
 
 __all__ = [
     "DLDeviceType",
@@ -116,52 +126,6 @@ def dtype_from_name(name: str) -> tuple[int, int]:
             f"dtype {name!r} cannot be exported through DLPack by accel; use one of "
             + ", ".join(sorted(_DTYPES))
         ) from None
-
-
-# -- the C structures (dlpack.h, v1.0) ------------------------------------------
-
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", _DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-# Both managed-tensor deleters take a pointer to the struct; one C signature
-# serves both.
-_Deleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-
-
-class _DLManagedTensor(ctypes.Structure):
-    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _Deleter)]
-
-
-class _DLPackVersion(ctypes.Structure):
-    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
-
-
-class _DLManagedTensorVersioned(ctypes.Structure):
-    _fields_ = [
-        ("version", _DLPackVersion),
-        ("manager_ctx", ctypes.c_void_p),
-        ("deleter", _Deleter),
-        ("flags", ctypes.c_uint64),
-        ("dl_tensor", _DLTensor),
-    ]
 
 
 # -- the capsule ------------------------------------------------------------------
@@ -429,11 +393,6 @@ def to_capsule(
                 f"the buffer lives on DLPack device {(int(kind), index)}, not {wanted}; "
                 "accel exports without copying, so copy it to that device first"
             )
-    if copy:
-        raise DLPackExportError(
-            "__dlpack__(copy=True): accel exports buffers without copying; "
-            "copy the resulting array or tensor instead"
-        )
     versioned = _wants_versioned(max_version)
     ptr, nbytes = getattr(obj, "ptr", None), getattr(obj, "nbytes", None)
     if isinstance(ptr, bool) or not isinstance(ptr, int) or isinstance(nbytes, bool) or not isinstance(nbytes, int):
@@ -442,12 +401,36 @@ def to_capsule(
         )
     code, bits = dtype_from_name(dtype)
     dims = read_shape(shape, bits // 8, nbytes)
+    flags = 0  # writable, not a copy
+    if copy:
+        # The array API's copy=True: the consumer gets memory of its own, a
+        # new buffer filled in the source's stream order, freed when the
+        # consumer lets go of it.
+        obj = _copy_of(obj, nbytes)
+        ptr = obj.ptr
+        flags = _FLAG_IS_COPIED
     synchronize(obj, stream, kind)
     # An accel Buffer is held through its lease, so that Buffer.free() while
     # the consumer reads waits for the consumer (the view never aliases new
     # memory); other producers are held themselves.
     owner = obj._export_lease() if isinstance(obj, Buffer) else obj
-    return make_capsule(owner, ptr, (kind, index), code, bits, dims, versioned)
+    return make_capsule(owner, ptr, (kind, index), code, bits, dims, versioned, flags)
+
+
+# DLPack 1.0's DLPACK_FLAG_BITMASK_IS_COPIED.
+_FLAG_IS_COPIED = 1 << 1
+
+
+def _copy_of(obj: Any, nbytes: int) -> Buffer:
+    producer = _producer_stream(obj)
+    if producer._closed:
+        # Nothing more can be queued on it: copy on the device's current
+        # stream once the device (the closed stream included) is idle.
+        producer._runtime.backend.device_synchronize(producer.device_index)
+        producer = producer._runtime.current_stream(producer.device_index)
+    copy = allocate(max(nbytes, 1), stream=producer)
+    producer.copy(copy, obj.ptr, nbytes)
+    return copy
 
 
 def make_capsule(
@@ -458,6 +441,7 @@ def make_capsule(
     bits: int,
     dims: tuple[int, ...],
     versioned: bool,
+    flags: int = 0,
 ) -> Any:
     """A capsule over ``ptr`` that keeps ``owner`` alive until the consumer is done.
 
@@ -477,7 +461,7 @@ def make_capsule(
     if versioned:
         managed = _DLManagedTensorVersioned()
         managed.version = _DLPackVersion(*DLPACK_VERSION)
-        managed.flags = 0  # writable, not a copy
+        managed.flags = flags
         name = _VERSIONED_NAME
     else:
         managed = _DLManagedTensor()

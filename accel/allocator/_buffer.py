@@ -233,7 +233,8 @@ class Buffer(_CachedMemory):
     ) -> Any:
         """Export as DLPack with the array API's semantics (``np.from_dlpack(buf)``,
         ``torch.from_dlpack(buf)``): the consumer's ``stream`` is ordered after
-        this buffer's stream; no copy is ever made."""
+        this buffer's stream; with ``copy=True`` the consumer gets a copy in
+        new memory of its own, otherwise a view."""
         return _installed().to_capsule(self, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
 
     def __dlpack_device__(self) -> tuple[int, int]:

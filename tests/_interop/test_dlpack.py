@@ -201,14 +201,32 @@ def test_dl_device_is_honoured(host_buffer):
         buf.__dlpack__(dl_device="cpu")
 
 
-def test_copy_requests(host_buffer):
+@pytest.mark.parametrize("consumer", [np.from_dlpack, torch.from_dlpack])
+def test_copy_true_gives_the_consumer_its_own_memory(consumer):
+    buf = accel.memory.allocate(16)
+    accel.current_stream().fill(buf, 5)
+    copied = consumer(buf, copy=True)
+    accel.current_stream().fill(buf, 6)
+    accel.synchronize()
+    assert copied.tolist() == [5] * 16, "a copy, not a view"
+    view = consumer(buf, copy=False)
+    assert view.tolist() == [6] * 16
+    before = accel.memory.memory_allocated()
+    del copied
+    assert accel.memory.memory_allocated() < before, "the copy goes back to the cache with the consumer"
+    del view
+    buf.free()
+
+
+def test_a_versioned_copy_is_flagged(host_buffer):
     buf = host_buffer(16)
-    buf.__dlpack__(copy=False)
-    with pytest.raises(DLPackExportError, match="without copying"):
-        buf.__dlpack__(copy=True)
-    # numpy asks the producer for the copy and reports the refusal as it comes.
-    with pytest.raises(BufferError):
-        np.from_dlpack(buf, copy=True)
+    capsule = buf.__dlpack__(max_version=(1, 0), copy=True)
+    pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    pointer.restype, pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    managed = _dlpack._DLManagedTensorVersioned.from_address(pointer(capsule, b"dltensor_versioned"))
+    assert managed.flags == 2  # DLPACK_FLAG_BITMASK_IS_COPIED
+    assert managed.dl_tensor.data != buf.ptr
+    del managed, capsule
 
 
 @pytest.mark.parametrize(
