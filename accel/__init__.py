@@ -57,6 +57,7 @@ from accel.stream import Event, ExternalStream, Stream
 # The interop layer gives buffers their exchange formats (DLPack, CUDA Array
 # Interface) when it loads; it imports neither torch nor numpy.
 from accel import _interop  # noqa: F401
+from accel._interop import from_dlpack
 
 __version__ = "0.1.0"
 
@@ -90,6 +91,7 @@ __all__ = [
     "empty",
     "empty_cache",
     "empty_host_cache",
+    "from_dlpack",
     "get_device_capability",
     "get_device_properties",
     "get_memory_info",

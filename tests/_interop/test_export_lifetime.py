@@ -66,6 +66,8 @@ _EXPORTS = {
     "empty_zero": ("", "accel.empty((0, 16))"),
     "capsule": ("buf = accel.memory.allocate(16)", "buf.__dlpack__()"),
     "versioned_capsule": ("buf = accel.memory.allocate(16)", "buf.__dlpack__(max_version=(1, 0))"),
+    "from_dlpack": ("import torch", "accel.from_dlpack(torch.zeros(4))"),
+    "from_dlpack_of_accel": ("buf = accel.memory.allocate(16)", "accel.from_dlpack(buf)"),
     "torch_of_numpy": ("import numpy as np, torch; buf = accel.memory.allocate(16)", "torch.from_dlpack(np.from_dlpack(buf))"),
 }
 
