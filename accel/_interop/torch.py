@@ -83,7 +83,9 @@ class _HostView:
         size = 1 << (nbytes - 1).bit_length()
         array_type = cls.types.get(size)
         if array_type is None:
-            array_type = cls.types.setdefault(size, type(f"accel_host_view_{size}", (ctypes.c_char * size,), {}))
+            array_type = cls.types.setdefault(
+                size, type(f"accel_host_view_{size}", (ctypes.c_char * size,), {"__slots__": ("owner",)})
+            )
         view = array_type.from_address(ptr)
         view.owner = owner
         return view
@@ -98,8 +100,15 @@ def _host_tensor(ptr: int, nbytes: int, owner: object, torch_dtype: Any, dims: t
         # frombuffer refuses zero items: view one, then none (the block has room for one).
         flat = torch.frombuffer(_HostView.over(ptr, nbytes, owner), dtype=torch_dtype, count=1)[:0]
         return flat.view(*dims)
-    flat = torch.frombuffer(_HostView.over(ptr, nbytes, owner), dtype=torch_dtype, count=count)
-    return flat if len(dims) == 1 else flat.view(*dims)
+    view = _HostView.over(ptr, nbytes, owner)
+    # ``count`` only when the view is longer than the tensor (a keyword costs).
+    if count * itemsize == len(view):
+        flat = torch.frombuffer(view, dtype=torch_dtype)
+    else:
+        flat = torch.frombuffer(view, dtype=torch_dtype, count=count)
+    if len(dims) == 1:
+        return flat
+    return flat.view(*dims) if dims else flat.view(dims)  # view(*dims) is the cheaper call; () needs the tuple
 
 
 def empty(
