@@ -13,7 +13,7 @@ until a function that needs them is called.
 
 from accel._interop._consume import ForeignBuffer, from_dlpack
 from accel._interop._cuda_array_interface import cuda_array_interface
-from accel._interop._dlpack import DLDeviceType, DLPackExportError, dlpack_device, to_capsule
+from accel._interop._dlpack import DLDeviceType, DLPackExportError, dlpack_device, release_unconsumed, to_capsule
 from accel._interop.torch import as_tensor, empty
 from accel.allocator import install_exports
 
@@ -36,6 +36,7 @@ class _BufferExports:
     to_capsule = staticmethod(to_capsule)
     dlpack_device = staticmethod(dlpack_device)
     cuda_array_interface = staticmethod(cuda_array_interface)
+    release_unconsumed = staticmethod(release_unconsumed)
 
 
 install_exports(_BufferExports())

@@ -41,6 +41,7 @@ import ctypes
 import enum
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,8 +141,8 @@ def dtype_from_name(name: str) -> tuple[int, int]:
 #   consumer fails with SystemError. So capsules get *no* destructor: the
 #   registry keeps a reference to each capsule until a consumer renames it
 #   ("used_dltensor"), and one nobody else references any more was never
-#   consumed and is released by the next sweep (every export and every
-#   ``live_exports()`` call sweeps).
+#   consumed and is released by the next sweep (every export, every
+#   ``live_exports()`` call and the free of an exported Buffer sweep).
 # - A consumer may call the deleter during interpreter shutdown, after
 #   module teardown freed a module-level thunk (a jump into freed memory).
 #   So the one deleter thunk is leaked on purpose (it lives as long as the
@@ -201,18 +202,31 @@ def _make_deleter() -> Any:
 _deleter = _make_deleter()
 
 
-def _sweep() -> None:
-    """Release the exports whose capsules died unconsumed; forget consumed ones."""
-    for address in list(_unconsumed):
-        entry = _unconsumed.get(address)
-        if entry is None:
-            continue
-        if not _PyCapsule_IsValid(entry[0], entry[1]):
-            # Renamed: a consumer owns it and will call the deleter.
-            _unconsumed.pop(address, None)
-        elif sys.getrefcount(entry[0]) == 2:  # the registry's and the call's argument
-            if _unconsumed.pop(address, None) is not None:
-                _exports.pop(address, None)
+def _make_sweeper() -> Callable[[], None]:
+    # Like the deleter, reachable from finalizers (a Buffer's) at shutdown:
+    # it reaches nothing through module globals.
+    unconsumed, exports, is_valid = _unconsumed, _exports, _PyCapsule_IsValid
+    getrefcount, is_finalizing = sys.getrefcount, sys.is_finalizing
+
+    def release_unconsumed() -> None:
+        """Release the exports whose capsules died unconsumed; forget consumed ones."""
+        if is_finalizing():
+            return
+        for address in list(unconsumed):
+            entry = unconsumed.get(address)
+            if entry is None:
+                continue
+            if not is_valid(entry[0], entry[1]):
+                # Renamed: a consumer owns it and will call the deleter.
+                unconsumed.pop(address, None)
+            elif getrefcount(entry[0]) == 2:  # the registry's and the call's argument
+                if unconsumed.pop(address, None) is not None:
+                    exports.pop(address, None)
+
+    return release_unconsumed
+
+
+release_unconsumed = _make_sweeper()
 
 
 def live_exports() -> int:
@@ -220,7 +234,7 @@ def live_exports() -> int:
 
     Counts after releasing the exports of capsules that died unconsumed.
     """
-    _sweep()
+    release_unconsumed()
     return len(_exports)
 
 
@@ -448,7 +462,7 @@ def make_capsule(
     No checks and no stream synchronization: :func:`to_capsule` is the
     public way in.
     """
-    _sweep()
+    release_unconsumed()
     # One array holds the shape and then the strides (C-contiguous, in
     # elements). Strides are explicit rather than NULL ("compact"), a form
     # every DLPack version and consumer reads the same way.

@@ -52,6 +52,9 @@ class BufferExports(Protocol):
 
     def cuda_array_interface(self, buffer: Buffer) -> dict[str, Any]: ...
 
+    def release_unconsumed(self) -> None:
+        """Let go of exports whose capsules died unconsumed (a consumer refused them)."""
+
 
 _exports: BufferExports | None = None
 
@@ -187,10 +190,13 @@ class Buffer(_CachedMemory):
         """
         block, self._block = self._block, None
         if block is not None:
-            lease, self._lease = self._lease, None
-            if lease is None:
+            if self._lease is None:
                 self._allocator.free(block)
-            # else: dropping the lease frees the block, now or with the last export
+                return
+            # Dropping the lease frees the block, now or with the last export;
+            # exports a consumer refused let go of it first.
+            self._lease = None
+            _installed().release_unconsumed()
 
     def __del__(self) -> None:
         block = self._block
@@ -200,6 +206,8 @@ class Buffer(_CachedMemory):
                 self._allocator.free_from_finalizer(block)
             else:
                 self._lease = None  # the lease frees the block with the last export
+                if _exports is not None:
+                    _exports.release_unconsumed()
 
     def _export_lease(self) -> object:
         """What an export holds so that the memory outlives :meth:`free` while exported."""

@@ -207,3 +207,17 @@ def test_export_of_a_buffer_whose_stream_was_closed(backend):
         del capsule
         accel.synchronize()
         assert seen == b"\x03" * 4
+
+
+@pytest.mark.parametrize("backend", _backends("cuda", "xpu"))
+def test_freeing_a_buffer_after_a_refused_export_frees_it_at_once(backend):
+    with activate(backend):
+        from accel import memory
+
+        memory.empty_cache()
+        before = memory.memory_allocated()
+        buf = memory.allocate(1 << 20)
+        with pytest.raises(RuntimeError, match="Unsupported device"):
+            np.from_dlpack(buf)
+        buf.free()
+        assert memory.memory_allocated() == before
