@@ -13,7 +13,7 @@ major version of at least 1, the DLPack 1.0 ``"dltensor_versioned"`` capsule
 holding a ``DLManagedTensorVersioned``. The exporting object (for an accel
 Buffer, its memory, even past ``Buffer.free()``) is kept alive until the
 consumer calls the tensor's deleter, or, if the capsule is never consumed,
-until the next export after the capsule died. Exports still held at
+until the next export (or the free of the Buffer) after the capsule died. Exports still held at
 interpreter exit are safe: the deleter stays valid for the life of the
 process.
 
