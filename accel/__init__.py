@@ -57,6 +57,7 @@ from accel.stream import Event, ExternalStream, Stream
 # The interop layer gives buffers their exchange formats (DLPack, CUDA Array
 # Interface) when it loads; it imports neither torch nor numpy.
 from accel import _interop  # noqa: F401
+from accel._interop import from_dlpack
 
 __version__ = "0.1.0"
 
@@ -90,6 +91,7 @@ __all__ = [
     "empty",
     "empty_cache",
     "empty_host_cache",
+    "from_dlpack",
     "get_device_capability",
     "get_device_properties",
     "get_memory_info",
@@ -173,7 +175,9 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module(f"accel.{name}")
     module = _LAZY_NAMES.get(name)
     if module is not None:
-        return getattr(importlib.import_module(module), name)
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # later lookups skip this function (accel.empty is on hot paths)
+        return value
     raise AttributeError(f"module 'accel' has no attribute {name!r}")
 
 

@@ -1,16 +1,22 @@
 """Reading the memory operands of stream copies and fills.
 
 An operand is an int address, an object with ``ptr`` (and ``nbytes``), such as
-accel's own buffers, or an array speaking ``__array_interface__`` /
-``__cuda_array_interface__`` (numpy, CuPy, torch tensors through numpy...).
+accel's own buffers, an array speaking ``__array_interface__`` /
+``__cuda_array_interface__`` (numpy, CuPy...), any DLPack producer (torch
+tensors, JAX arrays...) or any object with the buffer protocol
+(``bytearray``, ``memoryview``, ``array.array``; ``bytes`` as a source).
 Python objects that own the memory are kept alive until the work ran.
 """
 
 from __future__ import annotations
 
+import ctypes
+import math
 from dataclasses import dataclass
+from typing import Any
 
 from accel._errors import InvalidValueError
+from accel.stream._dlpack_abi import FLAG_READ_ONLY, DLManagedTensor, DLManagedTensorVersioned
 
 
 @dataclass(frozen=True)
@@ -43,10 +49,107 @@ def operand(obj: object, role: str) -> Operand:
                     f"{role} is a strided (non-contiguous) array; pass a contiguous one"
                 )
             return Operand(int(interface["data"][0]), nbytes if isinstance(nbytes, int) else None, obj)
+    if hasattr(obj, "__dlpack__"):
+        return _dlpack_operand(obj, role)
+    try:
+        view = memoryview(obj)  # type: ignore[arg-type]
+    except TypeError:
+        pass
+    else:
+        return _buffer_operand(view, obj, role)
     raise InvalidValueError(
         f"{role} ({type(obj).__name__}) is not memory: pass an address (int), an accel buffer, "
-        "or an array with __array_interface__ / __cuda_array_interface__"
+        "an array with __array_interface__ / __cuda_array_interface__, a DLPack producer "
+        "(a torch tensor...) or an object with the buffer protocol (bytearray, memoryview...)"
     )
+
+
+class _PyBuffer(ctypes.Structure):
+    """CPython's Py_buffer (only ``buf`` and ``len`` are read)."""
+
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+_PyObject_GetBuffer = ctypes.pythonapi["PyObject_GetBuffer"]
+_PyObject_GetBuffer.restype = ctypes.c_int
+_PyObject_GetBuffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+_PyBuffer_Release = ctypes.pythonapi["PyBuffer_Release"]
+_PyBuffer_Release.restype = None
+_PyBuffer_Release.argtypes = [ctypes.POINTER(_PyBuffer)]
+_PyBUF_SIMPLE = 0  # a contiguous block of bytes
+
+
+def _buffer_operand(view: memoryview, obj: object, role: str) -> Operand:
+    if not view.contiguous:
+        raise InvalidValueError(f"{role} is a strided (non-contiguous) buffer; pass a contiguous one")
+    if role == "dst" and view.readonly:
+        raise InvalidValueError(f"{role} ({type(obj).__name__}) is read-only; pass a writable buffer (bytearray...)")
+    raw = _PyBuffer()
+    _PyObject_GetBuffer(view, ctypes.byref(raw), _PyBUF_SIMPLE)
+    ptr = raw.buf
+    _PyBuffer_Release(ctypes.byref(raw))
+    # The memoryview is the owner kept alive: while it lives, the object's
+    # memory stays where it is (a bytearray cannot be resized under it).
+    return Operand(ptr or 0, view.nbytes, view)
+
+
+_PyCapsule_GetPointer = ctypes.pythonapi["PyCapsule_GetPointer"]
+_PyCapsule_GetPointer.restype = ctypes.c_void_p
+_PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_PyCapsule_IsValid = ctypes.pythonapi["PyCapsule_IsValid"]
+_PyCapsule_IsValid.restype = ctypes.c_int
+_PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def _dlpack_operand(obj: Any, role: str) -> Operand:
+    """Read a DLPack producer's tensor without consuming its capsule: the
+    capsule is kept alive with the work, and its own destructor lets the
+    producer go afterwards."""
+    try:
+        try:
+            capsule = obj.__dlpack__(max_version=(1, 0))
+        except TypeError:  # a producer older than DLPack 1.0
+            capsule = obj.__dlpack__()
+    except Exception as exc:  # the producer's own refusal, whatever its type
+        raise InvalidValueError(
+            f"{role} ({type(obj).__name__}) refused a DLPack export: {type(exc).__name__}: {exc}"
+        ) from exc
+    flags = 0
+    managed: DLManagedTensor | DLManagedTensorVersioned
+    if _PyCapsule_IsValid(capsule, b"dltensor_versioned"):
+        managed = DLManagedTensorVersioned.from_address(_PyCapsule_GetPointer(capsule, b"dltensor_versioned"))
+        flags = managed.flags
+    elif _PyCapsule_IsValid(capsule, b"dltensor"):
+        managed = DLManagedTensor.from_address(_PyCapsule_GetPointer(capsule, b"dltensor"))
+    else:
+        raise InvalidValueError(f"{role} ({type(obj).__name__}).__dlpack__() did not return a DLPack capsule")
+    if role == "dst" and flags & FLAG_READ_ONLY:
+        raise InvalidValueError(f"{role} ({type(obj).__name__}) is read-only; copy into a writable one")
+    tensor = managed.dl_tensor
+    shape = [tensor.shape[i] for i in range(tensor.ndim)]
+    itemsize = tensor.dtype.bits * tensor.dtype.lanes // 8
+    if tensor.strides and math.prod(shape):
+        expected = 1
+        for dim, stride in zip(reversed(shape), reversed([tensor.strides[i] for i in range(tensor.ndim)])):
+            if dim != 1 and stride != expected:
+                raise InvalidValueError(
+                    f"{role} is a strided (non-contiguous) tensor; pass a contiguous one (.contiguous())"
+                )
+            expected *= dim
+    ptr = (tensor.data or 0) + tensor.byte_offset
+    return Operand(ptr, math.prod(shape) * itemsize, (obj, capsule))
 
 
 def byte_count(nbytes: int | None, *operands: Operand) -> int:
