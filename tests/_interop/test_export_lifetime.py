@@ -184,15 +184,7 @@ def test_a_view_keeps_reading_its_own_bytes_after_free():
     other.free()
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        pytest.param("cpu", marks=pytest.mark.xfail(
-            strict=True, reason="the host device synchronize does not wait for closed streams yet (issue 12 item 4)"
-        )),
-        *_backends("cuda", "xpu"),
-    ],
-)
+@pytest.mark.parametrize("backend", _backends("cpu", "cuda", "xpu"))
 def test_export_of_a_buffer_whose_stream_was_closed(backend):
     with activate(backend):
         from accel import memory
