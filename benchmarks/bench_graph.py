@@ -211,11 +211,12 @@ def _markdown(results: list[dict], variants: list[str], stat: str = "") -> str:
     return "\n".join(lines)
 
 
-def run(quick: bool) -> list[dict]:
+def run(quick: bool, progress=None) -> list[dict]:
     """Rows for ``accel bench`` (benchmarks/README.md): replay against eager.
 
     ``quick`` times the interpreted tier only, at batch 1, with few calls; a
     full run adds the compiled tier and torch.compile at batch sizes 1 and 8.
+    ``progress(done, total, label)`` hears of each model and batch size.
     """
     if accel.current_accelerator().type != "cpu":
         print("bench_graph: torch capture and replay run on the host backend only; skipped", file=sys.stderr)
@@ -223,20 +224,22 @@ def run(quick: bool) -> list[dict]:
     variants = ["interpreted"] if quick else ["interpreted", "compiled", "torch.compile"]
     calls, repeats, batches = (20, 3, (1,)) if quick else (100, 31, (1, 8))
     rows: list[dict] = []
-    for model_name in _models():
-        for batch in batches:
-            result = bench(model_name, batch, calls, repeats, variants)
-            for variant in variants:
-                if variant not in result["latency_us"]:
-                    continue  # it could not be built here; bench() noted why
-                rows.append({
-                    "name": f"{model_name}, batch {batch}: {LABELS[variant]}",
-                    "ratio": result["speedup_vs_eager"][variant],
-                    "baseline": "eager torch",
-                    "metric": "best-round latency",
-                    "latency_us": result["latency_us"][variant],
-                    "baseline_us": result["latency_us"]["eager"],
-                })
+    cases = [(model_name, batch) for model_name in _models() for batch in batches]
+    for done, (model_name, batch) in enumerate(cases):
+        if progress is not None:
+            progress(done, len(cases), f"{model_name}, batch {batch}: {', '.join(variants)}")
+        result = bench(model_name, batch, calls, repeats, variants)
+        for variant in variants:
+            if variant not in result["latency_us"]:
+                continue  # it could not be built here; bench() noted why
+            rows.append({
+                "name": f"{model_name}, batch {batch}: {LABELS[variant]}",
+                "ratio": result["speedup_vs_eager"][variant],
+                "baseline": "eager torch",
+                "metric": "best-round latency",
+                "latency_us": result["latency_us"][variant],
+                "baseline_us": result["latency_us"]["eager"],
+            })
     return rows
 
 
