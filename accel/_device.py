@@ -21,6 +21,7 @@ class Device(str):
     works wherever torch takes a device, ``tensor.to(dev)``, ``device=dev``
     and ``torch.device(dev)``, and compares equal to its string.
 
+    >>> from accel import Device
     >>> Device.parse("cpu:0")
     Device(type='cpu', index=0)
     >>> str(Device("xpu"))

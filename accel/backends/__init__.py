@@ -31,6 +31,7 @@ _failed: dict[str, BackendUnavailableError] = {}
 def load_backend(name: str) -> Backend:
     """Load (once) and return the backend called ``name``.
 
+    >>> from accel.backends import load_backend
     >>> load_backend("cpu").name
     'cpu'
     """
