@@ -50,6 +50,7 @@ __all__ = [
     "graph_pool_handle",
     "max_memory_allocated",
     "max_memory_reserved",
+    "mem_get_info",
     "memory_allocated",
     "memory_reserved",
     "memory_snapshot",
@@ -120,6 +121,11 @@ def get_memory_info(device: DeviceLike = None, /) -> tuple[int, int]:
     """
     runtime = get_runtime()
     return runtime.backend.memory_info(runtime.index(device))
+
+
+def mem_get_info(device: DeviceLike = None) -> tuple[int, int]:
+    """``torch.cuda.mem_get_info``'s name for :func:`get_memory_info`: ``(free, total)`` bytes."""
+    return get_memory_info(device)
 
 
 def memory_allocated(device: DeviceLike = None) -> int:

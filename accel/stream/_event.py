@@ -138,10 +138,11 @@ class Event:
             return  # nothing recorded, nothing to wait for
         self._runtime.backend.stream_wait_event(stream.device_index, stream._live(), self._handle)
 
-    def elapsed_time(self, end: Event) -> float:
-        """Milliseconds from this event to ``end``; waits for both to complete."""
-        if not isinstance(end, Event):
-            raise InvalidValueError(f"end={end!r} ({type(end).__name__}) is not an accel.Event")
+    def elapsed_time(self, end_event: Event) -> float:
+        """Milliseconds from this event to ``end_event``; waits for both to complete."""
+        if not isinstance(end_event, Event):
+            raise InvalidValueError(f"end_event={end_event!r} ({type(end_event).__name__}) is not an accel.Event")
+        end = end_event
         if not (self._timing and end._timing):
             raise InvalidValueError("Both events must be created with argument 'enable_timing=True'.")
         if not (self._recorded and end._recorded):

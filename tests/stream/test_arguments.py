@@ -24,7 +24,7 @@ import accel
 )
 def test_bad_stream_and_event_arguments_are_accel_errors_naming_them(call) -> None:
     s, e = accel.Stream(), accel.Event(enable_timing=True)
-    with pytest.raises(accel.InvalidValueError, match=r"^(event|stream|end)="):
+    with pytest.raises(accel.InvalidValueError, match=r"^(event|stream|end_event)="):
         call(s, e)
 
 
