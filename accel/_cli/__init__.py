@@ -39,6 +39,8 @@ class _Parser(argparse.ArgumentParser):
     json_errors = False
 
     def error(self, message: str) -> NoReturn:
+        # A typed argument may hold a newline or a terminal escape: shown escaped, on one line.
+        message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
         if _Parser.json_errors:
             _print_error(f"{message} (see '{self.prog} --help')", "UsageError")
             self.exit(2)
