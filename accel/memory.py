@@ -23,6 +23,7 @@ from collections import OrderedDict
 from typing import Any
 
 from accel._device import DeviceLike
+from accel._runtime import get_runtime
 from accel import allocator as _allocator
 from accel.allocator import (
     Buffer,
@@ -48,15 +49,18 @@ __all__ = [
     "empty_cache",
     "empty_host_cache",
     "get_allocator",
+    "get_memory_info",
     "get_per_process_memory_fraction",
     "graph_pool_handle",
     "host_memory_stats",
     "max_memory_allocated",
     "max_memory_reserved",
+    "mem_get_info",
     "memory_allocated",
     "memory_reserved",
     "memory_snapshot",
     "memory_stats",
+    "memory_stats_as_nested_dict",
     "memory_summary",
     "record_memory_history",
     "reset_accumulated_host_memory_stats",
@@ -131,6 +135,40 @@ def memory_stats(device: DeviceLike = None) -> OrderedDict[str, int]:
     return OrderedDict(get_allocator(device).stats())
 
 
+def memory_stats_as_nested_dict(device: DeviceLike = None) -> dict[str, Any]:
+    """:func:`memory_stats` as nested dicts, split at the dots, like torch's.
+
+    >>> import accel
+    >>> accel.memory.memory_stats_as_nested_dict()["allocated_bytes"]["all"]["current"] >= 0
+    True
+    """
+    nested: dict[str, Any] = {}
+    for key, value in get_allocator(device).stats().items():
+        *path, leaf = key.split(".")
+        node = nested
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return nested
+
+
+def get_memory_info(device: DeviceLike = None, /) -> tuple[int, int]:
+    """``(free, total)`` bytes of ``device``'s memory, device-wide (as ``accel.get_memory_info``).
+
+    >>> import accel
+    >>> free, total = accel.memory.get_memory_info()
+    >>> 0 <= free <= total
+    True
+    """
+    runtime = get_runtime()
+    return runtime.backend.memory_info(runtime.index(device))
+
+
+def mem_get_info(device: DeviceLike = None) -> tuple[int, int]:
+    """``torch.cuda.mem_get_info``'s name for :func:`get_memory_info`: ``(free, total)`` bytes."""
+    return get_memory_info(device)
+
+
 def memory_allocated(device: DeviceLike = None) -> int:
     """Bytes in allocated blocks (rounded sizes)."""
     return get_allocator(device).stats()["allocated_bytes.all.current"]
@@ -168,27 +206,38 @@ def memory_snapshot(device: DeviceLike = None) -> list[dict[str, Any]]:
 
 def record_memory_history(
     enabled: str | None = "all",
-    *,
     context: str | None = "all",
     stacks: str = "all",
     max_entries: int = sys.maxsize,
+    device: DeviceLike = None,
 ) -> None:
     """Record allocation events (and their Python stacks) for :func:`dump_snapshot`.
 
+    Arguments and their order are ``torch.cuda.memory._record_memory_history``'s.
     ``enabled``: "all" keeps a trace ring of ``max_entries``, "state" only the
     stacks of live blocks, None stops and clears. ``context``: which events
     carry stacks ("state", "alloc", "all" or None). ``stacks``: "python" or
     "all" (the same here: accel records Python frames only). Applies to every
-    device, including allocators created later.
+    device, including allocators created later; ``device`` is checked (a
+    device that does not exist is an error) but recording is never per device.
+
+    >>> import accel
+    >>> accel.memory.record_memory_history("all", "all", "python", 1000)
+    >>> accel.memory.record_memory_history(None)
     """
+    if device is not None:
+        get_runtime().index(device)  # a bad device is an error, as in torch
     settings = None if enabled is None else (enabled, context, stacks, max_entries)
     _allocator.registry().set_history(settings)
 
 
-def dump_snapshot(path: str | os.PathLike[str] = "dump_snapshot.pickle") -> None:
+def dump_snapshot(filename: str | os.PathLike[str] = "dump_snapshot.pickle") -> None:
     """Pickle the segments and traces for PyTorch's memory viewer
-    (pytorch.org/memory_viz or ``python -m torch.cuda._memory_viz``)."""
-    _allocator.dump_snapshot(path)
+    (pytorch.org/memory_viz or ``python -m torch.cuda._memory_viz``).
+
+    ``filename`` is torch's name for the argument (``_dump_snapshot(filename=...)``).
+    """
+    _allocator.dump_snapshot(filename)
 
 
 def memory_summary(device: DeviceLike = None) -> str:

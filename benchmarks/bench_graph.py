@@ -358,13 +358,14 @@ def _costs(results: list[dict]) -> str:
 ALL_VARIANTS = "interpreted,compiled,raw,torch.compile,jit,aoti,onnxruntime,openvino"
 
 
-def run(quick: bool) -> list[dict]:
+def run(quick: bool, progress: Callable[[int, int, str], None] | None = None) -> list[dict]:
     """Rows for ``accel bench`` (benchmarks/README.md): replay against eager.
 
     ``quick`` is a smoke run: the MLP at batch 1 on one thread, accel's tiers
     and ONNX Runtime, few rounds (the compiled tier's builds come from the
     disk cache after the first run). A full run times every variant at batch
     sizes 1 and 8 on 1 and 2 threads, and takes minutes (every build).
+    ``progress(done, total, label)`` hears of each model, batch size and thread count.
     """
     if accel.current_accelerator().type != "cpu":
         print("bench_graph: torch capture and replay run on the host backend only; skipped", file=sys.stderr)
@@ -376,7 +377,7 @@ def run(quick: bool) -> list[dict]:
         variants, models = ALL_VARIANTS.split(","), list(_models())
         calls, repeats, batches, threads = 100, 21, (1, 8), (1, 2)
     rows: list[dict] = []
-    for result in _sweep(models, batches, threads, calls, repeats, variants):
+    for result in _sweep(models, batches, threads, calls, repeats, variants, progress):
         lat = result["median_latency_us"]
         if "compiled" in lat and "onnxruntime" in lat:
             rows.append({
@@ -401,15 +402,24 @@ def run(quick: bool) -> list[dict]:
 
 
 def _sweep(
-    models: list[str], batches: Sequence[int], threads: Sequence[int], calls: int, repeats: int, variants: list[str]
+    models: list[str],
+    batches: Sequence[int],
+    threads: Sequence[int],
+    calls: int,
+    repeats: int,
+    variants: list[str],
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> list[dict]:
-    results = []
+    results: list[dict] = []
+    total = len(threads) * len(models) * len(batches)
     previous = torch.get_num_threads()
     try:
         for n in threads:
             torch.set_num_threads(n)
             for model_name in models:
                 for batch in batches:
+                    if progress is not None:
+                        progress(len(results), total, f"{model_name}, batch {batch}, {n} thread(s): {', '.join(variants)}")
                     results.append(bench(model_name, batch, calls, repeats, variants))
                     print(_markdown(results[-1:], variants).splitlines()[-1], file=sys.stderr, flush=True)
     finally:

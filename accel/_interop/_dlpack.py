@@ -244,6 +244,7 @@ def live_exports() -> int:
 def dlpack_device(obj: Any) -> tuple[DLDeviceType, int]:
     """``__dlpack_device__`` of an accel buffer: ``(device type code, device index)``.
 
+    >>> from accel._interop import dlpack_device
     >>> from accel import Device
     >>> class B: device = Device("cpu", 0)
     >>> dlpack_device(B())

@@ -112,6 +112,7 @@ class DeviceAllocator:
     :class:`Block` whose ``ptr`` and ``size`` the caller uses; ``free`` gives
     it back to the cache. Thread safe: one lock guards all state.
 
+    >>> from accel.allocator import DeviceAllocator
     >>> from accel.backends.cpu import CpuBackend
     >>> from accel.allocator.config import AllocatorConfig
     >>> from accel._runtime import Runtime

@@ -18,8 +18,10 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from accel._errors import DeviceError, InvalidHandleError, InvalidValueError
+from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
 from accel.backends.base import Backend
+
+_MAX_REQUEST = 1 << 60  # 1 EiB, the device allocators' limit too
 
 if TYPE_CHECKING:
     from accel.allocator.config import AllocatorConfig
@@ -84,6 +86,7 @@ class HostBlock:
 class HostCachingAllocator:
     """Staging memory of one backend, cached by rounded size.
 
+    >>> from accel.allocator import HostCachingAllocator
     >>> from accel.backends.cpu import CpuBackend
     >>> from accel.allocator.config import AllocatorConfig
     >>> host = HostCachingAllocator(CpuBackend(1, None), AllocatorConfig())
@@ -127,6 +130,12 @@ class HostCachingAllocator:
         """A staging block of at least ``nbytes`` (reused when one is free)."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise InvalidValueError(f"nbytes={nbytes!r} must be a positive int")
+        if nbytes >= _MAX_REQUEST:  # past what a driver's size_t takes; no machine has it
+            raise OutOfMemoryError(
+                f"host out of memory: tried to allocate more than 1EB ({nbytes} bytes) of "
+                "page-locked memory; no machine has that much",
+                requested=nbytes,
+            )
         size = self._round(nbytes)
         with self._lock:
             if self._gc_frees:

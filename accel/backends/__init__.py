@@ -34,6 +34,7 @@ _failed: dict[str, tuple[type[BackendUnavailableError], str, str]] = {}
 def load_backend(name: str) -> Backend:
     """Load (once) and return the backend called ``name``.
 
+    >>> from accel.backends import load_backend
     >>> load_backend("cpu").name
     'cpu'
     """

@@ -34,6 +34,14 @@ class GraphCacheWarning(UserWarning):
     """A graphed callable keeps meeting input shapes its graph cache does not hold."""
 
 
+def _name(fn: object) -> str:
+    """``fn`` in a message: a module by its class (its repr lists every layer), a function by name."""
+    if isinstance(fn, torch.nn.Module):
+        return f"{type(fn).__qualname__} module"
+    name = getattr(fn, "__qualname__", None)
+    return name if isinstance(name, str) else type(fn).__qualname__
+
+
 Signature = tuple[tuple[tuple[int, ...], torch.dtype], ...]
 
 
@@ -92,7 +100,7 @@ class GraphedCallable:
         self._torch_api = _torch_graphs.torch_graph_api(runtime.name)
 
     def __repr__(self) -> str:
-        return f"GraphedCallable({self.fn!r}, {len(self._cache)}/{self._cache_size} graphs)"
+        return f"GraphedCallable({_name(self.fn)}, {len(self._cache)}/{self._cache_size} graphs)"
 
     def cache_info(self) -> dict[str, int]:
         """``{"hits", "misses", "evictions", "size", "capacity"}`` of the graph cache."""
@@ -107,7 +115,7 @@ class GraphedCallable:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise InvalidValueError(
-                f"graphed {self.fn!r} takes tensors as positional arguments only, got keywords "
+                f"graphed {_name(self.fn)} takes tensors as positional arguments only, got keywords "
                 f"{sorted(kwargs)}"
             )
         try:
@@ -166,7 +174,7 @@ class GraphedCallable:
             if self.evictions >= self._cache_size and not self._warned:
                 self._warned = True
                 warnings.warn(
-                    f"graphed {self.fn!r} has captured {self.misses} graphs for {self.misses} input "
+                    f"graphed {_name(self.fn)} has captured {self.misses} graphs for {self.misses} input "
                     f"signatures and evicted {self.evictions} (cache_size={self._cache_size}): each "
                     "miss captures anew. Raise cache_size, or pad inputs to a few fixed shapes.",
                     GraphCacheWarning,
@@ -186,7 +194,7 @@ class GraphedCallable:
         if not all(isinstance(t, torch.Tensor) for t in tree_flatten(output)[0]):
             g.reset()
             raise InvalidValueError(
-                f"graphed {self.fn!r} must return tensors (or tuples, lists, dicts of tensors)"
+                f"graphed {_name(self.fn)} must return tensors (or tuples, lists, dicts of tensors)"
             )
         entry = _Entry(g, get_runtime().current_index, inputs, output)
         if self._tier != "interpreted":
@@ -399,7 +407,7 @@ def make_graphed_callables(
     for fn, sample in zip(fns, samples):
         if not isinstance(sample, (tuple, list)):
             raise InvalidValueError(
-                f"sample_args for {fn!r} must be a tuple of tensors, got {type(sample).__name__}"
+                f"sample_args for {_name(fn)} must be a tuple of tensors, got {type(sample).__name__}"
             )
         g = GraphedCallable(fn, num_warmup_iters=num_warmup_iters, pool=shared, cache_size=cache_size, tier=tier)
         g.capture(*sample)

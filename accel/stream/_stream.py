@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -89,6 +90,19 @@ class Stream:
     @property
     def device_index(self) -> int:
         return self._device
+
+    @property
+    def stream_id(self) -> int:
+        """An int that names this stream among the device's streams, as
+        ``torch.Stream.stream_id``: the native handle."""
+        return self._handle
+
+    @property
+    def device_type(self) -> int:
+        """torch's ``DeviceType`` number of the stream's device (as
+        ``torch.Stream.device_type``: 0 host, 1 CUDA, 12 XPU); ``device.type``
+        is its name."""
+        return _TORCH_DEVICE_TYPES[self._runtime.name]
 
     @property
     def priority(self) -> int:
@@ -182,30 +196,43 @@ class Stream:
 
     def wait_event(self, event: Event) -> None:
         """Make later work on this stream wait for ``event``'s last record."""
-        event.wait(self)
+        from accel.stream._event import as_event
+
+        as_event(event, "event").wait(self)
 
     def wait_stream(self, stream: Stream) -> None:
-        """Make later work on this stream wait for the work queued on ``stream`` so far
-        (``stream`` may be closed: then for the work queued before its close)."""
+        """Make later work on this stream wait for the work queued on ``stream`` so far.
+
+        ``stream`` may be a torch stream of the same device, or closed: then this
+        waits for the work queued before its close.
+        """
         from accel.stream._event import Event
 
-        if stream._closed and stream._owned:
-            if stream._end is not None:
-                self.wait_event(stream._end)
+        other = as_stream(stream, role="stream", optional=False)
+        if other._closed and other._owned:
+            if other._end is not None:
+                self.wait_event(other._end)
             return
-        self.wait_event(stream.record_event(Event()))
+        self.wait_event(other.record_event(Event()))
 
     def record_event(self, event: Event | None = None) -> Event:
         """Record ``event`` (a new one if None) at the current end of this stream.
 
         On a closed stream, a new event completes with the work queued before
         the close; recording a given event there is refused."""
-        from accel.stream._event import Event
+        from accel.stream._event import Event, as_event
 
         if event is None and self._closed and self._owned:
             return self._event_after_end()
         event = Event() if event is None else event
-        event.record(self)
+        as_event(event, "event")  # an accel or torch event, else an error naming the argument
+        if isinstance(event, Event):
+            event.record(self)
+            return event
+        try:
+            event.record(self.to_torch())
+        except RuntimeError as exc:  # torch's CPU events cannot be recorded at all
+            raise NotSupportedError(f"torch cannot record {event!r} on {self!r}: {exc}") from exc
         return event
 
     def _event_after_end(self) -> Event:
@@ -356,6 +383,9 @@ class Stream:
         raise NotSupportedError(_NO_SHARED_STREAMS.format(kind=kind))
 
 
+# c10::DeviceType's numbers, which torch.Stream.device_type reports.
+_TORCH_DEVICE_TYPES = {"cpu": 0, "cuda": 1, "xpu": 12}
+
 # torch's XPU streams are SYCL queues; accel's are Level Zero command lists.
 _NO_SHARED_STREAMS = (
     "accel cannot share {kind} streams with torch: torch's XPU streams are SYCL queues, "
@@ -391,16 +421,22 @@ class ExternalStream(Stream):
         self._init(runtime, index, handle, 0, owned=False)
 
 
-def as_stream(obj: object, device: DeviceLike = None) -> Stream:
-    """An accel Stream for ``obj``: a Stream, or an object speaking ``__cuda_stream__``.
+def as_stream(obj: object, device: DeviceLike = None, *, role: str = "stream", optional: bool = True) -> Stream:
+    """An accel Stream for ``obj``: a Stream, a torch stream, or an object speaking ``__cuda_stream__``.
 
-    None means the current stream of ``device``.
+    None means the current stream of ``device`` when ``optional``, else an
+    error naming the argument ``role``.
     """
     if obj is None:
+        if not optional:
+            raise InvalidValueError(f"{role}=None: pass a stream (an accel.Stream or a torch stream)")
         runtime = get_runtime()
         return runtime.current_stream(runtime.index(device))
     if isinstance(obj, Stream):
         return obj
+    torch = sys.modules.get("torch")  # a torch stream implies torch is imported already
+    if torch is not None and isinstance(obj, torch.Stream):
+        return Stream.from_torch(obj)
     protocol = getattr(obj, "__cuda_stream__", None)
     if protocol is not None:
         runtime = get_runtime()
@@ -411,7 +447,8 @@ def as_stream(obj: object, device: DeviceLike = None) -> Stream:
         _, handle = protocol()
         return ExternalStream(int(handle), device)
     raise InvalidValueError(
-        f"{obj!r} is not a stream: pass an accel.Stream or an object with __cuda_stream__"
+        f"{role}={obj!r} ({type(obj).__name__}) is not a stream: pass an accel.Stream, a torch stream "
+        "or an object with __cuda_stream__"
     )
 
 

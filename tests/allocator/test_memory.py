@@ -395,3 +395,33 @@ def test_get_per_process_memory_fraction():
         assert accel.memory.get_per_process_memory_fraction(0) == 0.5
     finally:
         accel.memory.set_per_process_memory_fraction(before)
+
+
+def test_torch_spellings_of_history_and_snapshot(tmp_path):
+    """torch passes record_memory_history's arguments positionally and dump_snapshot's by ``filename``."""
+    memory.record_memory_history("all", "all", "python", 100, None)
+    try:
+        memory.allocate(MiB).free()
+        memory.dump_snapshot(filename=tmp_path / "snap.pickle")
+    finally:
+        memory.record_memory_history(None)
+    with open(tmp_path / "snap.pickle", "rb") as f:
+        assert pickle.load(f)["device_traces"][0]
+    with pytest.raises(DeviceError):
+        memory.record_memory_history("all", "all", "all", 10, 7)
+
+
+def test_get_memory_info_and_nested_stats_as_torch():
+    free, total = memory.get_memory_info()
+    assert 0 <= free <= total and (free, total)[1] == accel.get_memory_info(0)[1]
+    buf = memory.allocate(MiB)
+    nested = memory.memory_stats_as_nested_dict()
+    flat = memory.memory_stats()
+    assert nested["allocated_bytes"]["all"]["current"] == flat["allocated_bytes.all.current"] >= MiB
+    assert nested["num_ooms"] == flat["num_ooms"]
+    buf.free()
+
+
+def test_allocate_host_of_more_than_any_machine_has_is_an_out_of_memory_error():
+    with pytest.raises(accel.OutOfMemoryError, match="more than 1EB"):
+        memory.allocate_host(2**64)
