@@ -8,17 +8,20 @@ each step bounded in time so the whole run ends within ``--time-limit``
    resolved), device 0 answers; its name, UUID, driver version, memory and
    the optional features (virtual memory and its granularity, graphs) are
    recorded.
-2. **conformance**: the conformance suite (``tests/conformance``) on this
+2. **abi**: accel's declarations of the driver API against the vendor's
+   headers (``tests/backends/test_abi.py``; it skips where the headers
+   cannot be had).
+3. **conformance**: the conformance suite (``tests/conformance``) on this
    backend, in a fresh interpreter, pass/fail per test.
-3. **real-device scenarios**: the backend's real-hardware tests (for CUDA,
+4. **real-device scenarios**: the backend's real-hardware tests (for CUDA,
    torch's CUDA graphs carrying accel captures); they skip themselves where
    no real device is present.
-4. **benchmarks**: the allocator against torch's caching allocator and graph
+5. **benchmarks**: the allocator against torch's caching allocator and graph
    replay against eager (``benchmarks/``), with their figures.
 
 The report goes to stdout (markdown, or JSON with ``--json``) and, with
 ``--output DIR``, to ``DIR/report.md`` and ``DIR/report.json``. The exit code
-is 1 when a step failed, else 0. Steps 2 to 4 need the accel source tree
+is 1 when a step failed, else 0. Steps 2 to 5 need the accel source tree
 (its ``tests/`` and ``benchmarks/``) and pytest.
 """
 
@@ -44,12 +47,15 @@ from accel._errors import AccelError, InvalidValueError
 NAME = "verify"
 HELP = "check the current backend's device 0 end to end (driver, conformance, real-device tests, benchmarks) and report"
 
+#: The ABI test of each backend's bindings: (test file, -k expression).
+ABI_TESTS: dict[str, tuple[str, str]] = {"cuda": ("tests/backends/test_abi.py", "not level_zero"),
+                                         "xpu": ("tests/backends/test_abi.py", "level_zero")}
 #: Real-hardware test files per backend, run after the conformance suite (they skip without real hardware).
 REAL_DEVICE_TESTS: dict[str, tuple[str, ...]] = {"cuda": ("tests/graph/test_torch_graphs_real_gpu.py",)}
 #: The benchmarks the report carries (names as ``accel bench`` takes them).
 BENCHMARKS = ("allocator_cuda", "graph")
 #: Each step's own ceiling in seconds (the overall --time-limit also applies).
-STEP_SECONDS = {"conformance": 240, "real-device": 150, "benchmarks": 240}
+STEP_SECONDS = {"abi": 60, "conformance": 240, "real-device": 150, "benchmarks": 240}
 DEFAULT_TIME_LIMIT = 480
 
 
@@ -154,7 +160,7 @@ def run_pytest(name: str, source: Path, backend: str, paths: list[str], select: 
             command += ["-k", select]
         try:
             result = subprocess.run(command, cwd=source, env=_environment(source, backend),
-                                    capture_output=True, text=True, timeout=max(seconds, 1), check=False)
+                                    capture_output=True, text=True, timeout=seconds, check=False)
         except subprocess.TimeoutExpired:
             return _step(name, "failed", f"timed out after {seconds:.1f} s", started)
         cases = _junit_cases(xml) if xml.exists() else []
@@ -180,7 +186,7 @@ def run_benchmarks(source: Path, backend: str, quick: bool, seconds: float) -> d
         command.append("--quick")
     try:
         result = subprocess.run(command, cwd=source, env=_environment(source, backend),
-                                capture_output=True, text=True, timeout=max(seconds, 1), check=False)
+                                capture_output=True, text=True, timeout=seconds, check=False)
     except subprocess.TimeoutExpired:
         return _step("benchmarks", "failed", f"timed out after {seconds:.1f} s", started)
     try:
@@ -205,7 +211,7 @@ def collect(source: Path | None, quick: bool, time_limit: float) -> dict[str, An
     began = datetime.now(timezone.utc)
     driver, backend = check_driver()
     steps = [driver]
-    planned = ["conformance", "real-device", "benchmarks"]
+    planned = ["abi", "conformance", "real-device", "benchmarks"]
     for name in planned:
         seconds = min(STEP_SECONDS[name], clock.left())
         if backend is None:
@@ -216,6 +222,13 @@ def collect(source: Path | None, quick: bool, time_limit: float) -> dict[str, An
         elif seconds <= 0:
             steps.append({"name": name, "status": "failed", "seconds": 0,
                           "summary": f"not started: the {time_limit:.0f} s time limit was used up"})
+        elif name == "abi":
+            if backend not in ABI_TESTS:
+                steps.append({"name": name, "status": "skipped", "seconds": 0, "summary": f"{backend} binds no driver"})
+            else:
+                print(f"accel verify: {backend} bindings against the vendor headers...", file=sys.stderr)
+                path, select = ABI_TESTS[backend]
+                steps.append(run_pytest(name, source, backend, [path], select, seconds, need_a_pass=False))
         elif name == "conformance":
             print(f"accel verify: conformance suite on {backend}...", file=sys.stderr)
             steps.append(run_pytest(name, source, backend, ["tests/conformance"], backend, seconds, need_a_pass=True))
