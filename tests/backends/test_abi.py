@@ -22,8 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from accel.backends.base import CaptureMode, CaptureStatus
 from accel.backends.cuda import _backend as cuda_backend
 from accel.backends.cuda import _bindings as cuda_bindings
+from accel.backends.xpu import _backend as xpu_backend
+from accel.backends.xpu import _bindings as xpu_bindings
 from accel.backends.xpu import _cdef as xpu_cdef
 from tests.fixtures import abi, cuda_driver, cuda_headers
 
@@ -37,10 +40,62 @@ LEVEL_ZERO_HEADERS = ("ze_api.h", "zes_api.h", "loader/ze_loader.h")
 LEVEL_ZERO_NEWER_THAN_HEADERS = ("zeCommandListHostSynchronize",)
 
 
+#: accel's names for the CUdevice_attribute ids it reads (``_ATTRIBUTES``) -> the header's names.
+CUDA_ATTRIBUTE_NAMES = {
+    "max_threads_per_block": "MAX_THREADS_PER_BLOCK", "warp_size": "WARP_SIZE", "clock_rate_khz": "CLOCK_RATE",
+    "multi_processor_count": "MULTIPROCESSOR_COUNT", "integrated": "INTEGRATED", "l2_cache_bytes": "L2_CACHE_SIZE",
+    "max_threads_per_multiprocessor": "MAX_THREADS_PER_MULTIPROCESSOR", "async_engine_count": "ASYNC_ENGINE_COUNT",
+    "unified_addressing": "UNIFIED_ADDRESSING", "compute_capability_major": "COMPUTE_CAPABILITY_MAJOR",
+    "compute_capability_minor": "COMPUTE_CAPABILITY_MINOR",
+    "virtual_memory_supported": "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
+    "posix_fd_handles_supported": "HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED",
+    "memory_pools_supported": "MEMORY_POOLS_SUPPORTED",
+}
+
+
 def cuda_constants() -> dict[str, int]:
-    """The CUDA constants accel uses: module-level ``CU_*``/``CUDA_*`` ints of the CUDA backend."""
-    return {name: value for module in (cuda_backend, cuda_bindings) for name, value in vars(module).items()
-            if re.fullmatch(r"CU(DA)?_[A-Z0-9_]+", name) and type(value) is int}
+    """Every CUDA number accel passes to or compares with the driver, by its header name.
+
+    The backend's ``CU_*``/``CUDA_*`` module constants, the attribute ids it
+    reads, the capture modes and statuses it passes through as ints (accel's
+    own enums), and the ends of its range of capture error codes.
+    """
+    constants = {name: value for module in (cuda_backend, cuda_bindings) for name, value in vars(module).items()
+                 if re.fullmatch(r"CU(DA)?_[A-Z0-9_]+", name) and type(value) is int}
+    constants |= {f"CU_DEVICE_ATTRIBUTE_{CUDA_ATTRIBUTE_NAMES[key]}": value
+                  for key, value in cuda_backend._ATTRIBUTES.items()}
+    constants |= {f"CU_STREAM_CAPTURE_MODE_{mode.name}": int(mode) for mode in CaptureMode}
+    constants |= {f"CU_STREAM_CAPTURE_STATUS_{status.name}": int(status) for status in CaptureStatus}
+    constants["CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"] = min(cuda_backend._CAPTURE_ERRORS)
+    constants["CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD"] = max(cuda_backend._CAPTURE_ERRORS)
+    return constants
+
+
+def test_every_attribute_id_has_its_header_name() -> None:
+    assert set(cuda_backend._ATTRIBUTES) == set(CUDA_ATTRIBUTE_NAMES)
+
+
+#: Level Zero result codes the XPU backend writes as numbers -> their enumerators.
+LEVEL_ZERO_NUMBERS = {
+    "_backend._NOT_READY": (xpu_backend._NOT_READY, ("ZE_RESULT_NOT_READY",)),
+    "_backend._UNSUPPORTED_FEATURE": (xpu_backend._UNSUPPORTED_FEATURE, ("ZE_RESULT_ERROR_UNSUPPORTED_FEATURE",)),
+    "_backend._UNSUPPORTED_SIZE": (xpu_backend._UNSUPPORTED_SIZE, ("ZE_RESULT_ERROR_UNSUPPORTED_SIZE",)),
+    "_backend._OOM_CODES": (tuple(sorted(xpu_backend._OOM_CODES)),
+                            ("ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY", "ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY")),
+    "_bindings._OOM": (tuple(sorted(xpu_bindings._OOM)),
+                       ("ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY", "ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY")),
+    "_bindings._INVALID_HANDLE": (xpu_bindings._INVALID_HANDLE, ("ZE_RESULT_ERROR_INVALID_NULL_HANDLE",)),
+    "_bindings._UNSUPPORTED": (xpu_bindings._UNSUPPORTED, ("ZE_RESULT_ERROR_UNSUPPORTED_FEATURE",)),
+}
+
+
+def test_level_zero_numbers_written_by_hand_are_the_enumerators() -> None:
+    # The cdef's enumerators are checked against the header below, so equal to them is equal to Intel's.
+    enumerators = abi.declarations(xpu_cdef.CDEF).constants
+    for where, (value, names) in LEVEL_ZERO_NUMBERS.items():
+        expected = tuple(enumerators[name] for name in names)
+        assert (value if isinstance(value, tuple) else (value,)) == expected, where
+    assert set(xpu_bindings._DESCRIPTIONS) <= set(enumerators)
 
 
 def cuda_spec(major: int) -> abi.HeaderSpec:
@@ -66,7 +121,7 @@ def level_zero_spec() -> abi.HeaderSpec:
 @pytest.mark.parametrize("major", sorted(cuda_headers.CUDA_HEADER_PACKAGES))
 def test_cuda_declarations_match_nvidia_header(major: int) -> None:
     found = abi.declarations(cuda_bindings.CDEF, cuda_constants())
-    assert len(found.functions) >= 50 and len(found.constants) >= 20  # the whole cdef was read
+    assert len(found.functions) >= 50 and len(found.constants) >= 40  # the whole cdef was read
     assert abi.compare(found, cuda_spec(major)) == []
 
 
