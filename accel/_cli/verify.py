@@ -14,8 +14,9 @@ each step bounded in time so the whole run ends within ``--time-limit``
 3. **conformance**: the conformance suite (``tests/conformance``) on this
    backend, in a fresh interpreter, pass/fail per test.
 4. **real-device scenarios**: the backend's real-hardware tests (for CUDA,
-   torch's CUDA graphs carrying accel captures); they skip themselves where
-   no real device is present.
+   torch's CUDA graphs carrying accel captures, and the survey of what the
+   driver refuses during a global capture, its VMM granularity and the UUID
+   it reports); they skip themselves where no real device is present.
 5. **benchmarks**: the allocator against torch's caching allocator and graph
    replay against eager (``benchmarks/``), with their figures.
 
@@ -50,8 +51,11 @@ HELP = "check the current backend's device 0 end to end (driver, conformance, re
 #: The ABI test of each backend's bindings: (test file, -k expression).
 ABI_TESTS: dict[str, tuple[str, str]] = {"cuda": ("tests/backends/test_abi.py", "not level_zero"),
                                          "xpu": ("tests/backends/test_abi.py", "level_zero")}
-#: Real-hardware test files per backend, run after the conformance suite (they skip without real hardware).
-REAL_DEVICE_TESTS: dict[str, tuple[str, ...]] = {"cuda": ("tests/graph/test_torch_graphs_real_gpu.py",)}
+#: Real-hardware test files per backend, run after the conformance suite: their ``gpu``-marked
+#: tests, which skip without real hardware.
+REAL_DEVICE_TESTS: dict[str, tuple[str, ...]] = {
+    "cuda": ("tests/graph/test_torch_graphs_real_gpu.py", "tests/backends/cuda/test_known_unknowns.py"),
+}
 #: The benchmarks the report carries (names as ``accel bench`` takes them).
 BENCHMARKS = ("allocator_cuda", "graph")
 #: Each step's own ceiling in seconds (the overall --time-limit also applies).
@@ -149,15 +153,13 @@ def _junit_cases(path: Path) -> list[dict[str, str]]:
     return cases
 
 
-def run_pytest(name: str, source: Path, backend: str, paths: list[str], select: str | None,
+def run_pytest(name: str, source: Path, backend: str, paths: list[str], options: list[str],
                seconds: float, *, need_a_pass: bool) -> dict[str, Any]:
     """One pytest run in a fresh interpreter, as a report step with pass/fail per test."""
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *paths]
-        if select:
-            command += ["-k", select]
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *options, *paths]
         try:
             result = subprocess.run(command, cwd=source, env=_environment(source, backend),
                                     capture_output=True, text=True, timeout=seconds, check=False)
@@ -228,10 +230,11 @@ def collect(source: Path | None, quick: bool, time_limit: float) -> dict[str, An
             else:
                 print(f"accel verify: {backend} bindings against the vendor headers...", file=sys.stderr)
                 path, select = ABI_TESTS[backend]
-                steps.append(run_pytest(name, source, backend, [path], select, seconds, need_a_pass=False))
+                steps.append(run_pytest(name, source, backend, [path], ["-k", select], seconds, need_a_pass=False))
         elif name == "conformance":
             print(f"accel verify: conformance suite on {backend}...", file=sys.stderr)
-            steps.append(run_pytest(name, source, backend, ["tests/conformance"], backend, seconds, need_a_pass=True))
+            steps.append(run_pytest(name, source, backend, ["tests/conformance"], ["-k", backend], seconds,
+                                    need_a_pass=True))
         elif name == "real-device":
             paths = list(REAL_DEVICE_TESTS.get(backend, ()))
             if not paths:
@@ -239,7 +242,7 @@ def collect(source: Path | None, quick: bool, time_limit: float) -> dict[str, An
                               "summary": f"no real-device tests for {backend}"})
             else:
                 print(f"accel verify: real-device tests on {backend}...", file=sys.stderr)
-                steps.append(run_pytest(name, source, backend, paths, None, seconds, need_a_pass=False))
+                steps.append(run_pytest(name, source, backend, paths, ["-m", "gpu"], seconds, need_a_pass=False))
         else:
             print(f"accel verify: benchmarks on {backend}...", file=sys.stderr)
             steps.append(run_benchmarks(source, backend, quick, seconds))
