@@ -28,6 +28,7 @@ from accel.backends.cuda import _bindings as cuda_bindings
 from accel.backends.xpu import _backend as xpu_backend
 from accel.backends.xpu import _bindings as xpu_bindings
 from accel.backends.xpu import _cdef as xpu_cdef
+from accel.backends.xpu import _library as xpu_library
 from tests.fixtures import abi, cuda_driver, cuda_headers
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not on PATH")
@@ -95,7 +96,7 @@ def test_level_zero_numbers_written_by_hand_are_the_enumerators() -> None:
     for where, (value, names) in LEVEL_ZERO_NUMBERS.items():
         expected = tuple(enumerators[name] for name in names)
         assert (value if isinstance(value, tuple) else (value,)) == expected, where
-    assert set(xpu_bindings._DESCRIPTIONS) <= set(enumerators)
+    assert set(xpu_library.DESCRIPTIONS) <= set(enumerators)
 
 
 def cuda_spec(major: int) -> abi.HeaderSpec:
