@@ -57,6 +57,7 @@ from accel.stream._dlpack_abi import (
     DLManagedTensor as _DLManagedTensor,
     DLManagedTensorVersioned as _DLManagedTensorVersioned,
     DLPackVersion as _DLPackVersion,
+    capsule_is_valid as _capsule_is_valid,
 )
 
 __all__ = [
@@ -153,9 +154,6 @@ def dtype_from_name(name: str) -> tuple[int, int]:
 _PyCapsule_New = ctypes.pythonapi["PyCapsule_New"]
 _PyCapsule_New.restype = ctypes.py_object
 _PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-_PyCapsule_IsValid = ctypes.pythonapi["PyCapsule_IsValid"]
-_PyCapsule_IsValid.restype = ctypes.c_int
-_PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 # A capsule keeps a pointer to its name for its whole life: bytes constants
 # are never freed while referenced, and these are referenced by the leaked
@@ -205,7 +203,7 @@ _deleter = _make_deleter()
 def _make_sweeper() -> Callable[[], None]:
     # Like the deleter, reachable from finalizers (a Buffer's) at shutdown:
     # it reaches nothing through module globals.
-    unconsumed, exports, is_valid = _unconsumed, _exports, _PyCapsule_IsValid
+    unconsumed, exports, is_valid = _unconsumed, _exports, _capsule_is_valid
     getrefcount, is_finalizing = sys.getrefcount, sys.is_finalizing
 
     def release_unconsumed() -> None:
