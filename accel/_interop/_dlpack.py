@@ -91,7 +91,8 @@ class DLDeviceType(enum.IntEnum):
     kDLOneAPI = 14
 
 
-_DEVICE_TYPES = {"cpu": DLDeviceType.kDLCPU, "cuda": DLDeviceType.kDLCUDA, "xpu": DLDeviceType.kDLOneAPI}
+#: DLPack's device type for each accel device type (the consumer reads it backwards).
+DEVICE_TYPES: dict[str, int] = {"cpu": DLDeviceType.kDLCPU, "cuda": DLDeviceType.kDLCUDA, "xpu": DLDeviceType.kDLOneAPI}
 
 # DLDataTypeCode values.
 _INT, _UINT, _FLOAT, _BFLOAT, _COMPLEX, _BOOL = 0, 1, 2, 4, 5, 6
@@ -251,12 +252,12 @@ def dlpack_device(obj: Any) -> tuple[DLDeviceType, int]:
     device = getattr(obj, "device", None)
     kind = getattr(device, "type", None)
     index = getattr(device, "index", None)
-    if kind not in _DEVICE_TYPES or not isinstance(index, int):
+    if kind not in DEVICE_TYPES or not isinstance(index, int):
         raise InvalidValueError(
             f"{type(obj).__name__}.device is {device!r}; DLPack export needs an accel.Device "
             "with a type of 'cpu', 'cuda' or 'xpu' and an index"
         )
-    return _DEVICE_TYPES[kind], index
+    return DEVICE_TYPES[kind], index
 
 
 def _producer_stream(obj: Any) -> Any:
