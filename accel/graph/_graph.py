@@ -52,7 +52,7 @@ def _check_mode(mode: object, where: str) -> str:
             f"{where}: unknown capture_error_mode {mode!r}; expected 'default', 'global', "
             "'thread_local' or 'relaxed'"
         )
-    return mode  # type: ignore[return-value]
+    return mode
 
 
 class Graph:
