@@ -11,6 +11,7 @@ test environment's packages, for torch): mypy and pyright must resolve
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import site
@@ -46,6 +47,24 @@ def test_mypy_strict_passes_on_accel() -> None:
     )
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
     assert "Success: no issues found" in result.stdout
+
+
+def test_every_lazy_name_is_imported_for_type_checkers() -> None:
+    # accel's __getattr__ loads these on first use; a checker only sees what the
+    # `if TYPE_CHECKING:` block imports, and types anything else as Any.
+    import accel
+
+    tree = ast.parse((REPO / "accel" / "__init__.py").read_text())
+    blocks = [node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"]
+    seen = {
+        alias.asname or alias.name
+        for block in blocks
+        for node in ast.walk(block)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    lazy = set(accel._LAZY_NAMES) | set(accel._LAZY_MODULES)
+    assert lazy <= seen, f"not imported under TYPE_CHECKING in accel/__init__.py: {sorted(lazy - seen)}"
 
 
 @pytest.fixture(scope="module")
