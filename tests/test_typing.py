@@ -80,7 +80,7 @@ def user_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     wheel = tmp / built.stdout.strip().splitlines()[-1]
     env = tmp / "env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True, timeout=120)
-    python = env / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
+    python = env / "bin" / "python"
     purelib = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
         capture_output=True, text=True, check=True, timeout=60,
