@@ -375,7 +375,8 @@ def _wants_versioned(max_version: object) -> bool:
         or not all(isinstance(v, int) and not isinstance(v, bool) for v in max_version)
     ):
         raise DLPackExportError(f"max_version={max_version!r} must be a (major, minor) tuple of ints")
-    return max_version[0] >= 1
+    major: int = max_version[0]  # checked to be an int above
+    return major >= 1
 
 
 def to_capsule(
@@ -399,7 +400,7 @@ def to_capsule(
     kind, index = dlpack_device(obj)
     if dl_device is not None:
         try:
-            wanted = (int(dl_device[0]), int(dl_device[1]))  # type: ignore[index]
+            wanted = (int(dl_device[0]), int(dl_device[1]))
         except (TypeError, ValueError, IndexError):
             raise DLPackExportError(f"dl_device={dl_device!r} must be a (device type, index) pair") from None
         if wanted != (int(kind), index):

@@ -46,7 +46,7 @@ class Event:
         self._recorded = False
         self._closed = False
         self._lock = threading.Lock()
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[[Runtime, int, int], Event] | None = None
 
     # -- identity ---------------------------------------------------------
 
@@ -121,6 +121,7 @@ class Event:
         self._check_open()
         if not self._recorded:
             return True
+        assert self._device is not None  # _ensure set it before the first record
         return self._runtime.backend.event_query(self._device, self._handle)
 
     def synchronize(self) -> None:
@@ -128,6 +129,7 @@ class Event:
         self._check_open()
         if not self._recorded:
             return
+        assert self._device is not None  # _ensure set it before the first record
         self._runtime.backend.event_synchronize(self._device, self._handle)
 
     def wait(self, stream: Stream | None = None) -> None:
@@ -151,6 +153,7 @@ class Event:
             raise DeviceError(f"cannot time events of different devices: {self.device} and {end.device}")
         self.synchronize()
         end.synchronize()
+        assert self._device is not None  # _ensure set it before the first record
         return self._runtime.backend.event_elapsed_ms(self._device, self._handle, end._handle)
 
     def _check_open(self) -> None:
