@@ -27,7 +27,7 @@ from accel.stream._dlpack_abi import read_capsule
 
 __all__ = ["ForeignBuffer", "from_dlpack"]
 
-_DEVICE_NAMES = {kind: name for name, kind in DEVICE_TYPES.items()}
+_DEVICE_NAMES: dict[int, str] = {kind: name for name, kind in DEVICE_TYPES.items()}
 
 _PyCapsule_SetName = ctypes.pythonapi["PyCapsule_SetName"]
 _PyCapsule_SetName.restype = ctypes.c_int

@@ -92,7 +92,7 @@ class DLDeviceType(enum.IntEnum):
 
 
 #: DLPack's device type for each accel device type (the consumer reads it backwards).
-DEVICE_TYPES: dict[str, int] = {"cpu": DLDeviceType.kDLCPU, "cuda": DLDeviceType.kDLCUDA, "xpu": DLDeviceType.kDLOneAPI}
+DEVICE_TYPES: dict[str, DLDeviceType] = {"cpu": DLDeviceType.kDLCPU, "cuda": DLDeviceType.kDLCUDA, "xpu": DLDeviceType.kDLOneAPI}
 
 # DLDataTypeCode values.
 _INT, _UINT, _FLOAT, _BFLOAT, _COMPLEX, _BOOL = 0, 1, 2, 4, 5, 6
