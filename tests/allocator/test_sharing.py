@@ -25,11 +25,11 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SIZE = 1 << 20
 
 
-def run_scenario(backend: str, name: str, stdin: str = "") -> Any:
+def run_scenario(backend: str, name: str, stdin: str = "", alloc_conf: str = "") -> Any:
     reason = backend_skip_reason(backend)
     if reason:
         pytest.skip(reason)
-    env = {**os.environ, "ACCEL_BACKEND": backend, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "ACCEL_BACKEND": backend, "PYTHONPATH": str(REPO_ROOT), "ACCEL_ALLOC_CONF": alloc_conf}
     result = subprocess.run(
         [sys.executable, "-m", "tests.allocator.sharing_scenarios", name],
         input=stdin, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=180, check=False,
@@ -39,11 +39,15 @@ def run_scenario(backend: str, name: str, stdin: str = "") -> Any:
 
 
 backends = pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+# Plain segments (cuMemAlloc: legacy IPC handles) and expandable ones (virtual
+# memory: chunks exported as file descriptors) share through different calls.
+segments = pytest.mark.parametrize("alloc_conf", ["", "expandable_segments:True"], ids=["plain", "expandable"])
 
 
+@segments
 @backends
-def test_a_buffer_and_an_event_cross_a_queue_as_the_same_memory_and_event(backend: str) -> None:
-    result = run_scenario(backend, "queue")
+def test_a_buffer_and_an_event_cross_a_queue_as_the_same_memory_and_event(backend: str, alloc_conf: str) -> None:
+    result = run_scenario(backend, "queue", alloc_conf=alloc_conf)
     assert result["is_buffer"] and result["nbytes"] == SIZE
     # The importer's copy waited for the exporter's fill, queued behind a gate
     # that opened only after the importer had queued its wait.
@@ -54,9 +58,10 @@ def test_a_buffer_and_an_event_cross_a_queue_as_the_same_memory_and_event(backen
     assert result["exitcode"] == 0
 
 
+@segments
 @backends
-def test_killing_the_importer_mid_use_leaks_nothing_in_the_exporter(backend: str) -> None:
-    result = run_scenario(backend, "kill_importer")
+def test_killing_the_importer_mid_use_leaks_nothing_in_the_exporter(backend: str, alloc_conf: str) -> None:
+    result = run_scenario(backend, "kill_importer", alloc_conf=alloc_conf)
     assert result["seen"] == "33" * 16
     assert result["held"]["holds"] == 1
     # Freed by the exporter while the importer held it: not reused, still allocated.
