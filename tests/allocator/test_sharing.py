@@ -29,6 +29,8 @@ def run_scenario(backend: str, name: str, stdin: str = "", alloc_conf: str = "")
     reason = backend_skip_reason(backend)
     if reason:
         pytest.skip(reason)
+    if backend == "xpu" and "expandable" in alloc_conf:
+        pytest.skip("Level Zero has no IPC for virtual memory (see test_level_zero_refuses_to_share_virtual_memory)")
     env = {**os.environ, "ACCEL_BACKEND": backend, "PYTHONPATH": str(REPO_ROOT), "ACCEL_ALLOC_CONF": alloc_conf}
     result = subprocess.run(
         [sys.executable, "-m", "tests.allocator.sharing_scenarios", name],
@@ -125,3 +127,23 @@ def test_an_event_must_be_interprocess_and_open_to_be_shared() -> None:
     event.close()
     with pytest.raises(accel.InvalidHandleError, match="was closed"):
         pickle.dumps(event)
+
+
+def test_level_zero_refuses_to_share_virtual_memory() -> None:
+    if backend_skip_reason("xpu"):
+        pytest.skip(backend_skip_reason("xpu"))
+    result = subprocess.run(
+        [sys.executable, "-c", (
+            "import pickle, accel\n"
+            "buf = accel.memory.allocate(1 << 20)\n"
+            "try:\n"
+            "    pickle.dumps(buf)\n"
+            "except accel.NotSupportedError as exc:\n"
+            "    print(exc)\n"
+        )],
+        capture_output=True, text=True, cwd=REPO_ROOT, timeout=120, check=False,
+        env={**os.environ, "ACCEL_BACKEND": "xpu", "ACCEL_ALLOC_CONF": "expandable_segments:True",
+             "PYTHONPATH": str(REPO_ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "cannot share virtual memory" in result.stdout and "without expandable_segments" in result.stdout
