@@ -149,7 +149,7 @@ class SharedHostEvent(HostEvent):
         if self._pidfd >= 0:
             weakref.finalize(self, os.close, self._pidfd)
 
-    @property  # type: ignore[override]
+    @property
     def record_gen(self) -> int:
         return int(self._counts[0])
 
@@ -157,7 +157,7 @@ class SharedHostEvent(HostEvent):
     def record_gen(self, value: int) -> None:
         self._counts[0] = value
 
-    @property  # type: ignore[override]
+    @property
     def done_gen(self) -> int:
         return int(self._counts[1])
 
