@@ -127,7 +127,10 @@ class Broker:
             conn.settimeout(_ANSWER_TIMEOUT_S)
             self._answer(conn)
         except OSError:
-            conn.close()
+            if conn in self._holds:
+                self._release(conn)
+            else:
+                conn.close()
 
     def _answer(self, conn: socket.socket) -> None:
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -148,13 +151,16 @@ class Broker:
             conn.sendall(_HEADER.pack(b"E", len(message)) + message)
             conn.close()
             return
-        socket.send_fds(conn, [_HEADER.pack(b"K", len(export.payload)), export.payload], export.fds)
         if not export.hold:
+            socket.send_fds(conn, [_HEADER.pack(b"K", len(export.payload)), export.payload], export.fds)
             conn.close()
             return
+        # The hold is taken before the importer can map anything: from the moment
+        # it has the descriptors, the exporter's memory must not be reused.
         with self._lock:
             self._holds[conn] = target
         self._selector.register(conn, selectors.EVENT_READ)
+        socket.send_fds(conn, [_HEADER.pack(b"K", len(export.payload)), export.payload], export.fds)
 
     def _release(self, conn: socket.socket) -> None:
         self._selector.unregister(conn)
