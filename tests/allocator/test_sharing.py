@@ -123,6 +123,8 @@ def test_unpickling_in_the_exporting_process_is_refused() -> None:
 def test_an_event_must_be_interprocess_and_open_to_be_shared() -> None:
     with pytest.raises(accel.InvalidValueError, match="interprocess=True"):
         pickle.dumps(accel.Event())
+    with pytest.raises(accel.NotSupportedError, match="cannot measure time"):
+        accel.Event(interprocess=True, enable_timing=True).record()
     event = accel.Event(interprocess=True)
     event.close()
     with pytest.raises(accel.InvalidHandleError, match="was closed"):

@@ -395,7 +395,7 @@ class StreamTable:
     def create_event(self, device: int, timing: bool, interprocess: bool = False) -> int:
         if interprocess:
             if timing:
-                raise InvalidValueError(
+                raise NotSupportedError(
                     f"cpu:{device}: an interprocess event cannot measure time (as in CUDA); "
                     "create it with enable_timing=False"
                 )
