@@ -28,7 +28,7 @@ from accel._runtime import get_runtime
 from accel.allocator import _mempool
 from accel.allocator._caching import MAX_REQUEST
 from accel.allocator._mempool import routed_allocator
-from accel.allocator._registry import registry
+from accel.allocator._registry import device_allocator, registry
 from accel.stream import Stream, as_stream
 
 if TYPE_CHECKING:
@@ -289,7 +289,7 @@ def allocate(nbytes: int, *, device: DeviceLike = None, stream: Stream | None = 
     if stream._closed:
         stream._live()  # raises, saying the stream was closed
     # A MemPool's allocator inside use_mem_pool, else the device's.
-    allocator = routed_allocator(runtime, index) if _mempool._open else registry(runtime).allocator(index)
+    allocator = routed_allocator(runtime, index) if _mempool._open else device_allocator(runtime, index)
     if nbytes.__class__ is not int or not 0 < nbytes < MAX_REQUEST:
         allocator._bad_size(nbytes)
     if stream._runtime.backend is not allocator.backend:
