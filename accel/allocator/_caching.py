@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from accel._errors import CaptureError, DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
+from accel._errors import AccelError, CaptureError, DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
 from accel.allocator import _stats as S
 from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED, Block, Pool, PrivatePool, Segment
 from accel.allocator._freelist import FreeList
@@ -188,6 +188,7 @@ class DeviceAllocator:
         self._update_fast()
         self._large_segment = config.large_segment_size
         self._expandable = bool(config.expandable_segments) and self._vm
+        self._keep_free = config.expandable_keep_free
         if config.expandable_segments and not self._vm:
             warnings.warn(
                 f"expandable_segments:True has no effect on {self._name}: its memory resource has "
@@ -523,19 +524,20 @@ class DeviceAllocator:
             seg = self._reserve_expandable(pool, handle)
             if seg is None:
                 return None
-        # The lowest address where a free block plus the unmapped run after it
-        # hold ``size``: holes are filled before the end grows.
-        b = seg.head
-        while b is not None:
-            if not b.mapped:
-                prev = b.prev
-                before = prev.size if prev is not None and prev.state == FREE and prev.mapped else 0
-                if before + b.size >= size:
-                    break
-            b = b.next
-        if b is None:
+        found = self._map_target(seg, size)
+        if found is None:
             return None
+        b, before = found
         page = seg.page
+        # Growing: give back the free pages of holes first (hysteresis inside),
+        # then look again, as an unmapped hole may now hold the request lower down.
+        if self._give_back_holes(seg, -(-(size - before) // page) * page, b.prev):
+            if pool.expandable.get(handle) is not seg:  # it was left wholly unmapped, and went
+                return self._alloc_expandable(pool, handle, size)
+            found = self._map_target(seg, size)
+            if found is None:
+                return None
+            b, before = found
         nbytes = -(-(size - before) // page) * page
         if self._allowed is not None and self._reserved() + nbytes > self._allowed:
             self._fraction_refused = True
@@ -556,6 +558,60 @@ class DeviceAllocator:
         if self._history is not None:
             self._history.record("segment_map", b.ptr, nbytes, handle, None)
         return self._merge_free(b)
+
+    @staticmethod
+    def _map_target(seg: Segment, size: int) -> tuple[Block, int] | None:
+        """The lowest unmapped block where a free mapped block before it plus the
+        unmapped run hold ``size`` (holes are filled before the end grows), with
+        the bytes of that free block; None when the reservation is full."""
+        b = seg.head
+        while b is not None:
+            if not b.mapped:
+                prev = b.prev
+                before = prev.size if prev is not None and prev.state == FREE and prev.mapped else 0
+                if before + b.size >= size:
+                    return b, before
+            b = b.next
+        return None
+
+    def _give_back_holes(self, seg: Segment, growth: int, spare: Block | None) -> int:
+        """Before ``seg`` maps ``growth`` more bytes: unmap the whole free pages inside
+        its free blocks (``spare``, the block the growth extends, excepted), highest
+        first, at most ``growth`` bytes, keeping ``expandable_keep_free`` of them
+        mapped (hysteresis: a steady state maps and unmaps nothing). Only when the
+        segment's stream has no queued work: its free blocks may still be in use by
+        that stream's work (blocks waiting for other streams are not free at all).
+        Returns the bytes unmapped."""
+        page = seg.page
+        holes = []
+        total = 0
+        b = seg.head
+        while b is not None:
+            if b.state == FREE and b.mapped and b is not spare:
+                first = seg.base + -(-(b.ptr - seg.base) // page) * page
+                last = seg.base + (b.ptr + b.size - seg.base) // page * page
+                if last > first:
+                    holes.append((b, first, last))
+                    total += last - first
+            b = b.next
+        budget = min(growth, total - self._keep_free)
+        if budget < page:
+            return 0
+        try:
+            idle = self.backend.stream_query(self.device, seg.stream)
+        except AccelError:  # a closed stream's work may still run: leave its pages be
+            idle = False
+        if not idle:
+            return 0
+        budget -= budget % page
+        unmapped = 0
+        for b, first, last in reversed(holes):
+            take = min(last - first, budget - unmapped)
+            self._take_off_list(b)
+            unmapped += self._unmap_pages(b, last - take, last)
+            if unmapped >= budget:
+                break
+        return unmapped
 
     def _reserve_expandable(self, pool: Pool, handle: int) -> Segment | None:
         page = self._page_size()
@@ -612,6 +668,13 @@ class DeviceAllocator:
         seg, page = b.segment, b.segment.page
         first = seg.base + -(-(b.ptr - seg.base) // page) * page
         last = seg.base + (b.ptr + b.size - seg.base) // page * page
+        return self._unmap_pages(b, first, last)
+
+    def _unmap_pages(self, b: Block, first: int, last: int) -> int:
+        """Unmap the pages ``[first, last)`` (page aligned, inside free block ``b``, which
+        is off its list); the rest of ``b`` goes back on its list. Returns the bytes
+        unmapped (fewer when the driver fails part way: the error propagates)."""
+        seg, page = b.segment, b.segment.page
         if last <= first:
             self._insert_free(b)
             return 0
