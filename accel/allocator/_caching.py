@@ -529,16 +529,11 @@ class DeviceAllocator:
             return None
         b, before = found
         page = seg.page
-        # Growing: give back the free pages of holes first (hysteresis inside),
-        # then look again, as an unmapped hole may now hold the request lower down.
-        if self._give_back_holes(seg, -(-(size - before) // page) * page, b.prev):
-            if pool.expandable.get(handle) is not seg:  # it was left wholly unmapped, and went
-                return self._alloc_expandable(pool, handle, size)
-            found = self._map_target(seg, size)
-            if found is None:
-                return None
-            b, before = found
         nbytes = -(-(size - before) // page) * page
+        # Growing: give back the free pages of holes first (hysteresis inside). The
+        # blocks around the target stay as they are, so the target stays valid.
+        if self._give_back_holes(seg, nbytes, b) and pool.expandable.get(handle) is not seg:
+            return self._alloc_expandable(pool, handle, size)  # left wholly unmapped, it went
         if self._allowed is not None and self._reserved() + nbytes > self._allowed:
             self._fraction_refused = True
             return None
@@ -574,10 +569,10 @@ class DeviceAllocator:
             b = b.next
         return None
 
-    def _give_back_holes(self, seg: Segment, growth: int, spare: Block | None) -> int:
-        """Before ``seg`` maps ``growth`` more bytes: unmap the whole free pages inside
-        its free blocks (``spare``, the block the growth extends, excepted), highest
-        first, at most ``growth`` bytes, keeping ``expandable_keep_free`` of them
+    def _give_back_holes(self, seg: Segment, growth: int, target: Block) -> int:
+        """Before ``seg`` maps ``growth`` more bytes at unmapped block ``target``: unmap
+        the whole free pages inside its free blocks (the neighbours of ``target``,
+        which the growth extends, excepted), highest first, at most ``growth`` bytes, keeping ``expandable_keep_free`` of them
         mapped (hysteresis: a steady state maps and unmaps nothing). Only when the
         segment's stream has no queued work: its free blocks may still be in use by
         that stream's work (blocks waiting for other streams are not free at all).
@@ -585,9 +580,10 @@ class DeviceAllocator:
         page = seg.page
         holes = []
         total = 0
+        spared = (target.prev, target.next)
         b = seg.head
         while b is not None:
-            if b.state == FREE and b.mapped and b is not spare:
+            if b.state == FREE and b.mapped and b not in spared:
                 first = seg.base + -(-(b.ptr - seg.base) // page) * page
                 last = seg.base + (b.ptr + b.size - seg.base) // page * page
                 if last > first:
