@@ -763,7 +763,8 @@ class DeviceAllocator:
             nxt = block.next
             prev = block.prev
             if (
-                nxt is not None
+                self._fast
+                and nxt is not None
                 and nxt.state == FREE
                 and nxt.mapped
                 and (prev is None or prev.state != FREE or not prev.mapped)
