@@ -591,7 +591,7 @@ class DeviceAllocator:
                     total += last - first
             b = b.next
         budget = min(growth, total - self._keep_free)
-        if budget < page:
+        if budget < page or self._captures:  # nothing goes back upstream during a capture
             return 0
         try:
             idle = self.backend.stream_query(self.device, seg.stream)

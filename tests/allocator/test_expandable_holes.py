@@ -134,3 +134,17 @@ def test_a_steady_state_maps_and_unmaps_nothing(vm):
     assert after["num_device_alloc"] == before["num_device_alloc"]
     assert after["num_device_free"] == before["num_device_free"]
     _release(a, cache)
+
+
+def test_nothing_is_unmapped_during_a_capture(vm):
+    backend, s = vm
+    a, live = _with_hole(backend, s, 0)
+    a.begin_allocate_to_pool((1, 0), lambda stream: False)  # a capture on another stream
+    try:
+        w = a.malloc(10 * MiB, s)
+        assert a.stats()["reserved_bytes.all.current"] == 34 * MiB
+    finally:
+        a.end_allocate_to_pool((1, 0))
+        a.release_pool((1, 0))
+    check_invariants(a)
+    _release(a, [*live, w])
