@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -172,7 +174,7 @@ class Graph:
             if runtime.name == "cpu":
                 from accel.graph._torch_capture import Recorder
 
-                self._recorder = Recorder(self, runtime, device, stream, lease)
+                self._recorder = Recorder(runtime, device, stream, lease, self.replay_errors, _weak_abort(self))
                 self._recorder.register_inputs(self._inputs)
                 self._recorder.start()
             elif torch_graph is None:
@@ -412,6 +414,18 @@ class Graph:
         elif self._stream is not None:
             self._abort()
         _sweep()
+
+
+def _weak_abort(g: Graph) -> Callable[[], None]:
+    """``g._abort``, without keeping ``g`` alive from what its capture holds."""
+    ref = weakref.ref(g)
+
+    def abort() -> None:
+        graph = ref()
+        if graph is not None:
+            graph._abort()
+
+    return abort
 
 
 def _check_no_capture(runtime: Runtime, device: int) -> None:
