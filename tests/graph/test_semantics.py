@@ -1,0 +1,169 @@
+"""What a capture means, stated once and run on every backend (host, simulated
+CUDA, simulated Level Zero): capture records and runs nothing; state a graph
+updates in place advances once per replay; outputs hold values after a
+replay; what would make a replay differ from eager is refused."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+import accel
+from accel._runtime import activate
+from accel.allocator import allocate, allocate_host
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture
+def rt(backend):
+    with activate(backend.name) as runtime:
+        yield runtime
+
+
+def _step_as_host_function(cache: torch.Tensor) -> None:
+    """The KV-cache update as stream work every backend records: a host function."""
+    accel.current_stream().launch_host_func(lambda: cache.mul_(0.5).add_(1))
+
+
+def _step_as_torch_ops(cache: torch.Tensor) -> None:
+    cache.mul_(0.5).add_(1)
+
+
+STEPS = {"host_function": _step_as_host_function, "torch_ops": _step_as_torch_ops}
+
+
+def _records_torch_ops(rt) -> bool:
+    # Where torch has no devices of the backend, its CPU ops are not the
+    # capture's (as with torch.cuda.graph); the host backend records them.
+    return rt.name == "cpu"
+
+
+@pytest.mark.parametrize("how", sorted(STEPS))
+def test_in_place_state_advances_once_per_replay_and_not_at_capture(rt, how: str) -> None:
+    if how == "torch_ops" and not _records_torch_ops(rt):
+        pytest.skip(f"torch CPU ops are not part of a {rt.name} capture")
+    cache = torch.zeros(4, 8)
+    g = accel.Graph()
+    g.register_inputs(cache)
+    with accel.graph(g):
+        STEPS[how](cache)
+    accel.synchronize()
+    assert torch.equal(cache, torch.zeros(4, 8))  # the capture ran nothing
+    for _ in range(3):
+        g.replay()
+    accel.synchronize()
+    assert torch.equal(cache, torch.full((4, 8), 1.75))
+
+
+def test_outputs_hold_values_after_the_first_replay_and_follow_new_inputs(rt) -> None:
+    n = 256
+    static_in, out = allocate(n), allocate(n)
+    host = allocate_host(n)
+    view = (ctypes.c_ubyte * n).from_address(host.ptr)
+    s = accel.current_stream()
+    s.fill(static_in, 3)
+    s.fill(out, 0)
+    accel.synchronize()
+    g = accel.Graph()
+    with accel.graph(g):
+        accel.current_stream().copy(out, static_in)
+    s.copy(host, out)
+    accel.synchronize()
+    assert bytes(view) == b"\0" * n  # before any replay: untouched
+    for value in (3, 9):
+        s.fill(static_in, value)
+        g.replay()
+        s.copy(host, out)
+        accel.synchronize()
+        assert bytes(view) == bytes([value]) * n
+    g.reset()
+
+
+def test_synchronizing_a_capturing_stream_invalidates_the_capture(rt) -> None:
+    g = accel.Graph()
+    with pytest.raises(accel.CaptureError):
+        with accel.graph(g):
+            accel.current_stream().launch_host_func(lambda: None)
+            try:
+                accel.current_stream().synchronize()
+            except accel.CaptureError:
+                pass  # refused now, or the capture fails at its end
+    assert not accel.graph.is_capturing()
+    with accel.graph(g):  # the device is free for the next capture
+        accel.current_stream().launch_host_func(lambda: None)
+    g.replay()
+    accel.synchronize()
+
+
+def test_host_torch_outputs_hold_values_only_after_replay(rt) -> None:
+    if not _records_torch_ops(rt):
+        pytest.skip(f"torch CPU ops are not part of a {rt.name} capture")
+    x = torch.ones(4)
+    g = accel.Graph()
+    with accel.graph(g):
+        y = x * 2 + 1
+    assert torch.equal(y, torch.zeros(4))  # recorded, not run
+    g.replay()
+    assert torch.equal(y, torch.full((4,), 3.0))
+    x.fill_(5)
+    g.replay()
+    assert torch.equal(y, torch.full((4,), 11.0))
+
+
+READS = {
+    "item": lambda x: x.sum().item(),
+    "bool": lambda x: bool(x[0] > 0),
+    "float": lambda x: float(x[0]),
+    "tolist": lambda x: torch.tensor(x.tolist()) * 2,
+    "numpy": lambda x: x.numpy(),
+    "print": lambda x: print(x),
+    "format": lambda x: f"{x}",
+    "nonzero": lambda x: x.nonzero(),
+    "mask": lambda x: x[x > 0],
+    "equal": lambda x: torch.equal(x, x),
+}
+
+
+@pytest.mark.parametrize("case", sorted(READS))
+def test_reading_values_during_a_host_capture_is_refused_naming_the_op(rt, case: str) -> None:
+    if not _records_torch_ops(rt):
+        pytest.skip(f"torch CPU ops are not part of a {rt.name} capture")
+    x = torch.ones(4)
+    g = accel.Graph()
+    with pytest.raises(accel.CaptureError, match=r"cannot capture (aten\.|Tensor\.)\w+.*values"):
+        with accel.graph(g):
+            READS[case](x * 1)
+    assert not accel.graph.is_capturing()
+    with accel.graph(g):  # nothing left behind: the next capture works
+        y = x + 1
+    g.replay()
+    assert torch.equal(y, torch.full((4,), 2.0))
+
+
+def test_a_caught_export_refusal_still_fails_the_capture(rt) -> None:
+    if not _records_torch_ops(rt):
+        pytest.skip(f"torch CPU ops are not part of a {rt.name} capture")
+    x = torch.ones(4)
+    g = accel.Graph()
+    with pytest.raises(accel.CaptureError, match="invalidated.*tolist"):
+        with accel.graph(g):
+            try:
+                x.tolist()
+            except accel.CaptureError:
+                pass
+            y = x * 2  # noqa: F841
+    assert x.tolist() == [1.0] * 4  # after the capture, exports work again
+
+
+def test_capture_time_out_of_memory_comes_from_accels_pool(rt) -> None:
+    if not _records_torch_ops(rt):
+        pytest.skip(f"torch CPU ops are not part of a {rt.name} capture")
+    _, total = accel.get_memory_info()
+    x = torch.ones(1)
+    g = accel.Graph()
+    with pytest.raises(accel.OutOfMemoryError):
+        with accel.graph(g):
+            x.expand(total // 4 + 1).clone()  # more bytes than the device has
+    assert not accel.graph.is_capturing()
