@@ -22,7 +22,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from accel._errors import CaptureError, HostFunctionError, InvalidValueError
+from accel._errors import CaptureError, HostFunctionError, InvalidHandleError, InvalidValueError
 from accel._runtime import Runtime, get_runtime
 from accel.allocator import empty_cache
 from accel.backends.base import CaptureMode
@@ -44,7 +44,8 @@ _MODES = {
 
 # One capture per device at a time (as CUDA allows one per process with the
 # global mode): it keeps the allocator's routing filter unambiguous.
-_capturing: dict[tuple[str, int], Graph] = {}
+# Weak: a Graph collected mid-capture drops its capture (see __del__).
+_capturing: dict[tuple[str, int], weakref.ref[Graph]] = {}
 _capturing_lock = threading.Lock()
 
 
@@ -145,9 +146,10 @@ class Graph:
         device = runtime.current_index
         stream = runtime.current_stream(device)
         key = (runtime.name, device)
+        _drop_abandoned_capture(runtime, device)
         with _capturing_lock:
             _check_no_capture(runtime, device)
-            _capturing[key] = self
+            _capturing[key] = weakref.ref(self)
         try:
             if pool_id is None:
                 pool_id = new_private_pool_id()
@@ -242,7 +244,10 @@ class Graph:
     def _finish_capture(self) -> None:
         with _capturing_lock:
             if self._runtime is not None:
-                _capturing.pop((self._runtime.name, self._device), None)
+                key = (self._runtime.name, self._device)
+                ref = _capturing.get(key)
+                if ref is not None and ref() in (self, None):
+                    del _capturing[key]
         self._stream = None
 
     def _leave_guard(self) -> None:
@@ -260,7 +265,7 @@ class Graph:
         torch_graph, self._torch_graph = self._torch_graph, None
         if torch_graph is not None:
             torch_graph.abort()
-        elif runtime is not None and stream is not None and stream.is_capturing():
+        elif runtime is not None and stream is not None and _still_capturing(stream):
             try:
                 graph = runtime.backend.stream_end_capture(self._device, stream._live())
             except CaptureError:
@@ -352,8 +357,8 @@ class Graph:
 
     def __del__(self) -> None:
         # A collection can run this inside the allocator's locked sections:
-        # the pool's release then waits for the allocator's next call. (A
-        # graph still capturing is never collected: _capturing holds it.)
+        # the pool's release then waits for the allocator's next call. A graph
+        # collected mid-capture ends the capture and frees the device.
         try:
             self._reset(from_finalizer=True)
         except Exception:  # noqa: BLE001 - interpreter shutdown; nothing to report to
@@ -428,8 +433,24 @@ def _weak_abort(g: Graph) -> Callable[[], None]:
     return abort
 
 
+def _still_capturing(stream: Stream) -> bool:
+    try:
+        return stream.is_capturing()
+    except InvalidHandleError:
+        return False  # closed: the backend dropped its capture with it
+
+
+def _drop_abandoned_capture(runtime: Runtime, device: int) -> None:
+    """Drop the device's capture if its stream was closed under it: nothing else can end it."""
+    ref = _capturing.get((runtime.name, device))
+    other = ref() if ref is not None else None
+    if other is not None and other._stream is not None and not _still_capturing(other._stream):
+        other._abort()
+
+
 def _check_no_capture(runtime: Runtime, device: int) -> None:
-    if (runtime.name, device) in _capturing:
+    ref = _capturing.get((runtime.name, device))
+    if ref is not None and ref() is not None:
         raise CaptureError(
             f"another graph is capturing on {runtime.device(device)}; only one capture "
             "may be under way per device. End it first."
@@ -441,6 +462,7 @@ def _prepare_for_capture() -> None:
     the device, and give cached memory back so the capture starts lean."""
     runtime = get_runtime()
     # Synchronizing would invalidate a capture under way; say why instead.
+    _drop_abandoned_capture(runtime, runtime.current_index)
     _check_no_capture(runtime, runtime.current_index)
     runtime.backend.device_synchronize(runtime.current_index)
     empty_cache()

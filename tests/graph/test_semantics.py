@@ -167,3 +167,37 @@ def test_capture_time_out_of_memory_comes_from_accels_pool(rt) -> None:
         with accel.graph(g):
             x.expand(total // 4 + 1).clone()  # more bytes than the device has
     assert not accel.graph.is_capturing()
+
+
+def test_a_capture_whose_stream_is_closed_is_dropped_and_frees_the_device(rt) -> None:
+    s = accel.Stream()
+    g = accel.Graph()
+    with s:
+        g.capture_begin()
+        accel.current_stream().launch_host_func(lambda: None)
+    s.close()
+    g2 = accel.Graph()
+    with accel.graph(g2):  # not "another graph is capturing"
+        accel.current_stream().launch_host_func(lambda: None)
+    g2.replay()
+    accel.synchronize()
+    with pytest.raises(accel.CaptureError, match="not capturing"):
+        g.capture_end()
+
+
+def test_a_graph_collected_mid_capture_frees_the_device(rt) -> None:
+    import gc
+
+    s = accel.Stream()
+    g = accel.Graph()
+    with s:
+        g.capture_begin()
+        accel.current_stream().launch_host_func(lambda: None)
+        del g
+        gc.collect()
+        assert not s.is_capturing()
+    g2 = accel.Graph()
+    with accel.graph(g2):
+        accel.current_stream().launch_host_func(lambda: None)
+    g2.replay()
+    accel.synchronize()
