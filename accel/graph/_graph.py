@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from types import TracebackType
@@ -104,6 +105,8 @@ class Graph:
         self._exec = 0  # executable graph handle
         self._captured = False
         self._inputs: list[Any] = []
+        self._capture_handle = 0  # the stream captured on: replayed host functions report there
+        self._forward_host_errors = False
         self.replay_errors: list[tuple[str, BaseException]] = []
 
     def __repr__(self) -> str:
@@ -223,6 +226,7 @@ class Graph:
         recorder, self._recorder = self._recorder, None
         self._leave_guard()
         try:
+            length = _capture_length(runtime, self._device, stream)
             if recorder is not None:
                 self._program = recorder.stop()
             if self._torch_graph is not None:
@@ -234,6 +238,19 @@ class Graph:
             raise
         assert self._lease is not None
         self._lease.stop_routing()
+        self._capture_handle = stream.native_handle
+        segments = len(self._program.segments) if self._program is not None else 0
+        # Work beyond the recorded torch ops (whose failures replay() raises)
+        # may hold host functions, whose failures go to the capture stream.
+        self._forward_host_errors = length is None or length > segments
+        if length == 0 and not segments:
+            warnings.warn(
+                f"{self!r} captured no work: the capture recorded nothing (no stream work on the "
+                "capturing stream, no torch op), so a replay does nothing. Was the work queued on "
+                "another stream?",
+                UserWarning,
+                stacklevel=2,
+            )
         self._finish_capture()
         self._captured = True
         if not self._keep_graph and self._torch_graph is None:
@@ -315,7 +332,26 @@ class Graph:
             self._torch_graph.replay(stream)
         else:
             runtime.backend.graph_launch(self._device, self._exec, stream._live())
+        if self._forward_host_errors and stream.native_handle != self._capture_handle:
+            stream.launch_host_func(self._host_error_forwarder(runtime))
         self._raise_replay_errors()
+
+    def _host_error_forwarder(self, runtime: Runtime) -> Callable[[], None]:
+        """A host function, queued after a replay, that re-raises the replay's host-function
+        failures on the replay stream (they are reported to the stream captured on), so
+        that the replay stream's next synchronize raises them, as it would uncaptured."""
+        device, handle, name = self._device, self._capture_handle, repr(self)
+
+        def forward() -> None:
+            failures = runtime.take_host_errors(device, handle)
+            if failures:
+                what, first = failures[0]
+                raise HostFunctionError(
+                    f"host function {what} in a replay of {name} raised {type(first).__name__}: {first}"
+                ) from first
+
+        forward.__qualname__ = f"replay of {name}"
+        return forward
 
     def _raise_replay_errors(self) -> None:
         if self.replay_errors:
@@ -431,6 +467,13 @@ def _weak_abort(g: Graph) -> Callable[[], None]:
             graph._abort()
 
     return abort
+
+
+def _capture_length(runtime: Runtime, device: int, stream: Stream) -> int | None:
+    try:
+        return runtime.backend.stream_capture_length(device, stream._live())
+    except Exception:  # noqa: BLE001 - an invalidated capture; capture_end raises for it next
+        return None
 
 
 def _still_capturing(stream: Stream) -> bool:

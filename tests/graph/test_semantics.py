@@ -201,3 +201,33 @@ def test_a_graph_collected_mid_capture_frees_the_device(rt) -> None:
         accel.current_stream().launch_host_func(lambda: None)
     g2.replay()
     accel.synchronize()
+
+
+def test_a_host_function_failing_in_a_replay_is_raised_by_the_next_synchronize(rt) -> None:
+    calls = []
+
+    def boom() -> None:
+        calls.append(1)
+        raise ValueError("boom")
+
+    g = accel.Graph()
+    with accel.graph(g):
+        accel.current_stream().launch_host_func(boom)
+    s = accel.current_stream()
+    g.replay()
+    with pytest.raises(accel.HostFunctionError, match="boom"):
+        s.synchronize()
+    s.synchronize()  # reported once
+    g.replay()
+    with pytest.raises(accel.HostFunctionError, match="boom"):
+        s.synchronize()
+    assert calls == [1, 1]
+
+
+def test_an_empty_capture_warns(rt) -> None:
+    g = accel.Graph()
+    with pytest.warns(UserWarning, match="captured no work"):
+        with accel.graph(g):
+            pass
+    g.replay()
+    accel.synchronize()
