@@ -39,6 +39,7 @@ from accel._errors import (
 from accel._facade import (
     can_device_access_peer,
     current_accelerator,
+    current_device_idx,
     current_device_index,
     current_stream,
     device_count,
@@ -47,6 +48,7 @@ from accel._facade import (
     get_device_properties,
     get_memory_info,
     is_available,
+    set_device_idx,
     set_device_index,
     set_stream,
     synchronize,
@@ -57,6 +59,7 @@ from accel.stream import Event, ExternalStream, Stream
 # The interop layer gives buffers their exchange formats (DLPack, CUDA Array
 # Interface) when it loads; it imports neither torch nor numpy.
 from accel import _interop  # noqa: F401
+from accel._interop import from_dlpack
 
 __version__ = "0.1.0"
 
@@ -83,6 +86,7 @@ __all__ = [
     "as_tensor",
     "can_device_access_peer",
     "current_accelerator",
+    "current_device_idx",
     "current_device_index",
     "current_stream",
     "device_count",
@@ -90,6 +94,7 @@ __all__ = [
     "empty",
     "empty_cache",
     "empty_host_cache",
+    "from_dlpack",
     "get_device_capability",
     "get_device_properties",
     "get_memory_info",
@@ -105,6 +110,7 @@ __all__ = [
     "memory_stats",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
+    "set_device_idx",
     "set_device_index",
     "set_stream",
     "synchronize",
@@ -173,7 +179,9 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module(f"accel.{name}")
     module = _LAZY_NAMES.get(name)
     if module is not None:
-        return getattr(importlib.import_module(module), name)
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # later lookups skip this function (accel.empty is on hot paths)
+        return value
     raise AttributeError(f"module 'accel' has no attribute {name!r}")
 
 

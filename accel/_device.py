@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any, Union
 
 from accel._errors import DeviceError
@@ -13,24 +12,60 @@ __all__ = ["Device", "DeviceLike"]
 _DEVICE_STRING = re.compile(r"^\s*([a-z]+)\s*(?::\s*(\d+))?\s*$")
 
 
-@dataclass(frozen=True)
-class Device:
-    """A device of a backend: ``Device("cuda", 1)`` prints as ``cuda:1``.
+class Device(str):
+    """A device of a backend: ``Device("cuda", 1)`` is the string ``"cuda:1"``.
 
     ``index`` is None for "the current device of this type", as in
-    ``torch.device("cuda")``.
+    ``torch.device("cuda")``. A Device *is* its device string (a ``str``
+    subclass), because torch takes no other foreign object as a device: it
+    works wherever torch takes a device, ``tensor.to(dev)``, ``device=dev``
+    and ``torch.device(dev)``, and compares equal to its string.
 
+    >>> from accel import Device
     >>> Device.parse("cpu:0")
     Device(type='cpu', index=0)
     >>> str(Device("xpu"))
     'xpu'
+    >>> Device("cuda", 1) == "cuda:1"
+    True
     """
 
-    type: str
-    index: int | None = None
+    __slots__ = ("_type", "_index")
+    _type: str
+    _index: int | None
+
+    def __new__(cls, type: str, index: int | None = None) -> Device:  # noqa: A002 - torch's name
+        if not isinstance(type, str) or not type.isalpha():
+            raise DeviceError(f"device type {type!r} must be a word such as 'cpu', 'cuda' or 'xpu'")
+        if index is not None and (isinstance(index, bool) or not isinstance(index, int) or index < 0):
+            raise DeviceError(f"device index {index!r} must be None or a non-negative int")
+        type = str(type)  # a Device passed as the type must not nest
+        self = super().__new__(cls, type if index is None else f"{type}:{index}")
+        object.__setattr__(self, "_type", type)
+        object.__setattr__(self, "_index", index)
+        return self
+
+    @property
+    def type(self) -> str:
+        """The backend's name: ``"cpu"``, ``"cuda"`` or ``"xpu"``."""
+        return self._type
+
+    @property
+    def index(self) -> int | None:
+        """The device's index, or None for the current device of :attr:`type`."""
+        return self._index
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"accel.Device is immutable; cannot set {name!r}")
+
+    def __repr__(self) -> str:
+        return f"Device(type={self._type!r}, index={self._index!r})"
 
     def __str__(self) -> str:
-        return self.type if self.index is None else f"{self.type}:{self.index}"
+        return str.__str__(self)
+
+    def __reduce__(self) -> tuple[type[Device], tuple[str, int | None]]:
+        return (Device, (self._type, self._index))
 
     @classmethod
     def parse(cls, text: str) -> Device:

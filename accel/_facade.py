@@ -8,6 +8,7 @@ an error, never a silent no-op.
 
 from __future__ import annotations
 
+import warnings
 from types import TracebackType
 from typing import Any
 
@@ -15,11 +16,12 @@ from accel._device import Device, DeviceLike
 from accel._errors import BackendUnavailableError, DeviceError
 from accel._runtime import get_runtime, requested_backend_name
 from accel.backends.base import DeviceProperties
-from accel.stream import Stream
+from accel.stream import Stream, as_stream
 
 __all__ = [
     "can_device_access_peer",
     "current_accelerator",
+    "current_device_idx",
     "current_device_index",
     "current_stream",
     "device_count",
@@ -28,6 +30,7 @@ __all__ = [
     "get_device_properties",
     "get_memory_info",
     "is_available",
+    "set_device_idx",
     "set_device_index",
     "set_stream",
     "synchronize",
@@ -35,7 +38,7 @@ __all__ = [
 
 _COMMON_DTYPES = frozenset(
     {
-        "bool", "uint8", "int8", "int16", "int32", "int64",
+        "bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
         "float16", "float32", "float64", "complex64", "complex128",
     }
 )
@@ -96,6 +99,26 @@ def set_device_index(device: DeviceLike, /) -> None:
     runtime.set_current_index(runtime.index(device, optional=False))
 
 
+def current_device_idx() -> int:
+    """Deprecated alias of :func:`current_device_index`, as in torch.accelerator."""
+    warnings.warn(
+        "accel.current_device_idx is deprecated (as torch.accelerator's); use current_device_index",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return current_device_index()
+
+
+def set_device_idx(device: DeviceLike, /) -> None:
+    """Deprecated alias of :func:`set_device_index`, as in torch.accelerator."""
+    warnings.warn(
+        "accel.set_device_idx is deprecated (as torch.accelerator's); use set_device_index",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    set_device_index(device)
+
+
 class device_index:  # noqa: N801 - named like torch.accelerator.device_index
     """Context manager: ``device`` is current inside the block; None does nothing.
 
@@ -130,10 +153,18 @@ def current_stream(device: DeviceLike = None, /) -> Stream:
     return runtime.current_stream(runtime.index(device))
 
 
-def set_stream(stream: Stream, /) -> None:
-    """Make ``stream`` current on its device, and its device current."""
-    if not isinstance(stream, Stream):
-        raise DeviceError(f"set_stream expects an accel.Stream, got {type(stream).__name__}")
+def set_stream(stream: Stream) -> None:
+    """Make ``stream`` current on its device, and its device current.
+
+    ``stream`` is an accel Stream or a torch stream of the current accelerator
+    (``torch.Stream``, ``torch.cuda.Stream``); a closed stream is refused here,
+    not at its first use.
+
+    >>> import accel, torch
+    >>> accel.set_stream(torch.Stream("cpu"))
+    """
+    stream = as_stream(stream, role="stream", optional=False)
+    stream._live()  # a closed stream is an error now, not in later work
     get_runtime().set_current_stream(stream)
 
 
@@ -166,6 +197,10 @@ def get_device_capability(device: DeviceLike = None, /) -> dict[str, Any]:
 
     dtypes are named as strings (``getattr(torch, name)`` maps them to torch's),
     so that asking does not import torch. CUDA adds ``compute_capability``.
+
+    >>> import accel
+    >>> "uint16" in accel.get_device_capability()["supported_dtypes"]
+    True
     """
     props = get_device_properties(device)
     dtypes = set(_COMMON_DTYPES)
@@ -179,7 +214,7 @@ def get_device_capability(device: DeviceLike = None, /) -> dict[str, Any]:
             dtypes.update({"float8_e4m3fn", "float8_e5m2"})
     else:
         dtypes.add("bfloat16")
-    capability["supported_dtypes"] = frozenset(dtypes)
+    capability["supported_dtypes"] = dtypes  # a set, as torch's
     return capability
 
 

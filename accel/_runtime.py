@@ -202,16 +202,76 @@ def get_runtime() -> Runtime:
     """The process's runtime; selects and loads the backend on first use.
 
     Raises :class:`~accel.BackendUnavailableError` with the reason when the
-    backend named by ``ACCEL_BACKEND`` (or every backend) cannot be used.
+    backend named by ``ACCEL_BACKEND`` (or every backend) cannot be used, and
+    :class:`~accel.AccelError` in a child forked after accel was initialized.
     """
     global _runtime
     runtime = _runtime
     if runtime is None:
+        if _forked_from is not None:
+            raise AccelError(_fork_message(_forked_from))
         with _runtime_lock:
             if _runtime is None:
                 _runtime = _runtime_for(select_backend())
             runtime = _runtime
     return runtime
+
+
+# -- fork ------------------------------------------------------------------------
+#
+# A forked child has none of the parent's threads (host stream workers, driver
+# threads) and inherits every lock another parent thread held at the fork, so
+# the parent's streams, events and memory would hang it. Like CUDA, a child of
+# an initialized process refuses accel at once and says to use spawn; a child
+# of a process that never initialized accel starts fresh.
+
+_forked_from: str | None = None  # the backends the parent had initialized
+
+
+def _fork_message(backends: str) -> str:
+    return (
+        f"accel ({backends}) was initialized in the parent process before it forked; a forked child cannot "
+        "use the parent's streams, events or memory (their threads and driver state do not survive fork()). "
+        "Start subprocesses with the 'spawn' or 'forkserver' method (multiprocessing.get_context('spawn')), "
+        "or use accel only in the children"
+    )
+
+
+class _ForkedBackend:
+    """Stands in for the parent's backend in a forked child: every call fails at once
+    instead of waiting for a thread or lock that does not exist there. Releases are
+    ignored: the resources belong to the parent (finalizers in the child reach them)."""
+
+    def __init__(self, name: str, message: str) -> None:
+        self.name = name
+        self._message = message
+
+    def __getattr__(self, attr: str) -> object:
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        if attr.endswith("_destroy") or attr.endswith("free") or attr == "vm_release":
+            return _ignore
+        raise AccelError(self._message)
+
+
+def _ignore(*args: object) -> None:
+    return None
+
+
+def _after_fork_in_child() -> None:
+    global _runtime, _runtime_lock, _forked_from
+    _runtime_lock = threading.Lock()  # another parent thread may have held it
+    if not _runtimes:
+        return  # the parent never initialized accel: the child starts fresh
+    _forked_from = ", ".join(sorted(_runtimes))
+    message = _fork_message(_forked_from)
+    for runtime in _runtimes.values():
+        runtime.backend = _ForkedBackend(runtime.name, message)  # type: ignore[assignment]
+        runtime._lock = threading.Lock()
+    _runtime = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def current_backend_name() -> str:

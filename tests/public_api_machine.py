@@ -19,13 +19,14 @@ timeout, so a crash or a hang fails the test instead of the session::
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import threading
 import time
 
 import numpy as np
-from hypothesis import HealthCheck, Verbosity, settings
+from hypothesis import HealthCheck, Phase, Verbosity, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule, run_state_machine_as_test
 
@@ -58,6 +59,7 @@ class PublicApiMachine(RuleBasedStateMachine):
         self.exports: list[tuple[LiveBuffer, object]] = []
         self.graphs: list[tuple[accel.Graph, LiveBuffer, int]] = []
         self.gates: list[threading.Event] = []
+        self.exported_frees: list[LiveBuffer] = []
 
     # -- streams and events ------------------------------------------------------------
 
@@ -71,8 +73,18 @@ class PublicApiMachine(RuleBasedStateMachine):
 
     @rule(stream=consumes(streams))
     def close_stream(self, stream: accel.Stream) -> None:
-        stream.close()  # queued work still completes; the default stream ignores close()
+        stream.close()  # queued work still completes
+        if stream == accel.current_stream():
+            stream.synchronize()  # the default stream ignores close(): it stays usable
+            return
         self.closed.append(stream)
+
+    @rule(stream=streams)
+    def wait_for_stream(self, stream: accel.Stream) -> None:
+        """Waiting on a stream works whether or not it was closed (for its work queued before the close)."""
+        self._open_gates()  # the default stream waits inline on the host
+        accel.current_stream().wait_stream(stream)
+        stream.record_event().synchronize()
 
     @rule(target=events, stream=streams, timing=st.booleans())
     def record_event(self, stream: accel.Stream, timing: bool) -> accel.Event:
@@ -115,9 +127,7 @@ class PublicApiMachine(RuleBasedStateMachine):
 
         if stream in self.closed:
             return
-        for gate in self.gates:  # the synchronize below must not wait for a gate
-            gate.set()
-        self.gates.clear()
+        self._open_gates()  # the synchronize below must not wait for a gate
         stream.launch_host_func(boom)
         try:
             stream.synchronize()
@@ -167,6 +177,8 @@ class PublicApiMachine(RuleBasedStateMachine):
     def free(self, live: LiveBuffer) -> None:
         if any(holder is live for holder, _ in self.exports) or any(b is live for _, b, _ in self.graphs):
             self.live.remove(live) if live in self.live else None
+            if not any(b is live for _, b, _ in self.graphs):
+                self.exported_frees.append(live)  # freed once its exports are released
             return  # still used by an export or a graph: dropped from the model, freed with them
         live.buf.free()
         live.buf.free()  # a second free does nothing
@@ -194,6 +206,9 @@ class PublicApiMachine(RuleBasedStateMachine):
     @rule()
     def release_exports(self) -> None:
         self.exports.clear()
+        for live in self.exported_frees:
+            live.buf.free()
+        self.exported_frees.clear()
 
     # -- graphs --------------------------------------------------------------------
 
@@ -259,7 +274,7 @@ class PublicApiMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         for gate in self.gates:
             gate.set()
-        self.exports.clear()
+        self.release_exports()
         self.graphs.clear()
         try:
             self._synchronize_all()
@@ -269,10 +284,13 @@ class PublicApiMachine(RuleBasedStateMachine):
 
     # -- helpers ------------------------------------------------------------------------
 
-    def _synchronize_all(self) -> None:
+    def _open_gates(self) -> None:
         for gate in self.gates:
             gate.set()
         self.gates.clear()
+
+    def _synchronize_all(self) -> None:
+        self._open_gates()
         accel.synchronize()
 
     def _guarded(self, call, *args) -> bool:  # type: ignore[no-untyped-def]
@@ -285,6 +303,10 @@ class PublicApiMachine(RuleBasedStateMachine):
 
 
 def main(examples: int) -> None:
+    # A hang prints every thread's stack and ends the run before the caller's timeout.
+    hang_s = float(os.environ.get("ACCEL_MACHINE_HANG_S", "0"))
+    if hang_s:
+        faulthandler.dump_traceback_later(hang_s, exit=True)
     run_state_machine_as_test(
         PublicApiMachine,
         settings=settings(
@@ -293,6 +315,9 @@ def main(examples: int) -> None:
             deadline=None,
             suppress_health_check=list(HealthCheck),
             database=None,
+            # Shrinking a failure replays it hundreds of times, past the test's timeout: the
+            # failing sequence is reported as found unless ACCEL_MACHINE_SHRINK=1.
+            phases=list(Phase) if os.environ.get("ACCEL_MACHINE_SHRINK") else [Phase.generate],
             # ACCEL_MACHINE_VERBOSE=1 prints every step as it runs: the sequence that led
             # to a crash, which hypothesis cannot shrink since the process is gone.
             verbosity=Verbosity.debug if os.environ.get("ACCEL_MACHINE_VERBOSE") else Verbosity.normal,

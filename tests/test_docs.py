@@ -64,3 +64,43 @@ def test_accel_names_exist(page):
             assert hasattr(obj, part) or importlib.util.find_spec(f"{obj.__name__}.{part}") is not None, \
                 f"{page} mentions {name}, which does not exist"
             obj = getattr(obj, part, None) or importlib.import_module(f"{obj.__name__}.{part}")
+
+
+_RUN_EACH_BLOCK = r'''
+import doctest, io, re, sys, traceback
+blocks = re.findall(r"```python\n(.*?)```", open(sys.argv[1]).read(), flags=re.S)
+failed = 0
+for i, block in enumerate(blocks):
+    namespace = {"__name__": f"api_md_block_{i}"}  # nothing from the other blocks
+    report = io.StringIO()
+    try:
+        if block.lstrip().startswith(">>>"):
+            test = doctest.DocTestParser().get_doctest(block, namespace, f"block {i}", None, 0)
+            runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+            runner.run(test, out=report.write)
+            ok = not runner.failures
+        else:
+            exec(compile(block, f"block {i}", "exec"), namespace)
+            ok = True
+    except BaseException:
+        report.write(traceback.format_exc())
+        ok = False
+    if not ok:
+        failed += 1
+        print(f"--- block {i} fails when pasted alone:\n{block}\n{report.getvalue()[-1500:]}")
+print(f"{len(blocks)} blocks, {failed} failed")
+sys.exit(1 if failed else 0)
+'''
+
+
+def test_every_api_example_runs_on_its_own(tmp_path):
+    """Each example of docs/api.md, pasted alone into a fresh interpreter namespace, runs as shown."""
+    script = tmp_path / "run_blocks.py"
+    script.write_text(_RUN_EACH_BLOCK)
+    env = {**os.environ, "ACCEL_BACKEND": "cpu", "ACCEL_CPU_DEVICES": "2", "PYTHONPATH": str(ROOT)}
+    for name in ("ACCEL_ALLOC_CONF", "ACCEL_CPU_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        env.pop(name, None)
+    result = subprocess.run([sys.executable, str(script), str(DOCS / "api.md")], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert int(result.stdout.split()[-4]) >= 50

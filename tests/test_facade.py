@@ -146,7 +146,7 @@ def test_current_stream_and_set_stream() -> None:
 
     assert in_thread(switch) == (1, s, default)
     assert accel.current_stream(1) != s  # the other thread's choice stays there
-    with pytest.raises(accel.DeviceError, match="expects an accel.Stream"):
+    with pytest.raises(accel.InvalidValueError, match="stream='stream' .* is not a stream"):
         accel.set_stream("stream")  # type: ignore[arg-type]
 
 
@@ -259,3 +259,39 @@ def test_star_import_needs_no_torch() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True", "True"]
+
+
+def test_torch_takes_accel_devices() -> None:
+    torch = pytest.importorskip("torch")
+    device = accel.current_accelerator()
+    assert torch.ones(2).to(device).device.type == "cpu"
+    assert torch.empty(2, device=device).device.type == "cpu"
+    assert torch.device(accel.Device("cpu", 0)) == torch.device("cpu", 0)
+    assert torch.zeros(1, device=accel.Device("cpu", 0)).device == torch.device("cpu")
+    assert accel.Device("cuda", 1) == "cuda:1" and accel.Device.parse(str(device)) == device
+
+
+def test_device_is_immutable_and_checks_its_parts() -> None:
+    import pickle
+
+    device = accel.Device("cuda", 1)
+    assert (device.type, device.index, repr(device)) == ("cuda", 1, "Device(type='cuda', index=1)")
+    assert repr(pickle.loads(pickle.dumps(device))) == repr(device)
+    with pytest.raises(AttributeError, match="immutable"):
+        device.index = 2  # type: ignore[misc]
+    for bad in (("cuda", -1), ("cuda", True), ("cu:da", None), (3, None)):
+        with pytest.raises(accel.DeviceError):
+            accel.Device(*bad)  # type: ignore[arg-type]
+
+
+def test_supported_dtypes_are_a_set_with_unsigned_ints() -> None:
+    dtypes = accel.get_device_capability()["supported_dtypes"]
+    assert type(dtypes) is set
+    assert {"uint16", "uint32", "uint64"} <= dtypes
+
+
+def test_deprecated_idx_aliases_warn_as_torch() -> None:
+    with pytest.warns(DeprecationWarning, match="current_device_index"):
+        assert accel.current_device_idx() == accel.current_device_index()
+    with pytest.warns(DeprecationWarning, match="set_device_index"):
+        accel.set_device_idx(0)

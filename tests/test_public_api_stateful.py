@@ -26,7 +26,8 @@ def test_hostile_sequences_keep_every_invariant(name: str) -> None:
     reason = backend_skip_reason(name)
     if reason:
         pytest.skip(reason)
-    env = {**os.environ, "ACCEL_BACKEND": name, "ACCEL_MACHINE_VERBOSE": ""}
+    # A hang dumps every thread's stack (faulthandler) 20 s before the timeout below.
+    env = {**os.environ, "ACCEL_BACKEND": name, "ACCEL_MACHINE_VERBOSE": "", "ACCEL_MACHINE_HANG_S": "220"}
     try:
         result = subprocess.run(
             [sys.executable, "-X", "faulthandler", "-m", "tests.public_api_machine", str(EXAMPLES)],

@@ -33,10 +33,23 @@ DEFAULT_COMMAND = "info"
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad argument in one line instead of usage + line."""
+    """argparse that reports a bad argument in one line instead of usage + line
+    (as JSON on stdout when the command line asks for ``--json``)."""
+
+    json_errors = False
 
     def error(self, message: str) -> NoReturn:
+        # A typed argument may hold a newline or a terminal escape: shown escaped, on one line.
+        message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+        if _Parser.json_errors:
+            _print_error(f"{message} (see '{self.prog} --help')", "UsageError")
+            self.exit(2)
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _print_error(message: str, kind: str) -> None:
+    """An error as JSON on stdout, ``{"error": ..., "kind": ...}``: what ``--json`` readers parse."""
+    print(json.dumps({"error": message, "kind": kind}))
 
 
 def _subcommands() -> list[ModuleType]:
@@ -56,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="accel",
         description="accel: one runtime API for CUDA, Level Zero and the host CPU.",
     )
+    parser.add_argument("--version", action="version", version=f"accel {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for module in _subcommands():
         sub = subparsers.add_parser(module.NAME, help=module.HELP, description=module.HELP)
@@ -68,13 +82,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if not args_list or args_list[0].startswith("-") and args_list[0] not in ("-h", "--help"):
+    if not args_list or args_list[0].startswith("-") and args_list[0] not in ("-h", "--help", "--version"):
         args_list.insert(0, DEFAULT_COMMAND)
-    args = parser.parse_args(args_list)
+    _Parser.json_errors = "--json" in args_list
+    try:
+        args = parser.parse_args(args_list)
+    finally:
+        _Parser.json_errors = False
     try:
         return int(args._run(args))
     except AccelError as exc:
-        print(f"accel {args.command}: {exc}", file=sys.stderr)
+        if getattr(args, "json", False):
+            _print_error(str(exc), type(exc).__name__)
+        else:
+            print(f"accel {args.command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
@@ -83,8 +104,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except OSError as exc:  # a file that cannot be read or written
-        print(f"accel {args.command}: {exc}", file=sys.stderr)
+        if getattr(args, "json", False):
+            _print_error(str(exc), type(exc).__name__)
+        else:
+            print(f"accel {args.command}: {exc}", file=sys.stderr)
         return 1
+
+
+def _version() -> str:
+    # The version of the code that runs (tests/test_packaging.py checks it is pyproject's).
+    version: str = importlib.import_module("accel").__version__
+    return version
 
 
 def print_json(payload: Any) -> None:

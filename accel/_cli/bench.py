@@ -1,7 +1,7 @@
 """``accel bench``: run the benchmarks and print their ratios.
 
 Benchmarks are the ``benchmarks/bench_*.py`` modules of the accel source
-tree. Each one that defines ``run(quick: bool) -> list[dict]`` is run; every
+tree, installed with accel as ``accel/_benchmarks``. Each one that defines ``run(quick: bool) -> list[dict]`` is run; every
 row it returns has a ``name`` and a ``ratio`` (accel against the row's
 ``baseline``, higher is better for accel: baseline time / accel time for
 speed). The contract is written
@@ -12,11 +12,15 @@ to stdout (a table, or JSON with ``--json``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import inspect
+import io
 import math
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -33,21 +37,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions: a smoke run, not a measurement")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--list", action="store_true", help="list the benchmarks found and exit")
-    parser.add_argument("--dir", type=Path, default=None, help="the benchmarks directory (default: ./benchmarks, else the one beside the accel package)")
+    parser.add_argument("--dir", type=Path, default=None, help="the benchmarks directory (default: ./benchmarks, else the one installed with accel)")
 
 
 def find_benchmarks_dir(explicit: Path | None) -> Path:
-    """The directory holding ``bench_*.py``: ``--dir``, ``./benchmarks``, or the source tree's."""
+    """The directory holding ``bench_*.py``: ``--dir``, ``./benchmarks``, the copy
+    installed with accel (``accel/_benchmarks`` in a wheel), or the source tree's."""
     if explicit is not None:
         if not explicit.is_dir():
             raise InvalidValueError(f"--dir {str(explicit)!r} is not a directory")
         return explicit
-    for candidate in (Path.cwd() / "benchmarks", Path(__file__).resolve().parents[2] / "benchmarks"):
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (Path.cwd() / "benchmarks", package / "_benchmarks", package.parent / "benchmarks"):
         if candidate.is_dir() and any(candidate.glob("bench_*.py")):
             return candidate
     raise InvalidValueError(
-        "no benchmarks directory found: run from the accel source tree or pass --dir DIR "
-        "(a directory of bench_*.py modules)"
+        "no benchmarks directory found: this accel was installed without its benchmarks; "
+        "pass --dir DIR (a directory of bench_*.py modules, e.g. benchmarks/ of the accel source tree)"
     )
 
 
@@ -102,65 +108,139 @@ def _check_rows(rows: object, module: str) -> list[dict[str, Any]]:
 
 
 class _Progress:
-    """A one-line bar on stderr when it is a terminal; plain lines otherwise."""
+    """Where the run is, on stderr: the module, and the case it is on with the
+    elapsed time and an estimate of what is left, when the module reports its
+    cases (``run(quick, progress=...)``, benchmarks/README.md).
+
+    On a terminal one line is redrawn, and ticks every half second so that a
+    long case shows time moving; otherwise each step is a plain line.
+    """
 
     def __init__(self, total: int) -> None:
         self.total = total
-        self.tty = sys.stderr.isatty()
+        self.stream = sys.stderr  # captured now: a module's own stderr is redirected while it runs
+        self.tty = self.stream.isatty()
+        self._lock = threading.Lock()
+        self._line = ""
+        self._started = time.perf_counter()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+        if self.tty:
+            self._ticker = threading.Thread(target=self._tick, name="accel-bench-progress", daemon=True)
+            self._ticker.start()
 
-    def show(self, done: int, label: str) -> None:
+    def _bar(self, done: int) -> str:
         width = 24
         filled = width * done // max(self.total, 1)
-        line = f"[{'#' * filled}{'-' * (width - filled)}] {done}/{self.total} {label}"
+        return f"[{'#' * filled}{'-' * (width - filled)}] {done}/{self.total}"
+
+    def show(self, done: int, label: str) -> None:
+        """Module ``done + 1`` (``label``) starts."""
+        with self._lock:
+            self._started = time.perf_counter()
+            self._line = f"{self._bar(done)} {label}"
+            self._write(self._line)
+
+    def step(self, module: str, done: int, total: int, label: str) -> None:
+        """A module reports that it starts case ``done + 1`` of ``total`` (``label``)."""
+        elapsed = time.perf_counter() - self._started
+        left = f", about {_duration(elapsed / done * (total - done))} left" if done else ""
+        with self._lock:
+            self._line = f"  {module}: {done}/{total} {label} ({_duration(elapsed)} elapsed{left})"
+            self._write(self._line)
+
+    def _write(self, line: str) -> None:
         if self.tty:
-            sys.stderr.write(f"\r\x1b[2K{line}")
+            since = time.perf_counter() - self._started
+            self.stream.write(f"\r\x1b[2K{line} [{_duration(since)}]")
         else:
-            sys.stderr.write(line + "\n")
-        sys.stderr.flush()
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(0.5):
+            with self._lock:
+                self._write(self._line)
 
     def close(self) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
         if self.tty:
-            sys.stderr.write("\r\x1b[2K")
-            sys.stderr.flush()
+            self.stream.write("\r\x1b[2K")
+            self.stream.flush()
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}min"
+
+
+def _call(runner: Any, quick: bool, report: Callable[[int, int, str], None]) -> object:
+    """``runner(quick)``, with ``progress=report`` when the module takes it."""
+    try:
+        takes_progress = "progress" in inspect.signature(runner).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        takes_progress = False
+    return runner(quick, progress=report) if takes_progress else runner(quick)
 
 
 def run_benchmarks(paths: Sequence[Path], quick: bool) -> list[dict[str, Any]]:
     """Run each module's ``run(quick)``; one result per module, errors caught and reported."""
     results = []
     progress = _Progress(len(paths))
-    for done, path in enumerate(paths):
-        progress.show(done, path.stem)
-        started = time.perf_counter()
-        result: dict[str, Any] = {"module": path.stem, "rows": []}
-        try:
+    try:
+        for done, path in enumerate(paths):
+            progress.show(done, path.stem)
+            results.append(_run_one(path, quick, progress))
+        progress.show(len(paths), "done")
+    finally:
+        progress.close()
+    return results
+
+
+def _run_one(path: Path, quick: bool, progress: _Progress) -> dict[str, Any]:
+    started = time.perf_counter()
+    result: dict[str, Any] = {"module": path.stem, "rows": []}
+    diagnostics = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(diagnostics):
             module = _load(path)
             runner = getattr(module, "run", None)
             if not callable(runner):
                 result["status"] = "skipped"
                 result["reason"] = f"no run(quick) function; run it directly: python {path}"
             else:
-                result["rows"] = _check_rows(runner(quick), path.stem)
-                result["status"] = "ok"
-        # Benchmarks are scripts too: sys.exit() or argparse's error() in one
-        # must end that module's run, not the whole command.
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - one broken benchmark must not hide the others
-            result["status"] = "error"
-            result["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        result["seconds"] = round(time.perf_counter() - started, 3)
-        results.append(result)
-    progress.show(len(paths), "done")
-    progress.close()
-    return results
+                rows = _check_rows(
+                    _call(runner, quick, lambda done, total, label: progress.step(path.stem, done, total, label)),
+                    path.stem,
+                )
+                result["rows"] = rows
+                if rows:
+                    result["status"] = "ok"
+                else:  # the contract: no rows, and the reason on stderr
+                    said = [line for line in diagnostics.getvalue().splitlines() if line.strip()]
+                    result["status"] = "skipped"
+                    result["reason"] = said[-1].strip() if said else "it measured nothing here"
+    # Benchmarks are scripts too: sys.exit() or argparse's error() in one
+    # must end that module's run, not the whole command.
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - one broken benchmark must not hide the others
+        result["status"] = "error"
+        result["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    finally:
+        sys.stderr.write(diagnostics.getvalue())  # what the module said, after its progress lines
+    result["seconds"] = round(time.perf_counter() - started, 3)
+    return result
 
 
 def run(args: argparse.Namespace) -> int:
     directory = find_benchmarks_dir(args.dir)
     paths = select(directory, args.names)
     if args.list:
+        # The names the table and --json results use (and that NAME accepts).
         if args.json:
             print_json([p.stem for p in paths])
         else:
-            print("\n".join(p.stem.removeprefix("bench_") for p in paths))
+            print("\n".join(p.stem for p in paths))
         return 0
     results = run_benchmarks(paths, args.quick)
     ok = all(r["status"] != "error" for r in results)

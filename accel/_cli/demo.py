@@ -5,7 +5,8 @@ On the host backend with torch installed, a small MLP is captured with
 with a CUDA build of torch (torch's CUDA graph carries the capture).
 Elsewhere (no torch, or a backend whose streams torch cannot share) a graph
 of stream copies is captured instead. Either way the report gives the eager and replay
-time per call, whether the outputs match, the memory the graph holds and the
+time per call (timed in interleaved rounds; the speedup is the median of the
+per-round ratios, with their spread), whether the outputs match, the memory the graph holds and the
 allocations replays made (none).
 """
 
@@ -44,18 +45,33 @@ def _positive(text: str) -> int:
     return value
 
 
-def _per_call_us(fn: Callable[[], object], calls: int) -> float:
-    """Median over five rounds of the mean time of ``calls`` calls, after a
-    warm-up (first calls pay torch's lazy initialisation)."""
-    for _ in range(max(50, calls // 4)):
-        fn()
-    rounds = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
+def _interleaved_us(variants: dict[str, Callable[[], object]], calls: int, rounds: int = 7) -> dict[str, list[float]]:
+    """Per-call microseconds of each variant in each of ``rounds`` rounds.
+
+    Variants take turns within every round, in a rotating order, so that a
+    change of machine load or clock speed hits them alike (timed one after the
+    other, the same model showed 1.1x to 10x). Warmed up first: the first calls
+    pay torch's lazy initialisation.
+    """
+    for fn in variants.values():
+        for _ in range(max(50, calls // 4)):
             fn()
-        rounds.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(rounds)
+    names = list(variants)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            fn = variants[name]
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    return times
+
+
+def _speedup(eager: list[float], replay: list[float]) -> dict[str, Any]:
+    """The median of the per-round ratios, and their spread (lowest, highest)."""
+    ratios = [e / r for e, r in zip(eager, replay)]
+    return {"speedup": statistics.median(ratios), "speedup_spread": [min(ratios), max(ratios)]}
 
 
 def _allocations(device_type: str = "cpu") -> int:
@@ -98,21 +114,28 @@ def _torch_demo(calls: int, compiled: bool, device_type: str) -> dict[str, Any]:
     if compiled:
         variants["compiled"] = make_graphed_callables(model, (x,), tier="compiled")
     reference = eager()
-    report["eager_us"] = _per_call_us(eager, calls)
+    outputs = {}
+    calls_of: dict[str, Callable[[], object]] = {"eager": eager}
     for name, fn in variants.items():
-        out = fn(x)
+        outputs[name] = fn(x)
         finish()
-        (entry,) = fn._cache.values()
 
         def call(fn: Any = fn) -> None:
             fn(x)
             finish()
 
+        calls_of[name] = call
+    times = _interleaved_us(calls_of, calls)
+    report["eager_us"] = statistics.median(times["eager"])
+    for name, fn in variants.items():
+        (entry,) = fn._cache.values()
+        out = outputs[name]
         before = _allocations(device_type)
-        per_call = _per_call_us(call, calls)
+        for _ in range(10):
+            calls_of[name]()
         report[name] = {
-            "replay_us": per_call,
-            "speedup": report["eager_us"] / per_call,
+            "replay_us": statistics.median(times[name]),
+            **_speedup(times["eager"], times[name]),
             "bitwise_equal": bool(torch.equal(out, reference)),
             "max_abs_error": float((out - reference).abs().max()),
             "allocations_during_replays": _allocations(device_type) - before,
@@ -152,15 +175,16 @@ def _stream_demo(calls: int) -> dict[str, Any]:
                 g.replay()
             stream.synchronize()
 
-        eager_us = _per_call_us(eager, calls)
+        times = _interleaved_us({"eager": eager, "replay": replay}, calls)
         before = _allocations()
-        replay_us = _per_call_us(replay, calls)
+        for _ in range(10):
+            replay()
         return {
             "workload": f"{pieces} copies of {nbytes} bytes on one stream",
-            "eager_us": eager_us,
+            "eager_us": statistics.median(times["eager"]),
             "stream_work": {
-                "replay_us": replay_us,
-                "speedup": eager_us / replay_us,
+                "replay_us": statistics.median(times["replay"]),
+                **_speedup(times["eager"], times["replay"]),
                 "allocations_during_replays": _allocations() - before,
             },
         }
@@ -220,7 +244,8 @@ def run(args: argparse.Namespace) -> int:
         r = report.get(name)
         if r is None:
             continue
-        line = f"  {label:<21} {r['replay_us']:9.1f} µs per call ({r['speedup']:.2f}x)"
+        low, high = r["speedup_spread"]
+        line = f"  {label:<21} {r['replay_us']:9.1f} µs per call ({r['speedup']:.2f}x, rounds {low:.2f}x..{high:.2f}x)"
         if "bitwise_equal" in r:
             match = "bitwise equal to eager" if r["bitwise_equal"] else f"max |error| {r['max_abs_error']:.1e}"
             line += f", {match}"

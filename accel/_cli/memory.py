@@ -54,9 +54,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     plot.add_argument("snapshot", help="the snapshot pickle file")
     plot.add_argument("-o", "--output", required=True, help="where to write: a .png or .html file")
-    plot.add_argument("--device", type=int, default=None, help="device index (default: the first with data)")
+    plot.add_argument("--device", type=_device_index, default=None, help="device index (default: the first with data)")
     plot.add_argument("--size", type=_size, default=(1280, 800), metavar="WxH", help="image size in pixels (default 1280x800)")
     plot.add_argument("--json", action="store_true", help="print what was drawn as JSON")
+
+
+def _device_index(text: str) -> int:
+    try:
+        index = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device index") from None
+    if not 0 <= index < _MAX_DEVICE:
+        raise argparse.ArgumentTypeError(f"{text!r}: a device index is 0 or more")
+    return index
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -118,7 +128,8 @@ class _PlainUnpickler(pickle.Unpickler):
 
 
 def load_snapshot(path: Path) -> dict[str, Any]:
-    """Read a snapshot pickle; an accel error says what is wrong with a bad one."""
+    """Read a snapshot pickle and check its layout; an accel error says what is
+    wrong with a bad one, whatever the file holds."""
     try:
         with path.open("rb") as handle:
             data = _PlainUnpickler(handle).load()
@@ -126,8 +137,15 @@ def load_snapshot(path: Path) -> dict[str, Any]:
         raise InvalidValueError(f"snapshot {str(path)!r} does not exist; write one with accel.memory.dump_snapshot(path)") from None
     except IsADirectoryError:
         raise InvalidValueError(f"snapshot {str(path)!r} is a directory, not a snapshot file") from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError) as exc:
-        raise InvalidValueError(f"{str(path)!r} is not a memory snapshot pickle ({exc})") from None
+    except (OSError, KeyboardInterrupt):
+        raise
+    # Unpickling is parsing an untrusted file: any failure, a MemoryError from a
+    # claimed multi-gigabyte string or a KeyError from a bad memo reference
+    # included, means the file is not a snapshot.
+    except Exception as exc:  # noqa: BLE001
+        raise InvalidValueError(
+            f"{str(path)!r} is not a memory snapshot pickle ({type(exc).__name__}: {_first_line(exc)})"
+        ) from None
     if isinstance(data, list):  # the segments-only form (memory_snapshot())
         data = {"segments": data, "device_traces": []}
     if not isinstance(data, dict) or not isinstance(data.get("segments"), list):
@@ -135,7 +153,106 @@ def load_snapshot(path: Path) -> dict[str, Any]:
             f"{str(path)!r} is a pickle but not a memory snapshot: expected a dict with 'segments' "
             "(as written by accel.memory.dump_snapshot)"
         )
-    return data
+    return _checked(data)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).splitlines()
+    return text[0][:200] if text else ""
+
+
+_MAX_VALUE = 1 << 64  # sizes and addresses are 64-bit
+_MAX_DEVICE = 1 << 16
+
+
+class _Malformed(Exception):
+    """Where a snapshot departs from PyTorch's layout (becomes an InvalidValueError)."""
+
+
+def _int(container: dict[Any, Any], key: str, where: str, *, default: int | None = None, limit: int = _MAX_VALUE) -> int:
+    value = container.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
+        # Only the type is shown: the repr of a hostile value can be huge or recurse forever.
+        shown = "missing" if key not in container else f"a {type(value).__name__}"
+        raise _Malformed(f"{where}[{key!r}] is {shown}, not an integer in 0..{limit - 1}")
+    return value
+
+
+def _list(value: object, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise _Malformed(f"{where} is a {type(value).__name__}, not a list")
+    return value
+
+
+def _dict(value: object, where: str) -> dict[Any, Any]:
+    if not isinstance(value, dict):
+        raise _Malformed(f"{where} is a {type(value).__name__}, not a dict")
+    return value
+
+
+def _pool_id(value: object) -> tuple[int, int] | None:
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(
+        isinstance(v, int) and not isinstance(v, bool) and abs(v) < _MAX_VALUE for v in value
+    ):
+        return (value[0], value[1])
+    return None
+
+
+def _pool_fields(raw: dict[Any, Any]) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for key in ("segment_pool_id", "pool_id"):
+        if key in raw:
+            fields[key] = _pool_id(raw[key])
+    if "segment_type" in raw:
+        kind = raw["segment_type"]
+        fields["segment_type"] = kind if isinstance(kind, str) else None
+    return fields
+
+
+def _checked(data: dict[Any, Any]) -> dict[str, Any]:
+    """The fields the plot reads, each checked, in plain types: drawing cannot fail on them."""
+    try:
+        segments = []
+        for i, raw in enumerate(data["segments"]):
+            where = f"segments[{i}]"
+            seg = _dict(raw, where)
+            blocks = []
+            for j, raw_block in enumerate(_list(seg.get("blocks", []), f"{where}['blocks']")):
+                block = _dict(raw_block, f"{where}['blocks'][{j}]")
+                state = block.get("state", "inactive")
+                blocks.append({
+                    "size": _int(block, "size", f"{where}['blocks'][{j}]"),
+                    "state": state if isinstance(state, str) else "inactive",
+                })
+            segments.append({
+                "device": _int(seg, "device", where, limit=_MAX_DEVICE),
+                "address": _int(seg, "address", where),
+                "total_size": _int(seg, "total_size", where),
+                "allocated_size": _int(seg, "allocated_size", where, default=0),
+                "blocks": blocks,
+                **_pool_fields(seg),
+            })
+        traces = []
+        raw_traces = data.get("device_traces") or []
+        for d, raw_trace in enumerate(_list(raw_traces, "device_traces")[:_MAX_DEVICE]):
+            entries = []
+            for k, raw_entry in enumerate(_list(raw_trace or [], f"device_traces[{d}]")):
+                where = f"device_traces[{d}][{k}]"
+                entry = _dict(raw_entry, where)
+                action, time_us = entry.get("action"), entry.get("time_us", 0)
+                if isinstance(time_us, bool) or not isinstance(time_us, (int, float)) or not abs(time_us) < 2.0**63:
+                    raise _Malformed(f"{where}['time_us'] is a {type(time_us).__name__}, not a time in microseconds")
+                entries.append({
+                    "action": action if isinstance(action, str) else None,
+                    "time_us": float(time_us),
+                    "size": _int(entry, "size", where, default=0),
+                    "addr": _int(entry, "addr", where, default=0),
+                    **_pool_fields(entry),
+                })
+            traces.append(entries)
+    except _Malformed as exc:
+        raise InvalidValueError(f"the snapshot is malformed: {exc}") from None
+    return {"segments": segments, "device_traces": traces}
 
 
 # -- the model ---------------------------------------------------------------------
@@ -168,16 +285,8 @@ def _segment_pool(seg: dict[str, Any]) -> str:
 
 
 def build_model(snapshot: dict[str, Any], device: int | None) -> _Model:
-    """The series to draw: per-pool allocated/reserved steps over time."""
-    try:
-        return _build_model(snapshot, device)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        if isinstance(exc, InvalidValueError):
-            raise
-        raise InvalidValueError(f"the snapshot is malformed ({type(exc).__name__}: {exc})") from None
-
-
-def _build_model(snapshot: dict[str, Any], device: int | None) -> _Model:
+    """The series to draw: per-pool allocated/reserved steps over time, from a
+    snapshot as :func:`load_snapshot` returns it (checked)."""
     traces = snapshot.get("device_traces") or []
     segments_all = snapshot["segments"]
     devices = sorted({int(seg["device"]) for seg in segments_all} | {i for i, t in enumerate(traces) if t})

@@ -2,6 +2,7 @@
 
 - :mod:`accel._interop._dlpack`: the DLPack producer behind ``Buffer.__dlpack__``.
 - :mod:`accel._interop._cuda_array_interface`: ``Buffer.__cuda_array_interface__`` (CUDA).
+- :mod:`accel._interop._consume`: ``accel.from_dlpack``, foreign memory as an accel buffer.
 - :mod:`accel._interop.torch`: ``accel.empty`` and ``accel.as_tensor``.
 
 This layer sits above the allocator and the streams: buffers reach their
@@ -10,18 +11,21 @@ package calls when ``accel`` is imported. Nothing here imports torch or numpy
 until a function that needs them is called.
 """
 
+from accel._interop._consume import ForeignBuffer, from_dlpack
 from accel._interop._cuda_array_interface import cuda_array_interface
-from accel._interop._dlpack import DLDeviceType, DLPackExportError, dlpack_device, to_capsule
+from accel._interop._dlpack import DLDeviceType, DLPackExportError, dlpack_device, release_unconsumed, to_capsule
 from accel._interop.torch import as_tensor, empty
 from accel.allocator import install_exports
 
 __all__ = [
     "DLDeviceType",
     "DLPackExportError",
+    "ForeignBuffer",
     "as_tensor",
     "cuda_array_interface",
     "dlpack_device",
     "empty",
+    "from_dlpack",
     "to_capsule",
 ]
 
@@ -32,6 +36,7 @@ class _BufferExports:
     to_capsule = staticmethod(to_capsule)
     dlpack_device = staticmethod(dlpack_device)
     cuda_array_interface = staticmethod(cuda_array_interface)
+    release_unconsumed = staticmethod(release_unconsumed)
 
 
 install_exports(_BufferExports())

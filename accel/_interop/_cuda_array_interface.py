@@ -27,6 +27,7 @@ _LEGACY_DEFAULT_STREAM = 1
 def cuda_array_interface(obj: Any) -> dict[str, Any]:
     """The CAI v3 dict of a CUDA buffer: 1-D bytes (``"|u1"``), C-contiguous, writable.
 
+    >>> from accel._interop import cuda_array_interface
     >>> import accel
     >>> class B:  # a CUDA buffer's attributes
     ...     ptr, nbytes, device = 0x7f0000000000, 256, accel.Device("cuda", 0)

@@ -10,9 +10,12 @@ that ``__dlpack__`` hands to consumers (``torch.from_dlpack``,
 Both capsule kinds are produced: the legacy ``"dltensor"`` capsule holding a
 ``DLManagedTensor``, and, when the consumer passes ``max_version`` with a
 major version of at least 1, the DLPack 1.0 ``"dltensor_versioned"`` capsule
-holding a ``DLManagedTensorVersioned``. The exporting object is kept alive
-until the consumer calls the tensor's deleter (or, if the capsule is never
-consumed, until the capsule is collected).
+holding a ``DLManagedTensorVersioned``. The exporting object (for an accel
+Buffer, its memory, even past ``Buffer.free()``) is kept alive until the
+consumer calls the tensor's deleter, or, if the capsule is never consumed,
+until the next export (or the free of the Buffer) after the capsule died. Exports still held at
+interpreter exit are safe: the deleter stays valid for the life of the
+process.
 
 Stream semantics follow the array API standard's ``__dlpack__``: the
 consumer names the stream it will use and the producer makes that stream
@@ -37,11 +40,25 @@ from __future__ import annotations
 import ctypes
 import enum
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from accel._errors import InvalidValueError
+from accel.allocator import Buffer, allocate
+from accel.stream import ExternalStream, Stream, as_stream
+# The C structures (dlpack.h, v1.0) live in the stream layer, which reads
+# DLPack operands of copies and fills.
+from accel.stream._dlpack_abi import (
+    Deleter as _Deleter,
+    DLDataType as _DLDataType,
+    DLDevice as _DLDevice,
+    DLManagedTensor as _DLManagedTensor,
+    DLManagedTensorVersioned as _DLManagedTensorVersioned,
+    DLPackVersion as _DLPackVersion,
+    capsule_is_valid as _capsule_is_valid,
+)
 
 __all__ = [
     "DLDeviceType",
@@ -49,7 +66,7 @@ __all__ = [
     "DLPackExportError",
     "dlpack_device",
     "dtype_from_name",
-    "export_owned",
+    "make_capsule",
     "live_exports",
     "to_capsule",
 ]
@@ -113,72 +130,36 @@ def dtype_from_name(name: str) -> tuple[int, int]:
         ) from None
 
 
-# -- the C structures (dlpack.h, v1.0) ------------------------------------------
-
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", _DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-# Both managed-tensor deleters take a pointer to the struct; one C signature
-# serves both.
-_Deleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-
-
-class _DLManagedTensor(ctypes.Structure):
-    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _Deleter)]
-
-
-class _DLPackVersion(ctypes.Structure):
-    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
-
-
-class _DLManagedTensorVersioned(ctypes.Structure):
-    _fields_ = [
-        ("version", _DLPackVersion),
-        ("manager_ctx", ctypes.c_void_p),
-        ("deleter", _Deleter),
-        ("flags", ctypes.c_uint64),
-        ("dl_tensor", _DLTensor),
-    ]
-
-
 # -- the capsule ------------------------------------------------------------------
+#
+# Two C callbacks would normally tie an export's life to its consumer: the
+# capsule's destructor (for a capsule never consumed) and the tensor's
+# deleter (called by the consumer when done). Without a compiler, both can
+# only be ctypes thunks into Python, and that has two traps:
+#
+# - A consumer may drop a capsule it refused with its error already set
+#   (numpy for a device buffer); Python code run then loses that error and the
+#   consumer fails with SystemError. So capsules get *no* destructor: the
+#   registry keeps a reference to each capsule until a consumer renames it
+#   ("used_dltensor"), and one nobody else references any more was never
+#   consumed and is released by the next sweep (every export, every
+#   ``live_exports()`` call and the free of an exported Buffer sweep).
+# - A consumer may call the deleter during interpreter shutdown, after
+#   module teardown freed a module-level thunk (a jump into freed memory).
+#   So the one deleter thunk is leaked on purpose (it lives as long as the
+#   process), and the function behind it reaches nothing through module
+#   globals (teardown sets them to None) and does nothing while the
+#   interpreter is finalizing: the process is ending, its memory with it.
 
-_CapsuleDestructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-
-# Indexing (not attribute access) gives function objects of our own, so that
-# other code setting argtypes on ctypes.pythonapi's shared ones cannot break these.
 _PyCapsule_New = ctypes.pythonapi["PyCapsule_New"]
 _PyCapsule_New.restype = ctypes.py_object
-_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, _CapsuleDestructor]
-_PyCapsule_IsValid = ctypes.pythonapi["PyCapsule_IsValid"]
-_PyCapsule_IsValid.restype = ctypes.c_int
-_PyCapsule_IsValid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-_PyCapsule_GetPointer = ctypes.pythonapi["PyCapsule_GetPointer"]
-_PyCapsule_GetPointer.restype = ctypes.c_void_p
-_PyCapsule_GetPointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 
-# The capsule keeps a pointer to its name for its whole life, so the names are
-# module constants; a consumer renames the capsule to "used_..." with its own.
-_LEGACY_NAME = ctypes.create_string_buffer(b"dltensor")
-_VERSIONED_NAME = ctypes.create_string_buffer(b"dltensor_versioned")
+# A capsule keeps a pointer to its name for its whole life: bytes constants
+# are never freed while referenced, and these are referenced by the leaked
+# deleter's closure below.
+_LEGACY_NAME = b"dltensor"
+_VERSIONED_NAME = b"dltensor_versioned"
 
 
 @dataclass
@@ -188,45 +169,70 @@ class _Export:
     managed: ctypes.Structure
     layout: ctypes.Array  # type: ignore[type-arg]  # shape and strides
     owner: object
-    on_release: Callable[[], None] | None
 
 
-# No lock around this registry, on purpose: a capsule destructor or a torch
-# deleter can run from the garbage collector at any allocation, including
-# one made while a lock held here would be taken, and would then deadlock on
-# it. Single dict operations are atomic, which is all the registry needs.
+# No lock around these registries, on purpose: a deleter can run from the
+# garbage collector at any allocation, including one made while a lock held
+# here would be taken, and would then deadlock on it. Single dict operations
+# are atomic, which is all they need.
 _exports: dict[int, _Export] = {}
+# Capsules handed out and not yet consumed, by managed-tensor address.
+_unconsumed: dict[int, tuple[Any, bytes]] = {}
 
 
-def _release(address: int | None) -> None:
-    """Drop what the managed tensor at ``address`` holds (called once, from any thread).
+def _make_deleter() -> Any:
+    exports, is_finalizing = _exports, sys.is_finalizing
 
-    An error from ``on_release`` cannot reach the consumer (C code called
-    us); ctypes reports it through ``sys.unraisablehook``, traceback included.
-    """
-    if not address:
-        return
-    export = _exports.pop(address, None)
-    if export is not None and export.on_release is not None:
-        export.on_release()
+    def release(address: int | None) -> None:
+        # Called by C code, once per export, from any thread. An error here
+        # cannot reach the consumer; ctypes reports it through
+        # sys.unraisablehook.
+        if address and not is_finalizing():
+            exports.pop(address, None)
+
+    thunk = _Deleter(release)
+    # Leaked on purpose (see above): a consumer may call it at any time
+    # until the process ends.
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(thunk))
+    return thunk
 
 
-# One deleter for every export: the struct address is the registry key.
-_deleter = _Deleter(_release)
+_deleter = _make_deleter()
 
 
-@_CapsuleDestructor
-def _capsule_destructor(capsule: int) -> None:
-    # A consumer that took ownership renamed the capsule ("used_dltensor"): it
-    # calls the deleter itself. Otherwise nobody will, so do it here.
-    for name in (_LEGACY_NAME, _VERSIONED_NAME):
-        if _PyCapsule_IsValid(capsule, name):
-            _release(_PyCapsule_GetPointer(capsule, name))
+def _make_sweeper() -> Callable[[], None]:
+    # Like the deleter, reachable from finalizers (a Buffer's) at shutdown:
+    # it reaches nothing through module globals.
+    unconsumed, exports, is_valid = _unconsumed, _exports, _capsule_is_valid
+    getrefcount, is_finalizing = sys.getrefcount, sys.is_finalizing
+
+    def release_unconsumed() -> None:
+        """Release the exports whose capsules died unconsumed; forget consumed ones."""
+        if is_finalizing():
             return
+        for address in list(unconsumed):
+            entry = unconsumed.get(address)
+            if entry is None:
+                continue
+            if not is_valid(entry[0], entry[1]):
+                # Renamed: a consumer owns it and will call the deleter.
+                unconsumed.pop(address, None)
+            elif getrefcount(entry[0]) == 2:  # the registry's and the call's argument
+                if unconsumed.pop(address, None) is not None:
+                    exports.pop(address, None)
+
+    return release_unconsumed
+
+
+release_unconsumed = _make_sweeper()
 
 
 def live_exports() -> int:
-    """How many exported tensors still hold their owner (for tests and leak checks)."""
+    """How many exported tensors still hold their owner (for tests and leak checks).
+
+    Counts after releasing the exports of capsules that died unconsumed.
+    """
+    release_unconsumed()
     return len(_exports)
 
 
@@ -236,6 +242,7 @@ def live_exports() -> int:
 def dlpack_device(obj: Any) -> tuple[DLDeviceType, int]:
     """``__dlpack_device__`` of an accel buffer: ``(device type code, device index)``.
 
+    >>> from accel._interop import dlpack_device
     >>> from accel import Device
     >>> class B: device = Device("cpu", 0)
     >>> dlpack_device(B())
@@ -253,8 +260,6 @@ def dlpack_device(obj: Any) -> tuple[DLDeviceType, int]:
 
 
 def _producer_stream(obj: Any) -> Any:
-    from accel.stream import Stream
-
     stream = getattr(obj, "stream", None)
     if not isinstance(stream, Stream):
         raise InvalidValueError(
@@ -269,8 +274,6 @@ def _consumer_stream(stream: object, producer: Any, kind: DLDeviceType) -> Any:
 
     Returns ``False`` when the consumer asked for no synchronization (``-1``).
     """
-    from accel.stream import ExternalStream, Stream, as_stream
-
     if isinstance(stream, Stream):
         return stream
     if stream is None:
@@ -307,14 +310,20 @@ def _consumer_stream(stream: object, producer: Any, kind: DLDeviceType) -> Any:
     return ExternalStream(stream, producer.device)
 
 
-def _synchronize(obj: Any, stream: object, kind: DLDeviceType) -> None:
+def synchronize(obj: Any, stream: object, kind: DLDeviceType) -> None:
     """Order the consumer after the work queued on the buffer's stream so far."""
     producer = _producer_stream(obj)
     consumer = _consumer_stream(stream, producer, kind)
     if consumer is False or consumer == producer:
         return
+    if producer._closed:
+        # A closed stream takes no new work, not even an event, but finishes
+        # what it had: wait for the device, which waits for it too.
+        producer._runtime.backend.device_synchronize(producer.device_index)
+        return
     if consumer is None:
-        producer.record_event().synchronize()
+        if not producer.query():  # an idle stream has nothing to wait for (the common case, and cheap)
+            producer.record_event().synchronize()
     else:
         consumer.wait_stream(producer)
 
@@ -324,10 +333,12 @@ def _synchronize(obj: Any, stream: object, kind: DLDeviceType) -> None:
 
 def as_shape(shape: object) -> tuple[int, ...]:
     """``shape`` (an int or a sequence of ints) as a tuple of non-negative ints."""
+    if type(shape) is int and shape >= 0:  # the common case, first
+        return (shape,)
     if isinstance(shape, int) and not isinstance(shape, bool):
         shape = (shape,)
     try:
-        dims = tuple(shape)  # type: ignore[arg-type]
+        dims: tuple[Any, ...] = tuple(shape)  # type: ignore[arg-type]
     except TypeError:
         raise InvalidValueError(f"shape={shape!r} must be an int or a sequence of ints") from None
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
@@ -335,7 +346,7 @@ def as_shape(shape: object) -> tuple[int, ...]:
     return dims
 
 
-def _read_shape(shape: object, itemsize: int, nbytes: int) -> tuple[int, ...]:
+def read_shape(shape: object, itemsize: int, nbytes: int) -> tuple[int, ...]:
     if shape is None:
         if nbytes % itemsize:
             raise InvalidValueError(
@@ -395,11 +406,6 @@ def to_capsule(
                 f"the buffer lives on DLPack device {(int(kind), index)}, not {wanted}; "
                 "accel exports without copying, so copy it to that device first"
             )
-    if copy:
-        raise DLPackExportError(
-            "__dlpack__(copy=True): accel exports buffers without copying; "
-            "copy the resulting array or tensor instead"
-        )
     versioned = _wants_versioned(max_version)
     ptr, nbytes = getattr(obj, "ptr", None), getattr(obj, "nbytes", None)
     if isinstance(ptr, bool) or not isinstance(ptr, int) or isinstance(nbytes, bool) or not isinstance(nbytes, int):
@@ -407,12 +413,40 @@ def to_capsule(
             f"{type(obj).__name__} has no int ptr and nbytes; DLPack export needs both"
         )
     code, bits = dtype_from_name(dtype)
-    dims = _read_shape(shape, bits // 8, nbytes)
-    _synchronize(obj, stream, kind)
-    return _make_capsule(obj, ptr, (kind, index), code, bits, dims, versioned, None)
+    dims = read_shape(shape, bits // 8, nbytes)
+    flags = 0  # writable, not a copy
+    if copy:
+        # The array API's copy=True: the consumer gets memory of its own, a
+        # new buffer filled in the source's stream order, freed when the
+        # consumer lets go of it.
+        obj = _copy_of(obj, nbytes)
+        ptr = obj.ptr
+        flags = _FLAG_IS_COPIED
+    synchronize(obj, stream, kind)
+    # An accel Buffer is held through its lease, so that Buffer.free() while
+    # the consumer reads waits for the consumer (the view never aliases new
+    # memory); other producers are held themselves.
+    owner = obj._export_lease() if isinstance(obj, Buffer) else obj
+    return make_capsule(owner, ptr, (kind, index), code, bits, dims, versioned, flags)
 
 
-def _make_capsule(
+# DLPack 1.0's DLPACK_FLAG_BITMASK_IS_COPIED.
+_FLAG_IS_COPIED = 1 << 1
+
+
+def _copy_of(obj: Any, nbytes: int) -> Buffer:
+    producer = _producer_stream(obj)
+    if producer._closed:
+        # Nothing more can be queued on it: copy on the device's current
+        # stream once the device (the closed stream included) is idle.
+        producer._runtime.backend.device_synchronize(producer.device_index)
+        producer = producer._runtime.current_stream(producer.device_index)
+    copy = allocate(max(nbytes, 1), stream=producer)
+    producer.copy(copy, obj.ptr, nbytes)
+    return copy
+
+
+def make_capsule(
     owner: object,
     ptr: int,
     device: tuple[DLDeviceType, int],
@@ -420,8 +454,14 @@ def _make_capsule(
     bits: int,
     dims: tuple[int, ...],
     versioned: bool,
-    on_release: Callable[[], None] | None,
+    flags: int = 0,
 ) -> Any:
+    """A capsule over ``ptr`` that keeps ``owner`` alive until the consumer is done.
+
+    No checks and no stream synchronization: :func:`to_capsule` is the
+    public way in.
+    """
+    release_unconsumed()
     # One array holds the shape and then the strides (C-contiguous, in
     # elements). Strides are explicit rather than NULL ("compact"), a form
     # every DLPack version and consumer reads the same way.
@@ -434,7 +474,7 @@ def _make_capsule(
     if versioned:
         managed = _DLManagedTensorVersioned()
         managed.version = _DLPackVersion(*DLPACK_VERSION)
-        managed.flags = 0  # writable, not a copy
+        managed.flags = flags
         name = _VERSIONED_NAME
     else:
         managed = _DLManagedTensor()
@@ -452,28 +492,11 @@ def _make_capsule(
     address = ctypes.addressof(managed)
     managed.manager_ctx = address
     managed.deleter = _deleter
-    _exports[address] = _Export(managed, layout, owner, on_release)
+    _exports[address] = _Export(managed, layout, owner)
     try:
-        return _PyCapsule_New(address, name, _capsule_destructor)
+        capsule = _PyCapsule_New(address, name, None)
     except BaseException:
-        _release(address)
+        _exports.pop(address, None)
         raise
-
-
-def export_owned(
-    owner: Any,
-    *,
-    dtype: str,
-    shape: tuple[int, ...],
-    on_release: Callable[[], None],
-    versioned: bool = True,
-) -> Any:
-    """A capsule over ``owner`` that calls ``on_release`` when the consumer is done.
-
-    For memory whose only user is the consumer (``accel.empty``): the
-    release hands it back to accel's allocator. No stream synchronization is
-    done, as nothing was written yet.
-    """
-    code, bits = dtype_from_name(dtype)
-    dims = _read_shape(shape, bits // 8, owner.nbytes)
-    return _make_capsule(owner, owner.ptr, dlpack_device(owner), code, bits, dims, versioned, on_release)
+    _unconsumed[address] = (capsule, name)
+    return capsule

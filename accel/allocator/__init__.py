@@ -14,6 +14,7 @@ from accel.allocator._blocks import Block
 from accel.allocator._buffer import Buffer, BufferExports, HostBuffer, allocate, allocate_host, install_exports
 from accel.allocator._caching import DeviceAllocator
 from accel.allocator._host_cache import HostCachingAllocator
+from accel.allocator._mempool import MemPool, current_allocator, use_mem_pool
 from accel.allocator._oom import OutOfMemoryDetails
 from accel.allocator._pool_ids import PoolId, check_pool_id, graph_pool_handle, new_private_pool_id
 from accel.allocator._registry import (
@@ -65,11 +66,13 @@ __all__ = [
     "DeviceAllocator",
     "HostBuffer",
     "HostCachingAllocator",
+    "MemPool",
     "PoolId",
     "allocate",
     "allocate_host",
     "allocators",
     "check_pool_id",
+    "current_allocator",
     "dump_snapshot",
     "empty_cache",
     "full_snapshot",
@@ -80,6 +83,7 @@ __all__ = [
     "registry",
     "set_upstream",
     "summary",
+    "use_mem_pool",
     "LimitingAdaptor",
     "LoggingAdaptor",
     "MemoryResource",

@@ -2,21 +2,25 @@
 
 A *segment* is one piece of upstream memory (one ``allocate``), or one
 expandable address reservation, cut into a doubly linked chain of *blocks*
-that tile it exactly. A *pool* keeps, per stream, a list of its free blocks
-sorted by ``(size, ptr)``, so best fit is one ``bisect``.
+that tile it exactly. A *pool* keeps, per stream, a :class:`FreeList` of its
+free blocks ordered by ``(size, ptr)``, so best fit costs O(log n).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from accel.allocator._freelist import FreeList
 from accel.allocator._pool_ids import PoolId
 
-__all__ = ["ALLOCATED", "FREE", "PENDING", "Block", "Pool", "PrivatePool", "Segment"]
+__all__ = ["ALLOCATED", "FREE", "PENDING", "RETIRED", "Block", "Pool", "PrivatePool", "Segment"]
 
 #: Block states. PENDING: freed by the caller but waiting for other streams'
-#: events (or for a capture to end) before it may be reused.
-FREE, ALLOCATED, PENDING = 0, 1, 2
+#: events (or for a capture to end) before it may be reused. RETIRED: a block
+#: object that was handed to a caller and freed; it is never part of a segment
+#: again, so a stale second ``free`` of it is refused instead of freeing the
+#: memory's next owner.
+FREE, ALLOCATED, PENDING, RETIRED = 0, 1, 2, 3
 
 
 class Segment:
@@ -73,7 +77,7 @@ class Block:
         self.frames: list[dict[str, Any]] | None = None
 
     def __repr__(self) -> str:
-        state = ("free", "allocated", "pending")[self.state] if self.mapped else "unmapped"
+        state = ("free", "allocated", "pending", "freed")[self.state] if self.mapped else "unmapped"
         return f"<Block {self.ptr:#x} {self.size} bytes {state}>"
 
     def is_split(self) -> bool:
@@ -89,8 +93,8 @@ class Pool:
         self.small = small
         self.kind = 0 if small else 1  # index into the stats arrays
         self.private = private
-        # stream handle -> [(size, ptr, block)] sorted; (size, ptr) is unique
-        self.free: dict[int, list[tuple[int, int, Block]]] = {}
+        # stream handle -> its free blocks; (size, ptr) is unique among them
+        self.free: dict[int, FreeList] = {}
         self.expandable: dict[int, Segment] = {}  # stream handle -> its expandable segment
         self.calls = 0  # best-fit searches, the clock of garbage collection ages
 

@@ -17,6 +17,7 @@ module never imports it.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
 from typing_extensions import Self
@@ -24,6 +25,7 @@ from typing_extensions import Self
 from accel._device import Device, DeviceLike
 from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, NotSupportedError
 from accel._runtime import get_runtime
+from accel.allocator._mempool import routed_allocator
 from accel.allocator._registry import registry
 from accel.stream import Stream, as_stream
 
@@ -50,6 +52,9 @@ class BufferExports(Protocol):
     def dlpack_device(self, buffer: Buffer) -> tuple[int, int]: ...
 
     def cuda_array_interface(self, buffer: Buffer) -> dict[str, Any]: ...
+
+    def release_unconsumed(self) -> None:
+        """Let go of exports whose capsules died unconsumed (a consumer refused them)."""
 
 
 _exports: BufferExports | None = None
@@ -128,6 +133,27 @@ class _CachedMemory:
             self._allocator.free_from_finalizer(block)
 
 
+class _Lease:
+    """A Buffer's block while exports of it may be read: it goes back to the
+    cache when the last of the buffer and its exports lets go of it."""
+
+    __slots__ = ("_block", "_allocator")
+
+    def __init__(self, block: Block, allocator: DeviceAllocator) -> None:
+        self._block = block
+        self._allocator = allocator
+
+    def __del__(self) -> None:
+        # Runs wherever the last holder dies: a consumer's deleter, a
+        # garbage collection, Buffer.free().
+        self._allocator.free_from_finalizer(self._block)
+
+
+# Creating a buffer's lease is rare (its first export) and never happens in
+# a finalizer, so a plain lock is safe here.
+_lease_lock = threading.Lock()
+
+
 class Buffer(_CachedMemory):
     """Device memory from the caching allocator.
 
@@ -144,7 +170,7 @@ class Buffer(_CachedMemory):
     True
     """
 
-    __slots__ = ("_stream",)
+    __slots__ = ("_stream", "_lease")
 
     def __init__(self, block: Block, allocator: DeviceAllocator, stream: Stream, nbytes: int) -> None:
         # Assigned here rather than through super().__init__: this is on the
@@ -153,6 +179,50 @@ class Buffer(_CachedMemory):
         self._allocator = allocator
         self._nbytes = nbytes
         self._stream = stream
+        self._lease: _Lease | None = None
+
+    def free(self) -> None:
+        """Return the memory to the cache now (a second call does nothing).
+
+        While a DLPack consumer (a numpy array, a torch tensor...) still
+        views the memory, it goes back only when the last view is gone, as
+        a torch storage outlives ``del`` while views of it exist; this
+        buffer's ``ptr`` is invalid at once either way.
+        """
+        block, self._block = self._block, None
+        if block is not None:
+            if self._lease is None:
+                self._allocator.free(block)
+                return
+            # Dropping the lease frees the block, now or with the last export;
+            # exports a consumer refused let go of it first.
+            self._lease = None
+            _installed().release_unconsumed()
+
+    def __del__(self) -> None:
+        block = self._block
+        if block is not None:
+            self._block = None
+            if self._lease is None:
+                self._allocator.free_from_finalizer(block)
+            else:
+                self._lease = None  # the lease frees the block with the last export
+                if _exports is not None:
+                    _exports.release_unconsumed()
+
+    def _export_lease(self) -> object:
+        """What an export holds so that the memory outlives :meth:`free` while exported."""
+        lease = self._lease
+        if lease is not None:
+            return lease
+        with _lease_lock:
+            lease = self._lease
+            if lease is None:
+                block = self._block
+                if block is None:
+                    raise InvalidHandleError(f"{self!r} was freed; allocate a new buffer")
+                lease = self._lease = _Lease(block, self._allocator)
+            return lease
 
     @property
     def device(self) -> Device:
@@ -172,7 +242,8 @@ class Buffer(_CachedMemory):
     ) -> Any:
         """Export as DLPack with the array API's semantics (``np.from_dlpack(buf)``,
         ``torch.from_dlpack(buf)``): the consumer's ``stream`` is ordered after
-        this buffer's stream; no copy is ever made."""
+        this buffer's stream; with ``copy=True`` the consumer gets a copy in
+        new memory of its own, otherwise a view."""
         return _installed().to_capsule(self, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
 
     def __dlpack_device__(self) -> tuple[int, int]:
@@ -212,7 +283,7 @@ def allocate(nbytes: int, *, device: DeviceLike = None, stream: Stream | None = 
                 f"stream {stream!r} is on {stream.device}, not on the device asked for ({device!r})"
             )
     stream._live()
-    allocator = registry(runtime).allocator(stream.device_index)
+    allocator = routed_allocator(runtime, stream.device_index)  # a MemPool's, inside use_mem_pool
     return Buffer(allocator.malloc(nbytes, stream), allocator, stream, nbytes)
 
 

@@ -23,14 +23,22 @@ from __future__ import annotations
 
 import threading
 import warnings
-from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from accel._errors import CaptureError, DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
 from accel.allocator import _stats as S
-from accel.allocator._blocks import ALLOCATED, FREE, PENDING, Block, Pool, PrivatePool, Segment
+from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED, Block, Pool, PrivatePool, Segment
+from accel.allocator._freelist import FreeList
+from accel.allocator._stats import (
+    ALLOCATED_BYTES,
+    ALLOCATION,
+    INACTIVE_SPLIT,
+    INACTIVE_SPLIT_BYTES,
+    OVERSIZE_ALLOCATIONS,
+    REQUESTED_BYTES,
+)
 from accel.allocator._history import History
 from accel.allocator._oom import OutOfMemoryDetails, out_of_memory
 from accel.allocator._pool_ids import PoolId, check_pool_id
@@ -104,6 +112,7 @@ class DeviceAllocator:
     :class:`Block` whose ``ptr`` and ``size`` the caller uses; ``free`` gives
     it back to the cache. Thread safe: one lock guards all state.
 
+    >>> from accel.allocator import DeviceAllocator
     >>> from accel.backends.cpu import CpuBackend
     >>> from accel.allocator.config import AllocatorConfig
     >>> from accel._runtime import Runtime
@@ -154,6 +163,10 @@ class DeviceAllocator:
         self._name = f"{backend.name}:{device}"
         self._vm = self.upstream.supports_virtual_memory()
         self._fraction_refused = False
+        self._refusal = ""  # the device's own words when it last refused memory
+        # Set when the owner (a dropped MemPool) needs this allocator no more: every
+        # segment goes back upstream once nothing is allocated from it.
+        self._orphaned = False
         self._apply_config(config)
 
     def __repr__(self) -> str:
@@ -236,140 +249,97 @@ class DeviceAllocator:
         Raises :class:`~accel.OutOfMemoryError` (with a diagnosis) when even
         after freeing the cache the memory is not there.
         """
-        # Literals instead of the module constants below: this is the hot path.
-        if nbytes.__class__ is not int or not 0 < nbytes < 1 << 60:  # MAX_REQUEST
+        if nbytes.__class__ is not int or not 0 < nbytes < MAX_REQUEST:
             self._bad_size(nbytes)
+        if stream._device != self.device or stream._runtime.backend is not self.backend:
+            self._bad_stream(stream, "malloc")
         handle = stream._handle
         with self._lock:
             if self._gc_frees:
                 self._drain_gc_frees()
             if self._pending and not self._captures:
                 self._process_events()
-            if nbytes < 512:
-                size = 512
-            elif self._any_divisions:
-                slot = nbytes.bit_length() - 21
-                size = round_size(nbytes, self._divisions[0 if slot < 0 else (slot if slot < 15 else 15)])
-            else:
-                size = (nbytes + 511) & -512
+            # The common rounding inline (this is the hot path); _round does the rest.
+            size = (nbytes + 511) & -512 if nbytes >= 512 and not self._any_divisions else self._round(nbytes)
             if self._captures:
                 pool = self._capture_pool(size, stream)
             else:
-                pool = self._small if size <= 1048576 else self._large  # SMALL_SIZE
-            block = None
-            lst = pool.free.get(handle)
-            if lst:
-                if self._gc_threshold:
-                    pool.calls += 1
-                i = bisect_left(lst, (size,))
-                if i < len(lst):
-                    entry = lst[i]
-                    block = entry[2]
-                    if entry[0] < self._ms and not block.segment.expandable:
-                        del lst[i]  # the common case: best fit is an ordinary block
-                    else:
-                        block = self._find_free(lst, i, size)
+                pool = self._small if size <= SMALL_SIZE else self._large
+            # Find the best-fitting cached block; it stays listed until _split.
+            free = pool.free.get(handle)
+            block = free.best_fit(size) if free else None
+            if free is not None and block is not None and (block.size >= self._ms or block.segment.expandable):
+                block = self._find_free(free, size)  # the oversize and expandable rules
+            if self._gc_threshold and free:
+                pool.calls += 1
             if block is None:
                 block = self._grow(pool, handle, size, stream)
-            s = self._s
-            kind = pool.kind
-            other = 1 - kind
-            expandable = block.segment.expandable
-            was_split = block.prev is not None or block.next is not None
-            remaining = block.size - size
-            if remaining >= 512 and (
-                pool.small or expandable or (size < self._ms and remaining > 1048576)
-            ):
-                nxt = block.next
-                if self._spare:
-                    # Recycle a block object merged away earlier; its other
-                    # fields were reset when it was freed.
-                    rest = self._spare.pop()
-                    rest.ptr = block.ptr + size
-                    rest.size = remaining
-                    rest.segment = block.segment
-                    rest.stream = handle
-                    rest.pool = pool
-                    rest.state = FREE
-                    rest.mapped = True
-                else:
-                    rest = Block(block.ptr + size, remaining, block.segment)
+                free = None  # the new block is on no list
+            self._split(block, size, pool, handle, free)
+            self._account(block, nbytes, handle)
+            return block
+
+    def _round(self, nbytes: int) -> int:
+        """The block size for a request: 512-byte multiples, or power-of-two divisions."""
+        if nbytes < KB_MIN:
+            return KB_MIN
+        if self._any_divisions:
+            slot = nbytes.bit_length() - 21  # the divisions of [1 MiB, 2 MiB) are slot 0
+            return round_size(nbytes, self._divisions[0 if slot < 0 else (slot if slot < 15 else 15)])
+        return (nbytes + KB_MIN - 1) & -KB_MIN
+
+    def _split(self, block: Block, size: int, pool: Pool, handle: int, listed: FreeList | None) -> None:
+        """Cut ``block`` to ``size`` bytes when the rest is worth keeping as a free
+        block (PyTorch's ``should_split``); take ``block`` off free list ``listed``
+        (None: it is on none), the rest taking its place; keep the inactive-split counts."""
+        s = self._s
+        kind = pool.kind
+        expandable = block.segment.expandable
+        was_split = block.prev is not None or block.next is not None
+        full = block.size
+        remaining = full - size
+        if remaining >= KB_MIN and (pool.small or expandable or (size < self._ms and remaining > SMALL_SIZE)):
+            if self._spare:
+                rest = self._stand_in(block, block.ptr + size, remaining, block, block.next)
+            else:  # _stand_in's common case inline: a new block object after this one
+                rest = Block(block.ptr + size, remaining, block.segment)
+                nxt = rest.next = block.next
                 rest.prev = block
-                rest.next = nxt
+                block.next = rest
                 if nxt is not None:
                     nxt.prev = rest
-                block.next = rest
-                block.size = size
-                lst = pool.free.get(handle)
-                if lst is None:
-                    pool.free[handle] = [(remaining, rest.ptr, rest)]
+            block.size = size
+            rest.gc_base = pool.calls
+            if listed is not None:
+                listed.replace(full, block.ptr, rest)
+            else:
+                free = pool.free.get(handle)
+                if free is None:
+                    free = pool.free[handle] = FreeList()
+                free.add(rest)
+            if not expandable:
+                if was_split:  # the free part that was counted shrinks to the rest
+                    s[INACTIVE_SPLIT_BYTES + kind] -= size
                 else:
-                    insort(lst, (remaining, rest.ptr, rest))
-                rest.gc_base = pool.calls
-                if not expandable:
-                    if was_split:
-                        s[S.INACTIVE_SPLIT_BYTES + kind] -= size
-                    else:  # inactive_split (24) by one, inactive_split_bytes (56) by remaining
-                        c = s[24 + kind] + 1
-                        s[24 + kind] = c
-                        s[28 + kind] += 1
-                        if c > s[26 + kind]:
-                            s[26 + kind] = c
-                        c += s[24 + other]
-                        if c > s[30]:
-                            s[30] = c
-                        c = s[56 + kind] + remaining
-                        s[56 + kind] = c
-                        s[60 + kind] += remaining
-                        if c > s[58 + kind]:
-                            s[58 + kind] = c
-                        c += s[56 + other]
-                        if c > s[62]:
-                            s[62] = c
-            elif was_split and not expandable:
-                s[S.INACTIVE_SPLIT + kind] -= 1
-                s[S.INACTIVE_SPLIT_BYTES + kind] -= block.size
-            block.state = ALLOCATED
-            block.requested = nbytes
-            size = block.size
-            # Three statistics rise together; inlined (see _stats.inc) for speed.
-            # allocation (base 0) by one
-            c = s[kind] + 1
-            s[kind] = c
-            s[kind + 4] += 1
-            if c > s[kind + 2]:
-                s[kind + 2] = c
-            c += s[other]
-            if c > s[6]:
-                s[6] = c
-            # allocated_bytes (32) by size
-            c = s[32 + kind] + size
-            s[32 + kind] = c
-            s[36 + kind] += size
-            if c > s[34 + kind]:
-                s[34 + kind] = c
-            c += s[32 + other]
-            if c > s[38]:
-                s[38] = c
-            # requested_bytes (64) by nbytes
-            c = s[64 + kind] + nbytes
-            s[64 + kind] = c
-            s[68 + kind] += nbytes
-            if c > s[66 + kind]:
-                s[66 + kind] = c
-            c += s[64 + other]
-            if c > s[70]:
-                s[70] = c
-            if s[16] or s[17]:
-                # active = allocated + pending; its peak needs a look only
-                # while some block is pending.
-                S.note_active_peak(s, kind)
-            if size >= self._ms:
-                S.inc(s, S.OVERSIZE_ALLOCATIONS, 0, 1)
-            if self._history is not None:
-                block.frames = self._history.block_frames()
-                self._history.record("alloc", block.ptr, size, handle, block.frames)
-            return block
+                    S.add_inactive_split(s, kind, remaining)
+        else:
+            if listed is not None:
+                listed.remove(block)
+            if was_split and not expandable:
+                S.drop_inactive_split(s, kind, full)
+
+    def _account(self, block: Block, nbytes: int, handle: int) -> None:
+        """Mark ``block`` allocated for a request of ``nbytes`` and count it."""
+        block.state = ALLOCATED
+        block.requested = nbytes
+        size = block.size
+        s = self._s
+        S.add_allocation(s, block.pool.kind, size, nbytes)
+        if size >= self._ms:
+            S.inc(s, OVERSIZE_ALLOCATIONS, 0, 1)
+        if self._history is not None:
+            block.frames = self._history.block_frames()
+            self._history.record("alloc", block.ptr, size, handle, block.frames)
 
     def _bad_size(self, nbytes: object) -> None:
         if isinstance(nbytes, int) and not isinstance(nbytes, bool):
@@ -383,31 +353,32 @@ class DeviceAllocator:
             raise InvalidValueError(f"cannot allocate {nbytes} bytes: the size must be at least 1")
         raise InvalidValueError(f"nbytes={nbytes!r} must be an int number of bytes")
 
+    def _bad_stream(self, stream: Stream, call: str) -> None:
+        raise DeviceError(
+            f"{stream!r} is not a stream of {self._name}; {call} needs a stream of "
+            "the device the memory lives on"
+        )
+
     def _capture_pool(self, size: int, stream: Stream) -> Pool:
         for private, accepts in reversed(self._captures):
             if accepts(stream):
                 return private.small if size <= SMALL_SIZE else private.large
         return self._small if size <= SMALL_SIZE else self._large
 
-    def _find_free(self, lst: list[tuple[int, int, Block]], i: int, size: int) -> Block | None:
-        """Best fit from ``lst[i]`` on, under the oversize and expandable rules;
-        taken off the list. None on a miss."""
-        n = len(lst)
+    def _find_free(self, free: FreeList, size: int) -> Block | None:
+        """Best fit of at least ``size`` under the oversize and expandable rules, left
+        on ``free``; None on a miss."""
         ms = self._ms
-        while i < n:
-            bsize, _, b = lst[i]
+        for b in free.at_least(size):
             if b.segment.expandable:
                 if not self._expandable:
-                    i += 1
                     continue  # expandable segments were switched off: leave these be
-            elif (size < ms <= bsize) or (size >= ms and bsize >= size + self._nsr):
+            elif (size < ms <= b.size) or (size >= ms and b.size >= size + self._nsr):
                 # Oversize cached blocks serve only requests close to their size;
                 # later candidates are larger still, but may be expandable.
                 if not b.pool.expandable:
                     return None
-                i += 1
                 continue
-            del lst[i]
             return b
         return None
 
@@ -415,6 +386,7 @@ class DeviceAllocator:
         """Cache miss: new memory, after giving back cache if needed; or OOM."""
         capturing = bool(self._captures)
         self._fraction_refused = False  # set when the memory fraction, not the device, says no
+        self._refusal = ""
         if self._gc_frees:
             self._drain_gc_frees()  # buffers collected while the lock was taken are free memory
         if self._gc_threshold and self._allowed is not None and not capturing:
@@ -441,7 +413,8 @@ class DeviceAllocator:
             return None
         try:
             ptr = self.upstream.allocate(alloc)
-        except OutOfMemoryError:
+        except OutOfMemoryError as exc:
+            self._refusal = str(exc)
             return None
         seg = Segment(self, ptr, alloc, handle, pool, False)
         block = Block(ptr, alloc, seg)
@@ -522,7 +495,8 @@ class DeviceAllocator:
         size = -(-(total + total // 8) // page) * page
         try:
             base = self.upstream.vm_reserve(size)
-        except OutOfMemoryError:
+        except OutOfMemoryError as exc:
+            self._refusal = str(exc)
             return None
         seg = Segment(self, base, size, handle, pool, True)
         seg.page = page
@@ -554,6 +528,7 @@ class DeviceAllocator:
                 self.upstream.vm_unmap(start, page)
                 self.upstream.vm_release(h, page)
             if isinstance(exc, OutOfMemoryError):
+                self._refusal = str(exc)
                 return False
             raise
         for start, h in done:
@@ -595,7 +570,7 @@ class DeviceAllocator:
         if end > last:
             pieces.append((last, end - last, True))
         prev, nxt = b.prev, b.next
-        made = []
+        made: list[Block] = []
         for ptr, size, mapped in pieces:
             nb = b if not made else Block(ptr, size, seg, mapped)
             nb.ptr, nb.size, nb.mapped = ptr, size, mapped
@@ -643,32 +618,33 @@ class DeviceAllocator:
                 raise InvalidHandleError(
                     f"{block!r} is not allocated by {self!r} (freed twice, or from another allocator)"
                 )
-            if block.stream_uses or self._history is not None:
+            if block.stream_uses or self._history is not None or self._orphaned:
                 self._free_locked(block)
+                if self._orphaned:
+                    self._release_if_idle()
                 return
+            # The common case of _free_locked inline: no other stream, no history.
             s = self._s
             kind = block.pool.kind
             size = block.size
-            s[kind] -= 1  # allocation
-            s[32 + kind] -= size  # allocated_bytes
+            s[ALLOCATION + kind] -= 1
+            s[ALLOCATED_BYTES + kind] -= size
             if size >= self._ms:
-                s[S.OVERSIZE_ALLOCATIONS] -= 1
+                s[OVERSIZE_ALLOCATIONS] -= 1
             self._free_block(block)
 
     def _free_locked(self, block: Block) -> None:
-        s = self._stats.s
+        s = self._s
         kind = block.pool.kind
         size = block.size
-        s[S.ALLOCATION + kind] -= 1
-        s[S.ALLOCATED_BYTES + kind] -= size
+        S.drop_allocation(s, kind, size)
         if size >= self._ms:
-            s[S.OVERSIZE_ALLOCATIONS] -= 1
+            s[OVERSIZE_ALLOCATIONS] -= 1
         if self._history is not None:
             self._history.record("free_requested", block.ptr, size, block.stream, None)
         if block.stream_uses:
             block.state = PENDING
-            s[S.ACTIVE + kind] += 1  # pending: still active, no longer allocated
-            s[S.ACTIVE_BYTES + kind] += size
+            S.add_pending(s, kind, size)
             if self._captures:
                 self._deferred.append(block)
             else:
@@ -683,10 +659,32 @@ class DeviceAllocator:
             try:
                 if block.state == ALLOCATED:
                     self._free_locked(block)
+                    if self._orphaned:
+                        self._release_if_idle()
             finally:
                 self._lock.release()
         else:
             self._gc_frees.append(block)
+
+    def release_when_idle(self) -> None:
+        """The owner of this allocator (a :class:`MemPool` that was dropped) needs it
+        no more: give every segment back upstream now if nothing is allocated, else
+        when the last allocation is freed. Safe from a finalizer."""
+        self._orphaned = True
+        if self._lock.acquire(blocking=False):
+            try:
+                if self._gc_frees:
+                    self._drain_gc_frees()
+                self._release_if_idle()
+            finally:
+                self._lock.release()
+        # Lock taken: the free that follows (or the draining of collected
+        # buffers) sees the flag.
+
+    def _release_if_idle(self) -> None:
+        s = self._s
+        if not (s[ALLOCATION] or s[ALLOCATION + 1]):
+            self._release_cached_blocks()
 
     def _drain_gc_frees(self) -> None:
         while self._gc_frees:
@@ -695,60 +693,103 @@ class DeviceAllocator:
                 self._release_pool_locked(item.pool_id)
             elif item.state == ALLOCATED:
                 self._free_locked(item)
+        if self._orphaned:
+            self._release_if_idle()
 
     def _free_block(self, block: Block) -> None:
-        """Return ``block`` to its pool's free list, merged with free neighbours.
+        """Return ``block``'s memory to its pool's free list, merged with free neighbours.
 
-        The hot half of every free: merging and list updates are inlined.
+        ``block`` itself was handed to a caller, who may still hold it: it is
+        retired, and a free neighbour (or a spare block object) takes its
+        place in the segment, so a stale ``free(block)`` is refused later
+        instead of freeing whoever gets this memory next.
         """
         s = self._s
         pool = block.pool
         kind = pool.kind
         if block.state == PENDING:
-            s[16 + kind] -= 1  # pending part of active
-            s[48 + kind] -= block.size  # pending part of active_bytes
-        s[64 + kind] -= block.requested  # requested_bytes
-        block.requested = 0
-        block.stream_uses = None
-        block.frames = None
+            S.drop_pending(s, kind, block.size)
+        s[REQUESTED_BYTES + kind] -= block.requested
         if self._history is not None:
             self._history.record("free_completed", block.ptr, block.size, block.stream, None)
-        block.state = FREE
-        lst = pool.free.get(block.stream)
-        if lst is None:
-            lst = pool.free[block.stream] = []
+        block.state = RETIRED
+        free = pool.free.get(block.stream)
+        if free is None:
+            free = pool.free[block.stream] = FreeList()
         split_counted = not block.segment.expandable
-        spare = self._spare
         prev = block.prev
-        if prev is not None and prev.state == FREE and prev.mapped:
-            del lst[bisect_left(lst, (prev.size, prev.ptr))]
-            if split_counted:
-                s[24 + kind] -= 1  # inactive_split
-                s[56 + kind] -= prev.size  # inactive_split_bytes
-            block.ptr = prev.ptr
-            block.size += prev.size
-            spare.append(prev)
-            prev = block.prev = prev.prev
-            if prev is not None:
-                prev.next = block
-            else:
-                block.segment.head = block
         nxt = block.next
-        if nxt is not None and nxt.state == FREE and nxt.mapped:
-            del lst[bisect_left(lst, (nxt.size, nxt.ptr))]
+        block.prev = block.next = None
+        if prev is not None and prev.state == FREE and prev.mapped:
+            # The free block before absorbs this one (and the one after, if free).
+            survivor = prev
+            listed_size = prev.size
             if split_counted:
-                s[24 + kind] -= 1
-                s[56 + kind] -= nxt.size
-            block.size += nxt.size
-            spare.append(nxt)
-            nxt = block.next = nxt.next
+                s[INACTIVE_SPLIT + kind] -= 1
+                s[INACTIVE_SPLIT_BYTES + kind] -= listed_size
+            survivor.size += block.size
+            if nxt is not None and nxt.state == FREE and nxt.mapped:
+                free.remove(nxt)
+                if split_counted:
+                    s[INACTIVE_SPLIT + kind] -= 1
+                    s[INACTIVE_SPLIT_BYTES + kind] -= nxt.size
+                survivor.size += nxt.size
+                self._spare.append(nxt)
+                nxt = nxt.next
+            survivor.next = nxt
             if nxt is not None:
-                nxt.prev = block
-        block.gc_base = pool.calls
-        insort(lst, (block.size, block.ptr, block))
+                nxt.prev = survivor
+            prev = survivor.prev
+            free.replace(listed_size, survivor.ptr, survivor)
+        elif nxt is not None and nxt.state == FREE and nxt.mapped:
+            # The free block after takes this one's place and start.
+            survivor = nxt
+            listed_size, listed_ptr = nxt.size, nxt.ptr
+            if split_counted:
+                s[INACTIVE_SPLIT + kind] -= 1
+                s[INACTIVE_SPLIT_BYTES + kind] -= listed_size
+            survivor.ptr = block.ptr
+            survivor.size += block.size
+            survivor.prev = prev
+            if prev is not None:
+                prev.next = survivor
+            else:
+                block.segment.head = survivor
+            nxt = survivor.next
+            free.replace(listed_size, listed_ptr, survivor)
+        else:
+            # No free neighbour: a fresh block object stands in for this one.
+            survivor = self._stand_in(block, block.ptr, block.size, prev, nxt)
+            free.add(survivor)
+        survivor.gc_base = pool.calls
         if split_counted and (prev is not None or nxt is not None):
-            S.inc(s, S.INACTIVE_SPLIT, kind, 1)
-            S.inc(s, S.INACTIVE_SPLIT_BYTES, kind, block.size)
+            S.add_inactive_split(s, kind, survivor.size)
+
+    def _stand_in(self, like: Block, ptr: int, size: int, prev: Block | None, nxt: Block | None) -> Block:
+        """A FREE block object of ``like``'s segment for ``[ptr, ptr + size)``, linked
+        between ``prev`` and ``nxt``."""
+        if self._spare:
+            # A block object merged away earlier: a free block never handed out,
+            # so its other fields hold their initial values.
+            new = self._spare.pop()
+            new.ptr = ptr
+            new.size = size
+            new.segment = like.segment
+            new.stream = like.stream
+            new.pool = like.pool
+            new.state = FREE
+            new.mapped = True
+        else:
+            new = Block(ptr, size, like.segment)
+        new.prev = prev
+        new.next = nxt
+        if prev is not None:
+            prev.next = new
+        else:
+            like.segment.head = new
+        if nxt is not None:
+            nxt.prev = new
+        return new
 
     def _merge_free(self, block: Block) -> Block:
         """Merge free mapped neighbours into ``block`` (FREE, off every list)."""
@@ -759,8 +800,7 @@ class DeviceAllocator:
             if neighbour is not None and neighbour.state == FREE and neighbour.mapped:
                 self._take_off_list(neighbour)
                 if not expandable:
-                    s[S.INACTIVE_SPLIT + kind] -= 1
-                    s[S.INACTIVE_SPLIT_BYTES + kind] -= neighbour.size
+                    S.drop_inactive_split(s, kind, neighbour.size)
                 self._absorb(block, neighbour)
         return block
 
@@ -782,19 +822,15 @@ class DeviceAllocator:
         """Put FREE mapped ``block`` on its free list (inactive-split counted)."""
         pool = block.pool
         block.gc_base = pool.calls
-        lst = pool.free.get(block.stream)
-        if lst is None:
-            pool.free[block.stream] = [(block.size, block.ptr, block)]
-        else:
-            insort(lst, (block.size, block.ptr, block))
+        free = pool.free.get(block.stream)
+        if free is None:
+            free = pool.free[block.stream] = FreeList()
+        free.add(block)
         if not block.segment.expandable and (block.prev is not None or block.next is not None):
-            s = self._stats.s
-            S.inc(s, S.INACTIVE_SPLIT, pool.kind, 1)
-            S.inc(s, S.INACTIVE_SPLIT_BYTES, pool.kind, block.size)
+            S.add_inactive_split(self._s, pool.kind, block.size)
 
     def _take_off_list(self, block: Block) -> None:
-        lst = block.pool.free[block.stream]
-        del lst[bisect_left(lst, (block.size, block.ptr))]
+        block.pool.free[block.stream].remove(block)
 
     # -- streams -----------------------------------------------------------------------
 
@@ -802,10 +838,7 @@ class DeviceAllocator:
         """Mark ``block`` as used on ``stream`` too: after a free it is reused only
         once ``stream`` passed an event recorded at free time."""
         if stream._device != self.device or stream._runtime.backend is not self.backend:
-            raise DeviceError(
-                f"{stream!r} is not a stream of {self._name}; record_stream needs a stream of "
-                "the device the memory lives on"
-            )
+            self._bad_stream(stream, "record_stream")
         handle = stream._live()
         with self._lock:
             if block.state != ALLOCATED or block.segment.owner is not self:
@@ -954,8 +987,7 @@ class DeviceAllocator:
         """PyTorch's ``release_available_cached_blocks``: free one oversize block
         that fits, else the largest oversize ones until ``max(size, MS)`` is freed."""
         key = max(size, self._ms)
-        lst = pool.free.get(handle, [])
-        whole = [b for _, _, b in lst if not b.segment.expandable and b.prev is None and b.next is None]
+        whole = [b for _, _, b in pool.free.get(handle, ()) if not b.segment.expandable and b.prev is None and b.next is None]
         fitting = [b for b in whole if b.size >= key]
         if fitting:
             self._release([fitting[0]])
@@ -1169,7 +1201,7 @@ class DeviceAllocator:
 
     def _largest_free(self) -> int:
         return max(
-            (lst[-1][0] for pool in self._all_pools() for lst in pool.free.values() if lst),
+            (free.largest() for pool in self._all_pools() for free in pool.free.values()),
             default=0,
         )
 
@@ -1213,6 +1245,7 @@ class DeviceAllocator:
             expandable_segments=self._expandable,
             capturing=bool(self._captures),
             fraction_refused=self._fraction_refused,
+            refusal=self._refusal,
         )
         return out_of_memory(details, self.device)
 

@@ -218,10 +218,13 @@ def parse_uint(text: str, *, maximum: int = MAX_U64) -> int:
         if text.startswith("-"):
             hint = " (negative numbers are not allowed)"
         raise ValueProblem(f"expected a non-negative integer, got '{text}'{hint}")
-    value = int(text)
-    if value > maximum:
-        raise ValueProblem(f"{value} is out of range (the largest allowed is {maximum})")
-    return value
+    digits = text.lstrip("0") or "0"  # leading zeros are fine, as in PyTorch (std::stoull)
+    # Compared by length first: int() of thousands of digits is refused by
+    # Python's int_max_str_digits limit, and no such number is in range anyway.
+    if len(digits) > len(str(maximum)) or int(digits) > maximum:
+        shown = digits if len(digits) <= 40 else f"a {len(digits)}-digit number"
+        raise ValueProblem(f"{shown} is out of range (the largest allowed is {maximum})")
+    return int(digits)
 
 
 def parse_float(text: str) -> float:

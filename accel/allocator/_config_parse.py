@@ -42,6 +42,7 @@ class ConfigStringError(AllocatorConfigError):
     from (``"ACCEL_ALLOC_CONF"``, ``"set_settings()"``...), ``reason`` the
     problem alone and ``suggestion`` the nearest known key for a misspelt one.
 
+    >>> from accel.allocator import ConfigStringError
     >>> from accel.allocator import parse
     >>> try:
     ...     parse("max_split_size:128")

@@ -14,11 +14,14 @@ sizes round to whole pages. ``pinned_max_cached_size`` caps what is kept.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from accel._errors import DeviceError, InvalidHandleError, InvalidValueError
+from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
 from accel.backends.base import Backend
+
+_MAX_REQUEST = 1 << 60  # 1 EiB, the device allocators' limit too
 
 if TYPE_CHECKING:
     from accel.allocator.config import AllocatorConfig
@@ -27,6 +30,41 @@ if TYPE_CHECKING:
 __all__ = ["HostBlock", "HostCachingAllocator"]
 
 _PAGE = 4096
+
+
+class _Stat:
+    """One of torch's host statistics: current, peak, total increase, total decrease."""
+
+    __slots__ = ("current", "peak", "allocated", "freed")
+
+    def __init__(self) -> None:
+        self.current = self.peak = self.allocated = self.freed = 0
+
+    def rise(self, n: int) -> None:
+        self.current += n
+        self.allocated += n
+        if self.current > self.peak:
+            self.peak = self.current
+
+    def fall(self, n: int) -> None:
+        self.current -= n
+        self.freed += n
+
+
+class _Timer:
+    """Microseconds spent in one kind of driver call: total, max, min, count."""
+
+    __slots__ = ("total", "max", "min", "count")
+
+    def __init__(self) -> None:
+        self.total = self.max = self.min = self.count = 0
+
+    def add(self, ns: int) -> None:
+        us = ns // 1000
+        self.total += us
+        self.max = max(self.max, us)
+        self.min = us if self.count == 0 else min(self.min, us)
+        self.count += 1
 
 
 class HostBlock:
@@ -48,6 +86,7 @@ class HostBlock:
 class HostCachingAllocator:
     """Staging memory of one backend, cached by rounded size.
 
+    >>> from accel.allocator import HostCachingAllocator
     >>> from accel.backends.cpu import CpuBackend
     >>> from accel.allocator.config import AllocatorConfig
     >>> host = HostCachingAllocator(CpuBackend(1, None), AllocatorConfig())
@@ -68,6 +107,14 @@ class HostCachingAllocator:
         self.allocated_bytes = 0
         self.reserved_bytes = 0
         self.cached_bytes = 0
+        # torch's host_memory_stats(): blocks and bytes held (active + cached),
+        # blocks and bytes handed out and not yet reusable
+        self._held = _Stat()
+        self._held_bytes = _Stat()
+        self._active = _Stat()
+        self._active_bytes = _Stat()
+        self._alloc_time = _Timer()
+        self._free_time = _Timer()
         self.update_config(config)
 
     def update_config(self, config: AllocatorConfig) -> None:
@@ -83,6 +130,12 @@ class HostCachingAllocator:
         """A staging block of at least ``nbytes`` (reused when one is free)."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise InvalidValueError(f"nbytes={nbytes!r} must be a positive int")
+        if nbytes >= _MAX_REQUEST:  # past what a driver's size_t takes; no machine has it
+            raise OutOfMemoryError(
+                f"host out of memory: tried to allocate more than 1EB ({nbytes} bytes) of "
+                "page-locked memory; no machine has that much",
+                requested=nbytes,
+            )
         size = self._round(nbytes)
         with self._lock:
             if self._gc_frees:
@@ -96,13 +149,20 @@ class HostCachingAllocator:
                 block = None
         if block is None:
             # host_malloc can take long on a real driver; do not hold the lock.
+            start = time.perf_counter_ns()
             block = HostBlock(self.backend.host_malloc(size), size)
+            took = time.perf_counter_ns() - start
             with self._lock:
                 self._live[block.ptr] = block
                 self.reserved_bytes += size
+                self._held.rise(1)
+                self._held_bytes.rise(size)
+                self._alloc_time.add(took)
         with self._lock:
             block.allocated = True
             self.allocated_bytes += size
+            self._active.rise(1)
+            self._active_bytes.rise(size)
         return block
 
     def record_stream(self, block: HostBlock, stream: Stream) -> None:
@@ -169,12 +229,13 @@ class HostCachingAllocator:
             raise error
 
     def _cache(self, block: HostBlock) -> None:
+        # Reusable now: no longer an active request.
+        self._active.fall(1)
+        self._active_bytes.fall(block.size)
         if self._max_cached is not None and self.cached_bytes + block.size > self._max_cached:
             # Keeping it would take the cache past pinned_max_cached_size:
             # release this block, and keep what is already cached.
-            self.backend.host_free(block.ptr)
-            del self._live[block.ptr]
-            self.reserved_bytes -= block.size
+            self._host_free(block)
             return
         self._free.setdefault(block.size, []).append(block)
         self.cached_bytes += block.size
@@ -194,11 +255,18 @@ class HostCachingAllocator:
     def _release_free(self) -> None:
         for blocks in self._free.values():
             for block in blocks:
-                self.backend.host_free(block.ptr)
-                del self._live[block.ptr]
-                self.reserved_bytes -= block.size
+                self._host_free(block)
                 self.cached_bytes -= block.size
         self._free.clear()
+
+    def _host_free(self, block: HostBlock) -> None:
+        start = time.perf_counter_ns()
+        self.backend.host_free(block.ptr)
+        self._free_time.add(time.perf_counter_ns() - start)
+        del self._live[block.ptr]
+        self.reserved_bytes -= block.size
+        self._held.fall(1)
+        self._held_bytes.fall(block.size)
 
     def empty_cache(self) -> None:
         """Free every cached block whose copies completed (pending ones stay)."""
@@ -219,3 +287,45 @@ class HostCachingAllocator:
                 "cached_bytes": self.cached_bytes,
                 "pending_blocks": len(self._pending),
             }
+
+    def memory_stats(self) -> dict[str, int | float]:
+        """torch's ``host_memory_stats()`` keys, sorted: ``allocations``,
+        ``allocated_bytes`` (blocks held, active and cached), ``active_requests``,
+        ``active_bytes`` (handed out, not yet reusable), each ``.current``,
+        ``.peak``, ``.allocated``, ``.freed``; ``num_host_alloc``,
+        ``num_host_free``; ``host_alloc_time`` and ``host_free_time`` (µs) as
+        ``.total``, ``.max``, ``.min``, ``.count``, ``.avg``."""
+        with self._lock:
+            if self._gc_frees:
+                self._drain_gc_frees()
+            self._process_events()
+            out: dict[str, int | float] = {}
+            for name, stat in (
+                ("allocations", self._held),
+                ("allocated_bytes", self._held_bytes),
+                ("active_requests", self._active),
+                ("active_bytes", self._active_bytes),
+            ):
+                for metric in _Stat.__slots__:
+                    out[f"{name}.{metric}"] = getattr(stat, metric)
+            out["num_host_alloc"] = self._held.allocated
+            out["num_host_free"] = self._held.freed
+            for name, timer in (("host_alloc_time", self._alloc_time), ("host_free_time", self._free_time)):
+                for metric in _Timer.__slots__:
+                    out[f"{name}.{metric}"] = getattr(timer, metric)
+                out[f"{name}.avg"] = timer.total // timer.count if timer.count else 0
+            return dict(sorted(out.items()))
+
+    def reset_peak_stats(self) -> None:
+        """Set the peaks to the current values (torch's ``reset_peak_host_memory_stats``)."""
+        with self._lock:
+            for stat in (self._held, self._held_bytes, self._active, self._active_bytes):
+                stat.peak = stat.current
+
+    def reset_accumulated_stats(self) -> None:
+        """Zero the totals (``.allocated``, ``.freed``, the call counts and times)."""
+        with self._lock:
+            for stat in (self._held, self._held_bytes, self._active, self._active_bytes):
+                stat.allocated = stat.freed = 0
+            self._alloc_time = _Timer()
+            self._free_time = _Timer()

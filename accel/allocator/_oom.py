@@ -34,6 +34,7 @@ class OutOfMemoryDetails:
     expandable_segments: bool
     capturing: bool
     fraction_refused: bool = False  # the memory fraction, not the device, refused the growth
+    refusal: str = ""  # the device's own error when it refused (it may name a cause other than memory)
 
     @property
     def reserved_unallocated(self) -> int:
@@ -98,8 +99,11 @@ def out_of_memory(d: OutOfMemoryDetails, device: int) -> OutOfMemoryError:
     text += (
         f"and {format_size(d.reserved_unallocated)} is reserved by accel but unallocated. "
         f"The largest free cached block is {format_size(d.largest_free_block)}; fragmentation "
-        f"{d.fragmentation:.2f}. {_advice(d)}"
+        f"{d.fragmentation:.2f}. "
     )
+    if d.refusal:
+        text += f"The device said: {d.refusal.rstrip('.')}. "
+    text += _advice(d)
     error = OutOfMemoryError(text, requested=d.requested, device=device)
     error.details = d  # type: ignore[attr-defined]
     return error

@@ -26,6 +26,19 @@ _counter = itertools.count(1)
 _counter_lock = threading.Lock()  # itertools.count is not documented as thread-safe
 
 
+# Ids of live accel.memory.MemPool objects: their memory comes from the pool's
+# own allocators, so a graph cannot be given one as its pool id.
+_mem_pools: set[PoolId] = set()
+
+
+def register_mem_pool(pool: PoolId) -> None:
+    _mem_pools.add(pool)
+
+
+def unregister_mem_pool(pool: PoolId) -> None:
+    _mem_pools.discard(pool)
+
+
 def _next() -> int:
     with _counter_lock:
         return next(_counter)
@@ -65,6 +78,12 @@ def check_pool_id(pool: object, *, where: str) -> PoolId:
         raise InvalidValueError(
             f"{where}: pool=(0, 0) is the default pool, which graphs cannot capture into; "
             "pass None for a private pool, or a handle from accel.graph_pool_handle()"
+        )
+    if pool in _mem_pools:
+        raise InvalidValueError(
+            f"{where}: pool={pool!r} is the id of an accel.memory.MemPool, whose memory comes from "
+            "its own allocators; to capture into it, capture inside `with accel.memory.use_mem_pool(pool):` "
+            "and give the graph no pool (or a handle from accel.graph_pool_handle())"
         )
     if pool[0] and pool[1]:
         raise InvalidValueError(

@@ -86,6 +86,7 @@ class MemoryResource:
 class BackendResource(MemoryResource):
     """Device memory straight from a Backend (``malloc``/``free``, ``vm_*``).
 
+    >>> from accel.allocator import BackendResource
     >>> from accel.backends.cpu import CpuBackend
     >>> r = BackendResource(CpuBackend(1, None), 0)
     >>> r.deallocate(r.allocate(4096), 4096)
@@ -183,6 +184,7 @@ class ResourceAdaptor(MemoryResource):
 class LimitingAdaptor(ResourceAdaptor):
     """Refuses to hold more than ``limit`` bytes (plain allocations plus physical chunks).
 
+    >>> from accel.allocator import BackendResource, LimitingAdaptor
     >>> from accel.backends.cpu import CpuBackend
     >>> r = LimitingAdaptor(BackendResource(CpuBackend(1, None), 0), 1 << 20)
     >>> r.allocate(2 << 20)
@@ -263,6 +265,7 @@ class ResourceCounts:
 class StatisticsAdaptor(ResourceAdaptor):
     """Counts calls and bytes held (plain allocations plus physical chunks).
 
+    >>> from accel.allocator import BackendResource, StatisticsAdaptor
     >>> from accel.backends.cpu import CpuBackend
     >>> r = StatisticsAdaptor(BackendResource(CpuBackend(1, None), 0))
     >>> r.deallocate(r.allocate(4096), 4096)
@@ -322,6 +325,7 @@ class StatisticsAdaptor(ResourceAdaptor):
 class LoggingAdaptor(ResourceAdaptor):
     """Logs every call that takes or gives memory, at DEBUG level, to ``logger``.
 
+    >>> from accel.allocator import BackendResource, LoggingAdaptor
     >>> import logging
     >>> from accel.backends.cpu import CpuBackend
     >>> r = LoggingAdaptor(BackendResource(CpuBackend(1, None), 0), logging.getLogger("accel.mr"))

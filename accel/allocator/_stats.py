@@ -68,6 +68,103 @@ def inc(s: list[int], base: int, pool: int, n: int) -> None:
         s[base + 6] = c
 
 
+#: Offsets of a statistic's slots from its base (see the layout above).
+PEAK, TOTAL, PEAK_ALL = 2, 4, 6
+
+
+# The two helpers below raise several statistics at once, written out in full:
+# they run on every allocation, and a call per statistic would cost more than
+# the arithmetic.
+
+
+def add_allocation(s: list[int], kind: int, size: int, nbytes: int) -> None:
+    """A block of ``size`` bytes (``nbytes`` asked for) was allocated from pool ``kind``
+    (0 small, 1 large): ``allocation``, ``allocated_bytes`` and ``requested_bytes``
+    rise, with their peaks, and the ``active`` peaks while blocks are pending."""
+    other = 1 - kind
+    i = ALLOCATION + kind
+    c = s[i] + 1
+    s[i] = c
+    s[i + TOTAL] += 1
+    if c > s[i + PEAK]:
+        s[i + PEAK] = c
+    c += s[ALLOCATION + other]
+    if c > s[ALLOCATION + PEAK_ALL]:
+        s[ALLOCATION + PEAK_ALL] = c
+    i = ALLOCATED_BYTES + kind
+    c = s[i] + size
+    s[i] = c
+    s[i + TOTAL] += size
+    if c > s[i + PEAK]:
+        s[i + PEAK] = c
+    c += s[ALLOCATED_BYTES + other]
+    if c > s[ALLOCATED_BYTES + PEAK_ALL]:
+        s[ALLOCATED_BYTES + PEAK_ALL] = c
+    i = REQUESTED_BYTES + kind
+    c = s[i] + nbytes
+    s[i] = c
+    s[i + TOTAL] += nbytes
+    if c > s[i + PEAK]:
+        s[i + PEAK] = c
+    c += s[REQUESTED_BYTES + other]
+    if c > s[REQUESTED_BYTES + PEAK_ALL]:
+        s[REQUESTED_BYTES + PEAK_ALL] = c
+    if s[ACTIVE] or s[ACTIVE + 1]:
+        # active = allocated + pending: its peak needs a look only while some block is pending
+        note_active_peak(s, kind)
+
+
+def add_inactive_split(s: list[int], kind: int, size: int) -> None:
+    """A free block of ``size`` bytes of pool ``kind`` now sits in a split segment:
+    ``inactive_split`` and ``inactive_split_bytes`` rise."""
+    other = 1 - kind
+    i = INACTIVE_SPLIT + kind
+    c = s[i] + 1
+    s[i] = c
+    s[i + TOTAL] += 1
+    if c > s[i + PEAK]:
+        s[i + PEAK] = c
+    c += s[INACTIVE_SPLIT + other]
+    if c > s[INACTIVE_SPLIT + PEAK_ALL]:
+        s[INACTIVE_SPLIT + PEAK_ALL] = c
+    i = INACTIVE_SPLIT_BYTES + kind
+    c = s[i] + size
+    s[i] = c
+    s[i + TOTAL] += size
+    if c > s[i + PEAK]:
+        s[i + PEAK] = c
+    c += s[INACTIVE_SPLIT_BYTES + other]
+    if c > s[INACTIVE_SPLIT_BYTES + PEAK_ALL]:
+        s[INACTIVE_SPLIT_BYTES + PEAK_ALL] = c
+
+
+def drop_allocation(s: list[int], kind: int, size: int) -> None:
+    """The caller freed a block of ``size`` bytes of pool ``kind`` (requested bytes
+    fall when the memory is free for reuse: :func:`drop_requested`)."""
+    s[ALLOCATION + kind] -= 1
+    s[ALLOCATED_BYTES + kind] -= size
+
+
+def add_pending(s: list[int], kind: int, size: int) -> None:
+    """A freed block waits for other streams: still active, no longer allocated."""
+    s[ACTIVE + kind] += 1
+    s[ACTIVE_BYTES + kind] += size
+
+
+def drop_pending(s: list[int], kind: int, size: int) -> None:
+    s[ACTIVE + kind] -= 1
+    s[ACTIVE_BYTES + kind] -= size
+
+
+def drop_requested(s: list[int], kind: int, nbytes: int) -> None:
+    s[REQUESTED_BYTES + kind] -= nbytes
+
+
+def drop_inactive_split(s: list[int], kind: int, size: int) -> None:
+    s[INACTIVE_SPLIT + kind] -= 1
+    s[INACTIVE_SPLIT_BYTES + kind] -= size
+
+
 _DERIVED = {16: 0, 48: 32}  # active -> allocation, active_bytes -> allocated_bytes
 
 

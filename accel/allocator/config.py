@@ -106,6 +106,7 @@ class AllocatorConfig:
     an equal config. ``sources`` (field -> where the value came from) and
     ``warnings`` are not part of equality.
 
+    >>> from accel.allocator import parse
     >>> config = parse("max_split_size_mb:256, expandable_segments:true")
     >>> config.max_split_size, config.expandable_segments
     (268435456, True)
@@ -165,6 +166,7 @@ class AllocatorConfig:
         The slot is ``clamp(floor(log2 size) - 20, 0, 15)``: every size below
         2 MiB uses slot 0, every size from 32 GiB up uses slot 15.
 
+        >>> from accel.allocator import parse
         >>> parse("roundup_power2_divisions:[64:8,>:2]").roundup_divisions(200 << 20)
         2
         """
@@ -399,23 +401,26 @@ def _apply(
     return dataclasses.replace(config, sources=config.sources, warnings=tuple(notes))
 
 
-def parse(text: str, *, origin: str = "parse()") -> AllocatorConfig:
-    """Parse a configuration string on top of the defaults; pure (touches no state).
+def parse(text: str, *, origin: str = "parse()", base: AllocatorConfig | None = None) -> AllocatorConfig:
+    """Parse a configuration string on top of ``base`` (default: the defaults); pure
+    (touches no state).
 
     Raises :class:`ConfigStringError` (an ``AllocatorConfigError``, hence a
     ``ValueError``) that quotes the string and points at the mistake.
     Warnings are recorded in ``.warnings``, not emitted. ``origin`` names the
     string in messages and in ``sources``.
 
+    >>> from accel.allocator import parse
     >>> parse("garbage_collection_threshold:0.6").garbage_collection_threshold
     0.6
     """
-    return _apply(AllocatorConfig(), parse_settings(text, origin), origin, text)
+    return _apply(AllocatorConfig() if base is None else base, parse_settings(text, origin), origin, text)
 
 
 def keys() -> tuple[KeySpec, ...]:
     """Every known key, in canonical order, with its type, default, range and use.
 
+    >>> from accel.allocator import keys
     >>> [spec.key for spec in keys()][:2]
     ['large_segment_size_mb', 'max_split_size_mb']
     """
@@ -448,6 +453,7 @@ def read_environment(environ: Mapping[str, str] | None = None) -> EnvironmentRep
     Pure: nothing is stored and nothing is emitted, so it is what ``python -m
     accel config`` uses to explain the environment.
 
+    >>> from accel.allocator import read_environment
     >>> read_environment({"ACCEL_ALLOC_CONF": "max_split_size_mb:64"}).configs["cpu"].max_split_size
     67108864
     """
@@ -584,6 +590,7 @@ def config_for_backend(name: str) -> AllocatorConfig:
     Reads the environment on first use; raises ConfigStringError naming the
     variable when it is invalid.
 
+    >>> from accel.allocator import config_for_backend
     >>> config_for_backend("cpu").large_segment_size
     20971520
     """
@@ -613,6 +620,7 @@ def get_config(device: object = None) -> AllocatorConfig:
     the backend: None or an index means the active one, ``"cuda:1"`` or a
     device object with ``.type`` names one.
 
+    >>> from accel.allocator import get_config
     >>> get_config("cpu").expandable_segments
     False
     """
@@ -683,6 +691,7 @@ def set_settings(text: str, *, backend: str | None = None) -> None:
     refuse it (for instance switching expandable segments while segments are
     live); a refused or invalid change leaves every backend as it was.
 
+    >>> from accel.allocator import config_for_backend, set_settings
     >>> set_settings("garbage_collection_threshold:0.7", backend="cpu")
     >>> config_for_backend("cpu").sources["garbage_collection_threshold"]
     'set_settings()'

@@ -25,12 +25,16 @@ BACKEND_NAMES: tuple[str, ...] = ("cuda", "xpu", "cpu")
 
 _lock = threading.Lock()
 _loaded: dict[str, Backend] = {}
-_failed: dict[str, BackendUnavailableError] = {}
+# Why a backend failed to load: the error's type and its words, never the exception
+# itself, whose traceback reaches the first caller's frames (and every local in them)
+# and would grow by a frame on each re-raise.
+_failed: dict[str, tuple[type[BackendUnavailableError], str, str]] = {}
 
 
 def load_backend(name: str) -> Backend:
     """Load (once) and return the backend called ``name``.
 
+    >>> from accel.backends import load_backend
     >>> load_backend("cpu").name
     'cpu'
     """
@@ -43,10 +47,12 @@ def load_backend(name: str) -> Backend:
     with _lock:
         if name in _loaded:
             return _loaded[name]
-        if name in _failed:
+        failed = _failed.get(name)
+        if failed is not None:
             # Drivers such as the Level Zero loader cannot retry a failed init
             # in the same process, so the first failure is the answer.
-            raise _failed[name]
+            kind, reason, remedy = failed
+            raise kind(name, reason, remedy=remedy)
         try:
             try:
                 module = importlib.import_module(f"accel.backends.{name}")
@@ -54,9 +60,9 @@ def load_backend(name: str) -> Backend:
                 if exc.name != f"accel.backends.{name}":
                     raise  # the backend exists but something it imports is missing
                 raise BackendUnavailableError(name, "this installation of accel has no such backend") from None
-            backend = module.load()
+            backend: Backend = module.load()
         except BackendUnavailableError as exc:
-            _failed[name] = exc
+            _failed[name] = (type(exc), exc.reason, exc.remedy)
             raise
         _loaded[name] = backend
         return backend

@@ -28,6 +28,7 @@ from accel.graph._graph import Graph, graph, is_capturing
 from accel.graph._pool import graph_pool_handle
 
 __all__ = [
+    "BuildWarning",
     "CompiledProgram",
     "Graph",
     "GraphCacheWarning",
@@ -40,13 +41,14 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # loaded by __getattr__ on first use, since they import torch
-    from accel.graph._compiled import CompiledProgram, compile_graph
+    from accel.graph._compiled import BuildWarning, CompiledProgram, compile_graph
     from accel.graph._graphed import GraphCacheWarning, GraphedCallable, make_graphed_callables
 
 _LAZY = {
     "GraphCacheWarning": "accel.graph._graphed",
     "GraphedCallable": "accel.graph._graphed",
     "make_graphed_callables": "accel.graph._graphed",
+    "BuildWarning": "accel.graph._compiled",
     "CompiledProgram": "accel.graph._compiled",
     "compile_graph": "accel.graph._compiled",
 }

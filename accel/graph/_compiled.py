@@ -1,23 +1,31 @@
-"""The compiled replay tier: the captured torch program, compiled ahead of time.
+"""The compiled replay tier: the captured torch program, run by the fastest engine that is exact enough.
 
 A capture on the host backend yields a static program: fixed shapes, fixed
-input and output tensors. Re-dispatching each recorded op from Python costs
-about what eager costs (a couple of microseconds of dispatcher per op), so
-the interpreted tier saves allocations but little time. This tier turns the
-recorded ops into an FX graph, exports it and compiles it with AOTInductor;
-a replay then runs one compiled function and copies its results into the
-graph's static outputs.
+input and output tensors. This tier turns the recorded ops into an FX graph,
+builds it with every engine installed (:mod:`accel.graph._engines`:
+AOTInductor, ONNX Runtime), checks each one's results against eager on the
+capture's inputs, times the ones that agree side by side, and keeps the
+fastest. A replay is then one call into that engine, bound to the graph's own
+input and output tensors.
 
 Trade-offs, stated where users choose the tier:
 
-- **Not bitwise identical** to eager: inductor fuses and reorders float
-  arithmetic. Results agree to float rounding (the tests use
-  ``torch.testing.assert_close``). The interpreted tier stays the exact one.
-- **Build time**: a few seconds to a minute per graph. Builds are cached on
-  disk (``ACCEL_GRAPH_CACHE``, default ``~/.cache/accel/graphs``) under a
-  hash of the program, the input layouts, the values of the tensors it bakes
-  in, and the torch version, so a process that captures the same model again
-  loads it in milliseconds.
+- **Not bitwise identical** to eager: engines fuse and reorder float
+  arithmetic. An engine is kept only if every output is within ``tolerance``
+  of eager (default 1e-4, relative to the output's largest magnitude, at
+  least 1), on the capture's inputs; ``CompiledProgram.candidates`` says what
+  each engine measured and why one was rejected. The interpreted tier stays
+  the exact one.
+- **Build time**: a second (ONNX export) to a minute (AOTInductor runs the C++
+  compiler) per graph and engine. Builds are cached on disk
+  (``ACCEL_GRAPH_CACHE``, default ``~/.cache/accel/graphs``) under a hash of
+  the program, the input layouts, the values of the tensors it bakes in, the
+  engine and its version, torch's version, the CPU, torch's intra-op thread
+  count and every build setting; a process that captures the same model
+  again loads it. A build that cannot come from the cache is announced with a
+  :class:`BuildWarning` saying how long the last one took.
+  ``make_graphed_callables(..., tier="auto")`` builds in a background thread
+  while replays use the interpreted tier.
 - **Weights are baked in**: tensors the program reads that are not inputs
   (parameters, buffers) are compiled in as constants. Change them, and the
   compiled graph does not see it: capture and compile again.
@@ -30,9 +38,12 @@ from __future__ import annotations
 import hashlib
 import operator
 import os
-import tempfile
+import statistics
+import threading
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,12 +52,21 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map
 
 from accel._errors import InvalidValueError, NotSupportedError
+from accel.graph._engines import ENGINES, Engine, Facts
 
 if TYPE_CHECKING:
     from accel.graph._graph import Graph
     from accel.graph._torch_capture import Program
 
-__all__ = ["CompiledProgram", "cache_dir", "compile_graph"]
+__all__ = ["BackgroundCompile", "BuildWarning", "CompiledProgram", "cache_dir", "compile_graph"]
+
+#: Default largest accepted difference from eager, relative to the output's
+#: largest magnitude (at least 1).
+TOLERANCE = 1e-4
+
+
+class BuildWarning(UserWarning):
+    """The compiled tier is building a program that is not in the disk cache (a stall of seconds)."""
 
 
 def cache_dir() -> Path:
@@ -55,60 +75,85 @@ def cache_dir() -> Path:
     return Path(configured) if configured else Path.home() / ".cache" / "accel" / "graphs"
 
 
+#: Seconds the last build in this process took (building every engine not cached), or None.
+last_build_seconds: float | None = None
+
+
+@dataclass
+class Candidate:
+    """What the compiled tier found out about one engine for one program."""
+
+    engine: str
+    #: "chosen", "ok" (agreed with eager, slower), "rejected", "failed", "not installed" or "not tried".
+    status: str
+    detail: str = ""
+    #: Median seconds of one run, measured interleaved with the other engines.
+    seconds: float | None = None
+    max_error: float | None = None
+    build_seconds: float | None = None
+    cached: bool = False
+
+    def __str__(self) -> str:
+        parts = [f"{self.engine}: {self.status}"]
+        if self.seconds is not None:
+            parts.append(f"{self.seconds * 1e6:.1f} us/run")
+        if self.max_error is not None:
+            parts.append(f"max |error| {self.max_error:.1e}")
+        if self.build_seconds is not None:
+            parts.append(("loaded in" if self.cached else "built in") + f" {self.build_seconds:.1f} s")
+        if self.detail:
+            parts.append(self.detail)
+        return ", ".join(parts)
+
+
 class CompiledProgram:
-    """A graph's torch program compiled by AOTInductor, run in place of its op loop."""
+    """A graph's torch program run by one engine, bound to the graph's tensors.
+
+    ``engine`` names the engine chosen, ``candidates`` what every engine
+    measured (``str(c)`` for a line each). Calling it runs one replay.
+    """
 
     def __init__(
         self,
+        engine: str,
         path: Path,
         key: str,
-        inputs: list[torch.Tensor],
-        outputs: list[torch.Tensor],
+        replay: Callable[[], Any],
+        candidates: list[Candidate],
         *,
         built: bool,
         seconds: float,
+        tolerance: float,
     ) -> None:
+        self.engine = engine
         self.path = path
         self.key = key
-        #: True when this process built the package, False when it came from the cache.
+        #: True when this process built the chosen engine's file, False when it came from the cache.
         self.built = built
-        #: Seconds spent building (or loading) the package.
+        #: Seconds spent building, loading, validating and timing every engine.
         self.seconds = seconds
-        self._inputs = inputs
-        self._outputs = outputs
-        import torch._inductor
-
-        model = torch._inductor.aoti_load_package(str(path))
-        # The loader's run() takes and returns flat tensor lists; the
-        # package's __call__ adds pytree handling this fixed program does not need.
-        self._run = model.loader.run
+        self.tolerance = tolerance
+        self.candidates = candidates
+        #: The bound replay: the engine's own call, with nothing of accel's around it where possible.
+        self.replay = replay
+        #: The engine's runner called directly on the inputs (no copy of results), for comparison.
+        self.raw: Callable[[], Any] = getattr(replay, "raw", replay)
+        #: Where the engine allows it (AOTInductor), a call on any tensors laid out
+        #: like the inputs that returns new outputs: no copy in or out.
+        self.direct: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = getattr(replay, "direct", None)
 
     def __repr__(self) -> str:
-        return f"CompiledProgram({self.path.name}, {len(self._inputs)} inputs, {len(self._outputs)} outputs)"
+        return f"CompiledProgram({self.engine}, {self.path.name})"
 
     def __call__(self) -> None:
-        for static, value in zip(self._outputs, self._run(self._inputs)):
-            static.copy_(value)
+        self.replay()
+
+    def report(self) -> str:
+        """One line per engine: chosen or not, and why."""
+        return "\n".join(str(c) for c in self.candidates)
 
 
-def compile_graph(g: Graph, *, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> CompiledProgram:
-    """Make ``g``'s replays run its torch program compiled by AOTInductor.
-
-    ``inputs`` are the static input tensors new data will be copied into;
-    ``outputs`` the tensors the capture returned that you will read. Every
-    other tensor the program reads is compiled in as a constant.
-
-    Refused (:class:`~accel.NotSupportedError`) when the capture holds no
-    torch program, interleaves torch ops with other stream work, or writes
-    to registered inputs: use the interpreted tier (the default) for those.
-
-    >>> import torch, accel
-    >>> x = torch.randn(4, 8); lin = torch.nn.Linear(8, 8).eval()
-    >>> g = accel.graph.Graph()
-    >>> with accel.graph.graph(g):
-    ...     y = torch.relu(lin(x))
-    >>> _ = accel.graph.compile_graph(g, inputs=[x], outputs=[y])  # doctest: +SKIP
-    """
+def _check(g: Graph, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> Program:
     program: Program | None = g.program
     if program is None or not program.records:
         raise NotSupportedError(f"{g!r} recorded no torch ops; there is nothing to compile")
@@ -119,25 +164,267 @@ def compile_graph(g: Graph, *, inputs: Sequence[torch.Tensor], outputs: Sequence
             f"{g!r} interleaves its torch ops with other stream work ({len(program.segments)} pieces); "
             "the compiled tier needs them in one piece. Keep the interpreted tier for this graph."
         )
-    inputs, outputs = list(inputs), list(outputs)
     for role, tensors in (("inputs", inputs), ("outputs", outputs)):
         if not all(isinstance(t, torch.Tensor) for t in tensors):
             raise InvalidValueError(f"compile_graph: {role} must be torch tensors")
     if not outputs:
         raise InvalidValueError("compile_graph: name at least one output tensor to keep up to date")
-    gm = _to_fx(program, inputs, outputs)
-    key = _cache_key(gm, inputs)
-    path = cache_dir() / f"{key}.pt2"
-    start = time.perf_counter()
-    built = not path.exists()
-    if built:
-        _build(gm, inputs, path)
-    compiled = CompiledProgram(
-        path, key, inputs, outputs, built=built, seconds=time.perf_counter() - start
-    )
-    program.segments[0].runner = compiled
+    return program
+
+
+def _engines(names: Sequence[str] | None) -> list[Engine]:
+    if names is None:
+        return list(ENGINES.values())
+    if isinstance(names, str) or not names:
+        raise InvalidValueError(f"engines={names!r} must be a non-empty list of names from {sorted(ENGINES)}")
+    unknown = [n for n in names if n not in ENGINES]
+    if unknown:
+        raise InvalidValueError(f"unknown engines {unknown}; choose from {sorted(ENGINES)}")
+    return [ENGINES[n] for n in names]
+
+
+def compile_graph(
+    g: Graph,
+    *,
+    inputs: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    engines: Sequence[str] | None = None,
+    tolerance: float = TOLERANCE,
+) -> CompiledProgram:
+    """Make ``g``'s replays run its torch program with the fastest engine that matches eager.
+
+    ``inputs`` are the static input tensors new data will be copied into;
+    ``outputs`` the tensors the capture returned that you will read. Every
+    other tensor the program reads is compiled in as a constant. ``engines``
+    limits the engines tried (default: every one installed, of
+    ``"onnxruntime"``, ``"aotinductor"`` and ``"aotinductor-cpp-gemm"``); one is kept if all its outputs
+    are within ``tolerance`` of eager (relative to the largest magnitude,
+    at least 1). The result's ``engine`` and ``report()`` say which was
+    chosen and why.
+
+    Refused (:class:`~accel.NotSupportedError`) when the capture holds no
+    torch program, interleaves torch ops with other stream work, writes to
+    registered inputs, or no engine is installed, builds it and agrees with
+    eager: use the interpreted tier (the default) for those.
+
+    >>> import torch, accel
+    >>> x = torch.randn(4, 8); lin = torch.nn.Linear(8, 8).eval()
+    >>> g = accel.graph.Graph()
+    >>> with accel.graph.graph(g):
+    ...     y = torch.relu(lin(x))
+    >>> fast = accel.graph.compile_graph(g, inputs=[x], outputs=[y])  # doctest: +SKIP
+    >>> fast.engine  # doctest: +SKIP
+    'onnxruntime'
+    """
+    program = _check(g, inputs, outputs)
+    chosen = _compile(program, list(inputs), list(outputs), _engines(engines), tolerance, announce=True)
+    _attach(program, chosen)
+    return chosen
+
+
+def _attach(program: Program, compiled: CompiledProgram) -> None:
+    program.segments[0].runner = compiled.replay
     program.compiled = compiled
-    return compiled
+
+
+def _compile(
+    program: Program,
+    inputs: list[torch.Tensor],
+    outputs: list[torch.Tensor],
+    engines: list[Engine],
+    tolerance: float,
+    *,
+    announce: bool,
+) -> CompiledProgram:
+    global last_build_seconds
+    if not (isinstance(tolerance, (int, float)) and tolerance >= 0):
+        raise InvalidValueError(f"tolerance={tolerance!r} must be a number >= 0")
+    start = time.perf_counter()
+    gm = _to_fx(program, inputs, outputs)
+    threads = torch.get_num_threads()
+    facts = Facts(
+        work=sum(t.numel() for r in program.records if r.kind in ("out", "fallback") for t in r.outputs),
+        ops=frozenset(r.func.overloadpacket.__name__ for r in program.records),
+        threads=threads,
+    )
+    base = _program_key(gm, inputs)
+    candidates: list[Candidate] = []
+    plans: list[tuple[Engine, Path, str, dict[str, Any]]] = []
+    for engine in engines:
+        if not engine.applies(facts):
+            candidates.append(Candidate(engine.name, "not tried", "it does not apply to this program"))
+            continue
+        version = engine.version()
+        if version is None:
+            candidates.append(Candidate(engine.name, "not installed", f"install: {engine.install}"))
+            continue
+        settings = engine.settings(facts)
+        key = _engine_key(base, engine, version, settings, threads)
+        plans.append((engine, cache_dir() / f"{key}{engine.suffix}", key, settings))
+    if not plans:
+        raise NotSupportedError(
+            "no engine of the compiled tier is installed for this program: "
+            + "; ".join(str(c) for c in candidates)
+            + ". Keep the interpreted tier, or install one"
+        )
+    missing = [p for p in plans if not p[1].exists()]
+    if missing and announce:
+        last = "" if last_build_seconds is None else f"; the last build took {last_build_seconds:.1f} s"
+        warnings.warn(
+            f"building the compiled tier with {', '.join(p[0].name for p in missing)} "
+            f"(not in the disk cache {cache_dir()}){last}",
+            BuildWarning,
+            stacklevel=3,
+        )
+
+    # Reference results and each engine's trial run use copies: the graph's
+    # own tensors may be replaying meanwhile (background builds).
+    with torch.inference_mode(False), torch.no_grad():
+        trial_inputs = [t.detach().clone() for t in inputs]
+        reference = [t.detach().clone() for t in gm(*trial_inputs)]
+    loaded: list[tuple[Engine, Path, str, Candidate, Any]] = []
+    for engine, path, key, settings in plans:
+        t0 = time.perf_counter()
+        cached = path.exists()
+        candidate = Candidate(engine.name, "failed", cached=cached)
+        candidates.append(candidate)
+        try:
+            if not cached:
+                engine.build(gm, inputs, path, settings)
+            program_ = engine.load(path, threads)
+            trial_outputs = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for t in outputs]
+            trial = engine.bind(program_, trial_inputs, trial_outputs)
+            with torch.inference_mode():
+                trial()
+        except Exception as exc:  # noqa: BLE001 - engines raise many types; report which and why
+            candidate.detail = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
+            continue
+        finally:
+            candidate.build_seconds = time.perf_counter() - t0
+        candidate.max_error = error = _max_error(trial_outputs, reference)
+        if error > tolerance:
+            candidate.status = "rejected"
+            candidate.detail = f"differs from eager by more than the tolerance {tolerance:g}"
+            continue
+        candidate.status = "ok"
+        loaded.append((engine, path, key, candidate, (program_, trial)))
+    if missing:
+        last_build_seconds = time.perf_counter() - start
+    if not loaded:
+        raise NotSupportedError(
+            "no engine of the compiled tier could run this program and agree with eager: "
+            + "; ".join(str(c) for c in candidates)
+            + ". Keep the interpreted tier for this graph"
+        )
+    _time_interleaved([(c, run) for _, _, _, c, (_, run) in loaded])
+    engine, path, key, candidate, (program_, _) = min(loaded, key=lambda item: item[3].seconds or 0.0)
+    candidate.status = "chosen"
+    replay = engine.bind(program_, inputs, outputs)
+    return CompiledProgram(
+        engine.name, path, key, replay, candidates,
+        built=path in {p[1] for p in missing}, seconds=time.perf_counter() - start, tolerance=tolerance,
+    )
+
+
+def _max_error(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """Largest difference from eager, relative to each output's largest magnitude (at least 1)."""
+    worst = 0.0
+    for out, ref in zip(outputs, reference):
+        if out.shape != ref.shape or out.dtype != ref.dtype:
+            return float("inf")
+        if not ref.is_floating_point():
+            worst = max(worst, 0.0 if torch.equal(out, ref) else float("inf"))
+            continue
+        if ref.numel() == 0:
+            continue
+        scale = max(1.0, float(ref.abs().max()))
+        diff = float((out.double() - ref.double()).abs().max())
+        worst = max(worst, diff / scale if diff == diff else float("inf"))  # NaN: not a match
+    return worst
+
+
+def _time_interleaved(runs: list[tuple[Candidate, Callable[[], Any]]], rounds: int = 7, budget: float = 2e-3) -> None:
+    """Median time of one run of each, in rounds that take turns, so that a busy
+    machine slows them all alike. Each round runs each about ``budget`` seconds."""
+    with torch.inference_mode():
+        counts = []
+        for _, run in runs:
+            t0 = time.perf_counter()
+            run()
+            counts.append(max(1, min(200, int(budget / max(time.perf_counter() - t0, 1e-7)))))
+        samples: list[list[float]] = [[] for _ in runs]
+        for _ in range(rounds):
+            for i, (_, run) in enumerate(runs):
+                t0 = time.perf_counter()
+                for _ in range(counts[i]):
+                    run()
+                samples[i].append((time.perf_counter() - t0) / counts[i])
+    for (candidate, _), times in zip(runs, samples):
+        candidate.seconds = statistics.median(times)
+
+
+class BackgroundCompile:
+    """A compiled-tier build running in a thread, attached to its graph when done.
+
+    Until then the graph replays its interpreted tier. ``state`` is
+    "building", "ready" or "failed"; ``wait()`` blocks until it is not
+    building; ``compiled`` and ``error`` hold the outcome.
+    """
+
+    def __init__(
+        self,
+        g: Graph,
+        inputs: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor],
+        *,
+        engines: Sequence[str] | None = None,
+        tolerance: float = TOLERANCE,
+        on_ready: Callable[[CompiledProgram], None] | None = None,
+    ) -> None:
+        self._program = _check(g, inputs, outputs)
+        self._inputs, self._outputs = list(inputs), list(outputs)
+        self._engines = _engines(engines)
+        self._tolerance = tolerance
+        self._on_ready = on_ready
+        self.state = "building"
+        self.compiled: CompiledProgram | None = None
+        self.error: BaseException | None = None
+        #: Seconds the last build in this process took when this one started (None: the first).
+        self.last_build_seconds = last_build_seconds
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="accel-graph-compile", daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        if self.state == "building":
+            last = "" if self.last_build_seconds is None else f", last build took {self.last_build_seconds:.1f} s"
+            return f"BackgroundCompile(building{last})"
+        if self.compiled is not None:
+            return f"BackgroundCompile(ready: {self.compiled.engine})"
+        return f"BackgroundCompile(failed: {self.error})"
+
+    def _run(self) -> None:
+        try:
+            compiled = _compile(
+                self._program, self._inputs, self._outputs, self._engines, self._tolerance, announce=False
+            )
+        except BaseException as exc:  # noqa: BLE001 - kept for the caller, who keeps the interpreted tier
+            self.error = exc
+            self.state = "failed"
+        else:
+            # One attribute store each: a replay running on another thread
+            # sees either the interpreted tier or the compiled one, whole.
+            self.compiled = compiled
+            _attach(self._program, compiled)
+            if self._on_ready is not None:
+                self._on_ready(compiled)
+            self.state = "ready"
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the build is done (or ``timeout`` seconds); True if done."""
+        return self._done.wait(timeout)
 
 
 def _to_fx(program: Program, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> fx.GraphModule:
@@ -187,12 +474,12 @@ def _to_fx(program: Program, inputs: list[torch.Tensor], outputs: list[torch.Ten
                 env[id(t)] = graph.call_function(operator.getitem, (node, i))
     results = []
     for t in outputs:
-        node = env.get(id(t))
-        if node is None or id(t) in {id(i) for i in inputs}:
+        made = env.get(id(t))
+        if made is None or id(t) in {id(i) for i in inputs}:
             raise InvalidValueError(
                 f"compile_graph: an output of shape {tuple(t.shape)} was not produced by the captured program"
             )
-        results.append(node)
+        results.append(made)
     graph.output(tuple(results))
     return fx.GraphModule(root, graph)
 
@@ -203,58 +490,25 @@ def _cpu_model() -> str:
     return get_runtime().backend.device_properties(0).name
 
 
-def _cache_key(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> str:
+def _program_key(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> str:
+    """A hash of what the program computes: its ops, input layouts and baked-in values."""
     h = hashlib.sha256()
-    h.update(f"torch {torch.__version__} {_cpu_model()} {sorted(INDUCTOR_CONFIGS.items())}\n".encode())
     h.update(gm.code.encode())
     for t in inputs:
         h.update(f"input {tuple(t.shape)} {tuple(t.stride())} {t.dtype}\n".encode())
     for name, buf in gm.named_buffers():
         h.update(f"constant {name} {tuple(buf.shape)} {tuple(buf.stride())} {buf.dtype}\n".encode())
         h.update(buf.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:32]
+    return h.hexdigest()
 
 
-#: Inductor settings for the build. Weights are constants of the program, so
-#: they may be folded and prepacked (freezing). Small GEMMs, which dominate
-#: batch-1 inference, run faster as inductor's CPU micro-kernel templates than
-#: as BLAS calls (about 1.3x to 2x on the benchmark's MLP and transformer
-#: layer); the templates are chosen outright rather than autotuned against
-#: BLAS, because autotuning on a busy machine picks by noise. Shapes the
-#: templates cannot take fall back to BLAS. Intermediates go on the C stack
-#: instead of torch's allocator when they are small (inductor only does so up
-#: to 100 KB in all), which batch-1 graphs are: 1.5 us less per transformer-layer call.
-INDUCTOR_CONFIGS: dict[str, Any] = {
-    "freezing": True,
-    "max_autotune": True,
-    "max_autotune_gemm_backends": "CPP",
-    "autotune_fallback_to_aten": True,
-    "autotune_num_choices_displayed": 0,
-    "max_autotune_report_choices_stats": False,
-    "aot_inductor.allow_stack_allocation": True,
-}
-
-
-def _build(gm: fx.GraphModule, inputs: list[torch.Tensor], path: Path) -> None:
-    import torch._inductor
-    import torch.export
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with torch.inference_mode(False), torch.no_grad():
-            exported = torch.export.export(gm, tuple(t.detach() for t in inputs), strict=False)
-            fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
-            os.close(fd)
-            try:
-                # A copy: inductor adds keys to the dict it is given.
-                settings = dict(INDUCTOR_CONFIGS)
-                torch._inductor.aoti_compile_and_package(exported, package_path=tmp, inductor_configs=settings)
-                os.replace(tmp, path)  # atomic: a concurrent build of the same key is harmless
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-    except Exception as exc:  # noqa: BLE001 - inductor raises many types; say what failed
-        raise NotSupportedError(
-            f"compiling the captured program with AOTInductor failed ({type(exc).__name__}: {exc}); "
-            "keep the interpreted tier for this graph"
-        ) from exc
+def _engine_key(base: str, engine: Engine, version: str, settings: dict[str, Any], threads: int) -> str:
+    """The cache key of one engine's build: the program, and everything that
+    changes the code built for it (a 2-thread process must not load a
+    1-thread build, which has no parallel regions)."""
+    h = hashlib.sha256(base.encode())
+    h.update(
+        f"{engine.name} {version} torch {torch.__version__} {_cpu_model()} threads {threads} "
+        f"{sorted(settings.items())}".encode()
+    )
+    return f"{engine.name}-{h.hexdigest()[:32]}"

@@ -413,6 +413,13 @@ class Graph:
         """The recorded torch program (host backend), or None."""
         return self._program
 
+    def enable_debug_mode(self) -> None:
+        """Keep the raw graph at :meth:`capture_end` for :meth:`debug_dump`, as
+        ``keep_graph=True`` does (torch's spelling); call it before capturing."""
+        if self._captured or self._stream is not None:
+            raise CaptureError(f"enable_debug_mode() must come before the capture of {self!r}")
+        self._keep_graph = True
+
     def debug_dump(self, path: str) -> None:
         """Write a readable description of the captured graph to ``path``.
 

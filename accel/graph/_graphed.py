@@ -11,6 +11,7 @@ forever, and a warning says when the cache keeps missing.
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from accel._errors import InvalidValueError, NotSupportedError
 from accel._runtime import get_runtime
@@ -33,6 +34,14 @@ class GraphCacheWarning(UserWarning):
     """A graphed callable keeps meeting input shapes its graph cache does not hold."""
 
 
+def _name(fn: object) -> str:
+    """``fn`` in a message: a module by its class (its repr lists every layer), a function by name."""
+    if isinstance(fn, torch.nn.Module):
+        return f"{type(fn).__qualname__} module"
+    name = getattr(fn, "__qualname__", None)
+    return name if isinstance(name, str) else type(fn).__qualname__
+
+
 Signature = tuple[tuple[tuple[int, ...], torch.dtype], ...]
 
 
@@ -42,6 +51,16 @@ class _Entry:
     device: int
     inputs: list[torch.Tensor]
     output: Any
+    # Compiled tier: the CompiledProgram or BackgroundCompile, and the engine's
+    # bound replay when the graph is that program alone (called directly).
+    compiled: Any = None
+    fast: Callable[[], Any] | None = None
+    # An engine that takes the caller's tensors and returns new outputs
+    # (AOTInductor): called in place of copy-in, replay and static outputs.
+    direct: Callable[[Sequence[torch.Tensor]], Any] | None = None
+    # fast() and direct() run only while current_stream(device) is default_stream.
+    current_stream: Callable[[int], Any] | None = None
+    default_stream: Any = None
 
 
 class GraphedCallable:
@@ -81,7 +100,7 @@ class GraphedCallable:
         self._torch_api = _torch_graphs.torch_graph_api(runtime.name)
 
     def __repr__(self) -> str:
-        return f"GraphedCallable({self.fn!r}, {len(self._cache)}/{self._cache_size} graphs)"
+        return f"GraphedCallable({_name(self.fn)}, {len(self._cache)}/{self._cache_size} graphs)"
 
     def cache_info(self) -> dict[str, int]:
         """``{"hits", "misses", "evictions", "size", "capacity"}`` of the graph cache."""
@@ -96,7 +115,7 @@ class GraphedCallable:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise InvalidValueError(
-                f"graphed {self.fn!r} takes tensors as positional arguments only, got keywords "
+                f"graphed {_name(self.fn)} takes tensors as positional arguments only, got keywords "
                 f"{sorted(kwargs)}"
             )
         try:
@@ -111,9 +130,16 @@ class GraphedCallable:
         else:
             self.hits += 1
             self._cache.move_to_end(key)
+            direct = entry.direct
+            if direct is not None and entry.current_stream(entry.device) is entry.default_stream:  # type: ignore[misc]
+                return direct(args)  # the compiled program, on the caller's tensors
             for static, arg in zip(entry.inputs, args):
                 if static.data_ptr() != arg.data_ptr():
                     static.copy_(arg)
+        fast = entry.fast
+        if fast is not None and entry.current_stream(entry.device) is entry.default_stream:  # type: ignore[misc]
+            fast()  # the graph is one compiled program: run it without the graph around it
+            return entry.output
         runtime = get_runtime()
         stream = runtime.current_stream(entry.device)
         api = self._torch_api
@@ -148,7 +174,7 @@ class GraphedCallable:
             if self.evictions >= self._cache_size and not self._warned:
                 self._warned = True
                 warnings.warn(
-                    f"graphed {self.fn!r} has captured {self.misses} graphs for {self.misses} input "
+                    f"graphed {_name(self.fn)} has captured {self.misses} graphs for {self.misses} input "
                     f"signatures and evicted {self.evictions} (cache_size={self._cache_size}): each "
                     "miss captures anew. Raise cache_size, or pad inputs to a few fixed shapes.",
                     GraphCacheWarning,
@@ -160,23 +186,107 @@ class GraphedCallable:
             inputs = [a.detach().clone() for a in args]
         _warm_up(self.fn, inputs, self._warmup)
         g = Graph(pool=self._pool)
-        with _compilable(self._tier == "compiled"), graph(g):
+        with _compilable(self._tier != "interpreted"), graph(g):
             output = self.fn(*inputs)
+            runtime = get_runtime()
+            index = runtime.current_index
+            nodes = runtime.backend.stream_capture_length(index, runtime.current_stream(index).native_handle)
         if not all(isinstance(t, torch.Tensor) for t in tree_flatten(output)[0]):
             g.reset()
             raise InvalidValueError(
-                f"graphed {self.fn!r} must return tensors (or tuples, lists, dicts of tensors)"
+                f"graphed {_name(self.fn)} must return tensors (or tuples, lists, dicts of tensors)"
             )
-        if self._tier == "compiled":
-            from accel.graph._compiled import compile_graph
+        entry = _Entry(g, get_runtime().current_index, inputs, output)
+        if self._tier != "interpreted":
+            from accel.graph import _compiled
+
+            program = g.program
+            # One node in the whole graph, and it is the torch program: a
+            # replay may call the engine alone.
+            alone = nodes == 1 and program is not None and len(program.segments) == 1
+
+            def ready(compiled: _compiled.CompiledProgram) -> None:
+                if alone:
+                    entry.current_stream = runtime.current_stream
+                    entry.default_stream = runtime.default_stream(entry.device)
+                    entry.fast = compiled.replay  # after the streams: the hot path reads it first
+                    entry.direct = _direct(compiled, inputs, output)
 
             try:
-                compile_graph(g, inputs=inputs, outputs=tree_flatten(output)[0])
-            except BaseException:
-                g.reset()
-                raise
-        entry = self._cache[key] = _Entry(g, get_runtime().current_index, inputs, output)
+                if self._tier == "compiled":
+                    entry.compiled = _compiled.compile_graph(g, inputs=inputs, outputs=tree_flatten(output)[0])
+                    ready(entry.compiled)
+                else:  # auto: build in the background, replay the interpreted tier meanwhile
+                    entry.compiled = _compiled.BackgroundCompile(
+                        g, inputs, tree_flatten(output)[0], on_ready=ready
+                    )
+            except BaseException as exc:
+                # auto: a program the compiled tier cannot take replays interpreted.
+                if self._tier == "compiled" or not isinstance(exc, NotSupportedError):
+                    g.reset()
+                    raise
+        self._cache[key] = entry
         return entry
+
+    def compile_status(self) -> dict[Signature, str]:
+        """Per captured signature, how its replays run: "interpreted", "building
+        (last build took N s)", "compiled: <engine>" or "interpreted (compile
+        failed: why)"."""
+        status = {}
+        for key, entry in self._cache.items():
+            c = entry.compiled
+            if c is None:
+                status[key] = "interpreted"
+            elif hasattr(c, "engine"):
+                status[key] = f"compiled: {c.engine}"
+            elif c.state == "ready":
+                status[key] = f"compiled: {c.compiled.engine}"
+            elif c.state == "failed":
+                status[key] = f"interpreted (compile failed: {c.error})"
+            else:
+                last = "" if c.last_build_seconds is None else f" (last build took {c.last_build_seconds:.1f} s)"
+                status[key] = f"building{last}"
+        return status
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """With ``tier="auto"``: wait until no build is running; True if none is."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for entry in list(self._cache.values()):
+            wait = getattr(entry.compiled, "wait", None)
+            if wait is not None and not wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                return False
+        return True
+
+
+def _direct(compiled: Any, inputs: list[torch.Tensor], output: Any) -> Callable[[Sequence[torch.Tensor]], Any] | None:
+    """A call of ``compiled``'s engine on the caller's own tensors, returning
+    its new outputs, where the engine allows it: no copy in or out."""
+    run = compiled.direct
+    if run is None or not all(t.is_contiguous() for t in inputs):
+        return None
+    leaves, spec = tree_flatten(output)
+
+    if isinstance(output, torch.Tensor):
+
+        def call_one(args: Sequence[torch.Tensor]) -> Any:
+            for a in args:
+                if not a.is_contiguous():  # the program was built for contiguous inputs
+                    return _contiguous(call_one, args)
+            return run(list(args))[0]
+
+        return call_one
+
+    def call(args: Sequence[torch.Tensor]) -> Any:
+        for a in args:
+            if not a.is_contiguous():
+                return _contiguous(call, args)
+        return tree_unflatten(run(list(args)), spec)
+
+    return call
+
+
+def _contiguous(call: Callable[[Sequence[torch.Tensor]], Any], args: Sequence[torch.Tensor]) -> Any:
+    return call([a.contiguous() for a in args])
 
 
 @contextlib.contextmanager
@@ -235,9 +345,16 @@ def make_graphed_callables(
     On the host backend, ``tier`` picks how replays run: ``"interpreted"``
     re-runs the recorded aten ops (bitwise identical to eager for
     deterministic ops, always available); ``"compiled"`` runs the captured
-    program compiled ahead of time by inductor (faster, numerically close but
-    not bitwise identical; the first build of a graph takes seconds and is
-    cached on disk; see :func:`accel.graph.compile_graph`). On CUDA, with a
+    program with the fastest engine installed that agrees with eager
+    (AOTInductor, ONNX Runtime; numerically close but not bitwise identical;
+    the first build of a graph takes seconds, is announced by a
+    ``BuildWarning`` and cached on disk; see
+    :func:`accel.graph.compile_graph`); ``"auto"`` replays the interpreted
+    tier while the compiled one builds in a background thread, then switches
+    (``compile_status()`` says which runs, ``wait_compiled()`` waits). Where
+    the engine chosen returns new tensors (AOTInductor), a compiled call on
+    the default stream passes it the caller's tensors and returns its new
+    outputs, without copies. On CUDA, with a
     torch built for it, torch's CUDA graphs carry the capture and replay the
     kernels (the default tier only); a call queues the replay on the current
     stream and orders torch's current stream after it, without waiting on
@@ -275,11 +392,11 @@ def make_graphed_callables(
         raise InvalidValueError(
             f"sample_args has {len(samples)} entries for {len(fns)} callables; pass one tuple per callable"
         )
-    if tier not in ("interpreted", "compiled"):
-        raise InvalidValueError(f"tier={tier!r} must be 'interpreted' or 'compiled'")
-    if tier == "compiled" and runtime.name != "cpu":
+    if tier not in ("interpreted", "compiled", "auto"):
+        raise InvalidValueError(f"tier={tier!r} must be 'interpreted', 'compiled' or 'auto'")
+    if tier != "interpreted" and runtime.name != "cpu":
         raise NotSupportedError(
-            f"tier='compiled' compiles host programs; on the {runtime.name} backend torch's graph replays "
+            f"tier={tier!r} compiles host programs; on the {runtime.name} backend torch's graph replays "
             "the captured kernels already: use the default tier"
         )
     for name, value, low in (("num_warmup_iters", num_warmup_iters, 0), ("cache_size", cache_size, 1)):
@@ -290,7 +407,7 @@ def make_graphed_callables(
     for fn, sample in zip(fns, samples):
         if not isinstance(sample, (tuple, list)):
             raise InvalidValueError(
-                f"sample_args for {fn!r} must be a tuple of tensors, got {type(sample).__name__}"
+                f"sample_args for {_name(fn)} must be a tuple of tensors, got {type(sample).__name__}"
             )
         g = GraphedCallable(fn, num_warmup_iters=num_warmup_iters, pool=shared, cache_size=cache_size, tier=tier)
         g.capture(*sample)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from accel.allocator import PoolId, allocate, get_allocator, graph_pool_handle, new_private_pool_id
+from accel.allocator import PoolId, allocate, current_allocator, graph_pool_handle, new_private_pool_id
 from accel.allocator import check_pool_id as _check_allocator_pool_id
 
 if TYPE_CHECKING:
@@ -38,7 +38,8 @@ class PoolLease:
     def __init__(self, device: int, pool_id: PoolId, stream_filter: Callable[[Stream], bool]) -> None:
         self.device = device
         self.pool_id = pool_id
-        self._allocator: Any = get_allocator(device)
+        # A capture inside use_mem_pool(pool) takes its memory from that pool.
+        self._allocator: Any = current_allocator(device)
         self._allocator.begin_allocate_to_pool(pool_id, stream_filter)
         self._routing = True
         self._released = False

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
+from typing import Any
 
 from accel._device import Device, DeviceLike
 from accel._errors import DeviceError, InvalidHandleError, InvalidValueError
@@ -29,11 +31,11 @@ class Event:
 
     def __init__(
         self,
+        device: DeviceLike = None,
         *,
         enable_timing: bool = False,
         blocking: bool = False,
         interprocess: bool = False,
-        device: DeviceLike = None,
     ) -> None:
         self._runtime: Runtime = get_runtime()
         self._device: int | None = None if device is None else self._runtime.index(device)
@@ -51,6 +53,12 @@ class Event:
     @property
     def enable_timing(self) -> bool:
         return self._timing
+
+    @property
+    def event_id(self) -> int:
+        """An int that names this event, as ``torch.Event.event_id``: the native
+        handle, 0 before the backend event exists."""
+        return self._handle
 
     @property
     def device(self) -> Device | None:
@@ -85,7 +93,7 @@ class Event:
                     index, timing=self._timing, blocking=self._blocking, interprocess=self._interprocess
                 )
                 self._device = index
-                self._finalizer = weakref.finalize(self, backend.event_destroy, index, self._handle)
+                self._finalizer = weakref.finalize(self, _destroy, self._runtime, index, self._handle)
             return self._handle
 
     def close(self) -> None:
@@ -99,7 +107,8 @@ class Event:
     # -- operations --------------------------------------------------------
 
     def record(self, stream: Stream | None = None) -> None:
-        """Record at the current end of ``stream`` (default: the current stream)."""
+        """Record at the current end of ``stream`` (default: the current stream;
+        a torch stream of the same device works too)."""
         stream = as_stream(stream, self._device)
         if stream._runtime is not self._runtime:
             raise DeviceError(f"{stream!r} belongs to another backend than {self!r}")
@@ -129,8 +138,11 @@ class Event:
             return  # nothing recorded, nothing to wait for
         self._runtime.backend.stream_wait_event(stream.device_index, stream._live(), self._handle)
 
-    def elapsed_time(self, end: Event) -> float:
-        """Milliseconds from this event to ``end``; waits for both to complete."""
+    def elapsed_time(self, end_event: Event) -> float:
+        """Milliseconds from this event to ``end_event``; waits for both to complete."""
+        if not isinstance(end_event, Event):
+            raise InvalidValueError(f"end_event={end_event!r} ({type(end_event).__name__}) is not an accel.Event")
+        end = end_event
         if not (self._timing and end._timing):
             raise InvalidValueError("Both events must be created with argument 'enable_timing=True'.")
         if not (self._recorded and end._recorded):
@@ -144,3 +156,32 @@ class Event:
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidHandleError(f"{self!r} was closed; create a new accel.Event")
+
+
+def _destroy(runtime: Runtime, index: int, handle: int) -> None:
+    # Through the runtime, not a bound method of the backend: after a fork the
+    # runtime's backend is a stand-in that ignores releases of the parent's events.
+    runtime.backend.event_destroy(index, handle)
+
+
+def as_event(obj: object, role: str) -> Event | _ForeignEvent:
+    """``obj`` as something with ``wait(stream)``: an accel Event, or a torch event
+    (which then waits on the torch view of the accel stream)."""
+    if isinstance(obj, Event):
+        return obj
+    torch = sys.modules.get("torch")  # a torch event implies torch is imported already
+    if torch is not None and isinstance(obj, (torch.Event, torch.cuda.Event)):
+        return _ForeignEvent(obj)
+    raise InvalidValueError(
+        f"{role}={obj!r} ({type(obj).__name__}) is not an event: pass an accel.Event or a torch event"
+    )
+
+
+class _ForeignEvent:
+    """A torch event waited on by an accel stream, through the stream's torch view."""
+
+    def __init__(self, torch_event: Any) -> None:
+        self._event = torch_event
+
+    def wait(self, stream: Stream) -> None:
+        self._event.wait(stream.to_torch())

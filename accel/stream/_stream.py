@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import sys
 import threading
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from accel._device import Device, DeviceLike
-from accel._errors import DeviceError, HostFunctionError, InvalidHandleError, InvalidValueError, NotSupportedError
+from accel._errors import AccelError, DeviceError, HostFunctionError, InvalidHandleError, InvalidValueError, NotSupportedError
 from accel._runtime import Runtime, get_runtime, install_default_stream_wrapper
 from accel._torch import import_torch
 from accel.backends.base import CaptureStatus
@@ -57,6 +60,9 @@ class Stream:
         self._priority = priority
         self._owned = owned
         self._closed = False
+        # Where host functions report failures: shared by every wrapper of the stream.
+        self._errors: collections.deque[tuple[str, BaseException]] | None = None
+        self._end: Event | None = None  # marks the end of the work queued before close()
         self._close_lock = threading.Lock()
         self._finalizer = (
             weakref.finalize(self, runtime.destroy_stream, index, handle) if owned else None
@@ -84,6 +90,19 @@ class Stream:
     @property
     def device_index(self) -> int:
         return self._device
+
+    @property
+    def stream_id(self) -> int:
+        """An int that names this stream among the device's streams, as
+        ``torch.Stream.stream_id``: the native handle."""
+        return self._handle
+
+    @property
+    def device_type(self) -> int:
+        """torch's ``DeviceType`` number of the stream's device (as
+        ``torch.Stream.device_type``: 0 host, 1 CUDA, 12 XPU); ``device.type``
+        is its name."""
+        return _TORCH_DEVICE_TYPES[self._runtime.name]
 
     @property
     def priority(self) -> int:
@@ -125,16 +144,39 @@ class Stream:
     def close(self) -> None:
         """Destroy the stream (work already queued still completes).
 
-        Closing an :class:`ExternalStream` only retires this wrapper; the
-        device's default stream cannot be closed (this is a no-op)."""
+        New work is refused afterwards, but the stream can still be waited
+        on: ``other.wait_stream(s)`` and ``s.record_event()`` order after the
+        work queued before the close. Closing an :class:`ExternalStream` only
+        retires this wrapper; the device's default stream cannot be closed
+        (this is a no-op)."""
         if self._handle == self._runtime.backend.default_stream(self._device) and not self._owned:
             return
         with self._close_lock:
             if self._closed:
                 return
+            if self._finalizer is not None:
+                self._end = self._mark_end()
             self._closed = True
         if self._finalizer is not None:
             self._finalizer()
+
+    def _mark_end(self) -> Event | None:
+        """An event after all work queued so far, recorded just before the stream is
+        destroyed (None when there is nothing left to wait for)."""
+        from accel.stream._event import Event
+
+        try:
+            if self.is_capturing():
+                return None  # the capture is abandoned: its work never runs
+            end = Event(device=self._device)
+            end.record(self)
+            return end
+        except AccelError:
+            # The driver refused the record: wait here instead, so that waiting
+            # on the closed stream later has nothing left to wait for.
+            with contextlib.suppress(AccelError):
+                self._runtime.backend.stream_synchronize(self._device, self._handle)
+            return None
 
     def query(self) -> bool:
         """True when all work queued so far has completed."""
@@ -154,20 +196,58 @@ class Stream:
 
     def wait_event(self, event: Event) -> None:
         """Make later work on this stream wait for ``event``'s last record."""
-        event.wait(self)
+        from accel.stream._event import as_event
+
+        as_event(event, "event").wait(self)
 
     def wait_stream(self, stream: Stream) -> None:
-        """Make later work on this stream wait for the work queued on ``stream`` so far."""
+        """Make later work on this stream wait for the work queued on ``stream`` so far.
+
+        ``stream`` may be a torch stream of the same device, or closed: then this
+        waits for the work queued before its close.
+        """
         from accel.stream._event import Event
 
-        self.wait_event(stream.record_event(Event()))
+        other = as_stream(stream, role="stream", optional=False)
+        if other._closed and other._owned:
+            if other._end is not None:
+                self.wait_event(other._end)
+            return
+        self.wait_event(other.record_event(Event()))
 
     def record_event(self, event: Event | None = None) -> Event:
-        """Record ``event`` (a new one if None) at the current end of this stream."""
+        """Record ``event`` (a new one if None) at the current end of this stream.
+
+        On a closed stream, a new event completes with the work queued before
+        the close; recording a given event there is refused."""
+        from accel.stream._event import Event, as_event
+
+        if event is None and self._closed and self._owned:
+            return self._event_after_end()
+        event = Event() if event is None else event
+        as_event(event, "event")  # an accel or torch event, else an error naming the argument
+        if isinstance(event, Event):
+            event.record(self)
+            return event
+        try:
+            event.record(self.to_torch())
+        except RuntimeError as exc:  # torch's CPU events cannot be recorded at all
+            raise NotSupportedError(f"torch cannot record {event!r} on {self!r}: {exc}") from exc
+        return event
+
+    def _event_after_end(self) -> Event:
+        """A new event that completes with a closed stream's last work."""
         from accel.stream._event import Event
 
-        event = Event() if event is None else event
-        event.record(self)
+        event = Event(device=self._device)
+        # The end event stays private (a caller could re-record the one it is given):
+        # record the new one on a helper stream that waits for the end.
+        helper = Stream(self._device)
+        try:
+            helper.wait_stream(self)
+            event.record(helper)
+        finally:
+            helper.close()
         return event
 
     # -- work ----------------------------------------------------------------
@@ -205,8 +285,13 @@ class Stream:
         """
         if not callable(fn):
             raise InvalidValueError(f"{fn!r} is not callable")
+        if self._closed:
+            self._live()  # raises
+        handle = self._handle
+        errors = self._errors
+        if errors is None:
+            errors = self._errors = self._runtime.host_errors(self._device, handle)
         name = getattr(fn, "__qualname__", repr(fn))
-        errors = self._runtime.host_errors(self._device, self._live())
 
         def run() -> None:
             try:
@@ -215,7 +300,7 @@ class Stream:
                 errors.append((name, exc))
 
         run.__qualname__ = name
-        self._runtime.backend.launch_host_func(self._device, self._live(), run)
+        self._runtime.backend.launch_host_func(self._device, handle, run)
 
     def _keep_alive(self, *owners: object) -> None:
         """Hold Python objects that own copy operands until the work ran."""
@@ -298,6 +383,9 @@ class Stream:
         raise NotSupportedError(_NO_SHARED_STREAMS.format(kind=kind))
 
 
+# c10::DeviceType's numbers, which torch.Stream.device_type reports.
+_TORCH_DEVICE_TYPES = {"cpu": 0, "cuda": 1, "xpu": 12}
+
 # torch's XPU streams are SYCL queues; accel's are Level Zero command lists.
 _NO_SHARED_STREAMS = (
     "accel cannot share {kind} streams with torch: torch's XPU streams are SYCL queues, "
@@ -333,16 +421,22 @@ class ExternalStream(Stream):
         self._init(runtime, index, handle, 0, owned=False)
 
 
-def as_stream(obj: object, device: DeviceLike = None) -> Stream:
-    """An accel Stream for ``obj``: a Stream, or an object speaking ``__cuda_stream__``.
+def as_stream(obj: object, device: DeviceLike = None, *, role: str = "stream", optional: bool = True) -> Stream:
+    """An accel Stream for ``obj``: a Stream, a torch stream, or an object speaking ``__cuda_stream__``.
 
-    None means the current stream of ``device``.
+    None means the current stream of ``device`` when ``optional``, else an
+    error naming the argument ``role``.
     """
     if obj is None:
+        if not optional:
+            raise InvalidValueError(f"{role}=None: pass a stream (an accel.Stream or a torch stream)")
         runtime = get_runtime()
         return runtime.current_stream(runtime.index(device))
     if isinstance(obj, Stream):
         return obj
+    torch = sys.modules.get("torch")  # a torch stream implies torch is imported already
+    if torch is not None and isinstance(obj, torch.Stream):
+        return Stream.from_torch(obj)
     protocol = getattr(obj, "__cuda_stream__", None)
     if protocol is not None:
         runtime = get_runtime()
@@ -353,7 +447,8 @@ def as_stream(obj: object, device: DeviceLike = None) -> Stream:
         _, handle = protocol()
         return ExternalStream(int(handle), device)
     raise InvalidValueError(
-        f"{obj!r} is not a stream: pass an accel.Stream or an object with __cuda_stream__"
+        f"{role}={obj!r} ({type(obj).__name__}) is not a stream: pass an accel.Stream, a torch stream "
+        "or an object with __cuda_stream__"
     )
 
 

@@ -77,7 +77,9 @@ def test_quick_flag_reaches_run(tmp_path, capsys):
 def test_select_by_name_and_list(tmp_path, capsys):
     directory = _bench_dir(tmp_path, alloc=_GOOD, graph="raise SystemError('never imported')\n")
     code, out, _ = _run(["bench", "--dir", str(directory), "--list"], capsys)
-    assert (code, out.split()) == (0, ["alloc", "graph"])
+    assert (code, out.split()) == (0, ["bench_alloc", "bench_graph"])
+    code, listed, _ = _run(["bench", "--dir", str(directory), "--list", "--json"], capsys)
+    assert json.loads(listed) == out.split()  # the same names both ways, as results name them
     code, out, _ = _run(["bench", "--dir", str(directory), "alloc", "--json"], capsys)
     assert code == 0 and [m["module"] for m in json.loads(out)["modules"]] == ["bench_alloc"]
     code, out, _ = _run(["bench", "--dir", str(directory), "bench_alloc.py", "--json"], capsys)
@@ -171,3 +173,68 @@ def test_benchmarks_may_use_dataclasses(tmp_path, capsys):
     code, out, err = _run(["bench", "--dir", str(directory), "--quick"], capsys)
     assert code == 0, err
     assert "1.50x" in out
+
+
+def test_a_module_with_no_rows_is_skipped_with_its_reason(tmp_path, capsys):
+    directory = _bench_dir(tmp_path, gpu="import sys\ndef run(quick):\n    print('bench_gpu: no GPU here; skipped', file=sys.stderr)\n    return []\n")
+    code, out, err = _run(["bench", "--dir", str(directory), "--json"], capsys)
+    (module,) = json.loads(out)["modules"]
+    assert code == 0 and module["status"] == "skipped" and module["reason"] == "bench_gpu: no GPU here; skipped"
+    assert "bench_gpu: no GPU here; skipped" in err  # the module's own words still reach stderr
+    code, out, _ = _run(["bench", "--dir", str(directory)], capsys)
+    assert "(skipped: bench_gpu: no GPU here; skipped)" in out
+
+
+def test_progress_per_case_with_elapsed_time_and_estimate(tmp_path, capsys):
+    directory = _bench_dir(tmp_path, cases="""
+        def run(quick, progress=None):
+            rows = []
+            for i, case in enumerate(["mlp: eager", "mlp: replay"]):
+                progress(i, 2, case)
+                rows.append({"name": case, "ratio": 1.0})
+            return rows
+    """)
+    code, _, err = _run(["bench", "--dir", str(directory)], capsys)
+    lines = err.splitlines()
+    assert code == 0
+    assert lines[1].startswith("  bench_cases: 0/2 mlp: eager (") and "elapsed)" in lines[1]
+    assert lines[2].startswith("  bench_cases: 1/2 mlp: replay (") and "left)" in lines[2]
+
+
+def test_progress_ticks_on_a_terminal(tmp_path, monkeypatch):
+    """On a terminal the line is redrawn while a case runs, so a long case shows time moving."""
+    import io
+    import time
+
+    from accel._cli import bench
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    progress = bench._Progress(1)
+    progress.show(0, "bench_slow")
+    time.sleep(1.2)
+    progress.close()
+    assert terminal.getvalue().count("bench_slow") >= 2
+
+
+def test_bench_works_from_an_installed_wheel(tmp_path):
+    """The wheel carries the benchmarks as accel/_benchmarks; run from elsewhere, they are found."""
+    import zipfile
+
+    from tests.test_packaging import build_distribution
+
+    repo = Path(__file__).resolve().parents[2]
+    wheel = build_distribution(repo, tmp_path, "wheel")
+
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    assert any((site / "accel" / "_benchmarks").glob("bench_*.py"))
+    result = subprocess.run([sys.executable, "-m", "accel", "bench", "--list", "--json"], cwd=tmp_path,
+                            env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == sorted(p.stem for p in (repo / "benchmarks").glob("bench_*.py"))
+

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from accel._cli import build_parser, main
 
@@ -94,3 +96,57 @@ def test_file_errors_are_one_line(tmp_path):
     )
     assert result.returncode == 1
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def test_version(capsys):
+    import accel
+
+    code, out, err = _run(["--version"], capsys)
+    assert (code, out, err) == (0, f"accel {accel.__version__}\n", "")
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "kind", "message"),
+    [
+        (["bench", "--dir", "/no/such/dir", "--json"], 1, "InvalidValueError", "is not a directory"),
+        (["memory", "plot", "missing.pickle", "-o", "x.png", "--json"], 1, "InvalidValueError", "does not exist"),
+        (["info", "--json", "--bogus"], 2, "UsageError", "unrecognized arguments: --bogus"),
+        (["bench", "--json", "--quick", "nosuch", "--dir", "{empty}"], 1, "InvalidValueError", "has no bench_*.py"),
+        (["memory", "plot", "x", "-o", "x.png", "--size", "big", "--json"], 2, "UsageError", "is not WIDTHxHEIGHT"),
+    ],
+)
+def test_errors_under_json_are_json_on_stdout(tmp_path, monkeypatch, capsys, argv, code, kind, message):
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    result, out, err = _run([a.replace("{empty}", str(tmp_path / "empty")) for a in argv], capsys)
+    assert result == code and err == ""
+    report = json.loads(out)
+    assert report["kind"] == kind and message in report["error"]
+
+
+# What a user may type: words from the real command lines, odd values and junk.
+_words = st.one_of(
+    st.sampled_from(["info", "bench", "memory", "plot", "config", "demo", "--json", "--quick", "--list", "--help",
+                     "-o", "x.png", "x.html", "--device", "--size", "--dir", "--keys", "--backend", "cuda", "-1",
+                     "0", "1280x800", "99999999999999999999999", "--", "-", "", "nosuch"]),
+    st.text(max_size=10),
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(argv=st.lists(_words, max_size=6))
+def test_any_command_line_is_handled_or_refused_in_one_line(tmp_path, monkeypatch, capsys, argv):
+    """Fuzzed arguments: exit 0, an accel error in one line (exit 1) or a usage error in one line (exit 2)."""
+    if "demo" in argv or ("bench" in argv and "--list" not in argv) or "--help" in argv:
+        argv = [a for a in argv if a not in ("demo", "bench", "--help")]  # these run work or print pages
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _run(argv, capsys)
+    assert code in (0, 1, 2), (argv, code, err)
+    if code:
+        assert err.count("\n") <= 1 and "Traceback" not in err, (argv, err)
+        if "--json" in argv:
+            assert err == "" and '"error"' in out, (argv, out, err)
+        else:
+            assert err.count("\n") == 1, (argv, err)

@@ -51,6 +51,20 @@ def test_empty_on_a_side_stream_and_zero_elements():
     assert memory.memory_allocated() == before
 
 
+@pytest.mark.parametrize("dtype", ["bool", "int8", "uint16", "int64", "float16", "bfloat16", "float64", "complex128"])
+@pytest.mark.parametrize("shape", [(5,), (3, 4), (2, 0, 3), ()])
+def test_empty_and_as_tensor_cover_dtypes_and_shapes(dtype, shape):
+    tensor = empty(shape, dtype=dtype)
+    assert tensor.shape == shape and str(tensor.dtype) == f"torch.{dtype}" and tensor.is_contiguous()
+    tensor.zero_()
+    buf = memory.allocate(max(tensor.numel(), 1) * tensor.element_size())
+    view = as_tensor(buf, dtype, shape)
+    assert view.shape == shape and view.dtype == tensor.dtype
+    view.copy_(tensor)
+    assert torch.equal(view, tensor)
+    buf.free()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [

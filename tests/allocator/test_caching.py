@@ -10,7 +10,7 @@ import pytest
 from accel._errors import CaptureError, DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
 from accel._runtime import Runtime
 from accel.allocator import _stats as S
-from accel.allocator._blocks import ALLOCATED, FREE, PENDING
+from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED
 from accel.allocator._caching import DeviceAllocator, allocation_size, round_size
 from accel.allocator.config import AllocatorConfig, parse
 from accel.backends.cpu import CpuBackend
@@ -497,7 +497,8 @@ def test_closed_stream_after_record_stream(host):
     a.record_stream(b, side)
     side.close()
     a.free(b)  # recording on the closed stream fails: the device is synchronized instead
-    assert b.state == FREE
+    assert b.state == RETIRED  # freed at once, not pending
+    assert a.stats()["active.all.current"] == 0
     check_invariants(a)
 
 
@@ -818,3 +819,57 @@ def test_oom_advice_names_the_memory_fraction_when_it_refused():
 
     with pytest.raises(OutOfMemoryError, match="memory fraction .* is what stops this request"):
         alloc.malloc(1000, Runtime(backend).default_stream(0))
+
+
+# -- stale handles ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sizes", [(4096, 4096), (2 * MiB, 2 * MiB), (1 * MiB, 1 * MiB), (4096, 8192)])
+def test_stale_block_refused_after_reuse(host, sizes):
+    """A block freed and then handed out again must not be freeable through the old handle."""
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    old = a.malloc(sizes[0], s)
+    a.free(old)
+    new = a.malloc(sizes[1], s)
+    assert new is not old
+    with pytest.raises(InvalidHandleError, match="freed twice"):
+        a.free(old)
+    with pytest.raises(InvalidHandleError):
+        a.record_stream(old, s)
+    assert a.stats()["allocation.all.current"] == 1
+    check_invariants(a)
+    a.free(new)
+    check_invariants(a)
+
+
+def test_stale_block_refused_after_pending_free(host):
+    """A block freed with a recorded stream stays refused once its events complete and it is reused."""
+    backend, rt = host
+    a = make(backend)
+    s, other = rt.default_stream(0), stream(rt)
+    old = a.malloc(4096, s)
+    a.record_stream(old, other)
+    a.free(old)
+    other.synchronize()
+    new = a.malloc(4096, s)
+    assert new is not old
+    with pytest.raises(InvalidHandleError):
+        a.free(old)
+    a.free_from_finalizer(old)  # a late finalizer of the old owner does nothing either
+    assert a.stats()["allocation.all.current"] == 1
+    check_invariants(a)
+    a.free(new)
+
+
+def test_malloc_refuses_stream_of_another_device():
+    backend = CpuBackend(2, None)
+    rt = Runtime(backend)
+    a = DeviceAllocator(backend, 0, AllocatorConfig())
+    with pytest.raises(DeviceError, match="cpu:1.* not a stream of cpu:0"):
+        a.malloc(4096, rt.default_stream(1))
+    other = Runtime(CpuBackend(1, None))
+    with pytest.raises(DeviceError):
+        a.malloc(4096, other.default_stream(0))
+    assert a.stats()["allocation.all.current"] == 0

@@ -344,3 +344,84 @@ def test_a_refused_settings_change_never_reaches_the_live_allocator():
     finally:
         remove_change_listener(refuse)
     assert allocator.config == before == config_for_backend("cpu")
+
+
+def test_host_memory_stats_follow_torch_keys_and_resets():
+    import torch
+
+    accel.memory.empty_host_cache()
+    accel.memory.reset_accumulated_host_memory_stats()
+    accel.memory.reset_peak_host_memory_stats()
+    stats = accel.memory.host_memory_stats()
+    # the same keys as torch's host_memory_stats() (torch's may be empty without CUDA: compare to the documented set)
+    names = ("allocations", "allocated_bytes", "active_requests", "active_bytes")
+    expected = {f"{n}.{m}" for n in names for m in ("current", "peak", "allocated", "freed")}
+    expected |= {"num_host_alloc", "num_host_free"}
+    expected |= {f"{n}.{m}" for n in ("host_alloc_time", "host_free_time") for m in ("total", "max", "min", "count", "avg")}
+    assert set(stats) == expected
+    assert list(stats) == sorted(stats)
+    assert callable(torch.cuda.host_memory_stats)
+    base_active = stats["active_requests.current"]
+    a = accel.memory.allocate_host(3000)  # rounded to 4096
+    b = accel.memory.allocate_host(5000)  # rounded to 8192
+    stats = accel.memory.host_memory_stats()
+    assert stats["active_requests.current"] == base_active + 2
+    assert stats["active_bytes.current"] >= 4096 + 8192
+    assert stats["num_host_alloc"] == stats["allocations.allocated"] >= 2
+    assert stats["host_alloc_time.count"] == stats["num_host_alloc"]
+    a.free()
+    b.free()
+    stats = accel.memory.host_memory_stats()
+    assert stats["active_requests.current"] == base_active
+    assert stats["active_requests.peak"] == base_active + 2
+    assert stats["allocations.current"] >= 2  # cached, still held
+    accel.memory.reset_peak_host_memory_stats()
+    assert accel.memory.host_memory_stats()["active_requests.peak"] == base_active
+    accel.memory.empty_host_cache()
+    stats = accel.memory.host_memory_stats()
+    assert stats["num_host_free"] >= 2 and stats["allocations.current"] == 0
+    assert stats["host_free_time.count"] == stats["num_host_free"]
+    accel.memory.reset_accumulated_host_memory_stats()
+    stats = accel.memory.host_memory_stats()
+    assert stats["num_host_alloc"] == stats["num_host_free"] == stats["allocations.freed"] == 0
+    assert stats["host_alloc_time.count"] == 0
+
+
+def test_get_per_process_memory_fraction():
+    before = accel.memory.get_per_process_memory_fraction()
+    try:
+        accel.memory.set_per_process_memory_fraction(0.5)
+        assert accel.memory.get_per_process_memory_fraction() == 0.5
+        assert accel.memory.get_per_process_memory_fraction(0) == 0.5
+    finally:
+        accel.memory.set_per_process_memory_fraction(before)
+
+
+def test_torch_spellings_of_history_and_snapshot(tmp_path):
+    """torch passes record_memory_history's arguments positionally and dump_snapshot's by ``filename``."""
+    memory.record_memory_history("all", "all", "python", 100, None)
+    try:
+        memory.allocate(MiB).free()
+        memory.dump_snapshot(filename=tmp_path / "snap.pickle")
+    finally:
+        memory.record_memory_history(None)
+    with open(tmp_path / "snap.pickle", "rb") as f:
+        assert pickle.load(f)["device_traces"][0]
+    with pytest.raises(DeviceError):
+        memory.record_memory_history("all", "all", "all", 10, 7)
+
+
+def test_get_memory_info_and_nested_stats_as_torch():
+    free, total = memory.get_memory_info()
+    assert 0 <= free <= total and (free, total)[1] == accel.get_memory_info(0)[1]
+    buf = memory.allocate(MiB)
+    nested = memory.memory_stats_as_nested_dict()
+    flat = memory.memory_stats()
+    assert nested["allocated_bytes"]["all"]["current"] == flat["allocated_bytes.all.current"] >= MiB
+    assert nested["num_ooms"] == flat["num_ooms"]
+    buf.free()
+
+
+def test_allocate_host_of_more_than_any_machine_has_is_an_out_of_memory_error():
+    with pytest.raises(accel.OutOfMemoryError, match="more than 1EB"):
+        memory.allocate_host(2**64)

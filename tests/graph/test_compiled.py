@@ -1,16 +1,32 @@
-"""The compiled replay tier: AOTInductor over the captured program, cached on disk."""
+"""The compiled replay tier: engines built from the captured program, validated, timed, cached on disk.
+
+Builds take seconds, so most tests use ONNX Runtime only (about a second per
+build) and one tiny model whose builds the module's cache directory keeps;
+one test builds with AOTInductor.
+"""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
 from torch import nn  # noqa: E402
 
 import accel  # noqa: E402
 from accel.graph import Graph, compile_graph, graph, make_graphed_callables  # noqa: E402
+from accel.graph import _compiled, _engines  # noqa: E402
+from accel.graph._compiled import BuildWarning  # noqa: E402
 
 
 class _Tiny(nn.Module):
@@ -31,11 +47,22 @@ def _tiny() -> nn.Module:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     path = tmp_path_factory.mktemp("graph-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ACCEL_GRAPH_CACHE", str(path))
         yield path
+
+
+@pytest.fixture
+def engines(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Set the engines the compiled tier tries (make_graphed_callables takes no list)."""
+
+    def use(*table: _engines.Engine) -> None:
+        monkeypatch.setattr(_engines, "ENGINES", {e.name: e for e in table})
+        monkeypatch.setattr(_compiled, "ENGINES", _engines.ENGINES)
+
+    return use
 
 
 def _capture(model: nn.Module, x: torch.Tensor) -> tuple[Graph, torch.Tensor]:
@@ -45,31 +72,242 @@ def _capture(model: nn.Module, x: torch.Tensor) -> tuple[Graph, torch.Tensor]:
     return g, y
 
 
+def _eager(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(x)
+
+
+class _Wrong(_engines.OnnxRuntime):
+    """ONNX Runtime, then every output off by 0.01: validation must reject it."""
+
+    name = "wrong"
+
+    def bind(self, loaded: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> Any:
+        run = super().bind(loaded, inputs, outputs)
+
+        def replay() -> None:
+            run()
+            for t in outputs:
+                t.add_(0.01)
+
+        return replay
+
+
+class _Slow(_engines.OnnxRuntime):
+    """ONNX Runtime, then a millisecond's busy wait: correct, and slower."""
+
+    name = "slow"
+
+    def bind(self, loaded: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> Any:
+        import time
+
+        run = super().bind(loaded, inputs, outputs)
+
+        def replay() -> None:
+            run()
+            end = time.perf_counter() + 1e-3
+            while time.perf_counter() < end:
+                pass
+
+        return replay
+
+
 def test_compiled_replay_matches_eager_and_the_build_is_cached(cache: Path) -> None:
     model, x = _tiny(), torch.randn(2, 8)
     g, y = _capture(model, x)
-    first = compile_graph(g, inputs=[x], outputs=[y])
-    assert first.built and first.path.parent == cache and first.path.exists()
+    first = compile_graph(g, inputs=[x], outputs=[y], engines=["onnxruntime"])
+    assert first.engine == "onnxruntime" and first.path.parent == cache and first.path.exists()
+    assert "onnxruntime: chosen" in first.report()
     for _ in range(2):
         new = torch.randn(2, 8)
         x.copy_(new)
         g.replay()
-        with torch.no_grad():
-            torch.testing.assert_close(y, model(new))
-    # The same program again (another capture, same weights): loaded, not built.
+        torch.testing.assert_close(y, _eager(model, new))
+    # The same program again (another capture, same weights): loaded, not built, and no warning.
     g2, y2 = _capture(model, x)
-    again = compile_graph(g2, inputs=[x], outputs=[y2])
+    with __import__("warnings").catch_warnings():
+        __import__("warnings").simplefilter("error", BuildWarning)
+        again = compile_graph(g2, inputs=[x], outputs=[y2], engines=["onnxruntime"])
     assert not again.built and again.key == first.key
 
 
-def test_make_graphed_callables_compiled_tier(cache: Path) -> None:
+def test_a_build_not_in_the_cache_says_so_and_how_long_the_last_took(cache: Path) -> None:
+    model, x = _tiny(), torch.randn(5, 8)  # a shape no other test builds
+    g, y = _capture(model, x)
+    _compiled.last_build_seconds = 12.5
+    with pytest.warns(BuildWarning, match=r"building the compiled tier with onnxruntime.*last build took 12\.5 s"):
+        compiled = compile_graph(g, inputs=[x], outputs=[y], engines=["onnxruntime"])
+    assert compiled.built and _compiled.last_build_seconds != 12.5
+
+
+def test_the_fastest_engine_that_agrees_with_eager_is_chosen(cache: Path, engines: Any) -> None:
+    engines(_engines.OnnxRuntime(), _Slow(), _Wrong())
+    model, x = _tiny(), torch.randn(2, 8)
+    g, y = _capture(model, x)
+    compiled = compile_graph(g, inputs=[x], outputs=[y])
+    by_name = {c.engine: c for c in compiled.candidates}
+    assert compiled.engine == "onnxruntime" and by_name["onnxruntime"].status == "chosen"
+    assert by_name["slow"].status == "ok" and by_name["slow"].seconds > by_name["onnxruntime"].seconds
+    assert by_name["wrong"].status == "rejected" and by_name["wrong"].max_error == pytest.approx(0.01, rel=0.1)
+    g.replay()
+    torch.testing.assert_close(y, _eager(model, x))
+
+
+def test_dropping_a_compiled_onnx_program_does_not_crash(cache: Path) -> None:
+    # ONNX Runtime's IO binding points into its session: freed after it,
+    # the binding's destructor crashed the process (segfault), so in a subprocess.
+    script = textwrap.dedent(
+        """
+        import gc, torch
+        from accel.graph import Graph, graph, compile_graph
+        for _ in range(3):
+            lin = torch.nn.Linear(8, 8).eval(); x = torch.randn(2, 8)
+            g = Graph()
+            with graph(g):
+                y = torch.relu(lin(x))
+            c = compile_graph(g, inputs=[x], outputs=[y], engines=["onnxruntime", "onnxruntime"])
+            g.replay()
+            del c, g, x, y
+            gc.collect()
+        print("ok")
+        """
+    )
+    env = {**os.environ, "ACCEL_GRAPH_CACHE": str(cache), "PYTHONPATH": str(Path(__file__).parents[2])}
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", script], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_no_engine_that_agrees_is_refused(cache: Path, engines: Any) -> None:
+    engines(_Wrong())
+    g, y = _capture(_tiny(), x := torch.randn(2, 8))
+    with pytest.raises(accel.NotSupportedError, match=r"agree with eager.*wrong: rejected"):
+        compile_graph(g, inputs=[x], outputs=[y])
+    # The graph keeps its interpreted tier, bitwise.
+    g.replay()
+    assert torch.equal(y, _eager(_tiny(), x))
+
+
+def test_a_process_with_other_thread_counts_does_not_load_the_build(cache: Path) -> None:
+    model, x = _tiny(), torch.randn(3, 8)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        g1, y1 = _capture(model, x)
+        one = compile_graph(g1, inputs=[x], outputs=[y1], engines=["onnxruntime"])
+        torch.set_num_threads(2)
+        g2, y2 = _capture(model, x)
+        two = compile_graph(g2, inputs=[x], outputs=[y2], engines=["onnxruntime"])
+    finally:
+        torch.set_num_threads(threads)
+    assert two.built and two.key != one.key
+
+
+def test_small_programs_are_built_without_parallel_regions() -> None:
+    aoti = _engines.AOTInductor()
+    small = _engines.Facts(work=64 * 6, ops=frozenset({"addmm"}), threads=2)
+    large = _engines.Facts(work=1 << 20, ops=frozenset({"addmm"}), threads=2)
+    assert aoti.settings(small)["cpp.threads"] == 1
+    assert aoti.settings(large)["cpp.threads"] == 2
+    # inductor's GEMM templates are not forced on the plain engine; they compete as their own.
+    assert "max_autotune" not in aoti.settings(large)
+    gemm = _engines.AOTInductorCppGemm()
+    assert gemm.settings(large)["max_autotune_gemm_backends"] == "CPP"
+    assert not gemm.applies(_engines.Facts(work=1, ops=frozenset({"relu"}), threads=1))
+
+
+def test_a_missing_engine_is_reported_and_the_others_are_used(
+    cache: Path, engines: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime now fails
+    engines(_engines.OnnxRuntime(), _engines.AOTInductor())
+    model, x = _tiny(), torch.randn(2, 8)
+    g, y = _capture(model, x)
+    compiled = compile_graph(g, inputs=[x], outputs=[y])
+    assert compiled.engine == "aotinductor"
+    assert "onnxruntime: not installed, install: pip install accel[onnx]" in compiled.report()
+    x.copy_(torch.randn(2, 8))
+    g.replay()
+    torch.testing.assert_close(y, _eager(model, x))
+
+    g2, y2 = _capture(model, x)
+    with pytest.raises(accel.NotSupportedError, match=r"no engine .* installed.*pip install accel\[onnx\]"):
+        compile_graph(g2, inputs=[x], outputs=[y2], engines=["onnxruntime"])
+
+
+def test_graphed_callables_call_aotinductor_on_the_callers_tensors(cache: Path, engines: Any) -> None:
+    engines(_engines.AOTInductor())
+    model = _tiny()  # the program the missing-engine test built: loaded from the cache
+    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
+    (entry,) = fast._cache.values()
+    assert entry.compiled.engine == "aotinductor" and entry.direct is not None
+    new = torch.randn(2, 8)
+    first = fast(new)
+    torch.testing.assert_close(first, _eager(model, new))
+    # New tensors per call (no copy into static outputs): the earlier result stays.
+    kept = first.clone()
+    fast(torch.randn(2, 8))
+    assert torch.equal(first, kept)
+    wide = torch.randn(8, 2).t()  # not contiguous: made contiguous for the program
+    torch.testing.assert_close(fast(wide), _eager(model, wide))
+    # On a side stream the graph replays as a graph, into its static outputs.
+    with accel.Stream():
+        torch.testing.assert_close(fast(new), _eager(model, new))
+    accel.synchronize()
+
+
+class _Gated(_engines.OnnxRuntime):
+    """ONNX Runtime whose build waits for the test to let it go."""
+
+    name = "gated"
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+
+    def build(self, *args: Any) -> None:
+        assert self.go.wait(60)
+        super().build(*args)
+
+
+def test_auto_tier_replays_interpreted_while_building_then_switches(cache: Path, engines: Any) -> None:
+    gated = _Gated()
+    engines(gated)
+    model = _tiny()
+    fast = make_graphed_callables(model, (torch.randn(4, 8),), tier="auto")
+    ((signature, status),) = fast.compile_status().items()
+    assert status.startswith("building")
+    new = torch.randn(4, 8)
+    assert torch.equal(fast(new), _eager(model, new))  # the interpreted tier: bitwise eager
+    assert not fast.wait_compiled(timeout=0.01)
+    gated.go.set()
+    assert fast.wait_compiled(timeout=120)
+    assert fast.compile_status() == {signature: "compiled: gated"}
+    (entry,) = fast._cache.values()
+    assert entry.fast is not None  # the graph is the program alone: replays call the engine directly
+    torch.testing.assert_close(fast(new), _eager(model, new))
+
+
+def test_auto_tier_keeps_the_interpreted_tier_when_no_engine_can_build(cache: Path, engines: Any) -> None:
+    engines(_Wrong())
+    model = _tiny()
+    fast = make_graphed_callables(model, (torch.randn(6, 8),), tier="auto")
+    assert fast.wait_compiled(timeout=120)
+    ((status),) = fast.compile_status().values()
+    assert status.startswith("interpreted (compile failed: no engine")
+    new = torch.randn(6, 8)
+    assert torch.equal(fast(new), _eager(model, new))
+
+
+def test_make_graphed_callables_compiled_tier(cache: Path, engines: Any) -> None:
+    engines(_engines.OnnxRuntime())
     model = _tiny()
     fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
     new = torch.randn(2, 8)
-    with torch.no_grad():
-        torch.testing.assert_close(fast(new), model(new))
+    torch.testing.assert_close(fast(new), _eager(model, new))
     (entry,) = fast._cache.values()
-    assert entry.graph.program.compiled is not None
+    assert entry.graph.program.compiled is entry.compiled and entry.compiled.engine == "onnxruntime"
+    assert fast.compile_status() == {(((2, 8), torch.float32),): "compiled: onnxruntime"}
 
 
 def test_changed_weights_change_the_cache_key(cache: Path) -> None:
@@ -77,12 +315,12 @@ def test_changed_weights_change_the_cache_key(cache: Path) -> None:
     with torch.no_grad():
         model.a.weight.add_(1.0)
     g, y = _capture(model, x)
-    from accel.graph._compiled import _cache_key, _to_fx
+    from accel.graph._compiled import _program_key, _to_fx
 
     base_model = _tiny()
     g0, y0 = _capture(base_model, x)
-    k1 = _cache_key(_to_fx(g.program, [x], [y]), [x])
-    k0 = _cache_key(_to_fx(g0.program, [x], [y0]), [x])
+    k1 = _program_key(_to_fx(g.program, [x], [y]), [x])
+    k0 = _program_key(_to_fx(g0.program, [x], [y0]), [x])
     assert k0 != k1
 
 
@@ -115,3 +353,7 @@ def test_graphs_the_compiled_tier_cannot_take_are_refused(cache: Path) -> None:
         compile_graph(g, inputs=[], outputs=[])
     with pytest.raises(accel.InvalidValueError, match="not produced"):
         compile_graph(g, inputs=[], outputs=[torch.ones(2)])
+    with pytest.raises(accel.InvalidValueError, match="unknown engines"):
+        compile_graph(g, inputs=[], outputs=[y], engines=["tensorrt"])
+    with pytest.raises(accel.InvalidValueError, match="tolerance"):
+        compile_graph(g, inputs=[], outputs=[y], tolerance=-1.0)

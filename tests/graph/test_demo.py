@@ -46,3 +46,22 @@ def test_demo_refuses_a_bad_call_count(calls: str, capsys: pytest.CaptureFixture
         main(["demo", "--calls", calls])
     assert exit_info.value.code == 2
     assert "positive integer" in capsys.readouterr().err
+
+
+def test_variants_are_timed_in_interleaved_rotating_rounds() -> None:
+    order: list[str] = []
+    times = demo._interleaved_us({"eager": lambda: order.append("e"), "replay": lambda: order.append("r")}, 1, rounds=4)
+    timed = order[-8:]  # after the warm-up calls
+    assert timed == ["e", "r", "r", "e", "e", "r", "r", "e"]
+    assert [len(t) for t in times.values()] == [4, 4]
+
+
+def test_speedup_is_the_median_round_ratio_with_its_spread(capsys: pytest.CaptureFixture[str]) -> None:
+    assert demo._speedup([10.0, 20.0, 30.0], [5.0, 5.0, 30.0]) == {"speedup": 2.0, "speedup_spread": [1.0, 4.0]}
+    pytest.importorskip("torch")
+    assert main(["demo", "--calls", "3", "--json"]) == 0
+    replay = json.loads(capsys.readouterr().out)["interpreted"]
+    low, high = replay["speedup_spread"]
+    assert low <= replay["speedup"] <= high
+    assert main(["demo", "--calls", "3"]) == 0
+    assert "x, rounds " in capsys.readouterr().out

@@ -217,6 +217,17 @@ def test_keep_graph_debug_dump_and_explicit_instantiate(tmp_path) -> None:
         dropped.instantiate()
 
 
+def test_enable_debug_mode_keeps_the_graph_as_torch(tmp_path) -> None:
+    g = Graph()
+    g.enable_debug_mode()
+    with graph(g):
+        accel.current_stream().fill(_array(), 1)
+    g.debug_dump(str(tmp_path / "g.txt"))
+    assert "fill" in (tmp_path / "g.txt").read_text()
+    with pytest.raises(accel.CaptureError, match="must come before the capture"):
+        g.enable_debug_mode()
+
+
 def test_replay_on_a_created_stream_is_asynchronous() -> None:
     gate = threading.Event()
     seen: list[int] = []

@@ -154,3 +154,20 @@ def test_outputs_are_ready_when_called_on_a_created_stream() -> None:
             out = f(x).clone()  # read at once, no synchronize
             with torch.inference_mode():
                 assert torch.equal(out, model(x))
+
+
+def test_messages_name_a_module_by_its_class_not_its_repr() -> None:
+    model = _mlp()
+    fast = make_graphed_callables(model, (torch.randn(1, 8),), cache_size=1, num_warmup_iters=0)
+    with pytest.raises(accel.InvalidValueError) as error:
+        fast(x=torch.randn(1, 8))
+    assert f"graphed {type(model).__qualname__} module takes tensors as positional arguments only" in str(error.value)
+    assert "Linear(" not in str(error.value) and "\n" not in str(error.value)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in range(2, 5):
+            fast(torch.randn(batch, 8))
+    (warning,) = [w for w in caught if issubclass(w.category, GraphCacheWarning)]
+    assert str(warning.message).startswith(f"graphed {type(model).__qualname__} module has captured")
+    assert "Linear(" not in str(warning.message)
+    assert repr(fast) == f"GraphedCallable({type(model).__qualname__} module, 1/1 graphs)"

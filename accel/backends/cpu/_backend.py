@@ -9,8 +9,6 @@ a GPU.
 from __future__ import annotations
 
 import os
-import platform
-import uuid
 from collections.abc import Callable
 from functools import cache
 
@@ -25,9 +23,14 @@ from accel.backends.cpu._streams import StreamTable
 #: Lower numbers mean higher priority, as in CUDA.
 PRIORITY_RANGE = (0, -1)
 
+# platform and uuid are imported where used: only device properties need them, and
+# selecting the host backend is on every CPU-only process's start-up path.
+
 
 @cache
 def _cpu_model() -> str:
+    import platform
+
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -40,6 +43,8 @@ def _cpu_model() -> str:
 
 @cache
 def _machine_id() -> str:
+    import platform
+
     for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
         try:
             with open(path) as f:
@@ -87,6 +92,9 @@ class CpuBackend(Backend):
         return self._count
 
     def device_properties(self, device: int) -> DeviceProperties:
+        import platform
+        import uuid
+
         _, total = self._memory[device].info()
         _, _, source = machine_memory()
         limit = self._memory[device].limit
@@ -222,8 +230,9 @@ class CpuBackend(Backend):
         )
 
     def launch_host_func(self, device: int, stream: int, fn: Callable[[], None]) -> None:
-        name = getattr(fn, "__qualname__", type(fn).__name__)
-        self._streams.stream(device, stream).submit(f"host function {name}", fn)
+        self._streams.stream(device, stream).submit(
+            lambda: f"host function {getattr(fn, '__qualname__', type(fn).__name__)}", fn
+        )
 
     # -- capture and graphs ---------------------------------------------------------
 

@@ -1,26 +1,28 @@
-"""The few libc calls the host backend needs, bound with cffi in ABI mode."""
+"""The few libc calls the host backend needs, through ctypes.
+
+ctypes, not cffi: ``import accel`` already loads ctypes, so the host backend
+(the one every machine without a GPU selects) starts without importing cffi
+or parsing declarations; and ctypes takes no lock a finalizer could wait on.
+What ``os`` offers (memfd_create, ftruncate) comes from ``os``.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
-from typing import Any
 
-import cffi
+_libc = ctypes.CDLL(None, use_errno=True)
 
-ffi = cffi.FFI()
-ffi.cdef(
-    """
-    void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset);
-    int munmap(void *addr, size_t length);
-    int memfd_create(const char *name, unsigned int flags);
-    int ftruncate(int fd, long length);
-    int close(int fd);
-    void *memmove(void *dest, const void *src, size_t n);
-    void *memset(void *s, int c, size_t n);
-    """
-)
-libc: Any = ffi.dlopen(None)
+_mmap = _libc.mmap
+_mmap.restype = ctypes.c_void_p
+_mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_munmap = _libc.munmap
+_munmap.restype = ctypes.c_int
+_munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_fallocate = _libc.fallocate
+_fallocate.restype = ctypes.c_int
+_fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
 
 PROT_NONE = 0
 PROT_READ = 1
@@ -30,12 +32,13 @@ MAP_PRIVATE = 0x02
 MAP_FIXED = 0x10
 MAP_ANONYMOUS = 0x20
 MAP_NORESERVE = 0x4000
-MFD_CLOEXEC = 0x0001
-MAP_FAILED = ffi.cast("void *", -1)
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def _os_error(call: str) -> OSError:
-    code = ffi.errno
+    code = ctypes.get_errno()
     return OSError(code, f"{call}: {os.strerror(code)}")
 
 
@@ -44,56 +47,59 @@ def is_oom(exc: OSError) -> bool:
     return exc.errno in (errno.ENOMEM, errno.ENOSPC, errno.EFBIG)
 
 
+def is_out_of_descriptors(exc: OSError) -> bool:
+    """Whether an OSError means the process (EMFILE) or system (ENFILE) has no free file descriptor."""
+    return exc.errno in (errno.EMFILE, errno.ENFILE)
+
+
+def _map(addr: int, nbytes: int, prot: int, flags: int, fd: int, offset: int) -> int:
+    ptr = _mmap(addr or None, nbytes, prot, flags, fd, offset)
+    if ptr is None or ptr == MAP_FAILED:
+        raise _os_error("mmap")
+    return int(ptr)
+
+
 def map_anonymous(nbytes: int) -> int:
     """Fresh read-write pages; returns their address."""
-    ptr = libc.mmap(ffi.NULL, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
-    if ptr == MAP_FAILED:
-        raise _os_error("mmap")
-    return int(ffi.cast("uintptr_t", ptr))
+    return _map(0, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
 
 
 def reserve(nbytes: int, addr: int = 0) -> int:
     """Inaccessible address space (no memory behind it); at ``addr`` exactly if given."""
     flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | (MAP_FIXED if addr else 0)
-    ptr = libc.mmap(ffi.cast("void *", addr), nbytes, PROT_NONE, flags, -1, 0)
-    if ptr == MAP_FAILED:
-        raise _os_error("mmap")
-    return int(ffi.cast("uintptr_t", ptr))
+    return _map(addr, nbytes, PROT_NONE, flags, -1, 0)
 
 
 def unmap(addr: int, nbytes: int) -> None:
-    if libc.munmap(ffi.cast("void *", addr), nbytes) != 0:
+    if _munmap(addr, nbytes) != 0:
         raise _os_error("munmap")
 
 
-def memfd(nbytes: int) -> int:
-    """An anonymous file of ``nbytes``: a physical chunk that can be mapped anywhere."""
-    fd = libc.memfd_create(b"accel-host-physical", MFD_CLOEXEC)
-    if fd < 0:
-        raise _os_error("memfd_create")
-    if libc.ftruncate(fd, nbytes) != 0:
-        exc = _os_error("ftruncate")
-        libc.close(fd)
-        raise exc
-    return int(fd)
+def memfd() -> int:
+    """An empty anonymous file: physical memory that can be mapped anywhere (and passed on as an fd)."""
+    return os.memfd_create("accel-host-physical", os.MFD_CLOEXEC)
 
 
-def close(fd: int) -> None:
-    libc.close(fd)
+def truncate(fd: int, nbytes: int) -> None:
+    """Set the file's length; growing it adds holes (no memory until touched)."""
+    os.ftruncate(fd, nbytes)
 
 
-def map_fd_fixed(addr: int, nbytes: int, fd: int) -> None:
-    """Map file ``fd`` read-write over ``[addr, addr + nbytes)``, replacing what is there."""
-    ptr = libc.mmap(
-        ffi.cast("void *", addr), nbytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0
-    )
-    if ptr == MAP_FAILED:
-        raise _os_error("mmap")
+def punch_hole(fd: int, offset: int, nbytes: int) -> None:
+    """Give the file's pages in ``[offset, offset + nbytes)`` back to the system; they read as zeros."""
+    if _fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, nbytes) != 0:
+        raise _os_error("fallocate")
+
+
+def map_fd_fixed(addr: int, nbytes: int, fd: int, offset: int) -> None:
+    """Map ``nbytes`` of file ``fd`` from ``offset`` read-write over ``[addr, addr + nbytes)``,
+    replacing what is there."""
+    _map(addr, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, offset)
 
 
 def memmove(dst: int, src: int, nbytes: int) -> None:
-    libc.memmove(ffi.cast("void *", dst), ffi.cast("void *", src), nbytes)
+    ctypes.memmove(dst, src, nbytes)
 
 
 def memset(dst: int, value: int, nbytes: int) -> None:
-    libc.memset(ffi.cast("void *", dst), value, nbytes)
+    ctypes.memset(dst, value, nbytes)

@@ -7,14 +7,15 @@ out-of-memory paths can be exercised on any machine.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import os
+import resource
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
-from accel._errors import DriverError, InvalidHandleError, InvalidValueError, OutOfMemoryError
+from accel._errors import AccelError, DriverError, InvalidHandleError, InvalidValueError, OutOfMemoryError
 from accel._units import format_size
 from accel.backends.cpu import _libc
 
@@ -43,8 +44,19 @@ def _meminfo() -> dict[str, int]:
 
 def machine_memory() -> tuple[int, int, str]:
     """``(available, total, source)`` of host memory: the cgroup limit if one
-    applies and is below physical memory, else /proc/meminfo."""
-    info = _meminfo()
+    applies and is below physical memory, else /proc/meminfo.
+
+    With no file descriptor free to read those files, the kernel's sysinfo
+    counts (free and total RAM, no cgroup) stand in: allocations then still work.
+    """
+    try:
+        info = _meminfo()
+    except OSError as exc:
+        if not _libc.is_out_of_descriptors(exc):
+            raise
+        page = os.sysconf("SC_PAGE_SIZE")
+        total = os.sysconf("SC_PHYS_PAGES") * page
+        return os.sysconf("SC_AVPHYS_PAGES") * page, total, "sysinfo (no file descriptor free for /proc/meminfo)"
     total, available = info["MemTotal"], info.get("MemAvailable", info["MemFree"])
     for limit_path, usage_path in (
         ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
@@ -61,10 +73,91 @@ def round_up(n: int, unit: int) -> int:
     return (n + unit - 1) // unit * unit
 
 
-@dataclass
+# Plain classes, not dataclasses: generating a dataclass's methods at import costs start-up time.
 class _Reservation:
-    size: int
-    mapped: dict[int, tuple[int, int]] = field(default_factory=dict)  # addr -> (size, handle)
+    __slots__ = ("mapped", "size")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.mapped: dict[int, tuple[int, int]] = {}  # addr -> (size, handle)
+
+
+class _Chunk:
+    """A physical memory handle: ``size`` bytes of ``file`` from ``offset``."""
+
+    __slots__ = ("file", "live", "mappings", "offset", "size")
+
+    def __init__(self, file: _PhysicalFile, offset: int, size: int) -> None:
+        self.file = file
+        self.offset = offset
+        self.size = size
+        self.live = True  # False once released; the pages stay while ranges still map them
+        self.mappings = 0
+
+
+class _PhysicalFile:
+    """A device's physical memory: one anonymous file (memfd); each chunk is a range of it.
+
+    One file descriptor per device, however many chunks: a descriptor per 2 MiB
+    chunk ran processes out of files near 2 GiB under the common limit of 1024.
+    Growing the file adds holes, which cost no memory until touched; a chunk
+    given back has its pages returned to the system (a punched hole, or a
+    shorter file when it is the last range) and its range is reused. Another
+    process can map a chunk given this descriptor and the chunk's offset.
+
+    A forked child shares the file (and the parent's mappings of it) but
+    keeps its own copy of this bookkeeping, so only the process that created
+    the file may lay out or free its ranges: see ``owned``.
+    """
+
+    def __init__(self) -> None:
+        self.fd = -1
+        self.pid = os.getpid()
+        self.length = 0
+        self._holes: list[tuple[int, int]] = []  # (offset, size): sorted, coalesced, never at the end
+
+    @property
+    def owned(self) -> bool:
+        """Whether this process created the file (False in a forked child)."""
+        return self.pid == os.getpid()
+
+    def take(self, nbytes: int) -> int:
+        """The offset of ``nbytes`` of fresh (zero) pages; raises OSError."""
+        if self.fd < 0:
+            self.fd = _libc.memfd()
+            self.pid = os.getpid()
+        for i, (offset, size) in enumerate(self._holes):
+            if size >= nbytes:
+                if size == nbytes:
+                    del self._holes[i]
+                else:
+                    self._holes[i] = (offset + nbytes, size - nbytes)
+                return offset
+        offset = self.length
+        _libc.truncate(self.fd, offset + nbytes)
+        self.length = offset + nbytes
+        return offset
+
+    def give_back(self, offset: int, nbytes: int) -> None:
+        """Return the pages of ``[offset, offset + nbytes)`` to the system; raises OSError."""
+        i = bisect.bisect(self._holes, (offset, nbytes))
+        if i < len(self._holes) and self._holes[i][0] == offset + nbytes:
+            nbytes += self._holes.pop(i)[1]
+        if i and sum(self._holes[i - 1]) == offset:
+            i -= 1
+            offset, before = self._holes.pop(i)
+            nbytes += before
+        if offset + nbytes == self.length:
+            _libc.truncate(self.fd, offset)
+            self.length = offset
+        else:
+            _libc.punch_hole(self.fd, offset, nbytes)
+            self._holes.insert(i, (offset, nbytes))
+
+
+def _descriptor_limit() -> str:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
 
 
 class _Allocations:
@@ -103,7 +196,8 @@ class DeviceMemory(_Allocations):
         self.limit = limit
         self._held = 0
         self._reservations: dict[int, _Reservation] = {}
-        self._physical: dict[int, tuple[int, int]] = {}  # handle -> (fd, size)
+        self._file = _PhysicalFile()
+        self._physical: dict[int, _Chunk] = {}  # live handles, and released ones still mapped
         self._next_handle = 1
 
     # -- accounting ---------------------------------------------------------
@@ -114,6 +208,16 @@ class DeviceMemory(_Allocations):
             return available, total
         with self._lock:
             return max(0, min(available, self.limit - self._held)), self.limit
+
+    def _out_of_descriptors(self, nbytes: int, what: str, exc: OSError) -> OutOfMemoryError:
+        # An OutOfMemoryError, so the caching allocator flushes its cache and retries.
+        return OutOfMemoryError(
+            f"cpu:{self.device}: {what} of {format_size(nbytes)} failed: the process has no free "
+            f"file descriptor ({exc}; the limit is {_descriptor_limit()}). accel needs one per "
+            "device for its physical memory: close files, or raise the limit (ulimit -n, or resource.setrlimit(resource.RLIMIT_NOFILE, ...))",
+            requested=nbytes,
+            device=self.device,
+        )
 
     def _charge(self, nbytes: int, what: str) -> None:
         """Count ``nbytes`` as held, or raise OutOfMemoryError. Caller holds the lock."""
@@ -140,19 +244,33 @@ class DeviceMemory(_Allocations):
         give them back and raise OutOfMemoryError if the call fails."""
         self._charge(nbytes, what)
         try:
+            with self._system_call(nbytes, what):
+                yield
+        except AccelError:
+            self._held -= nbytes
+            raise
+
+    @contextlib.contextmanager
+    def _system_call(self, nbytes: int, what: str) -> Iterator[None]:
+        """Turn the block's OSError into an accel error: OutOfMemoryError when memory,
+        address space or file descriptors ran out (so callers flush caches and retry),
+        else DriverError."""
+        try:
             yield
         except OSError as exc:
-            self._held -= nbytes
+            if _libc.is_out_of_descriptors(exc):
+                raise self._out_of_descriptors(nbytes, what, exc) from None
             if not _libc.is_oom(exc):
-                raise DriverError(
-                    "cpu", what, exc.errno or 0, errno.errorcode.get(exc.errno or 0, "OSError"), str(exc),
-                    device=self.device,
-                ) from exc
+                raise self._driver_error(what, exc) from exc
             raise OutOfMemoryError(
                 f"cpu:{self.device}: {what} of {format_size(nbytes)} failed: {exc}",
                 requested=nbytes,
                 device=self.device,
             ) from exc
+
+    def _driver_error(self, what: str, exc: OSError) -> DriverError:
+        code = exc.errno or 0
+        return DriverError("cpu", what, code, errno.errorcode.get(code, "OSError"), str(exc), device=self.device)
 
     def malloc(self, nbytes: int) -> int:
         size = round_up(nbytes, PAGE)
@@ -176,7 +294,8 @@ class DeviceMemory(_Allocations):
     def reserve(self, nbytes: int) -> int:
         self._check_multiple("vm_reserve", nbytes)
         # Over-reserve by one granule, then trim, so the range is granule aligned.
-        raw = _libc.reserve(nbytes + VM_GRANULARITY)
+        with self._system_call(nbytes, "address space reservation"):
+            raw = _libc.reserve(nbytes + VM_GRANULARITY)
         start = round_up(raw, VM_GRANULARITY)
         if start > raw:
             _libc.unmap(raw, start - raw)
@@ -206,22 +325,39 @@ class DeviceMemory(_Allocations):
     def create(self, nbytes: int) -> int:
         self._check_multiple("vm_create", nbytes)
         with self._lock, self._charged(nbytes, "physical memory creation"):
-            fd = _libc.memfd(nbytes)
+            if not self._file.owned:  # forked: new chunks go to a file of this process's own
+                self._file = _PhysicalFile()
+            offset = self._file.take(nbytes)
             handle = self._next_handle
             self._next_handle += 1
-            self._physical[handle] = (fd, nbytes)
+            self._physical[handle] = _Chunk(self._file, offset, nbytes)
         return handle
+
+    def _live_chunk(self, call: str, handle: int) -> _Chunk:
+        chunk = self._physical.get(handle)
+        if chunk is None or not chunk.live:
+            raise InvalidHandleError(f"cpu:{self.device}: {call}: {handle} is not a live physical memory handle")
+        return chunk
+
+    def _drop_if_unused(self, handle: int, chunk: _Chunk) -> None:
+        """Give a released chunk's pages back once no range maps it (caller holds the lock)."""
+        if chunk.live or chunk.mappings:
+            return
+        del self._physical[handle]
+        if not chunk.file.owned:
+            return  # the parent's file: its pages go when both processes have unmapped them
+        try:
+            chunk.file.give_back(chunk.offset, chunk.size)
+        except OSError as exc:
+            raise self._driver_error("releasing physical memory", exc) from exc
 
     def release(self, handle: int) -> None:
         with self._lock:
-            entry = self._physical.pop(handle, None)
-            if entry is None:
-                raise InvalidHandleError(
-                    f"cpu:{self.device}: vm_release({handle}): not a live physical memory handle"
-                )
-            self._held -= entry[1]
-        # Pages stay valid while mapped; the kernel frees them at the last unmap.
-        _libc.close(entry[0])
+            chunk = self._live_chunk(f"vm_release({handle})", handle)
+            chunk.live = False
+            self._held -= chunk.size
+            # Pages stay valid while mapped (as with cuMemRelease); the last unmap gives them back.
+            self._drop_if_unused(handle, chunk)
 
     def _reservation_of(self, addr: int, nbytes: int) -> _Reservation:
         for start, res in self._reservations.items():
@@ -233,15 +369,10 @@ class DeviceMemory(_Allocations):
 
     def map(self, addr: int, nbytes: int, handle: int) -> None:
         with self._lock:
-            entry = self._physical.get(handle)
-            if entry is None:
-                raise InvalidHandleError(
-                    f"cpu:{self.device}: vm_map: {handle} is not a live physical memory handle"
-                )
-            fd, size = entry
-            if size != nbytes:
+            chunk = self._live_chunk("vm_map", handle)
+            if chunk.size != nbytes:
                 raise InvalidValueError(
-                    f"cpu:{self.device}: vm_map: the chunk is {size} bytes, not {nbytes}; map whole chunks"
+                    f"cpu:{self.device}: vm_map: the chunk is {chunk.size} bytes, not {nbytes}; map whole chunks"
                 )
             res = self._reservation_of(addr, nbytes)
             for start, (length, _) in res.mapped.items():
@@ -250,7 +381,9 @@ class DeviceMemory(_Allocations):
                         f"cpu:{self.device}: vm_map: [{addr:#x}, {addr + nbytes:#x}) overlaps a "
                         f"mapped range at {start:#x}"
                     )
-            _libc.map_fd_fixed(addr, nbytes, fd)
+            with self._system_call(nbytes, "mapping physical memory"):
+                _libc.map_fd_fixed(addr, nbytes, chunk.file.fd, chunk.offset)
+            chunk.mappings += 1
             res.mapped[addr] = (nbytes, handle)
 
     def unmap(self, addr: int, nbytes: int) -> None:
@@ -265,7 +398,10 @@ class DeviceMemory(_Allocations):
                 )
             _libc.reserve(nbytes, addr)  # back to inaccessible address space
             for start in inside:
-                del res.mapped[start]
+                _, handle = res.mapped.pop(start)
+                chunk = self._physical[handle]
+                chunk.mappings -= 1
+                self._drop_if_unused(handle, chunk)
 
 
 class HostMemory(_Allocations):

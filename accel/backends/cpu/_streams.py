@@ -18,10 +18,14 @@ topological order).
 
 from __future__ import annotations
 
-import collections
+import atexit
 import itertools
+import os
+import queue
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +35,26 @@ from accel.backends._capture import Capture, Mark
 from accel.backends.base import CaptureMode, CaptureStatus
 
 _handles = itertools.count(0x1000)
+
+# How long interpreter exit waits for work still queued on host streams (their
+# worker threads are daemons: whatever is left when the interpreter ends is lost).
+EXIT_WAIT_S = 5.0
+
+
+def _finish_at_exit(table_ref: weakref.ref[StreamTable]) -> None:
+    table = table_ref()
+    if table is None or table.pid != os.getpid():
+        return  # a forked child has no workers: the parent runs its queued work
+    dropped = table.finish_queued_work(EXIT_WAIT_S)
+    if dropped:
+        warnings.warn_explicit(  # no user frame to point at during exit
+            f"{dropped} item(s) of work queued on host streams (host functions, copies, fills) "
+            f"were still pending {EXIT_WAIT_S:g} s into interpreter exit and were dropped; "
+            "synchronize streams before exiting",
+            RuntimeWarning,
+            "accel",
+            0,
+        )
 
 
 def new_handle() -> int:
@@ -48,35 +72,58 @@ class Node:
 
 
 class HostEvent:
-    """A marker that completes when its stream's worker reaches it."""
+    """A marker that completes when its stream's worker reaches it.
+
+    ``done_gen`` is written by one completer at a time and read without a lock
+    (the GIL orders it); the condition is only used by a thread that has to
+    wait, and only notified when one does.
+    """
 
     def __init__(self, device: int, timing: bool) -> None:
         self.handle = new_handle()
         self.device = device
         self.timing = timing
-        self.cond = threading.Condition()
+        self.cond = threading.Condition(threading.Lock())
         self.record_gen = 0
         self.done_gen = 0
         self.timestamp_ns = 0
+        self._waiting = 0
         self.captured: Mark | None = None  # where it was recorded inside a capture
 
     def complete(self, gen: int) -> None:
-        with self.cond:
-            if gen > self.done_gen:
-                self.done_gen = gen
-                self.timestamp_ns = time.monotonic_ns()
-            self.cond.notify_all()
+        if gen > self.done_gen:
+            self.timestamp_ns = time.monotonic_ns()
+            self.done_gen = gen
+        # A waiter counts itself before it checks done_gen: it either sees the new
+        # value or is counted here (and then waits on the condition this notifies).
+        if self._waiting:
+            with self.cond:
+                self.cond.notify_all()
 
     def is_done(self) -> bool:
         return self.done_gen >= self.record_gen
 
     def wait(self, gen: int) -> None:
+        if self.done_gen >= gen:
+            return
         with self.cond:
-            self.cond.wait_for(lambda: self.done_gen >= gen)
+            self._waiting += 1
+            try:
+                while self.done_gen < gen:
+                    self.cond.wait()
+            finally:
+                self._waiting -= 1
 
 
 class HostStream:
-    """An ordered queue of work; ``inline`` streams run work on the caller's thread."""
+    """An ordered queue of work; ``inline`` streams run work on the caller's thread.
+
+    The hot paths take as few locks and wake-ups as CPython allows: work goes
+    into a ``queue.SimpleQueue`` (a C queue: one call to enqueue, the worker
+    blocks in C), the submit count is bumped under a plain lock, and the
+    worker takes a lock after an item only to publish the completion count and
+    to wake a synchronizing thread, which it wakes only when one waits.
+    """
 
     def __init__(self, device: int, priority: int, *, inline: bool) -> None:
         self.handle = new_handle()
@@ -84,10 +131,11 @@ class HostStream:
         self.priority = priority
         self.inline = inline
         self.capture: Capture[Node] | None = None
-        self._cond = threading.Condition()
-        self._queue: collections.deque[Callable[[], None] | None] = collections.deque()
+        self._lock = threading.Lock()  # orders submits; guards _waiters
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._submitted = 0
-        self._completed = 0
+        self._completed = 0  # written by the worker only
+        self._waiters: list[tuple[int, threading.Lock]] = []
         self._thread: threading.Thread | None = None
         if not inline:
             self._thread = threading.Thread(
@@ -100,41 +148,61 @@ class HostStream:
         """The default stream is the inline one; it can neither capture nor join a capture."""
         return self.inline
 
-    def submit(self, description: str, work: Callable[[], None]) -> None:
-        """Run ``work`` after everything queued before it (or record it while capturing)."""
+    def submit(self, description: str | Callable[[], str], work: Callable[[], None]) -> None:
+        """Run ``work`` after everything queued before it (or record it while capturing).
+
+        ``description`` names the work in a captured graph; a callable is only
+        called then (formatting it on every submit costs more than the submit)."""
         capture = self.capture
         if capture is not None:
-            capture.add(self, Node(description, work))
+            capture.add(self, Node(description if isinstance(description, str) else description(), work))
             return
         if self.inline:
             work()
             return
-        with self._cond:
-            self._queue.append(work)
+        # Counted before it is queued, in queue order: when the worker has completed
+        # ``_submitted`` items as read by a synchronizing thread, everything that
+        # thread saw queued has run.
+        with self._lock:
             self._submitted += 1
-            self._cond.notify_all()
+            self._queue.put(work)
 
     def idle(self) -> bool:
-        with self._cond:
-            return self._completed == self._submitted
+        return self._completed >= self._submitted
 
     def synchronize(self) -> None:
-        with self._cond:
-            target = self._submitted
-            self._cond.wait_for(lambda: self._completed >= target)
+        target = self._submitted
+        if self._completed >= target:
+            return
+        waiter = threading.Lock()
+        waiter.acquire()
+        with self._lock:
+            if self._completed >= target:
+                return
+            self._waiters.append((target, waiter))
+        waiter.acquire()  # released by the worker; a signal interrupts it (KeyboardInterrupt)
+
+    def wait_idle(self, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for the queue to drain; the items still queued."""
+        target = self._submitted
+        if self._completed < target:
+            waiter = threading.Lock()
+            waiter.acquire()
+            with self._lock:
+                self._waiters.append((target, waiter))
+            waiter.acquire(timeout=timeout)
+        return self._submitted - self._completed
 
     def close(self) -> None:
         """Stop the worker once the work already queued has run."""
         if self._thread is not None:
-            with self._cond:
-                self._queue.append(None)
-                self._cond.notify_all()
+            self._queue.put(None)
 
     def _drain(self) -> None:
+        get = self._queue.get
+        lock = self._lock
         while True:
-            with self._cond:
-                self._cond.wait_for(lambda: bool(self._queue))
-                work = self._queue.popleft()
+            work = get()
             if work is None:
                 return
             try:
@@ -143,9 +211,17 @@ class HostStream:
                 # Host functions are wrapped above the backend and report their
                 # own errors; nothing else queued here can raise.
                 pass
-            with self._cond:
-                self._completed += 1
-                self._cond.notify_all()
+            with lock:
+                done = self._completed = self._completed + 1
+                waiters = self._waiters
+                if waiters:
+                    keep = []
+                    for target, waiter in waiters:
+                        if target <= done:
+                            waiter.release()
+                        else:
+                            keep.append((target, waiter))
+                    self._waiters = keep
 
 
 class StreamTable:
@@ -159,7 +235,12 @@ class StreamTable:
         self._events: dict[int, HostEvent] = {}
         self._graphs: dict[int, list[Node]] = {}
         self._execs: dict[int, list[Node]] = {}
+        # Destroyed streams whose queued work may still run: device synchronization
+        # (and so every release of memory, which synchronizes first) waits for them too.
+        self._closing: list[HostStream] = []
         self.defaults = []
+        self.pid = os.getpid()
+        atexit.register(_finish_at_exit, weakref.ref(self))
         for device in range(device_count):
             stream = HostStream(device, 0, inline=True)
             self._streams[stream.handle] = stream
@@ -187,6 +268,13 @@ class StreamTable:
             )
         return event
 
+    def finish_queued_work(self, timeout: float) -> int:
+        """Let queued work run for up to ``timeout`` seconds; how many items are left."""
+        with self._lock:
+            streams = [s for s in self._streams.values() if not s.inline] + self._closing
+        deadline = time.monotonic() + timeout
+        return sum(s.wait_idle(max(deadline - time.monotonic(), 0.0)) for s in streams)
+
     def streams_of(self, device: int) -> list[HostStream]:
         with self._lock:
             return [s for s in self._streams.values() if s.device == device]
@@ -206,6 +294,8 @@ class StreamTable:
         _capture.abandon(stream)
         with self._lock:
             del self._streams[handle]
+            self._closing = [s for s in self._closing if not s.idle()]
+            self._closing.append(stream)
         stream.close()
 
     def query(self, device: int, handle: int) -> bool:
@@ -221,8 +311,13 @@ class StreamTable:
     def synchronize_device(self, device: int) -> None:
         streams = self.streams_of(device)
         _capture.refuse_device_synchronize(device, streams)
-        for stream in streams:
+        with self._lock:
+            closing = [s for s in self._closing if s.device == device]
+        for stream in streams + closing:
             stream.synchronize()
+        if closing:
+            with self._lock:
+                self._closing = [s for s in self._closing if not s.idle()]
 
     # -- events -----------------------------------------------------------
 
@@ -248,6 +343,11 @@ class StreamTable:
         with event.cond:
             event.record_gen += 1
             gen = event.record_gen
+        if stream.inline or stream.idle():
+            # Everything queued before the record has run: the event completes now,
+            # without a trip through the worker.
+            event.complete(gen)
+            return
         stream.submit("event record", lambda: event.complete(gen))
 
     def event_query(self, device: int, handle: int) -> bool:

@@ -20,6 +20,9 @@ __all__ = ["load"]
 
 def load() -> Backend:
     """Open the CUDA driver and return the backend (raises BackendUnavailableError)."""
+    from accel.backends.cuda._library import require_library
+
+    require_library()  # before cffi and the declarations are loaded: they cost ~100 ms
     from accel.backends.cuda._backend import create_backend
 
     return create_backend()

@@ -17,13 +17,13 @@ group (virtual memory, graphs) only turns that feature off.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import cffi
 
 from accel._errors import BackendUnavailableError
+from accel.backends.cuda._library import DEFAULT_LIBRARY, cannot_load, driver_path
 
 __all__ = [
     "DEFAULT_LIBRARY",
@@ -35,7 +35,6 @@ __all__ = [
 ]
 
 #: Loaded when ``ACCEL_CUDA_DRIVER`` is not set: the driver's soname, found by the dynamic loader.
-DEFAULT_LIBRARY = "libcuda.so.1"
 
 CDEF = """
 typedef int CUresult;
@@ -266,7 +265,8 @@ class Driver:
         out = self.ffi.new("const char **")
         if self.fn[call](code, out) != 0 or out[0] == self.ffi.NULL:
             return ""
-        return self.ffi.string(out[0]).decode(errors="replace")
+        text: bytes = self.ffi.string(out[0])
+        return text.decode(errors="replace")
 
     def describe(self, code: int) -> str:
         """``"NAME (code): description"``, the form every accel message uses."""
@@ -293,17 +293,6 @@ def _resolve(lib: Any, table: dict[str, tuple[str, ...]]) -> tuple[dict[str, Any
     return bound, symbols, missing
 
 
-def _dlopen_detail(message: str, target: str) -> str:
-    """The dynamic loader's own words from cffi's dlopen error, on one line."""
-    text = " ".join(message.split())
-    prefix = f"cannot load library '{target}': "
-    if text.startswith(prefix):
-        text = text[len(prefix):]
-    # cffi appends a second attempt through ctypes.util.find_library; the first error is the cause.
-    text = text.split(" Additionally, ")[0]
-    return text.rstrip(".") or "dlopen failed"
-
-
 def open_driver(path: str | None = None) -> Driver:
     """Open the driver library and bind its entry points; does not call cuInit.
 
@@ -314,22 +303,12 @@ def open_driver(path: str | None = None) -> Driver:
     Traceback (most recent call last):
     accel._errors.BackendUnavailableError: accel backend 'cuda' is unavailable: cannot load ...
     """
-    explicit = path if path is not None else os.environ.get("ACCEL_CUDA_DRIVER") or None
-    target = explicit or DEFAULT_LIBRARY
+    target, explicit = driver_path(path)
     ffi = _get_ffi()
     try:
         lib = ffi.dlopen(target)
     except OSError as exc:
-        detail = _dlopen_detail(str(exc), target)
-        if explicit:
-            where = f"ACCEL_CUDA_DRIVER={explicit}"
-        else:
-            where = f"{DEFAULT_LIBRARY} (searched LD_LIBRARY_PATH, the ld.so cache and the default library directories)"
-        raise BackendUnavailableError(
-            "cuda",
-            f"cannot load the CUDA driver library {where}: {detail}",
-            remedy="Install the NVIDIA driver, or set ACCEL_CUDA_DRIVER to the path of libcuda.so.1",
-        ) from None
+        raise cannot_load(target, explicit, str(exc)) from None
 
     fn, symbols, missing = _resolve(lib, REQUIRED_FUNCTIONS)
     if missing:

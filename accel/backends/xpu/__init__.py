@@ -8,7 +8,6 @@ docs/backends/xpu.md for how streams, events and graphs map onto Level Zero.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 from accel._errors import AccelError, BackendUnavailableError
@@ -31,11 +30,14 @@ def load() -> Backend:
     >>> load().name  # doctest: +SKIP
     'xpu'
     """
-    from accel.backends.xpu._backend import XpuBackend
-    from accel.backends.xpu._bindings import DEFAULT_LOADER, describe_result, open_loader
+    from accel.backends.xpu._library import describe_result, first_init, loader_path
 
-    explicit = os.environ.get("ACCEL_ZE_LOADER", "").strip()
-    ze = open_loader(explicit or DEFAULT_LOADER, from_env=bool(explicit))
+    path, from_env = loader_path()
+    first_init(path, from_env)  # before cffi and the declarations are loaded: they cost ~50 ms
+    from accel.backends.xpu._backend import XpuBackend
+    from accel.backends.xpu._bindings import open_loader
+
+    ze = open_loader(path, from_env=from_env)
     ffi, lib = ze.ffi, ze.lib
     code = lib.zeInit(lib.ZE_INIT_FLAG_GPU_ONLY)
     if code != 0:
@@ -63,7 +65,7 @@ def load() -> Backend:
 
 
 def _gpu_devices(ze: ZeLoader, driver: object) -> list[object]:
-    from accel.backends.xpu._bindings import describe_result
+    from accel.backends.xpu._library import describe_result
 
     ffi, lib = ze.ffi, ze.lib
     count = ffi.new("uint32_t *", 0)

@@ -23,18 +23,17 @@ How the protocol maps onto Level Zero (docs/backends/xpu.md has the long form):
 - Level Zero events may be referenced by queued commands after their owner
   is gone, so every pooled event is reference-counted ("holds") and goes back
   to its pool only when no owner and no queued command refers to it.
+
+The pooled events are _event_pool.py, the host-function thread
+_host_worker.py, and what is kept per stream, event, capture, graph, chunk
+and device _records.py.
 """
 
 from __future__ import annotations
 
-import itertools
-import sys
 import threading
-import traceback
-from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from collections.abc import Callable
+from typing import cast
 
 from accel._errors import (
     CaptureError,
@@ -45,16 +44,39 @@ from accel._errors import (
 )
 from accel._units import format_size
 from accel.backends import _capture
-from accel.backends._capture import Capture, Mark
+from accel.backends._cffi import resolve_everything
 from accel.backends.base import Backend, CaptureMode, CaptureStatus, DeviceProperties
 from accel.backends.xpu._bindings import WAIT_FOREVER, ZeLoader, describe_result
+from accel.backends.xpu._event_pool import EventSlot, EventSlots
+from accel.backends.xpu._host_worker import HostWorker
+from accel.backends.xpu._records import (
+    CaptureState,
+    DeviceState,
+    EventState,
+    GraphState,
+    PhysicalChunk,
+    StreamState,
+    live,
+    new_handle,
+)
 
 __all__ = ["XpuBackend"]
 
 #: Lower numbers mean higher priority, as in CUDA: 0 is NORMAL, -1 is PRIORITY_HIGH.
 PRIORITY_RANGE = (0, -1)
+# Every C type this backend and its bindings name, parsed when the backend is created.
+_CTYPES = (
+    "size_t *", "uint32_t *", "uint8_t *", "uintptr_t", "void *", "void **", "ze_api_version_t *",
+    "ze_bool_t *", "ze_command_list_desc_t *", "ze_command_list_handle_t *", "ze_command_list_handle_t[1]",
+    "ze_command_queue_desc_t *", "ze_command_queue_group_properties_t[]", "ze_command_queue_handle_t *",
+    "ze_context_desc_t *", "ze_context_handle_t *", "ze_device_compute_properties_t *",
+    "ze_device_mem_alloc_desc_t *", "ze_device_memory_properties_t[]", "ze_device_properties_t *",
+    "ze_driver_properties_t *", "ze_event_desc_t *", "ze_event_handle_t *", "ze_event_handle_t[1]",
+    "ze_event_pool_desc_t *", "ze_event_pool_handle_t *", "ze_host_mem_alloc_desc_t *",
+    "ze_kernel_timestamp_result_t *", "ze_physical_mem_desc_t *", "ze_physical_mem_handle_t *",
+    "zes_mem_handle_t[]", "zes_mem_properties_t *", "zes_mem_state_t *",
+)
 _MIN_VM_GRANULARITY = 2 << 20
-_EVENTS_PER_POOL = 64
 # A marker is added after this many commands without one, so that events held
 # by queued commands are given back even by code that never synchronizes.
 _MARKER_EVERY = 128
@@ -63,260 +85,6 @@ _NOT_READY = 1  # ZE_RESULT_NOT_READY
 _UNSUPPORTED_FEATURE = 0x78000003
 _UNSUPPORTED_SIZE = 0x78000009
 _OOM_CODES = (0x70000002, 0x70000003)
-
-_handles = itertools.count(0x10000)
-
-
-def _new_handle() -> int:
-    return next(_handles) << 4
-
-
-class _OnDevice(Protocol):
-    device: int
-
-
-_T = TypeVar("_T", bound=_OnDevice)
-
-
-def _live(table: Mapping[int, _T], handle: int, device: int, kind: str, *, any_device: bool = False) -> _T:
-    """``table[handle]`` if it is live and of ``device`` (of any device with ``any_device``),
-    else InvalidHandleError."""
-    found = table.get(handle)
-    if found is None or (found.device != device and not any_device):
-        raise InvalidHandleError(
-            f"xpu:{device}: {kind} {handle:#x} is not a live {kind} of this device "
-            "(destroyed, never created, or created on another device)"
-        )
-    return found
-
-
-# -- pooled events ------------------------------------------------------------
-
-
-class _Slot:
-    """One pooled Level Zero event and the number of owners still using it."""
-
-    __slots__ = ("cdata", "handle", "timing", "holds")
-
-    def __init__(self, cdata: object, handle: int, timing: bool) -> None:
-        self.cdata = cdata
-        self.handle = handle
-        self.timing = timing
-        self.holds = 0
-
-
-class _EventSlots:
-    """Event pools with free lists: cheap event creation and reuse."""
-
-    def __init__(self, ze: ZeLoader, context: object) -> None:
-        self._ze = ze
-        self._context = context
-        # Reentrant, as the backend's: an accel Event collected while the lock
-        # is held (this code allocates under it) returns its slot from its finalizer.
-        self._lock = threading.RLock()
-        self._free: dict[bool, list[_Slot]] = {False: [], True: []}
-        self._pools: list[object] = []
-
-    def _grow(self, timing: bool) -> None:
-        ffi, lib = self._ze.ffi, self._ze.lib
-        flags = lib.ZE_EVENT_POOL_FLAG_HOST_VISIBLE
-        if timing:
-            flags |= lib.ZE_EVENT_POOL_FLAG_KERNEL_TIMESTAMP
-        desc = ffi.new("ze_event_pool_desc_t *", {
-            "stype": lib.ZE_STRUCTURE_TYPE_EVENT_POOL_DESC, "flags": flags, "count": _EVENTS_PER_POOL,
-        })
-        pool = ffi.new("ze_event_pool_handle_t *")
-        self._ze.check("zeEventPoolCreate", lib.zeEventPoolCreate(self._context, desc, 0, ffi.NULL, pool))
-        self._pools.append(pool[0])
-        scope = lib.ZE_EVENT_SCOPE_FLAG_HOST
-        for index in range(_EVENTS_PER_POOL):
-            edesc = ffi.new("ze_event_desc_t *", {
-                "stype": lib.ZE_STRUCTURE_TYPE_EVENT_DESC, "index": index, "signal": scope, "wait": scope,
-            })
-            event = ffi.new("ze_event_handle_t *")
-            self._ze.check("zeEventCreate", lib.zeEventCreate(pool[0], edesc, event))
-            handle = int(ffi.cast("uintptr_t", event[0]))
-            self._free[timing].append(_Slot(event[0], handle, timing))
-
-    def acquire(self, timing: bool) -> _Slot:
-        """A reset event with one hold, owned by the caller."""
-        with self._lock:
-            if not self._free[timing]:
-                self._grow(timing)
-            slot = self._free[timing].pop()
-            slot.holds = 1
-        self._ze.check("zeEventHostReset", self._ze.lib.zeEventHostReset(slot.cdata))
-        return slot
-
-    def hold(self, slot: _Slot) -> None:
-        with self._lock:
-            slot.holds += 1
-
-    def drop(self, slot: _Slot | None) -> None:
-        if slot is None:
-            return
-        with self._lock:
-            self._drop_locked(slot)
-
-    def _drop_locked(self, slot: _Slot) -> None:
-        slot.holds -= 1
-        if slot.holds == 0:
-            self._free[slot.timing].append(slot)
-
-    def hold_current(self, event: _Event) -> _Slot | None:
-        """The event's current slot with one more hold for the caller (who drops it), or None.
-
-        Reading and holding happen under the pool lock, as the swap in ``set_current``
-        does: otherwise a concurrent re-record could give the slot back to the pool, and
-        another record take it, between the caller's read and its hold.
-        """
-        with self._lock:
-            slot = event.slot
-            if slot is not None:
-                slot.holds += 1
-            return slot
-
-    def set_current(self, event: _Event, slot: _Slot | None) -> None:
-        """Make ``slot`` (and the caller's hold on it) the event's; drop the previous slot's hold."""
-        with self._lock:
-            old, event.slot = event.slot, slot
-            if old is not None:
-                self._drop_locked(old)
-
-
-# -- streams, events, graphs ------------------------------------------------------
-
-
-class _HostWorker:
-    """Runs a stream's host functions in order on one thread."""
-
-    def __init__(self, backend: XpuBackend, name: str) -> None:
-        self._backend = backend
-        self._items: deque[tuple[_Slot, _Slot, Callable[[], None], bool] | None] = deque()
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def put(self, item: tuple[_Slot, _Slot, Callable[[], None], bool] | None) -> None:
-        with self._cond:
-            self._items.append(item)
-            self._cond.notify()
-
-    def _run(self) -> None:
-        ze, slots = self._backend._ze, self._backend._slots
-        lib = ze.lib
-        while True:
-            with self._cond:
-                while not self._items:
-                    self._cond.wait()
-                item = self._items.popleft()
-            if item is None:
-                return
-            reached, release, fn, owned = item
-            try:
-                ze.check("zeEventHostSynchronize", lib.zeEventHostSynchronize(reached.cdata, WAIT_FOREVER))
-                ze.check("zeEventHostReset", lib.zeEventHostReset(reached.cdata))
-                fn()
-            except BaseException:  # nothing may wedge the stream: report and carry on
-                print("accel xpu: a host function or its Level Zero events failed:", file=sys.stderr)
-                traceback.print_exc()
-            finally:
-                lib.zeEventHostSignal(release.cdata)
-                if owned:
-                    slots.drop(reached)
-                    slots.drop(release)
-
-
-@dataclass(eq=False)
-class _Stream:
-    device: int
-    cdata: object
-    handle: int
-    priority: int
-    is_default: bool
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    seq: int = 0  # commands appended so far
-    marked: int = 0  # seq covered by the newest marker
-    done: int = 0  # seq known complete
-    markers: deque[tuple[int, _Slot]] = field(default_factory=deque)
-    deferred: list[tuple[int, Callable[[], None]]] = field(default_factory=list)
-    capture: _Capture | None = None
-    worker: _HostWorker | None = None
-
-
-@dataclass(eq=False)
-class _Event:
-    device: int
-    handle: int
-    timing: bool
-    slot: _Slot | None = None
-    captured: Mark | None = None  # where it was recorded inside a capture
-
-
-class _Capture(Capture[str]):
-    """A capture recording into a regular command list; its nodes are command descriptions.
-
-    ``lock`` also serializes appends to the list, which streams forked into
-    the capture make from their own threads.
-    """
-
-    def __init__(self, origin: _Stream, mode: CaptureMode, cdata: object, start: _Slot, done: _Slot) -> None:
-        super().__init__("xpu", origin, mode)
-        self.cdata = cdata  # the regular command list being recorded
-        self.start = start
-        self.done = done
-        self.host_nodes: list[tuple[_Slot, _Slot, Callable[[], None]]] = []
-        self.keep: list[object] = []  # memory the recorded commands point at
-
-
-@dataclass(eq=False)
-class _Graph:
-    device: int
-    handle: int
-    cdata: object
-    start: _Slot
-    done: _Slot
-    nodes: list[str]
-    host_nodes: list[tuple[_Slot, _Slot, Callable[[], None]]]
-    keep: list[object]
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    owners: int = 1  # the graph itself plus each executable graph made from it
-    last_launch: _Slot | None = None  # signalled once the last replay is fully consumed
-    # Replays share the list's events, so they must run one at a time and in launch
-    # order: one command queue runs every replay (two queues could start the same
-    # list together), and one thread serves the host nodes of every replay.
-    queue: object | None = None
-    worker: _HostWorker | None = None
-
-
-@dataclass(eq=False)
-class _Chunk:
-    """A physical memory chunk; destroyed once released and no longer mapped."""
-
-    cdata: object
-    size: int
-    maps: int = 0
-    released: bool = False
-
-
-@dataclass(eq=False)
-class _Device:
-    index: int
-    cdata: object
-    properties: DeviceProperties
-    ordinal: int
-    ns_per_tick: float
-    timestamp_mask: int
-    sysman_modules: list[object]
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    held: int = 0  # bytes accel holds: malloc + physical chunks
-    allocations: dict[int, int] = field(default_factory=dict)
-    reservations: dict[int, int] = field(default_factory=dict)
-    physical: dict[int, _Chunk] = field(default_factory=dict)
-    mappings: dict[int, tuple[int, int]] = field(default_factory=dict)  # addr -> (size, physical handle)
-    vm_page: int | None = None
-    next_hint: int = 0
-
 
 # -- the backend --------------------------------------------------------------------
 
@@ -335,6 +103,9 @@ class XpuBackend(Backend):
     def __init__(self, ze: ZeLoader, driver: object, devices: list[object], *, loader_version: str) -> None:
         self._ze = ze
         ffi, lib = ze.ffi, ze.lib
+        # The loader resolved its symbols when opened; parse every type now, so that
+        # no finalizer's call can wait on cffi's locks.
+        resolve_everything(ffi, _CTYPES)
         # Reentrant: the finalizers of accel Streams and Events destroy them
         # through this backend, and a garbage collection can run them inside
         # its locked sections (which allocate), on the same thread.
@@ -343,18 +114,18 @@ class XpuBackend(Backend):
         context = ffi.new("ze_context_handle_t *")
         ze.check("zeContextCreate", lib.zeContextCreate(driver, desc, context))
         self._context = context[0]
-        self._slots = _EventSlots(ze, self._context)
+        self._slots = EventSlots(ze, self._context)
         self._host_synchronize = ze.has("zeCommandListHostSynchronize")
         self._host_allocations: dict[int, int] = {}
-        self._streams: dict[int, _Stream] = {}
-        self._retired: list[tuple[_Stream, _Slot | None]] = []
+        self._streams: dict[int, StreamState] = {}
+        self._retired: list[tuple[StreamState, EventSlot | None]] = []
         # Destroyed streams whose lock was taken when they were destroyed (a
         # collected accel.Stream's finalizer can run inside a section holding
         # it, on the same thread): retired by the next reap.
-        self._dying: list[_Stream] = []
-        self._events: dict[int, _Event] = {}
-        self._graphs: dict[int, _Graph] = {}
-        self._execs: dict[int, _Graph] = {}
+        self._dying: list[StreamState] = []
+        self._events: dict[int, EventState] = {}
+        self._graphs: dict[int, GraphState] = {}
+        self._execs: dict[int, GraphState] = {}
         self._vm_supported: dict[int, bool] = {}
         api = ffi.new("ze_api_version_t *")
         ze.check("zeDriverGetApiVersion", lib.zeDriverGetApiVersion(driver, api))
@@ -374,7 +145,7 @@ class XpuBackend(Backend):
     def _addr(self, cdata: object) -> int:
         return int(self._ze.ffi.cast("uintptr_t", cdata))
 
-    def _describe(self, index: int, cdata: object) -> _Device:
+    def _describe(self, index: int, cdata: object) -> DeviceState:
         ze, ffi, lib = self._ze, self._ze.ffi, self._ze.lib
         # The 1.2 form reports the timer in cycles per second instead of whole
         # nanoseconds, which loses precision on 19.2 MHz timers.
@@ -426,7 +197,7 @@ class XpuBackend(Backend):
             is_integrated=bool(props.flags & lib.ZE_DEVICE_PROPERTY_FLAG_INTEGRATED),
             extra=extra,
         )
-        return _Device(index, cdata, properties, ordinal, ns_per_tick, (1 << bits) - 1, modules)
+        return DeviceState(index, cdata, properties, ordinal, ns_per_tick, (1 << bits) - 1, modules)
 
     def _compute_ordinal(self, index: int, cdata: object) -> int:
         ze, ffi, lib = self._ze, self._ze.ffi, self._ze.lib
@@ -463,48 +234,49 @@ class XpuBackend(Backend):
         self._check("zesMemoryGetState", self._ze.lib.zesMemoryGetState(module, state), device)
         return state.free, state.size
 
-    def _stream(self, device: int, handle: int) -> _Stream:
-        return _live(self._streams, handle, device, "stream")
+    def _stream(self, device: int, handle: int) -> StreamState:
+        return live(self._streams, handle, device, "stream")
 
-    def _event(self, device: int, handle: int, *, any_device: bool = False) -> _Event:
-        return _live(self._events, handle, device, "event", any_device=any_device)
+    def _event(self, device: int, handle: int, *, any_device: bool = False) -> EventState:
+        return live(self._events, handle, device, "event", any_device=any_device)
 
     # -- command appending (caller holds stream.lock) ------------------------------------
 
-    def _barrier(self, stream: _Stream, cdata: object, signal: _Slot | None = None) -> None:
+    def _barrier(self, stream: StreamState, cdata: object, signal: EventSlot | None = None) -> None:
         ffi, lib = self._ze.ffi, self._ze.lib
         event = signal.cdata if signal is not None else ffi.NULL
         self._check("zeCommandListAppendBarrier", lib.zeCommandListAppendBarrier(cdata, event, 0, ffi.NULL), stream.device)
 
-    def _wait(self, stream: _Stream, cdata: object, slot: _Slot) -> None:
+    def _wait(self, stream: StreamState, cdata: object, slot: EventSlot) -> None:
         events = self._ze.ffi.new("ze_event_handle_t[1]", [slot.cdata])
         lib = self._ze.lib
         self._check("zeCommandListAppendWaitOnEvents", lib.zeCommandListAppendWaitOnEvents(cdata, 1, events), stream.device)
 
-    def _reset(self, stream: _Stream, cdata: object, slot: _Slot) -> None:
+    def _reset(self, stream: StreamState, cdata: object, slot: EventSlot) -> None:
         lib = self._ze.lib
         self._check("zeCommandListAppendEventReset", lib.zeCommandListAppendEventReset(cdata, slot.cdata), stream.device)
 
-    def _defer(self, stream: _Stream, fn: Callable[[], None]) -> None:
-        """Run ``fn`` once the stream has passed everything counted by ``_appended`` so far."""
+    def _defer(self, stream: StreamState, fn: Callable[[], object]) -> None:
+        """Run ``fn`` once the stream has passed everything counted by ``_appended`` so far
+        (what it returns is dropped: a closure may exist only to keep memory alive)."""
         stream.deferred.append((stream.seq, fn))
 
-    def _hold_until_passed(self, stream: _Stream, slot: _Slot) -> None:
+    def _hold_until_passed(self, stream: StreamState, slot: EventSlot) -> None:
         """Keep ``slot`` out of the pool until the stream passed the command just counted."""
         self._slots.hold(slot)
         self._defer(stream, lambda: self._slots.drop(slot))
 
-    def _keep_until_passed(self, stream: _Stream, memory: object) -> None:
+    def _keep_until_passed(self, stream: StreamState, memory: object) -> None:
         """Keep ``memory`` alive (a queued command points at it) until the stream passed it."""
         self._defer(stream, lambda: memory)
 
-    def _appended(self, stream: _Stream) -> None:
+    def _appended(self, stream: StreamState) -> None:
         stream.seq += 1
         if stream.seq - stream.marked >= _MARKER_EVERY:
             self._mark(stream)
             self._reap(stream)
 
-    def _mark(self, stream: _Stream) -> None:
+    def _mark(self, stream: StreamState) -> None:
         slot = self._slots.acquire(False)
         try:
             self._barrier(stream, stream.cdata, slot)
@@ -514,7 +286,7 @@ class XpuBackend(Backend):
         stream.markers.append((stream.seq, slot))
         stream.marked = stream.seq
 
-    def _reap(self, stream: _Stream) -> None:
+    def _reap(self, stream: StreamState) -> None:
         """Give back what completed markers prove the device no longer needs."""
         lib = self._ze.lib
         while stream.markers:
@@ -528,15 +300,15 @@ class XpuBackend(Backend):
             self._slots.drop(slot)
         self._run_deferred(stream, stream.done)
 
-    def _run_deferred(self, stream: _Stream, upto: int) -> None:
+    def _run_deferred(self, stream: StreamState, upto: int) -> None:
         ready = [fn for seq, fn in stream.deferred if seq <= upto]
         stream.deferred = [(seq, fn) for seq, fn in stream.deferred if seq > upto]
         for fn in ready:
             fn()
 
-    def _worker(self, stream: _Stream) -> _HostWorker:
+    def _worker(self, stream: StreamState) -> HostWorker:
         if stream.worker is None:
-            stream.worker = _HostWorker(self, f"accel-xpu-host-{stream.handle:#x}")
+            stream.worker = HostWorker(self, f"accel-xpu-host-{stream.handle:#x}")
         return stream.worker
 
     # -- devices ------------------------------------------------------------------------
@@ -589,7 +361,8 @@ class XpuBackend(Backend):
         if code in _OOM_CODES or code == _UNSUPPORTED_SIZE:
             what = f"allocate {format_size(nbytes)}"
             if code == _UNSUPPORTED_SIZE:
-                what += f" (the largest single allocation is {format_size(dev.properties.extra['max_mem_alloc_size'])})"
+                largest = cast(int, dev.properties.extra["max_mem_alloc_size"])  # set by _describe
+                what += f" (the largest single allocation is {format_size(largest)})"
             raise self._out_of_memory(device, "zeMemAllocDevice", what, nbytes, code)
         self._check("zeMemAllocDevice", code, device)
         ptr = self._addr(out[0])
@@ -658,7 +431,7 @@ class XpuBackend(Backend):
             self._vm_supported[device] = code == 0
         return dev.vm_page
 
-    def _require_vm(self, device: int) -> _Device:
+    def _require_vm(self, device: int) -> DeviceState:
         if self._vm_page(device) is None:
             raise self._unsupported("virtual memory")
         return self._devices[device]
@@ -718,18 +491,18 @@ class XpuBackend(Backend):
         self._check("zePhysicalMemCreate", code, device)
         handle = self._addr(out[0])
         with dev.lock:
-            dev.physical[handle] = _Chunk(out[0], nbytes)
+            dev.physical[handle] = PhysicalChunk(out[0], nbytes)
             dev.held += nbytes
         return handle
 
-    def _live_chunk(self, dev: _Device, handle: int) -> _Chunk:
+    def _live_chunk(self, dev: DeviceState, handle: int) -> PhysicalChunk:
         """The chunk ``handle`` of ``dev``, unless released (caller holds dev.lock)."""
         chunk = dev.physical.get(handle)
         if chunk is None or chunk.released:
             raise InvalidHandleError(f"xpu:{dev.index}: physical chunk {handle:#x} is not live (already released?)")
         return chunk
 
-    def _destroy_physical(self, dev: _Device, handle: int) -> None:
+    def _destroy_physical(self, dev: DeviceState, handle: int) -> None:
         """Destroy a released, unmapped chunk (caller removed it from dev.physical)."""
         chunk = dev.physical.pop(handle)
         dev.held -= chunk.size
@@ -783,7 +556,7 @@ class XpuBackend(Backend):
 
     # -- streams ---------------------------------------------------------------------------
 
-    def _new_stream(self, device: int, priority: int, *, is_default: bool = False) -> _Stream:
+    def _new_stream(self, device: int, priority: int, *, is_default: bool = False) -> StreamState:
         ffi, lib = self._ze.ffi, self._ze.lib
         dev = self._devices[device]
         desc = ffi.new("ze_command_queue_desc_t *", {
@@ -794,7 +567,7 @@ class XpuBackend(Backend):
         })
         out = ffi.new("ze_command_list_handle_t *")
         self._check("zeCommandListCreateImmediate", lib.zeCommandListCreateImmediate(self._context, dev.cdata, desc, out), device)
-        stream = _Stream(device, out[0], self._addr(out[0]), priority, is_default)
+        stream = StreamState(device, out[0], self._addr(out[0]), priority, is_default)
         with self._lock:
             self._streams[stream.handle] = stream
         return stream
@@ -815,13 +588,14 @@ class XpuBackend(Backend):
             raise InvalidHandleError(f"xpu:{device}: the default stream cannot be destroyed")
         abandoned = _capture.abandon(s)
         if abandoned is not None:
+            assert isinstance(abandoned, CaptureState)  # s, an xpu stream, began it
             self._discard_capture(abandoned)
         with self._lock:
             del self._streams[stream]
             self._dying.append(s)
         self._reap_retired(wait=False)
 
-    def _retire(self, s: _Stream, *, wait: bool) -> bool:
+    def _retire(self, s: StreamState, *, wait: bool) -> bool:
         """Move a destroyed stream to the retired list; False when its lock is
         taken and ``wait`` is False (it stays dying)."""
         if not s.lock.acquire(blocking=wait):
@@ -884,7 +658,7 @@ class XpuBackend(Backend):
         _capture.refuse_while_capturing(s, "synchronizing a stream")
         self._synchronize(s)
 
-    def _synchronize(self, s: _Stream) -> None:
+    def _synchronize(self, s: StreamState) -> None:
         lib = self._ze.lib
         if self._host_synchronize:
             with s.lock:
@@ -936,9 +710,9 @@ class XpuBackend(Backend):
                 "(IPC event pools are not implemented); create the event with interprocess=False"
             )
         # ``blocking`` changes nothing: zeEventHostSynchronize always blocks the thread.
-        handle = _new_handle()
+        handle = new_handle()
         with self._lock:
-            self._events[handle] = _Event(device, handle, timing)
+            self._events[handle] = EventState(device, handle, timing)
         return handle
 
     def event_destroy(self, device: int, event: int) -> None:
@@ -1024,13 +798,14 @@ class XpuBackend(Backend):
         ticks = (stamps[1] - stamps[0]) & dev.timestamp_mask
         if stamps[1] < stamps[0] and ticks > dev.timestamp_mask // 2:
             ticks = -((stamps[0] - stamps[1]) & dev.timestamp_mask)
-        return ticks * dev.ns_per_tick / 1e6
+        milliseconds: float = ticks * dev.ns_per_tick / 1e6
+        return milliseconds
 
     # -- stream work ---------------------------------------------------------------------
 
-    def _record_node(self, s: _Stream, description: str, append: Callable[[object], None]) -> None:
+    def _record_node(self, s: StreamState, description: str, append: Callable[[object], None]) -> None:
         """Append one captured command (plus its ordering barrier) to the capture's list."""
-        capture = s.capture
+        capture = s.xpu_capture()
         assert capture is not None
         with capture.lock:
             if capture.invalid_reason:
@@ -1080,9 +855,10 @@ class XpuBackend(Backend):
             )
             self._check("zeCommandListAppendMemoryFill", code, device)
 
-        if s.capture is not None:
+        capture = s.xpu_capture()
+        if capture is not None:
             self._record_node(s, f"fill {nbytes} bytes at {dst:#x} with {value:#04x}", append)
-            s.capture.keep.append(pattern)
+            capture.keep.append(pattern)
             return
         with s.lock:
             append(s.cdata)
@@ -1094,8 +870,8 @@ class XpuBackend(Backend):
         s = self._stream(device, stream)
         reached, release = self._slots.acquire(False), self._slots.acquire(False)
         name = getattr(fn, "__qualname__", type(fn).__name__)
-        if s.capture is not None:
-            capture = s.capture
+        capture = s.xpu_capture()
+        if capture is not None:
 
             def append(cdata: object) -> None:
                 self._barrier(s, cdata, reached)
@@ -1142,7 +918,7 @@ class XpuBackend(Backend):
         out = ffi.new("ze_command_list_handle_t *")
         self._check("zeCommandListCreate", lib.zeCommandListCreate(self._context, dev.cdata, desc, out), device)
         start, done = self._slots.acquire(False), self._slots.acquire(False)
-        capture = _Capture(s, mode, out[0], start, done)
+        capture = CaptureState(s, mode, out[0], start, done)
         try:
             # Each replay waits until its stream reaches it, then re-arms the start event.
             self._wait(s, out[0], start)
@@ -1152,7 +928,7 @@ class XpuBackend(Backend):
             raise
         s.capture = capture
 
-    def _discard_capture(self, capture: _Capture) -> None:
+    def _discard_capture(self, capture: CaptureState) -> None:
         self._check("zeCommandListDestroy", self._ze.lib.zeCommandListDestroy(capture.cdata), capture.origin.device)
         for slot in (capture.start, capture.done):
             self._slots.drop(slot)
@@ -1168,7 +944,7 @@ class XpuBackend(Backend):
 
     def stream_end_capture(self, device: int, stream: int) -> int:
         s = self._stream(device, stream)
-        capture = s.capture
+        capture = s.xpu_capture()
         lib = self._ze.lib
         try:
             _capture.end_capture("xpu", s)
@@ -1181,7 +957,7 @@ class XpuBackend(Backend):
                 # list failed to close): nothing will replay the list.
                 self._discard_capture(capture)
             raise
-        graph = _Graph(
+        graph = GraphState(
             device, self._addr(capture.cdata), capture.cdata, capture.start, capture.done,
             list(capture.nodes), list(capture.host_nodes), capture.keep,
         )
@@ -1189,20 +965,20 @@ class XpuBackend(Backend):
             self._graphs[graph.handle] = graph
         return graph.handle
 
-    def _graph(self, device: int, handle: int) -> _Graph:
-        return _live(self._graphs, handle, device, "graph")
+    def _graph(self, device: int, handle: int) -> GraphState:
+        return live(self._graphs, handle, device, "graph")
 
     def graph_instantiate(self, device: int, graph: int) -> int:
         g = self._graph(device, graph)
         # A closed regular command list is already executable: instances share it.
-        handle = _new_handle()
+        handle = new_handle()
         with self._lock:
             g.owners += 1
             self._execs[handle] = g
         return handle
 
     def graph_launch(self, device: int, graph_exec: int, stream: int) -> None:
-        g = _live(self._execs, graph_exec, device, "executable graph")
+        g = live(self._execs, graph_exec, device, "executable graph")
         s = self._stream(device, stream)
         if s.capture is not None:
             raise CaptureError(f"xpu:{device}: launching a graph inside a capture is not supported")
@@ -1233,11 +1009,11 @@ class XpuBackend(Backend):
             self._slots.drop(previous)
             if g.host_nodes:
                 if g.worker is None:
-                    g.worker = _HostWorker(self, f"accel-xpu-graph-{g.handle:#x}")
+                    g.worker = HostWorker(self, f"accel-xpu-graph-{g.handle:#x}")
                 for reached, release, fn in g.host_nodes:
                     g.worker.put((reached, release, fn, False))
 
-    def _graph_queue(self, g: _Graph) -> object:
+    def _graph_queue(self, g: GraphState) -> object:
         """The graph's command queue, made on its first replay."""
         if g.queue is None:
             ffi, lib = self._ze.ffi, self._ze.lib
@@ -1252,7 +1028,7 @@ class XpuBackend(Backend):
             g.queue = out[0]
         return g.queue
 
-    def _release_graph(self, g: _Graph) -> None:
+    def _release_graph(self, g: GraphState) -> None:
         with self._lock:
             g.owners -= 1
             last = g.owners == 0
@@ -1283,7 +1059,7 @@ class XpuBackend(Backend):
 
     def graph_exec_destroy(self, device: int, graph_exec: int) -> None:
         with self._lock:
-            g = _live(self._execs, graph_exec, device, "executable graph")
+            g = live(self._execs, graph_exec, device, "executable graph")
             del self._execs[graph_exec]
         self._release_graph(g)
 

@@ -20,9 +20,20 @@ import cffi
 import pytest
 
 from tests.conftest import backend_skip_reason
-from tests.fixtures import cuda_driver
+from tests.fixtures import cuda_driver, cuda_headers
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(autouse=True)
+def _simulator_header() -> None:
+    """Tests here build the simulator, which needs NVIDIA's cuda.h: skip without it (fail in CI)."""
+    try:
+        cuda_headers.cuda_header(cuda_driver.DEFAULT_HEADER_MAJOR)
+    except cuda_headers.HeaderUnavailable as exc:
+        if cuda_headers.headers_required():
+            raise
+        pytest.skip(f"NVIDIA's cuda.h is unavailable: {exc}")
 
 
 @pytest.fixture

@@ -424,7 +424,7 @@ class _PreemptAfterSlotRead:
     """
 
     def __init__(self, xpu, monkeypatch, event: int, reader: threading.Thread, interleave: Callable[[], None]) -> None:
-        from accel.backends.xpu._backend import _Event
+        from accel.backends.xpu._records import EventState
 
         self.other = threading.Thread(target=self._run, args=(interleave,), daemon=True)
         self.errors: list[BaseException] = []
@@ -446,7 +446,7 @@ class _PreemptAfterSlotRead:
             def __exit__(self, *exc) -> None:
                 self._inner.release()
 
-        class Hooked(_Event):
+        class Hooked(EventState):
             def _get(event):
                 slot = event.__dict__["slot"]
                 if threading.current_thread() is hook._reader and not hook._started:

@@ -1,0 +1,62 @@
+"""The thread that runs a stream's (or a graph's) host functions in order.
+
+Level Zero has no host functions: the stream signals event A and waits on
+event B; this thread waits for A, runs the function and signals B.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from accel.backends.xpu._bindings import WAIT_FOREVER
+
+if TYPE_CHECKING:
+    from accel.backends.xpu._backend import XpuBackend
+    from accel.backends.xpu._event_pool import EventSlot
+
+__all__ = ["HostWorker"]
+
+
+class HostWorker:
+    """Runs a stream's host functions in order on one thread."""
+
+    def __init__(self, backend: XpuBackend, name: str) -> None:
+        self._backend = backend
+        self._items: deque[tuple[EventSlot, EventSlot, Callable[[], None], bool] | None] = deque()
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, item: tuple[EventSlot, EventSlot, Callable[[], None], bool] | None) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        ze, slots = self._backend._ze, self._backend._slots
+        lib = ze.lib
+        while True:
+            with self._cond:
+                while not self._items:
+                    self._cond.wait()
+                item = self._items.popleft()
+            if item is None:
+                return
+            reached, release, fn, owned = item
+            try:
+                ze.check("zeEventHostSynchronize", lib.zeEventHostSynchronize(reached.cdata, WAIT_FOREVER))
+                ze.check("zeEventHostReset", lib.zeEventHostReset(reached.cdata))
+                fn()
+            except BaseException:  # nothing may wedge the stream: report and carry on
+                print("accel xpu: a host function or its Level Zero events failed:", file=sys.stderr)
+                traceback.print_exc()
+            finally:
+                lib.zeEventHostSignal(release.cdata)
+                if owned:
+                    slots.drop(reached)
+                    slots.drop(release)

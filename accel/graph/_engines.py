@@ -1,0 +1,324 @@
+"""Engines the compiled tier can run a captured program with.
+
+Each engine builds a file from the program's FX graph (cached on disk by the
+caller under a key naming the engine), loads it, and binds the loaded program
+to fixed input and output tensors: the bound replay is one call that reads
+the inputs and writes the outputs in place, with nothing else around it.
+
+- ``aotinductor``: ``torch._inductor.aoti_compile_and_package`` (inductor's
+  C++ code, built by the system compiler; weights frozen in and prepacked).
+  Its runner returns new tensors, which the replay copies into the outputs.
+- ``aotinductor-cpp-gemm``: the same with inductor's C++ GEMM templates
+  forced, for programs with matrix products (they win on small ones).
+- ``onnxruntime``: the program exported to ONNX (``torch.onnx.export``,
+  dynamo exporter) and run by an ``InferenceSession`` with IO binding over
+  the graph's own tensors: ONNX Runtime reads and writes them in place.
+
+An engine whose Python package is missing reports it by ``version()``
+returning None; the compiled tier then uses the others
+(``pip install accel[onnx]`` adds ONNX Runtime).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from accel._errors import NotSupportedError
+
+__all__ = ["ENGINES", "AOTInductor", "AOTInductorCppGemm", "Engine", "Facts", "OnnxRuntime"]
+
+Replay = Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What build settings depend on: the program's size and ops, and the threads."""
+
+    #: Elements the program writes per run (a rough size of its work).
+    work: int
+    #: Names of the aten ops it runs (``"addmm"``, ``"convolution"``...).
+    ops: frozenset[str]
+    #: torch's intra-op thread count.
+    threads: int
+
+    @property
+    def gemms(self) -> bool:
+        return bool(self.ops & {"mm", "addmm", "bmm", "baddbmm", "linear", "matmul"})
+
+    @property
+    def convolutions(self) -> bool:
+        return bool(self.ops & {"convolution", "conv2d", "conv1d", "conv3d", "_convolution"})
+
+
+class Engine:
+    """How one engine builds, loads and binds a program (see the module docstring)."""
+
+    name = ""
+    suffix = ""
+    #: What to install when the engine is missing.
+    install = ""
+
+    def version(self) -> str | None:
+        """The engine's version, or None when it is not installed."""
+        raise NotImplementedError
+
+    def applies(self, facts: Facts) -> bool:
+        """Whether to try this engine on a program at all."""
+        return True
+
+    def settings(self, facts: Facts) -> dict[str, Any]:
+        """Every setting that changes what :meth:`build` makes (part of the cache key)."""
+        raise NotImplementedError
+
+    def build(self, gm: fx.GraphModule, inputs: list[torch.Tensor], path: Path, settings: dict[str, Any]) -> None:
+        """Build ``gm`` for ``inputs`` into the file ``path``."""
+        raise NotImplementedError
+
+    def load(self, path: Path, threads: int) -> Any:
+        """The built program at ``path``, ready to bind."""
+        raise NotImplementedError
+
+    def bind(self, loaded: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> Replay:
+        """A call that runs ``loaded`` on ``inputs`` and leaves the results in ``outputs``.
+
+        Its ``raw`` attribute, where it has one, is the engine's own call
+        alone (without copying results out), to measure accel's overhead by;
+        its ``direct`` attribute, where it has one, takes any tensors laid out
+        like the inputs and returns new outputs."""
+        raise NotImplementedError
+
+
+@contextlib.contextmanager
+def _atomic(path: Path) -> Iterator[str]:
+    """A temporary file beside ``path`` that becomes ``path`` when the block ends
+    without error: a concurrent build of the same key is harmless."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _export(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
+    with torch.inference_mode(False), torch.no_grad():
+        return torch.export.export(gm, tuple(t.detach() for t in inputs), strict=False)
+
+
+#: Below this many elements written per run, generated code runs on one
+#: thread: starting OpenMP's team costs more than microsecond-sized work
+#: gains (tiny MLP with 2 threads: 7.6 µs on one thread, 16.7 µs with OpenMP).
+PARALLEL_MIN_ELEMENTS = 1 << 16
+
+
+class AOTInductor(Engine):
+    """torch's AOTInductor: inductor's generated C++ over the frozen program."""
+
+    name = "aotinductor"
+    suffix = ".pt2"
+    install = "a C++ compiler (g++) for inductor"
+
+    def version(self) -> str | None:
+        import shutil
+
+        # inductor builds with the system's C++ compiler.
+        return torch.__version__ if shutil.which(os.environ.get("CXX", "g++")) else None
+
+    def settings(self, facts: Facts) -> dict[str, Any]:
+        # Weights are constants of the program: fold them in (freezing).
+        # Prepacking them for oneDNN pays off for convolutions; for small
+        # linear layers oneDNN's per-call cost dominates (tiny MLP: 90 us per
+        # run prepacked, 10 us with BLAS addmm). Small intermediates live on
+        # the C stack rather than torch's allocator.
+        return {
+            "freezing": True,
+            "cpp.weight_prepack": facts.convolutions,
+            "aot_inductor.allow_stack_allocation": True,
+            "cpp.threads": 1 if facts.work < PARALLEL_MIN_ELEMENTS else facts.threads,
+        }
+
+    def build(self, gm: fx.GraphModule, inputs: list[torch.Tensor], path: Path, settings: dict[str, Any]) -> None:
+        import torch._inductor
+
+        exported = _export(gm, inputs)
+        with _atomic(path) as tmp, torch.inference_mode(False), torch.no_grad():
+            # A copy: inductor adds keys to the dict it is given.
+            torch._inductor.aoti_compile_and_package(exported, package_path=tmp, inductor_configs=dict(settings))
+
+    def load(self, path: Path, threads: int) -> Any:
+        import torch._inductor
+
+        # The loader's run() takes and returns flat tensor lists; the
+        # package's __call__ adds pytree handling a fixed program does not need.
+        return torch._inductor.aoti_load_package(str(path)).loader.run
+
+    def bind(self, loaded: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> Replay:
+        run = loaded
+        if len(outputs) == 1:
+            (out,) = outputs
+            copy = out.copy_
+
+            def replay_one() -> None:
+                copy(run(inputs)[0])
+
+            replay_one.raw = functools.partial(run, inputs)  # type: ignore[attr-defined]
+            replay_one.direct = run  # type: ignore[attr-defined]
+            return replay_one
+
+        def replay() -> None:
+            for static, value in zip(outputs, run(inputs)):
+                static.copy_(value)
+
+        replay.raw = functools.partial(run, inputs)  # type: ignore[attr-defined]
+        replay.direct = run  # type: ignore[attr-defined]
+        return replay
+
+
+class AOTInductorCppGemm(AOTInductor):
+    """AOTInductor with inductor's C++ GEMM micro-kernel templates for every GEMM
+    they can take. They win at batch 1 (tiny MLP: 1.7 us per run against 10 us
+    with BLAS) and lose elsewhere (attention block at batch 8: 0.78x eager
+    against 1.25x), so they compete as an engine of their own, timed side by
+    side, rather than by inductor's autotuning, which on a busy machine picks
+    by noise."""
+
+    name = "aotinductor-cpp-gemm"
+
+    def applies(self, facts: Facts) -> bool:
+        return facts.gemms
+
+    def settings(self, facts: Facts) -> dict[str, Any]:
+        return {
+            **super().settings(facts),
+            "cpp.weight_prepack": True,  # the templates take prepacked weights
+            "max_autotune": True,
+            "max_autotune_gemm_backends": "CPP",
+            "autotune_fallback_to_aten": True,
+            "autotune_num_choices_displayed": 0,
+            "max_autotune_report_choices_stats": False,
+        }
+
+
+_ORT_TYPES = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.float16: "float16",
+    torch.int64: "int64",
+    torch.int32: "int32",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.bool: "bool",
+}
+
+
+class OnnxRuntime(Engine):
+    """ONNX Runtime over the program exported to ONNX, with IO binding."""
+
+    name = "onnxruntime"
+    suffix = ".onnx"
+    install = "pip install accel[onnx]"
+
+    def version(self) -> str | None:
+        for module in ("onnxruntime", "onnx", "onnxscript"):
+            try:
+                if importlib.util.find_spec(module) is None:
+                    return None
+            except (ImportError, ValueError):  # a module set to None in sys.modules, or broken
+                return None
+        import onnxruntime  # type: ignore[import-untyped]
+
+        return str(onnxruntime.__version__)
+
+    def settings(self, facts: Facts) -> dict[str, Any]:
+        # Threads are a session option (load), not part of the built file.
+        return {"opset": 18, "optimize": True}
+
+    def build(self, gm: fx.GraphModule, inputs: list[torch.Tensor], path: Path, settings: dict[str, Any]) -> None:
+        import logging
+
+        exported = _export(gm, inputs)
+        exporter = logging.getLogger("torch.onnx")
+        level = exporter.level
+        exporter.setLevel(logging.ERROR)  # it logs about optional packages (torchvision) it does not need
+        try:
+            with torch.inference_mode(False), torch.no_grad():
+                onnx_program = torch.onnx.export(
+                    exported, tuple(inputs), dynamo=True, opset_version=settings["opset"],
+                    optimize=settings["optimize"], verbose=False,
+                )
+        finally:
+            exporter.setLevel(level)
+        if onnx_program is None:  # pragma: no cover - only without dynamo=True
+            raise NotSupportedError("torch.onnx.export returned no program")
+        with _atomic(path) as tmp:
+            onnx_program.save(tmp)
+
+    def load(self, path: Path, threads: int) -> Any:
+        import onnxruntime as ort  # type: ignore[import-untyped]
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+    def bind(self, loaded: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> Replay:
+        import numpy as np
+
+        session = loaded
+        binding = session.io_binding()
+        # The exporter names inputs after the FX placeholders (input_<i>) and
+        # drops inputs the program does not read.
+        by_name = {f"input_{i}": t for i, t in enumerate(inputs)}
+        for arg in session.get_inputs():
+            t = by_name.get(arg.name)
+            if t is None:
+                raise NotSupportedError(f"the ONNX program has an input {arg.name!r} the capture does not")
+            self._bind(binding.bind_input, arg.name, t, np)
+        names = [o.name for o in session.get_outputs()]
+        if len(names) != len(outputs):
+            raise NotSupportedError(f"the ONNX program has {len(names)} outputs for {len(outputs)} tensors")
+        for name, t in zip(names, outputs):
+            self._bind(binding.bind_output, name, t, np)
+        # The binding holds raw pointers into the session and the tensors:
+        # both must outlive it (a session freed first crashes the binding's
+        # destructor), whatever order the replay's references are dropped in.
+        binding._accel_keep = (session, inputs, outputs)
+        # No Python frame between a replay and ONNX Runtime: the session's
+        # compiled method, as the public run_with_iobinding calls it after
+        # checks for WebGPU graph capture, which a CPU session never does
+        # (they cost about 0.5 us a call). The public call where that changed.
+        native, native_binding = getattr(session, "_sess", None), getattr(binding, "_iobinding", None)
+        if native is not None and native_binding is not None and hasattr(native, "run_with_iobinding"):
+            replay = functools.partial(native.run_with_iobinding, native_binding, None)
+        else:  # pragma: no cover - another onnxruntime layout
+            replay = functools.partial(session.run_with_iobinding, binding)
+        replay.keep = binding  # type: ignore[attr-defined]
+        return replay
+
+    @staticmethod
+    def _bind(bind: Callable[..., None], name: str, t: torch.Tensor, np: Any) -> None:
+        kind = _ORT_TYPES.get(t.dtype)
+        if kind is None:
+            raise NotSupportedError(f"ONNX Runtime binding takes no {t.dtype} tensors")
+        if not t.is_contiguous():
+            raise NotSupportedError(f"ONNX Runtime binds contiguous tensors only ({name} has strides {t.stride()})")
+        bind(name, "cpu", 0, np.dtype(kind), list(t.shape), t.data_ptr())
+
+
+#: Engines the compiled tier tries, by name.
+ENGINES: dict[str, Engine] = {e.name: e for e in (OnnxRuntime(), AOTInductor(), AOTInductorCppGemm())}

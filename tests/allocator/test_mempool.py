@@ -1,0 +1,190 @@
+"""accel.memory.MemPool / use_mem_pool, mirroring the behaviours of PyTorch's test_mempool_*
+(ids, routing, nesting, threads, stats and snapshot, use count, release, graph capture)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+
+import accel
+from accel.allocator import BackendResource, ConfigStringError, StatisticsAdaptor
+from accel.graph import Graph, graph
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _runtime_ready():
+    # The first device call of a process may pin its caller's frames (a pool
+    # created there would never be collected); start from a live runtime.
+    accel.memory.memory_stats()
+
+
+def allocated(pool=None) -> int:
+    stats = pool.memory_stats() if pool is not None else accel.memory.memory_stats()
+    return stats["allocated_bytes.all.current"]
+
+
+def test_mempool_id_shares_the_graph_pool_counter():
+    handle = accel.graph_pool_handle()
+    pool = accel.memory.MemPool()
+    assert handle[0] == pool.id[0] == 0
+    assert pool.id[1] > handle[1]
+    assert accel.memory.MemPool().id[1] > pool.id[1]
+
+
+def test_allocations_inside_the_context_come_from_the_pool():
+    pool = accel.memory.MemPool()
+    device_before = allocated()
+    with accel.memory.use_mem_pool(pool):
+        inside = accel.memory.allocate(4096)
+        assert pool.use_count() == 2
+    outside = accel.memory.allocate(4096)
+    assert pool.use_count() == 1
+    assert allocated(pool) == 4096
+    assert allocated() == device_before + 4096
+    assert inside._allocator is pool.allocator()
+    segments = pool.snapshot()
+    assert segments and all(s["segment_pool_id"] == pool.id for s in segments)
+    assert any(b["address"] == inside.ptr for s in segments for b in s["blocks"])
+    assert not any(b["address"] == inside.ptr for s in accel.memory.memory_snapshot() for b in s["blocks"])
+    inside.free()
+    outside.free()
+    assert allocated(pool) == 0
+
+
+def test_accel_empty_is_routed_too():
+    torch = pytest.importorskip("torch")
+    pool = accel.memory.MemPool()
+    with accel.memory.use_mem_pool(pool):
+        t = accel.empty((1024,), dtype=torch.uint8)
+    assert allocated(pool) == 1024
+    del t
+    gc.collect()
+    assert allocated(pool) == 0
+
+
+def test_nested_pools_the_innermost_wins():
+    outer, inner = accel.memory.MemPool(), accel.memory.MemPool()
+    with accel.memory.use_mem_pool(outer):
+        a = accel.memory.allocate(512)
+        with accel.memory.use_mem_pool(inner):
+            b = accel.memory.allocate(1024)
+        c = accel.memory.allocate(2048)
+    assert allocated(outer) == 512 + 2048
+    assert allocated(inner) == 1024
+    for buf in (a, b, c):
+        buf.free()
+
+
+def test_only_the_calling_thread_is_routed():
+    pool = accel.memory.MemPool()
+    started, stop = threading.Event(), threading.Event()
+    other: list[accel.memory.Buffer] = []
+
+    def worker() -> None:
+        started.wait()
+        other.append(accel.memory.allocate(8192))
+        stop.set()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    with accel.memory.use_mem_pool(pool):
+        started.set()
+        stop.wait(30)
+        mine = accel.memory.allocate(4096)
+    thread.join(30)
+    assert allocated(pool) == 4096
+    assert other[0]._allocator is accel.memory.get_allocator()
+    mine.free()
+    other[0].free()
+
+
+def test_pool_settings_override_the_process_settings():
+    pool = accel.memory.MemPool("roundup_power2_divisions:4")
+    assert pool.allocator().config.roundup_power2_divisions[0] == 4
+    assert accel.memory.get_allocator().config.roundup_power2_divisions[0] != 4
+    with accel.memory.use_mem_pool(pool):
+        buf = accel.memory.allocate(4800)
+    assert pool.memory_stats()["allocated_bytes.all.current"] == 5120  # rounded by the pool's divisions
+    buf.free()
+    with pytest.raises(ConfigStringError, match="expandable_segmets"):
+        accel.memory.MemPool("expandable_segmets:True")
+    with pytest.raises(accel.InvalidValueError, match="settings"):
+        accel.memory.MemPool(42)  # type: ignore[arg-type]
+    with pytest.raises(accel.InvalidValueError, match="MemPool"):
+        with accel.memory.use_mem_pool("pool"):  # type: ignore[arg-type]
+            pass
+
+
+def test_pool_with_its_own_upstream():
+    backend = accel.memory.get_allocator().backend
+    upstream = StatisticsAdaptor(BackendResource(backend, 0))
+    pool = accel.memory.MemPool(upstream=upstream)
+    with accel.memory.use_mem_pool(pool):
+        buf = accel.memory.allocate(3 * MiB)
+    assert upstream.counts.allocations >= 1 and upstream.counts.current_bytes >= 3 * MiB
+    assert accel.memory.get_allocator().upstream is not upstream
+    buf.free()
+    pool.empty_cache()
+    assert upstream.counts.current_bytes == 0
+
+
+def test_dropped_pool_gives_its_memory_back():
+    pool = accel.memory.MemPool()
+    with accel.memory.use_mem_pool(pool):
+        accel.memory.allocate(4096).free()
+    allocator = pool.allocator()
+    assert allocator.stats()["reserved_bytes.all.current"] > 0
+    gone = weakref.ref(pool)
+    del pool
+    gc.collect()
+    assert gone() is None
+    assert allocator.stats()["reserved_bytes.all.current"] == 0
+
+
+def test_dropped_pool_with_live_buffers_releases_after_the_last_free():
+    pool = accel.memory.MemPool()
+    with accel.memory.use_mem_pool(pool):
+        a = accel.memory.allocate(4096)
+        b = accel.memory.allocate(3 * MiB)
+    allocator = pool.allocator()
+    del pool
+    gc.collect()
+    a.free()
+    assert allocator.stats()["reserved_bytes.all.current"] > 0, "b is still alive"
+    accel.current_stream().fill(b, 1)
+    b.free()
+    assert allocator.stats()["reserved_bytes.all.current"] == 0
+
+
+def test_graph_captured_inside_use_mem_pool_takes_the_pools_memory():
+    pool = accel.memory.MemPool()
+    device_reserved = accel.memory.memory_stats()["reserved_bytes.all.current"]
+    g = Graph()
+    with accel.memory.use_mem_pool(pool):
+        with graph(g):
+            buf = accel.memory.allocate(4096)
+            accel.current_stream().fill(buf, 3)
+    assert g.pool() in pool.allocator().pool_ids()
+    assert g.pool() not in accel.memory.get_allocator().pool_ids()
+    assert pool.memory_stats()["reserved_bytes.all.current"] > 0
+    assert accel.memory.memory_stats()["reserved_bytes.all.current"] <= device_reserved  # nothing new on the device allocator
+    g.replay()
+    accel.synchronize()
+    buf.free()
+    del g
+    gc.collect()
+
+
+def test_a_mempool_id_is_not_a_graph_pool():
+    pool = accel.memory.MemPool()
+    with pytest.raises(accel.InvalidValueError, match="use_mem_pool"):
+        Graph(pool=pool.id)
+    pool_id = pool.id
+    del pool
+    gc.collect()
+    Graph(pool=pool_id)  # a dead pool's id is an ordinary id again

@@ -1,0 +1,188 @@
+"""Host physical memory (accel/backends/cpu/_memory.py): file descriptors and page release.
+
+Expandable segments map one 2 MiB chunk per granule. The chunks are ranges of
+one anonymous file per device, so they cost no file descriptor each, and a
+released chunk's pages go back to the system.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import accel
+from accel.backends.cpu import CpuBackend
+from accel.backends.cpu._memory import VM_GRANULARITY
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+G = VM_GRANULARITY
+
+# Lower the descriptor limit to 64 before accel opens anything.
+LOW_LIMIT = """
+import resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+"""
+
+
+def run_json(code: str, **env: str) -> Any:
+    """Run ``code`` in a fresh host-backend interpreter; return its last printed JSON line."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_")}
+    clean.update({"ACCEL_BACKEND": "cpu", **env})
+    result = subprocess.run(
+        [sys.executable, "-c", LOW_LIMIT + textwrap.dedent(code)],
+        capture_output=True, text=True, env=clean, cwd=REPO_ROOT, timeout=120, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def allocated_bytes(backend: CpuBackend) -> int:
+    """Physical memory the device's file holds now."""
+    return os.fstat(backend._memory[0]._file.fd).st_blocks * 512
+
+
+def test_expandable_segments_go_far_past_the_descriptor_limit() -> None:
+    result = run_json(
+        """
+        import json, os
+        import accel
+
+        buffers = [accel.memory.allocate(2 << 20) for _ in range(300)]  # 300 chunks, limit 64
+        reserved = accel.memory.memory_stats()["reserved_bytes.all.current"]
+        print(json.dumps({"reserved": reserved, "fds": len(os.listdir("/proc/self/fd"))}))
+        """,
+        ACCEL_ALLOC_CONF="expandable_segments:True",
+    )
+    assert result["reserved"] == 300 * (2 << 20)
+    assert result["fds"] < 20
+
+
+def test_running_out_of_descriptors_is_an_explained_out_of_memory_error() -> None:
+    result = run_json(
+        """
+        import json, os
+        import accel
+        from accel.backends.cpu import CpuBackend
+        from accel.backends.cpu._memory import machine_memory
+
+        backend = CpuBackend(1, None)
+        accel.memory.memory_stats()  # load what accel imports lazily (each import opens files)
+        held = []
+        try:
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        seen = {"source": machine_memory()[2]}
+        for name, call in [("vm_create", lambda: backend.vm_create(0, 2 << 20)),
+                           ("malloc", lambda: backend.free(0, backend.malloc(0, 4096))),
+                           ("allocate", lambda: accel.memory.allocate(4096))]:
+            try:
+                call()
+                seen[name] = "no error"
+            except Exception as exc:
+                seen[name] = [type(exc).__name__, str(exc)]
+        seen["retries"] = accel.memory.memory_stats()["num_alloc_retries"]
+        print(json.dumps(seen))
+        """,
+        ACCEL_ALLOC_CONF="expandable_segments:True",
+    )
+    # Plain memory needs no descriptor, not even to read the machine's memory.
+    assert result["malloc"] == "no error"
+    assert result["source"].startswith("sysinfo")
+    # Physical memory for expandable segments needs the device's one file.
+    for name in ("vm_create", "allocate"):
+        kind, message = result[name]
+        assert kind == "OutOfMemoryError", (name, kind, message)
+        assert "no free file descriptor" in message and "ulimit -n" in message, message
+        assert "the limit is 64" in message
+    assert result["retries"] == 1  # the caching allocator flushed its cache and tried again
+
+
+def test_released_chunks_give_their_pages_back() -> None:
+    backend = CpuBackend(1, None)
+    base = backend.vm_reserve(0, 3 * G)
+    chunks = [backend.vm_create(0, G) for _ in range(3)]
+    for i, chunk in enumerate(chunks):
+        backend.vm_map(0, base + i * G, G, chunk)
+    ctypes.memset(base, 0x11, 3 * G)
+    assert allocated_bytes(backend) == 3 * G
+    # Released while mapped: the pages stay (as with cuMemRelease) until the range is unmapped.
+    backend.vm_release(0, chunks[1])
+    assert ctypes.string_at(base + G, 4) == b"\x11" * 4
+    backend.vm_unmap(0, base + G, G)
+    assert allocated_bytes(backend) == 2 * G
+    # The freed range is reused by the next chunk, which starts as fresh pages.
+    again = backend.vm_create(0, G)
+    backend.vm_map(0, base + G, G, again)
+    assert ctypes.string_at(base + G, 4) == b"\0" * 4
+    backend.vm_unmap(0, base, 3 * G)
+    for chunk in (chunks[0], again, chunks[2]):
+        backend.vm_release(0, chunk)
+    assert allocated_bytes(backend) == 0
+    assert backend._memory[0]._file.length == 0
+    backend.vm_free(0, base, 3 * G)
+
+
+def test_a_released_handle_is_refused_even_while_still_mapped() -> None:
+    backend = CpuBackend(1, None)
+    base = backend.vm_reserve(0, 2 * G)
+    chunk = backend.vm_create(0, G)
+    backend.vm_map(0, base, G, chunk)
+    backend.vm_release(0, chunk)
+    try:
+        for call in (lambda: backend.vm_map(0, base + G, G, chunk), lambda: backend.vm_release(0, chunk)):
+            try:
+                call()
+            except accel.InvalidHandleError as exc:
+                assert "not a live physical memory handle" in str(exc)
+            else:
+                raise AssertionError("a released handle was accepted")
+    finally:
+        backend.vm_unmap(0, base, G)
+        backend.vm_free(0, base, 2 * G)
+
+
+def test_a_forked_child_never_frees_or_reuses_the_parents_physical_memory() -> None:
+    result = run_json(
+        """
+        import ctypes, json, os
+        from accel.backends.cpu import CpuBackend
+
+        G = 2 << 20
+        backend = CpuBackend(1, None)
+        base = backend.vm_reserve(0, 2 * G)
+        ours = backend.vm_create(0, G)
+        backend.vm_map(0, base, G, ours)
+        ctypes.memset(base, 0xAA, G)
+        pid = os.fork()
+        if pid == 0:  # the child lets go of the inherited chunk and makes one of its own
+            code = 1
+            try:
+                backend.vm_unmap(0, base, G)
+                backend.vm_release(0, ours)
+                theirs = backend.vm_create(0, G)
+                backend.vm_map(0, base + G, G, theirs)
+                ctypes.memset(base + G, 0xBB, G)
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        second = backend.vm_create(0, G)  # must not be the range the child used
+        backend.vm_map(0, base + G, G, second)
+        print(json.dumps({
+            "child": os.waitstatus_to_exitcode(status),
+            "ours_intact": ctypes.string_at(base, 4) == b"\\xaa" * 4 and ctypes.string_at(base + G - 4, 4) == b"\\xaa" * 4,
+            "second_fresh": ctypes.string_at(base + G, 4) == b"\\0" * 4,
+        }))
+        """,
+    )
+    # Before: the child's release truncated the shared file under the parent's chunk,
+    # and its new chunk took the range the parent then handed out again.
+    assert result == {"child": 0, "ours_intact": True, "second_fresh": True}

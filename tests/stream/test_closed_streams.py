@@ -1,0 +1,118 @@
+"""A closed stream's queued work still runs, and nothing may release memory under it.
+
+Each case runs in a subprocess per backend with a timeout: the failure this
+guards against is a worker thread writing into unmapped memory (a segfault).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CONFORMANCE_BACKENDS, backend_skip_reason
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A closed stream whose fill is held back by a gate the main thread opens 0.2 s later.
+PREAMBLE = """
+import threading
+import accel
+
+s = accel.Stream()
+buf = accel.memory.allocate(4 << 20, stream=s)  # a whole segment of its own
+gate, ran = threading.Event(), []
+s.launch_host_func(lambda: gate.wait(10))
+s.fill(buf, 7)
+s.launch_host_func(lambda: ran.append("fill"))
+"""
+
+
+def run(backend: str, body: str) -> None:
+    reason = backend_skip_reason(backend)
+    if reason:
+        pytest.skip(reason)
+    code = textwrap.dedent(PREAMBLE) + textwrap.dedent(body) + "\nprint('ok')\n"
+    result = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", code],
+        cwd=ROOT,
+        env={**os.environ, "ACCEL_BACKEND": backend},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0 and result.stdout.endswith("ok\n"), (
+        f"{backend}: exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_empty_cache_waits_for_a_closed_streams_queued_work(backend: str) -> None:
+    run(
+        backend,
+        """
+        buf.free()
+        s.close()
+        threading.Timer(0.2, gate.set).start()
+        accel.memory.empty_cache()  # gives the segment back: only once the fill ran
+        assert ran == ["fill"], "empty_cache released memory a closed stream was still filling"
+        again = accel.memory.allocate(4 << 20)
+        accel.current_stream().fill(again, 1)
+        accel.synchronize()
+        """,
+    )
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_device_synchronize_waits_for_a_closed_streams_queued_work(backend: str) -> None:
+    run(
+        backend,
+        """
+        s.close()
+        threading.Timer(0.2, gate.set).start()
+        accel.synchronize()
+        assert ran == ["fill"], "accel.synchronize() returned before a closed stream's work ran"
+        buf.free()
+        """,
+    )
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_a_closed_stream_can_still_be_waited_on(backend: str) -> None:
+    run(
+        backend,
+        """
+        s.close()
+        end = s.record_event()  # completes with the work queued before the close
+        assert not end.query()
+        later = accel.Stream()
+        later.wait_stream(s)
+        later.launch_host_func(lambda: ran.append("later"))
+        with __import__("pytest").raises(accel.InvalidHandleError, match="was closed"):
+            s.record_event(accel.Event())  # recording new work on it stays refused
+        gate.set()
+        end.synchronize()
+        later.synchronize()
+        assert ran == ["fill", "later"], ran
+        buf.free()
+        """,
+    )
+
+
+def test_exporting_a_buffer_whose_stream_was_closed() -> None:
+    run(
+        "cpu",
+        """
+        import numpy as np
+
+        s.close()
+        gate.set()
+        view = np.from_dlpack(buf)  # waits for the closed stream's fill
+        assert ran == ["fill"] and (view == 7).all()
+        del view
+        """,
+    )

@@ -1,0 +1,63 @@
+"""Packaging: the license is declared as SPDX and shipped, and the sdist carries and runs its tests."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tarfile
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def build_distribution(repo: Path, tmp_path: Path, kind: str) -> Path:
+    """Build a wheel or an sdist of a clean copy of the source tree (no caches, no build outputs)."""
+    source = tmp_path / "src"
+    shutil.copytree(repo, source, ignore=shutil.ignore_patterns(
+        ".git", "__pycache__", "*.pyc", "*.egg-info", "build", "dist", ".hypothesis", ".pytest_cache",
+        "*.so", "*.so.*", ".venv", ".whl", ".gl"))
+    out = tmp_path / "dist"
+    out.mkdir()
+    hook = "build_wheel" if kind == "wheel" else "build_sdist"
+    result = subprocess.run(
+        [sys.executable, "-c", f"from setuptools import build_meta; print(build_meta.{hook}({str(out)!r}))"],
+        cwd=source, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    return out / result.stdout.strip().splitlines()[-1]
+
+
+def test_license_is_an_spdx_expression_with_its_file() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"  # a string: the {text=...} table is deprecated
+    assert project["license-files"] == ["LICENSE"]
+    assert "Apache License" in (REPO / "LICENSE").read_text().splitlines()[1]
+
+
+def test_sdist_carries_its_tests_and_they_run(tmp_path) -> None:
+    sdist = build_distribution(REPO, tmp_path, "sdist")
+    with tarfile.open(sdist) as archive:
+        names = archive.getnames()
+        archive.extractall(tmp_path / "unpacked", filter="data")
+    root = tmp_path / "unpacked" / sdist.name.removesuffix(".tar.gz")
+    for needed in ("LICENSE", "tests/conftest.py", "tests/fixtures/simcuda/simcuda.c", "tests/fixtures/simze/simze.c",
+                   "benchmarks/README.md", "docs/api.md"):
+        assert f"{root.name}/{needed}" in names, needed
+    assert not [n for n in names if "__pycache__" in n or n.endswith((".pyc", ".so"))]
+    assert "License-Expression: Apache-2.0" in (root / "PKG-INFO").read_text()
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_device.py", "tests/test_facade.py"],
+        cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert " passed" in result.stdout
+
+
+def test_version_is_the_same_everywhere() -> None:
+    import accel
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    result = subprocess.run([sys.executable, "-m", "accel", "--version"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout == f"accel {project['version']}\n" == f"accel {accel.__version__}\n"
