@@ -290,6 +290,14 @@ class Backend(abc.ABC):
         one node); None must always be a safe answer."""
         return None
 
+    def graph_node_count(self, device: int, graph: int) -> int | None:
+        """How many nodes the captured ``graph`` holds, or None when the backend
+        cannot tell (CUDA: ``cuGraphGetNodes(graph, NULL, &count)``).
+
+        An empty capture is almost always a mistake (the work went to another
+        stream); the layer above warns about it as PyTorch does."""
+        return None
+
     def graph_instantiate(self, device: int, graph: int) -> int:
         """Turn a captured graph into an executable graph; returns its handle."""
         raise self._unsupported("graph capture")

@@ -226,13 +226,14 @@ class Graph:
         recorder, self._recorder = self._recorder, None
         self._leave_guard()
         try:
-            length = _capture_length(runtime, self._device, stream)
             if recorder is not None:
                 self._program = recorder.stop()
             if self._torch_graph is not None:
-                self._torch_graph.end()
+                self._torch_graph.end()  # torch warns about an empty graph itself
+                length = None
             else:
                 self._graph = runtime.backend.stream_end_capture(self._device, stream._live())
+                length = runtime.backend.graph_node_count(self._device, self._graph)
         except BaseException:
             self._abort()
             raise
@@ -243,7 +244,7 @@ class Graph:
         # Work beyond the recorded torch ops (whose failures replay() raises)
         # may hold host functions, whose failures go to the capture stream.
         self._forward_host_errors = length is None or length > segments
-        if length == 0 and not segments:
+        if length == 0:
             warnings.warn(
                 f"{self!r} captured no work: the capture recorded nothing (no stream work on the "
                 "capturing stream, no torch op), so a replay does nothing. Was the work queued on "
@@ -474,13 +475,6 @@ def _weak_abort(g: Graph) -> Callable[[], None]:
             graph._abort()
 
     return abort
-
-
-def _capture_length(runtime: Runtime, device: int, stream: Stream) -> int | None:
-    try:
-        return runtime.backend.stream_capture_length(device, stream._live())
-    except Exception:  # noqa: BLE001 - an invalidated capture; capture_end raises for it next
-        return None
 
 
 def _still_capturing(stream: Stream) -> bool:

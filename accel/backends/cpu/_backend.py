@@ -257,6 +257,9 @@ class CpuBackend(Backend):
     def graph_launch(self, device: int, graph_exec: int, stream: int) -> None:
         self._streams.launch(device, graph_exec, stream)
 
+    def graph_node_count(self, device: int, graph: int) -> int | None:
+        return len(self._streams.graph_nodes(graph))
+
     def graph_destroy(self, device: int, graph: int) -> None:
         self._streams.destroy_graph(graph)
 

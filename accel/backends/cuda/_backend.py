@@ -560,6 +560,7 @@ class CudaBackend(GraphsAndHostFunctions, Backend):
             raise InvalidHandleError(
                 f"cuda:{device}: stream {stream:#x} is a default stream (legacy or per-thread); it cannot be destroyed"
             )
+        self._end_capture_of_destroyed_stream(device, stream)
         pushed = self._enter(device)
         try:
             code = self._fn["cuStreamDestroy"](self._stream(stream))

@@ -140,6 +140,7 @@ CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, u
 CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream);
 CUresult cuGraphExecDestroy(CUgraphExec hGraphExec);
 CUresult cuGraphDestroy(CUgraph hGraph);
+CUresult cuGraphGetNodes(CUgraph hGraph, CUgraphNode *nodes, size_t *numNodes);
 CUresult cuGraphDebugDotPrint(CUgraph hGraph, const char *path, unsigned int flags);
 """
 
@@ -214,6 +215,7 @@ GRAPH_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "cuGraphLaunch": ("cuGraphLaunch",),
     "cuGraphExecDestroy": ("cuGraphExecDestroy",),
     "cuGraphDestroy": ("cuGraphDestroy",),
+    "cuGraphGetNodes": ("cuGraphGetNodes",),
 }
 
 _OPTIONAL_FUNCTIONS: dict[str, tuple[str, ...]] = {"cuGraphDebugDotPrint": ("cuGraphDebugDotPrint",)}

@@ -1051,6 +1051,9 @@ class XpuBackend(Backend):
             self._slots.drop(reached)
             self._slots.drop(release)
 
+    def graph_node_count(self, device: int, graph: int) -> int | None:
+        return len(self._graph(device, graph).nodes)
+
     def graph_destroy(self, device: int, graph: int) -> None:
         g = self._graph(device, graph)
         with self._lock:
