@@ -228,6 +228,17 @@ class Backend(abc.ABC):
     def event_record(self, device: int, event: int, stream: int) -> None:
         """Record ``event`` at the current end of ``stream``'s queue."""
 
+    def event_record_external(self, device: int, event: int, stream: int) -> None:
+        """Record ``event`` on ``stream`` so that a capture keeps the record.
+
+        Outside a capture it is :meth:`event_record`. On a capturing stream,
+        where :meth:`event_record` only marks a position other streams of the
+        capture may wait for, the record becomes a node of the graph: each
+        replay records the event when it reaches that point, so timing events
+        can time replays (CUDA's ``CU_EVENT_RECORD_EXTERNAL``, torch's
+        ``Event(external=True)``). Such an event is not a capture position."""
+        raise self._unsupported("event records kept by a capture")
+
     @abc.abstractmethod
     def event_query(self, device: int, event: int) -> bool:
         """True when the work before the last record has completed (or never recorded)."""

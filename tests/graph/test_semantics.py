@@ -231,3 +231,33 @@ def test_an_empty_capture_warns(rt) -> None:
             pass
     g.replay()
     accel.synchronize()
+
+
+def test_events_recorded_in_a_capture_time_each_replay(rt) -> None:
+    # PyTorch's test_graph_timing: external events recorded inside the capture.
+    import time
+
+    start = accel.Event(enable_timing=True, external=True)
+    end = accel.Event(enable_timing=True, external=True)
+    g = accel.Graph()
+    with accel.graph(g):
+        start.record()
+        accel.current_stream().launch_host_func(lambda: time.sleep(0.02))
+        end.record()
+    start.synchronize()  # not recorded by any replay yet: nothing to wait for
+    for _ in range(2):
+        g.replay()
+        accel.synchronize()
+        # A lower bound only: the replay slept at least 20 ms between the records.
+        assert start.elapsed_time(end) >= 19.0
+    assert end.query()
+
+
+def test_an_external_event_recorded_outside_a_capture_is_an_ordinary_record(rt) -> None:
+    s = accel.Stream()
+    start = accel.Event(enable_timing=True, external=True)
+    end = accel.Event(enable_timing=True, external=True)
+    start.record(s)
+    end.record(s)
+    end.synchronize()
+    assert start.elapsed_time(end) >= 0.0

@@ -195,6 +195,9 @@ class CpuBackend(Backend):
     def event_record(self, device: int, event: int, stream: int) -> None:
         self._streams.record(device, event, stream)
 
+    def event_record_external(self, device: int, event: int, stream: int) -> None:
+        self._streams.record(device, event, stream, external=True)
+
     def event_query(self, device: int, event: int) -> bool:
         return self._streams.event_query(device, event)
 

@@ -115,6 +115,14 @@ class HostEvent:
                 self._waiting -= 1
 
 
+def _record_now(event: HostEvent) -> None:
+    """Record ``event`` and complete it at once (run where the stream has reached the record)."""
+    with event.cond:
+        event.record_gen += 1
+        gen = event.record_gen
+    event.complete(gen)
+
+
 class HostStream:
     """An ordered queue of work; ``inline`` streams run work on the caller's thread.
 
@@ -332,10 +340,15 @@ class StreamTable:
         with self._lock:
             del self._events[handle]
 
-    def record(self, device: int, event_handle: int, stream_handle: int) -> None:
+    def record(self, device: int, event_handle: int, stream_handle: int, *, external: bool = False) -> None:
         event = self.event(device, event_handle)
         stream = self.stream(device, stream_handle)
         capture = stream.capture
+        if capture is not None and external:
+            # A node of the graph: each replay records the event when it gets there.
+            event.captured = None
+            stream.submit(f"event record {event.handle:#x}", lambda: _record_now(event))
+            return
         if capture is not None:
             event.captured = capture.mark(stream)
             return

@@ -121,6 +121,7 @@ CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags)
 CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags);
 CUresult cuEventDestroy_v2(CUevent hEvent);
 CUresult cuEventRecord(CUevent hEvent, CUstream hStream);
+CUresult cuEventRecordWithFlags(CUevent hEvent, CUstream hStream, unsigned int flags);
 CUresult cuEventQuery(CUevent hEvent);
 CUresult cuEventSynchronize(CUevent hEvent);
 CUresult cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd);
@@ -218,7 +219,10 @@ GRAPH_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "cuGraphGetNodes": ("cuGraphGetNodes",),
 }
 
-_OPTIONAL_FUNCTIONS: dict[str, tuple[str, ...]] = {"cuGraphDebugDotPrint": ("cuGraphDebugDotPrint",)}
+_OPTIONAL_FUNCTIONS: dict[str, tuple[str, ...]] = {
+    "cuGraphDebugDotPrint": ("cuGraphDebugDotPrint",),
+    "cuEventRecordWithFlags": ("cuEventRecordWithFlags",),  # CUDA 11.1
+}
 
 _ffi: cffi.FFI | None = None
 

@@ -31,6 +31,7 @@ from accel.backends.cuda._constants import (
     CUDA_ERROR_STREAM_CAPTURE_UNJOINED,
     CUDA_SUCCESS,
     CU_EVENT_DISABLE_TIMING,
+    CU_EVENT_RECORD_EXTERNAL,
     CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE,
 )
 from accel.backends.cuda._host_functions import HostFunctions
@@ -260,6 +261,22 @@ class GraphsAndHostFunctions:
         except AccelError:
             return
         self.graph_destroy(device, graph)
+
+    def event_record_external(self, device: int, event: int, stream: int) -> None:
+        record = self._fn.get("cuEventRecordWithFlags")
+        if record is None:
+            raise NotSupportedError(
+                f"cuda:{device}: the CUDA driver {self._driver.path} lacks cuEventRecordWithFlags (CUDA 11.1), "
+                "which a capture needs to keep an event record; update the driver"
+            )
+        pushed = self._enter(device)
+        try:
+            # The external flag is an error outside a capture (as torch's CUDAEvent notes).
+            flags = CU_EVENT_RECORD_EXTERNAL if self._capture_id(device, stream) else 0
+            code = record(self._event(event), self._stream(stream), flags)
+        finally:
+            self._leave(device, pushed)
+        self._check("cuEventRecordWithFlags", code, device, handle=f"event {event:#x} or stream {stream:#x}")
 
     def stream_capture_status(self, device: int, stream: int) -> CaptureStatus:
         if not self._driver.has_graphs:

@@ -742,6 +742,34 @@ class XpuBackend(Backend):
         self._slots.set_current(e, slot)
         e.captured = None
 
+    def event_record_external(self, device: int, event: int, stream: int) -> None:
+        s = self._stream(device, stream)
+        capture = s.xpu_capture()
+        if capture is None:
+            self.event_record(device, event, stream)
+            return
+        e = self._event(device, event)
+        slot = self._slots.acquire(e.timing)
+
+        def append(cdata: object) -> None:
+            self._reset(s, cdata, slot)  # signalled by the previous replay
+            self._barrier(s, cdata, slot)
+
+        with capture.lock:
+            try:
+                self._record_node(s, f"record event {e.handle:#x}", append)
+            except BaseException:
+                self._slots.drop(slot)
+                raise
+            capture.signals.append(slot)
+        # Complete until a replay resets it: waiting on the event before the first
+        # replay returns, as waiting on an event CUDA has not recorded yet does.
+        self._check("zeEventHostSignal", self._ze.lib.zeEventHostSignal(slot.cdata), device)
+        # The event reads the slot each replay signals; the graph keeps its own hold.
+        self._slots.hold(slot)
+        self._slots.set_current(e, slot)
+        e.captured = None
+
     def event_query(self, device: int, event: int) -> bool:
         e = self._event(device, event)
         _capture.refuse_captured_event(e.captured, e.device, e.handle, "querying")
@@ -935,6 +963,8 @@ class XpuBackend(Backend):
         for reached, release, _ in capture.host_nodes:
             self._slots.drop(reached)
             self._slots.drop(release)
+        for slot in capture.signals:
+            self._slots.drop(slot)
 
     def stream_capture_status(self, device: int, stream: int) -> CaptureStatus:
         return _capture.status(self._stream(device, stream))
@@ -959,7 +989,7 @@ class XpuBackend(Backend):
             raise
         graph = GraphState(
             device, self._addr(capture.cdata), capture.cdata, capture.start, capture.done,
-            list(capture.nodes), list(capture.host_nodes), capture.keep,
+            list(capture.nodes), list(capture.host_nodes), capture.keep, signals=list(capture.signals),
         )
         with self._lock:
             self._graphs[graph.handle] = graph
@@ -1050,6 +1080,8 @@ class XpuBackend(Backend):
         for reached, release, _ in g.host_nodes:
             self._slots.drop(reached)
             self._slots.drop(release)
+        for slot in g.signals:
+            self._slots.drop(slot)
 
     def graph_node_count(self, device: int, graph: int) -> int | None:
         return len(self._graph(device, graph).nodes)
