@@ -261,3 +261,54 @@ def test_an_external_event_recorded_outside_a_capture_is_an_ordinary_record(rt) 
     end.record(s)
     end.synchronize()
     assert start.elapsed_time(end) >= 0.0
+
+
+def test_the_pinned_host_cache_works_inside_a_capture_and_gives_no_block_of_a_graph_to_another(rt) -> None:
+    n = 4096
+    src = allocate(n)
+    accel.current_stream().fill(src, 7)
+    accel.synchronize()
+    g = accel.Graph()
+    with accel.graph(g):
+        s = accel.current_stream()
+        staging = allocate_host(n)  # no event query of the capture's events
+        s.copy(staging, src)
+        staging.record_stream(s)
+        used_by_g = staging.ptr
+        staging.free()  # freed inside the capture: the graph's copy still writes it
+        other = allocate_host(n)  # no event query here either
+        assert other.ptr != used_by_g
+        other.free()
+    for _ in range(3):  # later staging never lands on the block the graph writes
+        h = allocate_host(n)
+        assert h.ptr != used_by_g
+        h.free()
+    g.replay()
+    accel.synchronize()
+    view = (ctypes.c_ubyte * n).from_address(used_by_g)
+    assert bytes(view) == b"\x07" * n  # the graph's block, still the graph's
+    g.reset()
+    accel.synchronize()
+    allocate_host(n).free()  # the cache still works once the graph is gone
+
+
+def test_staging_used_by_a_capture_and_freed_after_it_stays_the_graphs(rt) -> None:
+    n = 4096
+    src = allocate(n)
+    staging = allocate_host(n)
+    g = accel.Graph()
+    with accel.graph(g):
+        s = accel.current_stream()
+        s.copy(staging, src)
+        staging.record_stream(s)
+    used_by_g = staging.ptr
+    staging.free()
+    h = allocate_host(n)
+    assert h.ptr != used_by_g  # g's replays still write the block
+    h.free()
+    del g
+    import gc
+
+    gc.collect()
+    accel.synchronize()
+    assert allocate_host(n).ptr == used_by_g  # back in the cache once the graph is gone
