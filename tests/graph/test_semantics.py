@@ -312,3 +312,21 @@ def test_staging_used_by_a_capture_and_freed_after_it_stays_the_graphs(rt) -> No
     gc.collect()
     accel.synchronize()
     assert allocate_host(n).ptr == used_by_g  # back in the cache once the graph is gone
+
+
+def test_a_captured_copy_from_pageable_host_memory_is_refused_where_cuda_refuses_it(rt) -> None:
+    if rt.name != "cuda":
+        pytest.skip(f"the {rt.name} backend copies from any host memory, captured or not")
+    n = 256
+    pageable = bytearray(n)
+    dst = allocate(n)
+    g = accel.Graph()
+    with pytest.raises(accel.CaptureError, match="pageable host memory.*allocate_host"):
+        with accel.graph(g):
+            accel.current_stream().copy(dst, pageable)
+    assert not accel.graph.is_capturing()
+    staging = allocate_host(n)  # what the error says to do instead
+    with accel.graph(g):
+        accel.current_stream().copy(dst, staging)
+    g.replay()
+    accel.synchronize()

@@ -50,6 +50,7 @@ from accel.backends.cuda._constants import (
     CUDA_ERROR_NOT_READY,
     CUDA_ERROR_NOT_SUPPORTED,
     CUDA_ERROR_OUT_OF_MEMORY,
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
     CUDA_SUCCESS,
     CU_EVENT_BLOCKING_SYNC,
     CU_EVENT_DISABLE_TIMING,
@@ -697,6 +698,13 @@ class CudaBackend(GraphsAndHostFunctions, Backend):
             code = self._fn["cuMemcpyAsync"](dst, src, nbytes, self._stream(stream))
         finally:
             self._leave(device, pushed)
+        if code == CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED:
+            raise CaptureError(
+                f"cuda:{device}: cuMemcpyAsync of {nbytes} bytes {src:#x} -> {dst:#x} cannot be captured: "
+                f"{self._driver.describe(code)}. A captured copy may not read or write pageable host memory "
+                "(CUDA stages such copies when they run, which a graph cannot replay); copy through "
+                "page-locked memory from accel.memory.allocate_host instead. The capture is now invalidated"
+            )
         self._check("cuMemcpyAsync", code, device, handle=f"stream {stream:#x}" if code == CUDA_ERROR_INVALID_HANDLE else "")
 
     def memset_async(self, device: int, dst: int, value: int, nbytes: int, stream: int) -> None:
