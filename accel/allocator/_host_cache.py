@@ -233,11 +233,11 @@ class HostCachingAllocator:
         block.allocated = False
         self.allocated_bytes -= block.size
         for device, handle in block.stream_uses:
-            pool = self._capturing.get(device)
-            if pool is not None and self._is_capturing(device, handle):
+            capture_pool = self._capturing.get(device)
+            if capture_pool is not None and self._is_capturing(device, handle):
                 # An event recorded there now would belong to the capture: the
                 # block waits for the capture's graph instead.
-                block.graphs.add(pool)
+                block.graphs.add(capture_pool)
         block.graphs &= self._pool_uses.keys()
         if block.graphs:
             # Captured work uses it: it stays the graphs' (its other uses, queued

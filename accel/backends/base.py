@@ -39,6 +39,7 @@ __all__ = [
     "CaptureMode",
     "CaptureStatus",
     "DeviceProperties",
+    "TorchIntegration",
 ]
 
 
@@ -56,6 +57,23 @@ class CaptureStatus(enum.IntEnum):
     NONE = 0
     ACTIVE = 1
     INVALIDATED = 2
+
+
+class TorchIntegration(enum.Enum):
+    """How torch ops run during a capture take part in it, as a backend declares
+    (:attr:`Backend.torch_integration`); the graph layer picks its one torch
+    integration by it, never by the backend's name."""
+
+    #: torch has no devices of this backend: its ops are not part of captures.
+    NONE = "none"
+    #: torch's CPU ops are this backend's work: a capture records them op by op (the host).
+    RECORD_HOST_OPS = "record_host_ops"
+    #: torch's device graphs capture on this backend's own driver streams, so its
+    #: kernels and the backend's stream work land in one graph (CUDA).
+    SHARED_STREAMS = "shared_streams"
+    #: torch's device streams are not this backend's: torch ops on its devices
+    #: cannot join a capture and are refused (Level Zero under SYCL queues).
+    SEPARATE_STREAMS = "separate_streams"
 
 
 @dataclass(frozen=True)
@@ -99,6 +117,10 @@ class Backend(abc.ABC):
 
     #: Short name used in device strings and ``ACCEL_BACKEND``: "cpu", "cuda", "xpu".
     name: str = ""
+    #: torch's device type for this backend's devices ("cpu" for the host), or None.
+    torch_device_type: str | None = None
+    #: How torch ops take part in captures on this backend.
+    torch_integration: TorchIntegration = TorchIntegration.NONE
 
     # -- devices ---------------------------------------------------------
 

@@ -10,7 +10,8 @@ nothing. On the host backend, torch CPU ops run during a capture are recorded
 too (see :mod:`accel.graph._torch_capture`); where torch has the backend's
 devices and shares its streams (CUDA), torch's own graph machinery carries
 the capture, so torch kernels land in the same graph (see
-:mod:`accel.graph._torch_graphs`).
+:mod:`accel.graph._torch_graphs`). Which of these applies is the backend's
+declared capability (:mod:`accel.graph._integration`).
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from accel._errors import CaptureError, HostFunctionError, InvalidHandleError, I
 from accel._runtime import Runtime, get_runtime
 from accel.allocator import empty_cache
 from accel.backends.base import CaptureMode
+from accel.graph import _integration
 from accel.graph._pool import PoolId, PoolLease, check_pool_id, new_private_pool_id
 from accel.stream import Stream
 
 if TYPE_CHECKING:
-    from accel.graph._torch_capture import Recorder
-    from accel.graph._torch_graphs import DeviceOpGuard, TorchDeviceGraph
+    from accel.graph._integration import CaptureIntegration, TorchGraphCarrier
 
 __all__ = ["Graph", "graph", "is_capturing"]
 
@@ -97,9 +98,9 @@ class Graph:
         self._device = 0
         self._stream: Stream | None = None  # the capturing stream, while capturing
         self._lease: PoolLease | None = None
-        self._recorder: Recorder | None = None
-        self._torch_graph: TorchDeviceGraph | None = None  # torch's graph carrying the capture
-        self._guard: DeviceOpGuard | None = None
+        # torch's part in the capture (None: none); after capture_end, kept only
+        # where torch's graph carries the captured graph.
+        self._torch: CaptureIntegration | None = None
         self._program: Any = None  # the recorded torch program (host backend)
         self._graph = 0  # raw captured graph handle
         self._exec = 0  # executable graph handle
@@ -124,8 +125,8 @@ class Graph:
         written, by the graph and need no registration.
         """
         self._inputs.extend(tensors)
-        if self._recorder is not None:
-            self._recorder.register_inputs(tensors)
+        if self._torch is not None and self._stream is not None:
+            self._torch.register_inputs(tensors)
 
     def capture_begin(self, pool: PoolId | None = None, capture_error_mode: str | None = None) -> None:
         """Start capturing the work queued on the current stream.
@@ -162,7 +163,7 @@ class Graph:
 
             lease = PoolLease(device, pool_id, routes)
             try:
-                torch_graph = self._begin(runtime, device, stream, pool_id, mode)
+                torch_part = self._begin(runtime, device, stream, lease, pool_id, mode)
             except BaseException:
                 lease.release()
                 raise
@@ -171,45 +172,34 @@ class Graph:
                 _capturing.pop(key, None)
             raise
         self._runtime, self._device, self._stream, self._lease = runtime, device, stream, lease
-        self._torch_graph = torch_graph
+        self._torch = torch_part
         self.replay_errors.clear()
-        if sys.modules.get("torch") is None:
+        if torch_part is None or torch_part.carries_graph:
             return
         try:
-            if runtime.name == "cpu":
-                from accel.graph._torch_capture import Recorder
-
-                self._recorder = Recorder(runtime, device, stream, lease, self.replay_errors, _weak_abort(self))
-                self._recorder.register_inputs(self._inputs)
-                self._recorder.start()
-            elif torch_graph is None:
-                from accel.graph._torch_graphs import DeviceOpGuard, torch_device_type
-
-                device_type = torch_device_type(runtime.name)
-                if device_type is not None:
-                    self._guard = DeviceOpGuard(device_type, runtime.name).__enter__()
+            torch_part.start(self._inputs)
         except BaseException:
-            self._recorder = None
             self._abort()
             raise
 
-    def _begin(self, runtime: Runtime, device: int, stream: Stream, pool_id: PoolId, mode: str) -> TorchDeviceGraph | None:
-        """Begin the backend's capture: through torch's graph where torch shares the backend's streams."""
-        if runtime.name != "cpu" and sys.modules.get("torch") is not None:
-            from accel.graph._torch_graphs import TorchDeviceGraph, torch_graph_api
-
-            api = torch_graph_api(runtime.name)
-            if api is not None:
-                if stream.native_handle == runtime.backend.default_stream(device):
-                    raise CaptureError(
-                        f"cannot capture on the default stream of {runtime.device(device)}; enter a created "
-                        "accel.Stream first, or use accel.graph.graph(), which captures on a side stream"
-                    )
-                torch_graph = TorchDeviceGraph(api, runtime, device, stream, keep_graph=self._keep_graph)
-                torch_graph.begin(pool_id, mode)
-                return torch_graph
+    def _begin(
+        self, runtime: Runtime, device: int, stream: Stream, lease: PoolLease, pool_id: PoolId, mode: str
+    ) -> CaptureIntegration | None:
+        """Begin the capture, through torch's graph where it carries it; torch's part, if any."""
+        torch_part = _integration.for_capture(
+            runtime, device, stream, lease,
+            keep_graph=self._keep_graph, errors=self.replay_errors, on_refused=_weak_abort(self),
+        )
+        if isinstance(torch_part, _integration.TorchGraphCarrier):
+            if stream.native_handle == runtime.backend.default_stream(device):
+                raise CaptureError(
+                    f"cannot capture on the default stream of {runtime.device(device)}; enter a created "
+                    "accel.Stream first, or use accel.graph.graph(), which captures on a side stream"
+                )
+            torch_part.begin(pool_id, mode)
+            return torch_part
         runtime.backend.stream_begin_capture(device, stream._live(), _MODES[mode])
-        return None
+        return torch_part
 
     def capture_end(self) -> None:
         """End the capture begun by :meth:`capture_begin` (on the stream that began it).
@@ -221,15 +211,17 @@ class Graph:
         stream, runtime = self._stream, self._runtime
         if stream is None or runtime is None:
             raise CaptureError(f"capture_end() called on {self!r}, which is not capturing")
-        if self._torch_graph is not None:
-            self._torch_graph.check_thread("capture_end()")  # before anything is torn down
-        recorder, self._recorder = self._recorder, None
-        self._leave_guard()
+        carrier = self._carrier()
+        if carrier is not None:
+            carrier.graph.check_thread("capture_end()")  # before anything is torn down
+        torch_part = self._torch
+        if carrier is None:
+            self._torch = None  # its part ends with the capture
         try:
-            if recorder is not None:
-                self._program = recorder.stop()
-            if self._torch_graph is not None:
-                self._torch_graph.end()  # torch warns about an empty graph itself
+            if torch_part is not None and carrier is None:
+                self._program = torch_part.stop()
+            if carrier is not None:
+                carrier.end()  # torch warns about an empty graph itself
                 length = None
             else:
                 self._graph = runtime.backend.stream_end_capture(self._device, stream._live())
@@ -254,7 +246,7 @@ class Graph:
             )
         self._finish_capture()
         self._captured = True
-        if not self._keep_graph and self._torch_graph is None:
+        if not self._keep_graph and carrier is None:
             self.instantiate()
             runtime.backend.graph_destroy(self._device, self._graph)
             self._graph = 0
@@ -268,22 +260,19 @@ class Graph:
                     del _capturing[key]
         self._stream = None
 
-    def _leave_guard(self) -> None:
-        guard, self._guard = self._guard, None
-        if guard is not None:
-            guard.__exit__(None, None, None)
+    def _carrier(self) -> TorchGraphCarrier | None:
+        """torch's graph, where it carries this graph's capture."""
+        torch_part = self._torch
+        return torch_part if isinstance(torch_part, _integration.TorchGraphCarrier) else None
 
     def _abort(self) -> None:
         """Drop a capture under way: backend capture, recorder, pool routing and use."""
         runtime, stream = self._runtime, self._stream
-        recorder, self._recorder = self._recorder, None
-        if recorder is not None:
-            recorder.discard()
-        self._leave_guard()
-        torch_graph, self._torch_graph = self._torch_graph, None
-        if torch_graph is not None:
-            torch_graph.abort()
-        elif runtime is not None and stream is not None and _still_capturing(stream):
+        torch_part, self._torch = self._torch, None
+        if torch_part is not None:
+            torch_part.abort()  # torch's graph, where it carries the capture, ends it
+        backend_capture = torch_part is None or not torch_part.carries_graph
+        if backend_capture and runtime is not None and stream is not None and _still_capturing(stream):
             try:
                 graph = runtime.backend.stream_end_capture(self._device, stream._live())
             except CaptureError:
@@ -304,8 +293,9 @@ class Graph:
         Needs the raw graph: after :meth:`capture_end` with ``keep_graph=True``.
         """
         runtime = self._require_captured("instantiate")
-        if self._torch_graph is not None and self._keep_graph:
-            self._torch_graph.instantiate()
+        carrier = self._carrier()
+        if carrier is not None and self._keep_graph:
+            carrier.graph.instantiate()
             return
         if not self._graph:
             raise CaptureError(
@@ -326,11 +316,12 @@ class Graph:
         """
         runtime = self._require_captured("replay")
         stream = runtime.current_stream(self._device)
-        if self._torch_graph is None and not self._exec:
+        carrier = self._carrier()
+        if carrier is None and not self._exec:
             self.instantiate()
         self._raise_replay_errors()
-        if self._torch_graph is not None:
-            self._torch_graph.replay(stream)
+        if carrier is not None:
+            carrier.graph.replay(stream)
         else:
             runtime.backend.graph_launch(self._device, self._exec, stream._live())
         if self._forward_host_errors and stream.native_handle != self._capture_handle:
@@ -376,9 +367,10 @@ class Graph:
             self._abort()
             return
         runtime = self._runtime
-        torch_graph, self._torch_graph = self._torch_graph, None
-        if torch_graph is not None:
-            torch_graph.reset()
+        carrier = self._carrier()
+        self._torch = None
+        if carrier is not None:
+            carrier.graph.reset()
         if runtime is not None:
             if self._exec:
                 runtime.backend.graph_exec_destroy(self._device, self._exec)
@@ -428,8 +420,9 @@ class Graph:
         host, the recorded torch ops are listed after the stream work.
         """
         runtime = self._require_captured("debug_dump")
-        if self._torch_graph is not None and self._keep_graph:
-            self._torch_graph.debug_dump(path)
+        carrier = self._carrier()
+        if carrier is not None and self._keep_graph:
+            carrier.graph.debug_dump(path)
             return
         if not self._graph:
             raise CaptureError(

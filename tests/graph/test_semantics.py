@@ -12,6 +12,7 @@ import pytest
 import accel
 from accel._runtime import activate
 from accel.allocator import allocate, allocate_host
+from accel.backends.base import TorchIntegration
 
 torch = pytest.importorskip("torch")
 
@@ -37,7 +38,7 @@ STEPS = {"host_function": _step_as_host_function, "torch_ops": _step_as_torch_op
 def _records_torch_ops(rt) -> bool:
     # Where torch has no devices of the backend, its CPU ops are not the
     # capture's (as with torch.cuda.graph); the host backend records them.
-    return rt.name == "cpu"
+    return rt.backend.torch_integration is TorchIntegration.RECORD_HOST_OPS
 
 
 @pytest.mark.parametrize("how", sorted(STEPS))

@@ -15,7 +15,7 @@ from functools import cache
 from accel._errors import BackendUnavailableError, InvalidValueError
 from accel._units import parse_size
 from accel.backends import _capture
-from accel.backends.base import Backend, CaptureMode, CaptureStatus, DeviceProperties
+from accel.backends.base import Backend, CaptureMode, CaptureStatus, DeviceProperties, TorchIntegration
 from accel.backends.cpu import _libc
 from accel.backends.cpu._memory import VM_GRANULARITY, DeviceMemory, HostMemory, machine_memory
 from accel.backends.cpu._streams import StreamTable
@@ -79,6 +79,8 @@ class CpuBackend(Backend):
     """The host CPU as ``ACCEL_CPU_DEVICES`` devices (default 1)."""
 
     name = "cpu"
+    torch_device_type = "cpu"
+    torch_integration = TorchIntegration.RECORD_HOST_OPS
 
     def __init__(self, device_count: int, memory_limit: int | None) -> None:
         self._count = device_count

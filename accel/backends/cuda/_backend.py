@@ -40,7 +40,7 @@ from accel._errors import (
     OutOfMemoryError,
 )
 from accel.backends._cffi import resolve_everything
-from accel.backends.base import Backend, DeviceProperties
+from accel.backends.base import Backend, DeviceProperties, TorchIntegration
 from accel.backends.cuda._bindings import Driver, open_driver
 from accel.backends.cuda._constants import (
     CUDA_ERROR_ILLEGAL_STATE,
@@ -119,6 +119,8 @@ class CudaBackend(GraphsAndHostFunctions, Backend):
     """
 
     name = "cuda"
+    torch_device_type = "cuda"
+    torch_integration = TorchIntegration.SHARED_STREAMS
 
     def __init__(self, driver: Driver, device_count: int, driver_version: int) -> None:
         self._driver = driver

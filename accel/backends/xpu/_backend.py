@@ -45,7 +45,7 @@ from accel._errors import (
 from accel._units import format_size
 from accel.backends import _capture
 from accel.backends._cffi import resolve_everything
-from accel.backends.base import Backend, CaptureMode, CaptureStatus, DeviceProperties
+from accel.backends.base import Backend, CaptureMode, CaptureStatus, DeviceProperties, TorchIntegration
 from accel.backends.xpu._bindings import WAIT_FOREVER, ZeLoader, describe_result
 from accel.backends.xpu._event_pool import EventSlot, EventSlots
 from accel.backends.xpu._host_worker import HostWorker
@@ -99,6 +99,8 @@ class XpuBackend(Backend):
     """
 
     name = "xpu"
+    torch_device_type = "xpu"
+    torch_integration = TorchIntegration.SEPARATE_STREAMS
 
     def __init__(self, ze: ZeLoader, driver: object, devices: list[object], *, loader_version: str) -> None:
         self._ze = ze
