@@ -559,7 +559,7 @@ def _storage_bytes(t: torch.Tensor) -> int:
     if t.numel() == 0:
         return 0
     span = 1 + sum((size - 1) * stride for size, stride in zip(t.size(), t.stride()))
-    return (t.storage_offset() + span) * t.element_size()
+    return int((t.storage_offset() + span) * t.element_size())
 
 
 def _infer(
