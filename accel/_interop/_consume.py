@@ -20,14 +20,14 @@ from typing import Any
 
 from accel._device import Device
 from accel._errors import InvalidHandleError, InvalidValueError
-from accel._interop._dlpack import DLDeviceType, DLPackExportError, to_capsule
+from accel._interop._dlpack import DEVICE_TYPES, DLDeviceType, DLPackExportError, to_capsule
 from accel._runtime import get_runtime
 from accel.stream import Stream
 from accel.stream._dlpack_abi import read_capsule
 
 __all__ = ["ForeignBuffer", "from_dlpack"]
 
-_DEVICE_NAMES: dict[int, str] = {DLDeviceType.kDLCPU: "cpu", DLDeviceType.kDLCUDA: "cuda", DLDeviceType.kDLOneAPI: "xpu"}
+_DEVICE_NAMES: dict[int, str] = {kind: name for name, kind in DEVICE_TYPES.items()}
 
 _PyCapsule_SetName = ctypes.pythonapi["PyCapsule_SetName"]
 _PyCapsule_SetName.restype = ctypes.c_int
@@ -83,8 +83,7 @@ class ForeignBuffer:
         return to_capsule(self, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        kind = {"cpu": DLDeviceType.kDLCPU, "cuda": DLDeviceType.kDLCUDA, "xpu": DLDeviceType.kDLOneAPI}
-        return kind[self.device.type], self.device.index or 0
+        return DEVICE_TYPES[self.device.type], self.device.index or 0
 
     def __repr__(self) -> str:
         where = "freed" if self._managed is None else f"ptr={self._ptr:#x}"

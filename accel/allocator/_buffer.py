@@ -27,6 +27,7 @@ from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, No
 from accel._runtime import get_runtime
 from accel.allocator._mempool import routed_allocator
 from accel.allocator._registry import registry
+from accel.allocator._sharing import export_buffer
 from accel.stream import Stream, as_stream
 
 if TYPE_CHECKING:
@@ -137,7 +138,9 @@ class _Lease:
     """A Buffer's block while exports of it may be read: it goes back to the
     cache when the last of the buffer and its exports lets go of it."""
 
-    __slots__ = ("_block", "_allocator")
+    # Weakly referenced by exports to other processes, which serve importers
+    # only while the buffer (or a view of it) still holds the lease.
+    __slots__ = ("_block", "_allocator", "__weakref__")
 
     def __init__(self, block: Block, allocator: DeviceAllocator) -> None:
         self._block = block
@@ -249,6 +252,16 @@ class Buffer(_CachedMemory):
     def __dlpack_device__(self) -> tuple[int, int]:
         """``(DLPack device type, index)``: 1 host, 2 CUDA, 14 oneAPI."""
         return _installed().dlpack_device(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle as a handle another process opens to the same memory, without a
+        copy (``multiprocessing`` with the spawn start method, a ``Queue``).
+
+        Keep this buffer alive until every importer has unpickled it; after
+        that, its memory is not reused while an importer holds it. See
+        :mod:`accel.allocator._sharing` for the rules.
+        """
+        return export_buffer(self)
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:

@@ -689,7 +689,7 @@ class DeviceAllocator:
     def _drain_gc_frees(self) -> None:
         while self._gc_frees:
             item = self._gc_frees.popleft()
-            if item.__class__ is _PoolRelease:
+            if isinstance(item, _PoolRelease):
                 self._release_pool_locked(item.pool_id)
             elif item.state == ALLOCATED:
                 self._free_locked(item)

@@ -203,6 +203,43 @@ class Backend(abc.ABC):
         """Unmap ``[addr, addr + nbytes)``; the range stays reserved."""
         raise self._unsupported("virtual memory")
 
+    # -- sharing with other processes (optional) --------------------------
+    #
+    # An export is ``(payload, fds)``: bytes that describe the memory or event,
+    # and file descriptors that must travel with them (SCM_RIGHTS). The caller
+    # owns the returned descriptors and closes them; an import takes ownership
+    # of the descriptors it is given (it closes them, on success or failure).
+    # Carrying them to the other process, and keeping the exporter's memory
+    # allocated while an importer holds it, is the layer above's job.
+
+    def supports_ipc(self, device: int) -> bool:
+        """Whether the ipc_* methods work on ``device``."""
+        return False
+
+    def ipc_memory_export(self, device: int, ptr: int, nbytes: int) -> tuple[bytes, list[int]]:
+        """Describe ``[ptr, ptr + nbytes)``, inside memory from :meth:`malloc` or
+        mapped by :meth:`vm_map`, so that another process can map it."""
+        raise self._unsupported("sharing memory with other processes")
+
+    def ipc_memory_import(self, device: int, payload: bytes, fds: list[int]) -> int:
+        """Map memory exported by another process; returns its address here."""
+        raise self._unsupported("sharing memory with other processes")
+
+    def ipc_memory_close(self, device: int, ptr: int) -> None:
+        """Unmap memory returned by :meth:`ipc_memory_import` (the caller has
+        made sure no queued work still uses it)."""
+        raise self._unsupported("sharing memory with other processes")
+
+    def ipc_event_export(self, device: int, event: int) -> tuple[bytes, list[int]]:
+        """Describe an event created with ``interprocess=True`` for another process."""
+        raise self._unsupported("sharing events with other processes")
+
+    def ipc_event_import(self, device: int, payload: bytes, fds: list[int]) -> int:
+        """Open an event exported by another process; returns an event handle
+        that :meth:`event_query`, :meth:`event_synchronize`,
+        :meth:`stream_wait_event` and :meth:`event_destroy` accept."""
+        raise self._unsupported("sharing events with other processes")
+
     # -- streams ---------------------------------------------------------
 
     @abc.abstractmethod

@@ -239,7 +239,7 @@ class OnnxRuntime(Engine):
                     return None
             except (ImportError, ValueError):  # a module set to None in sys.modules, or broken
                 return None
-        import onnxruntime  # type: ignore[import-untyped]
+        import onnxruntime
 
         return str(onnxruntime.__version__)
 
@@ -268,7 +268,7 @@ class OnnxRuntime(Engine):
             onnx_program.save(tmp)
 
     def load(self, path: Path, threads: int) -> Any:
-        import onnxruntime as ort  # type: ignore[import-untyped]
+        import onnxruntime as ort
 
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads

@@ -52,12 +52,12 @@ _capturing_lock = threading.Lock()
 
 
 def _check_mode(mode: object, where: str) -> str:
-    if mode not in _MODES:
+    if not isinstance(mode, str) or mode not in _MODES:  # a list is unhashable: no lookup
         raise InvalidValueError(
             f"{where}: unknown capture_error_mode {mode!r}; expected 'default', 'global', "
             "'thread_local' or 'relaxed'"
         )
-    return mode  # type: ignore[return-value]
+    return mode
 
 
 class Graph:

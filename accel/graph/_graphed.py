@@ -392,7 +392,7 @@ def make_graphed_callables(
         raise InvalidValueError(
             f"callables must be a callable or a sequence of callables, got {type(callables).__name__}"
         )
-    fns = [callables] if single else list(callables)  # type: ignore[arg-type]
+    fns: list[Callable[..., Any]] = [callables] if callable(callables) else list(callables)
     if not fns or not all(callable(f) for f in fns):
         raise InvalidValueError("callables must be a callable or a non-empty sequence of callables")
     if not isinstance(sample_args, (tuple, list)):

@@ -163,6 +163,28 @@ class CpuBackend(Backend):
     def vm_unmap(self, device: int, addr: int, nbytes: int) -> None:
         self._memory[device].unmap(addr, nbytes)
 
+    # -- sharing with other processes ------------------------------------------------
+    # Memory: file ranges of the device's memfd (see DeviceMemory.export). Events:
+    # a page of shared memory holding the record and completion counts.
+
+    def supports_ipc(self, device: int) -> bool:
+        return True
+
+    def ipc_memory_export(self, device: int, ptr: int, nbytes: int) -> tuple[bytes, list[int]]:
+        return self._memory[device].export(ptr, nbytes)
+
+    def ipc_memory_import(self, device: int, payload: bytes, fds: list[int]) -> int:
+        return self._memory[device].import_(payload, fds)
+
+    def ipc_memory_close(self, device: int, ptr: int) -> None:
+        self._memory[device].close_import(ptr)
+
+    def ipc_event_export(self, device: int, event: int) -> tuple[bytes, list[int]]:
+        return self._streams.export_event(device, event)
+
+    def ipc_event_import(self, device: int, payload: bytes, fds: list[int]) -> int:
+        return self._streams.import_event(device, payload, fds)
+
     # -- streams and events -------------------------------------------------------
 
     def default_stream(self, device: int) -> int:
@@ -187,9 +209,9 @@ class CpuBackend(Backend):
         self._streams.wait_event(device, stream, event)
 
     def event_create(self, device: int, *, timing: bool, blocking: bool, interprocess: bool) -> int:
-        # Blocking and interprocess flags change nothing on the host: waits
-        # always block on a condition variable, and there is one process.
-        return self._streams.create_event(device, timing)
+        # The blocking flag changes nothing on the host: waits always block on a
+        # condition variable. Interprocess events keep their state in shared memory.
+        return self._streams.create_event(device, timing, interprocess)
 
     def event_destroy(self, device: int, event: int) -> None:
         self._streams.destroy_event(device, event)

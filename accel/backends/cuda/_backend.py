@@ -67,6 +67,7 @@ from accel.backends.cuda._constants import (
     _CAPTURE_ERRORS,
 )
 from accel.backends.cuda._graphs import GraphsAndHostFunctions
+from accel.backends.cuda._sharing import Sharing
 
 __all__ = ["CudaBackend", "create_backend"]
 
@@ -75,7 +76,8 @@ _CTYPES = (
     "CUcontext *", "CUdeviceptr *", "CUevent", "CUevent *", "CUgraph", "CUgraph *", "CUgraphExec",
     "CUgraphExec *", "CUmemAccessDesc *", "CUmemAllocationProp *", "CUmemGenericAllocationHandle *",
     "CUstream", "CUstream *", "CUuuid *", "char[256]", "char[64]", "const char **", "cuuint64_t *",
-    "float *", "int *", "size_t *", "uintptr_t", "void *", "void **",
+    "float *", "int *", "size_t *", "uintptr_t", "void *", "void **", "CUipcMemHandle *",
+    "CUipcEventHandle *",
 )
 
 # CUdevice_attribute values used for DeviceProperties.
@@ -110,7 +112,7 @@ def _format_uuid(raw: bytes) -> str:
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
-class CudaBackend(GraphsAndHostFunctions, Backend):
+class CudaBackend(GraphsAndHostFunctions, Sharing, Backend):
     """The CUDA driver API behind the Backend protocol. Build it with :func:`create_backend`.
 
     >>> backend = create_backend()                 # doctest: +SKIP
@@ -134,6 +136,7 @@ class CudaBackend(GraphsAndHostFunctions, Backend):
         self._properties: dict[int, DeviceProperties] = {}
         self._granularity: dict[int, int] = {}
         self._init_graphs_and_host_functions()
+        self._init_sharing()
         # Every call goes through driver.fn (resolved when the driver was opened); parse
         # every type now, so that no finalizer's call can wait on cffi's locks.
         resolve_everything(self._ffi, _CTYPES)

@@ -49,6 +49,7 @@ from accel.backends.base import Backend, CaptureMode, CaptureStatus, DevicePrope
 from accel.backends.xpu._bindings import WAIT_FOREVER, ZeLoader, describe_result
 from accel.backends.xpu._event_pool import EventSlot, EventSlots
 from accel.backends.xpu._host_worker import HostWorker
+from accel.backends.xpu._sharing import Sharing
 from accel.backends.xpu._records import (
     CaptureState,
     DeviceState,
@@ -74,7 +75,8 @@ _CTYPES = (
     "ze_driver_properties_t *", "ze_event_desc_t *", "ze_event_handle_t *", "ze_event_handle_t[1]",
     "ze_event_pool_desc_t *", "ze_event_pool_handle_t *", "ze_host_mem_alloc_desc_t *",
     "ze_kernel_timestamp_result_t *", "ze_physical_mem_desc_t *", "ze_physical_mem_handle_t *",
-    "zes_mem_handle_t[]", "zes_mem_properties_t *", "zes_mem_state_t *",
+    "zes_mem_handle_t[]", "zes_mem_properties_t *", "zes_mem_state_t *", "ze_ipc_mem_handle_t *",
+    "ze_ipc_event_pool_handle_t *",
 )
 _MIN_VM_GRANULARITY = 2 << 20
 # A marker is added after this many commands without one, so that events held
@@ -89,7 +91,7 @@ _OOM_CODES = (0x70000002, 0x70000003)
 # -- the backend --------------------------------------------------------------------
 
 
-class XpuBackend(Backend):
+class XpuBackend(Sharing, Backend):
     """Level Zero GPU devices of one driver, one context.
 
     >>> from accel.backends import load_backend
@@ -117,6 +119,7 @@ class XpuBackend(Backend):
         ze.check("zeContextCreate", lib.zeContextCreate(driver, desc, context))
         self._context = context[0]
         self._slots = EventSlots(ze, self._context)
+        self._init_sharing()
         self._host_synchronize = ze.has("zeCommandListHostSynchronize")
         self._host_allocations: dict[int, int] = {}
         self._streams: dict[int, StreamState] = {}
@@ -706,15 +709,19 @@ class XpuBackend(Backend):
     # -- events ----------------------------------------------------------------------------
 
     def event_create(self, device: int, *, timing: bool, blocking: bool, interprocess: bool) -> int:
-        if interprocess:
-            raise NotSupportedError(
-                f"xpu:{device}: interprocess events are not supported by accel's Level Zero backend "
-                "(IPC event pools are not implemented); create the event with interprocess=False"
-            )
         # ``blocking`` changes nothing: zeEventHostSynchronize always blocks the thread.
         handle = new_handle()
+        if interprocess:
+            if timing:
+                raise NotSupportedError(
+                    f"xpu:{device}: an interprocess event cannot measure time (as in CUDA); "
+                    "create it with enable_timing=False"
+                )
+            state = EventState(device, handle, False, slot=self._slots.create_ipc(), ipc=True)
+        else:
+            state = EventState(device, handle, timing)
         with self._lock:
-            self._events[handle] = EventState(device, handle, timing)
+            self._events[handle] = state
         return handle
 
     def event_destroy(self, device: int, event: int) -> None:
@@ -731,6 +738,9 @@ class XpuBackend(Backend):
             # Inside a capture a record is only a position: the captured work is one
             # in-order command list, so waits on it need no Level Zero event.
             e.captured = capture.mark(s)
+            return
+        if e.ipc:
+            self._record_ipc(s, e)
             return
         slot = self._slots.acquire(e.timing)
         try:
@@ -770,6 +780,22 @@ class XpuBackend(Backend):
         # The event reads the slot each replay signals; the graph keeps its own hold.
         self._slots.hold(slot)
         self._slots.set_current(e, slot)
+        e.captured = None
+
+    def _record_ipc(self, s: StreamState, e: EventState) -> None:
+        """Re-arm an interprocess event's one Level Zero event: reset now (so that it reads
+        as pending from the record on, as in CUDA), signalled when the stream gets there."""
+        slot = e.slot
+        assert slot is not None
+        self._slots.hold(slot)
+        try:
+            with s.lock:
+                self._check("zeEventHostReset", self._ze.lib.zeEventHostReset(slot.cdata), s.device)
+                self._barrier(s, s.cdata, slot)
+                self._appended(s)
+                self._hold_until_passed(s, slot)
+        finally:
+            self._slots.drop(slot)
         e.captured = None
 
     def event_query(self, device: int, event: int) -> bool:

@@ -80,6 +80,7 @@ class EventState:
     timing: bool
     slot: EventSlot | None = None
     captured: Mark | None = None  # where it was recorded inside a capture
+    ipc: bool = False  # interprocess: one Level Zero event of its own, re-armed by each record
 
 
 class CaptureState(Capture[str]):
