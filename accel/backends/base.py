@@ -39,6 +39,7 @@ __all__ = [
     "CaptureMode",
     "CaptureStatus",
     "DeviceProperties",
+    "TorchIntegration",
 ]
 
 
@@ -56,6 +57,23 @@ class CaptureStatus(enum.IntEnum):
     NONE = 0
     ACTIVE = 1
     INVALIDATED = 2
+
+
+class TorchIntegration(enum.Enum):
+    """How torch ops run during a capture take part in it, as a backend declares
+    (:attr:`Backend.torch_integration`); the graph layer picks its one torch
+    integration by it, never by the backend's name."""
+
+    #: torch has no devices of this backend: its ops are not part of captures.
+    NONE = "none"
+    #: torch's CPU ops are this backend's work: a capture records them op by op (the host).
+    RECORD_HOST_OPS = "record_host_ops"
+    #: torch's device graphs capture on this backend's own driver streams, so its
+    #: kernels and the backend's stream work land in one graph (CUDA).
+    SHARED_STREAMS = "shared_streams"
+    #: torch's device streams are not this backend's: torch ops on its devices
+    #: cannot join a capture and are refused (Level Zero under SYCL queues).
+    SEPARATE_STREAMS = "separate_streams"
 
 
 @dataclass(frozen=True)
@@ -99,6 +117,10 @@ class Backend(abc.ABC):
 
     #: Short name used in device strings and ``ACCEL_BACKEND``: "cpu", "cuda", "xpu".
     name: str = ""
+    #: torch's device type for this backend's devices ("cpu" for the host), or None.
+    torch_device_type: str | None = None
+    #: How torch ops take part in captures on this backend.
+    torch_integration: TorchIntegration = TorchIntegration.NONE
 
     # -- devices ---------------------------------------------------------
 
@@ -265,6 +287,17 @@ class Backend(abc.ABC):
     def event_record(self, device: int, event: int, stream: int) -> None:
         """Record ``event`` at the current end of ``stream``'s queue."""
 
+    def event_record_external(self, device: int, event: int, stream: int) -> None:
+        """Record ``event`` on ``stream`` so that a capture keeps the record.
+
+        Outside a capture it is :meth:`event_record`. On a capturing stream,
+        where :meth:`event_record` only marks a position other streams of the
+        capture may wait for, the record becomes a node of the graph: each
+        replay records the event when it reaches that point, so timing events
+        can time replays (CUDA's ``CU_EVENT_RECORD_EXTERNAL``, torch's
+        ``Event(external=True)``). Such an event is not a capture position."""
+        raise self._unsupported("event records kept by a capture")
+
     @abc.abstractmethod
     def event_query(self, device: int, event: int) -> bool:
         """True when the work before the last record has completed (or never recorded)."""
@@ -325,6 +358,14 @@ class Backend(abc.ABC):
         Layers above use it to see whether anything else was recorded between
         two of their own operations (e.g. to batch consecutive torch ops into
         one node); None must always be a safe answer."""
+        return None
+
+    def graph_node_count(self, device: int, graph: int) -> int | None:
+        """How many nodes the captured ``graph`` holds, or None when the backend
+        cannot tell (CUDA: ``cuGraphGetNodes(graph, NULL, &count)``).
+
+        An empty capture is almost always a mistake (the work went to another
+        stream); the layer above warns about it as PyTorch does."""
         return None
 
     def graph_instantiate(self, device: int, graph: int) -> int:

@@ -37,8 +37,10 @@ class Event:
         enable_timing: bool = False,
         blocking: bool = False,
         interprocess: bool = False,
+        external: bool = False,
     ) -> None:
         self._runtime: Runtime = get_runtime()
+        self._external = bool(external)
         self._device: int | None = None if device is None else self._runtime.index(device)
         self._timing = bool(enable_timing)
         self._blocking = bool(blocking)
@@ -54,6 +56,11 @@ class Event:
     @property
     def enable_timing(self) -> bool:
         return self._timing
+
+    @property
+    def external(self) -> bool:
+        """Whether a graph capture keeps this event's records (see :meth:`record`)."""
+        return self._external
 
     @property
     def event_id(self) -> int:
@@ -109,12 +116,32 @@ class Event:
 
     def record(self, stream: Stream | None = None) -> None:
         """Record at the current end of ``stream`` (default: the current stream;
-        a torch stream of the same device works too)."""
+        a torch stream of the same device works too).
+
+        Inside a graph capture, a record only marks a point that other streams
+        of the capture can wait for, unless the event was created with
+        ``external=True`` (as ``torch.cuda.Event``): then the graph keeps the
+        record, and each replay records the event, so a pair of timing events
+        recorded in the capture times each replay:
+
+        >>> import accel
+        >>> start = accel.Event(enable_timing=True, external=True)
+        >>> end = accel.Event(enable_timing=True, external=True)
+        >>> g = accel.Graph()
+        >>> with accel.graph(g):
+        ...     start.record(); accel.current_stream().launch_host_func(lambda: None); end.record()
+        >>> g.replay(); accel.synchronize()
+        >>> start.elapsed_time(end) >= 0.0
+        True
+        """
         stream = as_stream(stream, self._device)
         if stream._runtime is not self._runtime:
             raise DeviceError(f"{stream!r} belongs to another backend than {self!r}")
         handle = self._ensure(stream.device_index)
-        self._runtime.backend.event_record(stream.device_index, handle, stream._live())
+        if self._external:
+            self._runtime.backend.event_record_external(stream.device_index, handle, stream._live())
+        else:
+            self._runtime.backend.event_record(stream.device_index, handle, stream._live())
         self._recorded = True
 
     def query(self) -> bool:

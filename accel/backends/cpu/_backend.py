@@ -15,7 +15,7 @@ from functools import cache
 from accel._errors import BackendUnavailableError, InvalidValueError
 from accel._units import parse_size
 from accel.backends import _capture
-from accel.backends.base import Backend, CaptureMode, CaptureStatus, DeviceProperties
+from accel.backends.base import Backend, CaptureMode, CaptureStatus, DeviceProperties, TorchIntegration
 from accel.backends.cpu import _libc
 from accel.backends.cpu._memory import VM_GRANULARITY, DeviceMemory, HostMemory, machine_memory
 from accel.backends.cpu._streams import StreamTable
@@ -79,6 +79,8 @@ class CpuBackend(Backend):
     """The host CPU as ``ACCEL_CPU_DEVICES`` devices (default 1)."""
 
     name = "cpu"
+    torch_device_type = "cpu"
+    torch_integration = TorchIntegration.RECORD_HOST_OPS
 
     def __init__(self, device_count: int, memory_limit: int | None) -> None:
         self._count = device_count
@@ -217,6 +219,9 @@ class CpuBackend(Backend):
     def event_record(self, device: int, event: int, stream: int) -> None:
         self._streams.record(device, event, stream)
 
+    def event_record_external(self, device: int, event: int, stream: int) -> None:
+        self._streams.record(device, event, stream, external=True)
+
     def event_query(self, device: int, event: int) -> bool:
         return self._streams.event_query(device, event)
 
@@ -278,6 +283,9 @@ class CpuBackend(Backend):
 
     def graph_launch(self, device: int, graph_exec: int, stream: int) -> None:
         self._streams.launch(device, graph_exec, stream)
+
+    def graph_node_count(self, device: int, graph: int) -> int | None:
+        return len(self._streams.graph_nodes(graph))
 
     def graph_destroy(self, device: int, graph: int) -> None:
         self._streams.destroy_graph(graph)

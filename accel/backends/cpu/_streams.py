@@ -121,6 +121,14 @@ class HostEvent:
                 self._waiting -= 1
 
 
+def _record_now(event: HostEvent) -> None:
+    """Record ``event`` and complete it at once (run where the stream has reached the record)."""
+    with event.cond:
+        event.record_gen += 1
+        gen = event.record_gen
+    event.complete(gen)
+
+
 # How often a process polls an event that another process completes (it cannot
 # be woken by that process's condition variable): from 20 µs, doubling, to 2 ms.
 _POLL_FIRST_S, _POLL_MAX_S = 20e-6, 2e-3
@@ -438,7 +446,7 @@ class StreamTable:
             self._events[event.handle] = event
         return event.handle
 
-    def record(self, device: int, event_handle: int, stream_handle: int) -> None:
+    def record(self, device: int, event_handle: int, stream_handle: int, *, external: bool = False) -> None:
         event = self.event(device, event_handle)
         stream = self.stream(device, stream_handle)
         if isinstance(event, SharedHostEvent) and event.exporter_pid is not None:
@@ -447,6 +455,11 @@ class StreamTable:
                 "on the host backend only the process that created an interprocess event records it"
             )
         capture = stream.capture
+        if capture is not None and external:
+            # A node of the graph: each replay records the event when it gets there.
+            event.captured = None
+            stream.submit(f"event record {event.handle:#x}", lambda: _record_now(event))
+            return
         if capture is not None:
             event.captured = capture.mark(stream)
             return

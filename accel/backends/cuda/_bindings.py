@@ -137,6 +137,7 @@ CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags)
 CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags);
 CUresult cuEventDestroy_v2(CUevent hEvent);
 CUresult cuEventRecord(CUevent hEvent, CUstream hStream);
+CUresult cuEventRecordWithFlags(CUevent hEvent, CUstream hStream, unsigned int flags);
 CUresult cuEventQuery(CUevent hEvent);
 CUresult cuEventSynchronize(CUevent hEvent);
 CUresult cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd);
@@ -156,6 +157,7 @@ CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, u
 CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream);
 CUresult cuGraphExecDestroy(CUgraphExec hGraphExec);
 CUresult cuGraphDestroy(CUgraph hGraph);
+CUresult cuGraphGetNodes(CUgraph hGraph, CUgraphNode *nodes, size_t *numNodes);
 CUresult cuGraphDebugDotPrint(CUgraph hGraph, const char *path, unsigned int flags);
 """
 
@@ -246,9 +248,13 @@ GRAPH_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "cuGraphLaunch": ("cuGraphLaunch",),
     "cuGraphExecDestroy": ("cuGraphExecDestroy",),
     "cuGraphDestroy": ("cuGraphDestroy",),
+    "cuGraphGetNodes": ("cuGraphGetNodes",),
 }
 
-_OPTIONAL_FUNCTIONS: dict[str, tuple[str, ...]] = {"cuGraphDebugDotPrint": ("cuGraphDebugDotPrint",)}
+_OPTIONAL_FUNCTIONS: dict[str, tuple[str, ...]] = {
+    "cuGraphDebugDotPrint": ("cuGraphDebugDotPrint",),
+    "cuEventRecordWithFlags": ("cuEventRecordWithFlags",),  # CUDA 11.1
+}
 
 _ffi: cffi.FFI | None = None
 

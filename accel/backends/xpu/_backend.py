@@ -45,7 +45,7 @@ from accel._errors import (
 from accel._units import format_size
 from accel.backends import _capture
 from accel.backends._cffi import resolve_everything
-from accel.backends.base import Backend, CaptureMode, CaptureStatus, DeviceProperties
+from accel.backends.base import Backend, CaptureMode, CaptureStatus, DeviceProperties, TorchIntegration
 from accel.backends.xpu._bindings import WAIT_FOREVER, ZeLoader, describe_result
 from accel.backends.xpu._event_pool import EventSlot, EventSlots
 from accel.backends.xpu._host_worker import HostWorker
@@ -101,6 +101,8 @@ class XpuBackend(Sharing, Backend):
     """
 
     name = "xpu"
+    torch_device_type = "xpu"
+    torch_integration = TorchIntegration.SEPARATE_STREAMS
 
     def __init__(self, ze: ZeLoader, driver: object, devices: list[object], *, loader_version: str) -> None:
         self._ze = ze
@@ -752,6 +754,34 @@ class XpuBackend(Sharing, Backend):
         self._slots.set_current(e, slot)
         e.captured = None
 
+    def event_record_external(self, device: int, event: int, stream: int) -> None:
+        s = self._stream(device, stream)
+        capture = s.xpu_capture()
+        if capture is None:
+            self.event_record(device, event, stream)
+            return
+        e = self._event(device, event)
+        slot = self._slots.acquire(e.timing)
+
+        def append(cdata: object) -> None:
+            self._reset(s, cdata, slot)  # signalled by the previous replay
+            self._barrier(s, cdata, slot)
+
+        with capture.lock:
+            try:
+                self._record_node(s, f"record event {e.handle:#x}", append)
+            except BaseException:
+                self._slots.drop(slot)
+                raise
+            capture.signals.append(slot)
+        # Complete until a replay resets it: waiting on the event before the first
+        # replay returns, as waiting on an event CUDA has not recorded yet does.
+        self._check("zeEventHostSignal", self._ze.lib.zeEventHostSignal(slot.cdata), device)
+        # The event reads the slot each replay signals; the graph keeps its own hold.
+        self._slots.hold(slot)
+        self._slots.set_current(e, slot)
+        e.captured = None
+
     def _record_ipc(self, s: StreamState, e: EventState) -> None:
         """Re-arm an interprocess event's one Level Zero event: reset now (so that it reads
         as pending from the record on, as in CUDA), signalled when the stream gets there."""
@@ -961,6 +991,8 @@ class XpuBackend(Sharing, Backend):
         for reached, release, _ in capture.host_nodes:
             self._slots.drop(reached)
             self._slots.drop(release)
+        for slot in capture.signals:
+            self._slots.drop(slot)
 
     def stream_capture_status(self, device: int, stream: int) -> CaptureStatus:
         return _capture.status(self._stream(device, stream))
@@ -985,7 +1017,7 @@ class XpuBackend(Sharing, Backend):
             raise
         graph = GraphState(
             device, self._addr(capture.cdata), capture.cdata, capture.start, capture.done,
-            list(capture.nodes), list(capture.host_nodes), capture.keep,
+            list(capture.nodes), list(capture.host_nodes), capture.keep, signals=list(capture.signals),
         )
         with self._lock:
             self._graphs[graph.handle] = graph
@@ -1076,6 +1108,11 @@ class XpuBackend(Sharing, Backend):
         for reached, release, _ in g.host_nodes:
             self._slots.drop(reached)
             self._slots.drop(release)
+        for slot in g.signals:
+            self._slots.drop(slot)
+
+    def graph_node_count(self, device: int, graph: int) -> int | None:
+        return len(self._graph(device, graph).nodes)
 
     def graph_destroy(self, device: int, graph: int) -> None:
         g = self._graph(device, graph)

@@ -97,6 +97,7 @@ class CaptureState(Capture[str]):
         self.done = done
         self.host_nodes: list[tuple[EventSlot, EventSlot, Callable[[], None]]] = []
         self.keep: list[object] = []  # memory the recorded commands point at
+        self.signals: list[EventSlot] = []  # event slots recorded commands signal (event records)
 
 
 @dataclass(eq=False)
@@ -117,6 +118,7 @@ class GraphState:
     # list together), and one thread serves the host nodes of every replay.
     queue: object | None = None
     worker: HostWorker | None = None
+    signals: list[EventSlot] = field(default_factory=list)  # one hold each, dropped with the graph
 
 
 @dataclass(eq=False)
