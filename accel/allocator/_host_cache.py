@@ -92,7 +92,7 @@ class HostCachingAllocator:
     >>> host = HostCachingAllocator(CpuBackend(1, None), AllocatorConfig())
     >>> b = host.malloc(3000); b.size
     4096
-    >>> host.free(b); host.malloc(4000) is b
+    >>> host.free(b); host.malloc(4000).ptr == b.ptr  # the memory is reused
     True
     """
 
@@ -237,7 +237,12 @@ class HostCachingAllocator:
             # release this block, and keep what is already cached.
             self._host_free(block)
             return
-        self._free.setdefault(block.size, []).append(block)
+        # A fresh object holds the cached memory and the freed one is retired (as the
+        # device allocator retires its blocks): a stale free of it is then refused
+        # instead of freeing the block of whoever gets this memory next.
+        fresh = HostBlock(block.ptr, block.size)
+        self._live[block.ptr] = fresh
+        self._free.setdefault(block.size, []).append(fresh)
         self.cached_bytes += block.size
 
     def _process_events(self) -> None:
