@@ -17,6 +17,7 @@ module never imports it.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -25,6 +26,7 @@ from typing_extensions import Self
 from accel._device import Device, DeviceLike
 from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, NotSupportedError
 from accel._runtime import get_runtime
+from accel.allocator._fork import track_lock
 from accel.allocator._mempool import routed_allocator
 from accel.allocator._registry import registry
 from accel.stream import Stream, as_stream
@@ -152,6 +154,7 @@ class _Lease:
 # Creating a buffer's lease is rare (its first export) and never happens in
 # a finalizer, so a plain lock is safe here.
 _lease_lock = threading.Lock()
+track_lock(sys.modules[__name__], "_lease_lock")
 
 
 class Buffer(_CachedMemory):

@@ -19,6 +19,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
+from accel.allocator._fork import track_lock
 from accel.backends.base import Backend
 
 _MAX_REQUEST = 1 << 60  # 1 EiB, the device allocators' limit too
@@ -99,6 +100,7 @@ class HostCachingAllocator:
     def __init__(self, backend: Backend, config: AllocatorConfig) -> None:
         self.backend = backend
         self._lock = threading.Lock()
+        track_lock(self)
         self._free: dict[int, list[HostBlock]] = {}  # rounded size -> reusable blocks
         self._pending: list[HostBlock] = []  # freed, waiting for their events
         self._live: dict[int, HostBlock] = {}  # ptr -> every block this cache holds
