@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from accel._device import Device, as_device
-from accel._errors import AccelError, BackendUnavailableError, DeviceError
+from accel._errors import AccelError, BackendUnavailableError, DeviceError, HostFunctionError
 from accel.backends import BACKEND_NAMES, load_backend, select_backend
 from accel.backends.base import Backend
 
@@ -52,6 +52,10 @@ class Runtime:
         # Errors of host functions, per (device, stream handle): shared by every
         # wrapper of one stream (Stream, ExternalStream, from_torch...).
         self._host_errors: dict[tuple[int, int], collections.deque[tuple[str, BaseException]]] = {}
+        # Those of destroyed streams, per device: their queued work may still fail
+        # after the close; device synchronization reports them (as CUDA reports an
+        # asynchronous error at the next synchronizing call).
+        self._closed_errors: dict[int, list[tuple[int, collections.deque[tuple[str, BaseException]]]]] = {}
 
     def __repr__(self) -> str:
         return f"<accel runtime {self.name}: {self.device_count()} device(s)>"
@@ -74,9 +78,42 @@ class Runtime:
         return taken
 
     def destroy_stream(self, index: int, handle: int) -> None:
-        """Destroy a stream accel created, and forget what was kept for it."""
-        self._host_errors.pop((index, handle), None)
+        """Destroy a stream accel created; failures of its host functions that no
+        stream synchronize reported are kept for :meth:`raise_closed_stream_errors`."""
+        errors = self._host_errors.pop((index, handle), None)
+        if errors is not None and (errors or not self._idle(index, handle)):
+            with self._lock:
+                self._closed_errors.setdefault(index, []).append((handle, errors))
         self.backend.stream_destroy(index, handle)
+
+    def _idle(self, index: int, handle: int) -> bool:
+        """Whether the stream has no work left that could still fail."""
+        try:
+            return self.backend.stream_query(index, handle)
+        except AccelError:  # capturing, or the driver cannot tell: assume work is left
+            return False
+
+    def synchronize_device(self, index: int) -> None:
+        """Wait for every stream of device ``index``, closed ones included, then raise
+        :class:`~accel.HostFunctionError` for a host function of a closed stream that
+        failed and was never reported."""
+        with self._lock:
+            closed = self._closed_errors.pop(index, [])
+        try:
+            self.backend.device_synchronize(index)
+        except BaseException:
+            with self._lock:  # not waited for: keep them for the next synchronize
+                self._closed_errors[index] = closed + self._closed_errors.get(index, [])
+            raise
+        failures = [(handle, failure) for handle, errors in closed for failure in errors]
+        if failures:
+            handle, (name, first) = failures[0]
+            more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+            raise HostFunctionError(
+                f"host function {name} on closed stream {handle:#x} of {self.name}:{index} raised "
+                f"{type(first).__name__}: {first}{more} (a closed stream's work still runs; its failures "
+                "are reported by the next accel.synchronize() of its device)"
+            ) from first
 
     # -- devices --------------------------------------------------------------
 
