@@ -69,7 +69,7 @@ class Stream:
         )
         if launcher is not None:
             launcher.__doc__ = Stream.launch_host_func.__doc__
-            self.launch_host_func = launcher  # type: ignore[method-assign]
+            self.launch_host_func = launcher  # type: ignore[method-assign,assignment]
 
     def _init(self, runtime: Runtime, index: int, handle: int, priority: int, *, owned: bool) -> None:
         self._runtime = runtime
