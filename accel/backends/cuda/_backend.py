@@ -140,7 +140,7 @@ class _Waiters:
                 leave(device, pushed)
 
         if threading.current_thread() is not threading.main_thread():
-            return call()
+            return call()  # signals are only delivered to the main thread
         done = threading.Lock()
         done.acquire()
         box: list[Any] = []
@@ -634,16 +634,21 @@ class CudaBackend(GraphsAndHostFunctions, Backend):
         self._check("cuStreamDestroy", code, device, handle=f"stream {stream:#x}")
 
     def _wait(self, device: int, query: str, synchronize: str, handle: Any) -> int:
-        """``synchronize(handle)``'s result; asks ``query`` first, so that finished work
-        costs no hand-over to a waiter thread."""
+        """``synchronize(handle)``'s result. On the main thread ``query`` is asked first,
+        so that only unfinished work costs a hand-over to a waiter thread."""
+        if threading.current_thread() is threading.main_thread():
+            pushed = self._enter(device)
+            try:
+                code: int = self._fn[query](handle)
+            finally:
+                self._leave(device, pushed)
+            if code == CUDA_ERROR_NOT_READY:
+                return _waiters.run(self._fn[synchronize], self._enter, self._leave, device, handle)
         pushed = self._enter(device)
         try:
-            code: int = self._fn[query](handle)
+            return int(self._fn[synchronize](handle))
         finally:
             self._leave(device, pushed)
-        if code != CUDA_ERROR_NOT_READY:
-            return code
-        return _waiters.run(self._fn[synchronize], self._enter, self._leave, device, handle)
 
     def stream_query(self, device: int, stream: int) -> bool:
         self._drop_spent()
