@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -37,6 +38,13 @@ class _ThreadState(threading.local):
         self.device = 0
         self.streams: dict[int, Stream] = {}
         self.stream_stack: list[tuple[int, int, Stream | None]] = []
+
+
+def _shared(errors: collections.deque[tuple[str, BaseException]]) -> bool:
+    """Whether something besides a list entry (a queued host function, a stream's
+    worker) still holds ``errors``: this parameter, getrefcount's argument and the
+    entry's tuple account for three references."""
+    return sys.getrefcount(errors) > 3
 
 
 class Runtime:
@@ -81,17 +89,14 @@ class Runtime:
         """Destroy a stream accel created; failures of its host functions that no
         stream synchronize reported are kept for :meth:`raise_closed_stream_errors`."""
         errors = self._host_errors.pop((index, handle), None)
-        if errors is not None and (errors or not self._idle(index, handle)):
+        if errors is not None:
             with self._lock:
-                self._closed_errors.setdefault(index, []).append((handle, errors))
+                kept = self._closed_errors.setdefault(index, [])
+                kept.append((handle, errors))
+                # No backend call here (this runs in finalizers): what is dropped is what
+                # nothing can report into any more, empty and referenced only by this list.
+                kept[:] = [entry for entry in kept if entry[1] or _shared(entry[1])]
         self.backend.stream_destroy(index, handle)
-
-    def _idle(self, index: int, handle: int) -> bool:
-        """Whether the stream has no work left that could still fail."""
-        try:
-            return self.backend.stream_query(index, handle)
-        except AccelError:  # capturing, or the driver cannot tell: assume work is left
-            return False
 
     def synchronize_device(self, index: int) -> None:
         """Wait for every stream of device ``index``, closed ones included, then raise
