@@ -169,9 +169,13 @@ def set_stream(stream: Stream) -> None:
 
 
 def synchronize(device: DeviceLike = None, /) -> None:
-    """Wait for all work on every stream of ``device``."""
+    """Wait for all work on every stream of ``device``, closed streams included.
+
+    A host function of a closed stream that failed after the close (no
+    ``Stream.synchronize`` could report it) raises
+    :class:`~accel.HostFunctionError` here, once."""
     runtime = get_runtime()
-    runtime.backend.device_synchronize(runtime.index(device))
+    runtime.synchronize_device(runtime.index(device))
 
 
 def get_memory_info(device: DeviceLike = None, /) -> tuple[int, int]:

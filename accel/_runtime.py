@@ -10,12 +10,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from accel._device import Device, as_device
-from accel._errors import AccelError, DeviceError
+from accel._errors import AccelError, DeviceError, HostFunctionError
 from accel.backends import BACKEND_NAMES, load_backend, select_backend
 from accel.backends.base import Backend
 
@@ -39,6 +40,13 @@ class _ThreadState(threading.local):
         self.stream_stack: list[tuple[int, int, Stream | None]] = []
 
 
+def _shared(errors: collections.deque[tuple[str, BaseException]]) -> bool:
+    """Whether something besides a list entry (a queued host function, a stream's
+    worker) still holds ``errors``: this parameter, getrefcount's argument and the
+    entry's tuple account for three references."""
+    return sys.getrefcount(errors) > 3
+
+
 class Runtime:
     """A loaded backend plus the current-device and current-stream state over it."""
 
@@ -52,6 +60,10 @@ class Runtime:
         # Errors of host functions, per (device, stream handle): shared by every
         # wrapper of one stream (Stream, ExternalStream, from_torch...).
         self._host_errors: dict[tuple[int, int], collections.deque[tuple[str, BaseException]]] = {}
+        # Those of destroyed streams, per device: their queued work may still fail
+        # after the close; device synchronization reports them (as CUDA reports an
+        # asynchronous error at the next synchronizing call).
+        self._closed_errors: dict[int, list[tuple[int, collections.deque[tuple[str, BaseException]]]]] = {}
 
     def __repr__(self) -> str:
         return f"<accel runtime {self.name}: {self.device_count()} device(s)>"
@@ -74,9 +86,39 @@ class Runtime:
         return taken
 
     def destroy_stream(self, index: int, handle: int) -> None:
-        """Destroy a stream accel created, and forget what was kept for it."""
-        self._host_errors.pop((index, handle), None)
+        """Destroy a stream accel created; failures of its host functions that no
+        stream synchronize reported are kept for :meth:`raise_closed_stream_errors`."""
+        errors = self._host_errors.pop((index, handle), None)
+        if errors is not None:
+            with self._lock:
+                kept = self._closed_errors.setdefault(index, [])
+                kept.append((handle, errors))
+                # No backend call here (this runs in finalizers): what is dropped is what
+                # nothing can report into any more, empty and referenced only by this list.
+                kept[:] = [entry for entry in kept if entry[1] or _shared(entry[1])]
         self.backend.stream_destroy(index, handle)
+
+    def synchronize_device(self, index: int) -> None:
+        """Wait for every stream of device ``index``, closed ones included, then raise
+        :class:`~accel.HostFunctionError` for a host function of a closed stream that
+        failed and was never reported."""
+        with self._lock:
+            closed = self._closed_errors.pop(index, [])
+        try:
+            self.backend.device_synchronize(index)
+        except BaseException:
+            with self._lock:  # not waited for: keep them for the next synchronize
+                self._closed_errors[index] = closed + self._closed_errors.get(index, [])
+            raise
+        failures = [(handle, failure) for handle, errors in closed for failure in errors]
+        if failures:
+            handle, (name, first) = failures[0]
+            more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+            raise HostFunctionError(
+                f"host function {name} on closed stream {handle:#x} of {self.name}:{index} raised "
+                f"{type(first).__name__}: {first}{more} (a closed stream's work still runs; its failures "
+                "are reported by the next accel.synchronize() of its device)"
+            ) from first
 
     # -- devices --------------------------------------------------------------
 

@@ -17,6 +17,7 @@ module never imports it.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -27,6 +28,7 @@ from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, No
 from accel._runtime import get_runtime
 from accel.allocator import _mempool
 from accel.allocator._caching import MAX_REQUEST
+from accel.allocator._fork import track_lock
 from accel.allocator._mempool import routed_allocator
 from accel.allocator._registry import device_allocator, registry
 from accel.allocator._sharing import export_buffer
@@ -157,6 +159,7 @@ class _Lease:
 # Creating a buffer's lease is rare (its first export) and never happens in
 # a finalizer, so a plain lock is safe here.
 _lease_lock = threading.Lock()
+track_lock(sys.modules[__name__], "_lease_lock")
 
 
 class Buffer(_CachedMemory):

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from accel._errors import AccelError, CaptureError, DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
 from accel.allocator import _stats as S
 from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED, Block, Pool, PrivatePool, Segment
+from accel.allocator._fork import track_lock
 from accel.allocator._freelist import FreeList
 from accel.allocator._stats import (
     ALLOCATED_BYTES,
@@ -141,6 +142,7 @@ class DeviceAllocator:
                 f"the upstream resource serves device {self.upstream.device}, not device {device}"
             )
         self._lock = threading.Lock()
+        track_lock(self)
         self._stats = S.Stats()
         self._s = self._stats.s  # the flat counters, for the hot paths
         self._small = Pool(True, None)

@@ -27,6 +27,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
+from accel.allocator._fork import track_lock
 from accel.allocator._pool_ids import PoolId
 from accel.backends.base import Backend, CaptureStatus
 
@@ -102,13 +103,14 @@ class HostCachingAllocator:
     >>> host = HostCachingAllocator(CpuBackend(1, None), AllocatorConfig())
     >>> b = host.malloc(3000); b.size
     4096
-    >>> host.free(b); host.malloc(4000) is b
+    >>> host.free(b); host.malloc(4000).ptr == b.ptr  # the memory is reused
     True
     """
 
     def __init__(self, backend: Backend, config: AllocatorConfig) -> None:
         self.backend = backend
         self._lock = threading.Lock()
+        track_lock(self)
         self._free: dict[int, list[HostBlock]] = {}  # rounded size -> reusable blocks
         self._pending: list[HostBlock] = []  # freed, waiting for their events
         self._live: dict[int, HostBlock] = {}  # ptr -> every block this cache holds
@@ -279,7 +281,12 @@ class HostCachingAllocator:
             # release this block, and keep what is already cached.
             self._host_free(block)
             return
-        self._free.setdefault(block.size, []).append(block)
+        # A fresh object holds the cached memory and the freed one is retired (as the
+        # device allocator retires its blocks): a stale free of it is then refused
+        # instead of freeing the block of whoever gets this memory next.
+        fresh = HostBlock(block.ptr, block.size)
+        self._live[block.ptr] = fresh
+        self._free.setdefault(block.size, []).append(fresh)
         self.cached_bytes += block.size
 
     # -- captures -------------------------------------------------------------------

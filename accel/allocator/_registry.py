@@ -18,6 +18,7 @@ from accel._device import DeviceLike
 from accel._errors import InvalidValueError
 from accel._runtime import Runtime, get_runtime
 from accel.allocator._caching import DeviceAllocator
+from accel.allocator._fork import track_lock
 from accel.allocator._history import History
 from accel.allocator._host_cache import HostCachingAllocator
 from accel.allocator._resources import MemoryResource
@@ -51,6 +52,7 @@ class AllocatorRegistry:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.lock = threading.Lock()
+        track_lock(self, "lock")
         self.config: AllocatorConfig = config_for_backend(runtime.name)
         self.allocators: dict[int, DeviceAllocator] = {}
         self.upstreams: dict[int, MemoryResource] = {}

@@ -29,6 +29,7 @@ Conventions every implementation follows:
 from __future__ import annotations
 
 import abc
+import collections
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -328,6 +329,20 @@ class Backend(abc.ABC):
         """Run ``fn`` on a host thread once prior work on ``stream`` completed;
         later work on the stream waits for it. ``fn`` must not raise (the layer
         above wraps it) and must not call into the backend's stream API."""
+
+    def host_func_launcher(
+        self,
+        device: int,
+        stream: int,
+        errors: collections.deque[tuple[str, BaseException]],
+        fallback: Callable[[Callable[[], object]], None],
+    ) -> Callable[[Callable[[], object]], None] | None:
+        """Optional fast path for host functions on a created ``stream``: a function
+        that queues ``fn`` unwrapped, reporting an exception it raises as
+        ``(name, exception)`` in ``errors``, and calls ``fallback(fn)`` whenever
+        it cannot (capture, closed stream, ``fn`` not callable). None when the
+        backend has no such path (every call then goes to :meth:`launch_host_func`)."""
+        return None
 
     # -- capture and graphs (optional) -----------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import sys
 import threading
 import weakref
@@ -21,6 +22,14 @@ if TYPE_CHECKING:
     from accel.stream._event import Event
 
 __all__ = ["ExternalStream", "Stream", "as_stream"]
+
+
+def _launch_slow(ref: weakref.ref[Stream], fn: Callable[[], object]) -> None:
+    """The full launch_host_func path, for a call the backend's fast path cannot take."""
+    stream = ref()
+    if stream is None:  # only reachable through a launch_host_func kept past its stream
+        raise InvalidHandleError("the stream of this launch_host_func was garbage-collected (and so closed)")
+    Stream.launch_host_func(stream, fn)
 
 
 class Stream:
@@ -52,6 +61,15 @@ class Stream:
         clamped = min(max(priority, greatest), least)  # lower number = higher priority
         handle = runtime.backend.stream_create(index, clamped)
         self._init(runtime, index, handle, clamped, owned=True)
+        # The backend's fast path for host functions, bound as this object's method: one
+        # call from the user to the queue. It holds no reference to this Stream (the
+        # finalizer must still run when the last user reference goes).
+        launcher = runtime.backend.host_func_launcher(
+            index, handle, self._host_errors(), functools.partial(_launch_slow, weakref.ref(self))
+        )
+        if launcher is not None:
+            launcher.__doc__ = Stream.launch_host_func.__doc__
+            self.launch_host_func = launcher  # type: ignore[method-assign,assignment]
 
     def _init(self, runtime: Runtime, index: int, handle: int, priority: int, *, owned: bool) -> None:
         self._runtime = runtime
@@ -288,9 +306,7 @@ class Stream:
         if self._closed:
             self._live()  # raises
         handle = self._handle
-        errors = self._errors
-        if errors is None:
-            errors = self._errors = self._runtime.host_errors(self._device, handle)
+        errors = self._host_errors()
         name = getattr(fn, "__qualname__", repr(fn))
 
         def run() -> None:
@@ -301,6 +317,13 @@ class Stream:
 
         run.__qualname__ = name
         self._runtime.backend.launch_host_func(self._device, handle, run)
+
+    def _host_errors(self) -> collections.deque[tuple[str, BaseException]]:
+        """Where host functions queued on this stream report failures (shared by its wrappers)."""
+        errors = self._errors
+        if errors is None:
+            errors = self._errors = self._runtime.host_errors(self._device, self._handle)
+        return errors
 
     def _keep_alive(self, *owners: object) -> None:
         """Hold Python objects that own copy operands until the work ran."""

@@ -328,6 +328,25 @@ def test_host_buffer_finalizer_and_cache_limits():
         capped.free(blocks[0])
 
 
+def test_a_stale_host_block_is_refused_after_its_memory_was_reused():
+    """A freed HostBlock is retired: freeing it again cannot free the next owner's block."""
+    from accel.allocator._host_cache import HostCachingAllocator
+    from accel.allocator.config import AllocatorConfig
+
+    host = HostCachingAllocator(accel.current_stream()._runtime.backend, AllocatorConfig())
+    old = host.malloc(3000)
+    host.free(old)
+    new = host.malloc(3000)
+    assert new.ptr == old.ptr  # the same memory, served from the cache
+    with pytest.raises(InvalidHandleError, match="not allocated"):
+        host.free(old)
+    with pytest.raises(InvalidHandleError, match="not allocated"):
+        host.record_stream(old, accel.current_stream())
+    assert host.stats()["allocated_bytes"] == 4096  # the new owner's block is untouched
+    host.free(new)
+    assert host.stats()["allocated_bytes"] == 0
+
+
 def test_a_refused_settings_change_never_reaches_the_live_allocator():
     from accel.allocator import add_change_listener, config_for_backend, remove_change_listener, set_settings
 

@@ -116,3 +116,24 @@ def test_exporting_a_buffer_whose_stream_was_closed() -> None:
         del view
         """,
     )
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_a_closed_streams_failed_host_function_is_reported_by_device_synchronize(backend: str) -> None:
+    run(
+        backend,
+        """
+        import pytest
+
+        def failing_after_close():
+            raise ValueError("late")
+
+        s.launch_host_func(failing_after_close)
+        s.close()  # before the function ran: no stream synchronize can report it
+        gate.set()
+        with pytest.raises(accel.HostFunctionError, match=r"failing_after_close on closed stream .* ValueError: late"):
+            accel.synchronize()
+        accel.synchronize()  # reported once
+        buf.free()
+        """,
+    )

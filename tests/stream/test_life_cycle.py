@@ -213,10 +213,11 @@ def test_host_functions_that_cannot_finish_at_exit_are_reported() -> None:
     assert "4 item(s) of work queued on host streams" in result.stderr and "dropped" in result.stderr, result.stderr
 
 
-# cpu only: the CUDA and Level Zero backends wait inside the driver (one C call), so
-# the interpreter sees the signal only when the wait ends.
-@pytest.mark.parametrize("backend", ["cpu"])
-def test_sigint_interrupts_synchronize_and_leaves_the_stream_usable(backend: str) -> None:
+# On CUDA and Level Zero the wait happens inside the driver: the backends must wait so
+# that the interpreter still runs its signal handlers (helper threads, sliced waits).
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+@pytest.mark.parametrize("wait", ["stream", "event", "device"])
+def test_sigint_interrupts_synchronize_and_leaves_the_stream_usable(backend: str, wait: str) -> None:
     code = """
     import os, signal, threading, time, accel
     s = accel.Stream()
@@ -224,8 +225,9 @@ def test_sigint_interrupts_synchronize_and_leaves_the_stream_usable(backend: str
     s.launch_host_func(lambda: gate.wait(30))
     threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
     start = time.monotonic()
+    waits = {"stream": s.synchronize, "event": s.record_event().synchronize, "device": accel.synchronize}
     try:
-        s.synchronize()
+        waits[WAIT]()
     except KeyboardInterrupt:
         waited = time.monotonic() - start
     else:
@@ -239,6 +241,6 @@ def test_sigint_interrupts_synchronize_and_leaves_the_stream_usable(backend: str
     accel.synchronize()
     print("ok")
     """
-    result = run(backend, code)
+    result = run(backend, code.replace("WAIT", repr(wait)))
     ok(result)
     assert "after" in result.stdout

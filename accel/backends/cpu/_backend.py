@@ -8,6 +8,7 @@ a GPU.
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Callable
 from functools import cache
@@ -260,6 +261,16 @@ class CpuBackend(Backend):
         self._streams.stream(device, stream).submit(
             lambda: f"host function {getattr(fn, '__qualname__', type(fn).__name__)}", fn
         )
+
+    def host_func_launcher(
+        self,
+        device: int,
+        stream: int,
+        errors: collections.deque[tuple[str, BaseException]],
+        fallback: Callable[[Callable[[], object]], None],
+    ) -> Callable[[Callable[[], object]], None] | None:
+        host = self._streams.stream(device, stream)
+        return None if host.inline else host.launcher(errors, fallback)
 
     # -- capture and graphs ---------------------------------------------------------
 

@@ -19,7 +19,9 @@ topological order).
 from __future__ import annotations
 
 import atexit
+import collections
 import ctypes
+import functools
 import itertools
 import os
 import queue
@@ -58,6 +60,15 @@ def _finish_at_exit(table_ref: weakref.ref[StreamTable]) -> None:
             "accel",
             0,
         )
+
+
+def _forked(table_ref: weakref.ref[StreamTable]) -> None:
+    """In a forked child the streams have no workers: host functions must take the
+    full path (which the runtime refuses there) instead of the direct append."""
+    table = table_ref()
+    if table is not None:
+        for stream in list(table._streams.values()) + table._closing:
+            stream.direct = False
 
 
 def new_handle() -> int:
@@ -197,11 +208,17 @@ class SharedHostEvent(HostEvent):
 class HostStream:
     """An ordered queue of work; ``inline`` streams run work on the caller's thread.
 
-    The hot paths take as few locks and wake-ups as CPython allows: work goes
-    into a ``queue.SimpleQueue`` (a C queue: one call to enqueue, the worker
-    blocks in C), the submit count is bumped under a plain lock, and the
-    worker takes a lock after an item only to publish the completion count and
-    to wake a synchronizing thread, which it wakes only when one waits.
+    The hot paths take as few locks and wake-ups as CPython allows. Work goes
+    into a ``collections.deque`` (one C call, ordered by the GIL, no lock);
+    the worker runs the item at the head and pops it only afterwards, so an
+    empty deque means every item queued so far has run (``idle``). The worker
+    sleeps on a ``queue.SimpleQueue`` token only after announcing it in
+    ``sleeping`` and finding the deque still empty; a producer puts a token only
+    when it sees that flag, so a busy stream costs no wake-up at all.
+    ``synchronize`` queues a lock's ``release`` and waits on the lock.
+
+    Host functions from :meth:`launcher` are queued as they are (no wrapper per
+    item); the worker catches their exceptions and appends them to ``errors``.
     """
 
     def __init__(self, device: int, priority: int, *, inline: bool) -> None:
@@ -209,18 +226,32 @@ class HostStream:
         self.device = device
         self.priority = priority
         self.inline = inline
-        self.capture: Capture[Node] | None = None
-        self._lock = threading.Lock()  # orders submits; guards _waiters
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._submitted = 0
-        self._completed = 0  # written by the worker only
-        self._waiters: list[tuple[int, threading.Lock]] = []
+        self._capture: Capture[Node] | None = None
+        self.closed = False
+        # Whether a host function may go straight into the queue: a created stream,
+        # neither capturing nor closed. Read by launcher() on every call.
+        self.direct = not inline
+        self.errors: collections.deque[tuple[str, BaseException]] | None = None
+        self._lock = threading.Lock()  # orders close() against synchronize()'s marker
+        self._items: collections.deque[Callable[[], object]] = collections.deque()
+        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self.sleeping = False
+        self._finished = threading.Event()  # set by the worker when it stops
         self._thread: threading.Thread | None = None
         if not inline:
             self._thread = threading.Thread(
                 target=self._drain, name=f"accel-cpu{device}-stream-{self.handle:#x}", daemon=True
             )
             self._thread.start()
+
+    @property
+    def capture(self) -> Capture[Node] | None:
+        return self._capture
+
+    @capture.setter
+    def capture(self, capture: Capture[Node] | None) -> None:
+        self._capture = capture
+        self.direct = capture is None and not self.inline and not self.closed
 
     @property
     def is_default(self) -> bool:
@@ -232,75 +263,114 @@ class HostStream:
 
         ``description`` names the work in a captured graph; a callable is only
         called then (formatting it on every submit costs more than the submit)."""
-        capture = self.capture
+        capture = self._capture
         if capture is not None:
             capture.add(self, Node(description if isinstance(description, str) else description(), work))
             return
         if self.inline:
             work()
             return
-        # Counted before it is queued, in queue order: when the worker has completed
-        # ``_submitted`` items as read by a synchronizing thread, everything that
-        # thread saw queued has run.
-        with self._lock:
-            self._submitted += 1
-            self._queue.put(work)
+        self._put(work)
+
+    def _put(self, work: Callable[[], object]) -> None:
+        self._items.append(work)
+        if self.sleeping:
+            self.sleeping = False
+            self._wake.put(None)
+
+    def launcher(
+        self, errors: collections.deque[tuple[str, BaseException]], fallback: Callable[[Callable[[], object]], None]
+    ) -> Callable[[Callable[[], object]], None]:
+        """A function that queues a host function with one deque append while the
+        stream is ``direct``, and hands it to ``fallback`` otherwise (capture,
+        closed stream, not callable: the checks and errors of the full path)."""
+        self.errors = errors
+        append = self._items.append
+        wake = self._wake.put
+        stream = self
+
+        def launch_host_func(fn: Callable[[], object]) -> None:
+            if stream.direct and callable(fn):
+                append(fn)
+                if stream.sleeping:
+                    stream.sleeping = False
+                    wake(None)
+            else:
+                fallback(fn)
+
+        return launch_host_func
 
     def idle(self) -> bool:
-        return self._completed >= self._submitted
+        return not self._items
 
     def synchronize(self) -> None:
-        target = self._submitted
-        if self._completed >= target:
-            return
-        waiter = threading.Lock()
-        waiter.acquire()
-        with self._lock:
-            if self._completed >= target:
-                return
-            self._waiters.append((target, waiter))
-        waiter.acquire()  # released by the worker; a signal interrupts it (KeyboardInterrupt)
+        if self._items:
+            self._wait(None)
 
     def wait_idle(self, timeout: float) -> int:
         """Wait up to ``timeout`` seconds for the queue to drain; the items still queued."""
-        target = self._submitted
-        if self._completed < target:
-            waiter = threading.Lock()
+        marker = self._wait(timeout) if self._items else None
+        return sum(1 for work in list(self._items) if work is not _STOP and work != marker)
+
+    def _wait(self, timeout: float | None) -> Callable[[], object] | None:
+        """Wait for the work queued so far; the marker queued for it, if one was."""
+        waiter = threading.Lock()
+        waiter.acquire()
+        marker = waiter.release
+        with self._lock:
+            closed = self.closed
+            if not closed:
+                self._put(marker)
+        # A signal interrupts either wait in the main thread (KeyboardInterrupt).
+        if closed:  # the stop marker is queued: nothing may follow it
+            self._finished.wait(timeout)
+            return None
+        if timeout is None:
             waiter.acquire()
-            with self._lock:
-                self._waiters.append((target, waiter))
+        else:
             waiter.acquire(timeout=timeout)
-        return self._submitted - self._completed
+        return marker
 
     def close(self) -> None:
         """Stop the worker once the work already queued has run."""
-        if self._thread is not None:
-            self._queue.put(None)
+        with self._lock:
+            self.closed = True
+            self.direct = False
+            if self._thread is not None:
+                self._put(_STOP)
 
     def _drain(self) -> None:
-        get = self._queue.get
-        lock = self._lock
+        items = self._items
+        get = self._wake.get
         while True:
-            work = get()
-            if work is None:
-                return
-            try:
-                work()
-            except BaseException:  # noqa: BLE001 - a failing item must not kill the queue
-                # Host functions are wrapped above the backend and report their
-                # own errors; nothing else queued here can raise.
-                pass
-            with lock:
-                done = self._completed = self._completed + 1
-                waiters = self._waiters
-                if waiters:
-                    keep = []
-                    for target, waiter in waiters:
-                        if target <= done:
-                            waiter.release()
-                        else:
-                            keep.append((target, waiter))
-                    self._waiters = keep
+            while items:
+                work = items[0]
+                if work is _STOP:
+                    items.popleft()
+                    self._finished.set()
+                    return
+                try:
+                    work()
+                except BaseException as exc:  # noqa: BLE001 - a failing item must not kill the queue
+                    self._failed(work, exc)
+                items.popleft()  # only now: an empty queue means everything ran
+            self.sleeping = True
+            if items:  # queued before the flag was seen: no token is coming for it
+                self.sleeping = False
+                continue
+            get()
+
+    def _failed(self, work: Callable[[], object], exc: BaseException) -> None:
+        """Report a host function queued by launcher(); the backend's own items
+        (copies, fills, markers, wrapped host functions) do not raise."""
+        errors = self.errors
+        if errors is not None:
+            errors.append((getattr(work, "__qualname__", None) or repr(work), exc))
+
+
+def _STOP() -> None:
+    """Queued by close(): the worker stops when it reaches it."""
+
 
 
 class StreamTable:
@@ -320,6 +390,7 @@ class StreamTable:
         self.defaults = []
         self.pid = os.getpid()
         atexit.register(_finish_at_exit, weakref.ref(self))
+        os.register_at_fork(after_in_child=functools.partial(_forked, weakref.ref(self)))
         for device in range(device_count):
             stream = HostStream(device, 0, inline=True)
             self._streams[stream.handle] = stream

@@ -26,6 +26,7 @@ Design points (the protocol docstrings in ``accel.backends.base`` are the contra
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -110,6 +111,67 @@ def _format_uuid(raw: bytes) -> str:
     """16 bytes -> ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`` as nvidia-smi prints it."""
     h = raw.hex()
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+class _Waiters:
+    """Blocking driver waits run on helper threads when the main thread asks.
+
+    ``cuStreamSynchronize`` and its kin wait inside the driver, where the
+    interpreter cannot run signal handlers: Ctrl-C would only be seen when the
+    work ended. The main thread (the only one Python delivers signals to) hands
+    the wait to a helper thread and waits on a lock, which a signal interrupts;
+    an interrupted wait goes on in its helper and its result is dropped. Other
+    threads call the driver directly. Helpers are reused; one is started when
+    none is idle.
+    """
+
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue[tuple[Any, tuple[Any, ...], list[Any], threading.Lock]] = (
+            queue.SimpleQueue()
+        )
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def run(self, fn: Any, enter: Any, leave: Any, device: int, *args: Any) -> int:
+        """``fn(*args)`` with ``device``'s context current (``enter``/``leave``)."""
+
+        def call() -> int:
+            pushed = enter(device)
+            try:
+                return int(fn(*args))
+            finally:
+                leave(device, pushed)
+
+        if threading.current_thread() is not threading.main_thread():
+            return call()  # signals are only delivered to the main thread
+        done = threading.Lock()
+        done.acquire()
+        box: list[Any] = []
+        with self._lock:
+            if self._idle:
+                self._idle -= 1
+            else:
+                threading.Thread(target=self._serve, name="accel-cuda-waiter", daemon=True).start()
+        self._requests.put((call, (), box, done))
+        done.acquire()  # a signal interrupts this (KeyboardInterrupt); the helper goes on
+        result = box[0]
+        if isinstance(result, BaseException):
+            raise result
+        return int(result)
+
+    def _serve(self) -> None:
+        while True:
+            call, args, box, done = self._requests.get()
+            try:
+                box.append(call(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                box.append(exc)
+            with self._lock:
+                self._idle += 1
+            done.release()
+
+
+_waiters = _Waiters()
 
 
 class CudaBackend(GraphsAndHostFunctions, Sharing, Backend):
@@ -350,7 +412,11 @@ class CudaBackend(GraphsAndHostFunctions, Sharing, Backend):
             # whether or not an event marks it.
             with self._lock:
                 entries = self._retiring.pop(device, [])
-            code = self._fn["cuCtxSynchronize"]()
+            try:
+                code = _waiters.run(self._fn["cuCtxSynchronize"], self._enter, self._leave, device)
+            except BaseException:  # interrupted (KeyboardInterrupt): the next synchronize releases them
+                self._park(device, entries)
+                raise
             if code != CUDA_SUCCESS:
                 self._park(device, entries)
                 raise self._error("cuCtxSynchronize", code, device)
@@ -574,6 +640,23 @@ class CudaBackend(GraphsAndHostFunctions, Sharing, Backend):
             self._leave(device, pushed)
         self._check("cuStreamDestroy", code, device, handle=f"stream {stream:#x}")
 
+    def _wait(self, device: int, query: str, synchronize: str, handle: Any) -> int:
+        """``synchronize(handle)``'s result. On the main thread ``query`` is asked first,
+        so that only unfinished work costs a hand-over to a waiter thread."""
+        if threading.current_thread() is threading.main_thread():
+            pushed = self._enter(device)
+            try:
+                code: int = self._fn[query](handle)
+            finally:
+                self._leave(device, pushed)
+            if code == CUDA_ERROR_NOT_READY:
+                return _waiters.run(self._fn[synchronize], self._enter, self._leave, device, handle)
+        pushed = self._enter(device)
+        try:
+            return int(self._fn[synchronize](handle))
+        finally:
+            self._leave(device, pushed)
+
     def stream_query(self, device: int, stream: int) -> bool:
         self._drop_spent()
         pushed = self._enter(device)
@@ -587,11 +670,7 @@ class CudaBackend(GraphsAndHostFunctions, Sharing, Backend):
         return True
 
     def stream_synchronize(self, device: int, stream: int) -> None:
-        pushed = self._enter(device)
-        try:
-            code = self._fn["cuStreamSynchronize"](self._stream(stream))
-        finally:
-            self._leave(device, pushed)
+        code = self._wait(device, "cuStreamQuery", "cuStreamSynchronize", self._stream(stream))
         self._check("cuStreamSynchronize", code, device, handle=f"stream {stream:#x}")
         self._drop_spent()
 
@@ -666,11 +745,7 @@ class CudaBackend(GraphsAndHostFunctions, Sharing, Backend):
             self._leave(device, pushed)
 
     def event_synchronize(self, device: int, event: int) -> None:
-        pushed = self._enter(device)
-        try:
-            code = self._fn["cuEventSynchronize"](self._event(event))
-        finally:
-            self._leave(device, pushed)
+        code = self._wait(device, "cuEventQuery", "cuEventSynchronize", self._event(event))
         self._check("cuEventSynchronize", code, device, handle=f"event {event:#x}")
         self._drop_spent()
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 from accel._errors import (
     CaptureError,
@@ -84,6 +84,19 @@ _MIN_VM_GRANULARITY = 2 << 20
 _MARKER_EVERY = 128
 _MALLOC_ALIGNMENT = 512
 _NOT_READY = 1  # ZE_RESULT_NOT_READY
+
+# Host waits are cut into slices of this many ns: between two, the interpreter runs
+# signal handlers, so Ctrl-C interrupts a synchronize (one wait forever inside the
+# driver would hold it off until the work ended).
+_WAIT_SLICE_NS = 50_000_000
+
+
+def _wait(host_synchronize: Any, handle: Any) -> int:
+    """``host_synchronize(handle, timeout)`` until it stops answering NOT_READY."""
+    while True:
+        code: int = host_synchronize(handle, _WAIT_SLICE_NS)
+        if code != _NOT_READY:
+            return code
 _UNSUPPORTED_FEATURE = 0x78000003
 _UNSUPPORTED_SIZE = 0x78000009
 _OOM_CODES = (0x70000002, 0x70000003)
@@ -634,7 +647,7 @@ class XpuBackend(Sharing, Backend):
         for stream, marker in retired:
             if marker is not None:
                 if wait:
-                    self._check("zeEventHostSynchronize", lib.zeEventHostSynchronize(marker.cdata, WAIT_FOREVER))
+                    self._check("zeEventHostSynchronize", _wait(lib.zeEventHostSynchronize, marker.cdata))
                 elif lib.zeEventQueryStatus(marker.cdata) == _NOT_READY:
                     keep.append((stream, marker))
                     continue
@@ -667,7 +680,7 @@ class XpuBackend(Sharing, Backend):
         lib = self._ze.lib
         if self._host_synchronize:
             with s.lock:
-                code = lib.zeCommandListHostSynchronize(s.cdata, WAIT_FOREVER)
+                code = _wait(lib.zeCommandListHostSynchronize, s.cdata)
                 if code != _UNSUPPORTED_FEATURE:
                     self._check("zeCommandListHostSynchronize", code, s.device)
                     s.done = s.seq
@@ -682,7 +695,7 @@ class XpuBackend(Sharing, Backend):
             slot = s.markers[-1][1]
             self._slots.hold(slot)
         try:
-            self._check("zeEventHostSynchronize", lib.zeEventHostSynchronize(slot.cdata, WAIT_FOREVER), s.device)
+            self._check("zeEventHostSynchronize", _wait(lib.zeEventHostSynchronize, slot.cdata), s.device)
         finally:
             self._slots.drop(slot)
         with s.lock:
@@ -820,7 +833,7 @@ class XpuBackend(Sharing, Backend):
         if slot is None:
             return
         try:
-            code = self._ze.lib.zeEventHostSynchronize(slot.cdata, WAIT_FOREVER)
+            code = _wait(self._ze.lib.zeEventHostSynchronize, slot.cdata)
             self._check("zeEventHostSynchronize", code, device)
         finally:
             self._slots.drop(slot)

@@ -1,0 +1,45 @@
+"""The allocator's locks across fork(): a forked child may free what it inherited
+without waiting forever on a lock another parent thread held at the fork."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import CONFORMANCE_BACKENDS
+from tests.stream.test_life_cycle import ok, run
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_explicit_frees_in_a_forked_child_while_a_parent_thread_hammers_the_allocator(backend: str) -> None:
+    code = """
+    import os, threading, accel
+
+    stop = threading.Event()
+
+    def hammer():
+        while not stop.is_set():
+            accel.memory.allocate(4096).free()
+            accel.memory.allocate_host(4096).free()
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    for _ in range(150):
+        buf, staging = accel.memory.allocate(64), accel.memory.allocate_host(64)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                buf.free()  # the parent's memory: released in the child without a hang
+                staging.free()
+            except accel.AccelError as exc:  # or refused, saying to use spawn
+                os._exit(0 if "spawn" in str(exc) else 3)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, status
+        buf.free()
+        staging.free()
+    stop.set()
+    thread.join()
+    accel.memory.allocate(64).free()  # the parent's allocator still works
+    print("ok")
+    """
+    ok(run(backend, code, timeout=60))
