@@ -120,3 +120,17 @@ def test_cuda_stream_protocol_objects_become_accel_streams(cuda):
     event.record(theirs)  # accepted wherever accel takes a stream
     event.synchronize()
     assert side.__cuda_stream__() == (0, side.native_handle)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this torch holds CUDA tensors")
+def test_torch_without_cuda_is_refused_before_allocating(cuda):
+    from accel import memory
+
+    # A CPU-only torch raised AssertionError from deep inside torch.cuda.
+    with pytest.raises(accel.NotSupportedError, match="cannot hold tensors on cuda.*accel.memory.allocate"):
+        accel.empty((4, 4))
+    buf = memory.allocate(64)
+    with pytest.raises(accel.NotSupportedError, match="cannot hold tensors on cuda"):
+        accel.as_tensor(buf)
+    buf.free()
+    assert memory.memory_allocated() == 0
