@@ -379,7 +379,13 @@ class Stream:
         if kind == "cpu":
             return torch.Stream("cpu")
         if kind == "cuda":
-            return torch.cuda.ExternalStream(self.native_handle, device=torch.device("cuda", self._device))
+            try:
+                return torch.cuda.ExternalStream(self.native_handle, device=torch.device("cuda", self._device))
+            except (RuntimeError, AssertionError) as exc:  # a torch built without CUDA
+                raise NotSupportedError(
+                    f"torch {torch.__version__} cannot use {self!r} ({exc}); install a torch build "
+                    "for CUDA, or order work across accel and torch with synchronize()"
+                ) from exc
         raise NotSupportedError(_NO_SHARED_STREAMS.format(kind=kind))
 
 
@@ -437,7 +443,8 @@ def as_stream(obj: object, device: DeviceLike = None, *, role: str = "stream", o
     torch = sys.modules.get("torch")  # a torch stream implies torch is imported already
     if torch is not None and isinstance(obj, torch.Stream):
         return Stream.from_torch(obj)
-    protocol = getattr(obj, "__cuda_stream__", None)
+    # Not on a class: its __cuda_stream__ is an unbound function.
+    protocol = None if isinstance(obj, type) else getattr(obj, "__cuda_stream__", None)
     if protocol is not None:
         runtime = get_runtime()
         if runtime.name != "cuda":
