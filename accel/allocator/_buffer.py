@@ -116,9 +116,7 @@ class _CachedMemory:
         block = self._block
         if block is None:
             raise InvalidHandleError(f"record_stream on {self!r}, which was freed")
-        if not isinstance(stream, Stream):
-            raise InvalidValueError(f"record_stream needs an accel.Stream, got {stream!r}")
-        self._allocator.record_stream(block, stream)
+        self._allocator.record_stream(block, as_stream(stream, role="stream", optional=False))
 
     def __enter__(self) -> Self:
         return self
@@ -127,7 +125,8 @@ class _CachedMemory:
         self.free()
 
     def __del__(self) -> None:
-        block = self._block
+        # getattr: __init__ may have failed before setting the slot.
+        block = getattr(self, "_block", None)
         if block is not None:
             self._block = None
             self._allocator.free_from_finalizer(block)
