@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import sys
 import threading
 import weakref
@@ -389,6 +390,8 @@ class Stream:
         raise NotSupportedError(_NO_SHARED_STREAMS.format(kind=kind))
 
 
+_HANDLE_LIMIT = 1 << (8 * ctypes.sizeof(ctypes.c_void_p))
+
 # c10::DeviceType's numbers, which torch.Stream.device_type reports.
 _TORCH_DEVICE_TYPES = {"cpu": 0, "cuda": 1, "xpu": 12}
 
@@ -417,8 +420,9 @@ class ExternalStream(Stream):
     """
 
     def __init__(self, handle: int, device: DeviceLike = None) -> None:
-        if isinstance(handle, bool) or not isinstance(handle, int) or handle < 0:
-            raise InvalidValueError(f"handle={handle!r} must be a stream handle (a non-negative int)")
+        # A handle wider than a pointer would be wrapped silently by the driver binding (2**64: NULL).
+        if isinstance(handle, bool) or not isinstance(handle, int) or not 0 <= handle < _HANDLE_LIMIT:
+            raise InvalidValueError(f"handle={handle!r} must be a stream handle (a non-negative int of pointer width)")
         runtime = get_runtime()
         index = runtime.index(device)
         # Asking the backend about the handle now turns a wrong handle into an

@@ -134,3 +134,15 @@ def test_torch_without_cuda_is_refused_before_allocating(cuda):
         accel.as_tensor(buf)
     buf.free()
     assert memory.memory_allocated() == 0
+
+
+def test_a_consumer_stream_handle_wider_than_a_pointer_is_refused(cuda):
+    # 2**64 was wrapped to 0 by the binding: the export ordered on the NULL stream instead.
+    from accel import memory
+
+    buf = memory.allocate(16)
+    with pytest.raises(accel.InvalidValueError, match="pointer width"):
+        buf.__dlpack__(stream=1 << 64)
+    with pytest.raises(accel.InvalidValueError, match="pointer width"):
+        accel.ExternalStream(1 << 64)
+    buf.free()
