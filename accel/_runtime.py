@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from accel._device import Device, as_device
 from accel._errors import AccelError, BackendUnavailableError, DeviceError
-from accel.backends import BACKEND_NAMES, load_backend, select_backend
+from accel.backends import BACKEND_NAMES, initialized_backend_names, load_backend, select_backend
 from accel.backends.base import Backend
 
 if TYPE_CHECKING:
@@ -261,9 +261,12 @@ def _ignore(*args: object) -> None:
 def _after_fork_in_child() -> None:
     global _runtime, _runtime_lock, _forked_from
     _runtime_lock = threading.Lock()  # another parent thread may have held it
-    if not _runtimes:
+    # A backend loaded (or being loaded by another thread) in the parent has
+    # driver state the child cannot use, even before its runtime exists.
+    initialized = set(_runtimes) | initialized_backend_names()
+    if not initialized:
         return  # the parent never initialized accel: the child starts fresh
-    _forked_from = ", ".join(sorted(_runtimes))
+    _forked_from = ", ".join(sorted(initialized))
     message = _fork_message(_forked_from)
     for runtime in _runtimes.values():
         runtime.backend = _ForkedBackend(runtime.name, message)  # type: ignore[assignment]

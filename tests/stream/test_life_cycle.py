@@ -132,6 +132,40 @@ print("ok")
 
 
 @pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_a_child_forked_while_another_thread_loads_the_backend_is_refused(backend: str) -> None:
+    """The loading thread held the backend registry's lock at the fork: the child hung on it
+    (and would have used a driver the parent had initialized)."""
+    code = """
+    import importlib, os, sys, threading, time, accel
+
+    module = importlib.import_module(f"accel.backends.{os.environ['ACCEL_BACKEND']}")
+    real_load, loading = module.load, threading.Event()
+
+    def slow_load():
+        loading.set()
+        time.sleep(1.0)  # the fork happens in here
+        return real_load()
+
+    module.load = slow_load
+    loader = threading.Thread(target=lambda: accel.memory.allocate(64))
+    loader.start()
+    loading.wait()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            accel.memory.allocate(64)
+        except accel.AccelError as exc:
+            os._exit(0 if "spawn" in str(exc) else 2)
+        os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    loader.join()
+    assert os.waitstatus_to_exitcode(status) == 0, status
+    print("ok")
+    """
+    ok(run(backend, code, timeout=30))
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
 def test_a_child_forked_before_accel_was_used_starts_fresh(backend: str) -> None:
     code = """
     import os, accel
