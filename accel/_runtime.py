@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Runtime",
     "activate",
+    "check_not_forked",
     "current_backend_name",
     "get_runtime",
     "install_default_stream_wrapper",
@@ -275,6 +276,16 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def check_not_forked() -> None:
+    """Raise at once in a child forked after accel was initialized.
+
+    For calls that reach the parent's state without going through the
+    runtime (a buffer's free takes its allocator's lock, which another
+    parent thread may have held at the fork)."""
+    if _forked_from is not None:
+        raise AccelError(_fork_message(_forked_from))
 
 
 def current_backend_name() -> str:

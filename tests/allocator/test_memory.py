@@ -118,6 +118,8 @@ def test_a_buffer_whose_construction_failed_is_collected_quietly():
     try:
         with pytest.raises(TypeError):
             memory.HostBuffer()  # type: ignore[call-arg]
+        with pytest.raises(TypeError):
+            memory.Buffer()  # type: ignore[call-arg]
         gc.collect()
     finally:
         sys.unraisablehook = previous

@@ -34,6 +34,11 @@ def child_checks(stream, event, buf):
         "empty_cache": accel.memory.empty_cache,
         "synchronize": accel.synchronize,
         "current_stream().synchronize": lambda: accel.current_stream().synchronize(),
+        # These reach the parent's allocator without the runtime: free() hung on the
+        # allocator's lock when another parent thread held it at the fork.
+        "buf.free": buf.free,
+        "buf.record_stream": lambda: buf.record_stream(stream),
+        "buf.__dlpack__": buf.__dlpack__,
     }
     for name, call in calls.items():
         try:
@@ -42,8 +47,7 @@ def child_checks(stream, event, buf):
             assert "spawn" in str(exc), (name, exc)
         else:
             raise AssertionError(f"{name} worked in a forked child")
-    # The parent's buffer, collected in the child: never a hang (an explicit free() can wait
-    # for the allocator's lock when another parent thread held it at the fork).
+    # The parent's buffer, collected in the child: never a hang.
     del buf
     __import__("gc").collect()
 """
