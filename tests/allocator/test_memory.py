@@ -452,3 +452,11 @@ def test_get_memory_info_and_nested_stats_as_torch():
 def test_allocate_host_of_more_than_any_machine_has_is_an_out_of_memory_error():
     with pytest.raises(accel.OutOfMemoryError, match="more than 1EB"):
         memory.allocate_host(2**64)
+
+
+@pytest.mark.parametrize("filename", [True, 1, 2, None], ids=["True", "1", "2", "None"])
+def test_dump_snapshot_refuses_what_is_not_a_path(filename, tmp_path, monkeypatch):
+    # open() took True/1 as a file descriptor: the snapshot went into stdout, which was then closed.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidValueError, match="must be a path"):
+        memory.dump_snapshot(filename)
