@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from accel._device import Device, as_device
 from accel._errors import AccelError, DeviceError, HostFunctionError
-from accel.backends import BACKEND_NAMES, load_backend, select_backend
+from accel.backends import BACKEND_NAMES, initialized_backend_names, load_backend, select_backend
 from accel.backends.base import Backend
 
 if TYPE_CHECKING:
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Runtime",
     "activate",
+    "check_not_forked",
     "current_backend_name",
     "get_runtime",
     "install_default_stream_wrapper",
@@ -303,9 +304,12 @@ def _ignore(*args: object) -> None:
 def _after_fork_in_child() -> None:
     global _runtime, _runtime_lock, _forked_from
     _runtime_lock = threading.Lock()  # another parent thread may have held it
-    if not _runtimes:
+    # A backend loaded (or being loaded by another thread) in the parent has
+    # driver state the child cannot use, even before its runtime exists.
+    initialized = set(_runtimes) | initialized_backend_names()
+    if not initialized:
         return  # the parent never initialized accel: the child starts fresh
-    _forked_from = ", ".join(sorted(_runtimes))
+    _forked_from = ", ".join(sorted(initialized))
     message = _fork_message(_forked_from)
     for runtime in _runtimes.values():
         runtime.backend = _ForkedBackend(runtime.name, message)  # type: ignore[assignment]
@@ -314,6 +318,16 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def check_not_forked() -> None:
+    """Raise at once in a child forked after accel was initialized.
+
+    For calls that reach the parent's state without going through the
+    runtime (a buffer's free takes its allocator's lock, which another
+    parent thread may have held at the fork)."""
+    if _forked_from is not None:
+        raise AccelError(_fork_message(_forked_from))
 
 
 def current_backend_name() -> str:

@@ -332,9 +332,12 @@ def synchronize(obj: Any, stream: object, kind: DLDeviceType) -> None:
 # -- export ------------------------------------------------------------------------
 
 
+_INT64_MAX = (1 << 63) - 1
+
+
 def as_shape(shape: object) -> tuple[int, ...]:
     """``shape`` (an int or a sequence of ints) as a tuple of non-negative ints."""
-    if type(shape) is int and shape >= 0:  # the common case, first
+    if type(shape) is int and 0 <= shape <= _INT64_MAX:  # the common case, first
         return (shape,)
     if isinstance(shape, int) and not isinstance(shape, bool):
         shape = (shape,)
@@ -342,8 +345,9 @@ def as_shape(shape: object) -> tuple[int, ...]:
         dims: tuple[Any, ...] = tuple(shape)  # type: ignore[arg-type]
     except TypeError:
         raise InvalidValueError(f"shape={shape!r} must be an int or a sequence of ints") from None
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
-        raise InvalidValueError(f"shape={shape!r} must hold non-negative ints")
+    # DLPack and torch hold dims as int64: a wider one was wrapped by ctypes or refused deep in torch.
+    if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= _INT64_MAX for d in dims):
+        raise InvalidValueError(f"shape={shape!r} must hold non-negative ints below 2**63")
     return dims
 
 

@@ -23,7 +23,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from accel._device import DeviceLike
-from accel._errors import InvalidValueError
+from accel._errors import InvalidValueError, NotSupportedError
 from accel._interop import _dlpack
 from accel._runtime import get_runtime
 from accel._torch import import_torch
@@ -60,6 +60,30 @@ def _dtype_name(dtype: object) -> tuple[Any, str]:
     _dlpack.dtype_from_name(name)  # refuses dtypes DLPack export does not cover
     _dtypes[key] = dtype, name
     return dtype, name
+
+
+# Device types this process's torch can hold tensors on, by accel device type.
+_torch_devices: dict[str, bool] = {}
+
+
+def _check_torch_holds(device_type: str) -> None:
+    """Refuse, before any memory is taken, a device this torch build cannot hold tensors on.
+
+    A CPU-only torch otherwise fails deep inside (an ``AssertionError`` from
+    ``torch.cuda``, a ``RuntimeError`` from ``from_dlpack`` on xpu).
+    """
+    holds = _torch_devices.get(device_type)
+    if holds is None:
+        module = getattr(import_torch(), device_type, None)
+        holds = _torch_devices[device_type] = bool(module is not None and module.is_available())
+    if not holds:
+        torch = import_torch()
+        raise NotSupportedError(
+            f"torch {torch.__version__} cannot hold tensors on {device_type} (it was built without "
+            f"{device_type} support, or sees no {device_type} device); install a torch build for "
+            f"{device_type}, or allocate with accel.memory.allocate and export it to a DLPack "
+            "consumer that reads this device"
+        )
 
 
 def _consumer_stream(device_type: str, index: int) -> object:
@@ -137,6 +161,8 @@ def empty(
     itemsize = torch_dtype.itemsize
     nbytes = math.prod(dims) * itemsize
     runtime = get_runtime()
+    if runtime.name != "cpu":
+        _check_torch_holds(runtime.name)
     if stream is None and runtime.name == "cuda":
         index = runtime.index(device)
         stream = Stream.from_torch(import_torch().cuda.current_stream(index))
@@ -179,6 +205,7 @@ def as_tensor(buffer: Any, dtype: torch.dtype | str = "uint8", shape: int | tupl
         _dlpack.synchronize(buffer, None, _dlpack.DLDeviceType.kDLCPU)
         return _host_tensor(ptr, nbytes, buffer._export_lease(), torch_dtype, dims)
     _, index = _dlpack.dlpack_device(buffer)  # also checks buffer.device
+    _check_torch_holds(buffer.device.type)
     capsule = _dlpack.to_capsule(
         buffer,
         stream=_consumer_stream(buffer.device.type, index),

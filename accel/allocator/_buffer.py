@@ -25,7 +25,7 @@ from typing_extensions import Self
 
 from accel._device import Device, DeviceLike
 from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, NotSupportedError
-from accel._runtime import get_runtime
+from accel._runtime import check_not_forked, get_runtime
 from accel.allocator import _mempool
 from accel.allocator._caching import MAX_REQUEST
 from accel.allocator._fork import track_lock
@@ -111,6 +111,8 @@ class _CachedMemory:
 
     def free(self) -> None:
         """Return the memory to the cache now (a second call does nothing)."""
+        if self._block is not None:
+            check_not_forked()
         block, self._block = self._block, None
         if block is not None:
             self._allocator.free(block)
@@ -121,9 +123,8 @@ class _CachedMemory:
         block = self._block
         if block is None:
             raise InvalidHandleError(f"record_stream on {self!r}, which was freed")
-        if not isinstance(stream, Stream):
-            raise InvalidValueError(f"record_stream needs an accel.Stream, got {stream!r}")
-        self._allocator.record_stream(block, stream)
+        check_not_forked()
+        self._allocator.record_stream(block, as_stream(stream, role="stream", optional=False))
 
     def __enter__(self) -> Self:
         return self
@@ -132,7 +133,8 @@ class _CachedMemory:
         self.free()
 
     def __del__(self) -> None:
-        block = self._block
+        # getattr: __init__ may have failed before setting the slot.
+        block = getattr(self, "_block", None)
         if block is not None:
             self._block = None
             self._allocator.free_from_finalizer(block)
@@ -197,6 +199,8 @@ class Buffer(_CachedMemory):
         a torch storage outlives ``del`` while views of it exist; this
         buffer's ``ptr`` is invalid at once either way.
         """
+        if self._block is not None:
+            check_not_forked()  # the allocator's lock may have been held by another parent thread
         block, self._block = self._block, None
         if block is not None:
             if self._lease is None:
@@ -208,7 +212,7 @@ class Buffer(_CachedMemory):
             _installed().release_unconsumed()
 
     def __del__(self) -> None:
-        block = self._block
+        block = getattr(self, "_block", None)  # None too when __init__ never ran
         if block is not None:
             self._block = None
             if self._lease is None:
@@ -223,6 +227,7 @@ class Buffer(_CachedMemory):
         lease = self._lease
         if lease is not None:
             return lease
+        check_not_forked()  # the lock may have been held by another parent thread at the fork
         with _lease_lock:
             lease = self._lease
             if lease is None:

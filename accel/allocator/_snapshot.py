@@ -11,6 +11,7 @@ import os
 import pickle
 from typing import Any
 
+from accel._errors import InvalidValueError
 from accel._runtime import get_runtime
 from accel._units import format_size
 from accel.allocator._caching import DeviceAllocator
@@ -48,6 +49,9 @@ def full_snapshot() -> dict[str, Any]:
 
 def dump_snapshot(path: str | os.PathLike[str]) -> None:
     """Pickle :func:`full_snapshot` to ``path``."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        # open() takes an int as a file descriptor: True wrote into stdout, then closed it.
+        raise InvalidValueError(f"filename={path!r} must be a path (a str, bytes or os.PathLike)")
     snapshot = full_snapshot()
     with open(path, "wb") as f:
         pickle.dump(snapshot, f)

@@ -18,7 +18,7 @@ import threading
 from accel._errors import AccelError, BackendUnavailableError
 from accel.backends.base import Backend, BackendInfo
 
-__all__ = ["BACKEND_NAMES", "load_backend", "probe_backend", "select_backend"]
+__all__ = ["BACKEND_NAMES", "initialized_backend_names", "load_backend", "probe_backend", "select_backend"]
 
 #: Discovery priority: real accelerators first, the host backend last.
 BACKEND_NAMES: tuple[str, ...] = ("cuda", "xpu", "cpu")
@@ -29,6 +29,22 @@ _loaded: dict[str, Backend] = {}
 # itself, whose traceback reaches the first caller's frames (and every local in them)
 # and would grow by a frame on each re-raise.
 _failed: dict[str, tuple[type[BackendUnavailableError], str, str]] = {}
+# Backends whose load is under way (in a forked child: the parent's, interrupted by the fork).
+_loading: set[str] = set()
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    # A parent thread loading a backend at the fork held the lock: it would stay held.
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def initialized_backend_names() -> set[str]:
+    """Backends loaded or being loaded in this process (in a forked child: in the parent)."""
+    return set(_loaded) | _loading
 
 
 def load_backend(name: str) -> Backend:
@@ -53,6 +69,7 @@ def load_backend(name: str) -> Backend:
             # in the same process, so the first failure is the answer.
             kind, reason, remedy = failed
             raise kind(name, reason, remedy=remedy)
+        _loading.add(name)
         try:
             try:
                 module = importlib.import_module(f"accel.backends.{name}")
@@ -64,6 +81,8 @@ def load_backend(name: str) -> Backend:
         except BackendUnavailableError as exc:
             _failed[name] = (type(exc), exc.reason, exc.remedy)
             raise
+        finally:
+            _loading.discard(name)
         _loaded[name] = backend
         return backend
 

@@ -138,7 +138,7 @@ class Graph:
         """
         _sweep()
         pool_id = check_pool_id(pool, where="Graph.capture_begin") or self._pool_arg
-        mode = _check_mode(capture_error_mode or self._mode, "Graph.capture_begin")
+        mode = _check_mode(self._mode if capture_error_mode is None else capture_error_mode, "Graph.capture_begin")
         if self._stream is not None:
             raise CaptureError(f"{self!r} is already capturing; call capture_end() first")
         if self._captured:

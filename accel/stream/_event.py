@@ -263,4 +263,7 @@ class _ForeignEvent:
         self._event = torch_event
 
     def wait(self, stream: Stream) -> None:
+        kind = getattr(getattr(self._event, "device", None), "type", "cuda")
+        if kind != stream.device.type:
+            raise DeviceError(f"{self._event!r} is a {kind} event; {stream!r} cannot wait for it")
         self._event.wait(stream.to_torch())

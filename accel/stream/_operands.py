@@ -18,6 +18,9 @@ from accel._errors import InvalidValueError
 from accel.stream._dlpack_abi import read_capsule
 
 
+_ADDRESS_LIMIT = 1 << (8 * ctypes.sizeof(ctypes.c_void_p))
+
+
 @dataclass(frozen=True)
 class Operand:
     ptr: int
@@ -29,7 +32,8 @@ def operand(obj: object, role: str) -> Operand:
     if isinstance(obj, bool):
         raise InvalidValueError(f"{role}={obj!r} is not memory")
     if isinstance(obj, int):
-        if obj <= 0:
+        if obj <= 0 or obj >= _ADDRESS_LIMIT:
+            # ctypes would wrap a wider int silently (2**64 becomes NULL).
             raise InvalidValueError(f"{role}={obj:#x} is not a valid address")
         return Operand(obj, None, None)
     ptr = getattr(obj, "ptr", None)
@@ -47,7 +51,14 @@ def operand(obj: object, role: str) -> Operand:
                 raise InvalidValueError(
                     f"{role} is a strided (non-contiguous) array; pass a contiguous one"
                 )
-            return Operand(int(interface["data"][0]), nbytes if isinstance(nbytes, int) else None, obj)
+            # numpy scalars describe a temporary 0-d array that only the
+            # interface dict holds (its "__ref"): keep the dict alive with the
+            # object, and refuse it as a destination (the scalar never changes).
+            if role == "dst" and interface.get("__ref") is not None:
+                raise InvalidValueError(
+                    f"{role} ({type(obj).__name__}) is an immutable scalar; copy into an array (numpy.zeros(1, dtype)...)"
+                )
+            return Operand(int(interface["data"][0]), nbytes if isinstance(nbytes, int) else None, (obj, interface))
     if hasattr(obj, "__dlpack__"):
         return _dlpack_operand(obj, role)
     try:

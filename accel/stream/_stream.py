@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import functools
 import sys
 import threading
@@ -406,9 +407,17 @@ class Stream:
         if kind == "cpu":
             return torch.Stream("cpu")
         if kind == "cuda":
-            return torch.cuda.ExternalStream(self.native_handle, device=torch.device("cuda", self._device))
+            try:
+                return torch.cuda.ExternalStream(self.native_handle, device=torch.device("cuda", self._device))
+            except (RuntimeError, AssertionError) as exc:  # a torch built without CUDA
+                raise NotSupportedError(
+                    f"torch {torch.__version__} cannot use {self!r} ({exc}); install a torch build "
+                    "for CUDA, or order work across accel and torch with synchronize()"
+                ) from exc
         raise NotSupportedError(_NO_SHARED_STREAMS.format(kind=kind))
 
+
+_HANDLE_LIMIT = 1 << (8 * ctypes.sizeof(ctypes.c_void_p))
 
 # c10::DeviceType's numbers, which torch.Stream.device_type reports.
 _TORCH_DEVICE_TYPES = {"cpu": 0, "cuda": 1, "xpu": 12}
@@ -438,8 +447,9 @@ class ExternalStream(Stream):
     """
 
     def __init__(self, handle: int, device: DeviceLike = None) -> None:
-        if isinstance(handle, bool) or not isinstance(handle, int) or handle < 0:
-            raise InvalidValueError(f"handle={handle!r} must be a stream handle (a non-negative int)")
+        # A handle wider than a pointer would be wrapped silently by the driver binding (2**64: NULL).
+        if isinstance(handle, bool) or not isinstance(handle, int) or not 0 <= handle < _HANDLE_LIMIT:
+            raise InvalidValueError(f"handle={handle!r} must be a stream handle (a non-negative int of pointer width)")
         runtime = get_runtime()
         index = runtime.index(device)
         # Asking the backend about the handle now turns a wrong handle into an
@@ -464,7 +474,8 @@ def as_stream(obj: object, device: DeviceLike = None, *, role: str = "stream", o
     torch = sys.modules.get("torch")  # a torch stream implies torch is imported already
     if torch is not None and isinstance(obj, torch.Stream):
         return Stream.from_torch(obj)
-    protocol = getattr(obj, "__cuda_stream__", None)
+    # Not on a class: its __cuda_stream__ is an unbound function.
+    protocol = None if isinstance(obj, type) else getattr(obj, "__cuda_stream__", None)
     if protocol is not None:
         runtime = get_runtime()
         if runtime.name != "cuda":

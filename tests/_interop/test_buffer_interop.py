@@ -69,6 +69,8 @@ def test_empty_and_as_tensor_cover_dtypes_and_shapes(dtype, shape):
     ("kwargs", "error", "message"),
     [
         ({"shape": (2, -1)}, accel.InvalidValueError, "non-negative ints"),
+        # A zero-element shape with a dim beyond int64: a raw TypeError from torch's view().
+        ({"shape": (0, 1 << 70)}, accel.InvalidValueError, "below 2"),
         ({"shape": 3, "dtype": "complex32"}, accel.InvalidValueError, "cannot be exported through DLPack"),
         ({"shape": 3, "device": "cpu:9"}, accel.DeviceError, "out of range"),
         ({"shape": 3, "device": "cuda:0"}, accel.DeviceError, "does not match the current accelerator"),

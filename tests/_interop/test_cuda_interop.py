@@ -120,3 +120,29 @@ def test_cuda_stream_protocol_objects_become_accel_streams(cuda):
     event.record(theirs)  # accepted wherever accel takes a stream
     event.synchronize()
     assert side.__cuda_stream__() == (0, side.native_handle)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this torch holds CUDA tensors")
+def test_torch_without_cuda_is_refused_before_allocating(cuda):
+    from accel import memory
+
+    # A CPU-only torch raised AssertionError from deep inside torch.cuda.
+    with pytest.raises(accel.NotSupportedError, match="cannot hold tensors on cuda.*accel.memory.allocate"):
+        accel.empty((4, 4))
+    buf = memory.allocate(64)
+    with pytest.raises(accel.NotSupportedError, match="cannot hold tensors on cuda"):
+        accel.as_tensor(buf)
+    buf.free()
+    assert memory.memory_allocated() == 0
+
+
+def test_a_consumer_stream_handle_wider_than_a_pointer_is_refused(cuda):
+    # 2**64 was wrapped to 0 by the binding: the export ordered on the NULL stream instead.
+    from accel import memory
+
+    buf = memory.allocate(16)
+    with pytest.raises(accel.InvalidValueError, match="pointer width"):
+        buf.__dlpack__(stream=1 << 64)
+    with pytest.raises(accel.InvalidValueError, match="pointer width"):
+        accel.ExternalStream(1 << 64)
+    buf.free()

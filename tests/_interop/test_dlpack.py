@@ -275,6 +275,9 @@ def test_cuda_stream_objects_are_streams_of_the_cuda_backend(host_buffer):
         ({"shape": (-1,)}, "non-negative ints"),
         ({"shape": "ab"}, "non-negative ints"),
         ({"shape": 3.5}, "an int or a sequence"),
+        # ctypes wrapped a dim wider than int64 silently into the capsule's shape.
+        ({"shape": (0, 1 << 64)}, "below 2\\*\\*63"),
+        ({"shape": (0, 1 << 63)}, "below 2\\*\\*63"),
     ],
 )
 def test_bad_exports_are_refused(host_buffer, kwargs, message):

@@ -46,6 +46,8 @@ def test_as_tensor_waits_for_the_buffer_stream(host_buffer):
         (np.float32, None, accel.InvalidValueError, "must be a torch.dtype or its name"),
         (torch.qint8, None, accel.InvalidValueError, "cannot be exported through DLPack"),
         (torch.uint8, (2, -1), accel.InvalidValueError, "non-negative ints"),
+        # torch refused it with a raw TypeError from view().
+        (torch.uint8, (0, 1 << 70), accel.InvalidValueError, "below 2"),
     ],
 )
 def test_as_tensor_bad_arguments(host_buffer, dtype, shape, error, message):

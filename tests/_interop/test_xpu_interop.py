@@ -76,3 +76,17 @@ def test_streams_are_not_shared_with_torch(xpu):
 
     with pytest.raises(accel.DeviceError, match="is a cpu stream, but the current accelerator is 'xpu'"):
         accel.Stream.from_torch(torch.Stream("cpu"))
+
+
+@pytest.mark.skipif(torch.xpu.is_available(), reason="this torch holds xpu tensors")
+def test_torch_without_xpu_is_refused_before_allocating(xpu):
+    from accel import memory
+
+    # A CPU-only torch raised RuntimeError from from_dlpack, after the memory was taken.
+    with pytest.raises(accel.NotSupportedError, match="cannot hold tensors on xpu.*accel.memory.allocate"):
+        accel.empty((4, 4))
+    buf = memory.allocate(64)
+    with pytest.raises(accel.NotSupportedError, match="cannot hold tensors on xpu"):
+        accel.as_tensor(buf)
+    buf.free()
+    assert memory.memory_allocated() == 0

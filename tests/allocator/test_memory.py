@@ -99,6 +99,33 @@ def test_buffer_on_a_stream_and_record_stream():
     third.free()
 
 
+def test_record_stream_takes_a_torch_stream():
+    # Every accel call that takes a stream takes torch's; record_stream refused it.
+    import torch
+
+    buf = memory.allocate(64)
+    buf.record_stream(torch.Stream("cpu"))
+    buf.free()
+
+
+def test_a_buffer_whose_construction_failed_is_collected_quietly():
+    # __del__ read a slot __init__ never set: "Exception ignored ... AttributeError" on stderr.
+    import gc
+    import sys
+
+    errors: list[object] = []
+    previous, sys.unraisablehook = sys.unraisablehook, errors.append
+    try:
+        with pytest.raises(TypeError):
+            memory.HostBuffer()  # type: ignore[call-arg]
+        with pytest.raises(TypeError):
+            memory.Buffer()  # type: ignore[call-arg]
+        gc.collect()
+    finally:
+        sys.unraisablehook = previous
+    assert errors == []
+
+
 def test_stats_functions_and_resets():
     stats = memory.memory_stats()
     assert list(stats) == sorted(stats) and "allocated_bytes.all.current" in stats
@@ -444,3 +471,11 @@ def test_get_memory_info_and_nested_stats_as_torch():
 def test_allocate_host_of_more_than_any_machine_has_is_an_out_of_memory_error():
     with pytest.raises(accel.OutOfMemoryError, match="more than 1EB"):
         memory.allocate_host(2**64)
+
+
+@pytest.mark.parametrize("filename", [True, 1, 2, None], ids=["True", "1", "2", "None"])
+def test_dump_snapshot_refuses_what_is_not_a_path(filename, tmp_path, monkeypatch):
+    # open() took True/1 as a file descriptor: the snapshot went into stdout, which was then closed.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidValueError, match="must be a path"):
+        memory.dump_snapshot(filename)

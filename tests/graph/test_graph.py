@@ -191,6 +191,16 @@ def test_bad_capture_error_mode_is_refused() -> None:
         Graph(capture_error_mode=["global"])  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("mode", [[], {}, np.zeros(3), "", 0], ids=["list", "dict", "ndarray", "empty", "zero"])
+def test_a_capture_error_mode_of_another_type_is_refused(mode: object) -> None:
+    # A list raised TypeError (unhashable), an array ValueError (truth value),
+    # and "" or 0 in capture_begin silently meant the constructor's mode.
+    with pytest.raises(accel.InvalidValueError, match="capture_error_mode"):
+        Graph(capture_error_mode=mode)  # type: ignore[arg-type]
+    with pytest.raises(accel.InvalidValueError, match="capture_error_mode"):
+        Graph().capture_begin(capture_error_mode=mode)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("mode", ["default", "global", "thread_local", "relaxed"])
 def test_every_capture_mode_captures(mode: str) -> None:
     seen: list[int] = []

@@ -69,3 +69,46 @@ def test_ids_and_device_type_as_torch() -> None:
     assert e.event_id == 0
     e.record(s)
     assert e.event_id == e.native_handle != 0
+
+
+@pytest.fixture(params=["cpu", "cuda", "xpu"])
+def each_backend(request):
+    from accel._runtime import activate
+    from tests.conftest import backend_skip_reason
+
+    reason = backend_skip_reason(request.param)
+    if reason:
+        pytest.skip(reason)
+    with activate(request.param) as runtime:
+        yield runtime
+
+
+def test_the_stream_class_is_not_taken_for_a_stream(each_backend) -> None:
+    # Its __cuda_stream__ is an unbound function: on CUDA calling it raised a raw TypeError.
+    event = accel.Event()
+    with pytest.raises(accel.InvalidValueError, match="is not a stream"):
+        event.record(accel.Stream)
+    with pytest.raises(accel.InvalidValueError, match="is not a stream"):
+        accel.current_stream().wait_stream(accel.Stream)
+
+
+def test_a_torch_event_of_another_device_is_refused(each_backend) -> None:
+    stream = accel.Stream()
+    if each_backend.name == "cpu":
+        stream.wait_event(torch.Event("cpu"))  # same device: taken
+        return
+    # CUDA with a CPU-only torch raised torch's RuntimeError ("compiled without CUDA support").
+    with pytest.raises(accel.DeviceError, match="is a cpu event"):
+        stream.wait_event(torch.Event("cpu"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this torch has CUDA")
+def test_to_torch_on_cuda_without_a_cuda_torch_is_not_supported() -> None:
+    from accel._runtime import activate
+    from tests.conftest import backend_skip_reason
+
+    if backend_skip_reason("cuda"):
+        pytest.skip(backend_skip_reason("cuda"))
+    with activate("cuda"):
+        with pytest.raises(accel.NotSupportedError, match="cannot use"):
+            accel.Stream().to_torch()

@@ -137,3 +137,47 @@ def test_a_closed_streams_failed_host_function_is_reported_by_device_synchronize
         buf.free()
         """,
     )
+
+
+def test_closing_a_stream_while_other_threads_queue_on_it(backend: str) -> None:
+    """On Level Zero, a host function queued in the moment between another thread's lookup
+    of the stream and its close landed after the list's last marker: its worker had ended,
+    so the list waited forever and destroying it hung (or the list was used after destroy)."""
+    reason = backend_skip_reason(backend)
+    if reason:
+        pytest.skip(reason)
+    code = """
+import threading, accel
+for _ in range(60):
+    s = accel.Stream()
+    buf = accel.memory.allocate(4096, stream=s)
+    go = threading.Barrier(3)
+    def use():
+        go.wait()
+        for _ in range(30):
+            try:
+                s.launch_host_func(lambda: None)
+                s.fill(buf, 1)
+                s.record_event()
+                s.synchronize()
+            except accel.AccelError:
+                pass  # closed: refused, as it should be
+    users = [threading.Thread(target=use) for _ in range(2)]
+    for t in users:
+        t.start()
+    go.wait()
+    s.close()
+    for t in users:
+        t.join()
+    buf.free()
+accel.synchronize()
+print('ok')
+"""
+    try:
+        result = subprocess.run(
+            [sys.executable, "-X", "faulthandler", "-c", code], cwd=ROOT, capture_output=True, text=True,
+            env={**os.environ, "ACCEL_BACKEND": backend}, timeout=90,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{backend}: hung\n{exc.stderr!r}")
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -34,6 +34,11 @@ def child_checks(stream, event, buf):
         "empty_cache": accel.memory.empty_cache,
         "synchronize": accel.synchronize,
         "current_stream().synchronize": lambda: accel.current_stream().synchronize(),
+        # These reach the parent's allocator without the runtime: free() hung on the
+        # allocator's lock when another parent thread held it at the fork.
+        "buf.free": buf.free,
+        "buf.record_stream": lambda: buf.record_stream(stream),
+        "buf.__dlpack__": buf.__dlpack__,
     }
     for name, call in calls.items():
         try:
@@ -42,8 +47,7 @@ def child_checks(stream, event, buf):
             assert "spawn" in str(exc), (name, exc)
         else:
             raise AssertionError(f"{name} worked in a forked child")
-    # The parent's buffer, collected in the child: never a hang (an explicit free() can wait
-    # for the allocator's lock when another parent thread held it at the fork).
+    # The parent's buffer, collected in the child: never a hang.
     del buf
     __import__("gc").collect()
 """
@@ -129,6 +133,40 @@ print("ok")
 """.replace("BUSY", str(busy_thread))
     )
     ok(run(backend, code))
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_a_child_forked_while_another_thread_loads_the_backend_is_refused(backend: str) -> None:
+    """The loading thread held the backend registry's lock at the fork: the child hung on it
+    (and would have used a driver the parent had initialized)."""
+    code = """
+    import importlib, os, sys, threading, time, accel
+
+    module = importlib.import_module(f"accel.backends.{os.environ['ACCEL_BACKEND']}")
+    real_load, loading = module.load, threading.Event()
+
+    def slow_load():
+        loading.set()
+        time.sleep(1.0)  # the fork happens in here
+        return real_load()
+
+    module.load = slow_load
+    loader = threading.Thread(target=lambda: accel.memory.allocate(64))
+    loader.start()
+    loading.wait()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            accel.memory.allocate(64)
+        except accel.AccelError as exc:
+            os._exit(0 if "spawn" in str(exc) else 2)
+        os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    loader.join()
+    assert os.waitstatus_to_exitcode(status) == 0, status
+    print("ok")
+    """
+    ok(run(backend, code, timeout=30))
 
 
 @pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import array
 import gc
+import time
 import weakref
 
 import numpy as np
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 import accel
+from tests.conftest import CONFORMANCE_BACKENDS
+from tests.stream.test_life_cycle import ok, run
 
 
 @pytest.fixture
@@ -92,3 +95,49 @@ def test_a_dlpack_operand_lives_until_the_copy_ran(filled):
     gate.set()
     stream.synchronize()
     stream.close()
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_addresses_wider_than_a_pointer_are_refused(backend):
+    # ctypes wrapped 2**64 to NULL: the host backend's worker segfaulted in memmove.
+    code = """
+import accel
+buf = accel.memory.allocate(16)
+stream = accel.Stream()
+for address in (1 << 64, 1 << 100):
+    for call in (lambda: stream.copy(buf, address, 16), lambda: stream.copy(address, buf, 16),
+                 lambda: stream.fill(address, 0, 16)):
+        try:
+            call()
+        except accel.InvalidValueError as exc:
+            assert "is not a valid address" in str(exc), exc
+        else:
+            raise AssertionError(f"{address:#x} was taken")
+stream.synchronize()
+print("ok")
+"""
+    ok(run(backend, code, timeout=60))
+
+
+def test_a_numpy_scalar_source_is_read_before_its_temporary_dies():
+    # A numpy scalar's __array_interface__ points into a temporary array held
+    # only by the interface dict: the copy read freed memory.
+    stream = accel.Stream()
+    buf = accel.memory.allocate(8, stream=stream)
+    host = np.zeros(1, np.int64)
+    for value in range(1, 50):
+        stream.launch_host_func(lambda: time.sleep(0.001))  # the copy runs after the scalar's temporary is gone
+        stream.copy(buf, np.int64(value))
+        reuse = [np.full(1, -5, np.int64) for _ in range(4)]  # reuses freed memory of that size
+        stream.copy(host, buf)
+        stream.synchronize()
+        del reuse
+        assert host[0] == value
+    buf.free()
+
+
+def test_a_numpy_scalar_is_refused_as_a_destination():
+    buf = accel.memory.allocate(8)
+    with pytest.raises(accel.InvalidValueError, match="immutable scalar"):
+        accel.current_stream().copy(np.int64(3), buf)
+    buf.free()

@@ -55,12 +55,18 @@ def _machine_id() -> str:
     return platform.node()
 
 
+# Each host device has its own memory and stream tables, built at load: a
+# count in the billions would never finish loading.
+MAX_CPU_DEVICES = 1024
+
+
 def _env_device_count() -> int:
     text = os.environ.get("ACCEL_CPU_DEVICES", "1").strip()
-    if not text.isdigit() or int(text) < 1:
+    # isascii: str.isdigit() also accepts "²", which int() refuses.
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_CPU_DEVICES:
         raise BackendUnavailableError(
             "cpu",
-            f"ACCEL_CPU_DEVICES={text!r} is not a positive integer",
+            f"ACCEL_CPU_DEVICES={text!r} is not an integer from 1 to {MAX_CPU_DEVICES}",
             remedy="set it to the number of host devices to present, e.g. ACCEL_CPU_DEVICES=2",
         )
     return int(text)

@@ -255,6 +255,14 @@ class XpuBackend(Sharing, Backend):
     def _stream(self, device: int, handle: int) -> StreamState:
         return live(self._streams, handle, device, "stream")
 
+    @staticmethod
+    def _check_open(s: StreamState) -> None:
+        """Under ``s.lock``: refuse a stream destroyed (by another thread) since it was looked up;
+        its command list may be gone, and a host function queued after its worker ended would
+        wait forever."""
+        if s.retired:
+            raise InvalidHandleError(f"xpu:{s.device}: stream {s.handle:#x} was destroyed while this call was under way")
+
     def _event(self, device: int, handle: int, *, any_device: bool = False) -> EventState:
         return live(self._events, handle, device, "event", any_device=any_device)
 
@@ -619,6 +627,7 @@ class XpuBackend(Sharing, Backend):
         if not s.lock.acquire(blocking=wait):
             return False
         try:
+            s.retired = True
             if s.seq > s.marked:
                 self._mark(s)
             marker = s.markers[-1][1] if s.markers else None
@@ -666,6 +675,7 @@ class XpuBackend(Sharing, Backend):
         s = self._stream(device, stream)
         _capture.refuse_while_capturing(s, "querying a stream")
         with s.lock:
+            self._check_open(s)
             if s.seq > s.marked:
                 self._mark(s)
             self._reap(s)
@@ -677,21 +687,32 @@ class XpuBackend(Sharing, Backend):
         self._synchronize(s)
 
     def _synchronize(self, s: StreamState) -> None:
+        if not self._synchronize_open(s):
+            # Destroyed by another thread since it was looked up: its work is
+            # waited for with the other retired streams, not on its command list.
+            self._reap_retired(wait=True)
+
+    def _synchronize_open(self, s: StreamState) -> bool:
+        """Wait for ``s``'s work; False, without waiting, when ``s`` was retired."""
         lib = self._ze.lib
         if self._host_synchronize:
             with s.lock:
+                if s.retired:
+                    return False
                 code = _wait(lib.zeCommandListHostSynchronize, s.cdata)
                 if code != _UNSUPPORTED_FEATURE:
                     self._check("zeCommandListHostSynchronize", code, s.device)
                     s.done = s.seq
                     self._reap(s)
-                    return
+                    return True
             self._host_synchronize = False  # exported by the loader, not implemented by the driver
         with s.lock:
+            if s.retired:
+                return False
             if s.seq > s.marked:
                 self._mark(s)
             if not s.markers:
-                return
+                return True
             slot = s.markers[-1][1]
             self._slots.hold(slot)
         try:
@@ -700,6 +721,7 @@ class XpuBackend(Sharing, Backend):
             self._slots.drop(slot)
         with s.lock:
             self._reap(s)
+        return True
 
     def stream_wait_event(self, device: int, stream: int, event: int) -> None:
         s = self._stream(device, stream)
@@ -712,6 +734,7 @@ class XpuBackend(Sharing, Backend):
             return  # never recorded: a no-op, as in CUDA
         try:
             with s.lock:
+                self._check_open(s)
                 self._wait(s, s.cdata, slot)
                 self._barrier(s, s.cdata)
                 self._appended(s)
@@ -758,6 +781,7 @@ class XpuBackend(Sharing, Backend):
         slot = self._slots.acquire(e.timing)
         try:
             with s.lock:
+                self._check_open(s)
                 self._barrier(s, s.cdata, slot)
                 self._appended(s)
                 self._hold_until_passed(s, slot)
@@ -901,6 +925,7 @@ class XpuBackend(Sharing, Backend):
             self._record_node(s, f"copy {nbytes} bytes {src:#x} -> {dst:#x}", append)
             return
         with s.lock:
+            self._check_open(s)
             append(s.cdata)
             self._barrier(s, s.cdata)
             self._appended(s)
@@ -930,6 +955,7 @@ class XpuBackend(Sharing, Backend):
             capture.keep.append(pattern)
             return
         with s.lock:
+            self._check_open(s)
             append(s.cdata)
             self._barrier(s, s.cdata)
             self._appended(s)
@@ -960,6 +986,7 @@ class XpuBackend(Sharing, Backend):
             return
         try:
             with s.lock:
+                self._check_open(s)
                 self._barrier(s, s.cdata, reached)
                 self._wait(s, s.cdata, release)
                 self._barrier(s, s.cdata)
@@ -1055,6 +1082,7 @@ class XpuBackend(Sharing, Backend):
             raise CaptureError(f"xpu:{device}: launching a graph inside a capture is not supported")
         ffi, lib = self._ze.ffi, self._ze.lib
         with g.lock, s.lock:
+            self._check_open(s)
             queue = self._graph_queue(g)
             consumed = self._slots.acquire(False)
             previous = g.last_launch

@@ -65,6 +65,9 @@ class StreamState:
     # Capture; see xpu_capture() for the backend's own view.
     capture: Capture[Any] | None = None
     worker: HostWorker | None = None
+    # Set (under ``lock``) when the stream's last marker is fixed: its command list is
+    # destroyed once that marker is reached, so nothing may be appended after it.
+    retired: bool = False
 
     def xpu_capture(self) -> CaptureState | None:
         """The capture this stream records into: one an xpu stream began, so a CaptureState."""
