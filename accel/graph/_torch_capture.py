@@ -129,8 +129,8 @@ class Segment:
         arguments bound once as globals of the generated function, no loop."""
         env: dict[str, Any] = {}
         lines = ["def replay():"]
-        for i, (fn, args, kwargs, _) in enumerate(self.steps):
-            env[f"f{i}"] = _fast_entry(fn, args, kwargs)
+        for i, step in enumerate(self.steps):
+            env[f"f{i}"], args, kwargs = _fast_entry(*step[:3])
             call = []
             for j, value in enumerate(args):
                 env[f"a{i}_{j}"] = value
@@ -141,7 +141,10 @@ class Segment:
             lines.append(f"    f{i}({', '.join(call)})")  # step i is on line i + 2
         lines.append("    return None")
         exec(compile("\n".join(lines), "<accel replay>", "exec"), env)  # noqa: S102 - generated above
-        plan = env["replay"]
+        # Out of its own globals: a cycle there would leave the static
+        # outputs to the cyclic collector, whose finalizers may then run
+        # inside the allocator's locked sections.
+        plan = env.pop("replay")
         self._plan_code = plan.__code__
         return plan  # type: ignore[no-any-return]
 
@@ -174,33 +177,44 @@ class _Probe(TorchDispatchMode):
 
 # torch's Python bindings of aten ops (C functions that parse arguments
 # against the op's signatures and call the dispatcher unboxed): about half
-# the cost of an OpOverload's boxed call.
-_BINDINGS = ("_VariableFunctions", "_nn", "_linalg", "_special", "_fft")
+# the cost of an OpOverload's boxed call. Methods take ``self`` first.
+_BINDINGS = ("_VariableFunctions", "_nn", "_linalg", "_special", "_fft", "TensorBase")
+
+Call = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 
-def _fast_entry(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:
-    """``fn`` (an OpOverload's ``_op``, or a replay function), or torch's Python
-    binding of the same name where that provably reaches the same overload
-    with the same arguments: called once under a dispatch mode that stops the
-    op before it runs, it must arrive there as ``fn`` would. Same overload,
-    same arguments: the same kernel, so the replay stays bitwise equal."""
+def _fast_entry(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+    """How a replay calls ``fn(*args, **kwargs)`` (an OpOverload's ``_op``, or a
+    replay function) fastest: torch's Python binding of the same name where
+    that provably reaches the same overload with the same arguments. Called
+    once under a dispatch mode that stops the op before it runs, it must
+    arrive there as ``fn`` would: same overload, same arguments, so the same
+    kernel, and the replay stays bitwise equal. Otherwise ``fn`` itself."""
     overload = _overloads.get(fn)
     if overload is None:
-        return fn
+        return fn, args, kwargs
     name = overload._schema.name.split("::")[-1]
+    outs = [a.name for a in overload._schema.arguments if a.is_out]
+    forms = [kwargs]
+    if len(outs) > 1 and all(o in kwargs for o in outs):
+        # The bindings take several outputs as one tuple, out=(...).
+        grouped = {k: v for k, v in kwargs.items() if k not in outs}
+        grouped["out"] = tuple(kwargs[o] for o in outs)
+        forms = [grouped]
     for module in _BINDINGS:
         binding = getattr(getattr(torch._C, module), name, None)
         if binding is None:
             continue
-        try:
-            with _Probe():
-                binding(*args, **kwargs)
-        except _Reached as reached:
-            if _same_call(reached.call, (overload, args, kwargs)):
-                return binding  # type: ignore[no-any-return]
-        except Exception:  # noqa: BLE001, S112 - the binding does not take these arguments
-            continue
-    return fn
+        for form in forms:
+            try:
+                with _Probe():
+                    binding(*args, **form)
+            except _Reached as reached:
+                if _same_call(reached.call, (overload, args, kwargs)):
+                    return binding, args, form
+            except Exception:  # noqa: BLE001, S112 - the binding does not take these arguments
+                continue
+    return fn, args, kwargs
 
 
 def _same_call(seen: tuple[Any, tuple[Any, ...], dict[str, Any]], want: tuple[Any, tuple[Any, ...], dict[str, Any]]) -> bool:
@@ -500,9 +514,11 @@ class Recorder(TorchDispatchMode):
             if nbytes:
                 buffer = self._lease.allocate(nbytes, self._stream)
                 memory = (ctypes.c_byte * nbytes).from_address(buffer.ptr)
-                # The storage keeps `memory` alive; the buffer goes back to the
-                # pool when both the graph and every returned tensor are gone.
-                weakref.finalize(memory, buffer.free)
+                # The storage keeps `memory` alive, and `memory` the buffer: it
+                # goes back to the pool when both the graph and every returned
+                # tensor are gone, through Buffer.__del__, which is safe where
+                # a garbage collection runs inside the allocator's locked sections.
+                memory.buffer = buffer  # type: ignore[attr-defined]
                 base = torch.frombuffer(memory, dtype=torch.uint8)
                 static.set_(base.untyped_storage(), t.storage_offset(), t.size(), t.stride())
                 self._owned.add(buffer.ptr)
