@@ -24,9 +24,14 @@ on the host (``.item()``, ``if t.any():``, ``nonzero``), random ops, ops that
 exist for a host-side effect, and writes to memory the graph does not own.
 
 Replay is bitwise identical to eager for deterministic ops: the same kernels
-run on the same inputs. Each recorded op still costs one dispatcher call from
-Python (about what eager pays), so this tier saves allocation, not time;
-:mod:`accel.graph._compiled` is the fast tier.
+run on the same inputs. A segment's ops replay as one generated straight-line
+Python function (no loop, arguments bound once); each step calls torch's
+Python binding of its op (``torch.addmm(..., out=...)``, ``Tensor.add_``), an
+unboxed call, where a probe at the first replay shows the binding reaches the
+very overload recorded with the very arguments, and the overload's boxed
+``_op`` otherwise. Module and autograd bookkeeping, allocation and the
+per-op Python of eager are gone; each op still pays one call from Python.
+:mod:`accel.graph._compiled` is the faster, not bitwise, tier.
 """
 
 from __future__ import annotations
