@@ -185,10 +185,10 @@ class _Probe(TorchDispatchMode):
 # the cost of an OpOverload's boxed call. Methods take ``self`` first.
 _BINDINGS = ("_VariableFunctions", "_nn", "_linalg", "_special", "_fft", "TensorBase")
 
-Call = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+_Call = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 
-def _fast_entry(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+def _fast_entry(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
     """How a replay calls ``fn(*args, **kwargs)`` (an OpOverload's ``_op``, or a
     replay function) fastest: torch's Python binding of the same name where
     that provably reaches the same overload with the same arguments. Called
