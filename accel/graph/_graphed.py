@@ -206,19 +206,20 @@ class GraphedCallable:
                 f"graphed {_name(self.fn)} must return tensors (or tuples, lists, dicts of tensors)"
             )
         entry = _Entry(g, get_runtime().current_index, inputs, output)
+        program = g.program
+        # One node in the whole graph, and it is the torch program: a replay
+        # on the default stream (which the host runs inline) may run it alone.
+        alone = nodes == 1 and program is not None and len(program.segments) == 1
+        if alone:
+            entry.current_stream = runtime.current_stream
+            entry.default_stream = runtime.default_stream(entry.device)
+            entry.fast = _run_alone(g, program.segments[0])  # after the streams: the hot path reads it first
         if self._tier != "interpreted":
             from accel.graph import _compiled
 
-            program = g.program
-            # One node in the whole graph, and it is the torch program: a
-            # replay may call the engine alone.
-            alone = nodes == 1 and program is not None and len(program.segments) == 1
-
             def ready(compiled: _compiled.CompiledProgram) -> None:
                 if alone:
-                    entry.current_stream = runtime.current_stream
-                    entry.default_stream = runtime.default_stream(entry.device)
-                    entry.fast = compiled.replay  # after the streams: the hot path reads it first
+                    entry.fast = compiled.replay
                     entry.direct = _direct(compiled, inputs, output)
 
             try:
@@ -265,6 +266,23 @@ class GraphedCallable:
             if wait is not None and not wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
                 return False
         return True
+
+
+def _run_alone(g: Graph, segment: Any) -> Callable[[], None]:
+    """``g.replay()`` for a graph whose only node is the torch program
+    ``segment``, on the host default stream: the segment's run without the
+    graph and stream calls around it (about 2 us less per call)."""
+    errors = g.replay_errors
+    run = segment.run
+
+    def replay() -> None:
+        if errors:  # an earlier replay's failure on another stream
+            g._raise_replay_errors()
+        run()
+        if errors:
+            g._raise_replay_errors()
+
+    return replay
 
 
 def _direct(compiled: Any, inputs: list[torch.Tensor], output: Any) -> Callable[[Sequence[torch.Tensor]], Any] | None:

@@ -32,7 +32,14 @@ Only the capturing thread's ops are recorded (modes are thread-local), and
 autograd is off while capturing: captures are for inference.
 
 Replay is bitwise identical to eager for deterministic ops: the same kernels
-run on the same inputs.
+run on the same inputs. A segment's ops replay as one generated straight-line
+Python function (no loop, arguments bound once); each step calls torch's
+Python binding of its op (``torch.addmm(..., out=...)``, ``Tensor.add_``), an
+unboxed call, where a probe at the first replay shows the binding reaches the
+very overload recorded with the very arguments, and the overload's boxed
+``_op`` otherwise. Module and autograd bookkeeping, allocation and the
+per-op Python of eager are gone; each op still pays one call from Python.
+:mod:`accel.graph._compiled` is the faster, not bitwise, tier.
 """
 
 from __future__ import annotations
@@ -101,35 +108,145 @@ class Segment:
     stream: int = 0
     position: int | None = None  # capture length right after this segment's node
     runner: Callable[[], None] | None = None  # replaces the op loop (compiled tier)
+    # The steps as one generated function (built at the first replay, when
+    # no more steps can come), and its code object, to name a failing step.
+    _plan: Callable[[], None] | None = field(default=None, repr=False)
+    _plan_code: Any = field(default=None, repr=False)
 
     def run(self) -> None:
         # Static outputs are normal tensors, so inference mode may write into
         # them; it also turns autograd off, which out= overloads require.
+        # Torch function modes and subclasses are off: the plan calls torch's
+        # Python bindings, which would hand them the recorded aten ops.
         guard = torch._C._InferenceMode(True)
         guard.__enter__()
+        no_function_modes = torch._C.DisableTorchFunction()
+        no_function_modes.__enter__()
         try:
             if self.runner is not None:
                 self.runner()
                 return
-            for fn, args, kwargs, what in self.steps:  # noqa: B007 - `what` is read by _where
-                fn(*args, **kwargs)
+            plan = self._plan
+            if plan is None:
+                plan = self._plan = self._build_plan()
+            plan()
         except BaseException as exc:  # noqa: BLE001 - raised by Graph.replay / the stream
             self.errors.append((self._where(exc), exc))
         finally:
+            no_function_modes.__exit__(None, None, None)
             guard.__exit__(None, None, None)
+
+    def _build_plan(self) -> Callable[[], None]:
+        """The steps as straight-line Python: each a call of the fastest entry
+        that reaches the recorded overload (see :func:`_fast_entry`), its
+        arguments bound once as globals of the generated function, no loop."""
+        env: dict[str, Any] = {}
+        lines = ["def replay():"]
+        for i, step in enumerate(self.steps):
+            env[f"f{i}"], args, kwargs = _fast_entry(*step[:3])
+            call = []
+            for j, value in enumerate(args):
+                env[f"a{i}_{j}"] = value
+                call.append(f"a{i}_{j}")
+            for j, (name, value) in enumerate(kwargs.items()):
+                env[f"k{i}_{j}"] = value
+                call.append(f"{name}=k{i}_{j}")
+            lines.append(f"    f{i}({', '.join(call)})")  # step i is on line i + 2
+        lines.append("    return None")
+        exec(compile("\n".join(lines), "<accel replay>", "exec"), env)  # noqa: S102 - generated above
+        # Out of its own globals: a cycle there would leave the static
+        # outputs to the cyclic collector, whose finalizers may then run
+        # inside the allocator's locked sections.
+        plan = env.pop("replay")
+        self._plan_code = plan.__code__
+        return plan  # type: ignore[no-any-return]
 
     def _where(self, exc: BaseException) -> str:
         if self.runner is not None:
             return "the compiled program"
         tb = exc.__traceback__
-        # The op loop's frame knows which step was running.
-        while tb is not None and tb.tb_frame.f_code is not Segment.run.__code__:
+        # The plan's frame says which step was running by its line.
+        while tb is not None and tb.tb_frame.f_code is not self._plan_code:
             tb = tb.tb_next
-        if tb is not None:
-            step = tb.tb_frame.f_locals.get("what")
-            if isinstance(step, str):
-                return step
+        if tb is not None and 0 <= tb.tb_lineno - 2 < len(self.steps):
+            return self.steps[tb.tb_lineno - 2][3]
         return "a recorded torch op"
+
+
+class _Reached(Exception):
+    """Raised by :class:`_Probe` in place of running the op a binding reached."""
+
+    def __init__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().__init__(func)
+        self.call = (func, args, kwargs)
+
+
+class _Probe(TorchDispatchMode):
+    """Stops the first aten op that reaches Python dispatch, without running it."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise _Reached(func, tuple(args), dict(kwargs or {}))
+
+
+# torch's Python bindings of aten ops (C functions that parse arguments
+# against the op's signatures and call the dispatcher unboxed): about half
+# the cost of an OpOverload's boxed call. Methods take ``self`` first.
+_BINDINGS = ("_VariableFunctions", "_nn", "_linalg", "_special", "_fft", "TensorBase")
+
+_Call = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
+def _fast_entry(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
+    """How a replay calls ``fn(*args, **kwargs)`` (an OpOverload's ``_op``, or a
+    replay function) fastest: torch's Python binding of the same name where
+    that provably reaches the same overload with the same arguments. Called
+    once under a dispatch mode that stops the op before it runs, it must
+    arrive there as ``fn`` would: same overload, same arguments, so the same
+    kernel, and the replay stays bitwise equal. Otherwise ``fn`` itself."""
+    overload = _overloads.get(fn)
+    if overload is None:
+        return fn, args, kwargs
+    name = overload._schema.name.split("::")[-1]
+    outs = [a.name for a in overload._schema.arguments if a.is_out]
+    forms = [kwargs]
+    if len(outs) > 1 and all(o in kwargs for o in outs):
+        # The bindings take several outputs as one tuple, out=(...).
+        grouped = {k: v for k, v in kwargs.items() if k not in outs}
+        grouped["out"] = tuple(kwargs[o] for o in outs)
+        forms = [grouped]
+    for module in _BINDINGS:
+        binding = getattr(getattr(torch._C, module), name, None)
+        if binding is None:
+            continue
+        for form in forms:
+            try:
+                with _Probe():
+                    binding(*args, **form)
+            except _Reached as reached:
+                if _same_call(reached.call, (overload, args, kwargs)):
+                    return binding, args, form
+            except Exception:  # noqa: BLE001, S112 - the binding does not take these arguments
+                continue
+    return fn, args, kwargs
+
+
+def _same_call(seen: tuple[Any, tuple[Any, ...], dict[str, Any]], want: tuple[Any, tuple[Any, ...], dict[str, Any]]) -> bool:
+    if seen[0] is not want[0] or seen[2].keys() != want[2].keys() or len(seen[1]) != len(want[1]):
+        return False
+    pairs = [*zip(seen[1], want[1]), *((seen[2][k], want[2][k]) for k in want[2])]
+    return all(_same_value(a, b) for a, b in pairs)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+# OpOverload by its ``_op``, for the overloads replays call.
+_overloads: dict[Any, Any] = {}
 
 
 @dataclass
@@ -473,7 +590,8 @@ class Recorder(TorchDispatchMode):
                 statics.append(static)
                 new_leaves.append(static)
         if not statics:
-            self._add_step(func, args, kwargs, f"{func}")
+            _overloads[func._op] = func
+            self._add_step(func._op, args, kwargs, f"{func}")
             self._program.records.append(Record(func, args, kwargs, written, "mutate"))
             return tree_unflatten(new_leaves, spec)
         overload = None if written else _out_overload(func)
@@ -483,6 +601,7 @@ class Recorder(TorchDispatchMode):
             out_func, names = overload
             out_kwargs = dict(kwargs)
             out_kwargs.update(zip(names, statics))
+            _overloads[out_func._op] = out_func
             self._add_step(out_func._op, args, out_kwargs, f"{out_func}")
             kind = "out"
         else:
@@ -514,9 +633,11 @@ class Recorder(TorchDispatchMode):
                 buffer = self._lease.allocate(nbytes, self._stream)
                 ctypes.memset(buffer.ptr, 0, nbytes)
                 memory = (ctypes.c_byte * nbytes).from_address(buffer.ptr)
-                # The storage keeps `memory` alive; the buffer goes back to the
-                # pool when both the graph and every returned tensor are gone.
-                weakref.finalize(memory, buffer.free)
+                # The storage keeps `memory` alive, and `memory` the buffer: it
+                # goes back to the pool when both the graph and every returned
+                # tensor are gone, through Buffer.__del__, which is safe where
+                # a garbage collection runs inside the allocator's locked sections.
+                memory.buffer = buffer  # type: ignore[attr-defined]
                 base = torch.frombuffer(memory, dtype=torch.uint8)
                 static.set_(base.untyped_storage(), t.storage_offset(), t.size(), t.stride())
                 self._owned.add(buffer.ptr)

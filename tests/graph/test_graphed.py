@@ -171,3 +171,45 @@ def test_messages_name_a_module_by_its_class_not_its_repr() -> None:
     assert str(warning.message).startswith(f"graphed {type(model).__qualname__} module has captured")
     assert "Linear(" not in str(warning.message)
     assert repr(fast) == f"GraphedCallable({type(model).__qualname__} module, 1/1 graphs)"
+
+
+def _bench_models() -> dict[str, tuple[object, object]]:
+    """The models of benchmarks/bench_graph.py, as that benchmark builds them."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_graph.py"
+    spec = importlib.util.spec_from_file_location("bench_graph_models", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module._models()  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("name", ["mlp", "transformer", "cnn", "gru_step"])
+def test_default_tier_is_bitwise_eager_on_the_benchmark_models(name: str, batch: int) -> None:
+    make, shape = _bench_models()[name]
+    torch.manual_seed(0)
+    model = make().eval()  # type: ignore[operator]
+    if name == "cnn":
+        with torch.no_grad():  # batch norm in eval with non-trivial running statistics
+            for bn in (m for m in model.modules() if isinstance(m, nn.BatchNorm2d)):
+                bn.running_mean.uniform_(-1, 1)
+                bn.running_var.uniform_(0.5, 2.0)
+    fast = make_graphed_callables(model, (torch.randn(*shape(batch)),))  # type: ignore[operator]
+    for _ in range(3):
+        x = torch.randn(*shape(batch))  # type: ignore[operator]
+        y = fast(x)
+        with torch.inference_mode():  # as the benchmark's eager runs
+            assert torch.equal(y, model(x))
+        with torch.no_grad():
+            assert torch.equal(y, model(x))
+
+
+def test_a_replay_failure_is_raised_by_the_call() -> None:
+    table = torch.arange(4.0)
+    fast = make_graphed_callables(lambda i: torch.index_select(table, 0, i) * 2, (torch.tensor([1]),))
+    with pytest.raises(accel.HostFunctionError, match=r"aten\.index_select\.out.*index out of range"):
+        fast(torch.tensor([10]))
+    assert torch.equal(fast(torch.tensor([3])), torch.tensor([6.0]))  # reported once; calls go on
