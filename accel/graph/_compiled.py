@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from accel._errors import InvalidValueError, NotSupportedError
 from accel.graph._engines import ENGINES, Engine, Facts
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from accel.graph._graph import Graph
     from accel.graph._torch_capture import Program
 
-__all__ = ["BackgroundCompile", "BuildWarning", "CompiledProgram", "cache_dir", "compile_graph"]
+__all__ = ["BackgroundCompile", "BuildWarning", "CompiledProgram", "bind_call", "cache_dir", "compile_graph"]
 
 #: Default largest accepted difference from eager, relative to the output's
 #: largest magnitude (at least 1).
@@ -151,6 +151,76 @@ class CompiledProgram:
     def report(self) -> str:
         """One line per engine: chosen or not, and why."""
         return "\n".join(str(c) for c in self.candidates)
+
+
+def bind_call(
+    compiled: CompiledProgram,
+    inputs: Sequence[torch.Tensor],
+    output: Any,
+    current_stream: Callable[[int], Any],
+    device: int,
+    default_stream: Any,
+) -> Callable[[Sequence[torch.Tensor]], Any]:
+    """A graphed call of ``compiled`` made whole: arguments in, result out, for
+    a graph that is the compiled program alone.
+
+    Everything that does not change between calls is looked up here, once:
+    the call is the stream check, the input copy into the bound buffer
+    (skipped for the static input itself) and the engine's own run, which is
+    what a direct caller of the engine pays. Where the engine takes the
+    caller's tensors and returns new ones (AOTInductor), there is no copy at
+    all. It returns None, having done nothing, when ``current_stream(device)``
+    is not ``default_stream``: the caller replays the graph on its stream instead.
+    """
+    direct = compiled.direct
+    if direct is not None and all(t.is_contiguous() for t in inputs):
+        run = direct
+        if isinstance(output, torch.Tensor) and len(inputs) == 1:
+
+            def direct_one(args: Sequence[torch.Tensor]) -> Any:
+                if current_stream(device) is not default_stream:
+                    return None
+                (a,) = args
+                # The program was built for contiguous inputs.
+                return run([a if a.is_contiguous() else a.contiguous()])[0]
+
+            return direct_one
+        spec = tree_flatten(output)[1]
+
+        def direct_any(args: Sequence[torch.Tensor]) -> Any:
+            if current_stream(device) is not default_stream:
+                return None
+            return tree_unflatten(run([a if a.is_contiguous() else a.contiguous() for a in args]), spec)
+
+        return direct_any
+
+    replay = compiled.replay
+    if len(inputs) == 1:
+        (static,) = inputs
+        copy, pointer = static.copy_, static.data_ptr()
+
+        def replay_one(args: Sequence[torch.Tensor]) -> Any:
+            if current_stream(device) is not default_stream:
+                return None
+            (a,) = args
+            if a.data_ptr() != pointer:  # the caller passed new data, not the static input
+                copy(a)
+            replay()
+            return output
+
+        return replay_one
+    statics = [(t, t.data_ptr()) for t in inputs]
+
+    def replay_any(args: Sequence[torch.Tensor]) -> Any:
+        if current_stream(device) is not default_stream:
+            return None
+        for (static, pointer), a in zip(statics, args):
+            if a.data_ptr() != pointer:
+                static.copy_(a)
+        replay()
+        return output
+
+    return replay_any
 
 
 def _check(g: Graph, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> Program:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from accel._errors import InvalidValueError, NotSupportedError
 from accel._runtime import get_runtime
@@ -54,13 +54,9 @@ class _Entry:
     # Compiled tier: the CompiledProgram or BackgroundCompile, and the engine's
     # bound replay when the graph is that program alone (called directly).
     compiled: Any = None
-    fast: Callable[[], Any] | None = None
-    # An engine that takes the caller's tensors and returns new outputs
-    # (AOTInductor): called in place of copy-in, replay and static outputs.
-    direct: Callable[[Sequence[torch.Tensor]], Any] | None = None
-    # fast() and direct() run only while current_stream(device) is default_stream.
-    current_stream: Callable[[int], Any] | None = None
-    default_stream: Any = None
+    # The whole call (copy in, engine, result) when the graph is that program
+    # alone; it returns None on a stream other than the default one.
+    call: Callable[[Sequence[torch.Tensor]], Any] | None = None
 
 
 class GraphedCallable:
@@ -130,16 +126,14 @@ class GraphedCallable:
         else:
             self.hits += 1
             self._cache.move_to_end(key)
-            direct = entry.direct
-            if direct is not None and entry.current_stream(entry.device) is entry.default_stream:  # type: ignore[misc]
-                return direct(args)  # the compiled program, on the caller's tensors
+            call = entry.call
+            if call is not None:
+                result = call(args)  # the compiled program alone, without the graph around it
+                if result is not None:
+                    return result
             for static, arg in zip(entry.inputs, args):
                 if static.data_ptr() != arg.data_ptr():
                     static.copy_(arg)
-        fast = entry.fast
-        if fast is not None and entry.current_stream(entry.device) is entry.default_stream:  # type: ignore[misc]
-            fast()  # the graph is one compiled program: run it without the graph around it
-            return entry.output
         runtime = get_runtime()
         stream = runtime.current_stream(entry.device)
         api = self._torch_api
@@ -207,10 +201,10 @@ class GraphedCallable:
 
             def ready(compiled: _compiled.CompiledProgram) -> None:
                 if alone:
-                    entry.current_stream = runtime.current_stream
-                    entry.default_stream = runtime.default_stream(entry.device)
-                    entry.fast = compiled.replay  # after the streams: the hot path reads it first
-                    entry.direct = _direct(compiled, inputs, output)
+                    entry.call = _compiled.bind_call(
+                        compiled, inputs, output, runtime.current_stream, entry.device,
+                        runtime.default_stream(entry.device),
+                    )
 
             try:
                 if self._tier == "compiled":
@@ -256,37 +250,6 @@ class GraphedCallable:
             if wait is not None and not wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
                 return False
         return True
-
-
-def _direct(compiled: Any, inputs: list[torch.Tensor], output: Any) -> Callable[[Sequence[torch.Tensor]], Any] | None:
-    """A call of ``compiled``'s engine on the caller's own tensors, returning
-    its new outputs, where the engine allows it: no copy in or out."""
-    run = compiled.direct
-    if run is None or not all(t.is_contiguous() for t in inputs):
-        return None
-    leaves, spec = tree_flatten(output)
-
-    if isinstance(output, torch.Tensor):
-
-        def call_one(args: Sequence[torch.Tensor]) -> Any:
-            for a in args:
-                if not a.is_contiguous():  # the program was built for contiguous inputs
-                    return _contiguous(call_one, args)
-            return run(list(args))[0]
-
-        return call_one
-
-    def call(args: Sequence[torch.Tensor]) -> Any:
-        for a in args:
-            if not a.is_contiguous():
-                return _contiguous(call, args)
-        return tree_unflatten(run(list(args)), spec)
-
-    return call
-
-
-def _contiguous(call: Callable[[Sequence[torch.Tensor]], Any], args: Sequence[torch.Tensor]) -> Any:
-    return call([a.contiguous() for a in args])
 
 
 @contextlib.contextmanager

@@ -241,7 +241,7 @@ def test_graphed_callables_call_aotinductor_on_the_callers_tensors(cache: Path, 
     model = _tiny()  # the program the missing-engine test built: loaded from the cache
     fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
     (entry,) = fast._cache.values()
-    assert entry.compiled.engine == "aotinductor" and entry.direct is not None
+    assert entry.compiled.engine == "aotinductor" and entry.call is not None
     new = torch.randn(2, 8)
     first = fast(new)
     torch.testing.assert_close(first, _eager(model, new))
@@ -284,7 +284,7 @@ def test_auto_tier_replays_interpreted_while_building_then_switches(cache: Path,
     assert fast.wait_compiled(timeout=120)
     assert fast.compile_status() == {signature: "compiled: gated"}
     (entry,) = fast._cache.values()
-    assert entry.fast is not None  # the graph is the program alone: replays call the engine directly
+    assert entry.call is not None  # the graph is the program alone: replays call the engine directly
     torch.testing.assert_close(fast(new), _eager(model, new))
 
 
