@@ -35,6 +35,7 @@ Trade-offs, stated where users choose the tier:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import operator
 import os
@@ -157,9 +158,8 @@ def bind_call(
     compiled: CompiledProgram,
     inputs: Sequence[torch.Tensor],
     output: Any,
-    current_stream: Callable[[int], Any],
+    runtime: Any,
     device: int,
-    default_stream: Any,
 ) -> Callable[[Sequence[torch.Tensor]], Any]:
     """A graphed call of ``compiled`` made whole: arguments in, result out, for
     a graph that is the compiled program alone.
@@ -169,16 +169,21 @@ def bind_call(
     (skipped for the static input itself) and the engine's own run, which is
     what a direct caller of the engine pays. Where the engine takes the
     caller's tensors and returns new ones (AOTInductor), there is no copy at
-    all. It returns None, having done nothing, when ``current_stream(device)``
-    is not ``default_stream``: the caller replays the graph on its stream instead.
+    all. It returns None, having done nothing, when the calling thread's
+    current stream on ``device`` is not the default one: the caller then
+    replays the graph on that stream.
     """
+    # runtime.current_stream(device), inlined: the thread's current streams
+    # (absent: the default one). A third of the whole overhead otherwise.
+    thread = runtime._state
+    default = runtime.default_stream(device)
     direct = compiled.direct
     if direct is not None and all(t.is_contiguous() for t in inputs):
         run = direct
         if isinstance(output, torch.Tensor) and len(inputs) == 1:
 
             def direct_one(args: Sequence[torch.Tensor]) -> Any:
-                if current_stream(device) is not default_stream:
+                if thread.streams.get(device, default) is not default:
                     return None
                 (a,) = args
                 # The program was built for contiguous inputs.
@@ -188,7 +193,7 @@ def bind_call(
         spec = tree_flatten(output)[1]
 
         def direct_any(args: Sequence[torch.Tensor]) -> Any:
-            if current_stream(device) is not default_stream:
+            if thread.streams.get(device, default) is not default:
                 return None
             return tree_unflatten(run([a if a.is_contiguous() else a.contiguous() for a in args]), spec)
 
@@ -200,7 +205,7 @@ def bind_call(
         copy, pointer = static.copy_, static.data_ptr()
 
         def replay_one(args: Sequence[torch.Tensor]) -> Any:
-            if current_stream(device) is not default_stream:
+            if thread.streams.get(device, default) is not default:
                 return None
             (a,) = args
             if a.data_ptr() != pointer:  # the caller passed new data, not the static input
@@ -212,7 +217,7 @@ def bind_call(
     statics = [(t, t.data_ptr()) for t in inputs]
 
     def replay_any(args: Sequence[torch.Tensor]) -> Any:
-        if current_stream(device) is not default_stream:
+        if thread.streams.get(device, default) is not default:
             return None
         for (static, pointer), a in zip(statics, args):
             if a.data_ptr() != pointer:
@@ -386,7 +391,7 @@ def _compile(
             + "; ".join(str(c) for c in candidates)
             + ". Keep the interpreted tier for this graph"
         )
-    _time_interleaved([(c, run) for _, _, _, c, (_, run) in loaded])
+    _time_interleaved([(c, _as_called(run, trial_inputs)) for _, _, _, c, (_, run) in loaded])
     engine, path, key, candidate, (program_, _) = min(loaded, key=lambda item: item[3].seconds or 0.0)
     candidate.status = "chosen"
     replay = engine.bind(program_, inputs, outputs)
@@ -413,15 +418,38 @@ def _max_error(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -> fl
     return worst
 
 
-def _time_interleaved(runs: list[tuple[Candidate, Callable[[], Any]]], rounds: int = 7, budget: float = 2e-3) -> None:
+def _as_called(trial: Callable[[], Any], inputs: list[torch.Tensor]) -> Callable[[], Any]:
+    """``trial`` as a graphed call runs it: an engine that takes the caller's
+    tensors is called on them (no copies); the others copy the inputs into
+    their bound buffers first, which a call pays for them."""
+    direct = getattr(trial, "direct", None)
+    if direct is not None:
+        return functools.partial(direct, inputs)
+    sources = [t.clone() for t in inputs]
+
+    def copy_and_run() -> None:
+        for static, source in zip(inputs, sources):
+            static.copy_(source)
+        trial()
+
+    return copy_and_run
+
+
+def _time_interleaved(runs: list[tuple[Candidate, Callable[[], Any]]], rounds: int = 9, budget: float = 2e-3) -> None:
     """Median time of one run of each, in rounds that take turns, so that a busy
-    machine slows them all alike. Each round runs each about ``budget`` seconds."""
+    machine slows them all alike. Each round runs each about ``budget`` seconds,
+    after a warm-up of as long: an engine's first runs are slower (ONNX
+    Runtime's memory arena grows, caches fill) and must not decide the choice."""
     with torch.inference_mode():
         counts = []
         for _, run in runs:
-            t0 = time.perf_counter()
             run()
-            counts.append(max(1, min(200, int(budget / max(time.perf_counter() - t0, 1e-7)))))
+            t0 = time.perf_counter()
+            calls = 0
+            while time.perf_counter() - t0 < budget:
+                run()
+                calls += 1
+            counts.append(max(1, min(400, int(calls * budget / max(time.perf_counter() - t0, 1e-7)))))
         samples: list[list[float]] = [[] for _ in runs]
         for _ in range(rounds):
             for i, (_, run) in enumerate(runs):

@@ -117,7 +117,11 @@ class GraphedCallable:
         try:
             # The hot path: torch.Size hashes and compares like the tuples
             # _signature() stores; anything unusual is validated on the miss.
-            key = tuple([(a.shape, a.dtype) for a in args])
+            if len(args) == 1:
+                (a,) = args
+                key = ((a.shape, a.dtype),)  # a third of the comprehension's cost
+            else:
+                key = tuple([(a.shape, a.dtype) for a in args])
         except AttributeError:
             key = _signature(args, "call", self._device_type)
         entry = self._cache.get(key)
@@ -201,10 +205,7 @@ class GraphedCallable:
 
             def ready(compiled: _compiled.CompiledProgram) -> None:
                 if alone:
-                    entry.call = _compiled.bind_call(
-                        compiled, inputs, output, runtime.current_stream, entry.device,
-                        runtime.default_stream(entry.device),
-                    )
+                    entry.call = _compiled.bind_call(compiled, inputs, output, runtime, entry.device)
 
             try:
                 if self._tier == "compiled":
