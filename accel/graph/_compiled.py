@@ -272,7 +272,7 @@ def compile_graph(
     ``outputs`` the tensors the capture returned that you will read. Every
     other tensor the program reads is compiled in as a constant. ``engines``
     limits the engines tried (default: every one installed, of
-    ``"onnxruntime"``, ``"aotinductor"`` and ``"aotinductor-cpp-gemm"``); one is kept if all its outputs
+    ``"onnxruntime"``, ``"onnxruntime-1thread"``, ``"aotinductor"`` and ``"aotinductor-cpp-gemm"``); one is kept if all its outputs
     are within ``tolerance`` of eager (relative to the largest magnitude,
     at least 1). The result's ``engine`` and ``report()`` say which was
     chosen and why.
@@ -606,7 +606,7 @@ def _engine_key(base: str, engine: Engine, version: str, settings: dict[str, Any
     1-thread build, which has no parallel regions)."""
     h = hashlib.sha256(base.encode())
     h.update(
-        f"{engine.name} {version} torch {torch.__version__} {_cpu_model()} threads {threads} "
+        f"{engine.artifact or engine.name} {version} torch {torch.__version__} {_cpu_model()} threads {threads} "
         f"{sorted(settings.items())}".encode()
     )
-    return f"{engine.name}-{h.hexdigest()[:32]}"
+    return f"{engine.artifact or engine.name}-{h.hexdigest()[:32]}"

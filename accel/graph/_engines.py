@@ -13,6 +13,8 @@ the inputs and writes the outputs in place, with nothing else around it.
 - ``onnxruntime``: the program exported to ONNX (``torch.onnx.export``,
   dynamo exporter) and run by an ``InferenceSession`` with IO binding over
   the graph's own tensors: ONNX Runtime reads and writes them in place.
+- ``onnxruntime-1thread``: the same file in a session on one intra-op
+  thread, competing where torch runs on more than one.
 
 An engine whose Python package is missing reports it by ``version()``
 returning None; the compiled tier then uses the others
@@ -36,7 +38,9 @@ import torch.fx as fx
 
 from accel._errors import NotSupportedError
 
-__all__ = ["ENGINES", "AOTInductor", "AOTInductorCppGemm", "Engine", "Facts", "OnnxRuntime"]
+__all__ = [
+    "ENGINES", "AOTInductor", "AOTInductorCppGemm", "Engine", "Facts", "OnnxRuntime", "OnnxRuntimeOneThread",
+]
 
 Replay = Callable[[], Any]
 
@@ -65,6 +69,9 @@ class Engine:
     """How one engine builds, loads and binds a program (see the module docstring)."""
 
     name = ""
+    #: The name its built file is cached under: engines that differ only in
+    #: how they load a file (session options) share it. Empty: ``name``.
+    artifact = ""
     suffix = ""
     #: What to install when the engine is missing.
     install = ""
@@ -271,7 +278,7 @@ class OnnxRuntime(Engine):
         import onnxruntime as ort  # type: ignore[import-untyped]
 
         options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
+        options.intra_op_num_threads = self.session_threads(threads)
         options.inter_op_num_threads = 1
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
@@ -310,6 +317,10 @@ class OnnxRuntime(Engine):
         replay.keep = binding  # type: ignore[attr-defined]
         return replay
 
+    def session_threads(self, threads: int) -> int:
+        """The session's intra-op threads for a process running torch on ``threads``."""
+        return threads
+
     @staticmethod
     def _bind(bind: Callable[..., None], name: str, t: torch.Tensor, np: Any) -> None:
         kind = _ORT_TYPES.get(t.dtype)
@@ -320,5 +331,23 @@ class OnnxRuntime(Engine):
         bind(name, "cpu", 0, np.dtype(kind), list(t.shape), t.data_ptr())
 
 
+class OnnxRuntimeOneThread(OnnxRuntime):
+    """ONNX Runtime's session on one intra-op thread, where torch runs on more:
+    for small programs, waking the session's thread pool costs more than the
+    work it shares. It loads the same file as ``onnxruntime`` and competes
+    with it, timed side by side, so that each program gets whichever is faster."""
+
+    name = "onnxruntime-1thread"
+    artifact = "onnxruntime"
+
+    def applies(self, facts: Facts) -> bool:
+        return facts.threads > 1
+
+    def session_threads(self, threads: int) -> int:
+        return 1
+
+
 #: Engines the compiled tier tries, by name.
-ENGINES: dict[str, Engine] = {e.name: e for e in (OnnxRuntime(), AOTInductor(), AOTInductorCppGemm())}
+ENGINES: dict[str, Engine] = {
+    e.name: e for e in (OnnxRuntime(), OnnxRuntimeOneThread(), AOTInductor(), AOTInductorCppGemm())
+}
