@@ -165,11 +165,12 @@ def bind_call(
     a graph that is the compiled program alone.
 
     Everything that does not change between calls is looked up here, once:
-    the call is the stream check, the input copy into the bound buffer
-    (skipped for the static input itself) and the engine's own run, which is
-    what a direct caller of the engine pays. Where the engine takes the
-    caller's tensors and returns new ones (AOTInductor), there is no copy at
-    all. It returns None, having done nothing, when the calling thread's
+    the call is the stream check and the engine's own run on the caller's
+    tensors. ONNX Runtime reads them in place (its call binding points at
+    them) and writes the graph's static outputs; AOTInductor takes them and
+    returns new outputs. No copy either way, except of a non-contiguous
+    input into the bound buffer (and for an engine that can only read its
+    bound buffers: the copy, skipped for the static input itself). It returns None, having done nothing, when the calling thread's
     current stream on ``device`` is not the default one: the caller then
     replays the graph on that stream.
     """
@@ -200,6 +201,35 @@ def bind_call(
         return direct_any
 
     replay = compiled.replay
+    take = getattr(replay, "take", None)
+    if take is not None and len(inputs) == 1:
+        (static,) = inputs
+
+        def take_one(args: Sequence[torch.Tensor]) -> Any:
+            if thread.streams.get(device, default) is not default:
+                return None
+            if args[0].is_contiguous():
+                take(args)  # the engine reads the caller's tensor: no copy
+            else:
+                static.copy_(args[0])
+                replay()
+            return output
+
+        return take_one
+    if take is not None:
+
+        def take_any(args: Sequence[torch.Tensor]) -> Any:
+            if thread.streams.get(device, default) is not default:
+                return None
+            if all(a.is_contiguous() for a in args):
+                take(args)
+            else:
+                for static, a in zip(inputs, args):
+                    static.copy_(a)
+                replay()
+            return output
+
+        return take_any
     if len(inputs) == 1:
         (static,) = inputs
         copy, pointer = static.copy_, static.data_ptr()

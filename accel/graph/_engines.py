@@ -315,7 +315,46 @@ class OnnxRuntime(Engine):
         else:  # pragma: no cover - another onnxruntime layout
             replay = functools.partial(session.run_with_iobinding, binding)
         replay.keep = binding  # type: ignore[attr-defined]
+        if replay.func is not session.run_with_iobinding:
+            replay.take = self._taking(session, native, inputs, outputs, np)  # type: ignore[attr-defined]
         return replay
+
+    def _taking(self, session: Any, native: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], np: Any) -> Any:
+        """A run on the caller's own input tensors (contiguous, laid out like
+        ``inputs``), results in ``outputs``: its own binding points the inputs
+        at the caller's memory for the run, in place of a copy into the bound
+        buffers (about 0.6 us whatever the size, against 0.7 us for 2 KiB and
+        1.7 us for 96 KiB copied). The replay's binding keeps the graph's
+        buffers, so a replay of the graph never reads the caller's memory."""
+        from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice  # type: ignore[import-untyped]
+
+        binding = session.io_binding()
+        for name, t in zip([o.name for o in session.get_outputs()], outputs):
+            self._bind(binding.bind_output, name, t, np)
+        binding._accel_keep = (session, outputs)
+        cpu = OrtDevice.make("cpu", 0)._get_c_device()
+        bound = binding._iobinding
+        bind_input, run = bound.bind_input, native.run_with_iobinding
+        wanted = {arg.name for arg in session.get_inputs()}
+        slots = [(i, f"input_{i}", np.dtype(_ORT_TYPES[t.dtype]), list(t.shape)) for i, t in enumerate(inputs)
+                 if f"input_{i}" in wanted]
+        if len(slots) == 1 and len(inputs) == 1:
+            ((_, name, kind, shape),) = slots
+
+            def take_one(args: Any) -> None:
+                bind_input(name, cpu, kind, shape, args[0].data_ptr())
+                run(bound, None)
+
+            take_one.keep = binding  # type: ignore[attr-defined]
+            return take_one
+
+        def take(args: Any) -> None:
+            for i, name, kind, shape in slots:
+                bind_input(name, cpu, kind, shape, args[i].data_ptr())
+            run(bound, None)
+
+        take.keep = binding  # type: ignore[attr-defined]
+        return take
 
     def session_threads(self, threads: int) -> int:
         """The session's intra-op threads for a process running torch on ``threads``."""

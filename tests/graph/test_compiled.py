@@ -413,12 +413,18 @@ def test_compiled_calls_copy_new_data_in_and_replay_as_a_graph_on_a_side_stream(
     fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
     (entry,) = fast._cache.values()
     assert entry.call is not None
+    static = entry.inputs[0]
+    kept = static.clone()
     new = torch.randn(2, 8)
     out = fast(new)
     assert out is entry.output  # ONNX Runtime writes the graph's static output
     torch.testing.assert_close(out, _eager(model, new))
-    # The static input itself: nothing to copy, the result follows its values.
-    static = entry.inputs[0]
+    # It read the caller's tensor where it lies: nothing was copied into the graph's input,
+    # and a replay of the graph still reads the graph's own input, not the caller's memory.
+    assert torch.equal(static, kept)
+    entry.graph.replay()
+    torch.testing.assert_close(entry.output, _eager(model, kept))
+    # The static input itself: the result follows its values.
     static.copy_(torch.randn(2, 8))
     torch.testing.assert_close(fast(static), _eager(model, static))
     # Not contiguous: copied in all the same.
