@@ -407,8 +407,21 @@ def test_engines_are_timed_as_a_call_runs_them() -> None:
     assert torch.equal(_compiled._as_called(replay, inputs)()[0], inputs[0] * 2)
 
 
-def test_compiled_calls_copy_new_data_in_and_replay_as_a_graph_on_a_side_stream(cache: Path, engines: Any) -> None:
+def test_a_small_input_is_copied_into_the_onnx_binding(cache: Path, engines: Any) -> None:
     engines(_engines.OnnxRuntime())
+    model = _tiny()
+    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
+    (entry,) = fast._cache.values()
+    new = torch.randn(2, 8)
+    torch.testing.assert_close(fast(new), _eager(model, new))
+    assert torch.equal(entry.inputs[0], new)  # 64 bytes: copied, not rebound
+
+
+def test_compiled_calls_read_the_callers_input_and_replay_as_a_graph_on_a_side_stream(
+    cache: Path, engines: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engines(_engines.OnnxRuntime())
+    monkeypatch.setattr(_compiled, "TAKE_MIN_BYTES", 0)
     model = _tiny()
     fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
     (entry,) = fast._cache.values()
