@@ -89,6 +89,9 @@ class GraphedCallable:
         self._cache: OrderedDict[Signature, _Entry] = OrderedDict()
         self.hits = self.misses = self.evictions = 0
         self._warned = False
+        # (shape, dtype, bound call) of the last one-argument call that ran a
+        # compiled program; reset by every call that does not.
+        self._last_compiled: tuple[torch.Size, torch.dtype, Callable[[Sequence[torch.Tensor]], Any]] | None = None
         runtime = get_runtime()
         self._device_type = runtime.name
         # Where torch's graphs carry the capture, torch reads the outputs in
@@ -114,6 +117,22 @@ class GraphedCallable:
                 f"graphed {_name(self.fn)} takes tensors as positional arguments only, got keywords "
                 f"{sorted(kwargs)}"
             )
+        last = self._last_compiled
+        if last is not None and len(args) == 1:
+            # The compiled tier's hot path: the same shape as the last call, which
+            # ran a compiled program: no key, no lookup, no reordering (that
+            # entry is the most recent already). A third of accel's cost per call.
+            (a,) = args
+            try:
+                same = a.shape == last[0] and a.dtype is last[1]
+            except AttributeError:
+                same = False
+            if same:
+                result = last[2](args)
+                if result is not None:
+                    self.hits += 1
+                    return result
+        self._last_compiled = None
         try:
             # The hot path: torch.Size hashes and compares like the tuples
             # _signature() stores; anything unusual is validated on the miss.
@@ -134,6 +153,8 @@ class GraphedCallable:
             if call is not None:
                 result = call(args)  # the compiled program alone, without the graph around it
                 if result is not None:
+                    if len(args) == 1:
+                        self._last_compiled = (args[0].shape, args[0].dtype, call)
                     return result
             for static, arg in zip(entry.inputs, args):
                 if static.data_ptr() != arg.data_ptr():
@@ -164,6 +185,7 @@ class GraphedCallable:
             self._capture(sample_args, key)
 
     def _capture(self, args: Sequence[torch.Tensor], key: Signature) -> _Entry:
+        self._last_compiled = None  # the cache changes
         self.misses += 1
         if len(self._cache) >= self._cache_size:
             _, old = self._cache.popitem(last=False)

@@ -449,3 +449,20 @@ def test_compiled_calls_read_the_callers_input_and_replay_as_a_graph_on_a_side_s
         assert entry.call((new,)) is None
         torch.testing.assert_close(fast(new), _eager(model, new))
     accel.synchronize()
+
+
+def test_repeated_compiled_calls_skip_the_lookup_until_the_shape_changes(cache: Path, engines: Any) -> None:
+    engines(_engines.OnnxRuntime())
+    model = _tiny()
+    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
+    fast.capture(torch.randn(3, 8))
+    two, three = torch.randn(2, 8), torch.randn(3, 8)
+    for x in (two, two, three, three, two, three):
+        torch.testing.assert_close(fast(x), _eager(model, x))
+    assert fast.cache_info()["hits"] == 6 and fast.cache_info()["misses"] == 2
+    assert fast._last_compiled is not None and fast._last_compiled[0] == (3, 8)
+    # Least recently used is still kept right: the shortcut's entry is the newest.
+    fast.capture(torch.randn(4, 8))
+    assert fast._last_compiled is None and list(fast._cache)[-1] == (((4, 8), torch.float32),)
+    with pytest.raises(accel.InvalidValueError, match="tensors only"):
+        fast(three.numpy())  # same shape, not a tensor: not taken for the last call's
