@@ -133,6 +133,7 @@ class GraphedCallable:
                     self.hits += 1
                     return result
         self._last_compiled = None
+        key: tuple[tuple[Any, Any], ...]
         try:
             # The hot path: torch.Size hashes and compares like the tuples
             # _signature() stores; anything unusual is validated on the miss.
@@ -368,7 +369,7 @@ def make_graphed_callables(
         raise InvalidValueError(
             f"callables must be a callable or a sequence of callables, got {type(callables).__name__}"
         )
-    fns = [callables] if single else list(callables)  # type: ignore[arg-type]
+    fns: list[Callable[..., Any]] = [callables] if single else list(callables)  # type: ignore[list-item, arg-type]
     if not fns or not all(callable(f) for f in fns):
         raise InvalidValueError("callables must be a callable or a non-empty sequence of callables")
     if not isinstance(sample_args, (tuple, list)):
