@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import re
 from typing import Any, Union
 
@@ -50,8 +51,9 @@ class Device(str):
         """The backend's name: ``"cpu"``, ``"cuda"`` or ``"xpu"``."""
         return self._type
 
+    # torch.device's attribute; it hides str.index (a Device is a str so that torch takes it).
     @property
-    def index(self) -> int | None:
+    def index(self) -> int | None:  # type: ignore[override]
         """The device's index, or None for the current device of :attr:`type`."""
         return self._index
 
@@ -64,7 +66,7 @@ class Device(str):
     def __str__(self) -> str:
         return str.__str__(self)
 
-    def __reduce__(self) -> tuple[type[Device], tuple[str, int | None]]:
+    def __reduce__(self) -> tuple[builtins.type[Device], tuple[str, int | None]]:  # `type` is the property
         return (Device, (self._type, self._index))
 
     @classmethod

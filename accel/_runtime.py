@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from accel._device import Device, as_device
-from accel._errors import AccelError, BackendUnavailableError, DeviceError
+from accel._errors import AccelError, DeviceError
 from accel.backends import BACKEND_NAMES, load_backend, select_backend
 from accel.backends.base import Backend
 
@@ -302,11 +302,3 @@ def activate(name: str) -> Iterator[Runtime]:
         with _runtime_lock:
             _runtime = previous
 
-
-def unavailable_reason() -> BackendUnavailableError | None:
-    """Why the process cannot get a runtime, or None when it can."""
-    try:
-        get_runtime()
-    except BackendUnavailableError as exc:
-        return exc
-    return None

@@ -43,3 +43,19 @@ def test_an_upward_import_breaks_the_contract(tmp_path: Path) -> None:
     result = _lint_imports(copy)
     assert result.returncode != 0
     assert "accel.stream is not allowed to import accel.allocator" in result.stdout
+
+
+def test_an_import_cycle_between_subpackages_is_named(tmp_path: Path) -> None:
+    # The Backend protocol reaching back into a vendor backend (which imports it)
+    # closes a cycle inside accel.backends: the acyclic contract must name it.
+    copy = tmp_path / "repo"
+    copy.mkdir()
+    (copy / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    subprocess.run(["cp", "-r", str(ROOT / "accel"), str(copy / "accel")], check=True)
+    base = copy / "accel" / "backends" / "base.py"
+    base.write_text(base.read_text() + "\n\ndef _cycle() -> object:\n    from accel.backends.cpu import CpuBackend\n\n    return CpuBackend\n")
+    result = _lint_imports(copy)
+    assert result.returncode != 0
+    assert "No import cycles between accel's subpackages BROKEN" in result.stdout
+    assert "No cycles are allowed in accel.backends." in result.stdout
+    assert "- .base -> .cpu (1 import)" in result.stdout

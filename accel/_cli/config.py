@@ -127,7 +127,8 @@ def _show_keys(as_json: bool) -> int:
         print(f"{spec.key}{aliases}")
         print(f"    {spec.kind}{unit}; default {spec.default_text}; valid: {spec.range_text}")
         print(
-            f"    PyTorch {spec.pytorch_set} key; backends: {', '.join(spec.backends)}; {use}"
+            f"    {'accel-only key' if spec.pytorch_set == 'none' else f'PyTorch {spec.pytorch_set} key'}; "
+            f"backends: {', '.join(spec.backends)}; {use}"
         )
         print(f"    {spec.summary}")
     return 0

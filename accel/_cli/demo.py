@@ -98,7 +98,7 @@ def _torch_demo(calls: int, compiled: bool, device_type: str) -> dict[str, Any]:
     ).eval().to(device_type)
     x = torch.randn(1, 64, device=device_type)
     # On a GPU a call returns before its kernels ran: time them to the end.
-    finish = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    finish: Callable[[], None] = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
 
     def eager() -> Any:
         with torch.inference_mode():

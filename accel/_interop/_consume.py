@@ -16,26 +16,19 @@ deleter runs when the ForeignBuffer and everything derived from it are gone.
 from __future__ import annotations
 
 import ctypes
-import math
 from typing import Any
 
 from accel._device import Device
 from accel._errors import InvalidHandleError, InvalidValueError
-from accel._interop._dlpack import DLDeviceType, DLPackExportError, to_capsule
+from accel._interop._dlpack import DEVICE_TYPES, DLDeviceType, DLPackExportError, to_capsule
 from accel._runtime import get_runtime
 from accel.stream import Stream
-from accel.stream._dlpack_abi import FLAG_READ_ONLY, DLManagedTensor, DLManagedTensorVersioned
+from accel.stream._dlpack_abi import read_capsule
 
 __all__ = ["ForeignBuffer", "from_dlpack"]
 
-_DEVICE_NAMES = {DLDeviceType.kDLCPU: "cpu", DLDeviceType.kDLCUDA: "cuda", DLDeviceType.kDLOneAPI: "xpu"}
+_DEVICE_NAMES: dict[int, str] = {kind: name for name, kind in DEVICE_TYPES.items()}
 
-_PyCapsule_IsValid = ctypes.pythonapi["PyCapsule_IsValid"]
-_PyCapsule_IsValid.restype = ctypes.c_int
-_PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
-_PyCapsule_GetPointer = ctypes.pythonapi["PyCapsule_GetPointer"]
-_PyCapsule_GetPointer.restype = ctypes.c_void_p
-_PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 _PyCapsule_SetName = ctypes.pythonapi["PyCapsule_SetName"]
 _PyCapsule_SetName.restype = ctypes.c_int
 _PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_void_p]
@@ -90,8 +83,7 @@ class ForeignBuffer:
         return to_capsule(self, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        kind = {"cpu": DLDeviceType.kDLCPU, "cuda": DLDeviceType.kDLCUDA, "xpu": DLDeviceType.kDLOneAPI}
-        return kind[self.device.type], self.device.index or 0
+        return DEVICE_TYPES[self.device.type], self.device.index or 0
 
     def __repr__(self) -> str:
         where = "freed" if self._managed is None else f"ptr={self._ptr:#x}"
@@ -141,42 +133,23 @@ def from_dlpack(x: Any) -> ForeignBuffer:
             raise InvalidValueError(f"{type(x).__name__} refused a DLPack export: {type(exc).__name__}: {exc}") from exc
     else:
         capsule, stream = x, None
-    for name_bytes in (b"dltensor_versioned", b"dltensor"):
-        if _PyCapsule_IsValid(capsule, name_bytes):
-            break
-    else:
+    tensor = read_capsule(capsule)
+    if tensor is None:
         raise InvalidValueError(
             f"from_dlpack takes a DLPack producer (an object with __dlpack__) or an unused DLPack capsule, "
             f"not {type(x).__name__}"
         )
-    address = _PyCapsule_GetPointer(capsule, name_bytes)
-    managed: DLManagedTensor | DLManagedTensorVersioned
-    if name_bytes == b"dltensor_versioned":
-        managed = DLManagedTensorVersioned.from_address(address)
-        readonly = bool(managed.flags & FLAG_READ_ONLY)
-    else:
-        managed = DLManagedTensor.from_address(address)
-        readonly = False
-    tensor = managed.dl_tensor
-    device_name = _DEVICE_NAMES.get(tensor.device.device_type)
-    if device_name != runtime.name:
+    if _DEVICE_NAMES.get(tensor.device_type) != runtime.name:
         raise DLPackExportError(
-            f"the capsule's tensor lives on DLPack device ({tensor.device.device_type}, {tensor.device.device_id}); "
+            f"the capsule's tensor lives on DLPack device ({tensor.device_type}, {tensor.device_id}); "
             f"accel's active backend is {runtime.name!r}"
         )
-    shape = tuple(tensor.shape[i] for i in range(tensor.ndim))
-    if tensor.strides and math.prod(shape):
-        expected = 1
-        for dim, step in zip(reversed(shape), reversed([tensor.strides[i] for i in range(tensor.ndim)])):
-            if dim != 1 and step != expected:
-                raise InvalidValueError("from_dlpack needs a C-contiguous tensor; pass x.contiguous() or a copy")
-            expected *= dim
+    if not tensor.contiguous:
+        raise InvalidValueError("from_dlpack needs a C-contiguous tensor; pass x.contiguous() or a copy")
     # Taken: from here on the deleter is ours to call.
-    _PyCapsule_SetName(capsule, ctypes.cast(ctypes.c_char_p(_USED_NAMES[name_bytes]), ctypes.c_void_p))
-    index = tensor.device.device_id
+    _PyCapsule_SetName(capsule, ctypes.cast(ctypes.c_char_p(_USED_NAMES[tensor.name]), ctypes.c_void_p))
     if stream is None:
-        stream = runtime.current_stream(index)
-    nbytes = math.prod(shape) * tensor.dtype.bits * tensor.dtype.lanes // 8
+        stream = runtime.current_stream(tensor.device_id)
     return ForeignBuffer(
-        managed, (tensor.data or 0) + tensor.byte_offset, nbytes, shape, readonly, runtime.device(index), stream
+        tensor.managed, tensor.ptr, tensor.nbytes, tensor.shape, tensor.readonly, runtime.device(tensor.device_id), stream
     )

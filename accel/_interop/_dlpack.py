@@ -57,6 +57,7 @@ from accel.stream._dlpack_abi import (
     DLManagedTensor as _DLManagedTensor,
     DLManagedTensorVersioned as _DLManagedTensorVersioned,
     DLPackVersion as _DLPackVersion,
+    capsule_is_valid as _capsule_is_valid,
 )
 
 __all__ = [
@@ -90,7 +91,8 @@ class DLDeviceType(enum.IntEnum):
     kDLOneAPI = 14
 
 
-_DEVICE_TYPES = {"cpu": DLDeviceType.kDLCPU, "cuda": DLDeviceType.kDLCUDA, "xpu": DLDeviceType.kDLOneAPI}
+#: DLPack's device type for each accel device type (the consumer reads it backwards).
+DEVICE_TYPES: dict[str, DLDeviceType] = {"cpu": DLDeviceType.kDLCPU, "cuda": DLDeviceType.kDLCUDA, "xpu": DLDeviceType.kDLOneAPI}
 
 # DLDataTypeCode values.
 _INT, _UINT, _FLOAT, _BFLOAT, _COMPLEX, _BOOL = 0, 1, 2, 4, 5, 6
@@ -153,9 +155,6 @@ def dtype_from_name(name: str) -> tuple[int, int]:
 _PyCapsule_New = ctypes.pythonapi["PyCapsule_New"]
 _PyCapsule_New.restype = ctypes.py_object
 _PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-_PyCapsule_IsValid = ctypes.pythonapi["PyCapsule_IsValid"]
-_PyCapsule_IsValid.restype = ctypes.c_int
-_PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 # A capsule keeps a pointer to its name for its whole life: bytes constants
 # are never freed while referenced, and these are referenced by the leaked
@@ -205,7 +204,7 @@ _deleter = _make_deleter()
 def _make_sweeper() -> Callable[[], None]:
     # Like the deleter, reachable from finalizers (a Buffer's) at shutdown:
     # it reaches nothing through module globals.
-    unconsumed, exports, is_valid = _unconsumed, _exports, _PyCapsule_IsValid
+    unconsumed, exports, is_valid = _unconsumed, _exports, _capsule_is_valid
     getrefcount, is_finalizing = sys.getrefcount, sys.is_finalizing
 
     def release_unconsumed() -> None:
@@ -253,12 +252,12 @@ def dlpack_device(obj: Any) -> tuple[DLDeviceType, int]:
     device = getattr(obj, "device", None)
     kind = getattr(device, "type", None)
     index = getattr(device, "index", None)
-    if kind not in _DEVICE_TYPES or not isinstance(index, int):
+    if kind not in DEVICE_TYPES or not isinstance(index, int):
         raise InvalidValueError(
             f"{type(obj).__name__}.device is {device!r}; DLPack export needs an accel.Device "
             "with a type of 'cpu', 'cuda' or 'xpu' and an index"
         )
-    return _DEVICE_TYPES[kind], index
+    return DEVICE_TYPES[kind], index
 
 
 def _producer_stream(obj: Any) -> Any:
@@ -376,7 +375,8 @@ def _wants_versioned(max_version: object) -> bool:
         or not all(isinstance(v, int) and not isinstance(v, bool) for v in max_version)
     ):
         raise DLPackExportError(f"max_version={max_version!r} must be a (major, minor) tuple of ints")
-    return max_version[0] >= 1
+    major: int = max_version[0]  # checked to be an int above
+    return major >= 1
 
 
 def to_capsule(
@@ -400,7 +400,7 @@ def to_capsule(
     kind, index = dlpack_device(obj)
     if dl_device is not None:
         try:
-            wanted = (int(dl_device[0]), int(dl_device[1]))  # type: ignore[index]
+            wanted = (int(dl_device[0]), int(dl_device[1]))
         except (TypeError, ValueError, IndexError):
             raise DLPackExportError(f"dl_device={dl_device!r} must be a (device type, index) pair") from None
         if wanted != (int(kind), index):

@@ -32,6 +32,7 @@ from accel.stream import Stream
 
 if TYPE_CHECKING:
     import torch
+    from torch import Tensor  # the name, where a function's local `torch` is the module
 
 __all__ = ["as_tensor", "empty"]
 
@@ -98,7 +99,7 @@ def _host_tensor(ptr: int, nbytes: int, owner: object, torch_dtype: Any, dims: t
     itemsize = torch_dtype.itemsize
     if not count:
         # frombuffer refuses zero items: view one, then none (the block has room for one).
-        flat = torch.frombuffer(_HostView.over(ptr, nbytes, owner), dtype=torch_dtype, count=1)[:0]
+        flat: Tensor = torch.frombuffer(_HostView.over(ptr, nbytes, owner), dtype=torch_dtype, count=1)[:0]
         return flat.view(*dims)
     view = _HostView.over(ptr, nbytes, owner)
     # ``count`` only when the view is longer than the tensor (a keyword costs).
@@ -152,7 +153,8 @@ def empty(
     capsule = _dlpack.make_capsule(
         buffer, buffer.ptr, _dlpack.dlpack_device(buffer), code, bits, dims, versioned=False
     )
-    return import_torch().from_dlpack(capsule)
+    tensor: torch.Tensor = import_torch().from_dlpack(capsule)  # import_torch() is typed Any
+    return tensor
 
 
 def as_tensor(buffer: Any, dtype: torch.dtype | str = "uint8", shape: int | tuple[int, ...] | None = None) -> torch.Tensor:
@@ -184,4 +186,5 @@ def as_tensor(buffer: Any, dtype: torch.dtype | str = "uint8", shape: int | tupl
         dtype=name,
         shape=dims,
     )
-    return import_torch().from_dlpack(capsule)
+    tensor: torch.Tensor = import_torch().from_dlpack(capsule)  # import_torch() is typed Any
+    return tensor

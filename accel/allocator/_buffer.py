@@ -25,8 +25,11 @@ from typing_extensions import Self
 from accel._device import Device, DeviceLike
 from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, NotSupportedError
 from accel._runtime import get_runtime
+from accel.allocator import _mempool
+from accel.allocator._caching import MAX_REQUEST
 from accel.allocator._mempool import routed_allocator
-from accel.allocator._registry import registry
+from accel.allocator._registry import device_allocator, registry
+from accel.allocator._sharing import export_buffer
 from accel.stream import Stream, as_stream
 
 if TYPE_CHECKING:
@@ -137,7 +140,9 @@ class _Lease:
     """A Buffer's block while exports of it may be read: it goes back to the
     cache when the last of the buffer and its exports lets go of it."""
 
-    __slots__ = ("_block", "_allocator")
+    # Weakly referenced by exports to other processes, which serve importers
+    # only while the buffer (or a view of it) still holds the lease.
+    __slots__ = ("_block", "_allocator", "__weakref__")
 
     def __init__(self, block: Block, allocator: DeviceAllocator) -> None:
         self._block = block
@@ -250,6 +255,16 @@ class Buffer(_CachedMemory):
         """``(DLPack device type, index)``: 1 host, 2 CUDA, 14 oneAPI."""
         return _installed().dlpack_device(self)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle as a handle another process opens to the same memory, without a
+        copy (``multiprocessing`` with the spawn start method, a ``Queue``).
+
+        Keep this buffer alive until every importer has unpickled it; after
+        that, its memory is not reused while an importer holds it. See
+        :mod:`accel.allocator._sharing` for the rules.
+        """
+        return export_buffer(self)
+
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
         """CUDA Array Interface v3, with the buffer's stream (CUDA buffers only:
@@ -275,16 +290,25 @@ def allocate(nbytes: int, *, device: DeviceLike = None, stream: Stream | None = 
     """
     runtime = get_runtime()
     if stream is None:
-        stream = runtime.current_stream(runtime.index(device))
+        index = runtime.index(device) if device is not None else runtime._state.device
+        stream = runtime.current_stream(index)
     else:
         stream = as_stream(stream)
         if device is not None and runtime.index(device) != stream.device_index:
             raise DeviceError(
                 f"stream {stream!r} is on {stream.device}, not on the device asked for ({device!r})"
             )
-    stream._live()
-    allocator = routed_allocator(runtime, stream.device_index)  # a MemPool's, inside use_mem_pool
-    return Buffer(allocator.malloc(nbytes, stream), allocator, stream, nbytes)
+        index = stream.device_index
+    if stream._closed:
+        stream._live()  # raises, saying the stream was closed
+    # A MemPool's allocator inside use_mem_pool, else the device's.
+    allocator = routed_allocator(runtime, index) if _mempool._open else device_allocator(runtime, index)
+    if nbytes.__class__ is not int or not 0 < nbytes < MAX_REQUEST:
+        allocator._bad_size(nbytes)
+    if stream._runtime.backend is not allocator.backend:
+        allocator._bad_stream(stream, "allocate")
+    # Size and stream are checked: the allocator need not check them again.
+    return Buffer(allocator.malloc_checked(nbytes, stream), allocator, stream, nbytes)
 
 
 class HostBuffer(_CachedMemory):

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from accel._errors import CaptureError, DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
+from accel._errors import AccelError, CaptureError, DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
 from accel.allocator import _stats as S
 from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED, Block, Pool, PrivatePool, Segment
 from accel.allocator._freelist import FreeList
@@ -167,6 +167,7 @@ class DeviceAllocator:
         # Set when the owner (a dropped MemPool) needs this allocator no more: every
         # segment goes back upstream once nothing is allocated from it.
         self._orphaned = False
+        self._fast = False  # see _update_fast
         self._apply_config(config)
 
     def __repr__(self) -> str:
@@ -184,8 +185,10 @@ class DeviceAllocator:
         self._gc_threshold = config.garbage_collection_threshold
         self._divisions = tuple(config.roundup_power2_divisions)
         self._any_divisions = any(d > 1 for d in self._divisions)
+        self._update_fast()
         self._large_segment = config.large_segment_size
         self._expandable = bool(config.expandable_segments) and self._vm
+        self._keep_free = config.expandable_keep_free
         if config.expandable_segments and not self._vm:
             warnings.warn(
                 f"expandable_segments:True has no effect on {self._name}: its memory resource has "
@@ -195,6 +198,12 @@ class DeviceAllocator:
             )
         if not self._fraction_explicit:
             self._set_fraction(config.per_process_memory_fraction, explicit=False)
+
+    def _update_fast(self) -> None:
+        """Whether malloc may take its fast path: no capture under way, no history
+        recorded, no rounding divisions, and an owner that still uses the allocator.
+        Called wherever one of these changes."""
+        self._fast = not (self._captures or self._history is not None or self._any_divisions or self._orphaned)
 
     def _recount_oversize(self) -> None:
         """max_split_size changed: count oversize blocks and segments again, so
@@ -253,31 +262,92 @@ class DeviceAllocator:
             self._bad_size(nbytes)
         if stream._device != self.device or stream._runtime.backend is not self.backend:
             self._bad_stream(stream, "malloc")
+        return self.malloc_checked(nbytes, stream)
+
+    def malloc_checked(self, nbytes: int, stream: Stream) -> Block:
+        """:meth:`malloc` for callers that already checked ``nbytes`` (an int in
+        ``[1, MAX_REQUEST)``) and that ``stream`` is a stream of this device
+        (``accel.memory.allocate`` does both on its way here)."""
         handle = stream._handle
         with self._lock:
-            if self._gc_frees:
-                self._drain_gc_frees()
-            if self._pending and not self._captures:
-                self._process_events()
-            # The common rounding inline (this is the hot path); _round does the rest.
-            size = (nbytes + 511) & -512 if nbytes >= 512 and not self._any_divisions else self._round(nbytes)
-            if self._captures:
-                pool = self._capture_pool(size, stream)
-            else:
+            if self._fast and not self._gc_frees and not self._pending:
+                # The fast path: a cached block that is not oversize and not in an
+                # expandable segment, on a plain allocator (no capture, history,
+                # rounding divisions). It does what _split and _account do for that
+                # case, inline; tests/allocator/test_fast_path.py checks that it
+                # leaves the same books as the named steps below.
+                size = 512 if nbytes < 512 else (nbytes + 511) & -512
                 pool = self._small if size <= SMALL_SIZE else self._large
-            # Find the best-fitting cached block; it stays listed until _split.
-            free = pool.free.get(handle)
-            block = free.best_fit(size) if free else None
-            if free is not None and block is not None and (block.size >= self._ms or block.segment.expandable):
-                block = self._find_free(free, size)  # the oversize and expandable rules
-            if self._gc_threshold and free:
-                pool.calls += 1
-            if block is None:
-                block = self._grow(pool, handle, size, stream)
-                free = None  # the new block is on no list
-            self._split(block, size, pool, handle, free)
-            self._account(block, nbytes, handle)
-            return block
+                free = pool.free.get(handle)
+                if free is not None:
+                    block = free.best_fit(size)
+                    if block is not None and block.size < self._ms and not block.segment.expandable:
+                        if self._gc_threshold:
+                            pool.calls += 1
+                        return self._take_cached(block, size, nbytes, pool, free)
+            return self._malloc_steps(nbytes, stream, handle)
+
+    def _take_cached(self, block: Block, size: int, nbytes: int, pool: Pool, free: FreeList) -> Block:
+        """The fast path's :meth:`_split` + :meth:`_account` of a listed, ordinary
+        (neither oversize nor expandable) cached block."""
+        s = self._s
+        kind = pool.kind
+        full = block.size
+        remaining = full - size
+        if remaining >= KB_MIN and (kind == 0 or remaining > SMALL_SIZE):
+            nxt = block.next
+            if self._spare:
+                rest = self._stand_in(block, block.ptr + size, remaining, block, nxt)
+            else:
+                rest = Block(block.ptr + size, remaining, block.segment)
+                rest.next = nxt
+                rest.prev = block
+                block.next = rest
+                if nxt is not None:
+                    nxt.prev = rest
+            rest.gc_base = pool.calls
+            was_split = block.prev is not None or nxt is not None
+            block.size = size
+            free.replace(full, block.ptr, rest)
+            if was_split:  # the free part that was counted shrinks to the rest
+                s[INACTIVE_SPLIT_BYTES + kind] -= size
+            else:
+                S.add_inactive_split(s, kind, remaining)
+        else:
+            size = full
+            free.remove(block)
+            if block.prev is not None or block.next is not None:
+                S.drop_inactive_split(s, kind, full)
+        block.state = ALLOCATED
+        block.requested = nbytes
+        S.add_allocation(s, kind, size, nbytes)
+        return block
+
+    def _malloc_steps(self, nbytes: int, stream: Stream, handle: int) -> Block:
+        """:meth:`malloc` as named steps, for every case (the caller holds the lock)."""
+        if self._gc_frees:
+            self._drain_gc_frees()
+        if self._pending and not self._captures:
+            self._process_events()
+        # The common rounding inline; _round does the rest.
+        size = (nbytes + 511) & -512 if nbytes >= 512 and not self._any_divisions else self._round(nbytes)
+        if self._captures:
+            pool = self._capture_pool(size, stream)
+        else:
+            pool = self._small if size <= SMALL_SIZE else self._large
+        # Find the best-fitting cached block; it stays listed until _split.
+        free = pool.free.get(handle)
+        block = free.best_fit(size) if free else None
+        if free is not None and block is not None and (block.size >= self._ms or block.segment.expandable):
+            block = self._find_free(free, size)  # the oversize and expandable rules
+        if self._gc_threshold and free:
+            pool.calls += 1
+        if block is None:
+            block = self._grow(pool, handle, size, stream)
+            free = None  # the new block is on no list
+        self._split(block, size, pool, handle, free)
+        self._account(block, nbytes, handle)
+        return block
 
     def _round(self, nbytes: int) -> int:
         """The block size for a request: 512-byte multiples, or power-of-two divisions."""
@@ -454,20 +524,16 @@ class DeviceAllocator:
             seg = self._reserve_expandable(pool, handle)
             if seg is None:
                 return None
-        # The lowest address where a free block plus the unmapped run after it
-        # hold ``size``: holes are filled before the end grows.
-        b = seg.head
-        while b is not None:
-            if not b.mapped:
-                prev = b.prev
-                before = prev.size if prev is not None and prev.state == FREE and prev.mapped else 0
-                if before + b.size >= size:
-                    break
-            b = b.next
-        if b is None:
+        found = self._map_target(seg, size)
+        if found is None:
             return None
+        b, before = found
         page = seg.page
         nbytes = -(-(size - before) // page) * page
+        # Growing: give back the free pages of holes first (hysteresis inside). The
+        # blocks around the target stay as they are, so the target stays valid.
+        if self._give_back_holes(seg, nbytes, b) and pool.expandable.get(handle) is not seg:
+            return self._alloc_expandable(pool, handle, size)  # left wholly unmapped, it went
         if self._allowed is not None and self._reserved() + nbytes > self._allowed:
             self._fraction_refused = True
             return None
@@ -487,6 +553,61 @@ class DeviceAllocator:
         if self._history is not None:
             self._history.record("segment_map", b.ptr, nbytes, handle, None)
         return self._merge_free(b)
+
+    @staticmethod
+    def _map_target(seg: Segment, size: int) -> tuple[Block, int] | None:
+        """The lowest unmapped block where a free mapped block before it plus the
+        unmapped run hold ``size`` (holes are filled before the end grows), with
+        the bytes of that free block; None when the reservation is full."""
+        b = seg.head
+        while b is not None:
+            if not b.mapped:
+                prev = b.prev
+                before = prev.size if prev is not None and prev.state == FREE and prev.mapped else 0
+                if before + b.size >= size:
+                    return b, before
+            b = b.next
+        return None
+
+    def _give_back_holes(self, seg: Segment, growth: int, target: Block) -> int:
+        """Before ``seg`` maps ``growth`` more bytes at unmapped block ``target``: unmap
+        the whole free pages inside its free blocks (the neighbours of ``target``,
+        which the growth extends, excepted), highest first, at most ``growth`` bytes, keeping ``expandable_keep_free`` of them
+        mapped (hysteresis: a steady state maps and unmaps nothing). Only when the
+        segment's stream has no queued work: its free blocks may still be in use by
+        that stream's work (blocks waiting for other streams are not free at all).
+        Returns the bytes unmapped."""
+        page = seg.page
+        holes = []
+        total = 0
+        spared = (target.prev, target.next)
+        b = seg.head
+        while b is not None:
+            if b.state == FREE and b.mapped and b not in spared:
+                first = seg.base + -(-(b.ptr - seg.base) // page) * page
+                last = seg.base + (b.ptr + b.size - seg.base) // page * page
+                if last > first:
+                    holes.append((b, first, last))
+                    total += last - first
+            b = b.next
+        budget = min(growth, total - self._keep_free)
+        if budget < page or self._captures:  # nothing goes back upstream during a capture
+            return 0
+        try:
+            idle = self.backend.stream_query(self.device, seg.stream)
+        except AccelError:  # a closed stream's work may still run: leave its pages be
+            idle = False
+        if not idle:
+            return 0
+        budget -= budget % page
+        unmapped = 0
+        for b, first, last in reversed(holes):
+            take = min(last - first, budget - unmapped)
+            self._take_off_list(b)
+            unmapped += self._unmap_pages(b, last - take, last)
+            if unmapped >= budget:
+                break
+        return unmapped
 
     def _reserve_expandable(self, pool: Pool, handle: int) -> Segment | None:
         page = self._page_size()
@@ -543,6 +664,13 @@ class DeviceAllocator:
         seg, page = b.segment, b.segment.page
         first = seg.base + -(-(b.ptr - seg.base) // page) * page
         last = seg.base + (b.ptr + b.size - seg.base) // page * page
+        return self._unmap_pages(b, first, last)
+
+    def _unmap_pages(self, b: Block, first: int, last: int) -> int:
+        """Unmap the pages ``[first, last)`` (page aligned, inside free block ``b``, which
+        is off its list); the rest of ``b`` goes back on its list. Returns the bytes
+        unmapped (fewer when the driver fails part way: the error propagates)."""
+        seg, page = b.segment, b.segment.page
         if last <= first:
             self._insert_free(b)
             return 0
@@ -625,12 +753,46 @@ class DeviceAllocator:
                 return
             # The common case of _free_locked inline: no other stream, no history.
             s = self._s
-            kind = block.pool.kind
+            pool = block.pool
+            kind = pool.kind
             size = block.size
             s[ALLOCATION + kind] -= 1
             s[ALLOCATED_BYTES + kind] -= size
             if size >= self._ms:
                 s[OVERSIZE_ALLOCATIONS] -= 1
+            nxt = block.next
+            prev = block.prev
+            if (
+                self._fast
+                and nxt is not None
+                and nxt.state == FREE
+                and nxt.mapped
+                and (prev is None or prev.state != FREE or not prev.mapped)
+                and not block.segment.expandable
+            ):
+                # The fast path of _free_block: the free block after takes this
+                # one's place (the common case of an allocate+free pair).
+                s[REQUESTED_BYTES + kind] -= block.requested
+                block.state = RETIRED
+                block.prev = block.next = None
+                listed_size = nxt.size
+                listed_ptr = nxt.ptr
+                nxt.ptr = block.ptr
+                nxt.size = merged = listed_size + size
+                nxt.prev = prev
+                if prev is not None:
+                    prev.next = nxt
+                else:
+                    block.segment.head = nxt
+                pool.free[block.stream].replace(listed_size, listed_ptr, nxt)
+                nxt.gc_base = pool.calls
+                # inactive_split: the listed rest leaves it; the merged block joins
+                # it again only if the segment is still split.
+                s[INACTIVE_SPLIT + kind] -= 1
+                s[INACTIVE_SPLIT_BYTES + kind] -= listed_size
+                if prev is not None or nxt.next is not None:
+                    S.add_inactive_split(s, kind, merged)
+                return
             self._free_block(block)
 
     def _free_locked(self, block: Block) -> None:
@@ -671,6 +833,7 @@ class DeviceAllocator:
         no more: give every segment back upstream now if nothing is allocated, else
         when the last allocation is freed. Safe from a finalizer."""
         self._orphaned = True
+        self._fast = False
         if self._lock.acquire(blocking=False):
             try:
                 if self._gc_frees:
@@ -689,7 +852,7 @@ class DeviceAllocator:
     def _drain_gc_frees(self) -> None:
         while self._gc_frees:
             item = self._gc_frees.popleft()
-            if item.__class__ is _PoolRelease:
+            if isinstance(item, _PoolRelease):
                 self._release_pool_locked(item.pool_id)
             elif item.state == ALLOCATED:
                 self._free_locked(item)
@@ -1047,6 +1210,7 @@ class DeviceAllocator:
             else:
                 private.use_count += 1
             self._captures.append((private, stream_filter))
+            self._update_fast()
 
     def end_allocate_to_pool(self, pool_id: PoolId) -> None:
         """Stop routing allocations to ``pool_id``; the pool stays until :meth:`release_pool`."""
@@ -1054,6 +1218,7 @@ class DeviceAllocator:
             for i, (private, _) in enumerate(self._captures):
                 if private.id == pool_id:
                     del self._captures[i]
+                    self._update_fast()
                     break
             else:
                 raise CaptureError(f"end_allocate_to_pool: not currently recording to pool {pool_id}")
@@ -1127,6 +1292,7 @@ class DeviceAllocator:
         """Start (or, with None, stop and clear) recording the trace."""
         with self._lock:
             self._history = history
+            self._update_fast()
 
     def trace(self) -> list[dict[str, Any]]:
         with self._lock:

@@ -66,8 +66,9 @@ class KeySpec:
     """The default as a person would write it (sizes in MiB)."""
     range_text: str
     summary: str
-    pytorch_set: Literal["common", "cuda"]
-    """Which PyTorch parser owns the key (a CPU build of PyTorch only knows "common")."""
+    pytorch_set: Literal["common", "cuda", "none"]
+    """Which PyTorch parser owns the key (a CPU build of PyTorch only knows "common");
+    "none": an accel setting PyTorch does not have (keep it out of ``PYTORCH_ALLOC_CONF``)."""
     used_by_accel: bool
     backends: tuple[str, ...] = BACKENDS
     aliases: tuple[str, ...] = ()
@@ -119,6 +120,14 @@ KEYS: tuple[KeySpec, ...] = (
         "Grow one virtual segment per stream by mapping pages instead of allocating "
         "many fixed segments; needs virtual memory support from the backend.",
         "common", True,
+    ),
+    KeySpec(
+        "expandable_keep_free_mb", "expandable_keep_free", "mib", "MiB", "2", ">= 0",
+        "accel only. When an expandable segment must grow, the whole free pages inside its "
+        "holes are unmapped first (new pages are mapped only for the rest), except this "
+        "much, kept mapped so that a steady state does not map and unmap every step. "
+        "A large value keeps every hole mapped, as PyTorch does.",
+        "none", True,
     ),
     KeySpec(
         "pinned_use_background_threads", "pinned_use_background_threads", "bool", "",

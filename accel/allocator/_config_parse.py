@@ -202,6 +202,7 @@ class _Parser:
         value_token = self.peek()
         if value_token is None:
             raise self.at_end_error(f"'{token.text}' has no value")
+        value: object  # a RoundupList for roundup keys, else what _convert made of the word
         if value_token.text == "[":
             if spec.kind != "roundup":
                 raise self.fail(

@@ -114,15 +114,22 @@ class FreeList:
             keys = buckets[k]
             i = bisect_left(keys, key)
             if keys[i] == key:
-                last = len(keys) - 1
-                below = keys[i - 1] if i else (maxes[k - 1] if k else -1)
-                above = keys[i + 1] if i < last else (buckets[k + 1][0] if k + 1 < len(buckets) else _ABOVE_ALL)
-                if below < new_key < above:
+                # In place when the new key still sorts between its neighbours; only
+                # the side it moved towards needs a look (a split shrinks the key,
+                # a merge grows it).
+                if new_key < key:
+                    fits = (keys[i - 1] if i else (maxes[k - 1] if k else -1)) < new_key
+                else:
+                    fits = i + 1 < len(keys) and new_key < keys[i + 1] or (
+                        i + 1 == len(keys) and (k + 1 == len(buckets) or new_key < buckets[k + 1][0])
+                    )
+                if fits:
                     keys[i] = new_key
                     self._blocks[k][i] = block
-                    if i == last:
+                    if maxes[k] == key:
                         maxes[k] = new_key
                     return
+                last = len(keys) - 1
                 self._len -= 1
                 if last == 0:
                     del buckets[k], self._blocks[k], maxes[k]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
+from types import FrameType
 from typing import Any
 
 from accel._errors import InvalidValueError
@@ -27,7 +28,7 @@ _SKIP_PREFIXES = tuple(
 def capture_frames(skip: int = 2) -> list[Frame]:
     """The Python stack of the caller, innermost first, without accel's own frames."""
     frames: list[Frame] = []
-    f = sys._getframe(skip)
+    f: FrameType | None = sys._getframe(skip)
     while f is not None:
         code = f.f_code
         if not any(p in code.co_filename for p in _SKIP_PREFIXES):

@@ -9,6 +9,14 @@ streams passed an event recorded when it was freed.
 Sizes up to ``pinned_max_round_threshold`` (every size when unset) round up
 to a power of two, so that blocks are reusable across near sizes; larger
 sizes round to whole pages. ``pinned_max_cached_size`` caps what is kept.
+
+Graph captures (see :meth:`HostCachingAllocator.begin_capture`): while one
+runs, no event is queried (a query would touch the capture's events, and
+invalidates a CUDA capture in the global mode) and none is recorded on a
+capturing stream. A block that captured work used (``record_stream`` on a
+capturing stream) belongs to the capture's graph once freed: every replay
+reads or writes it, so it is reused only after the graph's pool is released
+and the device passed the graph's last replay.
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
-from accel.backends.base import Backend
+from accel.allocator._pool_ids import PoolId
+from accel.backends.base import Backend, CaptureStatus
 
 _MAX_REQUEST = 1 << 60  # 1 EiB, the device allocators' limit too
 
@@ -70,7 +79,7 @@ class _Timer:
 class HostBlock:
     """One staging allocation: ``ptr``, ``size`` (rounded) and who used it."""
 
-    __slots__ = ("ptr", "size", "allocated", "stream_uses", "events")
+    __slots__ = ("ptr", "size", "allocated", "stream_uses", "events", "graphs")
 
     def __init__(self, ptr: int, size: int) -> None:
         self.ptr = ptr
@@ -78,6 +87,7 @@ class HostBlock:
         self.allocated = False
         self.stream_uses: set[tuple[int, int]] = set()  # (device, stream handle)
         self.events: list[tuple[int, int]] = []  # (device, event) recorded at free
+        self.graphs: set[PoolId] = set()  # pools of the graphs whose captured work uses it
 
     def __repr__(self) -> str:
         return f"<HostBlock {self.ptr:#x} {self.size} bytes>"
@@ -103,7 +113,14 @@ class HostCachingAllocator:
         self._pending: list[HostBlock] = []  # freed, waiting for their events
         self._live: dict[int, HostBlock] = {}  # ptr -> every block this cache holds
         self._events: dict[int, list[int]] = {}  # device -> pooled events
-        self._gc_frees: deque[HostBlock] = deque()  # frees from finalizers that found the lock taken
+        self._gc_frees: deque[HostBlock | PoolId] = deque()  # frees and pool releases from finalizers
+        # Captures: device -> pool of the capture under way there; pool -> graphs using
+        # it; freed blocks graphs still use; blocks of released graphs, reusable once
+        # their devices passed the graphs' last replays.
+        self._capturing: dict[int, PoolId] = {}
+        self._pool_uses: dict[PoolId, int] = {}
+        self._graph_owned: list[HostBlock] = []
+        self._retired: list[tuple[HostBlock, set[int]]] = []
         self.allocated_bytes = 0
         self.reserved_bytes = 0
         self.cached_bytes = 0
@@ -137,10 +154,13 @@ class HostCachingAllocator:
                 requested=nbytes,
             )
         size = self._round(nbytes)
+        if self._retired and not self._capturing:
+            self._reuse_retired()
         with self._lock:
             if self._gc_frees:
                 self._drain_gc_frees()
-            self._process_events()
+            if not self._capturing:
+                self._process_events()
             blocks = self._free.get(size)
             if blocks:
                 block = blocks.pop()
@@ -170,10 +190,16 @@ class HostCachingAllocator:
         if stream._runtime.backend is not self.backend:
             raise DeviceError(f"{stream!r} belongs to another backend than this staging memory")
         handle = stream._live()
+        device = stream.device_index
+        pool = self._capturing.get(device)
+        captured = pool is not None and self._is_capturing(device, handle)
         with self._lock:
             if not block.allocated or self._live.get(block.ptr) is not block:
                 raise InvalidHandleError(f"record_stream on {block!r}, which is not allocated")
-            block.stream_uses.add((stream.device_index, handle))
+            if captured and pool is not None:
+                block.graphs.add(pool)  # every replay uses it: it is the graph's until the graph is gone
+            else:
+                block.stream_uses.add((device, handle))
 
     def free(self, block: HostBlock) -> None:
         """Give ``block`` back; it is reused after the streams that used it pass this point."""
@@ -196,13 +222,29 @@ class HostCachingAllocator:
 
     def _drain_gc_frees(self) -> None:
         while self._gc_frees:
-            block = self._gc_frees.popleft()
-            if block.allocated:
-                self._free_locked(block)
+            item = self._gc_frees.popleft()
+            if isinstance(item, HostBlock):
+                if item.allocated:
+                    self._free_locked(item)
+            else:
+                self._release_pool_locked(item)
 
     def _free_locked(self, block: HostBlock) -> None:
         block.allocated = False
         self.allocated_bytes -= block.size
+        for device, handle in block.stream_uses:
+            capture_pool = self._capturing.get(device)
+            if capture_pool is not None and self._is_capturing(device, handle):
+                # An event recorded there now would belong to the capture: the
+                # block waits for the capture's graph instead.
+                block.graphs.add(capture_pool)
+        block.graphs &= self._pool_uses.keys()
+        if block.graphs:
+            # Captured work uses it: it stays the graphs' (its other uses, queued
+            # before, are over by the time a released graph gives it back).
+            block.stream_uses.clear()
+            self._graph_owned.append(block)
+            return
         error: BaseException | None = None
         for device, handle in block.stream_uses:
             pool = self._events.setdefault(device, [])
@@ -240,6 +282,67 @@ class HostCachingAllocator:
         self._free.setdefault(block.size, []).append(block)
         self.cached_bytes += block.size
 
+    # -- captures -------------------------------------------------------------------
+
+    def begin_capture(self, device: int, pool_id: PoolId) -> None:
+        """A capture into the graph pool ``pool_id`` begins on ``device``: no event
+        queries until it ends, and blocks its work uses become the pool's graphs'."""
+        with self._lock:
+            self._capturing[device] = pool_id
+            self._pool_uses[pool_id] = self._pool_uses.get(pool_id, 0) + 1
+
+    def end_capture(self, device: int) -> None:
+        """The capture on ``device`` ended (its graph, if any, lives on)."""
+        with self._lock:
+            self._capturing.pop(device, None)
+
+    def release_pool(self, pool_id: PoolId, *, from_finalizer: bool = False) -> None:
+        """One graph of ``pool_id`` is gone; at the last, the blocks its replays used
+        are reused once their devices passed the last replay (a finalizer's
+        release waits for the next call when the lock is taken)."""
+        if from_finalizer and not self._lock.acquire(blocking=False):
+            self._gc_frees.append(pool_id)
+            return
+        if not from_finalizer:
+            self._lock.acquire()
+        try:
+            self._release_pool_locked(pool_id)
+        finally:
+            self._lock.release()
+
+    def _release_pool_locked(self, pool_id: PoolId) -> None:
+        uses = self._pool_uses.get(pool_id, 0) - 1
+        if uses > 0:
+            self._pool_uses[pool_id] = uses
+            return
+        self._pool_uses.pop(pool_id, None)
+        still = []
+        for block in self._graph_owned:
+            block.graphs.discard(pool_id)
+            if block.graphs:
+                still.append(block)
+            else:
+                # Which devices replayed it is not known: all of them are waited for.
+                self._retired.append((block, set(range(self.backend.device_count()))))
+        self._graph_owned = still
+
+    def _reuse_retired(self) -> None:
+        """Cache the blocks of released graphs once their devices passed every replay.
+
+        The wait happens outside the lock: a host function queued before it may
+        itself allocate staging memory."""
+        with self._lock:
+            retired, self._retired = self._retired, []
+        devices = set().union(*(d for _, d in retired)) if retired else set()
+        for device in sorted(devices):
+            self.backend.device_synchronize(device)
+        with self._lock:
+            for block, _ in retired:
+                self._cache(block)
+
+    def _is_capturing(self, device: int, stream: int) -> bool:
+        return self.backend.stream_capture_status(device, stream) != CaptureStatus.NONE
+
     def _process_events(self) -> None:
         still = []
         for block in self._pending:
@@ -270,17 +373,21 @@ class HostCachingAllocator:
 
     def empty_cache(self) -> None:
         """Free every cached block whose copies completed (pending ones stay)."""
+        if self._retired and not self._capturing:
+            self._reuse_retired()
         with self._lock:
             if self._gc_frees:
                 self._drain_gc_frees()
-            self._process_events()
+            if not self._capturing:
+                self._process_events()
             self._release_free()
 
     def stats(self) -> dict[str, int]:
         with self._lock:
             if self._gc_frees:
                 self._drain_gc_frees()
-            self._process_events()
+            if not self._capturing:
+                self._process_events()
             return {
                 "allocated_bytes": self.allocated_bytes,
                 "reserved_bytes": self.reserved_bytes,
@@ -298,7 +405,8 @@ class HostCachingAllocator:
         with self._lock:
             if self._gc_frees:
                 self._drain_gc_frees()
-            self._process_events()
+            if not self._capturing:
+                self._process_events()
             out: dict[str, int | float] = {}
             for name, stat in (
                 ("allocations", self._held),

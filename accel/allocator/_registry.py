@@ -114,6 +114,17 @@ def registry(runtime: Runtime | None = None) -> AllocatorRegistry:
     return found
 
 
+def device_allocator(runtime: Runtime, index: int) -> DeviceAllocator:
+    """``registry(runtime).allocator(index)`` with the common case (both exist) first:
+    two dict look-ups, for the allocation hot path."""
+    found = runtime.extensions.get(_EXTENSION)
+    if found is not None:
+        allocator = found.allocators.get(index)  # type: ignore[attr-defined]
+        if allocator is not None:
+            return allocator  # type: ignore[no-any-return]
+    return registry(runtime).allocator(index)
+
+
 def get_allocator(device: DeviceLike = None) -> DeviceAllocator:
     """The caching allocator of ``device`` (created on first use).
 

@@ -18,7 +18,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 from accel._errors import InvalidValueError, OutOfMemoryError
 from accel._units import format_size
@@ -33,6 +33,8 @@ __all__ = [
     "ResourceCounts",
     "StatisticsAdaptor",
 ]
+
+_T = TypeVar("_T")
 
 
 class MemoryResource:
@@ -335,14 +337,14 @@ class LoggingAdaptor(ResourceAdaptor):
         super().__init__(upstream)
         self.logger = logger if logger is not None else logging.getLogger("accel.allocator.upstream")
 
-    def _call(self, name: str, args: str, fn: Callable[..., Any], *call_args: Any) -> Any:
+    def _call(self, name: str, args: str, fn: Callable[..., _T], *call_args: object) -> _T:
         try:
             result = fn(*call_args)
         except BaseException as exc:
             self.logger.debug("%s(%s) on device %d failed: %s", name, args, self.device, exc)
             raise
         self.logger.debug(
-            "%s(%s) on device %d -> %s", name, args, self.device, "" if result is None else hex(result)
+            "%s(%s) on device %d -> %s", name, args, self.device, "" if result is None else f"{result:#x}"
         )
         return result
 

@@ -124,6 +124,8 @@ class AllocatorConfig:
     """0.0: off."""
     roundup_power2_divisions: tuple[int, ...] = (0,) * ROUNDUP_SLOTS
     expandable_segments: bool = False
+    expandable_keep_free: int = 2 * MIB
+    """Free bytes of holes an expandable segment keeps mapped when it grows."""
     pinned_use_background_threads: bool = False
     pinned_max_round_threshold: int | None = None
     pinned_max_cached_size: int | None = None
@@ -230,6 +232,7 @@ def _check_fields(config: AllocatorConfig) -> None:
     size("pinned_max_round_threshold", optional=True)
     size("pinned_max_cached_size", optional=True)
     size("pinned_reserve_segment_size")
+    size("expandable_keep_free")
     if not problems:
         if config.max_split_size is not None and config.max_split_size < config.large_segment_size:
             problems.append("max_split_size must be >= large_segment_size")

@@ -39,6 +39,7 @@ __all__ = [
     "CaptureMode",
     "CaptureStatus",
     "DeviceProperties",
+    "TorchIntegration",
 ]
 
 
@@ -56,6 +57,23 @@ class CaptureStatus(enum.IntEnum):
     NONE = 0
     ACTIVE = 1
     INVALIDATED = 2
+
+
+class TorchIntegration(enum.Enum):
+    """How torch ops run during a capture take part in it, as a backend declares
+    (:attr:`Backend.torch_integration`); the graph layer picks its one torch
+    integration by it, never by the backend's name."""
+
+    #: torch has no devices of this backend: its ops are not part of captures.
+    NONE = "none"
+    #: torch's CPU ops are this backend's work: a capture records them op by op (the host).
+    RECORD_HOST_OPS = "record_host_ops"
+    #: torch's device graphs capture on this backend's own driver streams, so its
+    #: kernels and the backend's stream work land in one graph (CUDA).
+    SHARED_STREAMS = "shared_streams"
+    #: torch's device streams are not this backend's: torch ops on its devices
+    #: cannot join a capture and are refused (Level Zero under SYCL queues).
+    SEPARATE_STREAMS = "separate_streams"
 
 
 @dataclass(frozen=True)
@@ -99,6 +117,10 @@ class Backend(abc.ABC):
 
     #: Short name used in device strings and ``ACCEL_BACKEND``: "cpu", "cuda", "xpu".
     name: str = ""
+    #: torch's device type for this backend's devices ("cpu" for the host), or None.
+    torch_device_type: str | None = None
+    #: How torch ops take part in captures on this backend.
+    torch_integration: TorchIntegration = TorchIntegration.NONE
 
     # -- devices ---------------------------------------------------------
 
@@ -181,6 +203,43 @@ class Backend(abc.ABC):
         """Unmap ``[addr, addr + nbytes)``; the range stays reserved."""
         raise self._unsupported("virtual memory")
 
+    # -- sharing with other processes (optional) --------------------------
+    #
+    # An export is ``(payload, fds)``: bytes that describe the memory or event,
+    # and file descriptors that must travel with them (SCM_RIGHTS). The caller
+    # owns the returned descriptors and closes them; an import takes ownership
+    # of the descriptors it is given (it closes them, on success or failure).
+    # Carrying them to the other process, and keeping the exporter's memory
+    # allocated while an importer holds it, is the layer above's job.
+
+    def supports_ipc(self, device: int) -> bool:
+        """Whether the ipc_* methods work on ``device``."""
+        return False
+
+    def ipc_memory_export(self, device: int, ptr: int, nbytes: int) -> tuple[bytes, list[int]]:
+        """Describe ``[ptr, ptr + nbytes)``, inside memory from :meth:`malloc` or
+        mapped by :meth:`vm_map`, so that another process can map it."""
+        raise self._unsupported("sharing memory with other processes")
+
+    def ipc_memory_import(self, device: int, payload: bytes, fds: list[int]) -> int:
+        """Map memory exported by another process; returns its address here."""
+        raise self._unsupported("sharing memory with other processes")
+
+    def ipc_memory_close(self, device: int, ptr: int) -> None:
+        """Unmap memory returned by :meth:`ipc_memory_import` (the caller has
+        made sure no queued work still uses it)."""
+        raise self._unsupported("sharing memory with other processes")
+
+    def ipc_event_export(self, device: int, event: int) -> tuple[bytes, list[int]]:
+        """Describe an event created with ``interprocess=True`` for another process."""
+        raise self._unsupported("sharing events with other processes")
+
+    def ipc_event_import(self, device: int, payload: bytes, fds: list[int]) -> int:
+        """Open an event exported by another process; returns an event handle
+        that :meth:`event_query`, :meth:`event_synchronize`,
+        :meth:`stream_wait_event` and :meth:`event_destroy` accept."""
+        raise self._unsupported("sharing events with other processes")
+
     # -- streams ---------------------------------------------------------
 
     @abc.abstractmethod
@@ -227,6 +286,17 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def event_record(self, device: int, event: int, stream: int) -> None:
         """Record ``event`` at the current end of ``stream``'s queue."""
+
+    def event_record_external(self, device: int, event: int, stream: int) -> None:
+        """Record ``event`` on ``stream`` so that a capture keeps the record.
+
+        Outside a capture it is :meth:`event_record`. On a capturing stream,
+        where :meth:`event_record` only marks a position other streams of the
+        capture may wait for, the record becomes a node of the graph: each
+        replay records the event when it reaches that point, so timing events
+        can time replays (CUDA's ``CU_EVENT_RECORD_EXTERNAL``, torch's
+        ``Event(external=True)``). Such an event is not a capture position."""
+        raise self._unsupported("event records kept by a capture")
 
     @abc.abstractmethod
     def event_query(self, device: int, event: int) -> bool:
@@ -288,6 +358,14 @@ class Backend(abc.ABC):
         Layers above use it to see whether anything else was recorded between
         two of their own operations (e.g. to batch consecutive torch ops into
         one node); None must always be a safe answer."""
+        return None
+
+    def graph_node_count(self, device: int, graph: int) -> int | None:
+        """How many nodes the captured ``graph`` holds, or None when the backend
+        cannot tell (CUDA: ``cuGraphGetNodes(graph, NULL, &count)``).
+
+        An empty capture is almost always a mistake (the work went to another
+        stream); the layer above warns about it as PyTorch does."""
         return None
 
     def graph_instantiate(self, device: int, graph: int) -> int:

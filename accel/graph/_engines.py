@@ -246,7 +246,7 @@ class OnnxRuntime(Engine):
                     return None
             except (ImportError, ValueError):  # a module set to None in sys.modules, or broken
                 return None
-        import onnxruntime  # type: ignore[import-untyped]
+        import onnxruntime
 
         return str(onnxruntime.__version__)
 
@@ -275,7 +275,7 @@ class OnnxRuntime(Engine):
             onnx_program.save(tmp)
 
     def load(self, path: Path, threads: int) -> Any:
-        import onnxruntime as ort  # type: ignore[import-untyped]
+        import onnxruntime as ort
 
         options = ort.SessionOptions()
         options.intra_op_num_threads = self.session_threads(threads)
@@ -326,7 +326,7 @@ class OnnxRuntime(Engine):
         buffers (about 0.6 us whatever the size, against 0.7 us for 2 KiB and
         1.7 us for 96 KiB copied). The replay's binding keeps the graph's
         buffers, so a replay of the graph never reads the caller's memory."""
-        from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice  # type: ignore[import-untyped]
+        from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
 
         binding = session.io_binding()
         for name, t in zip([o.name for o in session.get_outputs()], outputs):

@@ -10,26 +10,30 @@ nothing. On the host backend, torch CPU ops run during a capture are recorded
 too (see :mod:`accel.graph._torch_capture`); where torch has the backend's
 devices and shares its streams (CUDA), torch's own graph machinery carries
 the capture, so torch kernels land in the same graph (see
-:mod:`accel.graph._torch_graphs`).
+:mod:`accel.graph._torch_graphs`). Which of these applies is the backend's
+declared capability (:mod:`accel.graph._integration`).
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+import warnings
+import weakref
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from accel._errors import CaptureError, HostFunctionError, InvalidValueError
+from accel._errors import CaptureError, HostFunctionError, InvalidHandleError, InvalidValueError
 from accel._runtime import Runtime, get_runtime
 from accel.allocator import empty_cache
 from accel.backends.base import CaptureMode
+from accel.graph import _integration
 from accel.graph._pool import PoolId, PoolLease, check_pool_id, new_private_pool_id
 from accel.stream import Stream
 
 if TYPE_CHECKING:
-    from accel.graph._torch_capture import Recorder
-    from accel.graph._torch_graphs import DeviceOpGuard, TorchDeviceGraph
+    from accel.graph._integration import CaptureIntegration, TorchGraphCarrier
 
 __all__ = ["Graph", "graph", "is_capturing"]
 
@@ -42,17 +46,18 @@ _MODES = {
 
 # One capture per device at a time (as CUDA allows one per process with the
 # global mode): it keeps the allocator's routing filter unambiguous.
-_capturing: dict[tuple[str, int], Graph] = {}
+# Weak: a Graph collected mid-capture drops its capture (see __del__).
+_capturing: dict[tuple[str, int], weakref.ref[Graph]] = {}
 _capturing_lock = threading.Lock()
 
 
 def _check_mode(mode: object, where: str) -> str:
-    if mode not in _MODES:
+    if not isinstance(mode, str) or mode not in _MODES:  # a list is unhashable: no lookup
         raise InvalidValueError(
             f"{where}: unknown capture_error_mode {mode!r}; expected 'default', 'global', "
             "'thread_local' or 'relaxed'"
         )
-    return mode  # type: ignore[return-value]
+    return mode
 
 
 class Graph:
@@ -93,14 +98,16 @@ class Graph:
         self._device = 0
         self._stream: Stream | None = None  # the capturing stream, while capturing
         self._lease: PoolLease | None = None
-        self._recorder: Recorder | None = None
-        self._torch_graph: TorchDeviceGraph | None = None  # torch's graph carrying the capture
-        self._guard: DeviceOpGuard | None = None
+        # torch's part in the capture (None: none); after capture_end, kept only
+        # where torch's graph carries the captured graph.
+        self._torch: CaptureIntegration | None = None
         self._program: Any = None  # the recorded torch program (host backend)
         self._graph = 0  # raw captured graph handle
         self._exec = 0  # executable graph handle
         self._captured = False
         self._inputs: list[Any] = []
+        self._capture_handle = 0  # the stream captured on: replayed host functions report there
+        self._forward_host_errors = False
         self.replay_errors: list[tuple[str, BaseException]] = []
 
     def __repr__(self) -> str:
@@ -118,8 +125,8 @@ class Graph:
         written, by the graph and need no registration.
         """
         self._inputs.extend(tensors)
-        if self._recorder is not None:
-            self._recorder.register_inputs(tensors)
+        if self._torch is not None and self._stream is not None:
+            self._torch.register_inputs(tensors)
 
     def capture_begin(self, pool: PoolId | None = None, capture_error_mode: str | None = None) -> None:
         """Start capturing the work queued on the current stream.
@@ -143,9 +150,10 @@ class Graph:
         device = runtime.current_index
         stream = runtime.current_stream(device)
         key = (runtime.name, device)
+        _drop_abandoned_capture(runtime, device)
         with _capturing_lock:
             _check_no_capture(runtime, device)
-            _capturing[key] = self
+            _capturing[key] = weakref.ref(self)
         try:
             if pool_id is None:
                 pool_id = new_private_pool_id()
@@ -155,7 +163,7 @@ class Graph:
 
             lease = PoolLease(device, pool_id, routes)
             try:
-                torch_graph = self._begin(runtime, device, stream, pool_id, mode)
+                torch_part = self._begin(runtime, device, stream, lease, pool_id, mode)
             except BaseException:
                 lease.release()
                 raise
@@ -164,45 +172,34 @@ class Graph:
                 _capturing.pop(key, None)
             raise
         self._runtime, self._device, self._stream, self._lease = runtime, device, stream, lease
-        self._torch_graph = torch_graph
+        self._torch = torch_part
         self.replay_errors.clear()
-        if sys.modules.get("torch") is None:
+        if torch_part is None or torch_part.carries_graph:
             return
         try:
-            if runtime.name == "cpu":
-                from accel.graph._torch_capture import Recorder
-
-                self._recorder = Recorder(self, runtime, device, stream, lease)
-                self._recorder.register_inputs(self._inputs)
-                self._recorder.start()
-            elif torch_graph is None:
-                from accel.graph._torch_graphs import DeviceOpGuard, torch_device_type
-
-                device_type = torch_device_type(runtime.name)
-                if device_type is not None:
-                    self._guard = DeviceOpGuard(device_type, runtime.name).__enter__()
+            torch_part.start(self._inputs)
         except BaseException:
-            self._recorder = None
             self._abort()
             raise
 
-    def _begin(self, runtime: Runtime, device: int, stream: Stream, pool_id: PoolId, mode: str) -> TorchDeviceGraph | None:
-        """Begin the backend's capture: through torch's graph where torch shares the backend's streams."""
-        if runtime.name != "cpu" and sys.modules.get("torch") is not None:
-            from accel.graph._torch_graphs import TorchDeviceGraph, torch_graph_api
-
-            api = torch_graph_api(runtime.name)
-            if api is not None:
-                if stream.native_handle == runtime.backend.default_stream(device):
-                    raise CaptureError(
-                        f"cannot capture on the default stream of {runtime.device(device)}; enter a created "
-                        "accel.Stream first, or use accel.graph.graph(), which captures on a side stream"
-                    )
-                torch_graph = TorchDeviceGraph(api, runtime, device, stream, keep_graph=self._keep_graph)
-                torch_graph.begin(pool_id, mode)
-                return torch_graph
+    def _begin(
+        self, runtime: Runtime, device: int, stream: Stream, lease: PoolLease, pool_id: PoolId, mode: str
+    ) -> CaptureIntegration | None:
+        """Begin the capture, through torch's graph where it carries it; torch's part, if any."""
+        torch_part = _integration.for_capture(
+            runtime, device, stream, lease,
+            keep_graph=self._keep_graph, errors=self.replay_errors, on_refused=_weak_abort(self),
+        )
+        if isinstance(torch_part, _integration.TorchGraphCarrier):
+            if stream.native_handle == runtime.backend.default_stream(device):
+                raise CaptureError(
+                    f"cannot capture on the default stream of {runtime.device(device)}; enter a created "
+                    "accel.Stream first, or use accel.graph.graph(), which captures on a side stream"
+                )
+            torch_part.begin(pool_id, mode)
+            return torch_part
         runtime.backend.stream_begin_capture(device, stream._live(), _MODES[mode])
-        return None
+        return torch_part
 
     def capture_end(self) -> None:
         """End the capture begun by :meth:`capture_begin` (on the stream that began it).
@@ -214,25 +211,42 @@ class Graph:
         stream, runtime = self._stream, self._runtime
         if stream is None or runtime is None:
             raise CaptureError(f"capture_end() called on {self!r}, which is not capturing")
-        if self._torch_graph is not None:
-            self._torch_graph.check_thread("capture_end()")  # before anything is torn down
-        recorder, self._recorder = self._recorder, None
-        self._leave_guard()
+        carrier = self._carrier()
+        if carrier is not None:
+            carrier.graph.check_thread("capture_end()")  # before anything is torn down
+        torch_part = self._torch
+        if carrier is None:
+            self._torch = None  # its part ends with the capture
         try:
-            if recorder is not None:
-                self._program = recorder.stop()
-            if self._torch_graph is not None:
-                self._torch_graph.end()
+            if torch_part is not None and carrier is None:
+                self._program = torch_part.stop()
+            if carrier is not None:
+                carrier.end()  # torch warns about an empty graph itself
+                length = None
             else:
                 self._graph = runtime.backend.stream_end_capture(self._device, stream._live())
+                length = runtime.backend.graph_node_count(self._device, self._graph)
         except BaseException:
             self._abort()
             raise
         assert self._lease is not None
         self._lease.stop_routing()
+        self._capture_handle = stream.native_handle
+        segments = len(self._program.segments) if self._program is not None else 0
+        # Work beyond the recorded torch ops (whose failures replay() raises)
+        # may hold host functions, whose failures go to the capture stream.
+        self._forward_host_errors = length is None or length > segments
+        if length == 0:
+            warnings.warn(
+                f"{self!r} captured no work: the capture recorded nothing (no stream work on the "
+                "capturing stream, no torch op), so a replay does nothing. Was the work queued on "
+                "another stream?",
+                UserWarning,
+                stacklevel=2,
+            )
         self._finish_capture()
         self._captured = True
-        if not self._keep_graph and self._torch_graph is None:
+        if not self._keep_graph and carrier is None:
             self.instantiate()
             runtime.backend.graph_destroy(self._device, self._graph)
             self._graph = 0
@@ -240,25 +254,25 @@ class Graph:
     def _finish_capture(self) -> None:
         with _capturing_lock:
             if self._runtime is not None:
-                _capturing.pop((self._runtime.name, self._device), None)
+                key = (self._runtime.name, self._device)
+                ref = _capturing.get(key)
+                if ref is not None and ref() in (self, None):
+                    del _capturing[key]
         self._stream = None
 
-    def _leave_guard(self) -> None:
-        guard, self._guard = self._guard, None
-        if guard is not None:
-            guard.__exit__(None, None, None)
+    def _carrier(self) -> TorchGraphCarrier | None:
+        """torch's graph, where it carries this graph's capture."""
+        torch_part = self._torch
+        return torch_part if isinstance(torch_part, _integration.TorchGraphCarrier) else None
 
     def _abort(self) -> None:
         """Drop a capture under way: backend capture, recorder, pool routing and use."""
         runtime, stream = self._runtime, self._stream
-        recorder, self._recorder = self._recorder, None
-        if recorder is not None:
-            recorder.discard()
-        self._leave_guard()
-        torch_graph, self._torch_graph = self._torch_graph, None
-        if torch_graph is not None:
-            torch_graph.abort()
-        elif runtime is not None and stream is not None and stream.is_capturing():
+        torch_part, self._torch = self._torch, None
+        if torch_part is not None:
+            torch_part.abort()  # torch's graph, where it carries the capture, ends it
+        backend_capture = torch_part is None or not torch_part.carries_graph
+        if backend_capture and runtime is not None and stream is not None and _still_capturing(stream):
             try:
                 graph = runtime.backend.stream_end_capture(self._device, stream._live())
             except CaptureError:
@@ -279,8 +293,9 @@ class Graph:
         Needs the raw graph: after :meth:`capture_end` with ``keep_graph=True``.
         """
         runtime = self._require_captured("instantiate")
-        if self._torch_graph is not None and self._keep_graph:
-            self._torch_graph.instantiate()
+        carrier = self._carrier()
+        if carrier is not None and self._keep_graph:
+            carrier.graph.instantiate()
             return
         if not self._graph:
             raise CaptureError(
@@ -301,14 +316,34 @@ class Graph:
         """
         runtime = self._require_captured("replay")
         stream = runtime.current_stream(self._device)
-        if self._torch_graph is None and not self._exec:
+        carrier = self._carrier()
+        if carrier is None and not self._exec:
             self.instantiate()
         self._raise_replay_errors()
-        if self._torch_graph is not None:
-            self._torch_graph.replay(stream)
+        if carrier is not None:
+            carrier.graph.replay(stream)
         else:
             runtime.backend.graph_launch(self._device, self._exec, stream._live())
+        if self._forward_host_errors and stream.native_handle != self._capture_handle:
+            stream.launch_host_func(self._host_error_forwarder(runtime))
         self._raise_replay_errors()
+
+    def _host_error_forwarder(self, runtime: Runtime) -> Callable[[], None]:
+        """A host function, queued after a replay, that re-raises the replay's host-function
+        failures on the replay stream (they are reported to the stream captured on), so
+        that the replay stream's next synchronize raises them, as it would uncaptured."""
+        device, handle, name = self._device, self._capture_handle, repr(self)
+
+        def forward() -> None:
+            failures = runtime.take_host_errors(device, handle)
+            if failures:
+                what, first = failures[0]
+                raise HostFunctionError(
+                    f"host function {what} in a replay of {name} raised {type(first).__name__}: {first}"
+                ) from first
+
+        forward.__qualname__ = f"replay of {name}"
+        return forward
 
     def _raise_replay_errors(self) -> None:
         if self.replay_errors:
@@ -332,9 +367,10 @@ class Graph:
             self._abort()
             return
         runtime = self._runtime
-        torch_graph, self._torch_graph = self._torch_graph, None
-        if torch_graph is not None:
-            torch_graph.reset()
+        carrier = self._carrier()
+        self._torch = None
+        if carrier is not None:
+            carrier.graph.reset()
         if runtime is not None:
             if self._exec:
                 runtime.backend.graph_exec_destroy(self._device, self._exec)
@@ -350,8 +386,8 @@ class Graph:
 
     def __del__(self) -> None:
         # A collection can run this inside the allocator's locked sections:
-        # the pool's release then waits for the allocator's next call. (A
-        # graph still capturing is never collected: _capturing holds it.)
+        # the pool's release then waits for the allocator's next call. A graph
+        # collected mid-capture ends the capture and frees the device.
         try:
             self._reset(from_finalizer=True)
         except Exception:  # noqa: BLE001 - interpreter shutdown; nothing to report to
@@ -384,8 +420,9 @@ class Graph:
         host, the recorded torch ops are listed after the stream work.
         """
         runtime = self._require_captured("debug_dump")
-        if self._torch_graph is not None and self._keep_graph:
-            self._torch_graph.debug_dump(path)
+        carrier = self._carrier()
+        if carrier is not None and self._keep_graph:
+            carrier.graph.debug_dump(path)
             return
         if not self._graph:
             raise CaptureError(
@@ -421,8 +458,36 @@ class Graph:
         _sweep()
 
 
+def _weak_abort(g: Graph) -> Callable[[], None]:
+    """``g._abort``, without keeping ``g`` alive from what its capture holds."""
+    ref = weakref.ref(g)
+
+    def abort() -> None:
+        graph = ref()
+        if graph is not None:
+            graph._abort()
+
+    return abort
+
+
+def _still_capturing(stream: Stream) -> bool:
+    try:
+        return stream.is_capturing()
+    except InvalidHandleError:
+        return False  # closed: the backend dropped its capture with it
+
+
+def _drop_abandoned_capture(runtime: Runtime, device: int) -> None:
+    """Drop the device's capture if its stream was closed under it: nothing else can end it."""
+    ref = _capturing.get((runtime.name, device))
+    other = ref() if ref is not None else None
+    if other is not None and other._stream is not None and not _still_capturing(other._stream):
+        other._abort()
+
+
 def _check_no_capture(runtime: Runtime, device: int) -> None:
-    if (runtime.name, device) in _capturing:
+    ref = _capturing.get((runtime.name, device))
+    if ref is not None and ref() is not None:
         raise CaptureError(
             f"another graph is capturing on {runtime.device(device)}; only one capture "
             "may be under way per device. End it first."
@@ -434,6 +499,7 @@ def _prepare_for_capture() -> None:
     the device, and give cached memory back so the capture starts lean."""
     runtime = get_runtime()
     # Synchronizing would invalidate a capture under way; say why instead.
+    _drop_abandoned_capture(runtime, runtime.current_index)
     _check_no_capture(runtime, runtime.current_index)
     runtime.backend.device_synchronize(runtime.current_index)
     empty_cache()

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 from accel._errors import InvalidValueError, NotSupportedError
 from accel._runtime import get_runtime
+from accel.backends.base import Backend, TorchIntegration
 from accel.graph._graph import Graph, graph
 from accel.graph._pool import PoolId, check_pool_id, graph_pool_handle
 from accel.graph import _torch_graphs
@@ -32,6 +33,14 @@ __all__ = ["GraphCacheWarning", "GraphedCallable", "make_graphed_callables"]
 
 class GraphCacheWarning(UserWarning):
     """A graphed callable keeps meeting input shapes its graph cache does not hold."""
+
+
+def _torch_api(backend: Backend) -> _torch_graphs.TorchGraphAPI | None:
+    """torch's graph API where the backend declares that torch's graphs share its
+    streams and this torch has its devices; None otherwise."""
+    if backend.torch_integration is not TorchIntegration.SHARED_STREAMS or backend.torch_device_type is None:
+        return None
+    return _torch_graphs.torch_graph_api(backend.torch_device_type)
 
 
 def _name(fn: object) -> str:
@@ -92,11 +101,11 @@ class GraphedCallable:
         # (shape, dtype, bound call) of the last one-argument call that ran a
         # compiled program; reset by every call that does not.
         self._last_compiled: tuple[torch.Size, torch.dtype, Callable[[Sequence[torch.Tensor]], Any]] | None = None
-        runtime = get_runtime()
-        self._device_type = runtime.name
+        backend = get_runtime().backend
+        self._device_type = backend.torch_device_type or ""
         # Where torch's graphs carry the capture, torch reads the outputs in
         # stream order after the replay; on the host it reads them right away.
-        self._torch_api = _torch_graphs.torch_graph_api(runtime.name)
+        self._torch_api = _torch_api(backend)
 
     def __repr__(self) -> str:
         return f"GraphedCallable({_name(self.fn)}, {len(self._cache)}/{self._cache_size} graphs)"
@@ -358,7 +367,8 @@ def make_graphed_callables(
     True
     """
     runtime = get_runtime()
-    if runtime.name != "cpu" and _torch_graphs.torch_graph_api(runtime.name) is None:
+    records_host_ops = runtime.backend.torch_integration is TorchIntegration.RECORD_HOST_OPS
+    if not records_host_ops and _torch_api(runtime.backend) is None:
         raise NotSupportedError(
             f"make_graphed_callables on the {runtime.name} backend needs torch's graphs to share accel's "
             f"streams, which this torch cannot do (it has no {runtime.name} devices, or its {runtime.name} "
@@ -369,7 +379,7 @@ def make_graphed_callables(
         raise InvalidValueError(
             f"callables must be a callable or a sequence of callables, got {type(callables).__name__}"
         )
-    fns: list[Callable[..., Any]] = [callables] if single else list(callables)  # type: ignore[list-item, arg-type]
+    fns: list[Callable[..., Any]] = [callables] if callable(callables) else list(callables)
     if not fns or not all(callable(f) for f in fns):
         raise InvalidValueError("callables must be a callable or a non-empty sequence of callables")
     if not isinstance(sample_args, (tuple, list)):
@@ -381,7 +391,7 @@ def make_graphed_callables(
         )
     if tier not in ("interpreted", "compiled", "auto"):
         raise InvalidValueError(f"tier={tier!r} must be 'interpreted', 'compiled' or 'auto'")
-    if tier != "interpreted" and runtime.name != "cpu":
+    if tier != "interpreted" and not records_host_ops:
         raise NotSupportedError(
             f"tier={tier!r} compiles host programs; on the {runtime.name} backend torch's graph replays "
             "the captured kernels already: use the default tier"

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from accel.allocator import PoolId, allocate, current_allocator, graph_pool_handle, new_private_pool_id
+from accel.allocator import PoolId, allocate, current_allocator, graph_pool_handle, new_private_pool_id, registry
 from accel.allocator import check_pool_id as _check_allocator_pool_id
 
 if TYPE_CHECKING:
@@ -41,6 +41,10 @@ class PoolLease:
         # A capture inside use_mem_pool(pool) takes its memory from that pool.
         self._allocator: Any = current_allocator(device)
         self._allocator.begin_allocate_to_pool(pool_id, stream_filter)
+        # The pinned staging cache: no event queries during the capture, and the
+        # blocks captured work uses stay this graph's.
+        self._host: Any = registry().host_allocator()
+        self._host.begin_capture(device, pool_id)
         self._routing = True
         self._released = False
 
@@ -52,6 +56,7 @@ class PoolLease:
         """End routing new allocations into the pool (idempotent)."""
         if self._routing:
             self._routing = False
+            self._host.end_capture(self.device)
             self._allocator.end_allocate_to_pool(self.pool_id)
 
     def release(self, *, from_finalizer: bool = False) -> None:
@@ -64,6 +69,7 @@ class PoolLease:
         self.stop_routing()
         if not self._released:
             self._released = True
+            self._host.release_pool(self.pool_id, from_finalizer=from_finalizer)
             if from_finalizer:
                 self._allocator.release_pool_from_finalizer(self.pool_id)
             else:

@@ -1,38 +1,45 @@
-"""Recording torch CPU ops during a host-backend capture, and replaying them.
+"""Recording torch CPU ops during a host-backend capture, without running them.
 
 While a :class:`~accel.graph.Graph` captures on the host backend, a
-``TorchDispatchMode`` sees every aten op the Python code runs. Each op runs
-once for real (so the code can go on), and is recorded:
+``TorchDispatchMode`` sees every aten op the Python code runs. Like CUDA
+stream capture, the capture *records* the program and runs none of it:
 
-- an op that makes new tensors gets *static* outputs: tensors over memory
-  from the graph's private pool, at fixed addresses, returned to the caller
-  in place of the op's own result. Replay calls the op's ``out=`` overload
-  into those same tensors (or, where an op has none, runs it and copies the
-  result in);
-- an in-place or ``out=`` op is replayed as it was, after checking that what
-  it writes belongs to the graph (a static output or a registered input);
-- a view op is not replayed at all: its result aliases static storage
-  already, so it sees each replay's data.
+- an op that makes new tensors has its output sizes, strides and dtypes
+  inferred on meta tensors (where an op has no meta kernel, on scratch
+  copies of its inputs that nothing else sees), and gets *static* outputs:
+  tensors over memory from the graph's private pool, at fixed addresses,
+  zero until the first replay. Replay calls the op's ``out=`` overload into
+  them (or, where an op has none, runs it and copies the result in);
+- an in-place or ``out=`` op is recorded and returns what it would write,
+  after checking that it writes memory the graph owns (a static output or a
+  registered input); the write happens at each replay, never at capture;
+- a view op runs (it reads no values, only sizes): its result aliases static
+  storage, so it sees each replay's data, and it is not replayed.
 
-Only the capturing thread's ops are recorded (dispatch modes are
-thread-local), and autograd is off while capturing: captures are for
-inference.
+Reading a tensor's values during a capture is refused with a
+:class:`~accel.CaptureError` naming the op, by construction: the capture has
+no values to give. Ops that return a Python value or a data-dependent shape
+(``.item()``, ``bool(t)``, ``if t.any():``, ``nonzero``, ``t[mask]``) cannot be
+answered on meta tensors; the exports that read memory without an aten op
+(``.tolist()``, ``.numpy()``, ``__array__``, ``__dlpack__``, ``print``) are
+refused while a capture runs on the thread, and invalidate the capture, as a device
+synchronization invalidates a CUDA capture. Random ops, ops that exist for
+a host-side effect and writes to memory the graph does not own are refused
+too. Capture-time memory comes from accel's pool only, so running out of it
+raises accel's ``OutOfMemoryError``.
 
-Ops whose replay would silently differ from eager are refused at capture time
-with a :class:`~accel.CaptureError` naming the op: ops that read tensor values
-on the host (``.item()``, ``if t.any():``, ``nonzero``), random ops, ops that
-exist for a host-side effect, and writes to memory the graph does not own.
+Only the capturing thread's ops are recorded (modes are thread-local), and
+autograd is off while capturing: captures are for inference.
 
 Replay is bitwise identical to eager for deterministic ops: the same kernels
-run on the same inputs. Each recorded op still costs one dispatcher call from
-Python (about what eager pays), so this tier saves allocation, not time;
-:mod:`accel.graph._compiled` is the fast tier.
+run on the same inputs.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,7 +53,6 @@ from accel._errors import CaptureError
 
 if TYPE_CHECKING:
     from accel._runtime import Runtime
-    from accel.graph._graph import Graph
     from accel.graph._pool import PoolLease
     from accel.stream import Stream
 
@@ -216,16 +222,80 @@ def sweep() -> None:
         top.__exit__(None, None, None)
 
 
-class Recorder(TorchDispatchMode):
-    """The dispatch mode that records a capture's torch ops (host backend only)."""
+# Tensor methods that give a tensor's memory to Python without an aten op.
+# (``.item()``, ``bool(t)`` and the like reach the dispatcher as ops that need
+# values, and are refused there.)
+_MEMORY_EXPORTS = ("tolist", "numpy", "__array__", "__dlpack__", "__repr__", "__format__", "__reduce_ex__")
 
-    def __init__(self, graph: Graph, runtime: Runtime, device: int, stream: Stream, lease: PoolLease) -> None:
+# The recorder capturing on this thread, if any.
+_current = threading.local()
+# While any capture runs, torch.Tensor's memory exports are wrapped to refuse
+# on a capturing thread. A TorchFunctionMode would see them too, but an active
+# function mode changes what models run (nn.MultiheadAttention and the
+# transformer layers leave their fused fast path), so eager and replay would differ.
+_exports_lock = threading.Lock()
+_exports_users = 0
+_exports_saved: dict[str, Any] = {}
+
+
+def _guarded_export(name: str, original: Any) -> Any:
+    @functools.wraps(original)
+    def guarded(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        recorder = getattr(_current, "recorder", None)
+        if recorder is not None and recorder._active:
+            error = CaptureError(
+                f"cannot capture Tensor.{name}: it reads the tensor's values on the host, and a capture "
+                "records the program without running it (the values do not exist yet, and a replay "
+                "could not change what was read). Read the values after a replay, outside the capture. "
+                "The capture was invalidated"
+            )
+            recorder.invalidate(error)
+            raise error
+        return original(self, *args, **kwargs)
+
+    return guarded
+
+
+def _guard_exports(on: bool) -> None:
+    global _exports_users
+    with _exports_lock:
+        _exports_users += 1 if on else -1
+        if on and _exports_users == 1:
+            for name in _MEMORY_EXPORTS:
+                _exports_saved[name] = torch.Tensor.__dict__.get(name)
+                setattr(torch.Tensor, name, _guarded_export(name, getattr(torch.Tensor, name)))
+        elif not on and _exports_users == 0:
+            for name, saved in _exports_saved.items():
+                if saved is None:
+                    delattr(torch.Tensor, name)  # inherited from the C base again
+                else:
+                    setattr(torch.Tensor, name, saved)
+            _exports_saved.clear()
+
+
+class Recorder(TorchDispatchMode):
+    """The dispatch mode that records a capture's torch ops (host backend only).
+
+    ``errors`` collects the failures of replays (the graph reports them);
+    ``on_refused`` is called when an op is refused, to drop the capture.
+    """
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        device: int,
+        stream: Stream,
+        lease: PoolLease,
+        errors: list[tuple[str, BaseException]],
+        on_refused: Callable[[], None],
+    ) -> None:
         super().__init__()
-        self._graph_ref = weakref.ref(graph)
         self._runtime = runtime
         self._device = device
         self._stream = stream
         self._lease = lease
+        self._errors = errors
+        self._on_refused = on_refused
         self._program = Program()
         self._owned: set[int] = set()  # storage addresses the graph may write
         self._open: Segment | None = None
@@ -233,6 +303,8 @@ class Recorder(TorchDispatchMode):
         self._on_stack = False
         self._dispatching = 0
         self._grad_was: bool | None = None
+        self._guarded = False
+        self._invalid: CaptureError | None = None
 
     # -- lifetime ------------------------------------------------------------------
 
@@ -248,20 +320,37 @@ class Recorder(TorchDispatchMode):
         # tensors would carry graph history that replay does not maintain.
         self._grad_was = torch.is_grad_enabled()
         torch.set_grad_enabled(False)
+        _current.recorder = self
+        _guard_exports(True)
+        self._guarded = True
         self.__enter__()
         self._on_stack = self._active = True
 
+    def invalidate(self, error: CaptureError) -> None:
+        """Fail the capture at its end (a refusal raised where the capture cannot be dropped yet)."""
+        if self._invalid is None:
+            self._invalid = error
+
     def stop(self) -> Program:
-        """Leave the dispatch stack; returns the program recorded."""
+        """Leave the mode stacks; returns the program recorded.
+
+        Raises the CaptureError that invalidated the capture, if one did.
+        """
         self._leave()
+        if self._invalid is not None:
+            raise CaptureError(f"the capture was invalidated: {self._invalid}") from self._invalid
         return self._program
 
     def discard(self) -> None:
-        """Leave the dispatch stack and drop what was recorded (the capture failed)."""
+        """Leave the mode stacks and drop what was recorded (the capture failed)."""
         self._leave()
         self._program = Program()
 
     def _leave(self) -> None:
+        if self._guarded:
+            self._guarded = False
+            _current.recorder = None
+            _guard_exports(False)
         if self._active:
             self._active = False
             if self._grad_was is not None:
@@ -283,15 +372,22 @@ class Recorder(TorchDispatchMode):
         try:
             return self._record(func, tuple(args), dict(kwargs))
         except CaptureError:
-            graph = self._graph_ref()
-            if graph is not None:
-                graph._abort()  # leaves no capture state behind; the error says why
+            self._on_refused()  # leaves no capture state behind; the error says why
             raise
         finally:
             self._dispatching -= 1
 
     def _refuse(self, func: Any, why: str) -> CaptureError:
         return CaptureError(f"cannot capture {func}: {why}. The capture was abandoned.")
+
+    def _refuse_read(self, func: Any) -> CaptureError:
+        return self._refuse(
+            func,
+            "it reads tensor values on the host (a Python value or an output shape depends on the "
+            "data), and a capture records the program without running it: there are no values to read, "
+            "and a replay with new data could not change what was read. Move data-dependent control "
+            "flow out of the captured region",
+        )
 
     def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         tags = func.tags
@@ -302,13 +398,8 @@ class Recorder(TorchDispatchMode):
                 "would repeat the capture's draw). Capture in eval mode, or draw outside the graph "
                 "into a registered input",
             )
-        if torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags:
-            raise self._refuse(
-                func,
-                "it reads tensor values on the host (a Python value or an output shape depends on "
-                "the data), so a replay with new data would follow the capture's path. Move "
-                "data-dependent control flow out of the captured region",
-            )
+        if torch.Tag.dynamic_output_shape in tags:
+            raise self._refuse_read(func)
         if func in _HOST_EFFECT_OPS:
             raise self._refuse(func, "it has an effect on the host (or on storage) that a replay cannot redo")
         flat, _ = tree_flatten((args, kwargs))
@@ -330,77 +421,98 @@ class Recorder(TorchDispatchMode):
         if torch.Tag.inplace_view in tags or (
             schema.returns and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
         ):
+            # A view reads sizes, not values: run it, so that it aliases the
+            # static storage each replay writes.
             result = func(*args, **kwargs)
             outs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
             self._program.records.append(Record(func, args, kwargs, outs, "view"))
             return result
+        bound = _bound(schema, args, kwargs)
         written = [
             value
-            for arg, value in _bound(schema, args, kwargs)
+            for arg, value in bound
             if arg.alias_info is not None and arg.alias_info.is_write
             for value in ([value] if isinstance(value, torch.Tensor) else list(value or ()))
             if isinstance(value, torch.Tensor)
         ]
-        if written:
-            for t in written:
-                if _storage_ptr(t) not in self._owned:
-                    raise self._refuse(
-                        func,
-                        f"it writes in place to a tensor of shape {tuple(t.shape)} made outside the "
-                        "graph; each replay would write to it again. Register it with "
-                        "Graph.register_inputs() if that is intended, or write to a copy",
-                    )
-            result = func(*args, **kwargs)
-            self._add_step(func, args, kwargs, f"{func}")
-            self._program.records.append(Record(func, args, kwargs, written, "mutate"))
-            return result
-        return self._record_functional(func, args, kwargs)
-
-    def _record_functional(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        result = func(*args, **kwargs)
-        leaves, spec = tree_flatten(result)
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        if not tensors:
+        for t in written:
+            if _storage_ptr(t) not in self._owned:
+                raise self._refuse(
+                    func,
+                    f"it writes in place to a tensor of shape {tuple(t.shape)} made outside the "
+                    "graph; each replay would write to it again. Register it with "
+                    "Graph.register_inputs() if that is intended, or write to a copy",
+                )
+        if any(not _returns_tensors(r.type) for r in schema.returns) or torch.Tag.data_dependent_output in tags:
+            return self._record_host_value(func, args, kwargs)
+        inferred, aliases = _infer(func, args, kwargs)
+        leaves, spec = tree_flatten(inferred)
+        if not any(isinstance(t, torch.Tensor) for t in leaves) and not written:
             raise self._refuse(
                 func,
-                "it returns no tensor and writes none, so it runs only for a host-side effect or a "
-                "host value, which a replay cannot reproduce",
+                "it returns no tensor and writes none, so it runs only for a host-side effect, which a "
+                "replay cannot reproduce",
             )
-        inputs = {_storage_ptr(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        aliased = [_storage_ptr(t) in inputs and t.untyped_storage().nbytes() > 0 for t in tensors]
-        if all(aliased):
+        if aliases and not written:
             # Functional by schema, yet a view of an input (_unsafe_view...):
-            # it already sees each replay's data.
-            self._program.records.append(Record(func, args, kwargs, tensors, "view"))
+            # run it like a view.
+            result = func(*args, **kwargs)
+            outs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+            self._program.records.append(Record(func, args, kwargs, outs, "view"))
             return result
-        if any(aliased):
-            raise self._refuse(func, "some of its outputs alias its inputs and some do not")
-        statics = [self._static_like(t) for t in tensors]
-        it = iter(statics)
-        new_leaves = [next(it) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        overload = _out_overload(func)
+        returned = _written_returns(schema, bound)
+        new_leaves: list[Any] = []
+        statics: list[torch.Tensor] = []
+        for i, leaf in enumerate(leaves):
+            if not isinstance(leaf, torch.Tensor):
+                new_leaves.append(leaf)
+            elif returned.get(i) is not None:
+                new_leaves.append(returned[i])  # what an in-place or out= op returns: its argument
+            else:
+                static = self._static_like(leaf)
+                statics.append(static)
+                new_leaves.append(static)
+        if not statics:
+            self._add_step(func, args, kwargs, f"{func}")
+            self._program.records.append(Record(func, args, kwargs, written, "mutate"))
+            return tree_unflatten(new_leaves, spec)
+        overload = None if written else _out_overload(func)
         if func in _ALLOC_OPS:
             kind = "alloc"
-        elif overload is not None and len(tensors) == len(leaves):
+        elif overload is not None and len(statics) == len(leaves):
             out_func, names = overload
             out_kwargs = dict(kwargs)
             out_kwargs.update(zip(names, statics))
             self._add_step(out_func._op, args, out_kwargs, f"{out_func}")
             kind = "out"
         else:
-            replay = _copy_into(func, [_snapshot(t) for t in statics])
+            fresh = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and returned.get(i) is None]
+            replay = _copy_into(func, dict(zip(fresh, [_snapshot(t) for t in statics])))
             self._add_step(replay, args, kwargs, f"{func} (no out= overload)")
             kind = "fallback"
         self._program.records.append(Record(func, args, kwargs, statics, kind))
         return tree_unflatten(new_leaves, spec)
 
+    def _record_host_value(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """An op returning a Python value: answered from sizes alone (``is_same_size``) or refused."""
+        try:
+            value, _ = _infer(func, args, kwargs, scratch=False)
+        except Exception as exc:  # noqa: BLE001 - no meta answer: the op needs values
+            raise self._refuse_read(func) from exc
+        if any(isinstance(t, torch.Tensor) for t in tree_flatten(value)[0]):
+            raise self._refuse_read(func)
+        return value
+
     def _static_like(self, t: torch.Tensor) -> torch.Tensor:
-        """A tensor like ``t`` (same size, strides, offset, values) over pool memory."""
+        """A tensor with ``t``'s size, strides and dtype over pool memory, zero until a replay writes it."""
         nbytes = t.untyped_storage().nbytes()
+        if t.device.type == "meta":
+            nbytes = _storage_bytes(t)
         with torch.inference_mode(False):
             static = torch.empty((0,), dtype=t.dtype)
             if nbytes:
                 buffer = self._lease.allocate(nbytes, self._stream)
+                ctypes.memset(buffer.ptr, 0, nbytes)
                 memory = (ctypes.c_byte * nbytes).from_address(buffer.ptr)
                 # The storage keeps `memory` alive; the buffer goes back to the
                 # pool when both the graph and every returned tensor are gone.
@@ -414,7 +526,6 @@ class Recorder(TorchDispatchMode):
                 static = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
                 # No bytes: writing to it in place touches no memory outside the graph.
                 self._owned.add(_storage_ptr(static))
-            static.copy_(t)
         return static
 
     def _add_step(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], what: str) -> None:
@@ -423,7 +534,7 @@ class Recorder(TorchDispatchMode):
         if segment is None or segment.stream != handle or segment.position is None or (
             _capture_position(self._runtime, self._device, handle) != segment.position
         ):
-            segment = Segment(stream=handle, errors=self._errors())
+            segment = Segment(stream=handle, errors=self._errors)
             self._runtime.backend.launch_host_func(self._device, handle, segment.run)
             segment.position = _capture_position(self._runtime, self._device, handle)
             self._program.segments.append(segment)
@@ -434,9 +545,83 @@ class Recorder(TorchDispatchMode):
     def _stream_handle(self) -> int:
         return self._runtime.current_stream(self._device).native_handle
 
-    def _errors(self) -> list[tuple[str, BaseException]]:
-        graph = self._graph_ref()
-        return graph.replay_errors if graph is not None else []
+
+def _returns_tensors(t: Any) -> bool:
+    """Whether a schema return type holds tensors only (Tensor, Tensor[], Tensor?)."""
+    for wrapper in (torch.OptionalType, torch.ListType, torch.OptionalType):
+        if isinstance(t, wrapper):
+            t = t.getElementType()
+    return isinstance(t, torch.TensorType)
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    """Bytes a strided tensor spans from its storage offset 0."""
+    if t.numel() == 0:
+        return 0
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.size(), t.stride()))
+    return int((t.storage_offset() + span) * t.element_size())
+
+
+def _infer(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, scratch: bool = True
+) -> tuple[Any, bool]:
+    """Run ``func`` on meta stand-ins of its tensors: its outputs' sizes, strides and
+    dtypes without reading or writing any value; and whether an output aliases an input.
+
+    Ops without a meta kernel run on scratch copies of their inputs instead (with
+    ``scratch``): the result is thrown away, nothing the program sees is touched.
+    """
+    metas: dict[int, torch.Tensor] = {}
+
+    def to_meta(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            m = metas.get(id(v))
+            if m is None:
+                m = metas[id(v)] = torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device="meta")
+            return m
+        return v
+
+    meta_args, meta_kwargs = tree_map(to_meta, (args, kwargs))
+    try:
+        result = func(*meta_args, **meta_kwargs)
+        storages = {m.untyped_storage()._cdata for m in metas.values()}
+        aliases = any(
+            isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in storages for t in tree_flatten(result)[0]
+        )
+        return result, aliases
+    except NotImplementedError:
+        if not scratch:
+            raise
+    copies: dict[int, torch.Tensor] = {}
+
+    def to_copy(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            c = copies.get(id(v))
+            if c is None:
+                c = copies[id(v)] = v.clone()
+            return c
+        return v
+
+    copy_args, copy_kwargs = tree_map(to_copy, (args, kwargs))
+    result = func(*copy_args, **copy_kwargs)
+    storages = {_storage_ptr(c) for c in copies.values()}
+    aliases = any(isinstance(t, torch.Tensor) and _storage_ptr(t) in storages for t in tree_flatten(result)[0])
+    return result, aliases
+
+
+def _written_returns(schema: Any, bound: list[tuple[Any, Any]]) -> dict[int, torch.Tensor]:
+    """Returns of an in-place or out= op that are one of its written arguments, by return index."""
+    found: dict[int, torch.Tensor] = {}
+    for i, ret in enumerate(schema.returns):
+        info = ret.alias_info
+        if info is None or not info.is_write:
+            continue
+        for arg, value in bound:
+            if arg.alias_info is not None and arg.alias_info.before_set == info.before_set and isinstance(
+                value, torch.Tensor
+            ):
+                found[i] = value
+    return found
 
 
 def _snapshot(value: Any) -> Any:
@@ -452,13 +637,14 @@ def _snapshot(value: Any) -> Any:
     return value
 
 
-def _copy_into(func: Any, statics: list[torch.Tensor]) -> Callable[..., None]:
-    """Replay of an op without an out= overload: run it, copy its outputs in."""
+def _copy_into(func: Any, statics: dict[int, torch.Tensor]) -> Callable[..., None]:
+    """Replay of an op without an out= overload: run it, copy its new outputs
+    (by position among its returned tensors) into the static ones."""
 
     def replay(*args: Any, **kwargs: Any) -> None:
-        outs = [t for t in tree_flatten(func(*args, **kwargs))[0] if isinstance(t, torch.Tensor)]
-        for static, out in zip(statics, outs):
-            static.copy_(out)
+        outs = tree_flatten(func(*args, **kwargs))[0]
+        for i, static in statics.items():
+            static.copy_(outs[i])
 
     replay.__qualname__ = f"replay of {func}"
     return replay

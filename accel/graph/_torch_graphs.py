@@ -74,21 +74,27 @@ class TorchGraphAPI:
     release_pool: Callable[[int, Any], None]
 
 
-def torch_device_type(runtime_name: str) -> str | None:
-    """The torch device type of the runtime's devices, when torch is imported and has them."""
+def torch_device_type(device_type: str) -> str | None:
+    """``device_type`` (a backend's declared torch device type), when torch is
+    imported and has devices of it; None otherwise."""
     torch = sys.modules.get("torch")
-    if torch is None or runtime_name == "cpu":
+    if torch is None:
         return None
-    module = getattr(torch, runtime_name, None)
+    module = getattr(torch, device_type, None)
     is_available = getattr(module, "is_available", None)
-    return runtime_name if callable(is_available) and is_available() else None
+    return device_type if callable(is_available) and is_available() else None
 
 
-def torch_graph_api(runtime_name: str) -> TorchGraphAPI | None:
-    """torch's graph API for the runtime's devices, or None when torch cannot
+def torch_graph_api(device_type: str) -> TorchGraphAPI | None:
+    """torch's graph API for its ``device_type`` devices, or None when torch cannot
     launch kernels on them or has no graphs that share accel's streams."""
-    if runtime_name != "cuda" or torch_device_type(runtime_name) is None:
+    make = _SHARED_STREAM_GRAPHS.get(device_type)
+    if make is None or torch_device_type(device_type) is None:
         return None
+    return make()
+
+
+def _torch_cuda_graphs() -> TorchGraphAPI:
     import torch
 
     return TorchGraphAPI(
@@ -101,6 +107,11 @@ def torch_graph_api(runtime_name: str) -> TorchGraphAPI | None:
         end_pool_routing=torch._C._cuda_endAllocateToPool,
         release_pool=torch._C._cuda_releasePool,
     )
+
+
+# torch device types whose graphs capture on the driver's streams that accel's
+# backend uses too (torch.cuda's CUDAGraph over CUstreams).
+_SHARED_STREAM_GRAPHS: dict[str, Callable[[], TorchGraphAPI]] = {"cuda": _torch_cuda_graphs}
 
 
 def torch_stream(api: TorchGraphAPI, stream: Stream) -> Any:

@@ -8,8 +8,9 @@ import weakref
 from typing import Any
 
 from accel._device import Device, DeviceLike
-from accel._errors import DeviceError, InvalidHandleError, InvalidValueError
+from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, NotSupportedError
 from accel._runtime import Runtime, get_runtime
+from accel.backends._sharing import ExportTicket, broker, check_device, open_export
 from accel.stream._stream import Stream, as_stream
 
 __all__ = ["Event"]
@@ -36,8 +37,10 @@ class Event:
         enable_timing: bool = False,
         blocking: bool = False,
         interprocess: bool = False,
+        external: bool = False,
     ) -> None:
         self._runtime: Runtime = get_runtime()
+        self._external = bool(external)
         self._device: int | None = None if device is None else self._runtime.index(device)
         self._timing = bool(enable_timing)
         self._blocking = bool(blocking)
@@ -46,13 +49,18 @@ class Event:
         self._recorded = False
         self._closed = False
         self._lock = threading.Lock()
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[[Runtime, int, int], Event] | None = None
 
     # -- identity ---------------------------------------------------------
 
     @property
     def enable_timing(self) -> bool:
         return self._timing
+
+    @property
+    def external(self) -> bool:
+        """Whether a graph capture keeps this event's records (see :meth:`record`)."""
+        return self._external
 
     @property
     def event_id(self) -> int:
@@ -108,12 +116,32 @@ class Event:
 
     def record(self, stream: Stream | None = None) -> None:
         """Record at the current end of ``stream`` (default: the current stream;
-        a torch stream of the same device works too)."""
+        a torch stream of the same device works too).
+
+        Inside a graph capture, a record only marks a point that other streams
+        of the capture can wait for, unless the event was created with
+        ``external=True`` (as ``torch.cuda.Event``): then the graph keeps the
+        record, and each replay records the event, so a pair of timing events
+        recorded in the capture times each replay:
+
+        >>> import accel
+        >>> start = accel.Event(enable_timing=True, external=True)
+        >>> end = accel.Event(enable_timing=True, external=True)
+        >>> g = accel.Graph()
+        >>> with accel.graph(g):
+        ...     start.record(); accel.current_stream().launch_host_func(lambda: None); end.record()
+        >>> g.replay(); accel.synchronize()
+        >>> start.elapsed_time(end) >= 0.0
+        True
+        """
         stream = as_stream(stream, self._device)
         if stream._runtime is not self._runtime:
             raise DeviceError(f"{stream!r} belongs to another backend than {self!r}")
         handle = self._ensure(stream.device_index)
-        self._runtime.backend.event_record(stream.device_index, handle, stream._live())
+        if self._external:
+            self._runtime.backend.event_record_external(stream.device_index, handle, stream._live())
+        else:
+            self._runtime.backend.event_record(stream.device_index, handle, stream._live())
         self._recorded = True
 
     def query(self) -> bool:
@@ -121,6 +149,7 @@ class Event:
         self._check_open()
         if not self._recorded:
             return True
+        assert self._device is not None  # _ensure set it before the first record
         return self._runtime.backend.event_query(self._device, self._handle)
 
     def synchronize(self) -> None:
@@ -128,6 +157,7 @@ class Event:
         self._check_open()
         if not self._recorded:
             return
+        assert self._device is not None  # _ensure set it before the first record
         self._runtime.backend.event_synchronize(self._device, self._handle)
 
     def wait(self, stream: Stream | None = None) -> None:
@@ -151,11 +181,60 @@ class Event:
             raise DeviceError(f"cannot time events of different devices: {self.device} and {end.device}")
         self.synchronize()
         end.synchronize()
+        assert self._device is not None  # _ensure set it before the first record
         return self._runtime.backend.event_elapsed_ms(self._device, self._handle, end._handle)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle as a handle another process opens to the same event (the event
+        must be created with ``interprocess=True``): work recorded here can be
+        waited on there, through ``multiprocessing`` with the spawn start method.
+
+        Keep this event alive until every importer has unpickled it.
+        """
+        self._check_open()
+        if not self._interprocess:
+            raise InvalidValueError(
+                f"{self!r} cannot be shared with another process: create it with "
+                "accel.Event(interprocess=True)"
+            )
+        index = self._device if self._device is not None else self._runtime.current_index
+        handle = self._ensure(index)
+        backend = self._runtime.backend
+        if not backend.supports_ipc(index):
+            raise NotSupportedError(
+                f"{self.device} cannot share events with other processes (the {backend.name} backend "
+                "has no IPC support here)"
+            )
+        payload, fds = backend.ipc_event_export(index, handle)
+        ref = weakref.ref(self)
+
+        def target() -> Event | None:
+            event = ref()
+            return None if event is None or event._closed else event
+
+        ticket = broker().offer(payload, fds, target, hold=False)
+        uuid = backend.device_properties(index).uuid
+        return _open_event, (ticket, backend.name, index, uuid)
 
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidHandleError(f"{self!r} was closed; create a new accel.Event")
+
+
+def _open_event(ticket: ExportTicket, backend_name: str, index: int, uuid: str) -> Event:
+    """Open an event exported by another process (what unpickling an Event calls)."""
+    what = f"an event of {backend_name}:{index} from process {ticket.pid}"
+    runtime = get_runtime()
+    backend = runtime.backend
+    check_device(backend, backend_name, index, uuid, what)
+    payload, fds, held = open_export(ticket, what)
+    held.release()  # an event holds nothing in the exporter: its state is shared memory
+    handle = backend.ipc_event_import(index, payload, fds)
+    event = Event(index, interprocess=True)
+    event._handle = handle
+    event._recorded = True  # the exporter's records count: query and wait ask the backend
+    event._finalizer = weakref.finalize(event, _destroy, runtime, index, handle)
+    return event
 
 
 def _destroy(runtime: Runtime, index: int, handle: int) -> None:

@@ -11,12 +11,11 @@ Python objects that own the memory are kept alive until the work ran.
 from __future__ import annotations
 
 import ctypes
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from accel._errors import InvalidValueError
-from accel.stream._dlpack_abi import FLAG_READ_ONLY, DLManagedTensor, DLManagedTensorVersioned
+from accel.stream._dlpack_abi import read_capsule
 
 
 @dataclass(frozen=True)
@@ -105,14 +104,6 @@ def _buffer_operand(view: memoryview, obj: object, role: str) -> Operand:
     return Operand(ptr or 0, view.nbytes, view)
 
 
-_PyCapsule_GetPointer = ctypes.pythonapi["PyCapsule_GetPointer"]
-_PyCapsule_GetPointer.restype = ctypes.c_void_p
-_PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-_PyCapsule_IsValid = ctypes.pythonapi["PyCapsule_IsValid"]
-_PyCapsule_IsValid.restype = ctypes.c_int
-_PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
-
-
 def _dlpack_operand(obj: Any, role: str) -> Operand:
     """Read a DLPack producer's tensor without consuming its capsule: the
     capsule is kept alive with the work, and its own destructor lets the
@@ -126,30 +117,14 @@ def _dlpack_operand(obj: Any, role: str) -> Operand:
         raise InvalidValueError(
             f"{role} ({type(obj).__name__}) refused a DLPack export: {type(exc).__name__}: {exc}"
         ) from exc
-    flags = 0
-    managed: DLManagedTensor | DLManagedTensorVersioned
-    if _PyCapsule_IsValid(capsule, b"dltensor_versioned"):
-        managed = DLManagedTensorVersioned.from_address(_PyCapsule_GetPointer(capsule, b"dltensor_versioned"))
-        flags = managed.flags
-    elif _PyCapsule_IsValid(capsule, b"dltensor"):
-        managed = DLManagedTensor.from_address(_PyCapsule_GetPointer(capsule, b"dltensor"))
-    else:
+    tensor = read_capsule(capsule)
+    if tensor is None:
         raise InvalidValueError(f"{role} ({type(obj).__name__}).__dlpack__() did not return a DLPack capsule")
-    if role == "dst" and flags & FLAG_READ_ONLY:
+    if role == "dst" and tensor.readonly:
         raise InvalidValueError(f"{role} ({type(obj).__name__}) is read-only; copy into a writable one")
-    tensor = managed.dl_tensor
-    shape = [tensor.shape[i] for i in range(tensor.ndim)]
-    itemsize = tensor.dtype.bits * tensor.dtype.lanes // 8
-    if tensor.strides and math.prod(shape):
-        expected = 1
-        for dim, stride in zip(reversed(shape), reversed([tensor.strides[i] for i in range(tensor.ndim)])):
-            if dim != 1 and stride != expected:
-                raise InvalidValueError(
-                    f"{role} is a strided (non-contiguous) tensor; pass a contiguous one (.contiguous())"
-                )
-            expected *= dim
-    ptr = (tensor.data or 0) + tensor.byte_offset
-    return Operand(ptr, math.prod(shape) * itemsize, (obj, capsule))
+    if not tensor.contiguous:
+        raise InvalidValueError(f"{role} is a strided (non-contiguous) tensor; pass a contiguous one (.contiguous())")
+    return Operand(tensor.ptr, tensor.nbytes, (obj, capsule))
 
 
 def byte_count(nbytes: int | None, *operands: Operand) -> int:

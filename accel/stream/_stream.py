@@ -306,7 +306,11 @@ class Stream:
         """Hold Python objects that own copy operands until the work ran."""
         owners = tuple(o for o in owners if o is not None and not _is_stream_ordered(o))
         if owners:
-            self._runtime.backend.launch_host_func(self._device, self._handle, lambda: owners)
+
+            def keep(_owners: tuple[object, ...] = owners) -> None:
+                """Does nothing: the backend holds it, and its default the owners, until the work ran."""
+
+            self._runtime.backend.launch_host_func(self._device, self._handle, keep)
 
     def _raise_host_errors(self) -> None:
         failures = self._runtime.take_host_errors(self._device, self._handle)

@@ -51,6 +51,9 @@ class AllocatorMachine(RuleBasedStateMachine):
                 "expandable_segments:True",
                 "max_split_size_mb:30,roundup_power2_divisions:4",
                 "expandable_segments:True,max_split_size_mb:30",
+                # holes given back as soon as a segment grows
+                "expandable_segments:True,expandable_keep_free_mb:0",
+                "expandable_segments:True,expandable_keep_free_mb:0,max_split_size_mb:30",
             ]
         )
     )
@@ -68,6 +71,24 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.peaks: dict[str, int] = {}
         self.capture: tuple[int, int] | None = None
         self.pool_serial = 0
+        # Ranges freed on their own stream while work queued there (a gate) may
+        # still use them: reusable in stream order, but never to be unmapped.
+        self.own_busy: list[tuple[int, int, list[threading.Event]]] = []
+        unmap = self.backend.vm_unmap
+
+        def checked_unmap(device: int, addr: int, nbytes: int) -> None:
+            self.check_unmap(addr, addr + nbytes)
+            unmap(device, addr, nbytes)
+
+        self.backend.vm_unmap = checked_unmap  # type: ignore[method-assign]
+
+    def check_unmap(self, start: int, end: int) -> None:
+        """No page is unmapped under a live block or under work a stream may still run."""
+        for item in self.live:
+            assert item.ptr + item.size <= start or end <= item.ptr, "a page under a live block was unmapped"
+        for lo, hi, gates in self.quarantine + self.own_busy:
+            if not all(g.is_set() for g in gates):
+                assert hi <= start or end <= lo, "a page that queued stream work may use was unmapped"
 
     @rule(target=buffers, nbytes=sizes, which=st.integers(0, 2))
     def allocate(self, nbytes: int, which: int) -> Live:
@@ -103,6 +124,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.alloc.free(item.block)
         if item.gates:
             self.quarantine.append((item.ptr, item.ptr + item.size, item.gates))
+        if self.gates[item.stream]:
+            self.own_busy.append((item.ptr, item.ptr + item.size, list(self.gates[item.stream])))
 
     @rule(which=st.integers(1, 2))
     def open_gates(self, which: int) -> None:
@@ -167,6 +190,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.end_capture()
         for item in list(self.live):
             self.alloc.free(item.block)
+        self.live.clear()
         for s in self.streams:
             s.synchronize()
         self.alloc.empty_cache()

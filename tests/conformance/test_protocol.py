@@ -388,6 +388,21 @@ def test_capture_length_counts_recorded_work_or_says_none(backend: Backend, stre
         assert after is not None and after > before
 
 
+def test_graph_node_count_is_zero_for_an_empty_capture_and_counts_recorded_work(backend: Backend, stream: int) -> None:
+    if not backend.supports_graphs(0):
+        pytest.skip(f"{backend.name} has no graphs")
+    counts = []
+    for work in range(3):
+        backend.stream_begin_capture(0, stream, CaptureMode.GLOBAL)
+        for _ in range(work):
+            backend.launch_host_func(0, stream, lambda: None)
+        graph = backend.stream_end_capture(0, stream)
+        counts.append(backend.graph_node_count(0, graph))
+        backend.graph_destroy(0, graph)
+    # Every backend accel ships can tell (the empty-capture warning needs it).
+    assert counts == [0, 1, 2]
+
+
 def test_destroying_the_capturing_stream_releases_forked_streams(backend: Backend, stream: int) -> None:
     if not backend.supports_graphs(0):
         pytest.skip(f"{backend.name} has no graphs")

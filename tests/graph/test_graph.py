@@ -186,6 +186,9 @@ def test_bad_capture_error_mode_is_refused() -> None:
     g = Graph()
     with pytest.raises(accel.InvalidValueError, match="capture_error_mode"):
         g.capture_begin(capture_error_mode="loose")
+    # An unhashable mode is refused the same way, not with a TypeError from the lookup.
+    with pytest.raises(accel.InvalidValueError, match="capture_error_mode"):
+        Graph(capture_error_mode=["global"])  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("mode", ["default", "global", "thread_local", "relaxed"])

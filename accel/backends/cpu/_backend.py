@@ -15,7 +15,7 @@ from functools import cache
 from accel._errors import BackendUnavailableError, InvalidValueError
 from accel._units import parse_size
 from accel.backends import _capture
-from accel.backends.base import Backend, CaptureMode, CaptureStatus, DeviceProperties
+from accel.backends.base import Backend, CaptureMode, CaptureStatus, DeviceProperties, TorchIntegration
 from accel.backends.cpu import _libc
 from accel.backends.cpu._memory import VM_GRANULARITY, DeviceMemory, HostMemory, machine_memory
 from accel.backends.cpu._streams import StreamTable
@@ -79,6 +79,8 @@ class CpuBackend(Backend):
     """The host CPU as ``ACCEL_CPU_DEVICES`` devices (default 1)."""
 
     name = "cpu"
+    torch_device_type = "cpu"
+    torch_integration = TorchIntegration.RECORD_HOST_OPS
 
     def __init__(self, device_count: int, memory_limit: int | None) -> None:
         self._count = device_count
@@ -161,6 +163,28 @@ class CpuBackend(Backend):
     def vm_unmap(self, device: int, addr: int, nbytes: int) -> None:
         self._memory[device].unmap(addr, nbytes)
 
+    # -- sharing with other processes ------------------------------------------------
+    # Memory: file ranges of the device's memfd (see DeviceMemory.export). Events:
+    # a page of shared memory holding the record and completion counts.
+
+    def supports_ipc(self, device: int) -> bool:
+        return True
+
+    def ipc_memory_export(self, device: int, ptr: int, nbytes: int) -> tuple[bytes, list[int]]:
+        return self._memory[device].export(ptr, nbytes)
+
+    def ipc_memory_import(self, device: int, payload: bytes, fds: list[int]) -> int:
+        return self._memory[device].import_(payload, fds)
+
+    def ipc_memory_close(self, device: int, ptr: int) -> None:
+        self._memory[device].close_import(ptr)
+
+    def ipc_event_export(self, device: int, event: int) -> tuple[bytes, list[int]]:
+        return self._streams.export_event(device, event)
+
+    def ipc_event_import(self, device: int, payload: bytes, fds: list[int]) -> int:
+        return self._streams.import_event(device, payload, fds)
+
     # -- streams and events -------------------------------------------------------
 
     def default_stream(self, device: int) -> int:
@@ -185,15 +209,18 @@ class CpuBackend(Backend):
         self._streams.wait_event(device, stream, event)
 
     def event_create(self, device: int, *, timing: bool, blocking: bool, interprocess: bool) -> int:
-        # Blocking and interprocess flags change nothing on the host: waits
-        # always block on a condition variable, and there is one process.
-        return self._streams.create_event(device, timing)
+        # The blocking flag changes nothing on the host: waits always block on a
+        # condition variable. Interprocess events keep their state in shared memory.
+        return self._streams.create_event(device, timing, interprocess)
 
     def event_destroy(self, device: int, event: int) -> None:
         self._streams.destroy_event(device, event)
 
     def event_record(self, device: int, event: int, stream: int) -> None:
         self._streams.record(device, event, stream)
+
+    def event_record_external(self, device: int, event: int, stream: int) -> None:
+        self._streams.record(device, event, stream, external=True)
 
     def event_query(self, device: int, event: int) -> bool:
         return self._streams.event_query(device, event)
@@ -256,6 +283,9 @@ class CpuBackend(Backend):
 
     def graph_launch(self, device: int, graph_exec: int, stream: int) -> None:
         self._streams.launch(device, graph_exec, stream)
+
+    def graph_node_count(self, device: int, graph: int) -> int | None:
+        return len(self._streams.graph_nodes(graph))
 
     def graph_destroy(self, device: int, graph: int) -> None:
         self._streams.destroy_graph(graph)

@@ -35,6 +35,7 @@ MAP_NORESERVE = 0x4000
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 MAP_FAILED = ctypes.c_void_p(-1).value
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _os_error(call: str) -> OSError:
@@ -64,6 +65,11 @@ def map_anonymous(nbytes: int) -> int:
     return _map(0, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
 
 
+def map_fd(nbytes: int, fd: int, offset: int) -> int:
+    """Map ``nbytes`` of file ``fd`` from ``offset`` read-write, shared; returns the address."""
+    return _map(0, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, offset)
+
+
 def reserve(nbytes: int, addr: int = 0) -> int:
     """Inaccessible address space (no memory behind it); at ``addr`` exactly if given."""
     flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | (MAP_FIXED if addr else 0)
@@ -78,6 +84,17 @@ def unmap(addr: int, nbytes: int) -> None:
 def memfd() -> int:
     """An empty anonymous file: physical memory that can be mapped anywhere (and passed on as an fd)."""
     return os.memfd_create("accel-host-physical", os.MFD_CLOEXEC)
+
+
+def shared_page() -> int:
+    """A one-page anonymous file, for state shared with other processes."""
+    fd = os.memfd_create("accel-host-shared", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, PAGE)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def truncate(fd: int, nbytes: int) -> None:

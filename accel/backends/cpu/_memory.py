@@ -199,6 +199,8 @@ class DeviceMemory(_Allocations):
         self._file = _PhysicalFile()
         self._physical: dict[int, _Chunk] = {}  # live handles, and released ones still mapped
         self._next_handle = 1
+        self._ranges: dict[int, tuple[_PhysicalFile, int]] = {}  # malloc'd ptr -> (file, offset)
+        self._imports: dict[int, tuple[int, int]] = {}  # imported ptr -> (mapping base, length)
 
     # -- accounting ---------------------------------------------------------
 
@@ -273,14 +275,40 @@ class DeviceMemory(_Allocations):
         return DriverError("cpu", what, code, errno.errorcode.get(code, "OSError"), str(exc), device=self.device)
 
     def malloc(self, nbytes: int) -> int:
+        # A range of the device's file, mapped shared, rather than anonymous
+        # pages: so that another process can map the same memory (ipc_export).
         size = round_up(nbytes, PAGE)
         with self._lock, self._charged(size, "allocation"):
-            ptr = _libc.map_anonymous(size)
+            file = self._own_file()
+            offset = file.take(size)
+            try:
+                ptr = _libc.map_fd(size, file.fd, offset)
+            except OSError:
+                file.give_back(offset, size)
+                raise
             self._allocations[ptr] = size
+            self._ranges[ptr] = (file, offset)
         return ptr
+
+    def free(self, ptr: int) -> None:
+        with self._lock:
+            size = self._allocations.get(ptr)
+            super().free(ptr)  # refuses a pointer that is not an allocation
+            file, offset = self._ranges.pop(ptr)
+            if file.owned:  # a forked child leaves the parent's file to the parent
+                try:
+                    file.give_back(offset, size or 0)
+                except OSError as exc:
+                    raise self._driver_error("freeing memory", exc) from exc
 
     def _released(self, nbytes: int) -> None:
         self._held -= nbytes
+
+    def _own_file(self) -> _PhysicalFile:
+        """The device's file, created by this process (caller holds the lock)."""
+        if not self._file.owned:  # forked: new memory goes to a file of this process's own
+            self._file = _PhysicalFile()
+        return self._file
 
     # -- virtual memory -------------------------------------------------------
 
@@ -325,12 +353,11 @@ class DeviceMemory(_Allocations):
     def create(self, nbytes: int) -> int:
         self._check_multiple("vm_create", nbytes)
         with self._lock, self._charged(nbytes, "physical memory creation"):
-            if not self._file.owned:  # forked: new chunks go to a file of this process's own
-                self._file = _PhysicalFile()
-            offset = self._file.take(nbytes)
+            file = self._own_file()
+            offset = file.take(nbytes)
             handle = self._next_handle
             self._next_handle += 1
-            self._physical[handle] = _Chunk(self._file, offset, nbytes)
+            self._physical[handle] = _Chunk(file, offset, nbytes)
         return handle
 
     def _live_chunk(self, call: str, handle: int) -> _Chunk:
@@ -402,6 +429,94 @@ class DeviceMemory(_Allocations):
                 chunk = self._physical[handle]
                 chunk.mappings -= 1
                 self._drop_if_unused(handle, chunk)
+
+    # -- sharing with other processes -------------------------------------------
+    #
+    # Every byte of device memory is a range of a file (malloc'd ranges, and
+    # chunks mapped into reservations), so an export names file ranges: one
+    # descriptor per file (dup'd: the caller owns it) and, per piece,
+    # ``(file index, file offset, length)``, page aligned, in address order.
+
+    def _pieces(self, ptr: int, nbytes: int) -> list[tuple[_PhysicalFile, int, int]]:
+        """The file ranges behind the pages of ``[ptr, ptr + nbytes)`` (caller holds the lock)."""
+        start, end = ptr - ptr % PAGE, round_up(ptr + nbytes, PAGE)
+        for base, size in self._allocations.items():
+            if base <= start and end <= base + size:
+                file, offset = self._ranges[base]
+                return [(file, offset + start - base, end - start)]
+        for res_start, res in self._reservations.items():
+            if not (res_start <= start and end <= res_start + res.size):
+                continue
+            pieces, at = [], start
+            for addr in sorted(res.mapped):
+                size, handle = res.mapped[addr]
+                if addr <= at < addr + size:
+                    chunk = self._physical[handle]
+                    length = min(end, addr + size) - at
+                    pieces.append((chunk.file, chunk.offset + at - addr, length))
+                    at += length
+                    if at == end:
+                        return pieces
+            break
+        raise InvalidValueError(
+            f"cpu:{self.device}: ipc_memory_export: [{ptr:#x}, {ptr + nbytes:#x}) is not memory "
+            "allocated on this device (freed, or partly unmapped)"
+        )
+
+    def export(self, ptr: int, nbytes: int) -> tuple[bytes, list[int]]:
+        import json
+
+        with self._lock:
+            pieces = self._pieces(ptr, nbytes)
+            files: list[_PhysicalFile] = []
+            for file, _, _ in pieces:
+                if file not in files:
+                    files.append(file)
+            fds: list[int] = []
+            try:
+                for file in files:
+                    fds.append(os.dup(file.fd))
+            except OSError as exc:
+                for fd in fds:
+                    os.close(fd)
+                raise self._driver_error("exporting memory", exc) from exc
+        layout = {"lead": ptr % PAGE, "pieces": [(files.index(f), off, n) for f, off, n in pieces]}
+        return json.dumps(layout).encode(), fds
+
+    def import_(self, payload: bytes, fds: list[int]) -> int:
+        import json
+
+        try:
+            layout = json.loads(payload)
+            pieces = layout["pieces"]
+            total = sum(n for _, _, n in pieces)
+            with self._system_call(total, "mapping memory of another process"):
+                base = _libc.reserve(total)
+                at = base
+                try:
+                    for index, offset, length in pieces:
+                        _libc.map_fd_fixed(at, length, fds[index], offset)
+                        at += length
+                except OSError:
+                    _libc.unmap(base, total)
+                    raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+        ptr = base + int(layout["lead"])
+        with self._lock:
+            self._imports[ptr] = (base, total)
+        return ptr
+
+    def close_import(self, ptr: int) -> None:
+        with self._lock:
+            mapping = self._imports.pop(ptr, None)
+        if mapping is None:
+            raise InvalidHandleError(
+                f"cpu:{self.device}: ipc_memory_close({ptr:#x}): not memory imported from another process "
+                "(already closed?)"
+            )
+        _libc.unmap(*mapping)
 
 
 class HostMemory(_Allocations):

@@ -19,9 +19,11 @@ topological order).
 from __future__ import annotations
 
 import atexit
+import ctypes
 import itertools
 import os
 import queue
+import select
 import threading
 import time
 import warnings
@@ -29,10 +31,11 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from accel._errors import CaptureError, InvalidHandleError
+from accel._errors import CaptureError, InvalidHandleError, InvalidValueError, NotSupportedError
 from accel.backends import _capture
 from accel.backends._capture import Capture, Mark
 from accel.backends.base import CaptureMode, CaptureStatus
+from accel.backends.cpu import _libc
 
 _handles = itertools.count(0x1000)
 
@@ -79,13 +82,16 @@ class HostEvent:
     wait, and only notified when one does.
     """
 
+    # Class-level defaults rather than assignments in __init__: SharedHostEvent
+    # keeps these two counts in shared memory instead.
+    record_gen = 0
+    done_gen = 0
+
     def __init__(self, device: int, timing: bool) -> None:
         self.handle = new_handle()
         self.device = device
         self.timing = timing
         self.cond = threading.Condition(threading.Lock())
-        self.record_gen = 0
-        self.done_gen = 0
         self.timestamp_ns = 0
         self._waiting = 0
         self.captured: Mark | None = None  # where it was recorded inside a capture
@@ -113,6 +119,79 @@ class HostEvent:
                     self.cond.wait()
             finally:
                 self._waiting -= 1
+
+
+def _record_now(event: HostEvent) -> None:
+    """Record ``event`` and complete it at once (run where the stream has reached the record)."""
+    with event.cond:
+        event.record_gen += 1
+        gen = event.record_gen
+    event.complete(gen)
+
+
+# How often a process polls an event that another process completes (it cannot
+# be woken by that process's condition variable): from 20 µs, doubling, to 2 ms.
+_POLL_FIRST_S, _POLL_MAX_S = 20e-6, 2e-3
+
+
+class SharedHostEvent(HostEvent):
+    """An interprocess event: its record and completion counts live in a page
+    of a memfd that the exporting process and its importers all map.
+
+    Only the exporter records it (two processes cannot increment the count
+    atomically from Python); importers query it, wait on it and synchronize
+    it. An importer cannot be woken by the exporter's condition variable, so
+    it polls; it stops waiting, with an error, if the exporter exits first.
+    """
+
+    def __init__(self, device: int, fd: int, *, exporter_pid: int | None) -> None:
+        super().__init__(device, timing=False)
+        self.fd = fd  # the exporter keeps it to export again; importers close theirs at once
+        self.exporter_pid = exporter_pid  # None in the exporting process
+        addr = _libc.map_fd(_libc.PAGE, fd, 0)
+        self._counts = (ctypes.c_uint64 * 2).from_address(addr)
+        # Unmapped only when nothing can read it any more: stream work that waits
+        # on the event holds it, and may outlive event_destroy.
+        weakref.finalize(self, _libc.unmap, addr, _libc.PAGE)
+        self._pidfd = -1 if exporter_pid is None else os.pidfd_open(exporter_pid)
+        if self._pidfd >= 0:
+            weakref.finalize(self, os.close, self._pidfd)
+
+    @property
+    def record_gen(self) -> int:
+        return int(self._counts[0])
+
+    @record_gen.setter
+    def record_gen(self, value: int) -> None:
+        self._counts[0] = value
+
+    @property
+    def done_gen(self) -> int:
+        return int(self._counts[1])
+
+    @done_gen.setter
+    def done_gen(self, value: int) -> None:
+        self._counts[1] = value
+
+    def exporter_exited(self) -> bool:
+        if self._pidfd < 0:
+            return False
+        ready, _, _ = select.select([self._pidfd], [], [], 0)
+        return bool(ready)
+
+    def wait(self, gen: int) -> None:
+        if self.exporter_pid is None:
+            super().wait(gen)
+            return
+        delay = _POLL_FIRST_S
+        while self.done_gen < gen:
+            if self.exporter_exited() and self.done_gen < gen:
+                raise InvalidHandleError(
+                    f"cpu:{self.device}: the process that exported event {self.handle:#x} "
+                    f"(pid {self.exporter_pid}) exited before the work it recorded completed"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)
 
 
 class HostStream:
@@ -321,21 +400,66 @@ class StreamTable:
 
     # -- events -----------------------------------------------------------
 
-    def create_event(self, device: int, timing: bool) -> int:
-        event = HostEvent(device, timing)
+    def create_event(self, device: int, timing: bool, interprocess: bool = False) -> int:
+        if interprocess:
+            if timing:
+                raise NotSupportedError(
+                    f"cpu:{device}: an interprocess event cannot measure time (as in CUDA); "
+                    "create it with enable_timing=False"
+                )
+            event: HostEvent = SharedHostEvent(device, _libc.shared_page(), exporter_pid=None)
+        else:
+            event = HostEvent(device, timing)
         with self._lock:
             self._events[event.handle] = event
         return event.handle
 
     def destroy_event(self, device: int, handle: int) -> None:
-        self.event(device, handle)
+        event = self.event(device, handle)
         with self._lock:
             del self._events[handle]
+        if isinstance(event, SharedHostEvent) and event.fd >= 0:
+            os.close(event.fd)
 
-    def record(self, device: int, event_handle: int, stream_handle: int) -> None:
+    def export_event(self, device: int, handle: int) -> tuple[bytes, list[int]]:
+        event = self.event(device, handle)
+        if not isinstance(event, SharedHostEvent) or event.exporter_pid is not None:
+            raise InvalidValueError(
+                f"cpu:{device}: event {handle:#x} was not created with interprocess=True in this "
+                "process; create it with accel.Event(interprocess=True) to share it"
+            )
+        return str(os.getpid()).encode(), [os.dup(event.fd)]
+
+    def import_event(self, device: int, payload: bytes, fds: list[int]) -> int:
+        try:
+            (fd,) = fds
+            event = SharedHostEvent(device, fd, exporter_pid=int(payload))
+        except ProcessLookupError:
+            raise InvalidHandleError(
+                f"cpu:{device}: the process that exported this event (pid {int(payload)}) has exited"
+            ) from None
+        finally:
+            for fd in fds:
+                os.close(fd)
+        event.fd = -1
+        with self._lock:
+            self._events[event.handle] = event
+        return event.handle
+
+    def record(self, device: int, event_handle: int, stream_handle: int, *, external: bool = False) -> None:
         event = self.event(device, event_handle)
         stream = self.stream(device, stream_handle)
+        if isinstance(event, SharedHostEvent) and event.exporter_pid is not None:
+            raise NotSupportedError(
+                f"cpu:{device}: event {event_handle:#x} was opened from process {event.exporter_pid}; "
+                "on the host backend only the process that created an interprocess event records it"
+            )
         capture = stream.capture
+        if capture is not None and external:
+            # A node of the graph: each replay records the event when it gets there.
+            event.captured = None
+            stream.submit(f"event record {event.handle:#x}", lambda: _record_now(event))
+            return
         if capture is not None:
             event.captured = capture.mark(stream)
             return

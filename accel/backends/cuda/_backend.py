@@ -40,7 +40,7 @@ from accel._errors import (
     OutOfMemoryError,
 )
 from accel.backends._cffi import resolve_everything
-from accel.backends.base import Backend, DeviceProperties
+from accel.backends.base import Backend, DeviceProperties, TorchIntegration
 from accel.backends.cuda._bindings import Driver, open_driver
 from accel.backends.cuda._constants import (
     CUDA_ERROR_ILLEGAL_STATE,
@@ -50,6 +50,7 @@ from accel.backends.cuda._constants import (
     CUDA_ERROR_NOT_READY,
     CUDA_ERROR_NOT_SUPPORTED,
     CUDA_ERROR_OUT_OF_MEMORY,
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
     CUDA_SUCCESS,
     CU_EVENT_BLOCKING_SYNC,
     CU_EVENT_DISABLE_TIMING,
@@ -66,6 +67,7 @@ from accel.backends.cuda._constants import (
     _CAPTURE_ERRORS,
 )
 from accel.backends.cuda._graphs import GraphsAndHostFunctions
+from accel.backends.cuda._sharing import Sharing
 
 __all__ = ["CudaBackend", "create_backend"]
 
@@ -74,7 +76,8 @@ _CTYPES = (
     "CUcontext *", "CUdeviceptr *", "CUevent", "CUevent *", "CUgraph", "CUgraph *", "CUgraphExec",
     "CUgraphExec *", "CUmemAccessDesc *", "CUmemAllocationProp *", "CUmemGenericAllocationHandle *",
     "CUstream", "CUstream *", "CUuuid *", "char[256]", "char[64]", "const char **", "cuuint64_t *",
-    "float *", "int *", "size_t *", "uintptr_t", "void *", "void **",
+    "float *", "int *", "size_t *", "uintptr_t", "void *", "void **", "CUipcMemHandle *",
+    "CUipcEventHandle *",
 )
 
 # CUdevice_attribute values used for DeviceProperties.
@@ -109,7 +112,7 @@ def _format_uuid(raw: bytes) -> str:
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
-class CudaBackend(GraphsAndHostFunctions, Backend):
+class CudaBackend(GraphsAndHostFunctions, Sharing, Backend):
     """The CUDA driver API behind the Backend protocol. Build it with :func:`create_backend`.
 
     >>> backend = create_backend()                 # doctest: +SKIP
@@ -118,6 +121,8 @@ class CudaBackend(GraphsAndHostFunctions, Backend):
     """
 
     name = "cuda"
+    torch_device_type = "cuda"
+    torch_integration = TorchIntegration.SHARED_STREAMS
 
     def __init__(self, driver: Driver, device_count: int, driver_version: int) -> None:
         self._driver = driver
@@ -131,6 +136,7 @@ class CudaBackend(GraphsAndHostFunctions, Backend):
         self._properties: dict[int, DeviceProperties] = {}
         self._granularity: dict[int, int] = {}
         self._init_graphs_and_host_functions()
+        self._init_sharing()
         # Every call goes through driver.fn (resolved when the driver was opened); parse
         # every type now, so that no finalizer's call can wait on cffi's locks.
         resolve_everything(self._ffi, _CTYPES)
@@ -560,6 +566,7 @@ class CudaBackend(GraphsAndHostFunctions, Backend):
             raise InvalidHandleError(
                 f"cuda:{device}: stream {stream:#x} is a default stream (legacy or per-thread); it cannot be destroyed"
             )
+        self._end_capture_of_destroyed_stream(device, stream)
         pushed = self._enter(device)
         try:
             code = self._fn["cuStreamDestroy"](self._stream(stream))
@@ -696,6 +703,13 @@ class CudaBackend(GraphsAndHostFunctions, Backend):
             code = self._fn["cuMemcpyAsync"](dst, src, nbytes, self._stream(stream))
         finally:
             self._leave(device, pushed)
+        if code == CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED:
+            raise CaptureError(
+                f"cuda:{device}: cuMemcpyAsync of {nbytes} bytes {src:#x} -> {dst:#x} cannot be captured: "
+                f"{self._driver.describe(code)}. A captured copy may not read or write pageable host memory "
+                "(CUDA stages such copies when they run, which a graph cannot replay); copy through "
+                "page-locked memory from accel.memory.allocate_host instead. The capture is now invalidated"
+            )
         self._check("cuMemcpyAsync", code, device, handle=f"stream {stream:#x}" if code == CUDA_ERROR_INVALID_HANDLE else "")
 
     def memset_async(self, device: int, dst: int, value: int, nbytes: int, stream: int) -> None:

@@ -12,7 +12,8 @@ by its exported name.
 Rather than trusting one header, :func:`open_driver` probes what the loaded
 library exports and takes the newest version it knows. A missing required
 entry point makes the backend unavailable with its name; a missing optional
-group (virtual memory, graphs) only turns that feature off.
+group (virtual memory, graphs, sharing with other processes) only turns that
+feature off.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ __all__ = [
     "DEFAULT_LIBRARY",
     "Driver",
     "GRAPH_FUNCTIONS",
+    "IPC_FUNCTIONS",
     "REQUIRED_FUNCTIONS",
     "VMM_FUNCTIONS",
+    "VMM_IPC_FUNCTIONS",
     "open_driver",
 ]
 
@@ -65,6 +68,8 @@ typedef struct CUmemAllocationProp_st {
     } allocFlags;
 } CUmemAllocationProp;
 typedef struct CUmemAccessDesc_st { CUmemLocation location; int flags; } CUmemAccessDesc;
+typedef struct CUipcEventHandle_st { char reserved[64]; } CUipcEventHandle;
+typedef struct CUipcMemHandle_st { char reserved[64]; } CUipcMemHandle;
 typedef struct CUgraphEdgeData_st {
     unsigned char from_port; unsigned char to_port; unsigned char type; unsigned char reserved[5];
 } CUgraphEdgeData;
@@ -111,6 +116,17 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
                   unsigned long long flags);
 CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count);
 CUresult cuMemUnmap(CUdeviceptr ptr, size_t size);
+CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle, int handleType,
+                                      unsigned long long flags);
+CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle, int shHandleType);
+CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr);
+
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr);
+CUresult cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr);
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags);
+CUresult cuIpcCloseMemHandle(CUdeviceptr dptr);
+CUresult cuIpcGetEventHandle(CUipcEventHandle *pHandle, CUevent event);
+CUresult cuIpcOpenEventHandle(CUevent *phEvent, CUipcEventHandle handle);
 
 CUresult cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags, int priority);
 CUresult cuStreamDestroy_v2(CUstream hStream);
@@ -121,6 +137,7 @@ CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags)
 CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags);
 CUresult cuEventDestroy_v2(CUevent hEvent);
 CUresult cuEventRecord(CUevent hEvent, CUstream hStream);
+CUresult cuEventRecordWithFlags(CUevent hEvent, CUstream hStream, unsigned int flags);
 CUresult cuEventQuery(CUevent hEvent);
 CUresult cuEventSynchronize(CUevent hEvent);
 CUresult cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd);
@@ -140,6 +157,7 @@ CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, u
 CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream);
 CUresult cuGraphExecDestroy(CUgraphExec hGraphExec);
 CUresult cuGraphDestroy(CUgraph hGraph);
+CUresult cuGraphGetNodes(CUgraph hGraph, CUgraphNode *nodes, size_t *numNodes);
 CUresult cuGraphDebugDotPrint(CUgraph hGraph, const char *path, unsigned int flags);
 """
 
@@ -204,6 +222,22 @@ VMM_FUNCTIONS: dict[str, tuple[str, ...]] = {
     )
 }
 
+#: Sharing memory and events with other processes (legacy IPC handles): all or nothing.
+IPC_FUNCTIONS: dict[str, tuple[str, ...]] = {
+    "cuMemGetAddressRange": ("cuMemGetAddressRange_v2",),
+    "cuIpcGetMemHandle": ("cuIpcGetMemHandle",),
+    "cuIpcOpenMemHandle": ("cuIpcOpenMemHandle_v2",),
+    "cuIpcCloseMemHandle": ("cuIpcCloseMemHandle",),
+    "cuIpcGetEventHandle": ("cuIpcGetEventHandle",),
+    "cuIpcOpenEventHandle": ("cuIpcOpenEventHandle",),
+}
+
+#: Sharing virtual-memory chunks as POSIX file descriptors: all or nothing.
+VMM_IPC_FUNCTIONS: dict[str, tuple[str, ...]] = {
+    name: (name,)
+    for name in ("cuMemExportToShareableHandle", "cuMemImportFromShareableHandle", "cuMemRetainAllocationHandle")
+}
+
 #: Stream capture and graph replay: all or nothing.
 GRAPH_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "cuStreamBeginCapture": ("cuStreamBeginCapture_v2",),
@@ -214,9 +248,13 @@ GRAPH_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "cuGraphLaunch": ("cuGraphLaunch",),
     "cuGraphExecDestroy": ("cuGraphExecDestroy",),
     "cuGraphDestroy": ("cuGraphDestroy",),
+    "cuGraphGetNodes": ("cuGraphGetNodes",),
 }
 
-_OPTIONAL_FUNCTIONS: dict[str, tuple[str, ...]] = {"cuGraphDebugDotPrint": ("cuGraphDebugDotPrint",)}
+_OPTIONAL_FUNCTIONS: dict[str, tuple[str, ...]] = {
+    "cuGraphDebugDotPrint": ("cuGraphDebugDotPrint",),
+    "cuEventRecordWithFlags": ("cuEventRecordWithFlags",),  # CUDA 11.1
+}
 
 _ffi: cffi.FFI | None = None
 
@@ -246,10 +284,12 @@ class Driver:
     symbols: dict[str, str] = field(default_factory=dict)
     has_vmm: bool = False
     has_graphs: bool = False
+    has_ipc: bool = False
+    has_vmm_ipc: bool = False
 
     def probed_symbols(self) -> list[str]:
         """The exported names chosen where several versions were candidates."""
-        tables = (REQUIRED_FUNCTIONS, VMM_FUNCTIONS, GRAPH_FUNCTIONS)
+        tables = (REQUIRED_FUNCTIONS, VMM_FUNCTIONS, GRAPH_FUNCTIONS, IPC_FUNCTIONS, VMM_IPC_FUNCTIONS)
         return [self.symbols[api] for table in tables for api, names in table.items()
                 if len(names) > 1 and api in self.symbols]
 
@@ -319,7 +359,13 @@ def open_driver(path: str | None = None) -> Driver:
             remedy="Update the NVIDIA driver (accel needs CUDA 12.0 or newer)",
         )
     driver = Driver(ffi=ffi, lib=lib, path=target, fn=fn, symbols=symbols)
-    for table, attr in ((VMM_FUNCTIONS, "has_vmm"), (GRAPH_FUNCTIONS, "has_graphs")):
+    groups = (
+        (VMM_FUNCTIONS, "has_vmm"),
+        (GRAPH_FUNCTIONS, "has_graphs"),
+        (IPC_FUNCTIONS, "has_ipc"),
+        (VMM_IPC_FUNCTIONS, "has_vmm_ipc"),
+    )
+    for table, attr in groups:
         extra, extra_symbols, missing = _resolve(lib, table)
         if not missing:
             driver.fn.update(extra)

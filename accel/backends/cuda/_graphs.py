@@ -31,6 +31,7 @@ from accel.backends.cuda._constants import (
     CUDA_ERROR_STREAM_CAPTURE_UNJOINED,
     CUDA_SUCCESS,
     CU_EVENT_DISABLE_TIMING,
+    CU_EVENT_RECORD_EXTERNAL,
     CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE,
 )
 from accel.backends.cuda._host_functions import HostFunctions
@@ -245,6 +246,38 @@ class GraphsAndHostFunctions:
                 self._graph_keys[graph] = keys
         return graph
 
+    def _end_capture_of_destroyed_stream(self, device: int, stream: int) -> None:
+        """``stream`` is about to be destroyed: end the capture it takes part in first.
+
+        CUDA leaves destroying a capturing stream undefined, and nothing could
+        end its capture afterwards, so the host functions recorded into it
+        would never be released. Ending it on a forked stream fails
+        (CUDA_ERROR_STREAM_CAPTURE_UNMATCHED) and invalidates the capture,
+        which the stream that began it then ends."""
+        if not self._capture_id(device, stream):
+            return
+        try:
+            graph = self.stream_end_capture(device, stream)
+        except AccelError:
+            return
+        self.graph_destroy(device, graph)
+
+    def event_record_external(self, device: int, event: int, stream: int) -> None:
+        record = self._fn.get("cuEventRecordWithFlags")
+        if record is None:
+            raise NotSupportedError(
+                f"cuda:{device}: the CUDA driver {self._driver.path} lacks cuEventRecordWithFlags (CUDA 11.1), "
+                "which a capture needs to keep an event record; update the driver"
+            )
+        pushed = self._enter(device)
+        try:
+            # The external flag is an error outside a capture (as torch's CUDAEvent notes).
+            flags = CU_EVENT_RECORD_EXTERNAL if self._capture_id(device, stream) else 0
+            code = record(self._event(event), self._stream(stream), flags)
+        finally:
+            self._leave(device, pushed)
+        self._check("cuEventRecordWithFlags", code, device, handle=f"event {event:#x} or stream {stream:#x}")
+
     def stream_capture_status(self, device: int, stream: int) -> CaptureStatus:
         if not self._driver.has_graphs:
             return CaptureStatus.NONE
@@ -348,6 +381,18 @@ class GraphsAndHostFunctions:
         with self._lock:
             self._host_fns.retain(keys)
             self._retiring.setdefault(device, []).append((None, list(keys)))
+
+    def graph_node_count(self, device: int, graph: int) -> int | None:
+        self._require_graphs(device)
+        count = self._ffi.new("size_t *")
+        pushed = self._enter(device)
+        try:
+            # A NULL node array asks only for the count.
+            code = self._fn["cuGraphGetNodes"](self._ffi.cast("CUgraph", graph), self._ffi.NULL, count)
+        finally:
+            self._leave(device, pushed)
+        self._check("cuGraphGetNodes", code, device, handle=f"graph {graph:#x}")
+        return int(count[0])
 
     def graph_destroy(self, device: int, graph: int) -> None:
         self._require_graphs(device)

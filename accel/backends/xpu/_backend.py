@@ -45,10 +45,11 @@ from accel._errors import (
 from accel._units import format_size
 from accel.backends import _capture
 from accel.backends._cffi import resolve_everything
-from accel.backends.base import Backend, CaptureMode, CaptureStatus, DeviceProperties
+from accel.backends.base import Backend, CaptureMode, CaptureStatus, DeviceProperties, TorchIntegration
 from accel.backends.xpu._bindings import WAIT_FOREVER, ZeLoader, describe_result
 from accel.backends.xpu._event_pool import EventSlot, EventSlots
 from accel.backends.xpu._host_worker import HostWorker
+from accel.backends.xpu._sharing import Sharing
 from accel.backends.xpu._records import (
     CaptureState,
     DeviceState,
@@ -74,7 +75,8 @@ _CTYPES = (
     "ze_driver_properties_t *", "ze_event_desc_t *", "ze_event_handle_t *", "ze_event_handle_t[1]",
     "ze_event_pool_desc_t *", "ze_event_pool_handle_t *", "ze_host_mem_alloc_desc_t *",
     "ze_kernel_timestamp_result_t *", "ze_physical_mem_desc_t *", "ze_physical_mem_handle_t *",
-    "zes_mem_handle_t[]", "zes_mem_properties_t *", "zes_mem_state_t *",
+    "zes_mem_handle_t[]", "zes_mem_properties_t *", "zes_mem_state_t *", "ze_ipc_mem_handle_t *",
+    "ze_ipc_event_pool_handle_t *",
 )
 _MIN_VM_GRANULARITY = 2 << 20
 # A marker is added after this many commands without one, so that events held
@@ -89,7 +91,7 @@ _OOM_CODES = (0x70000002, 0x70000003)
 # -- the backend --------------------------------------------------------------------
 
 
-class XpuBackend(Backend):
+class XpuBackend(Sharing, Backend):
     """Level Zero GPU devices of one driver, one context.
 
     >>> from accel.backends import load_backend
@@ -99,6 +101,8 @@ class XpuBackend(Backend):
     """
 
     name = "xpu"
+    torch_device_type = "xpu"
+    torch_integration = TorchIntegration.SEPARATE_STREAMS
 
     def __init__(self, ze: ZeLoader, driver: object, devices: list[object], *, loader_version: str) -> None:
         self._ze = ze
@@ -115,6 +119,7 @@ class XpuBackend(Backend):
         ze.check("zeContextCreate", lib.zeContextCreate(driver, desc, context))
         self._context = context[0]
         self._slots = EventSlots(ze, self._context)
+        self._init_sharing()
         self._host_synchronize = ze.has("zeCommandListHostSynchronize")
         self._host_allocations: dict[int, int] = {}
         self._streams: dict[int, StreamState] = {}
@@ -704,15 +709,19 @@ class XpuBackend(Backend):
     # -- events ----------------------------------------------------------------------------
 
     def event_create(self, device: int, *, timing: bool, blocking: bool, interprocess: bool) -> int:
-        if interprocess:
-            raise NotSupportedError(
-                f"xpu:{device}: interprocess events are not supported by accel's Level Zero backend "
-                "(IPC event pools are not implemented); create the event with interprocess=False"
-            )
         # ``blocking`` changes nothing: zeEventHostSynchronize always blocks the thread.
         handle = new_handle()
+        if interprocess:
+            if timing:
+                raise NotSupportedError(
+                    f"xpu:{device}: an interprocess event cannot measure time (as in CUDA); "
+                    "create it with enable_timing=False"
+                )
+            state = EventState(device, handle, False, slot=self._slots.create_ipc(), ipc=True)
+        else:
+            state = EventState(device, handle, timing)
         with self._lock:
-            self._events[handle] = EventState(device, handle, timing)
+            self._events[handle] = state
         return handle
 
     def event_destroy(self, device: int, event: int) -> None:
@@ -730,6 +739,9 @@ class XpuBackend(Backend):
             # in-order command list, so waits on it need no Level Zero event.
             e.captured = capture.mark(s)
             return
+        if e.ipc:
+            self._record_ipc(s, e)
+            return
         slot = self._slots.acquire(e.timing)
         try:
             with s.lock:
@@ -740,6 +752,50 @@ class XpuBackend(Backend):
             self._slots.drop(slot)
             raise
         self._slots.set_current(e, slot)
+        e.captured = None
+
+    def event_record_external(self, device: int, event: int, stream: int) -> None:
+        s = self._stream(device, stream)
+        capture = s.xpu_capture()
+        if capture is None:
+            self.event_record(device, event, stream)
+            return
+        e = self._event(device, event)
+        slot = self._slots.acquire(e.timing)
+
+        def append(cdata: object) -> None:
+            self._reset(s, cdata, slot)  # signalled by the previous replay
+            self._barrier(s, cdata, slot)
+
+        with capture.lock:
+            try:
+                self._record_node(s, f"record event {e.handle:#x}", append)
+            except BaseException:
+                self._slots.drop(slot)
+                raise
+            capture.signals.append(slot)
+        # Complete until a replay resets it: waiting on the event before the first
+        # replay returns, as waiting on an event CUDA has not recorded yet does.
+        self._check("zeEventHostSignal", self._ze.lib.zeEventHostSignal(slot.cdata), device)
+        # The event reads the slot each replay signals; the graph keeps its own hold.
+        self._slots.hold(slot)
+        self._slots.set_current(e, slot)
+        e.captured = None
+
+    def _record_ipc(self, s: StreamState, e: EventState) -> None:
+        """Re-arm an interprocess event's one Level Zero event: reset now (so that it reads
+        as pending from the record on, as in CUDA), signalled when the stream gets there."""
+        slot = e.slot
+        assert slot is not None
+        self._slots.hold(slot)
+        try:
+            with s.lock:
+                self._check("zeEventHostReset", self._ze.lib.zeEventHostReset(slot.cdata), s.device)
+                self._barrier(s, s.cdata, slot)
+                self._appended(s)
+                self._hold_until_passed(s, slot)
+        finally:
+            self._slots.drop(slot)
         e.captured = None
 
     def event_query(self, device: int, event: int) -> bool:
@@ -935,6 +991,8 @@ class XpuBackend(Backend):
         for reached, release, _ in capture.host_nodes:
             self._slots.drop(reached)
             self._slots.drop(release)
+        for slot in capture.signals:
+            self._slots.drop(slot)
 
     def stream_capture_status(self, device: int, stream: int) -> CaptureStatus:
         return _capture.status(self._stream(device, stream))
@@ -959,7 +1017,7 @@ class XpuBackend(Backend):
             raise
         graph = GraphState(
             device, self._addr(capture.cdata), capture.cdata, capture.start, capture.done,
-            list(capture.nodes), list(capture.host_nodes), capture.keep,
+            list(capture.nodes), list(capture.host_nodes), capture.keep, signals=list(capture.signals),
         )
         with self._lock:
             self._graphs[graph.handle] = graph
@@ -1050,6 +1108,11 @@ class XpuBackend(Backend):
         for reached, release, _ in g.host_nodes:
             self._slots.drop(reached)
             self._slots.drop(release)
+        for slot in g.signals:
+            self._slots.drop(slot)
+
+    def graph_node_count(self, device: int, graph: int) -> int | None:
+        return len(self._graph(device, graph).nodes)
 
     def graph_destroy(self, device: int, graph: int) -> None:
         g = self._graph(device, graph)

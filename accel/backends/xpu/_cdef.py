@@ -838,6 +838,49 @@ zesMemoryGetState(
  zes_mem_handle_t hMemory,
  zes_mem_state_t* pState
  );
+typedef struct _ze_ipc_mem_handle_t
+{
+ char data[64];
+} ze_ipc_mem_handle_t;
+typedef struct _ze_ipc_event_pool_handle_t
+{
+ char data[64];
+} ze_ipc_event_pool_handle_t;
+typedef uint32_t ze_ipc_memory_flags_t;
+ze_result_t
+zeMemGetIpcHandle(
+ ze_context_handle_t hContext,
+ const void* ptr,
+ ze_ipc_mem_handle_t* pIpcHandle
+ );
+ze_result_t
+zeMemOpenIpcHandle(
+ ze_context_handle_t hContext,
+ ze_device_handle_t hDevice,
+ ze_ipc_mem_handle_t handle,
+ ze_ipc_memory_flags_t flags,
+ void** pptr
+ );
+ze_result_t
+zeMemCloseIpcHandle(
+ ze_context_handle_t hContext,
+ const void* ptr
+ );
+ze_result_t
+zeEventPoolGetIpcHandle(
+ ze_event_pool_handle_t hEventPool,
+ ze_ipc_event_pool_handle_t* phIpc
+ );
+ze_result_t
+zeEventPoolOpenIpcHandle(
+ ze_context_handle_t hContext,
+ ze_ipc_event_pool_handle_t hIpc,
+ ze_event_pool_handle_t* phEventPool
+ );
+ze_result_t
+zeEventPoolCloseIpcHandle(
+ ze_event_pool_handle_t hEventPool
+ );
 typedef struct _zel_version {
  int major;
  int minor;

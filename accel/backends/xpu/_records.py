@@ -80,6 +80,7 @@ class EventState:
     timing: bool
     slot: EventSlot | None = None
     captured: Mark | None = None  # where it was recorded inside a capture
+    ipc: bool = False  # interprocess: one Level Zero event of its own, re-armed by each record
 
 
 class CaptureState(Capture[str]):
@@ -96,6 +97,7 @@ class CaptureState(Capture[str]):
         self.done = done
         self.host_nodes: list[tuple[EventSlot, EventSlot, Callable[[], None]]] = []
         self.keep: list[object] = []  # memory the recorded commands point at
+        self.signals: list[EventSlot] = []  # event slots recorded commands signal (event records)
 
 
 @dataclass(eq=False)
@@ -116,6 +118,7 @@ class GraphState:
     # list together), and one thread serves the host nodes of every replay.
     queue: object | None = None
     worker: HostWorker | None = None
+    signals: list[EventSlot] = field(default_factory=list)  # one hold each, dropped with the graph
 
 
 @dataclass(eq=False)

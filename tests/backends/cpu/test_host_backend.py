@@ -160,3 +160,58 @@ def test_frees_from_finalizers_inside_an_allocation_do_not_deadlock() -> None:
     thread.start()
     thread.join(10)
     assert not thread.is_alive(), "a nested free deadlocked"
+
+
+# -- sharing with other processes ---------------------------------------------------------
+
+EXPORTER = """
+import pickle, sys, threading, accel
+stream = accel.Stream()
+stream.launch_host_func(threading.Event().wait)  # never completes
+event = accel.Event(interprocess=True)
+event.record(stream)
+print(pickle.dumps(event).hex(), flush=True)
+sys.stdin.readline()
+"""
+
+IMPORTER = """
+import pickle, sys, accel
+event = pickle.loads(bytes.fromhex(sys.argv[1]))
+print("opened", event.query(), flush=True)
+try:
+    event.record()
+except accel.NotSupportedError as exc:
+    print("record refused:", exc)
+try:
+    event.synchronize()
+    print("completed")
+except accel.InvalidHandleError as exc:
+    print(exc)
+"""
+
+
+def test_an_importer_stops_waiting_on_an_event_whose_exporter_exited() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "ACCEL_BACKEND": "cpu", "PYTHONPATH": str(root)}
+    exporter = subprocess.Popen([sys.executable, "-c", EXPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True, env=env, cwd=root)
+    try:
+        assert exporter.stdout is not None
+        pickled = exporter.stdout.readline().strip()
+        importer = subprocess.Popen([sys.executable, "-c", IMPORTER, pickled], stdout=subprocess.PIPE, text=True,
+                                    env=env, cwd=root)
+        assert importer.stdout is not None
+        assert importer.stdout.readline().split() == ["opened", "False"]  # the exporter's record is pending
+    finally:
+        exporter.kill()
+        exporter.wait(30)
+    # Not communicate(timeout=...): it reads the pipe past the lines readline() already buffered.
+    importer.wait(60)  # its output is a few lines: the pipe cannot fill
+    out = importer.stdout.read()
+    assert "record refused:" in out and "only the process that created an interprocess event records it" in out
+    assert "exited before the work it recorded completed" in out

@@ -374,3 +374,33 @@ def test_memory_info_tracks_malloc(cuda: Any) -> None:
     cuda.free(D, ptr)
     assert free1 <= free0 - (8 << 20) + (64 << 20)  # a real GPU may see other processes
     assert 0 < free1 < total
+
+
+def test_destroying_a_capturing_stream_releases_what_its_capture_recorded(cuda: Any) -> None:
+    class Probe:
+        def __call__(self) -> None:
+            pass
+
+    probe = Probe()
+    alive = weakref.ref(probe)
+    s = cuda.stream_create(D, 0)
+    cuda.stream_begin_capture(D, s, CaptureMode.GLOBAL)
+    cuda.launch_host_func(D, s, probe)
+    del probe
+    cuda.stream_destroy(D, s)  # nothing can end that capture any more
+    cuda.device_synchronize(D)
+    gc.collect()
+    assert cuda.pending_host_functions() == 0
+    assert alive() is None
+
+
+def test_an_event_record_node_records_the_event_at_each_replay(cuda: Any, stream: int) -> None:
+    e = cuda.event_create(D, timing=True, blocking=False, interprocess=False)
+    graph = capture(cuda, stream, lambda: cuda.event_record_external(D, e, stream))
+    assert cuda.graph_node_count(D, graph) == 1
+    graph_exec = cuda.graph_instantiate(D, graph)
+    cuda.graph_destroy(D, graph)
+    cuda.event_destroy(D, e)  # the executable graph holds the event
+    cuda.graph_launch(D, graph_exec, stream)
+    cuda.stream_synchronize(D, stream)
+    cuda.graph_exec_destroy(D, graph_exec)

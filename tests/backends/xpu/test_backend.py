@@ -300,9 +300,19 @@ def test_elapsed_time_refuses_unrecorded_and_pending_events(xpu, stream) -> None
         xpu.event_destroy(0, e)
 
 
-def test_interprocess_events_are_not_supported(xpu) -> None:
-    with pytest.raises(accel.NotSupportedError, match="interprocess"):
-        xpu.event_create(0, timing=False, blocking=False, interprocess=True)
+def test_interprocess_events_re_arm_one_event_and_cannot_time(xpu, stream) -> None:
+    with pytest.raises(accel.NotSupportedError, match="cannot measure time"):
+        xpu.event_create(0, timing=True, blocking=False, interprocess=True)
+    event = xpu.event_create(0, timing=False, blocking=False, interprocess=True)
+    assert xpu.event_query(0, event)  # never recorded: complete, as in CUDA
+    for _ in range(2):  # each record re-arms the event's one Level Zero event
+        opened = gate(xpu, stream)
+        xpu.event_record(0, event, stream)
+        assert not xpu.event_query(0, event)
+        opened.set()
+        xpu.event_synchronize(0, event)
+        assert xpu.event_query(0, event)
+    xpu.event_destroy(0, event)
 
 
 # -- capture and replay ------------------------------------------------------------------

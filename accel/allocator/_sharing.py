@@ -1,0 +1,113 @@
+"""Buffers shared with other processes: what ``pickle`` does with a :class:`Buffer`.
+
+Pickling a buffer exports its memory (the backend describes it, this
+process's broker serves the description and its file descriptors) and
+records a ticket; unpickling the ticket in another process maps the same
+memory there, without a copy, as a :class:`Buffer` on that process's current
+stream. This is what lets a buffer cross ``multiprocessing`` with the spawn
+start method, passed to a ``Process`` or through a ``Queue``.
+
+Lifetime rules:
+
+- The exporter keeps the buffer alive (not freed) until every importer has
+  unpickled it; unpickling after the exporter freed it raises
+  :class:`~accel.InvalidHandleError`.
+- Once opened, the exporter's memory is not reused while an importer holds
+  it, even if the exporter frees its buffer: the importer's hold keeps the
+  buffer's lease (as a DLPack view does). The hold ends when the importer
+  frees its buffer (after its streams finished the work queued on it), or
+  when the importer dies.
+- Opening a buffer whose exporter has exited raises
+  :class:`~accel.InvalidHandleError`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, cast
+
+from accel._errors import NotSupportedError
+from accel._runtime import Runtime, get_runtime
+from accel._units import format_size
+from accel.backends._sharing import ExportTicket, Held, broker, check_device, open_export
+
+if TYPE_CHECKING:
+    from accel.allocator._buffer import Buffer
+    from accel.stream import Stream
+
+__all__ = ["export_buffer", "open_buffer"]
+
+
+class _ImportedBlock:
+    """The part of a caching allocator's block an imported buffer needs: its address."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
+class _ImportedMemory:
+    """Stands in for a buffer's allocator when the memory came from another process:
+    freeing it waits for this process's work on it, unmaps it, and ends the hold."""
+
+    def __init__(self, runtime: Runtime, device: int, stream: Stream, held: Held) -> None:
+        self._runtime = runtime
+        self._device = device
+        self._streams = [stream]
+        self._held = held
+
+    def record_stream(self, block: _ImportedBlock, stream: Stream) -> None:
+        if stream not in self._streams:
+            self._streams.append(stream)
+
+    def free(self, block: _ImportedBlock) -> None:
+        try:
+            for stream in self._streams:
+                if not stream._closed:
+                    stream.synchronize()  # the exporter may reuse the memory once the hold ends
+            self._runtime.backend.ipc_memory_close(self._device, block.ptr)
+        finally:
+            self._held.release()
+
+    free_from_finalizer = free
+
+
+def export_buffer(buffer: Buffer) -> tuple[Any, ...]:
+    """The pickle of ``buffer``: ``(open_buffer, args)`` naming an export of its memory."""
+    lease = buffer._export_lease()  # refuses a freed buffer
+    if isinstance(buffer._allocator, _ImportedMemory):
+        raise NotSupportedError(
+            f"{buffer!r} was opened from another process; pickle the buffer in the process that "
+            "allocated it instead (shared memory is not exported again)"
+        )
+    runtime = buffer.stream._runtime
+    backend = runtime.backend
+    device = buffer.stream.device_index
+    if not backend.supports_ipc(device):
+        raise NotSupportedError(
+            f"{buffer.device} cannot share memory with other processes (the {backend.name} backend "
+            "has no IPC support here); copy the data to host memory and send that instead"
+        )
+    payload, fds = backend.ipc_memory_export(device, buffer.ptr, buffer.nbytes)
+    ticket = broker().offer(payload, fds, weakref.ref(lease), hold=True)
+    uuid = backend.device_properties(device).uuid
+    return open_buffer, (ticket, backend.name, device, uuid, buffer.nbytes)
+
+
+def open_buffer(ticket: ExportTicket, backend_name: str, device: int, uuid: str, nbytes: int) -> Buffer:
+    """Map a buffer exported by another process (what unpickling a Buffer calls)."""
+    from accel.allocator._buffer import Buffer
+
+    what = f"a {format_size(nbytes)} buffer of {backend_name}:{device} from process {ticket.pid}"
+    runtime = get_runtime()
+    check_device(runtime.backend, backend_name, device, uuid, what)
+    payload, fds, held = open_export(ticket, what)
+    try:
+        ptr = runtime.backend.ipc_memory_import(device, payload, fds)
+    except BaseException:
+        held.release()
+        raise
+    stream = runtime.current_stream(device)
+    memory = _ImportedMemory(runtime, device, stream, held)
+    return Buffer(cast(Any, _ImportedBlock(ptr)), cast(Any, memory), stream, nbytes)

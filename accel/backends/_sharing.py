@@ -1,0 +1,259 @@
+"""Carrying exports to other processes: a small broker per exporting process.
+
+A backend describes shared memory or a shared event as ``(payload, fds)``
+(see :meth:`Backend.ipc_memory_export`); file descriptors cannot travel in
+a pickle, so the exporting process runs a broker: a daemon thread serving a
+Unix socket in the abstract namespace. An importer connects, names the
+export by its token, and receives the payload with the descriptors attached
+(``SCM_RIGHTS``, which any unprivileged process may use; ``pidfd_getfd``
+would need ptrace rights over the exporter, which Yama's default
+``ptrace_scope=1`` refuses a child that opens its parent's export).
+
+The connection is also the importer's *hold*: while it stays open the broker
+keeps a strong reference to what the export keeps alive (a buffer's lease,
+so the caching allocator cannot reuse the block). Closing it releases the
+hold, and so does the importer's death, because the kernel closes its
+sockets: an importer killed mid-use leaks nothing in the exporter. An
+exporter that has exited leaves no socket, and opening its exports fails
+with :class:`~accel.InvalidHandleError`.
+
+Only processes of the same user may connect (``SO_PEERCRED``), and only with
+a token from a pickle (128 random bits).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import selectors
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from accel._errors import DeviceError, InvalidHandleError
+
+if TYPE_CHECKING:
+    from accel.backends.base import Backend
+
+__all__ = ["ExportTicket", "Held", "broker", "check_device", "open_export"]
+
+_TOKEN_BYTES = 16
+_HEADER = struct.Struct("!cI")  # b"K" + payload length, or b"E" + message length
+_MAX_FDS = 64
+# How long an importer waits for the exporter's broker to answer (it answers
+# from its own thread, so only a stopped or swapped-out exporter is this slow).
+_ANSWER_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class ExportTicket:
+    """What a pickle carries to name an export: where the broker listens and the token."""
+
+    address: bytes
+    token: str
+    pid: int
+
+
+class _Export:
+    __slots__ = ("payload", "fds", "target", "hold")
+
+    def __init__(self, payload: bytes, fds: list[int], target: Callable[[], object | None], hold: bool) -> None:
+        self.payload = payload
+        self.fds = fds
+        self.target = target  # returns what importers hold, or None once it is gone
+        self.hold = hold
+
+
+class Broker:
+    """The exporting side: a listening socket and the thread that serves it."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.address = b"\0accel-ipc-" + f"{self.pid}-{secrets.token_hex(8)}".encode()
+        self._lock = threading.Lock()
+        self._exports: dict[str, _Export] = {}
+        self._holds: dict[socket.socket, object] = {}  # connection -> what it keeps alive
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.address)
+        self._listener.listen(64)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._thread = threading.Thread(target=self._serve, name="accel-ipc-broker", daemon=True)
+        self._thread.start()
+
+    def offer(
+        self, payload: bytes, fds: list[int], target: Callable[[], object | None], *, hold: bool
+    ) -> ExportTicket:
+        """Serve an export until ``target()`` returns None; the broker owns ``fds`` from now on.
+
+        With ``hold``, each importer's connection keeps ``target()`` alive until it closes."""
+        token = secrets.token_hex(_TOKEN_BYTES)
+        with self._lock:
+            self._forget_dead()
+            self._exports[token] = _Export(payload, fds, target, hold)
+        return ExportTicket(self.address, token, self.pid)
+
+    def _forget_dead(self) -> None:
+        """Drop exports whose target is gone, closing their descriptors (lock held)."""
+        for token in [t for t, e in self._exports.items() if e.target() is None]:
+            for fd in self._exports.pop(token).fds:
+                os.close(fd)
+
+    def stats(self) -> dict[str, int]:
+        """``{"exports": n, "holds": n}``: exports still served, importer connections holding."""
+        with self._lock:
+            self._forget_dead()
+            return {"exports": len(self._exports), "holds": len(self._holds)}
+
+    def _serve(self) -> None:
+        while True:
+            for key, _ in self._selector.select():
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                if sock is self._listener:
+                    self._accept()
+                else:
+                    self._release(sock)  # importers send nothing after the token: EOF or error
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:
+            return
+        try:
+            conn.settimeout(_ANSWER_TIMEOUT_S)
+            self._answer(conn)
+        except OSError:
+            if conn in self._holds:
+                self._release(conn)
+            else:
+                conn.close()
+
+    def _answer(self, conn: socket.socket) -> None:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _, uid, _ = struct.unpack("3i", creds)
+        token = conn.recv(2 * _TOKEN_BYTES, socket.MSG_WAITALL).decode("ascii", "replace")
+        with self._lock:
+            self._forget_dead()
+            export = self._exports.get(token) if uid == os.getuid() else None
+            target = None if export is None else export.target()
+        if export is None or target is None:
+            message = (
+                f"process {self.pid} no longer exports that object: it was freed or closed there "
+                "before this process opened it (keep it alive in the exporting process until "
+                "every importer has opened it)"
+                if uid == os.getuid()
+                else "only processes of the same user may open accel exports"
+            ).encode()
+            conn.sendall(_HEADER.pack(b"E", len(message)) + message)
+            conn.close()
+            return
+        if not export.hold:
+            socket.send_fds(conn, [_HEADER.pack(b"K", len(export.payload)), export.payload], export.fds)
+            conn.close()
+            return
+        # The hold is taken before the importer can map anything: from the moment
+        # it has the descriptors, the exporter's memory must not be reused.
+        with self._lock:
+            self._holds[conn] = target
+        self._selector.register(conn, selectors.EVENT_READ)
+        socket.send_fds(conn, [_HEADER.pack(b"K", len(export.payload)), export.payload], export.fds)
+
+    def _release(self, conn: socket.socket) -> None:
+        self._selector.unregister(conn)
+        conn.close()
+        with self._lock:
+            target = self._holds.pop(conn, None)
+        del target  # outside the lock: dropping the last reference may free memory
+
+
+_broker: Broker | None = None
+_broker_lock = threading.Lock()
+
+
+def broker() -> Broker:
+    """This process's broker, started on first use (and again in a forked child)."""
+    global _broker
+    with _broker_lock:
+        if _broker is None or _broker.pid != os.getpid():
+            _broker = Broker()
+        return _broker
+
+
+class Held:
+    """An importer's hold on an export: the open connection. :meth:`release` closes it."""
+
+    def __init__(self, sock: socket.socket | None) -> None:
+        self._sock = sock
+
+    def release(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+
+def open_export(ticket: ExportTicket, what: str) -> tuple[bytes, list[int], Held]:
+    """Fetch ``(payload, fds, hold)`` of an export; ``what`` names it in errors.
+
+    The caller owns the descriptors and must release the hold when done."""
+    if ticket.pid == os.getpid():
+        raise InvalidHandleError(
+            f"{what} was exported by this very process; use the original object instead of "
+            "unpickling it here"
+        )
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(_ANSWER_TIMEOUT_S)
+    try:
+        try:
+            sock.connect(ticket.address)
+        except (ConnectionRefusedError, FileNotFoundError):
+            raise InvalidHandleError(
+                f"cannot open {what}: the process that exported it (pid {ticket.pid}) has exited. "
+                "Keep the exporting process alive while others use what it shares."
+            ) from None
+        sock.sendall(ticket.token.encode("ascii"))
+        data, fds, _, _ = socket.recv_fds(sock, 1 << 16, _MAX_FDS)
+        if len(data) < _HEADER.size:
+            raise InvalidHandleError(
+                f"cannot open {what}: the process that exported it (pid {ticket.pid}) closed the "
+                "connection without answering (it is exiting?)"
+            )
+        kind, length = _HEADER.unpack_from(data)
+        body = data[_HEADER.size :]
+        while len(body) < length:
+            more = sock.recv(length - len(body))
+            if not more:
+                break
+            body += more
+    except TimeoutError:
+        sock.close()
+        raise InvalidHandleError(
+            f"cannot open {what}: the process that exported it (pid {ticket.pid}) did not answer "
+            f"within {_ANSWER_TIMEOUT_S:g} s (is it stopped?)"
+        ) from None
+    except BaseException:
+        sock.close()
+        raise
+    if kind != b"K":
+        sock.close()
+        for fd in fds:
+            os.close(fd)
+        raise InvalidHandleError(f"cannot open {what}: {body.decode(errors='replace')}")
+    return body, list(fds), Held(sock)
+
+
+def check_device(backend: Backend, backend_name: str, device: int, uuid: str, what: str) -> None:
+    """Refuse to open ``what`` unless this process sees the exporter's device at the same index."""
+    if backend.name != backend_name:
+        raise DeviceError(
+            f"cannot open {what}: it was exported by the {backend_name} backend, and this process "
+            f"uses {backend.name} (set ACCEL_BACKEND={backend_name} before importing accel)"
+        )
+    if device >= backend.device_count() or backend.device_properties(device).uuid != uuid:
+        raise DeviceError(
+            f"cannot open {what}: this process does not see the exporter's device as "
+            f"{backend_name}:{device} (device visibility differs between the processes)"
+        )

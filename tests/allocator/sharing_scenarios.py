@@ -1,0 +1,206 @@
+"""Two-process scenarios for tests/allocator/test_sharing.py.
+
+Each ``scenario_*`` runs in a fresh exporting interpreter (``python -m
+tests.allocator.sharing_scenarios NAME``, on the backend ``ACCEL_BACKEND``
+names) and starts importers with multiprocessing's spawn start method; it
+prints one JSON line of what it saw. Importer functions live at module level
+so that spawned children can import them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import multiprocessing as mp
+import os
+import pickle
+import sys
+import time
+from typing import Any
+
+import accel
+from accel.backends._sharing import broker
+
+SIZE = 1 << 20
+TIMEOUT_S = 60
+
+
+def host_bytes(buf: accel.memory.Buffer, nbytes: int = 16) -> bytes:
+    """The first ``nbytes`` of device buffer ``buf``, copied to the host in stream order."""
+    stream = accel.current_stream(buf.device)
+    with accel.memory.allocate_host(nbytes) as staging:
+        stream.copy(staging, buf, nbytes)
+        stream.synchronize()
+        return ctypes.string_at(staging.ptr, nbytes)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def allocated() -> int:
+    return int(accel.memory.memory_stats()["allocated_bytes.all.current"])
+
+
+# -- a buffer and an event through a Queue; each process writes, the other reads --
+
+
+def _reader(queue: Any, replies: Any) -> None:
+    buf, event = queue.get(timeout=TIMEOUT_S)
+    stream = accel.Stream(buf.device)
+    event.wait(stream)  # orders the copy below after the exporter's fill
+    with accel.memory.allocate_host(16) as staging:
+        stream.copy(staging, buf, 16)
+        stream.synchronize()
+        seen = ctypes.string_at(staging.ptr, 16)
+    replies.put({"seen": seen.hex(), "is_buffer": isinstance(buf, accel.memory.Buffer), "nbytes": buf.nbytes})
+    accel.current_stream(buf.device).fill(buf, 0x22, 16)
+    accel.current_stream(buf.device).synchronize()
+    buf.free()
+    replies.put("written")
+
+
+def scenario_queue() -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    queue, replies = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_reader, args=(queue, replies))
+    child.start()
+    stream = accel.Stream()
+    buf = accel.memory.allocate(SIZE, stream=stream)
+    stream.fill(buf, 0, SIZE)
+    stream.synchronize()
+    event = accel.Event(interprocess=True)
+    gate = ctx.Event()  # holds this stream back until the importer has queued its wait
+    stream.launch_host_func(lambda: gate.wait(TIMEOUT_S))
+    stream.fill(buf, 0x11, SIZE)
+    event.record(stream)
+    queue.put((buf, event))
+    time.sleep(0.5)  # the importer opens both and queues its wait while the fill is held back
+    gate.set()
+    reply = replies.get(timeout=TIMEOUT_S)
+    written = replies.get(timeout=TIMEOUT_S)
+    child.join(TIMEOUT_S)
+    return {**reply, "written": written, "after": host_bytes(buf).hex(), "exitcode": child.exitcode}
+
+
+# -- the importer is killed while it holds the buffer ---------------------------------
+
+
+def _holder(queue: Any, replies: Any) -> None:
+    queue.get(timeout=TIMEOUT_S)  # the warm-up
+    buf = queue.get(timeout=TIMEOUT_S)
+    replies.put(host_bytes(buf).hex())
+    time.sleep(3600)  # killed here, still holding the buffer
+
+
+def scenario_kill_importer() -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    queue, replies = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_holder, args=(queue, replies))
+    child.start()
+    # Not leaks: the queue's feeder thread and pipe, the broker's socket and
+    # selector, the device's memory file (created on first allocation).
+    queue.put("warm-up")
+    broker()
+    accel.memory.allocate(SIZE).free()
+    baseline_fds = open_fds()
+    buf = accel.memory.allocate(SIZE)
+    accel.current_stream().fill(buf, 0x33, SIZE)
+    accel.current_stream().synchronize()
+    queue.put(buf)
+    seen = replies.get(timeout=TIMEOUT_S)
+    held = broker().stats()
+    ptr = buf.ptr
+    buf.free()  # the importer still maps it: the block must not be reused
+    again = accel.memory.allocate(SIZE)
+    reused_while_held = again.ptr == ptr
+    allocated_while_held = allocated()
+    again.free()
+    child.kill()
+    child.join(TIMEOUT_S)
+    deadline = time.monotonic() + TIMEOUT_S
+    while (broker().stats()["holds"] or allocated()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    after = broker().stats()
+    return {
+        "seen": seen,
+        "held": held,
+        "reused_while_held": reused_while_held,
+        "allocated_while_held": allocated_while_held,
+        "after": after,
+        "allocated_after": allocated(),
+        "fds_leaked": open_fds() - baseline_fds,
+    }
+
+
+# -- the importer frees its buffer: the hold ends -------------------------------------
+
+
+def _releaser(buf: accel.memory.Buffer, replies: Any) -> None:
+    buf.free()
+    replies.put("freed")
+
+
+def scenario_importer_frees() -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    buf = accel.memory.allocate(SIZE)
+    child = ctx.Process(target=_releaser, args=(buf, replies))
+    child.start()
+    replies.get(timeout=TIMEOUT_S)
+    deadline = time.monotonic() + TIMEOUT_S
+    while broker().stats()["holds"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    holds = broker().stats()["holds"]
+    child.join(TIMEOUT_S)
+    buf.free()
+    return {"holds": holds, "allocated_after": allocated(), "exitcode": child.exitcode}
+
+
+# -- opening an export after the exporter let go of it -----------------------------
+
+
+def _opener(data: bytes, replies: Any) -> None:
+    try:
+        pickle.loads(data)
+        replies.put("opened")
+    except accel.AccelError as exc:
+        replies.put([type(exc).__name__, str(exc)])
+
+
+def scenario_freed_before_open() -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    buf = accel.memory.allocate(SIZE)
+    data = pickle.dumps(buf)
+    buf.free()
+    child = ctx.Process(target=_opener, args=(data, replies))
+    child.start()
+    result = replies.get(timeout=TIMEOUT_S)
+    child.join(TIMEOUT_S)
+    return {"result": result, "exports": broker().stats()["exports"]}
+
+
+def scenario_print_pickle() -> dict[str, Any]:
+    """Print a pickled buffer and event, then exit: their exporter is gone once read."""
+    buf = accel.memory.allocate(SIZE)
+    event = accel.Event(interprocess=True)
+    event.record()
+    return {"buffer": pickle.dumps(buf).hex(), "event": pickle.dumps(event).hex()}
+
+
+def scenario_open_pickles() -> dict[str, Any]:
+    """Open the pickles given on stdin (from scenario_print_pickle, whose process has exited)."""
+    given = json.loads(sys.stdin.read())
+    out = {}
+    for name in ("buffer", "event"):
+        try:
+            pickle.loads(bytes.fromhex(given[name]))
+            out[name] = "opened"
+        except accel.AccelError as exc:
+            out[name] = [type(exc).__name__, str(exc)]
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(globals()[f"scenario_{sys.argv[1]}"]()))

@@ -1,0 +1,62 @@
+"""The allocate/free fast paths leave exactly the books the named steps leave.
+
+Two allocators replay the same random sequence, one with its fast paths
+switched off; after every step their blocks, statistics and snapshots agree.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from accel._runtime import Runtime
+from accel.allocator._caching import DeviceAllocator
+from accel.allocator.config import parse
+from accel.backends.cpu import CpuBackend
+from tests.allocator.test_caching import check_invariants
+
+MiB = 1 << 20
+
+steps = st.lists(
+    st.one_of(
+        st.tuples(st.just("a"), st.one_of(st.integers(1, 4096), st.integers(4097, 2 * MiB), st.integers(2 * MiB, 30 * MiB))),
+        st.tuples(st.just("f"), st.integers(0, 1 << 16)),
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+
+def _layout(alloc: DeviceAllocator) -> list:
+    out = []
+    for seg in alloc.snapshot():
+        base = seg["address"]
+        out.append([(b["address"] - base, b["size"], b["state"]) for b in seg["blocks"]])
+    return sorted(out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(config=st.sampled_from(["", "max_split_size_mb:24", "expandable_segments:True"]), script=steps)
+def test_fast_and_named_steps_agree(config: str, script: list) -> None:
+    pairs = []
+    for fast in (True, False):
+        backend = CpuBackend(1, None)
+        alloc = DeviceAllocator(backend, 0, parse(config or "expandable_segments:False"))
+        if not fast:
+            alloc._fast = False  # malloc and free take the named steps only
+        pairs.append((alloc, Runtime(backend).default_stream(0), []))
+    for op, arg in script:
+        for alloc, stream, live in pairs:
+            if op == "a":
+                live.append(alloc.malloc(arg, stream))
+            elif live:
+                alloc.free(live.pop(arg % len(live)))
+        (fa, _, fl), (sa, _, sl) = pairs
+        assert [b.size for b in fl] == [b.size for b in sl]
+        assert fa.stats() == sa.stats()
+        assert _layout(fa) == _layout(sa)
+        check_invariants(fa)
+    for alloc, _, live in pairs:
+        for b in live:
+            alloc.free(b)
+        alloc.empty_cache()

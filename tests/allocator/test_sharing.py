@@ -1,0 +1,151 @@
+"""Buffers and events shared between processes (accel/allocator/_sharing.py, Buffer.__reduce__).
+
+Every scenario runs in a fresh exporting interpreter with a timeout, on each
+backend that can be tested here (the simulated drivers implement their IPC
+calls over memfd-backed memory, so the processes really share it), and
+starts its importers with multiprocessing's spawn start method.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import accel
+from tests.conftest import CONFORMANCE_BACKENDS, backend_skip_reason
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SIZE = 1 << 20
+
+
+def run_scenario(backend: str, name: str, stdin: str = "", alloc_conf: str = "") -> Any:
+    reason = backend_skip_reason(backend)
+    if reason:
+        pytest.skip(reason)
+    if backend == "xpu" and "expandable" in alloc_conf:
+        pytest.skip("Level Zero has no IPC for virtual memory (see test_level_zero_refuses_to_share_virtual_memory)")
+    env = {**os.environ, "ACCEL_BACKEND": backend, "PYTHONPATH": str(REPO_ROOT), "ACCEL_ALLOC_CONF": alloc_conf}
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.allocator.sharing_scenarios", name],
+        input=stdin, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=180, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+backends = pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+# Plain segments (cuMemAlloc: legacy IPC handles) and expandable ones (virtual
+# memory: chunks exported as file descriptors) share through different calls.
+segments = pytest.mark.parametrize("alloc_conf", ["", "expandable_segments:True"], ids=["plain", "expandable"])
+
+
+@segments
+@backends
+def test_a_buffer_and_an_event_cross_a_queue_as_the_same_memory_and_event(backend: str, alloc_conf: str) -> None:
+    result = run_scenario(backend, "queue", alloc_conf=alloc_conf)
+    assert result["is_buffer"] and result["nbytes"] == SIZE
+    # The importer's copy waited for the exporter's fill, queued behind a gate
+    # that opened only after the importer had queued its wait.
+    assert result["seen"] == "11" * 16
+    # What the importer wrote, the exporter reads: one memory, no copy.
+    assert result["written"] == "written"
+    assert result["after"] == "22" * 16
+    assert result["exitcode"] == 0
+
+
+@segments
+@backends
+def test_killing_the_importer_mid_use_leaks_nothing_in_the_exporter(backend: str, alloc_conf: str) -> None:
+    result = run_scenario(backend, "kill_importer", alloc_conf=alloc_conf)
+    assert result["seen"] == "33" * 16
+    assert result["held"]["holds"] == 1
+    # Freed by the exporter while the importer held it: not reused, still allocated.
+    assert not result["reused_while_held"]
+    assert result["allocated_while_held"] >= SIZE
+    # The importer's death ended its hold: the block went back, the export and its
+    # descriptors (the connection, the duplicated memory descriptor) are gone.
+    assert result["after"] == {"exports": 0, "holds": 0}
+    assert result["allocated_after"] == 0
+    assert result["fds_leaked"] == 0
+
+
+@backends
+def test_an_importer_that_frees_its_buffer_ends_its_hold(backend: str) -> None:
+    result = run_scenario(backend, "importer_frees")
+    assert result["holds"] == 0
+    assert result["allocated_after"] == 0
+    assert result["exitcode"] == 0
+
+
+@backends
+def test_opening_a_buffer_the_exporter_freed_is_a_clear_error(backend: str) -> None:
+    result = run_scenario(backend, "freed_before_open")
+    kind, message = result["result"]
+    assert kind == "InvalidHandleError"
+    assert "no longer exports" in message and "keep it alive" in message
+    assert result["exports"] == 0
+
+
+@backends
+def test_opening_exports_of_an_exited_process_is_a_clear_error(backend: str) -> None:
+    pickles = run_scenario(backend, "print_pickle")
+    result = run_scenario(backend, "open_pickles", json.dumps(pickles))
+    for name in ("buffer", "event"):
+        kind, message = result[name]
+        assert kind == "InvalidHandleError", (name, message)
+        assert "has exited" in message, message
+
+
+# -- refusals in one process (the host backend) -----------------------------------------
+
+
+def test_a_freed_buffer_refuses_export() -> None:
+    buf = accel.memory.allocate(4096)
+    buf.free()
+    with pytest.raises(accel.InvalidHandleError, match="was freed"):
+        pickle.dumps(buf)
+
+
+def test_unpickling_in_the_exporting_process_is_refused() -> None:
+    with accel.memory.allocate(4096) as buf:
+        data = pickle.dumps(buf)
+        with pytest.raises(accel.InvalidHandleError, match="this very process"):
+            pickle.loads(data)
+
+
+def test_an_event_must_be_interprocess_and_open_to_be_shared() -> None:
+    with pytest.raises(accel.InvalidValueError, match="interprocess=True"):
+        pickle.dumps(accel.Event())
+    with pytest.raises(accel.NotSupportedError, match="cannot measure time"):
+        accel.Event(interprocess=True, enable_timing=True).record()
+    event = accel.Event(interprocess=True)
+    event.close()
+    with pytest.raises(accel.InvalidHandleError, match="was closed"):
+        pickle.dumps(event)
+
+
+def test_level_zero_refuses_to_share_virtual_memory() -> None:
+    if backend_skip_reason("xpu"):
+        pytest.skip(backend_skip_reason("xpu"))
+    result = subprocess.run(
+        [sys.executable, "-c", (
+            "import pickle, accel\n"
+            "buf = accel.memory.allocate(1 << 20)\n"
+            "try:\n"
+            "    pickle.dumps(buf)\n"
+            "except accel.NotSupportedError as exc:\n"
+            "    print(exc)\n"
+        )],
+        capture_output=True, text=True, cwd=REPO_ROOT, timeout=120, check=False,
+        env={**os.environ, "ACCEL_BACKEND": "xpu", "ACCEL_ALLOC_CONF": "expandable_segments:True",
+             "PYTHONPATH": str(REPO_ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "cannot share virtual memory" in result.stdout and "without expandable_segments" in result.stdout
