@@ -241,7 +241,7 @@ def test_graphed_callables_call_aotinductor_on_the_callers_tensors(cache: Path, 
     model = _tiny()  # the program the missing-engine test built: loaded from the cache
     fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
     (entry,) = fast._cache.values()
-    assert entry.compiled.engine == "aotinductor" and entry.direct is not None
+    assert entry.compiled.engine == "aotinductor" and entry.call is not None
     new = torch.randn(2, 8)
     first = fast(new)
     torch.testing.assert_close(first, _eager(model, new))
@@ -284,7 +284,7 @@ def test_auto_tier_replays_interpreted_while_building_then_switches(cache: Path,
     assert fast.wait_compiled(timeout=120)
     assert fast.compile_status() == {signature: "compiled: gated"}
     (entry,) = fast._cache.values()
-    assert entry.fast is not None  # the graph is the program alone: replays call the engine directly
+    assert entry.call is not None  # the graph is the program alone: replays call the engine directly
     torch.testing.assert_close(fast(new), _eager(model, new))
 
 
@@ -357,3 +357,112 @@ def test_graphs_the_compiled_tier_cannot_take_are_refused(cache: Path) -> None:
         compile_graph(g, inputs=[], outputs=[y], engines=["tensorrt"])
     with pytest.raises(accel.InvalidValueError, match="tolerance"):
         compile_graph(g, inputs=[], outputs=[y], tolerance=-1.0)
+
+
+def test_a_one_thread_onnx_session_competes_in_a_multithreaded_process_on_the_same_file(cache: Path) -> None:
+    model, x = _tiny(), torch.randn(7, 8)  # a shape no other test builds
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        g, y = _capture(model, x)
+        before = set(cache.glob("onnxruntime-*"))
+        compiled = compile_graph(g, inputs=[x], outputs=[y], engines=["onnxruntime", "onnxruntime-1thread"])
+        by_name = {c.engine: c for c in compiled.candidates}
+        assert {by_name[n].status for n in by_name} == {"chosen", "ok"}
+        # One export, loaded by both sessions.
+        assert len(set(cache.glob("onnxruntime-*")) - before) == 1 and by_name["onnxruntime-1thread"].cached
+        session = _engines.ENGINES["onnxruntime-1thread"].load(compiled.path, 2)
+        assert session.get_session_options().intra_op_num_threads == 1
+        g.replay()
+        torch.testing.assert_close(y, _eager(model, x))
+        torch.set_num_threads(1)
+        g1, y1 = _capture(model, x)
+        one = compile_graph(g1, inputs=[x], outputs=[y1], engines=["onnxruntime", "onnxruntime-1thread"])
+    finally:
+        torch.set_num_threads(threads)
+    # On one thread the plain session is that already.
+    assert "onnxruntime-1thread: not tried" in one.report()
+
+
+def test_engines_are_timed_as_a_call_runs_them() -> None:
+    # An engine that reads bound buffers is timed with the copy into them a call
+    # makes (the buffers hold the sample's values at every run); one that takes
+    # the caller's tensors is timed on them.
+    inputs = [torch.arange(4.0)]
+    seen: list[torch.Tensor] = []
+
+    def replay() -> None:
+        seen.append(inputs[0].clone())
+        inputs[0].zero_()
+
+    timed = _compiled._as_called(replay, inputs)
+    timed()
+    timed()
+    assert all(torch.equal(s, torch.arange(4.0)) for s in seen) and len(seen) == 2
+
+    def direct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [tensors[0] * 2]
+
+    replay.direct = direct  # type: ignore[attr-defined]
+    assert torch.equal(_compiled._as_called(replay, inputs)()[0], inputs[0] * 2)
+
+
+def test_a_small_input_is_copied_into_the_onnx_binding(cache: Path, engines: Any) -> None:
+    engines(_engines.OnnxRuntime())
+    model = _tiny()
+    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
+    (entry,) = fast._cache.values()
+    new = torch.randn(2, 8)
+    torch.testing.assert_close(fast(new), _eager(model, new))
+    assert torch.equal(entry.inputs[0], new)  # 64 bytes: copied, not rebound
+
+
+def test_compiled_calls_read_the_callers_input_and_replay_as_a_graph_on_a_side_stream(
+    cache: Path, engines: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engines(_engines.OnnxRuntime())
+    monkeypatch.setattr(_compiled, "TAKE_MIN_BYTES", 0)
+    model = _tiny()
+    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
+    (entry,) = fast._cache.values()
+    assert entry.call is not None
+    static = entry.inputs[0]
+    kept = static.clone()
+    new = torch.randn(2, 8)
+    out = fast(new)
+    assert out is entry.output  # ONNX Runtime writes the graph's static output
+    torch.testing.assert_close(out, _eager(model, new))
+    # It read the caller's tensor where it lies: nothing was copied into the graph's input,
+    # and a replay of the graph still reads the graph's own input, not the caller's memory.
+    assert torch.equal(static, kept)
+    entry.graph.replay()
+    torch.testing.assert_close(entry.output, _eager(model, kept))
+    # The static input itself: the result follows its values.
+    static.copy_(torch.randn(2, 8))
+    torch.testing.assert_close(fast(static), _eager(model, static))
+    # Not contiguous: copied in all the same.
+    wide = torch.randn(8, 2).t()
+    torch.testing.assert_close(fast(wide), _eager(model, wide))
+    # On a side stream the bound call steps aside: the graph replays on that stream.
+    assert entry.call((new,)) is not None
+    with accel.Stream():
+        assert entry.call((new,)) is None
+        torch.testing.assert_close(fast(new), _eager(model, new))
+    accel.synchronize()
+
+
+def test_repeated_compiled_calls_skip_the_lookup_until_the_shape_changes(cache: Path, engines: Any) -> None:
+    engines(_engines.OnnxRuntime())
+    model = _tiny()
+    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
+    fast.capture(torch.randn(3, 8))
+    two, three = torch.randn(2, 8), torch.randn(3, 8)
+    for x in (two, two, three, three, two, three):
+        torch.testing.assert_close(fast(x), _eager(model, x))
+    assert fast.cache_info()["hits"] == 6 and fast.cache_info()["misses"] == 2
+    assert fast._last_compiled is not None and fast._last_compiled[0] == (3, 8)
+    # Least recently used is still kept right: the shortcut's entry is the newest.
+    fast.capture(torch.randn(4, 8))
+    assert fast._last_compiled is None and list(fast._cache)[-1] == (((4, 8), torch.float32),)
+    with pytest.raises(accel.InvalidValueError, match="tensors only"):
+        fast(three.numpy())  # same shape, not a tensor: not taken for the last call's
