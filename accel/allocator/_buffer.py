@@ -17,6 +17,7 @@ module never imports it.
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 from typing import TYPE_CHECKING, Any, Protocol
@@ -77,6 +78,23 @@ def _installed() -> BufferExports:
     return _exports
 
 
+# A garbage collection can start inside the allocators' locked sections (any
+# allocation there may trigger one), and the finalizers it runs may call
+# free() (``weakref.finalize(obj, buf.free)``), which would then wait forever
+# on a lock its own thread holds. While a collection runs, free() takes the
+# finalizer path: it never blocks, and a free it cannot make now is made by
+# the allocator's next call.
+_collecting = False
+
+
+def _note_collection(phase: str, info: dict[str, int]) -> None:
+    global _collecting
+    _collecting = phase == "start"
+
+
+gc.callbacks.append(_note_collection)
+
+
 class _CachedMemory:
     """What device buffers and staging buffers share: a block of a caching
     allocator that goes back to it on free(), at the end of a ``with`` block,
@@ -115,7 +133,10 @@ class _CachedMemory:
             check_not_forked()
         block, self._block = self._block, None
         if block is not None:
-            self._allocator.free(block)
+            if _collecting:
+                self._allocator.free_from_finalizer(block)
+            else:
+                self._allocator.free(block)
 
     def record_stream(self, stream: Stream) -> None:
         """Declare that work queued on ``stream`` uses this memory: after a free,
@@ -204,7 +225,10 @@ class Buffer(_CachedMemory):
         block, self._block = self._block, None
         if block is not None:
             if self._lease is None:
-                self._allocator.free(block)
+                if _collecting:
+                    self._allocator.free_from_finalizer(block)
+                else:
+                    self._allocator.free(block)
                 return
             # Dropping the lease frees the block, now or with the last export;
             # exports a consumer refused let go of it first.

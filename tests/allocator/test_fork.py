@@ -1,5 +1,6 @@
-"""The allocator's locks across fork(): a forked child may free what it inherited
-without waiting forever on a lock another parent thread held at the fork."""
+"""The allocator's locks across fork() and garbage collections: a forked child may free what it
+inherited without waiting forever on a lock another parent thread held at the fork, and a
+free run by a collection never waits on a lock its own thread holds."""
 
 from __future__ import annotations
 
@@ -40,6 +41,36 @@ def test_explicit_frees_in_a_forked_child_while_a_parent_thread_hammers_the_allo
     stop.set()
     thread.join()
     accel.memory.allocate(64).free()  # the parent's allocator still works
+    print("ok")
+    """
+    ok(run(backend, code, timeout=60))
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_a_free_run_by_a_garbage_collection_inside_the_allocator_does_not_deadlock(backend: str) -> None:
+    """``weakref.finalize(obj, buf.free)``: a collection that starts inside the allocator's
+    locked sections (any allocation there can start one) ran free(), which waited forever
+    on the lock its own thread held."""
+    code = """
+    import gc, weakref, accel
+
+    gc.set_threshold(1, 1, 1)  # a collection at nearly every allocation, inside the allocators too
+
+    class Cycle:
+        pass
+
+    for i in range(300):
+        buf, staging = accel.memory.allocate(4096 * (1 + i % 7)), accel.memory.allocate_host(64)
+        c = Cycle()
+        c.self = c  # only a collection frees it
+        weakref.finalize(c, buf.free)
+        weakref.finalize(c, staging.free)
+        del c, buf, staging
+        accel.memory.allocate(8192).free()
+        accel.memory.empty_cache()
+    gc.collect()
+    accel.memory.empty_cache()
+    assert accel.memory.memory_allocated() == 0, accel.memory.memory_allocated()
     print("ok")
     """
     ok(run(backend, code, timeout=60))
