@@ -139,6 +139,7 @@ def test_a_closed_streams_failed_host_function_is_reported_by_device_synchronize
     )
 
 
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
 def test_closing_a_stream_while_other_threads_queue_on_it(backend: str) -> None:
     """On Level Zero, a host function queued in the moment between another thread's lookup
     of the stream and its close landed after the list's last marker: its worker had ended,
