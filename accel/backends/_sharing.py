@@ -115,27 +115,48 @@ class Broker:
                 assert isinstance(sock, socket.socket)
                 if sock is self._listener:
                     self._accept()
+                elif key.data is not None:
+                    self._read_token(sock, key.data)
                 else:
                     self._release(sock)  # importers send nothing after the token: EOF or error
 
     def _accept(self) -> None:
+        # The token is read as it arrives, never waited for: one importer that
+        # connects and sends nothing must not stall every other one.
         try:
             conn, _ = self._listener.accept()
         except OSError:
             return
+        conn.setblocking(False)
+        self._selector.register(conn, selectors.EVENT_READ, bytearray())
+
+    def _read_token(self, conn: socket.socket, token: bytearray) -> None:
+        try:
+            more = conn.recv(2 * _TOKEN_BYTES - len(token))
+        except BlockingIOError:
+            return
+        except OSError:
+            more = b""
+        if not more:  # closed before naming an export
+            self._selector.unregister(conn)
+            conn.close()
+            return
+        token += more
+        if len(token) < 2 * _TOKEN_BYTES:
+            return
+        self._selector.unregister(conn)
         try:
             conn.settimeout(_ANSWER_TIMEOUT_S)
-            self._answer(conn)
+            self._answer(conn, token.decode("ascii", "replace"))
         except OSError:
             if conn in self._holds:
                 self._release(conn)
             else:
                 conn.close()
 
-    def _answer(self, conn: socket.socket) -> None:
+    def _answer(self, conn: socket.socket, token: str) -> None:
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         _, uid, _ = struct.unpack("3i", creds)
-        token = conn.recv(2 * _TOKEN_BYTES, socket.MSG_WAITALL).decode("ascii", "replace")
         with self._lock:
             self._forget_dead()
             export = self._exports.get(token) if uid == os.getuid() else None
@@ -199,6 +220,18 @@ def open_export(ticket: ExportTicket, what: str) -> tuple[bytes, list[int], Held
     """Fetch ``(payload, fds, hold)`` of an export; ``what`` names it in errors.
 
     The caller owns the descriptors and must release the hold when done."""
+    if not (
+        isinstance(ticket, ExportTicket)
+        and isinstance(ticket.address, bytes)
+        and isinstance(ticket.pid, int)
+        and isinstance(ticket.token, str)
+        and len(ticket.token) == 2 * _TOKEN_BYTES
+        and all(c in "0123456789abcdef" for c in ticket.token)
+    ):
+        raise InvalidHandleError(
+            f"cannot open {what}: the pickle does not name an accel export (damaged, or not "
+            "made by pickling an accel object); pickle the object again in its process"
+        )
     if ticket.pid == os.getpid():
         raise InvalidHandleError(
             f"{what} was exported by this very process; use the original object instead of "
@@ -252,7 +285,7 @@ def check_device(backend: Backend, backend_name: str, device: int, uuid: str, wh
             f"cannot open {what}: it was exported by the {backend_name} backend, and this process "
             f"uses {backend.name} (set ACCEL_BACKEND={backend_name} before importing accel)"
         )
-    if device >= backend.device_count() or backend.device_properties(device).uuid != uuid:
+    if not isinstance(device, int) or device < 0 or device >= backend.device_count() or backend.device_properties(device).uuid != uuid:
         raise DeviceError(
             f"cannot open {what}: this process does not see the exporter's device as "
             f"{backend_name}:{device} (device visibility differs between the processes)"

@@ -48,6 +48,8 @@ class Event:
         self._closed = False
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize[[Runtime, int, int], Event] | None = None
+        # One export however often the event is pickled: each holds descriptors until closed.
+        self._ticket: ExportTicket | None = None
 
     # -- identity ---------------------------------------------------------
 
@@ -178,14 +180,17 @@ class Event:
                 f"{self.device} cannot share events with other processes (the {backend.name} backend "
                 "has no IPC support here)"
             )
-        payload, fds = backend.ipc_event_export(index, handle)
-        ref = weakref.ref(self)
+        with self._lock:
+            ticket = self._ticket
+            if ticket is None:
+                payload, fds = backend.ipc_event_export(index, handle)
+                ref = weakref.ref(self)
 
-        def target() -> Event | None:
-            event = ref()
-            return None if event is None or event._closed else event
+                def target() -> Event | None:
+                    event = ref()
+                    return None if event is None or event._closed else event
 
-        ticket = broker().offer(payload, fds, target, hold=False)
+                ticket = self._ticket = broker().offer(payload, fds, target, hold=False)
         uuid = backend.device_properties(index).uuid
         return _open_event, (ticket, backend.name, index, uuid)
 
@@ -196,7 +201,7 @@ class Event:
 
 def _open_event(ticket: ExportTicket, backend_name: str, index: int, uuid: str) -> Event:
     """Open an event exported by another process (what unpickling an Event calls)."""
-    what = f"an event of {backend_name}:{index} from process {ticket.pid}"
+    what = f"an event of {backend_name}:{index} from another process"
     runtime = get_runtime()
     backend = runtime.backend
     check_device(backend, backend_name, index, uuid, what)

@@ -202,5 +202,58 @@ def scenario_open_pickles() -> dict[str, Any]:
     return out
 
 
+# -- pickles that lie, and pickling again --
+
+
+def _open_claiming(ticket_args: Any, nbytes: int, replies: Any) -> None:
+    from accel.allocator._sharing import open_buffer
+
+    ticket, backend_name, device, uuid, _ = ticket_args
+    try:
+        buf = open_buffer(ticket, backend_name, device, uuid, nbytes)
+        replies.put(["opened", buf.nbytes])
+    except accel.AccelError as exc:
+        replies.put([type(exc).__name__, str(exc)])
+
+
+def scenario_forged_size() -> dict[str, Any]:
+    """A pickle whose size claims more than the export: the importer must not map past it."""
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    buf = accel.memory.allocate(SIZE)
+    _, args = buf.__reduce__()
+    child = ctx.Process(target=_open_claiming, args=(args, 1 << 40, replies))
+    child.start()
+    result = replies.get(timeout=TIMEOUT_S)
+    child.join(TIMEOUT_S)
+    return {"result": result, "exitcode": child.exitcode, "holds": broker().stats()["holds"]}
+
+
+def _open_and_report(data: bytes, replies: Any) -> None:
+    buf, event = pickle.loads(data)
+    event.synchronize()
+    replies.put(host_bytes(buf, 4).hex())
+
+
+def scenario_repickle() -> dict[str, Any]:
+    """Pickling one buffer and one event many times keeps one export of each."""
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    buf = accel.memory.allocate(SIZE)
+    accel.current_stream().fill(buf, 0x44, SIZE)
+    event = accel.Event(interprocess=True)
+    event.record()
+    pickle.dumps((buf, event))
+    before = open_fds()
+    for _ in range(50):
+        data = pickle.dumps((buf, event))
+    grown = open_fds() - before
+    child = ctx.Process(target=_open_and_report, args=(data, replies))
+    child.start()
+    seen = replies.get(timeout=TIMEOUT_S)
+    child.join(TIMEOUT_S)
+    return {"fds_grown": grown, "exports": broker().stats()["exports"], "seen": seen, "exitcode": child.exitcode}
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[f"scenario_{sys.argv[1]}"]()))

@@ -119,3 +119,25 @@ def test_an_exited_exporter_and_the_exporting_process_itself_are_refused() -> No
     here = ExportTicket(broker().address, "0" * 32, os.getpid())
     with pytest.raises(accel.InvalidHandleError, match="this very process"):
         open_export(here, "an export")
+
+
+def test_an_importer_that_sends_nothing_does_not_stall_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from accel.backends import _sharing
+
+    # The broker used to read each token with a blocking receive (this timeout),
+    # so one silent connection stalled every importer behind it.
+    monkeypatch.setattr(_sharing, "_ANSWER_TIMEOUT_S", 600.0)
+    kept = Kept()
+    ticket = offer_pipe(kept, b"x")
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.connect(ticket.address)  # and sends nothing
+    importer = start_importer(ticket)
+    try:
+        out, _ = importer.communicate("\n\n", timeout=45)
+        assert out.split()[:2] == ["payload", "x"]
+    finally:
+        silent.close()
+        importer.kill()
+        importer.wait(30)
