@@ -123,9 +123,21 @@ class Broker:
     def _accept(self) -> None:
         # The token is read as it arrives, never waited for: one importer that
         # connects and sends nothing must not stall every other one.
+        # Other users are turned away at once (the abstract namespace is open to
+        # them), so that they cannot pile up connections waiting for a token.
         try:
             conn, _ = self._listener.accept()
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         except OSError:
+            return
+        _, uid, _ = struct.unpack("3i", creds)
+        if uid != os.getuid():
+            message = b"only processes of the same user may open accel exports"
+            try:
+                conn.sendall(_HEADER.pack(b"E", len(message)) + message)
+            except OSError:
+                pass
+            conn.close()
             return
         conn.setblocking(False)
         self._selector.register(conn, selectors.EVENT_READ, bytearray())
@@ -155,19 +167,15 @@ class Broker:
                 conn.close()
 
     def _answer(self, conn: socket.socket, token: str) -> None:
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        _, uid, _ = struct.unpack("3i", creds)
         with self._lock:
             self._forget_dead()
-            export = self._exports.get(token) if uid == os.getuid() else None
+            export = self._exports.get(token)
             target = None if export is None else export.target()
         if export is None or target is None:
             message = (
                 f"process {self.pid} no longer exports that object: it was freed or closed there "
                 "before this process opened it (keep it alive in the exporting process until "
                 "every importer has opened it)"
-                if uid == os.getuid()
-                else "only processes of the same user may open accel exports"
             ).encode()
             conn.sendall(_HEADER.pack(b"E", len(message)) + message)
             conn.close()

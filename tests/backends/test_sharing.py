@@ -141,3 +141,22 @@ def test_an_importer_that_sends_nothing_does_not_stall_the_others(monkeypatch: p
         silent.close()
         importer.kill()
         importer.wait(30)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another user")
+def test_another_user_is_turned_away_without_sending_anything() -> None:
+    # It used to be answered only after sending a token: other users could pile
+    # up silent connections (descriptors) in the exporter.
+    address = offer_pipe(Kept(), b"x").address
+    code = (
+        "import os, socket, sys\n"
+        "os.setuid(65534)\n"
+        "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        "s.settimeout(30)\n"
+        "s.connect(bytes.fromhex(sys.argv[1]))\n"
+        "print(s.recv(200)[5:].decode())\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, address.hex()], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.stdout.strip() == "only processes of the same user may open accel exports", result.stderr
