@@ -104,7 +104,7 @@ def export_buffer(buffer: Buffer) -> tuple[Any, ...]:
         ticket = _tickets.get(lease)
         if ticket is None:
             payload, fds = backend.ipc_memory_export(device, buffer.ptr, buffer.nbytes)
-            ticket = broker().offer(_SIZE.pack(buffer.nbytes) + payload, fds, weakref.ref(lease), hold=True)
+            ticket = broker().offer("buffer", _SIZE.pack(buffer.nbytes) + payload, fds, weakref.ref(lease), hold=True)
             _tickets[lease] = ticket
     uuid = backend.device_properties(device).uuid
     return open_buffer, (ticket, backend.name, device, uuid, buffer.nbytes)
@@ -122,7 +122,7 @@ def open_buffer(ticket: ExportTicket, backend_name: str, device: int, uuid: str,
     what = f"a {format_size(nbytes)} buffer of {backend_name}:{device} from another process"
     runtime = get_runtime()
     check_device(runtime.backend, backend_name, device, uuid, what)
-    payload, fds, held = open_export(ticket, what)
+    payload, fds, held = open_export(ticket, "buffer", what)
     try:
         (exported,) = _SIZE.unpack_from(payload)
         if exported != nbytes:

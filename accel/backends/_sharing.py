@@ -61,7 +61,7 @@ class _Export:
     __slots__ = ("payload", "fds", "target", "hold")
 
     def __init__(self, payload: bytes, fds: list[int], target: Callable[[], object | None], hold: bool) -> None:
-        self.payload = payload
+        self.payload = payload  # the kind's length and name, then the backend's description
         self.fds = fds
         self.target = target  # returns what importers hold, or None once it is gone
         self.hold = hold
@@ -85,15 +85,17 @@ class Broker:
         self._thread.start()
 
     def offer(
-        self, payload: bytes, fds: list[int], target: Callable[[], object | None], *, hold: bool
+        self, kind: str, payload: bytes, fds: list[int], target: Callable[[], object | None], *, hold: bool
     ) -> ExportTicket:
-        """Serve an export until ``target()`` returns None; the broker owns ``fds`` from now on.
+        """Serve an export of ``kind`` (importers name the kind they expect) until
+        ``target()`` returns None; the broker owns ``fds`` from now on.
 
         With ``hold``, each importer's connection keeps ``target()`` alive until it closes."""
         token = secrets.token_hex(_TOKEN_BYTES)
+        named = bytes([len(kind)]) + kind.encode("ascii") + payload
         with self._lock:
             self._forget_dead()
-            self._exports[token] = _Export(payload, fds, target, hold)
+            self._exports[token] = _Export(named, fds, target, hold)
         return ExportTicket(self.address, token, self.pid)
 
     def _forget_dead(self) -> None:
@@ -224,8 +226,8 @@ class Held:
             sock.close()
 
 
-def open_export(ticket: ExportTicket, what: str) -> tuple[bytes, list[int], Held]:
-    """Fetch ``(payload, fds, hold)`` of an export; ``what`` names it in errors.
+def open_export(ticket: ExportTicket, kind: str, what: str) -> tuple[bytes, list[int], Held]:
+    """Fetch ``(payload, fds, hold)`` of an export of ``kind``; ``what`` names it in errors.
 
     The caller owns the descriptors and must release the hold when done."""
     if not (
@@ -262,7 +264,7 @@ def open_export(ticket: ExportTicket, what: str) -> tuple[bytes, list[int], Held
                 f"cannot open {what}: the process that exported it (pid {ticket.pid}) closed the "
                 "connection without answering (it is exiting?)"
             )
-        kind, length = _HEADER.unpack_from(data)
+        status, length = _HEADER.unpack_from(data)
         body = data[_HEADER.size :]
         while len(body) < length:
             more = sock.recv(length - len(body))
@@ -278,12 +280,18 @@ def open_export(ticket: ExportTicket, what: str) -> tuple[bytes, list[int], Held
     except BaseException:
         sock.close()
         raise
-    if kind != b"K":
+    exported = body[1 : 1 + body[0]].decode("ascii", "replace") if status == b"K" and body else ""
+    if status != b"K" or exported != kind:
         sock.close()
         for fd in fds:
             os.close(fd)
-        raise InvalidHandleError(f"cannot open {what}: {body.decode(errors='replace')}")
-    return body, list(fds), Held(sock)
+        reason = (
+            body.decode(errors="replace")
+            if status != b"K"
+            else f"the pickle names an export of kind {exported!r}, not {kind!r} (it is damaged or forged)"
+        )
+        raise InvalidHandleError(f"cannot open {what}: {reason}")
+    return body[1 + body[0] :], list(fds), Held(sock)
 
 
 def check_device(backend: Backend, backend_name: str, device: int, uuid: str, what: str) -> None:

@@ -190,7 +190,7 @@ class Event:
                     event = ref()
                     return None if event is None or event._closed else event
 
-                ticket = self._ticket = broker().offer(payload, fds, target, hold=False)
+                ticket = self._ticket = broker().offer("event", payload, fds, target, hold=False)
         uuid = backend.device_properties(index).uuid
         return _open_event, (ticket, backend.name, index, uuid)
 
@@ -205,7 +205,7 @@ def _open_event(ticket: ExportTicket, backend_name: str, index: int, uuid: str) 
     runtime = get_runtime()
     backend = runtime.backend
     check_device(backend, backend_name, index, uuid, what)
-    payload, fds, held = open_export(ticket, what)
+    payload, fds, held = open_export(ticket, "event", what)
     held.release()  # an event holds nothing in the exporter: its state is shared memory
     handle = backend.ipc_event_import(index, payload, fds)
     event = Event(index, interprocess=True)

@@ -255,5 +255,36 @@ def scenario_repickle() -> dict[str, Any]:
     return {"fds_grown": grown, "exports": broker().stats()["exports"], "seen": seen, "exitcode": child.exitcode}
 
 
+def _open_swapped(swapped: list[Any], replies: Any) -> None:
+    out = []
+    for fn, args in swapped:
+        try:
+            fn(*args)
+            out.append(["opened", ""])
+        except accel.AccelError as exc:
+            out.append([type(exc).__name__, str(exc)])
+    replies.put(out)
+
+
+def scenario_swapped_tickets() -> dict[str, Any]:
+    """A buffer's pickle naming an event's export, and an event's naming a buffer's."""
+    from accel.allocator._sharing import open_buffer
+    from accel.stream._event import _open_event
+
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    buf = accel.memory.allocate(SIZE)
+    event = accel.Event(interprocess=True)
+    event.record()
+    _, buffer_args = buf.__reduce__()
+    _, event_args = event.__reduce__()
+    swapped = [(open_buffer, (event_args[0], *buffer_args[1:])), (_open_event, (buffer_args[0], *event_args[1:]))]
+    child = ctx.Process(target=_open_swapped, args=(swapped, replies))
+    child.start()
+    result = replies.get(timeout=TIMEOUT_S)
+    child.join(TIMEOUT_S)
+    return {"result": result, "exitcode": child.exitcode, "holds": broker().stats()["holds"]}
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[f"scenario_{sys.argv[1]}"]()))

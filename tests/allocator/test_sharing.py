@@ -124,6 +124,18 @@ def test_pickling_a_buffer_and_an_event_again_reuses_their_exports(backend: str)
     assert result["seen"] == "44" * 4 and result["exitcode"] == 0
 
 
+@backends
+def test_a_pickle_naming_an_export_of_the_other_kind_is_refused(backend: str) -> None:
+    # An event opened over a buffer's export (and the reverse) used to reach the
+    # backend: ValueError / struct.error on the host, DriverError on Level Zero.
+    result = run_scenario(backend, "swapped_tickets")
+    (buffer_kind, buffer_message), (event_kind, event_message) = result["result"]
+    assert buffer_kind == event_kind == "InvalidHandleError", (buffer_message, event_message)
+    assert "an export of kind 'event', not 'buffer'" in buffer_message
+    assert "an export of kind 'buffer', not 'event'" in event_message
+    assert result["exitcode"] == 0 and result["holds"] == 0
+
+
 # -- refusals in one process (the host backend) -----------------------------------------
 
 
