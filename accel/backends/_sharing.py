@@ -23,6 +23,7 @@ a token from a pickle (128 random bits).
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import selectors
@@ -33,12 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from accel._errors import DeviceError, InvalidHandleError
+from accel._errors import DeviceError, DriverError, InvalidHandleError
 
 if TYPE_CHECKING:
     from accel.backends.base import Backend
 
-__all__ = ["ExportTicket", "Held", "broker", "check_device", "open_export"]
+__all__ = ["ExportTicket", "Held", "broker", "check_device", "dup_for_export", "open_export"]
 
 _TOKEN_BYTES = 16
 _HEADER = struct.Struct("!cI")  # b"K" + payload length, or b"E" + message length
@@ -214,6 +215,19 @@ def broker() -> Broker:
         return _broker
 
 
+def dup_for_export(fd: int, backend: str, device: int) -> int:
+    """A duplicate of ``fd`` for an export to own; a full descriptor table is a DriverError."""
+    try:
+        return os.dup(fd)
+    except OSError as exc:
+        code = exc.errno or 0
+        raise DriverError(
+            backend, "exporting to another process", code, errno.errorcode.get(code, "OSError"), str(exc),
+            device=device, remedy="close exports no longer needed (free the buffers, close the events) or "
+            "raise the open-file limit (ulimit -n)",
+        ) from None
+
+
 class Held:
     """An importer's hold on an export: the open connection. :meth:`release` closes it."""
 
@@ -258,7 +272,14 @@ def open_export(ticket: ExportTicket, kind: str, what: str) -> tuple[bytes, list
                 "Keep the exporting process alive while others use what it shares."
             ) from None
         sock.sendall(ticket.token.encode("ascii"))
-        data, fds, _, _ = socket.recv_fds(sock, 1 << 16, _MAX_FDS)
+        data, fds, flags, _ = socket.recv_fds(sock, 1 << 16, _MAX_FDS)
+        if flags & socket.MSG_CTRUNC:
+            for fd in fds:
+                os.close(fd)
+            raise InvalidHandleError(
+                f"cannot open {what}: this process has too many open files to receive its descriptors; "
+                "close some, or raise the open-file limit (ulimit -n)"
+            )
         if len(data) < _HEADER.size:
             raise InvalidHandleError(
                 f"cannot open {what}: the process that exported it (pid {ticket.pid}) closed the "

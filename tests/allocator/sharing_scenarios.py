@@ -286,5 +286,26 @@ def scenario_swapped_tickets() -> dict[str, Any]:
     return {"result": result, "exitcode": child.exitcode, "holds": broker().stats()["holds"]}
 
 
+def scenario_fd_limit() -> dict[str, Any]:
+    """Export distinct buffers and events until the descriptor table is full."""
+    import resource
+
+    kept = [accel.memory.allocate(4096), accel.Event(interprocess=True)]
+    kept[1].record()
+    pickle.dumps(kept)  # the broker and the backend's first-use descriptors
+    limit = open_fds() + 16
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    failure = None
+    try:
+        for _ in range(64):
+            buf, event = accel.memory.allocate(4096), accel.Event(interprocess=True)
+            event.record()
+            kept += [buf, event]
+            pickle.dumps((buf, event))
+    except Exception as exc:  # noqa: BLE001 - what escapes is what the test checks
+        failure = [type(exc).__module__, type(exc).__name__, str(exc)]
+    return {"failure": failure}
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[f"scenario_{sys.argv[1]}"]()))

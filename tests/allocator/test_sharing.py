@@ -136,6 +136,16 @@ def test_a_pickle_naming_an_export_of_the_other_kind_is_refused(backend: str) ->
     assert result["exitcode"] == 0 and result["holds"] == 0
 
 
+@backends
+def test_a_full_descriptor_table_while_exporting_is_a_driver_error(backend: str) -> None:
+    # Exporting an event (host, Level Zero) or memory (Level Zero) duplicated a
+    # descriptor with os.dup and let its OSError escape.
+    module, kind, message = run_scenario(backend, "fd_limit")["failure"]
+    assert module == "accel._errors", message
+    if backend != "cuda":  # the simulated CUDA driver fails first, creating the event's memory
+        assert kind == "DriverError" and "EMFILE" in message, message
+
+
 # -- refusals in one process (the host backend) -----------------------------------------
 
 

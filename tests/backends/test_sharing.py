@@ -160,3 +160,33 @@ def test_another_user_is_turned_away_without_sending_anything() -> None:
         [sys.executable, "-c", code, address.hex()], capture_output=True, text=True, timeout=60, check=False
     )
     assert result.stdout.strip() == "only processes of the same user may open accel exports", result.stderr
+
+
+
+FULL_TABLE_IMPORTER = """
+import os, pickle, resource, sys
+import accel
+from accel.backends._sharing import open_export
+ticket = pickle.loads(bytes.fromhex(sys.argv[1]))
+count = len(os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (count, count))  # room for the socket only
+try:
+    open_export(ticket, "test", "the test's export")
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_an_importer_with_a_full_descriptor_table_gets_a_clear_error() -> None:
+    # The kernel dropped the descriptors (MSG_CTRUNC) and the importer went on
+    # without them: ValueError or a misleading driver error in the backend.
+    kept = Kept()
+    ticket = offer_pipe(kept, b"x")
+    result = subprocess.run(
+        [sys.executable, "-c", FULL_TABLE_IMPORTER, pickle.dumps(ticket).hex()], capture_output=True, text=True,
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
+    )
+    assert result.stdout.startswith("InvalidHandleError") and "too many open files" in result.stdout, (
+        result.stdout + result.stderr
+    )
+    assert wait_for(lambda: broker().stats()["holds"] == 0)

@@ -28,6 +28,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from accel._errors import InvalidHandleError, InvalidValueError, NotSupportedError
+from accel.backends._sharing import dup_for_export
 from accel.backends.xpu._records import DeviceState, EventState, new_handle
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ class Sharing:
         handle = ffi.new("ze_ipc_mem_handle_t *")
         self._check("zeMemGetIpcHandle", lib.zeMemGetIpcHandle(self._context, ffi.cast("void *", base), handle), device)
         raw = bytes(ffi.buffer(handle.data, len(handle.data)))
-        fd = os.dup(_fd_of(raw))
+        fd = dup_for_export(_fd_of(raw), "xpu", device)
         return json.dumps({"handle": raw.hex(), "offset": ptr - base}).encode(), [fd]
 
     def ipc_memory_import(self, device: int, payload: bytes, fds: list[int]) -> int:
@@ -130,7 +131,7 @@ class Sharing:
         handle = ffi.new("ze_ipc_event_pool_handle_t *")
         self._check("zeEventPoolGetIpcHandle", lib.zeEventPoolGetIpcHandle(slot.ipc_pool, handle), device)
         raw = bytes(ffi.buffer(handle.data, len(handle.data)))
-        return raw, [os.dup(_fd_of(raw))]
+        return raw, [dup_for_export(_fd_of(raw), "xpu", device)]
 
     def ipc_event_import(self, device: int, payload: bytes, fds: list[int]) -> int:
         try:
