@@ -31,6 +31,8 @@ and device _records.py.
 
 from __future__ import annotations
 
+import os
+import select
 import threading
 from collections.abc import Callable
 from typing import cast
@@ -84,6 +86,7 @@ _MIN_VM_GRANULARITY = 2 << 20
 _MARKER_EVERY = 128
 _MALLOC_ALIGNMENT = 512
 _NOT_READY = 1  # ZE_RESULT_NOT_READY
+_IMPORTED_WAIT_NS = 50_000_000  # how often a wait on another process's event checks that it lives
 _UNSUPPORTED_FEATURE = 0x78000003
 _UNSUPPORTED_SIZE = 0x78000009
 _OOM_CODES = (0x70000002, 0x70000003)
@@ -727,6 +730,8 @@ class XpuBackend(Sharing, Backend):
         with self._lock:
             del self._events[event]
         self._slots.set_current(e, None)
+        if e.exporter >= 0:
+            os.close(e.exporter)
 
     def event_record(self, device: int, event: int, stream: int) -> None:
         e = self._event(device, event)
@@ -790,10 +795,30 @@ class XpuBackend(Sharing, Backend):
         if slot is None:
             return
         try:
-            code = self._ze.lib.zeEventHostSynchronize(slot.cdata, WAIT_FOREVER)
+            if e.exporter < 0:
+                code = self._ze.lib.zeEventHostSynchronize(slot.cdata, WAIT_FOREVER)
+            else:
+                code = self._wait_imported(e, slot)
             self._check("zeEventHostSynchronize", code, device)
         finally:
             self._slots.drop(slot)
+
+    def _wait_imported(self, e: EventState, slot: EventSlot) -> int:
+        """Wait for an event opened from another process in slices, checking that the
+        exporter still lives: once it exited, nothing will ever signal the event."""
+        while True:
+            code = int(self._ze.lib.zeEventHostSynchronize(slot.cdata, _IMPORTED_WAIT_NS))
+            if code != _NOT_READY:
+                return code
+            exited, _, _ = select.select([e.exporter], [], [], 0)
+            if exited:
+                code = int(self._ze.lib.zeEventQueryStatus(slot.cdata))
+                if code != _NOT_READY:
+                    return code
+                raise InvalidHandleError(
+                    f"xpu:{e.device}: the process that exported event {e.handle:#x} exited before the "
+                    "work it recorded completed"
+                )
 
     def event_elapsed_ms(self, device: int, start: int, end: int) -> float:
         first, last = self._event(device, start), self._event(device, end)
