@@ -1264,6 +1264,9 @@ class DeviceAllocator:
         private.use_count -= 1
         if private.use_count == 0 and private.segments == 0:
             del self._private[pool_id]
+        elif private.use_count == 0 and self._orphaned:
+            # Nobody is left to call empty_cache on a dropped MemPool's allocator.
+            self._release_if_idle()
         return True
 
     def pool_ids(self) -> list[PoolId]:

@@ -23,10 +23,13 @@ Lifetime rules:
 
 from __future__ import annotations
 
+import os
+import struct
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any, cast
 
-from accel._errors import NotSupportedError
+from accel._errors import InvalidHandleError, NotSupportedError
 from accel._runtime import Runtime, get_runtime
 from accel._units import format_size
 from accel.backends._sharing import ExportTicket, Held, broker, check_device, open_export
@@ -36,6 +39,14 @@ if TYPE_CHECKING:
     from accel.stream import Stream
 
 __all__ = ["export_buffer", "open_buffer"]
+
+# The exporter states the size with the backend's description: the importer
+# maps what the exporter says, never what a (possibly forged) pickle claims.
+_SIZE = struct.Struct("!Q")
+# One export per lease, however often the buffer is pickled (a Queue carries
+# it every step): each export holds duplicated descriptors until the lease dies.
+_tickets: weakref.WeakKeyDictionary[object, ExportTicket] = weakref.WeakKeyDictionary()
+_tickets_lock = threading.Lock()
 
 
 class _ImportedBlock:
@@ -89,8 +100,12 @@ def export_buffer(buffer: Buffer) -> tuple[Any, ...]:
             f"{buffer.device} cannot share memory with other processes (the {backend.name} backend "
             "has no IPC support here); copy the data to host memory and send that instead"
         )
-    payload, fds = backend.ipc_memory_export(device, buffer.ptr, buffer.nbytes)
-    ticket = broker().offer(payload, fds, weakref.ref(lease), hold=True)
+    with _tickets_lock:
+        ticket = _tickets.get(lease)
+        if ticket is None:
+            payload, fds = backend.ipc_memory_export(device, buffer.ptr, buffer.nbytes)
+            ticket = broker().offer("buffer", _SIZE.pack(buffer.nbytes) + payload, fds, weakref.ref(lease), hold=True)
+            _tickets[lease] = ticket
     uuid = backend.device_properties(device).uuid
     return open_buffer, (ticket, backend.name, device, uuid, buffer.nbytes)
 
@@ -99,12 +114,25 @@ def open_buffer(ticket: ExportTicket, backend_name: str, device: int, uuid: str,
     """Map a buffer exported by another process (what unpickling a Buffer calls)."""
     from accel.allocator._buffer import Buffer
 
-    what = f"a {format_size(nbytes)} buffer of {backend_name}:{device} from process {ticket.pid}"
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise InvalidHandleError(
+            f"cannot open a buffer from another process: its pickle is damaged (size {nbytes!r}); "
+            "pickle the buffer again in its process"
+        )
+    what = f"a {format_size(nbytes)} buffer of {backend_name}:{device} from another process"
     runtime = get_runtime()
     check_device(runtime.backend, backend_name, device, uuid, what)
-    payload, fds, held = open_export(ticket, what)
+    payload, fds, held = open_export(ticket, "buffer", what)
     try:
-        ptr = runtime.backend.ipc_memory_import(device, payload, fds)
+        (exported,) = _SIZE.unpack_from(payload)
+        if exported != nbytes:
+            for fd in fds:
+                os.close(fd)
+            raise InvalidHandleError(
+                f"cannot open {what}: its process exports {format_size(exported)} there (the pickle "
+                "is damaged or forged); pickle the buffer again in its process"
+            )
+        ptr = runtime.backend.ipc_memory_import(device, payload[_SIZE.size :], fds)
     except BaseException:
         held.release()
         raise

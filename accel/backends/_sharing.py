@@ -23,6 +23,7 @@ a token from a pickle (128 random bits).
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import selectors
@@ -33,12 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from accel._errors import DeviceError, InvalidHandleError
+from accel._errors import DeviceError, DriverError, InvalidHandleError
 
 if TYPE_CHECKING:
     from accel.backends.base import Backend
 
-__all__ = ["ExportTicket", "Held", "broker", "check_device", "open_export"]
+__all__ = ["ExportTicket", "Held", "broker", "check_device", "dup_for_export", "open_export"]
 
 _TOKEN_BYTES = 16
 _HEADER = struct.Struct("!cI")  # b"K" + payload length, or b"E" + message length
@@ -61,7 +62,7 @@ class _Export:
     __slots__ = ("payload", "fds", "target", "hold")
 
     def __init__(self, payload: bytes, fds: list[int], target: Callable[[], object | None], hold: bool) -> None:
-        self.payload = payload
+        self.payload = payload  # the kind's length and name, then the backend's description
         self.fds = fds
         self.target = target  # returns what importers hold, or None once it is gone
         self.hold = hold
@@ -85,15 +86,17 @@ class Broker:
         self._thread.start()
 
     def offer(
-        self, payload: bytes, fds: list[int], target: Callable[[], object | None], *, hold: bool
+        self, kind: str, payload: bytes, fds: list[int], target: Callable[[], object | None], *, hold: bool
     ) -> ExportTicket:
-        """Serve an export until ``target()`` returns None; the broker owns ``fds`` from now on.
+        """Serve an export of ``kind`` (importers name the kind they expect) until
+        ``target()`` returns None; the broker owns ``fds`` from now on.
 
         With ``hold``, each importer's connection keeps ``target()`` alive until it closes."""
         token = secrets.token_hex(_TOKEN_BYTES)
+        named = bytes([len(kind)]) + kind.encode("ascii") + payload
         with self._lock:
             self._forget_dead()
-            self._exports[token] = _Export(payload, fds, target, hold)
+            self._exports[token] = _Export(named, fds, target, hold)
         return ExportTicket(self.address, token, self.pid)
 
     def _forget_dead(self) -> None:
@@ -115,38 +118,67 @@ class Broker:
                 assert isinstance(sock, socket.socket)
                 if sock is self._listener:
                     self._accept()
+                elif key.data is not None:
+                    self._read_token(sock, key.data)
                 else:
                     self._release(sock)  # importers send nothing after the token: EOF or error
 
     def _accept(self) -> None:
+        # The token is read as it arrives, never waited for: one importer that
+        # connects and sends nothing must not stall every other one.
+        # Other users are turned away at once (the abstract namespace is open to
+        # them), so that they cannot pile up connections waiting for a token.
         try:
             conn, _ = self._listener.accept()
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         except OSError:
             return
+        _, uid, _ = struct.unpack("3i", creds)
+        if uid != os.getuid():
+            message = b"only processes of the same user may open accel exports"
+            try:
+                conn.sendall(_HEADER.pack(b"E", len(message)) + message)
+            except OSError:
+                pass
+            conn.close()
+            return
+        conn.setblocking(False)
+        self._selector.register(conn, selectors.EVENT_READ, bytearray())
+
+    def _read_token(self, conn: socket.socket, token: bytearray) -> None:
+        try:
+            more = conn.recv(2 * _TOKEN_BYTES - len(token))
+        except BlockingIOError:
+            return
+        except OSError:
+            more = b""
+        if not more:  # closed before naming an export
+            self._selector.unregister(conn)
+            conn.close()
+            return
+        token += more
+        if len(token) < 2 * _TOKEN_BYTES:
+            return
+        self._selector.unregister(conn)
         try:
             conn.settimeout(_ANSWER_TIMEOUT_S)
-            self._answer(conn)
+            self._answer(conn, token.decode("ascii", "replace"))
         except OSError:
             if conn in self._holds:
                 self._release(conn)
             else:
                 conn.close()
 
-    def _answer(self, conn: socket.socket) -> None:
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        _, uid, _ = struct.unpack("3i", creds)
-        token = conn.recv(2 * _TOKEN_BYTES, socket.MSG_WAITALL).decode("ascii", "replace")
+    def _answer(self, conn: socket.socket, token: str) -> None:
         with self._lock:
             self._forget_dead()
-            export = self._exports.get(token) if uid == os.getuid() else None
+            export = self._exports.get(token)
             target = None if export is None else export.target()
         if export is None or target is None:
             message = (
                 f"process {self.pid} no longer exports that object: it was freed or closed there "
                 "before this process opened it (keep it alive in the exporting process until "
                 "every importer has opened it)"
-                if uid == os.getuid()
-                else "only processes of the same user may open accel exports"
             ).encode()
             conn.sendall(_HEADER.pack(b"E", len(message)) + message)
             conn.close()
@@ -183,6 +215,19 @@ def broker() -> Broker:
         return _broker
 
 
+def dup_for_export(fd: int, backend: str, device: int) -> int:
+    """A duplicate of ``fd`` for an export to own; a full descriptor table is a DriverError."""
+    try:
+        return os.dup(fd)
+    except OSError as exc:
+        code = exc.errno or 0
+        raise DriverError(
+            backend, "exporting to another process", code, errno.errorcode.get(code, "OSError"), str(exc),
+            device=device, remedy="close exports no longer needed (free the buffers, close the events) or "
+            "raise the open-file limit (ulimit -n)",
+        ) from None
+
+
 class Held:
     """An importer's hold on an export: the open connection. :meth:`release` closes it."""
 
@@ -195,10 +240,22 @@ class Held:
             sock.close()
 
 
-def open_export(ticket: ExportTicket, what: str) -> tuple[bytes, list[int], Held]:
-    """Fetch ``(payload, fds, hold)`` of an export; ``what`` names it in errors.
+def open_export(ticket: ExportTicket, kind: str, what: str) -> tuple[bytes, list[int], Held]:
+    """Fetch ``(payload, fds, hold)`` of an export of ``kind``; ``what`` names it in errors.
 
     The caller owns the descriptors and must release the hold when done."""
+    if not (
+        isinstance(ticket, ExportTicket)
+        and isinstance(ticket.address, bytes)
+        and isinstance(ticket.pid, int)
+        and isinstance(ticket.token, str)
+        and len(ticket.token) == 2 * _TOKEN_BYTES
+        and all(c in "0123456789abcdef" for c in ticket.token)
+    ):
+        raise InvalidHandleError(
+            f"cannot open {what}: the pickle does not name an accel export (damaged, or not "
+            "made by pickling an accel object); pickle the object again in its process"
+        )
     if ticket.pid == os.getpid():
         raise InvalidHandleError(
             f"{what} was exported by this very process; use the original object instead of "
@@ -215,13 +272,20 @@ def open_export(ticket: ExportTicket, what: str) -> tuple[bytes, list[int], Held
                 "Keep the exporting process alive while others use what it shares."
             ) from None
         sock.sendall(ticket.token.encode("ascii"))
-        data, fds, _, _ = socket.recv_fds(sock, 1 << 16, _MAX_FDS)
+        data, fds, flags, _ = socket.recv_fds(sock, 1 << 16, _MAX_FDS)
+        if flags & socket.MSG_CTRUNC:
+            for fd in fds:
+                os.close(fd)
+            raise InvalidHandleError(
+                f"cannot open {what}: this process has too many open files to receive its descriptors; "
+                "close some, or raise the open-file limit (ulimit -n)"
+            )
         if len(data) < _HEADER.size:
             raise InvalidHandleError(
                 f"cannot open {what}: the process that exported it (pid {ticket.pid}) closed the "
                 "connection without answering (it is exiting?)"
             )
-        kind, length = _HEADER.unpack_from(data)
+        status, length = _HEADER.unpack_from(data)
         body = data[_HEADER.size :]
         while len(body) < length:
             more = sock.recv(length - len(body))
@@ -237,12 +301,18 @@ def open_export(ticket: ExportTicket, what: str) -> tuple[bytes, list[int], Held
     except BaseException:
         sock.close()
         raise
-    if kind != b"K":
+    exported = body[1 : 1 + body[0]].decode("ascii", "replace") if status == b"K" and body else ""
+    if status != b"K" or exported != kind:
         sock.close()
         for fd in fds:
             os.close(fd)
-        raise InvalidHandleError(f"cannot open {what}: {body.decode(errors='replace')}")
-    return body, list(fds), Held(sock)
+        reason = (
+            body.decode(errors="replace")
+            if status != b"K"
+            else f"the pickle names an export of kind {exported!r}, not {kind!r} (it is damaged or forged)"
+        )
+        raise InvalidHandleError(f"cannot open {what}: {reason}")
+    return body[1 + body[0] :], list(fds), Held(sock)
 
 
 def check_device(backend: Backend, backend_name: str, device: int, uuid: str, what: str) -> None:
@@ -252,7 +322,7 @@ def check_device(backend: Backend, backend_name: str, device: int, uuid: str, wh
             f"cannot open {what}: it was exported by the {backend_name} backend, and this process "
             f"uses {backend.name} (set ACCEL_BACKEND={backend_name} before importing accel)"
         )
-    if device >= backend.device_count() or backend.device_properties(device).uuid != uuid:
+    if not isinstance(device, int) or device < 0 or device >= backend.device_count() or backend.device_properties(device).uuid != uuid:
         raise DeviceError(
             f"cannot open {what}: this process does not see the exporter's device as "
             f"{backend_name}:{device} (device visibility differs between the processes)"

@@ -50,6 +50,8 @@ class Event:
         self._closed = False
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize[[Runtime, int, int], Event] | None = None
+        # One export however often the event is pickled: each holds descriptors until closed.
+        self._ticket: ExportTicket | None = None
 
     # -- identity ---------------------------------------------------------
 
@@ -205,14 +207,17 @@ class Event:
                 f"{self.device} cannot share events with other processes (the {backend.name} backend "
                 "has no IPC support here)"
             )
-        payload, fds = backend.ipc_event_export(index, handle)
-        ref = weakref.ref(self)
+        with self._lock:
+            ticket = self._ticket
+            if ticket is None:
+                payload, fds = backend.ipc_event_export(index, handle)
+                ref = weakref.ref(self)
 
-        def target() -> Event | None:
-            event = ref()
-            return None if event is None or event._closed else event
+                def target() -> Event | None:
+                    event = ref()
+                    return None if event is None or event._closed else event
 
-        ticket = broker().offer(payload, fds, target, hold=False)
+                ticket = self._ticket = broker().offer("event", payload, fds, target, hold=False)
         uuid = backend.device_properties(index).uuid
         return _open_event, (ticket, backend.name, index, uuid)
 
@@ -223,11 +228,11 @@ class Event:
 
 def _open_event(ticket: ExportTicket, backend_name: str, index: int, uuid: str) -> Event:
     """Open an event exported by another process (what unpickling an Event calls)."""
-    what = f"an event of {backend_name}:{index} from process {ticket.pid}"
+    what = f"an event of {backend_name}:{index} from another process"
     runtime = get_runtime()
     backend = runtime.backend
     check_device(backend, backend_name, index, uuid, what)
-    payload, fds, held = open_export(ticket, what)
+    payload, fds, held = open_export(ticket, "event", what)
     held.release()  # an event holds nothing in the exporter: its state is shared memory
     handle = backend.ipc_event_import(index, payload, fds)
     event = Event(index, interprocess=True)

@@ -202,5 +202,110 @@ def scenario_open_pickles() -> dict[str, Any]:
     return out
 
 
+# -- pickles that lie, and pickling again --
+
+
+def _open_claiming(ticket_args: Any, nbytes: int, replies: Any) -> None:
+    from accel.allocator._sharing import open_buffer
+
+    ticket, backend_name, device, uuid, _ = ticket_args
+    try:
+        buf = open_buffer(ticket, backend_name, device, uuid, nbytes)
+        replies.put(["opened", buf.nbytes])
+    except accel.AccelError as exc:
+        replies.put([type(exc).__name__, str(exc)])
+
+
+def scenario_forged_size() -> dict[str, Any]:
+    """A pickle whose size claims more than the export: the importer must not map past it."""
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    buf = accel.memory.allocate(SIZE)
+    _, args = buf.__reduce__()
+    child = ctx.Process(target=_open_claiming, args=(args, 1 << 40, replies))
+    child.start()
+    result = replies.get(timeout=TIMEOUT_S)
+    child.join(TIMEOUT_S)
+    return {"result": result, "exitcode": child.exitcode, "holds": broker().stats()["holds"]}
+
+
+def _open_and_report(data: bytes, replies: Any) -> None:
+    buf, event = pickle.loads(data)
+    event.synchronize()
+    replies.put(host_bytes(buf, 4).hex())
+
+
+def scenario_repickle() -> dict[str, Any]:
+    """Pickling one buffer and one event many times keeps one export of each."""
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    buf = accel.memory.allocate(SIZE)
+    accel.current_stream().fill(buf, 0x44, SIZE)
+    event = accel.Event(interprocess=True)
+    event.record()
+    pickle.dumps((buf, event))
+    before = open_fds()
+    for _ in range(50):
+        data = pickle.dumps((buf, event))
+    grown = open_fds() - before
+    child = ctx.Process(target=_open_and_report, args=(data, replies))
+    child.start()
+    seen = replies.get(timeout=TIMEOUT_S)
+    child.join(TIMEOUT_S)
+    return {"fds_grown": grown, "exports": broker().stats()["exports"], "seen": seen, "exitcode": child.exitcode}
+
+
+def _open_swapped(swapped: list[Any], replies: Any) -> None:
+    out = []
+    for fn, args in swapped:
+        try:
+            fn(*args)
+            out.append(["opened", ""])
+        except accel.AccelError as exc:
+            out.append([type(exc).__name__, str(exc)])
+    replies.put(out)
+
+
+def scenario_swapped_tickets() -> dict[str, Any]:
+    """A buffer's pickle naming an event's export, and an event's naming a buffer's."""
+    from accel.allocator._sharing import open_buffer
+    from accel.stream._event import _open_event
+
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    buf = accel.memory.allocate(SIZE)
+    event = accel.Event(interprocess=True)
+    event.record()
+    _, buffer_args = buf.__reduce__()
+    _, event_args = event.__reduce__()
+    swapped = [(open_buffer, (event_args[0], *buffer_args[1:])), (_open_event, (buffer_args[0], *event_args[1:]))]
+    child = ctx.Process(target=_open_swapped, args=(swapped, replies))
+    child.start()
+    result = replies.get(timeout=TIMEOUT_S)
+    child.join(TIMEOUT_S)
+    return {"result": result, "exitcode": child.exitcode, "holds": broker().stats()["holds"]}
+
+
+def scenario_fd_limit() -> dict[str, Any]:
+    """Export distinct buffers and events until the descriptor table is full."""
+    import resource
+
+    kept = [accel.memory.allocate(4096), accel.Event(interprocess=True)]
+    kept[1].record()
+    pickle.dumps(kept)  # the broker and the backend's first-use descriptors
+    limit = open_fds() + 16
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    failure = None
+    try:
+        for _ in range(64):
+            buf, event = accel.memory.allocate(4096), accel.Event(interprocess=True)
+            event.record()
+            kept += [buf, event]
+            pickle.dumps((buf, event))
+    except Exception as exc:  # noqa: BLE001 - what escapes is what the test checks
+        failure = [type(exc).__module__, type(exc).__name__, str(exc)]
+    return {"failure": failure}
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[f"scenario_{sys.argv[1]}"]()))

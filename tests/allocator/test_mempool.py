@@ -180,6 +180,28 @@ def test_graph_captured_inside_use_mem_pool_takes_the_pools_memory():
     gc.collect()
 
 
+def test_a_graph_that_outlives_its_dropped_pool_gives_the_memory_back_when_it_goes():
+    # The graph's private pool used to stay cached in the orphaned allocator,
+    # which nobody can empty any more: its memory leaked for the process's life.
+    pool = accel.memory.MemPool()
+    g = Graph()
+    with accel.memory.use_mem_pool(pool):
+        with graph(g):
+            buf = accel.memory.allocate(MiB)
+            accel.current_stream().fill(buf, 3)
+    allocator = pool.allocator()
+    del pool
+    gc.collect()
+    buf.free()
+    g.replay()
+    accel.synchronize()
+    assert allocator.stats()["reserved_bytes.all.current"] > 0, "the graph still uses its pool"
+    del g
+    gc.collect()
+    assert allocator.stats()["reserved_bytes.all.current"] == 0
+    assert allocator.pool_ids() == []
+
+
 def test_a_mempool_id_is_not_a_graph_pool():
     pool = accel.memory.MemPool()
     with pytest.raises(accel.InvalidValueError, match="use_mem_pool"):

@@ -103,6 +103,49 @@ def test_opening_exports_of_an_exited_process_is_a_clear_error(backend: str) -> 
         assert "has exited" in message, message
 
 
+@backends
+def test_a_pickle_claiming_a_larger_size_than_exported_is_refused(backend: str) -> None:
+    # Mapping the claimed 1 TiB over a 1 MiB export let the importer read past the
+    # mapping (a segfault on the first copy, on every backend).
+    result = run_scenario(backend, "forged_size")
+    kind, message = result["result"]
+    assert kind == "InvalidHandleError", message
+    assert "exports 1.00 MiB" in message and "forged" in message
+    assert result["exitcode"] == 0 and result["holds"] == 0
+
+
+@backends
+def test_pickling_a_buffer_and_an_event_again_reuses_their_exports(backend: str) -> None:
+    # Each pickle used to export afresh, duplicating descriptors that stayed open
+    # until the buffer died: a Queue carrying one buffer every step ran out of them.
+    result = run_scenario(backend, "repickle")
+    assert result["fds_grown"] == 0
+    assert result["exports"] == 2
+    assert result["seen"] == "44" * 4 and result["exitcode"] == 0
+
+
+@backends
+def test_a_pickle_naming_an_export_of_the_other_kind_is_refused(backend: str) -> None:
+    # An event opened over a buffer's export (and the reverse) used to reach the
+    # backend: ValueError / struct.error on the host, DriverError on Level Zero.
+    result = run_scenario(backend, "swapped_tickets")
+    (buffer_kind, buffer_message), (event_kind, event_message) = result["result"]
+    assert buffer_kind == event_kind == "InvalidHandleError", (buffer_message, event_message)
+    assert "an export of kind 'event', not 'buffer'" in buffer_message
+    assert "an export of kind 'buffer', not 'event'" in event_message
+    assert result["exitcode"] == 0 and result["holds"] == 0
+
+
+@backends
+def test_a_full_descriptor_table_while_exporting_is_a_driver_error(backend: str) -> None:
+    # Exporting an event (host, Level Zero) or memory (Level Zero) duplicated a
+    # descriptor with os.dup and let its OSError escape.
+    module, kind, message = run_scenario(backend, "fd_limit")["failure"]
+    assert module == "accel._errors", message
+    if backend != "cuda":  # the simulated CUDA driver fails first, creating the event's memory
+        assert kind == "DriverError" and "EMFILE" in message, message
+
+
 # -- refusals in one process (the host backend) -----------------------------------------
 
 
@@ -149,3 +192,19 @@ def test_level_zero_refuses_to_share_virtual_memory() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "cannot share virtual memory" in result.stdout and "without expandable_segments" in result.stdout
+
+
+def test_damaged_pickles_are_clear_errors() -> None:
+    from accel.allocator._sharing import open_buffer
+    from accel.backends._sharing import ExportTicket
+
+    with accel.memory.allocate(4096) as buf:
+        _, (ticket, name, device, uuid, nbytes) = buf.__reduce__()
+        not_hex = ExportTicket(ticket.address, "\u00e9" * 32, ticket.pid)
+        for args in [(("x",), name, device, uuid, nbytes), (not_hex, name, device, uuid, nbytes)]:
+            with pytest.raises(accel.InvalidHandleError, match="does not name an accel export"):
+                open_buffer(*args)
+        with pytest.raises(accel.InvalidHandleError, match="damaged"):
+            open_buffer(ticket, name, device, uuid, "4096")  # type: ignore[arg-type]
+        with pytest.raises(accel.DeviceError, match="does not see the exporter's device"):
+            open_buffer(ticket, name, "0", uuid, nbytes)  # type: ignore[arg-type]

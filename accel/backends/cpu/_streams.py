@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from accel._errors import CaptureError, InvalidHandleError, InvalidValueError, NotSupportedError
 from accel.backends import _capture
 from accel.backends._capture import Capture, Mark
+from accel.backends._sharing import dup_for_export
 from accel.backends.base import CaptureMode, CaptureStatus
 from accel.backends.cpu import _libc
 
@@ -499,7 +500,7 @@ class StreamTable:
                 f"cpu:{device}: event {handle:#x} was not created with interprocess=True in this "
                 "process; create it with accel.Event(interprocess=True) to share it"
             )
-        return str(os.getpid()).encode(), [os.dup(event.fd)]
+        return str(os.getpid()).encode(), [dup_for_export(event.fd, "cpu", device)]
 
     def import_event(self, device: int, payload: bytes, fds: list[int]) -> int:
         try:

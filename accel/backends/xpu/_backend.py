@@ -31,6 +31,8 @@ and device _records.py.
 
 from __future__ import annotations
 
+import os
+import select
 import threading
 from collections.abc import Callable
 from typing import Any, cast
@@ -765,6 +767,8 @@ class XpuBackend(Sharing, Backend):
         with self._lock:
             del self._events[event]
         self._slots.set_current(e, None)
+        if e.exporter >= 0:
+            os.close(e.exporter)
 
     def event_record(self, device: int, event: int, stream: int) -> None:
         e = self._event(device, event)
@@ -857,10 +861,31 @@ class XpuBackend(Sharing, Backend):
         if slot is None:
             return
         try:
-            code = _wait(self._ze.lib.zeEventHostSynchronize, slot.cdata)
+            if e.exporter < 0:
+                code = _wait(self._ze.lib.zeEventHostSynchronize, slot.cdata)
+            else:
+                code = self._wait_imported(e, slot)
             self._check("zeEventHostSynchronize", code, device)
         finally:
             self._slots.drop(slot)
+
+    def _wait_imported(self, e: EventState, slot: EventSlot) -> int:
+        """Wait for an event opened from another process in slices, checking that the
+        exporter still lives: once it exited, nothing will ever signal the event."""
+        while True:
+            code = int(self._ze.lib.zeEventHostSynchronize(slot.cdata, _WAIT_SLICE_NS))
+            if code != _NOT_READY:
+                return code
+            # Between slices: Ctrl-C is seen, and a dead exporter ends the wait.
+            exited, _, _ = select.select([e.exporter], [], [], 0)
+            if exited:
+                code = int(self._ze.lib.zeEventQueryStatus(slot.cdata))
+                if code != _NOT_READY:
+                    return code
+                raise InvalidHandleError(
+                    f"xpu:{e.device}: the process that exported event {e.handle:#x} exited before the "
+                    "work it recorded completed"
+                )
 
     def event_elapsed_ms(self, device: int, start: int, end: int) -> float:
         first, last = self._event(device, start), self._event(device, end)

@@ -84,6 +84,7 @@ class EventState:
     slot: EventSlot | None = None
     captured: Mark | None = None  # where it was recorded inside a capture
     ipc: bool = False  # interprocess: one Level Zero event of its own, re-armed by each record
+    exporter: int = -1  # opened from another process: a pidfd of that process, readable once it exited
 
 
 class CaptureState(Capture[str]):

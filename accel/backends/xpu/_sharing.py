@@ -25,10 +25,14 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from typing import TYPE_CHECKING, Any
 
 from accel._errors import InvalidHandleError, InvalidValueError, NotSupportedError
+from accel.backends._sharing import dup_for_export
 from accel.backends.xpu._records import DeviceState, EventState, new_handle
+
+_PID = struct.Struct("!q")
 
 if TYPE_CHECKING:
     from accel.backends.xpu._bindings import ZeLoader
@@ -85,7 +89,7 @@ class Sharing:
         handle = ffi.new("ze_ipc_mem_handle_t *")
         self._check("zeMemGetIpcHandle", lib.zeMemGetIpcHandle(self._context, ffi.cast("void *", base), handle), device)
         raw = bytes(ffi.buffer(handle.data, len(handle.data)))
-        fd = os.dup(_fd_of(raw))
+        fd = dup_for_export(_fd_of(raw), "xpu", device)
         return json.dumps({"handle": raw.hex(), "offset": ptr - base}).encode(), [fd]
 
     def ipc_memory_import(self, device: int, payload: bytes, fds: list[int]) -> int:
@@ -130,16 +134,22 @@ class Sharing:
         handle = ffi.new("ze_ipc_event_pool_handle_t *")
         self._check("zeEventPoolGetIpcHandle", lib.zeEventPoolGetIpcHandle(slot.ipc_pool, handle), device)
         raw = bytes(ffi.buffer(handle.data, len(handle.data)))
-        return raw, [os.dup(_fd_of(raw))]
+        # The exporter's pid: an importer stops waiting on the event once it exited.
+        return _PID.pack(os.getpid()) + raw, [dup_for_export(_fd_of(raw), "xpu", device)]
 
     def ipc_event_import(self, device: int, payload: bytes, fds: list[int]) -> int:
         try:
             (fd,) = fds
-            slot = self._slots.open_ipc(_with_fd(payload, fd))
+            (pid,) = _PID.unpack_from(payload)
+            slot = self._slots.open_ipc(_with_fd(payload[_PID.size :], fd))
         finally:
             for fd_ in fds:
                 os.close(fd_)
+        try:
+            exporter = os.pidfd_open(pid)
+        except OSError:
+            exporter = -1  # gone already (it answered the broker a moment ago): waits are not bounded
         handle = new_handle()
         with self._lock:
-            self._events[handle] = EventState(device, handle, False, slot=slot, ipc=True)
+            self._events[handle] = EventState(device, handle, False, slot=slot, ipc=True, exporter=exporter)
         return handle

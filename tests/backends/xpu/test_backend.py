@@ -7,7 +7,10 @@ Zero the way the protocol needs, not how an Intel GPU behaves.
 from __future__ import annotations
 
 import ctypes
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -16,7 +19,7 @@ import pytest
 
 import accel
 from accel.backends.base import CaptureMode, CaptureStatus
-from tests.backends.xpu.conftest import run_python
+from tests.backends.xpu.conftest import REPO, require_simulator, run_python
 
 MiB = 1 << 20
 
@@ -669,3 +672,53 @@ def test_a_stream_or_event_collected_inside_the_backend_does_not_deadlock(kind: 
     result = run_python(COLLECTED_INSIDE.replace("sys.argv[1]", repr(kind)), ACCEL_BACKEND="xpu")
     assert "DEADLOCK" not in result.stdout, f"a collected {kind}'s finalizer deadlocked on the backend's lock"
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-2000:]
+
+
+# -- sharing with other processes ---------------------------------------------------------
+
+EVENT_EXPORTER = """
+import pickle, sys, threading, accel
+stream = accel.Stream()
+stream.launch_host_func(threading.Event().wait)  # never completes
+event = accel.Event(interprocess=True)
+event.record(stream)
+print(pickle.dumps(event).hex(), flush=True)
+sys.stdin.readline()
+"""
+
+EVENT_IMPORTER = """
+import pickle, sys, accel
+event = pickle.loads(bytes.fromhex(sys.argv[1]))
+print("opened", event.query(), flush=True)
+try:
+    event.synchronize()
+    print("completed")
+except accel.AccelError as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_an_importer_stops_waiting_on_an_event_whose_exporter_was_killed() -> None:
+    # zeEventHostSynchronize without a timeout used to wait forever for a signal
+    # that the dead exporter would never send.
+    require_simulator()
+    env = {**os.environ, "ACCEL_BACKEND": "xpu", "PYTHONPATH": str(REPO)}
+    exporter = subprocess.Popen([sys.executable, "-c", EVENT_EXPORTER], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    importer = None
+    try:
+        assert exporter.stdout is not None
+        pickled = exporter.stdout.readline().strip()
+        importer = subprocess.Popen([sys.executable, "-c", EVENT_IMPORTER, pickled], stdout=subprocess.PIPE,
+                                    text=True, env=env, cwd=REPO)
+        assert importer.stdout is not None
+        assert importer.stdout.readline().split() == ["opened", "False"]
+    finally:
+        exporter.kill()
+        exporter.wait(30)
+    try:
+        out, _ = importer.communicate(timeout=30)
+    finally:
+        importer.kill()
+        importer.wait(30)
+    assert out.startswith("InvalidHandleError") and "exited before the work it recorded completed" in out, out
