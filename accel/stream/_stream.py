@@ -327,15 +327,8 @@ class Stream:
         return errors
 
     def _keep_alive(self, *owners: object) -> None:
-        """Hold Python objects that own copy operands until the work ran.
-
-        accel buffers free in stream order and need no holding, except inside
-        a capture: every replay touches them, so the graph holds their memory
-        (a free() meanwhile takes effect when the graph is gone)."""
-        ordered = [o for o in owners if o is not None and _is_stream_ordered(o)]
+        """Hold Python objects that own copy operands until the work ran."""
         owners = tuple(o for o in owners if o is not None and not _is_stream_ordered(o))
-        if ordered and self.is_capturing():
-            owners += tuple(lease() for o in ordered if (lease := getattr(o, "_export_lease", None)) is not None)
         if owners:
 
             def keep(_owners: tuple[object, ...] = owners) -> None:
