@@ -546,6 +546,33 @@ def test_graphed_callables_check_backend_and_tensors(torch_cuda: TorchCudaAtDriv
         make_graphed_callables(lin, (torch.randn(2, 4),), tier="compiled")
 
 
+def test_graphed_callables_capture_without_autograd(
+    torch_cuda: TorchCudaAtDriverLevel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inference-only: an autograd graph recorded in the capture binds the
+    model's AccumulateGrad nodes to accel's capture stream; a later eager
+    backward then records the gradients on that stream, and on an H100 torch
+    aborted at interpreter exit (an event recorded on a stream gone with its
+    context). The stand-in runs torch's CPU ops, so the device check is lifted."""
+    torch = pytest.importorskip("torch")
+    from accel.graph import _graphed, make_graphed_callables
+
+    monkeypatch.setattr(_graphed, "_signature", lambda args, role, device_type: tuple(
+        (tuple(a.shape), a.dtype) for a in args))
+    lin = torch.nn.Linear(4, 4)
+    grad_enabled: list[bool] = []
+
+    def forward(x: Any) -> Any:
+        grad_enabled.append(torch.is_grad_enabled())
+        return lin(x)
+
+    fast = make_graphed_callables(forward, (torch.randn(2, 4),), num_warmup_iters=1)
+    assert grad_enabled == [False, False], "warm-up and capture run without autograd"
+    (entry,) = fast._cache.values()
+    assert entry.output.grad_fn is None and not entry.output.requires_grad
+    entry.graph.reset()
+
+
 def test_graphed_callables_need_torch_graphs_that_share_streams() -> None:
     torch = pytest.importorskip("torch")
     from accel.graph import make_graphed_callables
