@@ -403,6 +403,12 @@ class Backend(abc.ABC):
         """Write a human-readable description of a captured graph to ``path``."""
         raise self._unsupported("graph debug dumps")
 
+    def graph_holds_host_functions(self, device: int, graph: int) -> bool:
+        """Whether launches of captured graph ``graph`` may run host functions (whose
+        failures a replay on another stream must forward). A backend that cannot
+        tell answers True; one that can lets replays skip that forwarding."""
+        return True
+
     # A capture begun and ended by another runtime on the same driver (torch's
     # own graphs, which also instantiate and replay it) still holds what this
     # backend queued into it, such as host functions: these three methods keep
@@ -425,6 +431,11 @@ class Backend(abc.ABC):
     def detached_graph_release(self, device: int, handle: int) -> None:
         """The graph is gone: free ``handle``'s resources once its launches have finished."""
         raise self._unsupported("captures ended by another runtime")
+
+    def detached_graph_holds_host_functions(self, device: int, handle: int) -> bool:
+        """Whether the graph of detached capture ``handle`` (ended by the other
+        runtime) may run host functions; as :meth:`graph_holds_host_functions`."""
+        return True
 
     # -- helpers ---------------------------------------------------------
 

@@ -235,7 +235,14 @@ class Graph:
         segments = len(self._program.segments) if self._program is not None else 0
         # Work beyond the recorded torch ops (whose failures replay() raises)
         # may hold host functions, whose failures go to the capture stream.
-        self._forward_host_errors = length is None or length > segments
+        # Only then does a replay queue a forwarding host function: on CUDA one
+        # costs a driver callback that takes the GIL on every replay.
+        if carrier is not None:
+            self._forward_host_errors = carrier.graph.holds_host_functions()
+        else:
+            self._forward_host_errors = (length is None or length > segments) and (
+                runtime.backend.graph_holds_host_functions(self._device, self._graph)
+            )
         if length == 0:
             warnings.warn(
                 f"{self!r} captured no work: the capture recorded nothing (no stream work on the "

@@ -225,7 +225,10 @@ class GraphedCallable:
             inputs = [a.detach().clone() for a in args]
         _warm_up(self.fn, inputs, self._warmup)
         g = Graph(pool=self._pool)
-        with _compilable(self._tier != "interpreted"), graph(g):
+        # Inference-only, so no autograd: recording it would bind the model's
+        # AccumulateGrad nodes to the capture stream, and a later backward
+        # would record its gradients there (torch aborted at exit over that).
+        with torch.no_grad(), _compilable(self._tier != "interpreted"), graph(g):
             output = self.fn(*inputs)
             runtime = get_runtime()
             index = runtime.current_index

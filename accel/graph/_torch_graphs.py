@@ -259,6 +259,11 @@ class TorchDeviceGraph:
         if self._detached:
             self._runtime.backend.detached_graph_launched(self._device, self._detached, stream._live())
 
+    def holds_host_functions(self) -> bool:
+        """Whether replays run host functions accel queued into the capture (after :meth:`end`)."""
+        handle = self._detached
+        return bool(handle) and self._runtime.backend.detached_graph_holds_host_functions(self._device, handle)
+
     def instantiate(self) -> None:
         """(Re-)instantiate torch's kept graph."""
         self._graph.instantiate()

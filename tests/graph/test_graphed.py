@@ -129,6 +129,26 @@ def test_a_callable_that_cannot_be_captured_raises_capture_error() -> None:
     assert not accel.graph.is_capturing()
 
 
+def test_outputs_carry_no_autograd_graph() -> None:
+    """Inference-only: a capture recording autograd would keep the model's
+    AccumulateGrad nodes bound to accel's capture stream, and a later eager
+    backward records the gradients on that stream (on CUDA torch then aborted
+    at interpreter exit, recording an event on a stream gone with its context)."""
+    model = _mlp()
+    grad_enabled: list[bool] = []
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        grad_enabled.append(torch.is_grad_enabled())
+        return model(x)
+
+    fast = make_graphed_callables(forward, (torch.randn(2, 8),), num_warmup_iters=1)
+    out = fast(torch.randn(2, 8))
+    assert grad_enabled == [False, False], "warm-up and capture run without autograd"
+    assert out.grad_fn is None and not out.requires_grad
+    model(torch.randn(2, 8)).sum().backward()  # eager training still works
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_graphed_under_inference_mode_is_usable_outside_it() -> None:
     model = _mlp()
     with torch.inference_mode():

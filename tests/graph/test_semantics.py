@@ -12,7 +12,7 @@ import pytest
 import accel
 from accel._runtime import activate
 from accel.allocator import allocate, allocate_host
-from accel.backends.base import TorchIntegration
+from accel.backends.base import Backend, TorchIntegration
 
 torch = pytest.importorskip("torch")
 
@@ -223,6 +223,25 @@ def test_a_host_function_failing_in_a_replay_is_raised_by_the_next_synchronize(r
     with pytest.raises(accel.HostFunctionError, match="boom"):
         s.synchronize()
     assert calls == [1, 1]
+
+
+def test_replaying_stream_work_without_host_functions_queues_no_host_function(rt, monkeypatch) -> None:
+    """A replay on another stream than the capture's forwards host-function
+    failures only where the graph can run host functions: on CUDA a forwarder
+    is a driver callback taking the GIL on every replay."""
+    if type(rt.backend).graph_holds_host_functions is Backend.graph_holds_host_functions:
+        pytest.skip(f"the {rt.name} backend cannot tell whether a graph holds host functions")
+    buf = allocate(64)
+    g = accel.Graph()
+    with accel.graph(g):  # on a side stream; replays go to the default stream
+        accel.current_stream().fill(buf, 3)
+    queued: list[object] = []
+    launch = rt.backend.launch_host_func
+    monkeypatch.setattr(rt.backend, "launch_host_func", lambda *a: (queued.append(a), launch(*a)))
+    for _ in range(3):
+        g.replay()
+    accel.synchronize()
+    assert queued == []
 
 
 def test_an_empty_capture_warns(rt) -> None:

@@ -7,6 +7,7 @@ import gc
 import pytest
 
 import accel
+from accel._runtime import activate
 from accel.stream import as_stream
 
 
@@ -18,18 +19,19 @@ def test_repr_names_device_and_handle() -> None:
 
 
 def test_cuda_stream_protocol_only_on_cuda() -> None:
-    s = accel.Stream()
-    assert not hasattr(s, "__cuda_stream__")
-
     class TorchLikeCudaStream:
         def __cuda_stream__(self):
             return (0, 1234)
 
-    with pytest.raises(accel.DeviceError, match="is a CUDA stream, but the current accelerator is 'cpu'"):
-        as_stream(TorchLikeCudaStream())
-    with pytest.raises(accel.InvalidValueError, match="not a stream"):
-        as_stream(42)
-    assert as_stream(None) == accel.current_stream()
+    # Pinned: the suite also runs with ACCEL_BACKEND=cuda (accel verify on a GPU).
+    with activate("cpu"):
+        s = accel.Stream()
+        assert not hasattr(s, "__cuda_stream__")
+        with pytest.raises(accel.DeviceError, match="is a CUDA stream, but the current accelerator is 'cpu'"):
+            as_stream(TorchLikeCudaStream())
+        with pytest.raises(accel.InvalidValueError, match="not a stream"):
+            as_stream(42)
+        assert as_stream(None) == accel.current_stream()
 
 
 def test_numpy_operands_are_kept_alive_until_the_copy_ran() -> None:

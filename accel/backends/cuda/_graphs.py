@@ -476,6 +476,15 @@ class GraphsAndHostFunctions:
         finally:
             self._leave(device, pushed)
 
+    def graph_holds_host_functions(self, device: int, graph: int) -> bool:
+        return bool(self._graph_keys.get(graph))
+
+    def detached_graph_holds_host_functions(self, device: int, handle: int) -> bool:
+        keys = self._exec_keys.get(-handle)
+        if keys is None:
+            raise InvalidHandleError(f"cuda:{device}: {handle} is not a live detached-capture handle")
+        return bool(keys)
+
     def detached_graph_release(self, device: int, handle: int) -> None:
         if -handle not in self._exec_keys:
             raise InvalidHandleError(f"cuda:{device}: {handle} is not a live detached-capture handle")
