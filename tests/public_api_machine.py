@@ -240,7 +240,10 @@ class PublicApiMachine(RuleBasedStateMachine):
         entry = data.draw(st.sampled_from(self.graphs))
         self.graphs.remove(entry)
         accel.synchronize()  # its replays must be done before its target may be freed
-        _, target, _ = entry
+        g, target, _ = entry
+        # A graph holds the memory its captured work writes until it is reset or
+        # collected (hypothesis keeps its draws alive: reset it).
+        g.reset()
         if target in self.live:
             self.live.remove(target)
         target.buf.free()
@@ -280,6 +283,8 @@ class PublicApiMachine(RuleBasedStateMachine):
         for gate in self.gates:
             gate.set()
         self.release_exports()
+        for g, _, _ in self.graphs:
+            g.reset()  # its hold on the buffers it writes ends now, not when hypothesis drops it
         self.graphs.clear()
         try:
             self._synchronize_all()

@@ -109,6 +109,9 @@ class Graph:
         self._capture_handle = 0  # the stream captured on: replayed host functions report there
         self._forward_host_errors = False
         self.replay_errors: list[tuple[str, BaseException]] = []
+        # Holds on the accel buffers the captured work touches (their memory stays
+        # until this graph is reset or collected: every replay writes it).
+        self._holds: list[object] = []
 
     def __repr__(self) -> str:
         state = "capturing" if self._stream is not None else ("captured" if self._captured else "empty")
@@ -172,6 +175,7 @@ class Graph:
                 _capturing.pop(key, None)
             raise
         self._runtime, self._device, self._stream, self._lease = runtime, device, stream, lease
+        runtime.capture_holds[(device, stream.native_handle)] = self._holds
         self._torch = torch_part
         self.replay_errors.clear()
         if torch_part is None or torch_part.carries_graph:
@@ -259,6 +263,8 @@ class Graph:
             self._graph = 0
 
     def _finish_capture(self) -> None:
+        if self._runtime is not None and self._stream is not None:
+            self._runtime.capture_holds.pop((self._device, self._stream.native_handle), None)
         with _capturing_lock:
             if self._runtime is not None:
                 key = (self._runtime.name, self._device)
@@ -291,6 +297,7 @@ class Graph:
             self._lease.release()
             self._lease = None
         self._finish_capture()
+        self._holds.clear()  # nothing will replay it
 
     # -- replay ----------------------------------------------------------------
 
@@ -388,6 +395,7 @@ class Graph:
         if self._lease is not None:
             self._lease.release(from_finalizer=from_finalizer)
             self._lease = None
+        self._holds.clear()  # freed buffers' memory goes back (from a finalizer too: leases defer)
         self._captured = False
         self.replay_errors.clear()
 

@@ -327,7 +327,19 @@ class Stream:
         return errors
 
     def _keep_alive(self, *owners: object) -> None:
-        """Hold Python objects that own copy operands until the work ran."""
+        """Hold Python objects that own copy operands until the work ran.
+
+        accel buffers free in stream order and need no holding, except in a
+        capture: every replay writes them, so the capturing graph holds their
+        memory (a free() meanwhile takes effect when the graph is gone)."""
+        holds = self._runtime.capture_holds
+        if holds:
+            held = holds.get((self._device, self._handle))
+            if held is not None:
+                for o in owners:
+                    lease = getattr(o, "_export_lease", None) if _is_stream_ordered(o) else None
+                    if lease is not None:
+                        held.append(lease())
         owners = tuple(o for o in owners if o is not None and not _is_stream_ordered(o))
         if owners:
 
