@@ -10,6 +10,7 @@ import accel
 from accel.backends.base import CaptureMode
 from accel.backends.cpu import CpuBackend
 from accel.backends.cpu._memory import VM_GRANULARITY, machine_memory
+from tests.fixtures.sharing import PENDING_EVENT_EXPORTER
 
 MiB = 1 << 20
 
@@ -164,16 +165,6 @@ def test_frees_from_finalizers_inside_an_allocation_do_not_deadlock() -> None:
 
 # -- sharing with other processes ---------------------------------------------------------
 
-EXPORTER = """
-import pickle, sys, threading, accel
-stream = accel.Stream()
-stream.launch_host_func(threading.Event().wait)  # never completes
-event = accel.Event(interprocess=True)
-event.record(stream)
-print(pickle.dumps(event).hex(), flush=True)
-sys.stdin.readline()
-"""
-
 IMPORTER = """
 import pickle, sys, accel
 event = pickle.loads(bytes.fromhex(sys.argv[1]))
@@ -198,7 +189,7 @@ def test_an_importer_stops_waiting_on_an_event_whose_exporter_exited() -> None:
 
     root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "ACCEL_BACKEND": "cpu", "PYTHONPATH": str(root)}
-    exporter = subprocess.Popen([sys.executable, "-c", EXPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    exporter = subprocess.Popen([sys.executable, "-c", PENDING_EVENT_EXPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 text=True, env=env, cwd=root)
     try:
         assert exporter.stdout is not None

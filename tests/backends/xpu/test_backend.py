@@ -20,6 +20,7 @@ import pytest
 import accel
 from accel.backends.base import CaptureMode, CaptureStatus
 from tests.backends.xpu.conftest import REPO, require_simulator, run_python
+from tests.fixtures.sharing import PENDING_EVENT_EXPORTER
 
 MiB = 1 << 20
 
@@ -676,16 +677,6 @@ def test_a_stream_or_event_collected_inside_the_backend_does_not_deadlock(kind: 
 
 # -- sharing with other processes ---------------------------------------------------------
 
-EVENT_EXPORTER = """
-import pickle, sys, threading, accel
-stream = accel.Stream()
-stream.launch_host_func(threading.Event().wait)  # never completes
-event = accel.Event(interprocess=True)
-event.record(stream)
-print(pickle.dumps(event).hex(), flush=True)
-sys.stdin.readline()
-"""
-
 EVENT_IMPORTER = """
 import pickle, sys, accel
 event = pickle.loads(bytes.fromhex(sys.argv[1]))
@@ -703,7 +694,7 @@ def test_an_importer_stops_waiting_on_an_event_whose_exporter_was_killed() -> No
     # that the dead exporter would never send.
     require_simulator()
     env = {**os.environ, "ACCEL_BACKEND": "xpu", "PYTHONPATH": str(REPO)}
-    exporter = subprocess.Popen([sys.executable, "-c", EVENT_EXPORTER], stdin=subprocess.PIPE,
+    exporter = subprocess.Popen([sys.executable, "-c", PENDING_EVENT_EXPORTER], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
     importer = None
     try:
