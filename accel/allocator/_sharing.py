@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 from accel._errors import InvalidHandleError, NotSupportedError
 from accel._runtime import Runtime, get_runtime
 from accel._units import format_size
-from accel.backends._sharing import ExportTicket, Held, broker, check_device, open_export
+from accel.backends._sharing import ExportTicket, Held, broker, check_device, export_origin, open_export
 
 if TYPE_CHECKING:
     from accel.allocator._buffer import Buffer
@@ -100,13 +100,16 @@ def export_buffer(buffer: Buffer) -> tuple[Any, ...]:
             f"{buffer.device} cannot share memory with other processes (the {backend.name} backend "
             "has no IPC support here); copy the data to host memory and send that instead"
         )
+    uuid = backend.device_properties(device).uuid
     with _tickets_lock:
         ticket = _tickets.get(lease)
         if ticket is None:
             payload, fds = backend.ipc_memory_export(device, buffer.ptr, buffer.nbytes)
-            ticket = broker().offer("buffer", _SIZE.pack(buffer.nbytes) + payload, fds, weakref.ref(lease), hold=True)
+            ticket = broker().offer(
+                "buffer", export_origin(backend.name, device, uuid), _SIZE.pack(buffer.nbytes) + payload, fds,
+                weakref.ref(lease), hold=True,
+            )
             _tickets[lease] = ticket
-    uuid = backend.device_properties(device).uuid
     return open_buffer, (ticket, backend.name, device, uuid, buffer.nbytes)
 
 
@@ -122,7 +125,7 @@ def open_buffer(ticket: ExportTicket, backend_name: str, device: int, uuid: str,
     what = f"a {format_size(nbytes)} buffer of {backend_name}:{device} from another process"
     runtime = get_runtime()
     check_device(runtime.backend, backend_name, device, uuid, what)
-    payload, fds, held = open_export(ticket, "buffer", what)
+    payload, fds, held = open_export(ticket, "buffer", export_origin(backend_name, device, uuid), what)
     try:
         (exported,) = _SIZE.unpack_from(payload)
         if exported != nbytes:

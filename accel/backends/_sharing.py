@@ -39,7 +39,7 @@ from accel._errors import DeviceError, DriverError, InvalidHandleError
 if TYPE_CHECKING:
     from accel.backends.base import Backend
 
-__all__ = ["ExportTicket", "Held", "broker", "check_device", "dup_for_export", "open_export"]
+__all__ = ["ExportTicket", "Held", "broker", "check_device", "dup_for_export", "export_origin", "open_export"]
 
 _TOKEN_BYTES = 16
 _HEADER = struct.Struct("!cI")  # b"K" + payload length, or b"E" + message length
@@ -62,7 +62,7 @@ class _Export:
     __slots__ = ("payload", "fds", "target", "hold")
 
     def __init__(self, payload: bytes, fds: list[int], target: Callable[[], object | None], hold: bool) -> None:
-        self.payload = payload  # the kind's length and name, then the backend's description
+        self.payload = payload  # the kind and origin (each length-prefixed), then the backend's description
         self.fds = fds
         self.target = target  # returns what importers hold, or None once it is gone
         self.hold = hold
@@ -86,14 +86,22 @@ class Broker:
         self._thread.start()
 
     def offer(
-        self, kind: str, payload: bytes, fds: list[int], target: Callable[[], object | None], *, hold: bool
+        self,
+        kind: str,
+        origin: str,
+        payload: bytes,
+        fds: list[int],
+        target: Callable[[], object | None],
+        *,
+        hold: bool,
     ) -> ExportTicket:
-        """Serve an export of ``kind`` (importers name the kind they expect) until
-        ``target()`` returns None; the broker owns ``fds`` from now on.
+        """Serve an export of ``kind`` from ``origin`` (see :func:`export_origin`) until
+        ``target()`` returns None; the broker owns ``fds`` from now on. Importers name
+        the kind and origin their pickle claims, and are refused unless both match.
 
         With ``hold``, each importer's connection keeps ``target()`` alive until it closes."""
         token = secrets.token_hex(_TOKEN_BYTES)
-        named = bytes([len(kind)]) + kind.encode("ascii") + payload
+        named = _label(kind) + _label(origin) + payload
         with self._lock:
             self._forget_dead()
             self._exports[token] = _Export(named, fds, target, hold)
@@ -202,6 +210,26 @@ class Broker:
         del target  # outside the lock: dropping the last reference may free memory
 
 
+def _label(text: str) -> bytes:
+    data = text.encode("utf-8")
+    if len(data) > 255:
+        raise ValueError(f"export label {text!r} is longer than 255 bytes")
+    return bytes([len(data)]) + data
+
+
+def _read_label(body: bytes, at: int) -> tuple[str, int]:
+    """The label at ``body[at]`` and the offset after it ("" past the end)."""
+    if at >= len(body):
+        return "", at
+    end = at + 1 + body[at]
+    return body[at + 1 : end].decode("utf-8", "replace"), end
+
+
+def export_origin(backend_name: str, device: int, uuid: str) -> str:
+    """Where an export comes from, as its exporter states it and its pickle claims it."""
+    return f"{backend_name}:{device}:{uuid}"
+
+
 _broker: Broker | None = None
 _broker_lock = threading.Lock()
 
@@ -240,8 +268,9 @@ class Held:
             sock.close()
 
 
-def open_export(ticket: ExportTicket, kind: str, what: str) -> tuple[bytes, list[int], Held]:
-    """Fetch ``(payload, fds, hold)`` of an export of ``kind``; ``what`` names it in errors.
+def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tuple[bytes, list[int], Held]:
+    """Fetch ``(payload, fds, hold)`` of an export of ``kind`` from ``origin`` (what the
+    pickle claims); ``what`` names it in errors.
 
     The caller owns the descriptors and must release the hold when done."""
     if not (
@@ -301,18 +330,25 @@ def open_export(ticket: ExportTicket, kind: str, what: str) -> tuple[bytes, list
     except BaseException:
         sock.close()
         raise
-    exported = body[1 : 1 + body[0]].decode("ascii", "replace") if status == b"K" and body else ""
-    if status != b"K" or exported != kind:
+    exported, at = _read_label(body, 0) if status == b"K" else ("", 0)
+    source, at = _read_label(body, at)
+    if status != b"K" or exported != kind or source != origin:
         sock.close()
         for fd in fds:
             os.close(fd)
-        reason = (
-            body.decode(errors="replace")
-            if status != b"K"
-            else f"the pickle names an export of kind {exported!r}, not {kind!r} (it is damaged or forged)"
-        )
+        if status != b"K":
+            reason = body.decode(errors="replace")
+        elif exported != kind:
+            reason = f"the pickle names an export of kind {exported!r}, not {kind!r} (it is damaged or forged)"
+        else:
+            # Mapping memory of one device as another's would give the importer
+            # a buffer whose device is a lie (and a wrong context on a GPU).
+            reason = (
+                f"its process exports it from {source}, not {origin} as the pickle says "
+                "(it is damaged or forged); pickle the object again in its process"
+            )
         raise InvalidHandleError(f"cannot open {what}: {reason}")
-    return body[1 + body[0] :], list(fds), Held(sock)
+    return body[at:], list(fds), Held(sock)
 
 
 def check_device(backend: Backend, backend_name: str, device: int, uuid: str, what: str) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 from accel._device import Device, DeviceLike
 from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, NotSupportedError
 from accel._runtime import Runtime, get_runtime
-from accel.backends._sharing import ExportTicket, broker, check_device, open_export
+from accel.backends._sharing import ExportTicket, broker, check_device, export_origin, open_export
 from accel.stream._stream import Stream, as_stream
 
 __all__ = ["Event"]
@@ -207,6 +207,7 @@ class Event:
                 f"{self.device} cannot share events with other processes (the {backend.name} backend "
                 "has no IPC support here)"
             )
+        uuid = backend.device_properties(index).uuid
         with self._lock:
             ticket = self._ticket
             if ticket is None:
@@ -217,8 +218,9 @@ class Event:
                     event = ref()
                     return None if event is None or event._closed else event
 
-                ticket = self._ticket = broker().offer("event", payload, fds, target, hold=False)
-        uuid = backend.device_properties(index).uuid
+                ticket = self._ticket = broker().offer(
+                    "event", export_origin(backend.name, index, uuid), payload, fds, target, hold=False
+                )
         return _open_event, (ticket, backend.name, index, uuid)
 
     def _check_open(self) -> None:
@@ -232,7 +234,7 @@ def _open_event(ticket: ExportTicket, backend_name: str, index: int, uuid: str) 
     runtime = get_runtime()
     backend = runtime.backend
     check_device(backend, backend_name, index, uuid, what)
-    payload, fds, held = open_export(ticket, "event", what)
+    payload, fds, held = open_export(ticket, "event", export_origin(backend_name, index, uuid), what)
     held.release()  # an event holds nothing in the exporter: its state is shared memory
     handle = backend.ipc_event_import(index, payload, fds)
     event = Event(index, interprocess=True)

@@ -286,6 +286,31 @@ def scenario_swapped_tickets() -> dict[str, Any]:
     return {"result": result, "exitcode": child.exitcode, "holds": broker().stats()["holds"]}
 
 
+def scenario_forged_device() -> dict[str, Any]:
+    """A buffer's and an event's pickle made on device 0, edited to claim device 1
+    (with device 1's UUID, so that the importer's own device check passes)."""
+    from accel.allocator._sharing import open_buffer
+    from accel.stream._event import _open_event
+
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    buf = accel.memory.allocate(SIZE, device=0)
+    event = accel.Event(interprocess=True)
+    event.record(accel.current_stream(0))
+    _, (ticket, backend_name, _, _, nbytes) = buf.__reduce__()
+    _, (event_ticket, *_) = event.__reduce__()
+    other = accel.get_device_properties(1).uuid
+    forged = [
+        (open_buffer, (ticket, backend_name, 1, other, nbytes)),
+        (_open_event, (event_ticket, backend_name, 1, other)),
+    ]
+    child = ctx.Process(target=_open_swapped, args=(forged, replies))
+    child.start()
+    result = replies.get(timeout=TIMEOUT_S)
+    child.join(TIMEOUT_S)
+    return {"result": result, "exitcode": child.exitcode, "holds": broker().stats()["holds"]}
+
+
 def scenario_fd_limit() -> dict[str, Any]:
     """Export distinct buffers and events until the descriptor table is full."""
     import resource

@@ -137,6 +137,18 @@ def test_a_pickle_naming_an_export_of_the_other_kind_is_refused(backend: str) ->
 
 
 @backends
+def test_a_pickle_claiming_another_device_than_the_exporters_is_refused(backend: str) -> None:
+    # The importer checked the claimed device against its own devices only: an
+    # export of device 0 edited to say device 1 was mapped as device 1's memory.
+    result = run_scenario(backend, "forged_device")
+    for kind, message in result["result"]:
+        assert kind == "InvalidHandleError", message
+        assert f"exports it from {backend}:0:" in message and f"not {backend}:1:" in message, message
+        assert "forged" in message
+    assert result["exitcode"] == 0 and result["holds"] == 0
+
+
+@backends
 def test_a_full_descriptor_table_while_exporting_is_a_driver_error(backend: str) -> None:
     # Exporting an event (host, Level Zero) or memory (Level Zero) duplicated a
     # descriptor with os.dup and let its OSError escape.

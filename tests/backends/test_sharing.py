@@ -27,7 +27,7 @@ import os, pickle, sys
 from accel.backends._sharing import open_export
 ticket = pickle.loads(bytes.fromhex(sys.argv[1]))
 try:
-    payload, fds, held = open_export(ticket, "test", "the test's export")
+    payload, fds, held = open_export(ticket, "test", "here", "the test's export")
 except Exception as exc:
     print(type(exc).__name__, exc, flush=True)
     sys.exit(0)
@@ -66,7 +66,7 @@ def offer_pipe(kept: Kept, text: bytes) -> ExportTicket:
     read, write = os.pipe()
     os.write(write, text)
     os.close(write)
-    return broker().offer("test", b"payload", [read], weakref.ref(kept), hold=True)
+    return broker().offer("test", "here", b"payload", [read], weakref.ref(kept), hold=True)
 
 
 def test_an_importer_receives_payload_and_descriptors_and_holds_until_it_releases() -> None:
@@ -115,10 +115,10 @@ def test_an_export_whose_target_is_gone_is_refused_with_the_rule() -> None:
 def test_an_exited_exporter_and_the_exporting_process_itself_are_refused() -> None:
     gone = ExportTicket(b"\0accel-ipc-no-such-broker", "0" * 32, 999_999_999)
     with pytest.raises(accel.InvalidHandleError, match="has exited"):
-        open_export(gone, "test", "an export")
+        open_export(gone, "test", "here", "an export")
     here = ExportTicket(broker().address, "0" * 32, os.getpid())
     with pytest.raises(accel.InvalidHandleError, match="this very process"):
-        open_export(here, "test", "an export")
+        open_export(here, "test", "here", "an export")
 
 
 def test_an_importer_that_sends_nothing_does_not_stall_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -171,7 +171,7 @@ ticket = pickle.loads(bytes.fromhex(sys.argv[1]))
 count = len(os.listdir("/proc/self/fd"))
 resource.setrlimit(resource.RLIMIT_NOFILE, (count, count))  # room for the socket only
 try:
-    open_export(ticket, "test", "the test's export")
+    open_export(ticket, "test", "here", "the test's export")
 except Exception as exc:
     print(type(exc).__name__, exc)
 """
