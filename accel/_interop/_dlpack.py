@@ -315,18 +315,23 @@ def synchronize(obj: Any, stream: object, kind: DLDeviceType) -> None:
     """Order the consumer after the work queued on the buffer's stream so far."""
     producer = _producer_stream(obj)
     consumer = _consumer_stream(stream, producer, kind)
-    if consumer is False or consumer == producer:
-        return
+    if consumer is None:
+        wait_on_host(producer)
+    elif consumer is not False and consumer != producer:
+        if producer._closed:
+            wait_on_host(producer)
+        else:
+            consumer.wait_stream(producer)
+
+
+def wait_on_host(producer: Stream) -> None:
+    """Block the host until the work queued on ``producer`` so far is done."""
     if producer._closed:
         # A closed stream takes no new work, not even an event, but finishes
         # what it had: wait for the device, which waits for it too.
         producer._runtime.backend.device_synchronize(producer.device_index)
-        return
-    if consumer is None:
-        if not producer.query():  # an idle stream has nothing to wait for (the common case, and cheap)
-            producer.record_event().synchronize()
-    else:
-        consumer.wait_stream(producer)
+    elif not producer.query():  # an idle stream has nothing to wait for (the common case, and cheap)
+        producer.record_event().synchronize()
 
 
 # -- export ------------------------------------------------------------------------
