@@ -337,4 +337,4 @@ def test_many_exports_do_not_leak(host_buffer):
     for _ in range(200):
         np.from_dlpack(buf).sum()
         torch.from_dlpack(buf).sum()
-    assert all(e.owner is not buf for e in _dlpack._exports.values())
+    assert all(owner is not buf for _, owner in _dlpack._exports.values())
