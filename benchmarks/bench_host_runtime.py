@@ -51,12 +51,12 @@ def _interleave(variants: dict[str, Timer], rounds: int) -> dict[str, list[float
     return times
 
 
-def _batch(n: int, op: Callable[[], object]) -> Timer:
+def _batch(n: int, op: Callable[[], object], clock: Callable[[], float] = time.perf_counter) -> Timer:
     def timer() -> float:
-        start = time.perf_counter()
+        start = clock()
         for _ in range(n):
             op()
-        return (time.perf_counter() - start) / n
+        return (clock() - start) / n
 
     return timer
 
@@ -246,19 +246,45 @@ def _alloc(n: int, rounds: int) -> list[dict]:
             ),
             "accel",
         ),
-        _row(
-            "accel.empty(4096, dtype=torch.uint8) + del",
-            _interleave(
-                {
-                    "accel": _batch(n, lambda: accel.empty(4096, dtype=torch.uint8)),
-                    "torch.empty(4096, uint8) + del": _batch(n, lambda: torch.empty(4096, dtype=torch.uint8)),
-                },
-                rounds,
-            ),
-            "accel",
-        ),
     ]
     return rows
+
+
+def _tensors(n: int, rounds: int) -> list[dict]:
+    """Torch tensors on accel memory, timed in thread CPU time (none of these
+    waits on another thread, so neighbours' load does not count), all in the
+    same interleaved rounds: accel.empty, the allocation pair inside it, and
+    as_tensor of a live buffer. The tensor part is accel.empty minus that
+    pair, round by round: what wrapping the memory as a tensor and letting
+    go of it costs."""
+    import torch
+
+    import accel
+
+    allocate = accel.memory.allocate
+    buf = allocate(4096)
+    times = _interleave(
+        {
+            "accel.empty": _batch(n, lambda: accel.empty(4096, dtype=torch.uint8), time.thread_time),
+            "pair": _batch(n, lambda: allocate(4096), time.thread_time),
+            "as_tensor": _batch(n, lambda: accel.as_tensor(buf), time.thread_time),
+            "torch.empty": _batch(n, lambda: torch.empty(4096, dtype=torch.uint8), time.thread_time),
+        },
+        rounds,
+    )
+    buf.free()
+    torch_empty = {"torch.empty(4096, uint8) + del": times["torch.empty"]}
+    tensor_part = [e - p for e, p in zip(times["accel.empty"], times["pair"])]
+    return [
+        _row("accel.empty(4096, dtype=torch.uint8) + del (CPU time)", {"accel": times["accel.empty"], **torch_empty}, "accel"),
+        _row(
+            "its allocation: accel.memory.allocate(4096) + del (CPU time)",
+            {"accel": times["pair"], **torch_empty},
+            "accel",
+        ),
+        _row("its tensor part: the two rows above, round by round (CPU time)", {"accel": tensor_part, **torch_empty}, "accel"),
+        _row("accel.as_tensor(buf) + del, a live 4 KiB buffer (CPU time)", {"accel": times["as_tensor"], **torch_empty}, "accel"),
+    ]
 
 
 def _holes(n: int, rounds: int, holes: int) -> list[dict]:
@@ -333,6 +359,7 @@ def run(quick: bool) -> list[dict]:
     rows += _enqueue(2000 if quick else 100_000, 3 if quick else 7)
     rows.append(_event(rt_n, rounds))
     rows += _alloc(500 if quick else 20_000, rounds)
+    rows += _tensors(500 if quick else 20_000, rounds)
     rows += _holes(200 if quick else 5000, 2 if quick else 5, 1000 if quick else 100_000)
     rows.append(_startup(2 if quick else 9))
     return rows

@@ -40,9 +40,9 @@ from __future__ import annotations
 import ctypes
 import enum
 import math
+import struct
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from accel._errors import InvalidValueError
@@ -50,15 +50,7 @@ from accel.allocator import Buffer, allocate
 from accel.stream import ExternalStream, Stream, as_stream
 # The C structures (dlpack.h, v1.0) live in the stream layer, which reads
 # DLPack operands of copies and fills.
-from accel.stream._dlpack_abi import (
-    Deleter as _Deleter,
-    DLDataType as _DLDataType,
-    DLDevice as _DLDevice,
-    DLManagedTensor as _DLManagedTensor,
-    DLManagedTensorVersioned as _DLManagedTensorVersioned,
-    DLPackVersion as _DLPackVersion,
-    capsule_is_valid as _capsule_is_valid,
-)
+from accel.stream._dlpack_abi import Deleter as _Deleter, capsule_is_valid as _capsule_is_valid
 
 __all__ = [
     "DLDeviceType",
@@ -163,20 +155,51 @@ _LEGACY_NAME = b"dltensor"
 _VERSIONED_NAME = b"dltensor_versioned"
 
 
-@dataclass
-class _Export:
-    """What one exported tensor keeps alive until its deleter runs."""
+# One export's memory: the managed tensor, then its shape, then its strides
+# (C-contiguous, in elements), filled by one ``struct.pack_into`` rather than
+# field by field through ctypes (several times cheaper: a ctypes field set
+# or cast costs about as much as the whole pack). The formats follow
+# dlpack.h with native alignment; tests/_interop/test_dlpack.py checks them
+# against the ctypes structures.
+_DL_TENSOR = "P ii i BBH P P Q"  # data, device (type, id), ndim, dtype (code, bits, lanes), shape, strides, byte_offset
+_LEGACY_HEAD = struct.Struct("@" + _DL_TENSOR + " P P")  # DLManagedTensor: dl_tensor, manager_ctx, deleter
+_VERSIONED_HEAD = struct.Struct("@II P P Q " + _DL_TENSOR)  # version, manager_ctx, deleter, flags, dl_tensor
 
-    managed: ctypes.Structure
-    layout: ctypes.Array  # type: ignore[type-arg]  # shape and strides
-    owner: object
+
+class _Layout:
+    """How one kind of export of ``ndim`` dims is laid out in its memory."""
+
+    __slots__ = ("pack", "memory_type", "shape_offset")
+
+    def __init__(self, head: struct.Struct, ndim: int) -> None:
+        self.pack = struct.Struct(head.format + " " + "q" * 2 * ndim).pack_into
+        self.shape_offset = head.size
+        # 64-bit words: the structures' alignment. A 0-d tensor still gets
+        # a valid (never read) shape pointer.
+        self.memory_type = ctypes.c_uint64 * (head.size // 8 + max(2 * ndim, 1))
+
+
+# Layouts by (versioned, ndim); one for thousands of dims is made per call
+# rather than kept for the life of the process.
+_layouts: dict[tuple[bool, int], _Layout] = {}
+
+
+def _layout(versioned: bool, ndim: int) -> _Layout:
+    layout = _layouts.get((versioned, ndim))
+    if layout is None:
+        layout = _Layout(_VERSIONED_HEAD if versioned else _LEGACY_HEAD, ndim)
+        if ndim <= 32:
+            _layouts[versioned, ndim] = layout
+    return layout
 
 
 # No lock around these registries, on purpose: a deleter can run from the
 # garbage collector at any allocation, including one made while a lock held
 # here would be taken, and would then deadlock on it. Single dict operations
 # are atomic, which is all they need.
-_exports: dict[int, _Export] = {}
+# Exports by managed-tensor address: their memory (released with the entry)
+# and the object that must outlive them.
+_exports: dict[int, tuple[ctypes.Array[ctypes.c_uint64], object]] = {}
 # Capsules handed out and not yet consumed, by managed-tensor address.
 _unconsumed: dict[int, tuple[Any, bytes]] = {}
 
@@ -199,6 +222,7 @@ def _make_deleter() -> Any:
 
 
 _deleter = _make_deleter()
+_DELETER: int = ctypes.cast(_deleter, ctypes.c_void_p).value or 0  # its address, for the packed structures
 
 
 def _make_sweeper() -> Callable[[], None]:
@@ -249,6 +273,11 @@ def dlpack_device(obj: Any) -> tuple[DLDeviceType, int]:
     >>> dlpack_device(B())
     (<DLDeviceType.kDLCPU: 1>, 0)
     """
+    if obj.__class__ is Buffer:
+        # Read from its stream: building the Device object that
+        # ``buffer.device`` returns costs most of a microsecond, on every export.
+        stream = obj._stream
+        return DEVICE_TYPES[stream._runtime.name], stream._device
     device = getattr(obj, "device", None)
     kind = getattr(device, "type", None)
     index = getattr(device, "index", None)
@@ -315,18 +344,23 @@ def synchronize(obj: Any, stream: object, kind: DLDeviceType) -> None:
     """Order the consumer after the work queued on the buffer's stream so far."""
     producer = _producer_stream(obj)
     consumer = _consumer_stream(stream, producer, kind)
-    if consumer is False or consumer == producer:
-        return
+    if consumer is None:
+        wait_on_host(producer)
+    elif consumer is not False and consumer != producer:
+        if producer._closed:
+            wait_on_host(producer)
+        else:
+            consumer.wait_stream(producer)
+
+
+def wait_on_host(producer: Stream) -> None:
+    """Block the host until the work queued on ``producer`` so far is done."""
     if producer._closed:
         # A closed stream takes no new work, not even an event, but finishes
         # what it had: wait for the device, which waits for it too.
         producer._runtime.backend.device_synchronize(producer.device_index)
-        return
-    if consumer is None:
-        if not producer.query():  # an idle stream has nothing to wait for (the common case, and cheap)
-            producer.record_event().synchronize()
-    else:
-        consumer.wait_stream(producer)
+    elif not producer.query():  # an idle stream has nothing to wait for (the common case, and cheap)
+        producer.record_event().synchronize()
 
 
 # -- export ------------------------------------------------------------------------
@@ -468,37 +502,28 @@ def make_capsule(
     public way in.
     """
     release_unconsumed()
-    # One array holds the shape and then the strides (C-contiguous, in
-    # elements). Strides are explicit rather than NULL ("compact"), a form
-    # every DLPack version and consumer reads the same way.
+    ndim = len(dims)
+    layout = _layout(versioned, ndim)
+    memory = layout.memory_type()
+    address = ctypes.addressof(memory)
+    shape = address + layout.shape_offset
     strides, step = [], 1
     for dim in reversed(dims):
         strides.append(step)
         step *= max(dim, 1)
-    layout = (ctypes.c_int64 * max(2 * len(dims), 1))(*dims, *reversed(strides))
-    managed: ctypes.Structure
+    strides.reverse()
+    # DLPack 1.0: a tensor with no elements has a NULL data pointer.
+    data = ptr if ptr and math.prod(dims) else 0
+    # Strides are explicit rather than NULL ("compact"), a form every DLPack
+    # version and consumer reads the same way.
+    tensor = (data, int(device[0]), device[1], ndim, code, bits, 1, shape, shape + 8 * ndim, 0)
     if versioned:
-        managed = _DLManagedTensorVersioned()
-        managed.version = _DLPackVersion(*DLPACK_VERSION)
-        managed.flags = flags
+        layout.pack(memory, 0, *DLPACK_VERSION, address, _DELETER, flags, *tensor, *dims, *strides)
         name = _VERSIONED_NAME
     else:
-        managed = _DLManagedTensor()
+        layout.pack(memory, 0, *tensor, address, _DELETER, *dims, *strides)
         name = _LEGACY_NAME
-    tensor = managed.dl_tensor
-    # DLPack 1.0: a tensor with no elements has a NULL data pointer.
-    tensor.data = ptr if ptr and math.prod(dims) else None
-    tensor.device = _DLDevice(int(device[0]), device[1])
-    tensor.ndim = len(dims)
-    tensor.dtype = _DLDataType(code, bits, 1)
-    base = ctypes.addressof(layout)
-    tensor.shape = ctypes.cast(base, ctypes.POINTER(ctypes.c_int64))
-    tensor.strides = ctypes.cast(base + 8 * len(dims), ctypes.POINTER(ctypes.c_int64))
-    tensor.byte_offset = 0
-    address = ctypes.addressof(managed)
-    managed.manager_ctx = address
-    managed.deleter = _deleter
-    _exports[address] = _Export(managed, layout, owner)
+    _exports[address] = (memory, owner)
     try:
         capsule = _PyCapsule_New(address, name, None)
     except BaseException:

@@ -36,13 +36,16 @@ if TYPE_CHECKING:
 
 __all__ = ["as_tensor", "empty"]
 
-
-# Resolved dtypes, by what the caller passed (a torch dtype or a valid name).
-_dtypes: dict[object, tuple[Any, str]] = {}
+_INT64_MAX = (1 << 63) - 1  # torch and DLPack hold dims as int64
 
 
-def _dtype_name(dtype: object) -> tuple[Any, str]:
-    """The torch dtype and its DLPack name for a torch dtype or a name such as ``"float16"``."""
+# Resolved dtypes, by what the caller passed (a torch dtype or a valid name):
+# the torch dtype, its DLPack name and its size in bytes.
+_dtypes: dict[object, tuple[Any, str, int]] = {}
+
+
+def _dtype_name(dtype: object) -> tuple[Any, str, int]:
+    """The torch dtype, its DLPack name and its itemsize for a torch dtype or a name such as ``"float16"``."""
     try:
         return _dtypes[dtype]
     except (KeyError, TypeError):
@@ -58,8 +61,8 @@ def _dtype_name(dtype: object) -> tuple[Any, str]:
         raise InvalidValueError(f"dtype={dtype!r} must be a torch.dtype or its name")
     name = str(dtype).removeprefix("torch.")
     _dlpack.dtype_from_name(name)  # refuses dtypes DLPack export does not cover
-    _dtypes[key] = dtype, name
-    return dtype, name
+    entry = _dtypes[key] = dtype, name, dtype.itemsize
+    return entry
 
 
 # Device types this process's torch can hold tensors on, by accel device type.
@@ -95,44 +98,54 @@ def _consumer_stream(device_type: str, index: int) -> object:
 
 
 # Host memory reaches torch through the buffer protocol (torch.frombuffer),
-# several times cheaper than a DLPack capsule built with ctypes. The ctypes
-# array carries the object that must outlive the tensor; torch keeps the
-# array until the tensor's storage dies. Array types are made per power of
-# two (ctypes caches every array type forever); torch reads only ``count``
-# items of it.
-class _HostView:
-    types: dict[int, Any] = {}
-
-    @classmethod
-    def over(cls, ptr: int, nbytes: int, owner: object) -> Any:
-        size = 1 << (nbytes - 1).bit_length()
-        array_type = cls.types.get(size)
-        if array_type is None:
-            array_type = cls.types.setdefault(
-                size, type(f"accel_host_view_{size}", (ctypes.c_char * size,), {"__slots__": ("owner",)})
-            )
-        view = array_type.from_address(ptr)
-        view.owner = owner
-        return view
+# several times cheaper than a DLPack capsule built with ctypes (and than
+# torch's own ``_from_blob``, which cannot hold an owner). The ctypes array
+# carries the object that must outlive the tensor; torch keeps the array
+# (through the Py_buffer it took) until the tensor's storage dies, whatever
+# views, slices or further exports of it exist. Array types are made per
+# power of two (each type lives forever); torch reads only ``count`` items
+# of it.
+_view_types: dict[int, Any] = {}
 
 
-def _host_tensor(ptr: int, nbytes: int, owner: object, torch_dtype: Any, dims: tuple[int, ...]) -> torch.Tensor:
+def _view_type(size: int) -> Any:
+    """The ctypes array type of ``size`` bytes (a power of two) with an ``owner`` slot."""
+    view_type = _view_types.get(size)
+    if view_type is None:
+        view_type = _view_types.setdefault(
+            size, type(f"accel_host_view_{size}", (ctypes.c_char * size,), {"__slots__": ("owner",)})
+        )
+    return view_type
+
+
+# torch.frombuffer, looked up once: the per-call import and attribute
+# lookup cost about a tenth of a microsecond, a tenth of the whole wrapping.
+_frombuffer: Any = None
+
+
+def _host_tensor(ptr: int, nbytes: int, owner: object, torch_dtype: Any, itemsize: int, dims: tuple[int, ...]) -> Tensor:
     """A CPU tensor of ``dims`` over ``nbytes`` at ``ptr`` that keeps ``owner`` alive."""
-    torch = import_torch()
+    global _frombuffer
+    frombuffer = _frombuffer
+    if frombuffer is None:
+        frombuffer = _frombuffer = import_torch().frombuffer
+    size = 1 << (nbytes - 1).bit_length()
+    view = (_view_types.get(size) or _view_type(size)).from_address(ptr)
+    view.owner = owner
+    if len(dims) == 1:  # the common case first
+        count = dims[0]
+        if count * itemsize == size:  # ``count`` only when needed (a keyword costs)
+            flat: Tensor = frombuffer(view, dtype=torch_dtype)
+            return flat
+        if count:
+            flat = frombuffer(view, dtype=torch_dtype, count=count)
+            return flat
     count = math.prod(dims)
-    itemsize = torch_dtype.itemsize
     if not count:
         # frombuffer refuses zero items: view one, then none (the block has room for one).
-        flat: Tensor = torch.frombuffer(_HostView.over(ptr, nbytes, owner), dtype=torch_dtype, count=1)[:0]
-        return flat.view(*dims)
-    view = _HostView.over(ptr, nbytes, owner)
-    # ``count`` only when the view is longer than the tensor (a keyword costs).
-    if count * itemsize == len(view):
-        flat = torch.frombuffer(view, dtype=torch_dtype)
+        flat = frombuffer(view, dtype=torch_dtype, count=1)[:0]
     else:
-        flat = torch.frombuffer(view, dtype=torch_dtype, count=count)
-    if len(dims) == 1:
-        return flat
+        flat = frombuffer(view, dtype=torch_dtype, count=count)
     return flat.view(*dims) if dims else flat.view(dims)  # view(*dims) is the cheaper call; () needs the tuple
 
 
@@ -156,30 +169,46 @@ def empty(
     >>> t.shape, t.dtype
     (torch.Size([2, 3]), torch.float32)
     """
-    torch_dtype, name = _dtype_name(dtype)
-    dims = _dlpack.as_shape(shape)
-    itemsize = torch_dtype.itemsize
-    nbytes = math.prod(dims) * itemsize
+    try:  # _dtype_name's cache, inline: this is the hot path
+        torch_dtype, name, itemsize = _dtypes[dtype]
+    except (KeyError, TypeError):
+        torch_dtype, name, itemsize = _dtype_name(dtype)
+    if shape.__class__ is int and 0 < shape <= _INT64_MAX:  # the common case, checked
+        dims: tuple[int, ...] = (shape,)
+        nbytes = shape * itemsize
+    else:
+        dims = _dlpack.as_shape(shape)
+        # A zero-element tensor still gets a block of one item, so that it
+        # is accel memory like any other.
+        nbytes = max(math.prod(dims) * itemsize, itemsize)
     runtime = get_runtime()
-    if runtime.name != "cpu":
-        _check_torch_holds(runtime.name)
+    if runtime.name == "cpu":
+        # The tensor holds the buffer: when the tensor dies, so does the
+        # buffer, which gives the memory back.
+        buffer = allocate(nbytes, device=device, stream=stream)
+        if len(dims) != 1 or not dims[0] or _frombuffer is None:
+            return _host_tensor(buffer.ptr, nbytes, buffer, torch_dtype, itemsize, dims)
+        # _host_tensor for one non-empty dimension, inline (a fifth of the wrapping's cost).
+        size = 1 << (nbytes - 1).bit_length()
+        view = (_view_types.get(size) or _view_type(size)).from_address(buffer.ptr)
+        view.owner = buffer
+        if nbytes == size:
+            tensor: Tensor = _frombuffer(view, dtype=torch_dtype)
+        else:
+            tensor = _frombuffer(view, dtype=torch_dtype, count=dims[0])
+        return tensor
+    _check_torch_holds(runtime.name)
     if stream is None and runtime.name == "cuda":
         index = runtime.index(device)
         stream = Stream.from_torch(import_torch().cuda.current_stream(index))
-    # A zero-element tensor still gets a block of one item, so that it is
-    # accel memory like any other.
-    buffer = allocate(max(nbytes, itemsize), device=device, stream=stream)
-    # The tensor holds the buffer: when the tensor dies, so does the buffer,
-    # which gives the memory back.
-    if runtime.name == "cpu":
-        return _host_tensor(buffer.ptr, buffer.nbytes, buffer, torch_dtype, dims)
+    buffer = allocate(nbytes, device=device, stream=stream)
     code, bits = _dlpack.dtype_from_name(name)
     # Legacy ("dltensor") capsules: every torch this package supports reads
     # them, while versioned DLPack 1.0 capsules need a recent torch.
     capsule = _dlpack.make_capsule(
         buffer, buffer.ptr, _dlpack.dlpack_device(buffer), code, bits, dims, versioned=False
     )
-    tensor: torch.Tensor = import_torch().from_dlpack(capsule)  # import_torch() is typed Any
+    tensor = import_torch().from_dlpack(capsule)  # import_torch() is typed Any
     return tensor
 
 
@@ -197,13 +226,13 @@ def as_tensor(buffer: Any, dtype: torch.dtype | str = "uint8", shape: int | tupl
     >>> accel.as_tensor(buf, "int32", (2, 2)).shape
     torch.Size([2, 2])
     """
-    torch_dtype, name = _dtype_name(dtype)
+    torch_dtype, name, itemsize = _dtype_name(dtype)
     dims = None if shape is None else _dlpack.as_shape(shape)
     if isinstance(buffer, Buffer) and buffer.stream._runtime.name == "cpu":
         ptr, nbytes = buffer.ptr, buffer.nbytes
-        dims = _dlpack.read_shape(dims, torch_dtype.itemsize, nbytes)
-        _dlpack.synchronize(buffer, None, _dlpack.DLDeviceType.kDLCPU)
-        return _host_tensor(ptr, nbytes, buffer._export_lease(), torch_dtype, dims)
+        dims = _dlpack.read_shape(dims, itemsize, nbytes)
+        _dlpack.wait_on_host(buffer.stream)
+        return _host_tensor(ptr, nbytes, buffer._export_lease(), torch_dtype, itemsize, dims)
     _, index = _dlpack.dlpack_device(buffer)  # also checks buffer.device
     _check_torch_holds(buffer.device.type)
     capsule = _dlpack.to_capsule(

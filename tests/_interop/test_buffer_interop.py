@@ -9,6 +9,7 @@ import torch
 import accel
 from accel import memory
 from accel._interop import _dlpack, as_tensor, empty
+from accel.stream._dlpack_abi import read_capsule
 
 
 def test_empty_gives_a_correct_tensor_on_accel_memory():
@@ -131,3 +132,13 @@ def test_a_freed_buffer_cannot_be_exported():
         _dlpack.to_capsule(buf)
     with pytest.raises(accel.InvalidHandleError, match="was freed"):
         as_tensor(buf)
+
+
+def test_a_buffer_on_the_second_host_device_exports_that_device():
+    buf = memory.allocate(64, device="cpu:1")
+    assert buf.__dlpack_device__() == (1, 1) == _dlpack.dlpack_device(buf)
+    capsule = buf.__dlpack__()
+    tensor = read_capsule(capsule)
+    assert tensor is not None and (tensor.device_type, tensor.device_id) == (1, 1)
+    del capsule
+    buf.free()

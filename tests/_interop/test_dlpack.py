@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 import time
 import weakref
@@ -14,12 +15,13 @@ import torch
 import accel
 from accel._interop import _dlpack
 from accel._interop._dlpack import DLDeviceType, DLPackExportError
+from accel.stream._dlpack_abi import DLManagedTensor, DLManagedTensorVersioned
 
 
 def _managed(capsule, name: bytes):
     get = ctypes.pythonapi["PyCapsule_GetPointer"]
     get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    struct = _dlpack._DLManagedTensorVersioned if name.endswith(b"versioned") else _dlpack._DLManagedTensor
+    struct = DLManagedTensorVersioned if name.endswith(b"versioned") else DLManagedTensor
     return struct.from_address(get(capsule, name))
 
 
@@ -63,6 +65,31 @@ def test_legacy_capsule_layout(host_buffer):
     assert (tensor.device.device_type, tensor.device.device_id) == (1, 0)
     assert (tensor.ndim, tensor.shape[0], tensor.strides[0], tensor.byte_offset) == (1, 48, 1, 0)
     assert (tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes) == (1, 8, 1)
+
+
+@pytest.mark.parametrize("versioned", [False, True], ids=["legacy", "versioned"])
+@pytest.mark.parametrize("shape", [(), (5,), (2, 3, 4), (2,) + (1,) * 39], ids=["0-d", "1-d", "3-d", "40-d"])
+def test_every_capsule_field_reads_back_through_the_ctypes_structures(host_buffer, versioned, shape):
+    # The producer packs the structures with struct formats: they must say
+    # what dlpack.h (as the ctypes types spell it) says, field by field.
+    buf = host_buffer(8 * math.prod(shape), device=accel.Device("cpu", 3))
+    capsule = _dlpack.to_capsule(buf, dtype="complex64", shape=shape, max_version=(1, 0) if versioned else None)
+    managed = _managed(capsule, b"dltensor_versioned" if versioned else b"dltensor")
+    if versioned:
+        assert (managed.version.major, managed.version.minor, managed.flags) == (1, 0, 0)
+    assert managed.manager_ctx == ctypes.addressof(managed)
+    deleter_address = ctypes.cast(managed.deleter, ctypes.c_void_p).value
+    assert deleter_address == ctypes.cast(_dlpack._deleter, ctypes.c_void_p).value
+    tensor = managed.dl_tensor
+    assert tensor.data == buf.ptr and tensor.byte_offset == 0
+    assert (tensor.device.device_type, tensor.device.device_id) == (1, 3)
+    assert (tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes) == (5, 64, 1)
+    assert tensor.ndim == len(shape)
+    assert tuple(tensor.shape[i] for i in range(len(shape))) == shape
+    strides = tuple(tensor.strides[i] for i in range(len(shape)))
+    assert strides == tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    assert tensor.shape and tensor.strides  # never NULL, not even for 0-d
+    del tensor, managed, capsule
 
 
 @pytest.mark.parametrize("max_version", [(1, 0), (1, 3), (2, 0)])
@@ -223,7 +250,7 @@ def test_a_versioned_copy_is_flagged(host_buffer):
     capsule = buf.__dlpack__(max_version=(1, 0), copy=True)
     pointer = ctypes.pythonapi.PyCapsule_GetPointer
     pointer.restype, pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    managed = _dlpack._DLManagedTensorVersioned.from_address(pointer(capsule, b"dltensor_versioned"))
+    managed = DLManagedTensorVersioned.from_address(pointer(capsule, b"dltensor_versioned"))
     assert managed.flags == 2  # DLPACK_FLAG_BITMASK_IS_COPIED
     assert managed.dl_tensor.data != buf.ptr
     del managed, capsule
@@ -310,4 +337,4 @@ def test_many_exports_do_not_leak(host_buffer):
     for _ in range(200):
         np.from_dlpack(buf).sum()
         torch.from_dlpack(buf).sum()
-    assert all(e.owner is not buf for e in _dlpack._exports.values())
+    assert all(owner is not buf for _, owner in _dlpack._exports.values())

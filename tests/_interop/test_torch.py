@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -89,3 +91,86 @@ def test_cuda_streams_need_the_cuda_backend():
     with pytest.raises(accel.DeviceError, match="is a CUDA stream, but the current accelerator is 'cpu'"):
         accel.Event().record(TorchCudaLike())
 
+
+
+# -- host tensors over accel memory: what they keep alive -------------------------
+
+
+def _as_tensor_of_a_freed_buffer(dtype, shape):
+    buf = accel.memory.allocate(4096)
+    tensor = as_tensor(buf, dtype, shape)
+    buf.free()  # the tensor holds the memory now
+    return tensor
+
+
+# Each way a host tensor is built: empty's 1-D path over a whole ctypes view
+# and over part of one, its general path (several dims, no elements), and
+# as_tensor of a buffer freed while viewed.
+_HOST_TENSORS = {
+    "empty 1-D, whole view": lambda: accel.empty(4096, dtype=torch.uint8),
+    "empty 1-D, part of a view": lambda: accel.empty(1000, dtype="float32"),
+    "empty 2-D": lambda: accel.empty((32, 16), dtype=torch.float64),
+    "empty, no elements": lambda: accel.empty((0, 4), dtype=torch.int32),
+    "as_tensor, buffer freed": lambda: _as_tensor_of_a_freed_buffer(torch.int16, (32, 64)),
+}
+
+
+@pytest.mark.parametrize("make", list(_HOST_TENSORS.values()), ids=list(_HOST_TENSORS))
+def test_host_tensor_memory_returns_to_the_cache_with_the_last_view(make):
+    make()  # the first host tensor of a process takes a slower path; test the usual one
+    gc.collect()  # tensors other tests dropped in cycles go now, not in the middle
+    accel.memory.empty_cache()
+    before = accel.memory.memory_allocated()
+    tensor = make()
+    allocated, reserved = accel.memory.memory_allocated(), accel.memory.memory_reserved()
+    assert allocated > before
+    ptr = tensor.untyped_storage().data_ptr()  # the block's address, even with no elements
+    flat = tensor.view(-1)
+    holders = {
+        "slice": flat[1:],
+        "transposed view": tensor.T if tensor.dim() == 2 else tensor.view(1, -1),
+        "numpy array (Tensor.numpy)": tensor.numpy(),
+        "numpy array (DLPack)": np.from_dlpack(tensor),
+    }
+    del tensor, flat
+    for name in list(holders):
+        gc.collect()
+        assert accel.memory.memory_allocated() == allocated, f"the memory went back while a {name} used it"
+        del holders[name]
+    assert accel.memory.memory_allocated() == before
+    assert accel.memory.memory_reserved() == reserved, "the memory went to the driver, not to the cache"
+    again = accel.memory.allocate(allocated - before)
+    assert again.ptr == ptr, "the cached block was not reused"
+    again.free()
+
+
+def test_host_tensor_held_by_a_reference_cycle_goes_back_when_collected():
+    gc.collect()
+    before = accel.memory.memory_allocated()
+    cycle: list[object] = [accel.empty(4096, dtype=torch.uint8)[8:].numpy()]
+    cycle.append(cycle)
+    allocated = accel.memory.memory_allocated()
+    del cycle
+    assert accel.memory.memory_allocated() == allocated
+    gc.collect()  # the buffer is freed from inside the collection (a finalizer)
+    assert accel.memory.memory_allocated() == before
+    accel.memory.allocate(4096).free()  # the allocator took the collected free
+
+
+def test_as_tensor_of_a_buffer_waits_for_its_stream():
+    producer = accel.Stream()
+    buf = accel.memory.allocate(1 << 16, stream=producer)
+    producer.launch_host_func(lambda: __import__("time").sleep(0.05))
+    producer.fill(buf, 1)
+    assert int(as_tensor(buf).min()) == 1
+    buf.free()
+
+
+def test_as_tensor_of_a_buffer_whose_stream_was_closed_waits_for_it():
+    producer = accel.Stream()
+    buf = accel.memory.allocate(1 << 16, stream=producer)
+    producer.launch_host_func(lambda: __import__("time").sleep(0.05))
+    producer.fill(buf, 2)
+    producer.close()
+    assert int(as_tensor(buf).min()) == 2
+    buf.free()
