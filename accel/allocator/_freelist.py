@@ -108,6 +108,12 @@ class FreeList:
         key = size << _SHIFT | ptr
         new_key = block.size << _SHIFT | block.ptr
         maxes = self._maxes
+        if self._len == 1 and maxes[0] == key:
+            # The only block (a segment's rest, cut and merged back by an
+            # allocate+free pair): nothing to keep in order.
+            self._keys[0][0] = maxes[0] = new_key
+            self._blocks[0][0] = block
+            return
         k = bisect_left(maxes, key)
         buckets = self._keys
         if k < len(buckets):
