@@ -28,7 +28,6 @@ from accel._device import Device, DeviceLike
 from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, NotSupportedError
 from accel._runtime import check_not_forked, get_runtime
 from accel.allocator import _mempool
-from accel.allocator._caching import MAX_REQUEST
 from accel.allocator._fork import track_lock
 from accel.allocator._mempool import routed_allocator
 from accel.allocator._registry import device_allocator, registry
@@ -335,12 +334,8 @@ def allocate(nbytes: int, *, device: DeviceLike = None, stream: Stream | None = 
         stream._live()  # raises, saying the stream was closed
     # A MemPool's allocator inside use_mem_pool, else the device's.
     allocator = routed_allocator(runtime, index) if _mempool._open else device_allocator(runtime, index)
-    if nbytes.__class__ is not int or not 0 < nbytes < MAX_REQUEST:
-        allocator._bad_size(nbytes)
-    if stream._runtime.backend is not allocator.backend:
-        allocator._bad_stream(stream, "allocate")
-    # Size and stream are checked: the allocator need not check them again.
-    return Buffer(allocator.malloc_checked(nbytes, stream), allocator, stream, nbytes)
+    # malloc checks nbytes and the stream.
+    return Buffer(allocator.malloc(nbytes, stream), allocator, stream, nbytes)
 
 
 class HostBuffer(_CachedMemory):

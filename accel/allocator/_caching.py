@@ -267,13 +267,7 @@ class DeviceAllocator:
         if nbytes.__class__ is not int or not 0 < nbytes < MAX_REQUEST:
             self._bad_size(nbytes)
         if stream._device != self.device or stream._runtime.backend is not self.backend:
-            self._bad_stream(stream, "malloc")
-        return self.malloc_checked(nbytes, stream)
-
-    def malloc_checked(self, nbytes: int, stream: Stream) -> Block:
-        """:meth:`malloc` for callers that already checked ``nbytes`` (an int in
-        ``[1, MAX_REQUEST)``) and that ``stream`` is a stream of this device
-        (``accel.memory.allocate`` does both on its way here)."""
+            self._bad_stream(stream, "an allocation")
         handle = stream._handle
         # acquire/release rather than ``with``: half the cost on this hot path.
         lock = self._lock
@@ -376,6 +370,11 @@ class DeviceAllocator:
             return self._malloc_steps(nbytes, stream, handle)
         finally:
             lock.release()
+
+    # The name accel.memory.allocate called, when it checked the arguments itself
+    # and the allocator skipped them: the checks cost less than the second call,
+    # so it is malloc (kept, as it is public).
+    malloc_checked = malloc
 
     def _malloc_steps(self, nbytes: int, stream: Stream, handle: int) -> Block:
         """:meth:`malloc` as named steps, for every case (the caller holds the lock)."""
@@ -796,7 +795,7 @@ class DeviceAllocator:
         """Give ``block`` back; it is reused once every stream that used it passed
         this point (see :meth:`record_stream`)."""
         lock = self._lock
-        lock.acquire()  # not ``with``: see malloc_checked
+        lock.acquire()  # not ``with``: see malloc
         try:
             segment = block.segment
             if block.state != ALLOCATED or segment.owner is not self:
