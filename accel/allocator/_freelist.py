@@ -106,9 +106,13 @@ class FreeList:
         maxes = self._maxes
         k = self._fit_k
         i = self._fit_i
-        buckets = self._keys
         # The best fit, taken whole? (Not a call to a helper: this is the hot path.)
-        if not (k < len(buckets) and i < len(keys := buckets[k]) and keys[i] == key):
+        try:
+            keys = self._keys[k]
+            found = keys[i] == key
+        except IndexError:  # the list shrank since best_fit
+            found = False
+        if not found:
             k = bisect_left(maxes, key)
             if k == len(maxes):
                 raise ValueError(f"{block!r} is not on this free list")
