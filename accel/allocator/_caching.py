@@ -302,8 +302,9 @@ class DeviceAllocator:
                             # _split without a cut: the whole block leaves the list.
                             size = full
                             free.remove(block)
-                            if block.prev is not None or nxt is not None:
-                                S.drop_inactive_split(k, full)
+                            if block.prev is not None or nxt is not None:  # S.drop_inactive_split
+                                k.inactive_split -= 1
+                                k.inactive_split_bytes -= full
                         # _account
                         block.state = ALLOCATED
                         block.requested = nbytes
