@@ -13,8 +13,8 @@ statistics live in one flat list of ints, where each statistic owns 8 slots::
     base+6 peak (all pools)          base+7 unused
 
 (the slots of the five statistics above are unused). "freed" is derived
-(total increase - current), so a decrease is one subtraction; ``reset_accumulated`` stores offsets instead of touching the
-counters. The ``all`` pool is the sum of small and large except its peak,
+(total increase - current), so a decrease is one subtraction;
+``reset_accumulated`` stores offsets instead of touching the counters. The ``all`` pool is the sum of small and large except its peak,
 which is tracked on its own.
 
 ``active`` and ``active_bytes`` are derived too: active = allocated + pending
