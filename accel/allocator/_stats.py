@@ -14,8 +14,9 @@ statistics live in one flat list of ints, where each statistic owns 8 slots::
 
 (the slots of the five statistics above are unused). "freed" is derived
 (total increase - current), so a decrease is one subtraction;
-``reset_accumulated`` stores offsets instead of touching the counters. The ``all`` pool is the sum of small and large except its peak,
-which is tracked on its own.
+``reset_accumulated`` stores offsets instead of touching the counters. The
+``all`` pool is the sum of small and large except its peak, which is tracked
+on its own.
 
 ``active`` and ``active_bytes`` are derived too: active = allocated + pending
 (blocks freed by the caller that wait for other streams). Their slots hold the
