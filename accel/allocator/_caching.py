@@ -32,14 +32,7 @@ from accel.allocator import _stats as S
 from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED, Block, Pool, PrivatePool, Segment
 from accel.allocator._fork import track_lock
 from accel.allocator._freelist import FreeList
-from accel.allocator._stats import (
-    ALLOCATED_BYTES,
-    ALLOCATION,
-    INACTIVE_SPLIT,
-    INACTIVE_SPLIT_BYTES,
-    OVERSIZE_ALLOCATIONS,
-    REQUESTED_BYTES,
-)
+from accel.allocator._stats import OVERSIZE_ALLOCATIONS
 from accel.allocator._history import History
 from accel.allocator._oom import OutOfMemoryDetails, out_of_memory
 from accel.allocator._pool_ids import PoolId, check_pool_id
@@ -145,6 +138,7 @@ class DeviceAllocator:
         track_lock(self)
         self._stats = S.Stats()
         self._s = self._stats.s  # the flat counters, for the hot paths
+        self._kinds = self._stats.kinds  # the hot ones, by pool kind
         self._small = Pool(True, None)
         self._large = Pool(False, None)
         self._segments: dict[int, Segment] = {}
@@ -155,7 +149,6 @@ class DeviceAllocator:
         self._pending: dict[int, deque[tuple[int, Block]]] = {}  # used stream -> (event, block)
         self._events: list[int] = []  # pooled events, ready for reuse
         self._events_created = 0
-        self._spare: list[Block] = []  # block objects merged away, for reuse by splits
         # Frees (and pool releases) from finalizers that found the lock taken.
         self._gc_frees: deque[Block | _PoolRelease] = deque()
         self._history: History | None = None
@@ -263,21 +256,19 @@ class DeviceAllocator:
         if nbytes.__class__ is not int or not 0 < nbytes < MAX_REQUEST:
             self._bad_size(nbytes)
         if stream._device != self.device or stream._runtime.backend is not self.backend:
-            self._bad_stream(stream, "malloc")
-        return self.malloc_checked(nbytes, stream)
-
-    def malloc_checked(self, nbytes: int, stream: Stream) -> Block:
-        """:meth:`malloc` for callers that already checked ``nbytes`` (an int in
-        ``[1, MAX_REQUEST)``) and that ``stream`` is a stream of this device
-        (``accel.memory.allocate`` does both on its way here)."""
+            self._bad_stream(stream, "an allocation")
         handle = stream._handle
-        with self._lock:
+        # acquire/release rather than ``with``: half the cost on this hot path.
+        lock = self._lock
+        lock.acquire()
+        try:
             if self._fast and not self._gc_frees and not self._pending:
                 # The fast path: a cached block that is not oversize and not in an
                 # expandable segment, on a plain allocator (no capture, history,
                 # rounding divisions). It does what _split and _account do for that
-                # case, inline; tests/allocator/test_fast_path.py checks that it
-                # leaves the same books as the named steps below.
+                # case, inline but for the statistics helpers (each call saved is
+                # 2-3% of the pair); tests/allocator/test_fast_path.py checks that
+                # it leaves the same books as the named steps of _malloc_steps.
                 size = 512 if nbytes < 512 else (nbytes + 511) & -512
                 pool = self._small if size <= SMALL_SIZE else self._large
                 free = pool.free.get(handle)
@@ -286,44 +277,47 @@ class DeviceAllocator:
                     if block is not None and block.size < self._ms and not block.segment.expandable:
                         if self._gc_threshold:
                             pool.calls += 1
-                        return self._take_cached(block, size, nbytes, pool, free)
+                        k = self._kinds[pool.kind]
+                        full = block.size
+                        remaining = full - size
+                        nxt = block.next
+                        if remaining >= KB_MIN and (pool.small or remaining > SMALL_SIZE):
+                            # _split: a new block object for the rest, which takes
+                            # this one's place on the free list.
+                            rest = Block(block.ptr + size, remaining, block.segment)
+                            rest.next = nxt
+                            rest.prev = block
+                            block.next = rest
+                            if nxt is not None:
+                                nxt.prev = rest
+                            rest.gc_base = pool.calls
+                            block.size = size
+                            free.replace(full, block.ptr, rest)
+                            if block.prev is not None or nxt is not None:
+                                # the free part that was counted shrinks to the rest
+                                k.inactive_split_bytes -= size
+                            else:
+                                S.add_inactive_split(k, remaining)
+                        else:
+                            # _split without a cut: the whole block leaves the list.
+                            size = full
+                            free.remove(block)
+                            if block.prev is not None or nxt is not None:  # S.drop_inactive_split
+                                k.inactive_split -= 1
+                                k.inactive_split_bytes -= full
+                        # _account
+                        block.state = ALLOCATED
+                        block.requested = nbytes
+                        S.add_allocation(k, self._s, size, nbytes)
+                        return block
             return self._malloc_steps(nbytes, stream, handle)
+        finally:
+            lock.release()
 
-    def _take_cached(self, block: Block, size: int, nbytes: int, pool: Pool, free: FreeList) -> Block:
-        """The fast path's :meth:`_split` + :meth:`_account` of a listed, ordinary
-        (neither oversize nor expandable) cached block."""
-        s = self._s
-        kind = pool.kind
-        full = block.size
-        remaining = full - size
-        if remaining >= KB_MIN and (kind == 0 or remaining > SMALL_SIZE):
-            nxt = block.next
-            if self._spare:
-                rest = self._stand_in(block, block.ptr + size, remaining, block, nxt)
-            else:
-                rest = Block(block.ptr + size, remaining, block.segment)
-                rest.next = nxt
-                rest.prev = block
-                block.next = rest
-                if nxt is not None:
-                    nxt.prev = rest
-            rest.gc_base = pool.calls
-            was_split = block.prev is not None or nxt is not None
-            block.size = size
-            free.replace(full, block.ptr, rest)
-            if was_split:  # the free part that was counted shrinks to the rest
-                s[INACTIVE_SPLIT_BYTES + kind] -= size
-            else:
-                S.add_inactive_split(s, kind, remaining)
-        else:
-            size = full
-            free.remove(block)
-            if block.prev is not None or block.next is not None:
-                S.drop_inactive_split(s, kind, full)
-        block.state = ALLOCATED
-        block.requested = nbytes
-        S.add_allocation(s, kind, size, nbytes)
-        return block
+    # The name accel.memory.allocate called, when it checked the arguments itself
+    # and the allocator skipped them: the checks cost less than the second call,
+    # so it is malloc (kept, as it is public).
+    malloc_checked = malloc
 
     def _malloc_steps(self, nbytes: int, stream: Stream, handle: int) -> Block:
         """:meth:`malloc` as named steps, for every case (the caller holds the lock)."""
@@ -364,22 +358,13 @@ class DeviceAllocator:
         """Cut ``block`` to ``size`` bytes when the rest is worth keeping as a free
         block (PyTorch's ``should_split``); take ``block`` off free list ``listed``
         (None: it is on none), the rest taking its place; keep the inactive-split counts."""
-        s = self._s
-        kind = pool.kind
+        k = self._kinds[pool.kind]
         expandable = block.segment.expandable
         was_split = block.prev is not None or block.next is not None
         full = block.size
         remaining = full - size
         if remaining >= KB_MIN and (pool.small or expandable or (size < self._ms and remaining > SMALL_SIZE)):
-            if self._spare:
-                rest = self._stand_in(block, block.ptr + size, remaining, block, block.next)
-            else:  # _stand_in's common case inline: a new block object after this one
-                rest = Block(block.ptr + size, remaining, block.segment)
-                nxt = rest.next = block.next
-                rest.prev = block
-                block.next = rest
-                if nxt is not None:
-                    nxt.prev = rest
+            rest = self._stand_in(block, block.ptr + size, remaining, block, block.next)
             block.size = size
             rest.gc_base = pool.calls
             if listed is not None:
@@ -391,14 +376,14 @@ class DeviceAllocator:
                 free.add(rest)
             if not expandable:
                 if was_split:  # the free part that was counted shrinks to the rest
-                    s[INACTIVE_SPLIT_BYTES + kind] -= size
+                    k.inactive_split_bytes -= size
                 else:
-                    S.add_inactive_split(s, kind, remaining)
+                    S.add_inactive_split(k, remaining)
         else:
             if listed is not None:
                 listed.remove(block)
             if was_split and not expandable:
-                S.drop_inactive_split(s, kind, full)
+                S.drop_inactive_split(k, full)
 
     def _account(self, block: Block, nbytes: int, handle: int) -> None:
         """Mark ``block`` allocated for a request of ``nbytes`` and count it."""
@@ -406,7 +391,7 @@ class DeviceAllocator:
         block.requested = nbytes
         size = block.size
         s = self._s
-        S.add_allocation(s, block.pool.kind, size, nbytes)
+        S.add_allocation(self._kinds[block.pool.kind], s, size, nbytes)
         if size >= self._ms:
             S.inc(s, OVERSIZE_ALLOCATIONS, 0, 1)
         if self._history is not None:
@@ -743,8 +728,11 @@ class DeviceAllocator:
     def free(self, block: Block) -> None:
         """Give ``block`` back; it is reused once every stream that used it passed
         this point (see :meth:`record_stream`)."""
-        with self._lock:
-            if block.state != ALLOCATED or block.segment.owner is not self:
+        lock = self._lock
+        lock.acquire()  # not ``with``: see malloc
+        try:
+            segment = block.segment
+            if block.state != ALLOCATED or segment.owner is not self:
                 raise InvalidHandleError(
                     f"{block!r} is not allocated by {self!r} (freed twice, or from another allocator)"
                 )
@@ -754,54 +742,73 @@ class DeviceAllocator:
                     self._release_if_idle()
                 return
             # The common case of _free_locked inline: no other stream, no history.
-            s = self._s
             pool = block.pool
-            kind = pool.kind
+            k = self._kinds[pool.kind]
             size = block.size
-            s[ALLOCATION + kind] -= 1
-            s[ALLOCATED_BYTES + kind] -= size
+            k.allocation -= 1
+            k.allocated_bytes -= size
             if size >= self._ms:
-                s[OVERSIZE_ALLOCATIONS] -= 1
-            nxt = block.next
+                self._s[OVERSIZE_ALLOCATIONS] -= 1
             prev = block.prev
-            if (
-                self._fast
-                and nxt is not None
-                and nxt.state == FREE
-                and nxt.mapped
-                and (prev is None or prev.state != FREE or not prev.mapped)
-                and not block.segment.expandable
-            ):
-                # The fast path of _free_block: the free block after takes this
-                # one's place (the common case of an allocate+free pair).
-                s[REQUESTED_BYTES + kind] -= block.requested
-                block.state = RETIRED
-                block.prev = block.next = None
-                listed_size = nxt.size
-                listed_ptr = nxt.ptr
-                nxt.ptr = block.ptr
-                nxt.size = merged = listed_size + size
-                nxt.prev = prev
-                if prev is not None:
-                    prev.next = nxt
-                else:
-                    block.segment.head = nxt
-                pool.free[block.stream].replace(listed_size, listed_ptr, nxt)
-                nxt.gc_base = pool.calls
-                # inactive_split: the listed rest leaves it; the merged block joins
-                # it again only if the segment is still split.
-                s[INACTIVE_SPLIT + kind] -= 1
-                s[INACTIVE_SPLIT_BYTES + kind] -= listed_size
-                if prev is not None or nxt.next is not None:
-                    S.add_inactive_split(s, kind, merged)
-                return
+            if self._fast and not segment.expandable and (prev is None or prev.state != FREE):
+                # The fast paths of _free_block (blocks of fixed segments are all
+                # mapped); tests/allocator/test_fast_path.py checks that they leave
+                # the same books. The block is retired either way.
+                nxt = block.next
+                if nxt is not None and nxt.state == FREE:
+                    # The free block after takes this one's place (the common case
+                    # of an allocate+free pair).
+                    k.requested_bytes -= block.requested
+                    block.state = RETIRED
+                    block.prev = block.next = None
+                    listed_size = nxt.size
+                    listed_ptr = nxt.ptr
+                    nxt.ptr = block.ptr
+                    nxt.size = merged = listed_size + size
+                    nxt.prev = prev
+                    if prev is not None:
+                        prev.next = nxt
+                    else:
+                        segment.head = nxt
+                    pool.free[block.stream].replace(listed_size, listed_ptr, nxt)
+                    nxt.gc_base = pool.calls
+                    # inactive_split: the listed rest leaves it; the merged block
+                    # joins it again only if the segment is still split.
+                    k.inactive_split -= 1
+                    k.inactive_split_bytes -= listed_size
+                    if prev is not None or nxt.next is not None:
+                        S.add_inactive_split(k, merged)
+                    return
+                free = pool.free.get(block.stream)
+                if free is not None:
+                    # No free neighbour: a new block object stands in for this one
+                    # (a cached pair that reuses a hole).
+                    k.requested_bytes -= block.requested
+                    block.state = RETIRED
+                    block.prev = block.next = None
+                    new = Block(block.ptr, size, segment)
+                    new.prev = prev
+                    new.next = nxt
+                    if prev is not None:
+                        prev.next = new
+                    else:
+                        segment.head = new
+                    if nxt is not None:
+                        nxt.prev = new
+                    new.gc_base = pool.calls
+                    free.add(new)
+                    if prev is not None or nxt is not None:
+                        S.add_inactive_split(k, size)
+                    return
             self._free_block(block)
+        finally:
+            lock.release()
 
     def _free_locked(self, block: Block) -> None:
         s = self._s
         kind = block.pool.kind
         size = block.size
-        S.drop_allocation(s, kind, size)
+        S.drop_allocation(self._kinds[kind], size)
         if size >= self._ms:
             s[OVERSIZE_ALLOCATIONS] -= 1
         if self._history is not None:
@@ -847,8 +854,8 @@ class DeviceAllocator:
         # buffers) sees the flag.
 
     def _release_if_idle(self) -> None:
-        s = self._s
-        if not (s[ALLOCATION] or s[ALLOCATION + 1]):
+        small, large = self._kinds
+        if not (small.allocation or large.allocation):
             self._release_cached_blocks()
 
     def _drain_gc_frees(self) -> None:
@@ -865,16 +872,16 @@ class DeviceAllocator:
         """Return ``block``'s memory to its pool's free list, merged with free neighbours.
 
         ``block`` itself was handed to a caller, who may still hold it: it is
-        retired, and a free neighbour (or a spare block object) takes its
+        retired, and a free neighbour (or a new block object) takes its
         place in the segment, so a stale ``free(block)`` is refused later
         instead of freeing whoever gets this memory next.
         """
-        s = self._s
         pool = block.pool
         kind = pool.kind
+        k = self._kinds[kind]
         if block.state == PENDING:
-            S.drop_pending(s, kind, block.size)
-        s[REQUESTED_BYTES + kind] -= block.requested
+            S.drop_pending(self._s, kind, block.size)
+        k.requested_bytes -= block.requested
         if self._history is not None:
             self._history.record("free_completed", block.ptr, block.size, block.stream, None)
         block.state = RETIRED
@@ -890,16 +897,13 @@ class DeviceAllocator:
             survivor = prev
             listed_size = prev.size
             if split_counted:
-                s[INACTIVE_SPLIT + kind] -= 1
-                s[INACTIVE_SPLIT_BYTES + kind] -= listed_size
+                S.drop_inactive_split(k, listed_size)
             survivor.size += block.size
             if nxt is not None and nxt.state == FREE and nxt.mapped:
                 free.remove(nxt)
                 if split_counted:
-                    s[INACTIVE_SPLIT + kind] -= 1
-                    s[INACTIVE_SPLIT_BYTES + kind] -= nxt.size
+                    S.drop_inactive_split(k, nxt.size)
                 survivor.size += nxt.size
-                self._spare.append(nxt)
                 nxt = nxt.next
             survivor.next = nxt
             if nxt is not None:
@@ -911,8 +915,7 @@ class DeviceAllocator:
             survivor = nxt
             listed_size, listed_ptr = nxt.size, nxt.ptr
             if split_counted:
-                s[INACTIVE_SPLIT + kind] -= 1
-                s[INACTIVE_SPLIT_BYTES + kind] -= listed_size
+                S.drop_inactive_split(k, listed_size)
             survivor.ptr = block.ptr
             survivor.size += block.size
             survivor.prev = prev
@@ -928,24 +931,12 @@ class DeviceAllocator:
             free.add(survivor)
         survivor.gc_base = pool.calls
         if split_counted and (prev is not None or nxt is not None):
-            S.add_inactive_split(s, kind, survivor.size)
+            S.add_inactive_split(k, survivor.size)
 
     def _stand_in(self, like: Block, ptr: int, size: int, prev: Block | None, nxt: Block | None) -> Block:
         """A FREE block object of ``like``'s segment for ``[ptr, ptr + size)``, linked
         between ``prev`` and ``nxt``."""
-        if self._spare:
-            # A block object merged away earlier: a free block never handed out,
-            # so its other fields hold their initial values.
-            new = self._spare.pop()
-            new.ptr = ptr
-            new.size = size
-            new.segment = like.segment
-            new.stream = like.stream
-            new.pool = like.pool
-            new.state = FREE
-            new.mapped = True
-        else:
-            new = Block(ptr, size, like.segment)
+        new = Block(ptr, size, like.segment)
         new.prev = prev
         new.next = nxt
         if prev is not None:
@@ -959,13 +950,12 @@ class DeviceAllocator:
     def _merge_free(self, block: Block) -> Block:
         """Merge free mapped neighbours into ``block`` (FREE, off every list)."""
         expandable = block.segment.expandable
-        s = self._stats.s
-        kind = block.pool.kind
+        k = self._kinds[block.pool.kind]
         for neighbour in (block.prev, block.next):
             if neighbour is not None and neighbour.state == FREE and neighbour.mapped:
                 self._take_off_list(neighbour)
                 if not expandable:
-                    S.drop_inactive_split(s, kind, neighbour.size)
+                    S.drop_inactive_split(k, neighbour.size)
                 self._absorb(block, neighbour)
         return block
 
@@ -992,7 +982,7 @@ class DeviceAllocator:
             free = pool.free[block.stream] = FreeList()
         free.add(block)
         if not block.segment.expandable and (block.prev is not None or block.next is not None):
-            S.add_inactive_split(self._s, pool.kind, block.size)
+            S.add_inactive_split(self._kinds[pool.kind], block.size)
 
     def _take_off_list(self, block: Block) -> None:
         block.pool.free[block.stream].remove(block)
@@ -1407,7 +1397,7 @@ class DeviceAllocator:
             free=free,
             allowed=self._allowed,
             fraction=self._fraction,
-            allocated=s[S.ALLOCATED_BYTES] + s[S.ALLOCATED_BYTES + 1],
+            allocated=self._stats.current(S.ALLOCATED_BYTES),
             reserved=self._reserved(),
             private_pools=private_allocated,
             private_reserved=private_reserved,

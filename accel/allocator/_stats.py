@@ -1,17 +1,22 @@
-"""Allocator statistics in PyTorch's key scheme, kept in one flat list of ints.
+"""Allocator statistics in PyTorch's key scheme.
 
-The allocator's hot path updates plain list slots (no objects, no dicts).
-Each statistic owns 8 slots::
+The five statistics every allocate+free pair changes (``allocation``,
+``allocated_bytes``, ``requested_bytes``, ``inactive_split``,
+``inactive_split_bytes``) are attributes of one :class:`Counts` per pool kind:
+updating a slot attribute costs about half of updating a list slot by a
+computed index, and these updates were a fifth of the pair. The other
+statistics live in one flat list of ints, where each statistic owns 8 slots::
 
     base+0 current (small pool)      base+1 current (large pool)
     base+2 peak (small)              base+3 peak (large)
     base+4 total increase (small)    base+5 total increase (large)
     base+6 peak (all pools)          base+7 unused
 
-"freed" is derived (total increase - current), so a decrease is one
-subtraction; ``reset_accumulated`` stores offsets instead of touching the
-counters. The ``all`` pool is the sum of small and large except its peak,
-which is tracked on its own.
+(the slots of the five statistics above are unused). "freed" is derived
+(total increase - current), so a decrease is one subtraction;
+``reset_accumulated`` stores offsets instead of touching the counters. The
+``all`` pool is the sum of small and large except its peak, which is tracked
+on its own.
 
 ``active`` and ``active_bytes`` are derived too: active = allocated + pending
 (blocks freed by the caller that wait for other streams). Their slots hold the
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-__all__ = ["STAT_NAMES", "Stats"]
+__all__ = ["STAT_NAMES", "Counts", "Stats"]
 
 #: PyTorch's StatArrays, in its order (the key is ``allocation``, not ``allocated``).
 STAT_NAMES = (
@@ -70,79 +75,123 @@ def inc(s: list[int], base: int, pool: int, n: int) -> None:
 
 #: Offsets of a statistic's slots from its base (see the layout above).
 PEAK, TOTAL, PEAK_ALL = 2, 4, 6
+_SUFFIX = {0: "", PEAK: "_peak", TOTAL: "_total"}  # the Counts attribute of a metric
 
 
-# The two helpers below raise several statistics at once, written out in full:
+#: The statistics kept as :class:`Counts` attributes, by base.
+HOT = {
+    ALLOCATION: "allocation",
+    ALLOCATED_BYTES: "allocated_bytes",
+    REQUESTED_BYTES: "requested_bytes",
+    INACTIVE_SPLIT: "inactive_split",
+    INACTIVE_SPLIT_BYTES: "inactive_split_bytes",
+}
+
+
+class Every:
+    """The peaks of the hot statistics over both pool kinds."""
+
+    __slots__ = (
+        "allocation_peak", "allocated_bytes_peak", "requested_bytes_peak", "inactive_split_peak",
+        "inactive_split_bytes_peak",
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        self.allocation_peak = self.allocated_bytes_peak = self.requested_bytes_peak = 0
+        self.inactive_split_peak = self.inactive_split_bytes_peak = 0
+
+
+class Counts:
+    """The hot statistics of one pool kind (0 small, 1 large): per statistic its
+    current value, its peak and its total increase. ``other`` is the other kind's
+    Counts and ``every`` the peaks over both, for the ``all`` pool's peak."""
+
+    __slots__ = (
+        "allocation", "allocation_peak", "allocation_total",
+        "allocated_bytes", "allocated_bytes_peak", "allocated_bytes_total",
+        "requested_bytes", "requested_bytes_peak", "requested_bytes_total",
+        "inactive_split", "inactive_split_peak", "inactive_split_total",
+        "inactive_split_bytes", "inactive_split_bytes_peak", "inactive_split_bytes_total",
+        "kind", "other", "every",
+    )  # fmt: skip
+
+    def __init__(self, kind: int, every: Every) -> None:
+        self.allocation = self.allocation_peak = self.allocation_total = 0
+        self.allocated_bytes = self.allocated_bytes_peak = self.allocated_bytes_total = 0
+        self.requested_bytes = self.requested_bytes_peak = self.requested_bytes_total = 0
+        self.inactive_split = self.inactive_split_peak = self.inactive_split_total = 0
+        self.inactive_split_bytes = self.inactive_split_bytes_peak = self.inactive_split_bytes_total = 0
+        self.kind = kind
+        self.other = self  # set to the other kind's Counts by Stats
+        self.every = every
+
+
+# The helpers below raise several statistics at once, written out in full:
 # they run on every allocation, and a call per statistic would cost more than
 # the arithmetic.
 
 
-def add_allocation(s: list[int], kind: int, size: int, nbytes: int) -> None:
-    """A block of ``size`` bytes (``nbytes`` asked for) was allocated from pool ``kind``
-    (0 small, 1 large): ``allocation``, ``allocated_bytes`` and ``requested_bytes``
-    rise, with their peaks, and the ``active`` peaks while blocks are pending."""
-    other = 1 - kind
-    i = ALLOCATION + kind
-    c = s[i] + 1
-    s[i] = c
-    s[i + TOTAL] += 1
-    if c > s[i + PEAK]:
-        s[i + PEAK] = c
-    c += s[ALLOCATION + other]
-    if c > s[ALLOCATION + PEAK_ALL]:
-        s[ALLOCATION + PEAK_ALL] = c
-    i = ALLOCATED_BYTES + kind
-    c = s[i] + size
-    s[i] = c
-    s[i + TOTAL] += size
-    if c > s[i + PEAK]:
-        s[i + PEAK] = c
-    c += s[ALLOCATED_BYTES + other]
-    if c > s[ALLOCATED_BYTES + PEAK_ALL]:
-        s[ALLOCATED_BYTES + PEAK_ALL] = c
-    i = REQUESTED_BYTES + kind
-    c = s[i] + nbytes
-    s[i] = c
-    s[i + TOTAL] += nbytes
-    if c > s[i + PEAK]:
-        s[i + PEAK] = c
-    c += s[REQUESTED_BYTES + other]
-    if c > s[REQUESTED_BYTES + PEAK_ALL]:
-        s[REQUESTED_BYTES + PEAK_ALL] = c
+def add_allocation(k: Counts, s: list[int], size: int, nbytes: int) -> None:
+    """A block of ``size`` bytes (``nbytes`` asked for) was allocated from pool kind
+    ``k``: ``allocation``, ``allocated_bytes`` and ``requested_bytes`` rise, with
+    their peaks, and the ``active`` peaks (in ``s``) while blocks are pending."""
+    o = k.other
+    every = k.every
+    c = k.allocation + 1
+    k.allocation = c
+    k.allocation_total += 1
+    if c > k.allocation_peak:
+        k.allocation_peak = c
+    c += o.allocation
+    if c > every.allocation_peak:
+        every.allocation_peak = c
+    c = k.allocated_bytes + size
+    k.allocated_bytes = c
+    k.allocated_bytes_total += size
+    if c > k.allocated_bytes_peak:
+        k.allocated_bytes_peak = c
+    c += o.allocated_bytes
+    if c > every.allocated_bytes_peak:
+        every.allocated_bytes_peak = c
+    c = k.requested_bytes + nbytes
+    k.requested_bytes = c
+    k.requested_bytes_total += nbytes
+    if c > k.requested_bytes_peak:
+        k.requested_bytes_peak = c
+    c += o.requested_bytes
+    if c > every.requested_bytes_peak:
+        every.requested_bytes_peak = c
     if s[ACTIVE] or s[ACTIVE + 1]:
         # active = allocated + pending: its peak needs a look only while some block is pending
-        note_active_peak(s, kind)
+        note_active_peak(k, s)
 
 
-def add_inactive_split(s: list[int], kind: int, size: int) -> None:
-    """A free block of ``size`` bytes of pool ``kind`` now sits in a split segment:
+def add_inactive_split(k: Counts, size: int) -> None:
+    """A free block of ``size`` bytes of pool kind ``k`` now sits in a split segment:
     ``inactive_split`` and ``inactive_split_bytes`` rise."""
-    other = 1 - kind
-    i = INACTIVE_SPLIT + kind
-    c = s[i] + 1
-    s[i] = c
-    s[i + TOTAL] += 1
-    if c > s[i + PEAK]:
-        s[i + PEAK] = c
-    c += s[INACTIVE_SPLIT + other]
-    if c > s[INACTIVE_SPLIT + PEAK_ALL]:
-        s[INACTIVE_SPLIT + PEAK_ALL] = c
-    i = INACTIVE_SPLIT_BYTES + kind
-    c = s[i] + size
-    s[i] = c
-    s[i + TOTAL] += size
-    if c > s[i + PEAK]:
-        s[i + PEAK] = c
-    c += s[INACTIVE_SPLIT_BYTES + other]
-    if c > s[INACTIVE_SPLIT_BYTES + PEAK_ALL]:
-        s[INACTIVE_SPLIT_BYTES + PEAK_ALL] = c
+    c = k.inactive_split + 1
+    k.inactive_split = c
+    k.inactive_split_total += 1
+    if c > k.inactive_split_peak:
+        k.inactive_split_peak = c
+    c += k.other.inactive_split
+    if c > k.every.inactive_split_peak:
+        k.every.inactive_split_peak = c
+    c = k.inactive_split_bytes + size
+    k.inactive_split_bytes = c
+    k.inactive_split_bytes_total += size
+    if c > k.inactive_split_bytes_peak:
+        k.inactive_split_bytes_peak = c
+    c += k.other.inactive_split_bytes
+    if c > k.every.inactive_split_bytes_peak:
+        k.every.inactive_split_bytes_peak = c
 
 
-def drop_allocation(s: list[int], kind: int, size: int) -> None:
-    """The caller freed a block of ``size`` bytes of pool ``kind`` (requested bytes
-    fall when the memory is free for reuse: :func:`drop_requested`)."""
-    s[ALLOCATION + kind] -= 1
-    s[ALLOCATED_BYTES + kind] -= size
+def drop_allocation(k: Counts, size: int) -> None:
+    """The caller freed a block of ``size`` bytes of pool kind ``k`` (requested bytes
+    fall when the memory is free for reuse)."""
+    k.allocation -= 1
+    k.allocated_bytes -= size
 
 
 def add_pending(s: list[int], kind: int, size: int) -> None:
@@ -156,26 +205,26 @@ def drop_pending(s: list[int], kind: int, size: int) -> None:
     s[ACTIVE_BYTES + kind] -= size
 
 
-def drop_requested(s: list[int], kind: int, nbytes: int) -> None:
-    s[REQUESTED_BYTES + kind] -= nbytes
-
-
-def drop_inactive_split(s: list[int], kind: int, size: int) -> None:
-    s[INACTIVE_SPLIT + kind] -= 1
-    s[INACTIVE_SPLIT_BYTES + kind] -= size
+def drop_inactive_split(k: Counts, size: int) -> None:
+    k.inactive_split -= 1
+    k.inactive_split_bytes -= size
 
 
 _DERIVED = {16: 0, 48: 32}  # active -> allocation, active_bytes -> allocated_bytes
 
 
-def note_active_peak(s: list[int], kind: int) -> None:
+def note_active_peak(k: Counts, s: list[int]) -> None:
     """After an allocation while blocks are pending: raise the active peaks."""
-    other = 1 - kind
-    for base, of in ((16, 0), (48, 32)):
-        mine = s[of + kind] + s[base + kind]
+    kind = k.kind
+    o = k.other
+    for base, mine, theirs in (
+        (ACTIVE, k.allocation, o.allocation),
+        (ACTIVE_BYTES, k.allocated_bytes, o.allocated_bytes),
+    ):
+        mine += s[base + kind]
         if mine > s[base + 2 + kind]:
             s[base + 2 + kind] = mine
-        every = mine + s[of + other] + s[base + other]
+        every = mine + theirs + s[base + 1 - kind]
         if every > s[base + 6]:
             s[base + 6] = every
 
@@ -183,33 +232,54 @@ def note_active_peak(s: list[int], kind: int) -> None:
 class Stats:
     """The counters of one device allocator (the caller holds its lock)."""
 
-    __slots__ = ("s", "_offsets")
+    __slots__ = ("s", "kinds", "every", "_offsets")
 
     def __init__(self) -> None:
         self.s = [0] * SLOTS
+        self.every = Every()
+        small, large = self.kinds = (Counts(0, self.every), Counts(1, self.every))
+        small.other, large.other = large, small
         # total-increase and freed values at the last reset_accumulated, per (base, pool)
         self._offsets = [0] * SLOTS
+
+    def _raw(self, base: int, pool: int, metric: int) -> int:
+        """Slot ``base + metric + pool`` (metric 0 current, PEAK or TOTAL), wherever it is kept."""
+        name = HOT.get(base)
+        if name is None:
+            return self.s[base + metric + pool]
+        return getattr(self.kinds[pool], name + _SUFFIX[metric])  # type: ignore[no-any-return]
 
     def current(self, base: int, pool: int | None = None) -> int:
         if pool is None:
             return self.current(base, 0) + self.current(base, 1)
-        s = self.s
         of = _DERIVED.get(base)
-        return s[base + pool] if of is None else s[of + pool] + s[base + pool]
+        return self._raw(base, pool, 0) if of is None else self._raw(of, pool, 0) + self.s[base + pool]
 
     def _peak(self, base: int, pool: int) -> int:
-        s = self.s
         of = _DERIVED.get(base)
-        return s[base + 2 + pool] if of is None else max(s[base + 2 + pool], s[of + 2 + pool])
+        peak = self._raw(base, pool, PEAK)
+        return peak if of is None else max(peak, self._raw(of, pool, PEAK))
 
     def _total(self, base: int, pool: int) -> int:
-        return self.s[_DERIVED.get(base, base) + 4 + pool]
+        return self._raw(_DERIVED.get(base, base), pool, TOTAL)
+
+    def _raw_peak_all(self, base: int) -> int:
+        name = HOT.get(base)
+        if name is None:
+            return self.s[base + PEAK_ALL]
+        return getattr(self.every, name + "_peak")  # type: ignore[no-any-return]
 
     def reset_peak(self) -> None:
         s = self.s
         for base in range(0, _ARRAYS, 8):
-            s[base + 2], s[base + 3] = self.current(base, 0), self.current(base, 1)
-            s[base + 6] = self.current(base)
+            name = HOT.get(base)
+            if name is None:
+                s[base + 2], s[base + 3] = self.current(base, 0), self.current(base, 1)
+                s[base + 6] = self.current(base)
+            else:
+                for pool in (0, 1):
+                    setattr(self.kinds[pool], name + "_peak", self.current(base, pool))
+                setattr(self.every, name + "_peak", self.current(base))
 
     def reset_accumulated(self) -> None:
         off = self._offsets
@@ -231,7 +301,8 @@ class Stats:
 
     def _peak_all(self, base: int) -> int:
         of = _DERIVED.get(base)
-        return self.s[base + 6] if of is None else max(self.s[base + 6], self.s[of + 6])
+        peak = self._raw_peak_all(base)
+        return peak if of is None else max(peak, self._raw_peak_all(of))
 
     def as_dict(self, max_split_size: int) -> OrderedDict[str, int]:
         """Flat ``<stat>.<pool>.<metric>`` keys plus the scalars, sorted like

@@ -6,6 +6,7 @@ switched off; after every step their blocks, statistics and snapshots agree.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -60,3 +61,38 @@ def test_fast_and_named_steps_agree(config: str, script: list) -> None:
         for b in live:
             alloc.free(b)
         alloc.empty_cache()
+
+
+@pytest.mark.parametrize("holes", [0, 1, 10])
+@pytest.mark.parametrize("size", [1, 4096, 3 * MiB])
+def test_cached_pairs_take_the_fast_paths(holes: int, size: int) -> None:
+    """An allocate+free pair of a cached size, with ``holes`` free 4 KiB blocks cached
+    between allocated ones, never reaches the named steps (it cuts the segment's rest
+    or a hole, takes a hole whole, merges into the free rest or stands in for a hole)
+    and leaves the books the named steps leave."""
+    pairs = []
+    for fast in (True, False):
+        backend = CpuBackend(1, None)
+        alloc = DeviceAllocator(backend, 0, parse("expandable_segments:False"))
+        if not fast:
+            alloc._fast = False
+        stream = Runtime(backend).default_stream(0)
+        blocks = [alloc.malloc(4096, stream) for _ in range(2 * holes)]
+        for b in blocks[::2]:
+            alloc.free(b)
+        alloc.free(alloc.malloc(size, stream))  # the segment a large size needs
+        pairs.append((alloc, stream, blocks[1::2]))
+    fast_alloc = pairs[0][0]
+
+    def named_step(*args: object) -> None:
+        raise AssertionError("the pair left the fast path")
+
+    fast_alloc._malloc_steps = named_step  # type: ignore[method-assign]
+    fast_alloc._free_block = named_step  # type: ignore[method-assign]
+    for _ in range(3):
+        for alloc, stream, _kept in pairs:
+            alloc.free(alloc.malloc(size, stream))
+        (fa, _, _), (sa, _, _) = pairs
+        assert fa.stats() == sa.stats()
+        assert _layout(fa) == _layout(sa)
+        check_invariants(fa)
