@@ -207,3 +207,64 @@ def test_nothing_is_unmapped_during_a_capture(vm):
         a.release_pool((1, 0))
     check_invariants(a)
     _release(a, [*live, w])
+
+
+def test_pools_needing_pages_in_turn_settle(vm):
+    """Repeating patterns of small- and large-pool temporaries: after a few periods
+    no page is mapped or unmapped any more (a segment that grew since the growing
+    one last did keeps what that growth mapped, so pages are not passed back and
+    forth between the pools)."""
+    import random
+
+    backend, s = vm
+    still_mapping = []
+    for seed in range(12):
+        rng = random.Random(seed)
+        a = DeviceAllocator(backend, 0, parse("expandable_segments:True"))
+        cache = [a.malloc(int(rng.uniform(0.2, 9) * MiB), s) for _ in range(rng.randint(1, 4))]
+        period = [
+            [int(rng.choice([rng.uniform(0.05, 1), rng.uniform(1, 12)]) * MiB) for _ in range(rng.randint(1, 5))]
+            for _ in range(rng.randint(2, 5))
+        ]
+        for rep in range(12):
+            if rep == 8:
+                before = a.stats()
+            for step in period:
+                temps = [a.malloc(n, s) for n in step]
+                rng.shuffle(temps)
+                for t in temps:
+                    a.free(t)
+        after = a.stats()
+        if (after["num_device_alloc"], after["num_device_free"]) != (
+            before["num_device_alloc"],
+            before["num_device_free"],
+        ):
+            still_mapping.append(seed)
+        check_invariants(a)
+        _release(a, cache)
+    assert still_mapping == []
+
+
+def test_the_whole_free_pages_beyond_the_new_block_go_back_too(vm):
+    backend, s = vm
+    a = DeviceAllocator(backend, 0, parse("expandable_segments:True"))
+    p = a.malloc(10 * MiB, s)  # [0, 10)
+    base = p.ptr
+    q = a.malloc(int(2.25 * MiB), s)  # [10, 12.25)
+    r = a.malloc(int(5.5 * MiB), s)  # [12.25, 17.75)
+    a.free(r)
+    a.free(p)
+    d = a.malloc(int(3.5 * MiB), s)  # [12.25, 15.75)
+    e = a.malloc(4 * MiB, s)  # [0, 4)
+    f = a.malloc(8 * MiB, s)  # the end, [15.75, 23.75); pages [4, 10) given back
+    a.free(q)
+    a.free(e)
+    assert a.stats()["reserved_bytes.all.current"] == 18 * MiB
+    # Free [0, 4), unmapped [4, 10), free [10, 12.25). 10 MiB goes from 0 over the
+    # unmapped run (3 new pages) and the free block after the run joins it; that
+    # block's whole page [10, 12) is beyond the new block: it goes back first.
+    g = a.malloc(10 * MiB, s)
+    assert g.ptr == base
+    assert a.stats()["reserved_bytes.all.current"] == 22 * MiB
+    check_invariants(a)
+    _release(a, [d, f, g])
