@@ -16,7 +16,12 @@ Where accel deliberately differs:
   the host backend's ``free`` (like Level Zero's) is not stream ordered;
 - expandable segments can be toggled at runtime: existing expandable blocks
   stay in use while they are allocated, free ones are skipped while the
-  setting is off and given back by ``empty_cache``.
+  setting is off and given back by ``empty_cache``;
+- expandable segments map 2 MiB pages in both pools, and one that must grow
+  first unmaps the whole free pages of the holes of every expandable segment
+  of the allocator and maps their physical pages again where it grows
+  (PyTorch keeps holes mapped until ``empty_cache``); the growth goes where
+  the fewest new pages are needed (see ``_map_target``, ``_give_back_holes``).
 """
 
 from __future__ import annotations
