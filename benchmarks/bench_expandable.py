@@ -5,18 +5,25 @@ backend (one stream), in one run, under four settings:
 
 - ``plain``: ``expandable_segments:False``;
 - ``holes kept``: expandable segments that keep every hole mapped until
-  ``empty_cache`` (the policy before, and PyTorch's): ``expandable_keep_free_mb``
-  set very large;
-- ``given back``: expandable segments with the default ``expandable_keep_free_mb:2``
-  (the whole free pages of holes are unmapped when the segment grows);
-- ``given back, keep 0``: the same keeping nothing mapped.
+  ``empty_cache`` (PyTorch's policy): ``expandable_keep_free_mb`` set very large;
+- ``given back``: expandable segments with the default ``expandable_keep_free_mb:0``
+  (the whole free pages of holes are unmapped when a segment grows);
+- ``given back, keep 2``: the same keeping 2 MiB of free pages mapped per segment.
 
 For each it reports peak reserved / peak requested and the backend's map plus
-unmap calls per allocation. The traces: three reallocation-heavy ones written
-here (seeded, so every run replays the same events) and, without ``--quick``,
-the model traces of ``bench_allocator.py`` (recorded from torch at run time).
+unmap calls per allocation, and for ``given back`` whether peak reserved is at
+most peak requested plus two pages per (pool, stream) in use, with what the
+excess is made of at the moment of peak reserved: bytes lost to 512-byte
+rounding, free bytes of the partial pages at the edges of holes (and how many
+holes), whole free pages still mapped, the free ends of the segments' last
+pages, less how far requested bytes then were below their peak.
 
-Run: ``python benchmarks/bench_expandable.py [--quick]`` from the repository root.
+The traces: three reallocation-heavy ones written here (seeded, so every run
+replays the same events) and, without ``--quick``, the model traces of
+``bench_allocator.py`` (recorded from torch at run time). ``--seeds N`` replays
+each written trace with N seeds instead and reports how often the bound holds.
+
+Run: ``python benchmarks/bench_expandable.py [--quick] [--seeds N]`` from the repository root.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from accel._runtime import Runtime  # noqa: E402
+from accel.allocator._blocks import FREE  # noqa: E402
 from accel.allocator._caching import DeviceAllocator  # noqa: E402
 from accel.allocator.config import parse  # noqa: E402
 from accel.backends.cpu import CpuBackend  # noqa: E402
@@ -42,7 +50,7 @@ CONFIGS = {
     "plain": "expandable_segments:False",
     "holes kept": "expandable_segments:True,expandable_keep_free_mb:1000000",
     "given back": "expandable_segments:True",
-    "given back, keep 0": "expandable_segments:True,expandable_keep_free_mb:0",
+    "given back, keep 2": "expandable_segments:True,expandable_keep_free_mb:2",
 }
 
 
@@ -168,14 +176,45 @@ class _Counting(CpuBackend):
         super().vm_unmap(device, addr, nbytes)
 
 
-def replay(events: Events, config: str) -> dict[str, float]:
-    """Peak requested and reserved bytes, and map+unmap calls per allocation."""
+def _excess(alloc: DeviceAllocator, requested: int) -> dict[str, int]:
+    """What the bytes reserved beyond ``requested`` are made of, now."""
+    out = {"rounding": 0, "holes": 0, "hole_edges": 0, "whole_free": 0, "segment_ends": 0}
+    for seg in alloc._segments.values():
+        blocks = [b for b in seg.blocks() if b.mapped]
+        for b in blocks:
+            if b.state != FREE:
+                out["rounding"] += b.size - b.requested
+        if not seg.expandable:
+            out["whole_free"] += sum(b.size for b in blocks if b.state == FREE)
+            continue
+        page = seg.page
+        last_live = max((b.ptr for b in blocks if b.state != FREE), default=seg.base - 1)
+        for b in blocks:
+            if b.state != FREE:
+                continue
+            first = seg.base + -(-(b.ptr - seg.base) // page) * page
+            last = seg.base + (b.ptr + b.size - seg.base) // page * page
+            whole = max(0, last - first)
+            out["whole_free"] += whole
+            if b.ptr > last_live:
+                out["segment_ends"] += b.size - whole
+            else:
+                out["holes"] += 1
+                out["hole_edges"] += b.size - whole
+    out["requested_then"] = requested
+    return out
+
+
+def replay(events: Events, config: str, explain: bool = False) -> dict[str, float]:
+    """Peak requested and reserved bytes, map+unmap calls per allocation, and
+    (``explain``) what the excess was made of at the moment of peak reserved."""
     backend = _Counting(1, None)
     stream = Runtime(backend).default_stream(0)
     alloc = DeviceAllocator(backend, 0, parse(config))
     live: dict[int, object] = {}
     sizes: dict[int, int] = {}
-    requested = peak = allocations = 0
+    requested = peak = allocations = top = 0
+    at_peak: dict[str, int] = {}
     for event in events:
         if event[0] == "a":
             _, ident, nbytes = event
@@ -184,6 +223,9 @@ def replay(events: Events, config: str) -> dict[str, float]:
             requested += nbytes
             peak = max(peak, requested)
             allocations += 1
+            if explain and alloc._reserved() > top:
+                top = alloc._reserved()
+                at_peak = _excess(alloc, requested)
         else:
             alloc.free(live.pop(event[1]))  # type: ignore[arg-type]
             requested -= sizes.pop(event[1])
@@ -197,6 +239,7 @@ def replay(events: Events, config: str) -> dict[str, float]:
         "reserved": stats["reserved_bytes.all.peak"],
         "calls_per_alloc": (backend.maps + backend.unmaps) / allocations,
         "bound": peak + 2 * PAGE * pools,  # two pages per (pool, stream) in use
+        **at_peak,
     }
 
 
@@ -227,21 +270,55 @@ def run(quick: bool) -> list[dict]:
     return rows
 
 
+def _seeds(n: int) -> None:
+    """Each written trace with ``n`` seeds: how often the bound holds, and the excess."""
+    print(f"peak reserved - peak requested over {n} seeds per trace (MiB); bound: two pages per (pool, stream)")
+    print(f"{'trace':>40} | {'setting':>18} | met | median | max | never worse than plain")
+    for name, make in TRACES.items():
+        runs: dict[str, list[dict[str, float]]] = {label: [] for label in CONFIGS}
+        seed0 = make.__defaults__[0]  # type: ignore[index]
+        for k in range(n):
+            events = make(seed0 + 100 * k)
+            for label, config in CONFIGS.items():
+                runs[label].append(replay(events, config))
+        for label in CONFIGS:
+            if label == "plain":
+                continue
+            excess = sorted((r["reserved"] - r["requested"]) / MiB for r in runs[label])
+            met = sum(r["reserved"] <= r["bound"] for r in runs[label])
+            worse = sum(r["reserved"] > p["reserved"] for r, p in zip(runs[label], runs["plain"]))
+            print(f"{name:>40} | {label:>18} | {met:>2}/{n} | {excess[n // 2]:6.1f} | {excess[-1]:5.1f} | "
+                  f"{'yes' if not worse else f'no ({worse} worse)'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the written traces only")
+    parser.add_argument("--seeds", type=int, default=0, help="replay each written trace with this many seeds")
     args = parser.parse_args(argv)
+    if args.seeds:
+        _seeds(args.seeds)
+        return 0
     print("peak reserved / peak requested (map+unmap calls per allocation); one stream, host backend")
     print(f"{'trace':>40} | {'events':>6} | {'peak req.':>9} | " + " | ".join(f"{c:>19}" for c in CONFIGS)
-          + " | bound met (given back)")
+          + " | given back: excess, bound, met")
+    explained = []
     for name, events in _traces(args.quick).items():
-        results = {label: replay(events, config) for label, config in CONFIGS.items()}
+        results = {label: replay(events, config, explain=label == "given back") for label, config in CONFIGS.items()}
         cells = [f"{r['reserved'] / r['requested']:7.3f} ({r['calls_per_alloc']:5.2f})" for r in results.values()]
         given = results["given back"]
         met = given["reserved"] <= given["bound"] and given["reserved"] <= results["plain"]["reserved"]
         print(f"{name:>40} | {len(events):>6} | {results['plain']['requested'] / MiB:>5.0f} MiB | "
-              + " | ".join(f"{c:>19}" for c in cells) + f" | {'yes' if met else 'NO'}"
-              f" (+{(given['reserved'] - given['requested']) / MiB:.1f} MiB)")
+              + " | ".join(f"{c:>19}" for c in cells)
+              + f" | +{(given['reserved'] - given['requested']) / MiB:.1f} MiB, "
+              f"+{(given['bound'] - given['requested']) / MiB:.0f} MiB, {'yes' if met else 'NO'}")
+        explained.append((name, given))
+    print("\ngiven back, at the moment of peak reserved (MiB): excess = rounding (KiB) + hole edges + whole free pages"
+          " + segment ends - (peak requested - requested then)")
+    for name, g in explained:
+        print(f"{name:>40} | +{(g['reserved'] - g['requested']) / MiB:5.2f} = {g['rounding'] / 1024:.0f} KiB"
+              f" + {g['hole_edges'] / MiB:.2f} ({g['holes']:.0f} holes) + {g['whole_free'] / MiB:.2f}"
+              f" + {g['segment_ends'] / MiB:.2f} - {(g['requested'] - g['requested_then']) / MiB:.2f}")
     return 0
 
 

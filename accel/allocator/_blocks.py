@@ -28,7 +28,7 @@ class Segment:
 
     __slots__ = (
         "owner", "base", "size", "stream", "pool", "expandable", "page", "pages", "head",
-        "frames",
+        "frames", "grown_at", "last_growth",
     )
 
     def __init__(self, owner: object, base: int, size: int, stream: int, pool: Pool, expandable: bool) -> None:
@@ -40,6 +40,8 @@ class Segment:
         self.expandable = expandable
         self.page = 0  # expandable: bytes per physical chunk
         self.pages: dict[int, int] = {}  # expandable: page index -> physical handle
+        self.grown_at = 0  # expandable: the owner's growth count when this segment last grew
+        self.last_growth = 0  # expandable: bytes mapped by that growth
         self.head: Block | None = None
         self.frames: list[dict[str, Any]] = []
 

@@ -16,7 +16,12 @@ Where accel deliberately differs:
   the host backend's ``free`` (like Level Zero's) is not stream ordered;
 - expandable segments can be toggled at runtime: existing expandable blocks
   stay in use while they are allocated, free ones are skipped while the
-  setting is off and given back by ``empty_cache``.
+  setting is off and given back by ``empty_cache``;
+- expandable segments map 2 MiB pages in both pools, and one that must grow
+  first unmaps the whole free pages of the holes of every expandable segment
+  of the allocator and maps their physical pages again where it grows
+  (PyTorch keeps holes mapped until ``empty_cache``); the growth goes where
+  the fewest new pages are needed (see ``_map_target``, ``_give_back_holes``).
 """
 
 from __future__ import annotations
@@ -163,6 +168,7 @@ class DeviceAllocator:
         # segment goes back upstream once nothing is allocated from it.
         self._orphaned = False
         self._fast = False  # see _update_fast
+        self._growths = 0  # expandable segment growths: the clock of Segment.grown_at
         self._apply_config(config)
 
     def __repr__(self) -> str:
@@ -514,26 +520,47 @@ class DeviceAllocator:
         found = self._map_target(seg, size)
         if found is None:
             return None
-        b, before = found
-        page = seg.page
-        nbytes = -(-(size - before) // page) * page
-        # Growing: give back the free pages of holes first (hysteresis inside). The
-        # blocks around the target stay as they are, so the target stays valid.
-        if self._give_back_holes(seg, nbytes, b) and pool.expandable.get(handle) is not seg:
-            return self._alloc_expandable(pool, handle, size)  # left wholly unmapped, it went
-        if self._allowed is not None and self._reserved() + nbytes > self._allowed:
-            self._fraction_refused = True
-            return None
-        if not self._map_pages(seg, b.ptr, nbytes):
-            return None
-        if nbytes < b.size:
-            rest = Block(b.ptr + nbytes, b.size - nbytes, seg, mapped=False)
+        b, addr, nbytes, absorb = found
+        # The free blocks the new pages join: the give-back leaves alone the part
+        # of them the new block will take.
+        joined = (b.prev if absorb else None, b.next if addr + nbytes == b.ptr + b.size else None)
+        start = b.prev.ptr if absorb and b.prev is not None else addr
+        spares: list[int] = []  # physical pages the give-back unmapped, mapped again here
+        try:
+            # Growing: give back the whole free pages of holes first.
+            if self._give_back_holes(seg, nbytes, joined, start + size, spares) and pool.expandable.get(handle) is not seg:
+                return self._alloc_expandable(pool, handle, size)  # left wholly unmapped, it went
+            if self._allowed is not None and self._reserved() + nbytes > self._allowed:
+                self._fraction_refused = True
+                return None
+            if not self._map_pages(seg, addr, nbytes, spares):
+                return None
+        finally:
+            for h in spares:
+                self.upstream.vm_release(h, seg.page)
+        # Pages given back next to the target merged into it: find it again.
+        b = self._unmapped_at(seg, addr)
+        end = addr + nbytes
+        if end < b.ptr + b.size:
+            rest = Block(end, b.ptr + b.size - end, seg, mapped=False)
             rest.prev, rest.next = b, b.next
             if b.next is not None:
                 b.next.prev = rest
             b.next = rest
-            b.size = nbytes
+            b.size = end - b.ptr
+        if addr > b.ptr:
+            head = Block(b.ptr, addr - b.ptr, seg, mapped=False)
+            head.prev, head.next = b.prev, b
+            if b.prev is not None:
+                b.prev.next = head
+            else:
+                seg.head = head
+            b.prev = head
+            b.ptr, b.size = addr, nbytes
         b.mapped = True
+        self._growths += 1
+        seg.grown_at = self._growths
+        seg.last_growth = nbytes
         s = self._stats.s
         S.inc(s, S.RESERVED_BYTES, pool.kind, nbytes)
         s[S.NUM_DEVICE_ALLOC] += 1
@@ -542,57 +569,134 @@ class DeviceAllocator:
         return self._merge_free(b)
 
     @staticmethod
-    def _map_target(seg: Segment, size: int) -> tuple[Block, int] | None:
-        """The lowest unmapped block where a free mapped block before it plus the
-        unmapped run hold ``size`` (holes are filled before the end grows), with
-        the bytes of that free block; None when the reservation is full."""
+    def _unmapped_at(seg: Segment, addr: int) -> Block:
+        b = seg.head
+        while b is not None and b.ptr + b.size <= addr:
+            b = b.next
+        if b is None or b.mapped:
+            raise AssertionError(f"no unmapped block of {seg.base:#x} holds {addr:#x}")
+        return b
+
+    @staticmethod
+    def _map_target(seg: Segment, size: int) -> tuple[Block, int, int, bool] | None:
+        """Where ``seg`` grows to hold ``size`` bytes: ``(unmapped block, first address
+        to map, bytes to map, whether the new block starts in the free block before)``;
+        None when the reservation is full.
+
+        Every unmapped run is a candidate with the free blocks around it (the partial
+        pages at the edges of a hole, or the free end of the last page): the new block
+        starts at the start of the free block before (or of the run), running into the
+        free block after if need be, or it starts on a page boundary and ends in the
+        free block after. Chosen, in this order: the fewest new pages (the least memory
+        now: free bytes mapped after the growth are the same for every such choice);
+        the fewest bytes of the pages the new block touches beyond its size (each
+        edge of it that is not on a page boundary leaves a partial page mapped when
+        its neighbour there is freed); the most free bytes taken in (partial pages
+        filled). No free block is left stranded between the new block and a live one.
+        """
+        page = seg.page
+        base = seg.base
+        best: tuple[tuple[int, int, int], Block, int, int, bool] | None = None
         b = seg.head
         while b is not None:
             if not b.mapped:
-                prev = b.prev
-                before = prev.size if prev is not None and prev.state == FREE and prev.mapped else 0
-                if before + b.size >= size:
-                    return b, before
+                prev, nxt = b.prev, b.next
+                before = prev.size if prev is not None and prev.state == FREE else 0
+                after = nxt.size if nxt is not None and nxt.state == FREE else 0
+                run_end = b.ptr + b.size
+                # (bytes to map, first address mapped, whether the free block before is taken in)
+                options = []
+                if size <= before + b.size:  # from the start of the free block before (or of the run)
+                    options.append((-(-(size - before) // page) * page, b.ptr, before > 0))
+                elif size <= before + b.size + after:  # across the run into the free block after
+                    options.append((b.size, b.ptr, before > 0))
+                if after and size <= after + b.size:  # from a page boundary to the end of the free block after
+                    n = -(-(size - after) // page) * page
+                    if n < b.size:
+                        options.append((n, run_end - n, False))
+                for n, addr, absorb in options:
+                    start = addr - before if absorb else addr  # of the new block
+                    taken = (before if absorb else 0) + (after if addr + n == run_end else 0)
+                    off = start - base
+                    key = (n, (-(-(off + size) // page) - off // page) * page - size, -taken)
+                    if best is None or key < best[0]:
+                        best = (key, b, addr, n, absorb)
             b = b.next
-        return None
+        return None if best is None else best[1:]
 
-    def _give_back_holes(self, seg: Segment, growth: int, target: Block) -> int:
-        """Before ``seg`` maps ``growth`` more bytes at unmapped block ``target``: unmap
-        the whole free pages inside its free blocks (the neighbours of ``target``,
-        which the growth extends, excepted), highest first, at most ``growth`` bytes, keeping ``expandable_keep_free`` of them
-        mapped (hysteresis: a steady state maps and unmaps nothing). Only when the
-        segment's stream has no queued work: its free blocks may still be in use by
-        that stream's work (blocks waiting for other streams are not free at all).
-        Returns the bytes unmapped."""
-        page = seg.page
-        holes = []
-        total = 0
-        spared = (target.prev, target.next)
-        b = seg.head
-        while b is not None:
-            if b.state == FREE and b.mapped and b not in spared:
-                first = seg.base + -(-(b.ptr - seg.base) // page) * page
-                last = seg.base + (b.ptr + b.size - seg.base) // page * page
-                if last > first:
-                    holes.append((b, first, last))
-                    total += last - first
-            b = b.next
-        budget = min(growth, total - self._keep_free)
-        if budget < page or self._captures:  # nothing goes back upstream during a capture
+    def _give_back_holes(
+        self,
+        growing: Segment,
+        growth: int,
+        joined: tuple[Block | None, Block | None],
+        upto: int,
+        spares: list[int],
+    ) -> int:
+        """Before segment ``growing`` maps ``growth`` more bytes: unmap whole free pages
+        of the holes of this allocator's expandable segments (both default pools,
+        every stream; of ``joined``, the free blocks before and after the growth,
+        only the pages after ``upto``, the end of the new block), the
+        growing segment's first, highest first, at most ``growth`` bytes in all. Their
+        physical pages go to ``spares``, to be mapped again by the growth. Returns the
+        bytes unmapped.
+
+        Hysteresis: reserved memory never shrinks here, so a pattern that fits the
+        mapped pages maps and unmaps nothing; ``expandable_keep_free`` bytes of each
+        segment's free pages stay mapped; and a segment that grew since ``growing``
+        last did keeps as many free pages as that growth mapped, so that two
+        segments needing pages in turn do not pass them back and forth for ever.
+        A segment's pages are touched only when its stream has no queued work (its
+        free blocks may still be in use by that work; blocks waiting for other
+        streams are not free at all), and nothing during a capture.
+        """
+        if self._captures:  # nothing goes back upstream during a capture
             return 0
-        try:
-            idle = self.backend.stream_query(self.device, seg.stream)
-        except AccelError:  # a closed stream's work may still run: leave its pages be
-            idle = False
-        if not idle:
-            return 0
-        budget -= budget % page
+        segments = [growing] + [
+            s for pool in (self._small, self._large) for s in pool.expandable.values() if s is not growing
+        ]
+        idle: dict[int, bool] = {}
+        # (bytes that may go, whole free pages of the segment's free blocks, highest first)
+        plan: list[tuple[int, list[tuple[Block, int, int]]]] = []
+        for seg in segments:
+            page = seg.page
+            found = []
+            whole = 0
+            b = seg.head
+            while b is not None:
+                if b.state == FREE and b.mapped and b is not joined[0]:
+                    lo = max(b.ptr, upto) if b is joined[1] else b.ptr
+                    first = seg.base + -(-(lo - seg.base) // page) * page
+                    last = seg.base + (b.ptr + b.size - seg.base) // page * page
+                    if last > first:
+                        found.append((b, first, last))
+                        whole += last - first
+                b = b.next
+            keep = self._keep_free
+            if seg.grown_at > growing.grown_at:
+                keep = max(keep, seg.last_growth)
+            if whole <= keep:
+                continue
+            if seg.stream not in idle:
+                try:
+                    idle[seg.stream] = self.backend.stream_query(self.device, seg.stream)
+                except AccelError:  # a closed stream's work may still run: leave its pages be
+                    idle[seg.stream] = False
+            if idle[seg.stream]:
+                plan.append((whole - keep, found[::-1]))
         unmapped = 0
-        for b, first, last in reversed(holes):
-            take = min(last - first, budget - unmapped)
-            self._take_off_list(b)
-            unmapped += self._unmap_pages(b, last - take, last)
-            if unmapped >= budget:
+        for allowed, found in plan:
+            taken = 0
+            for b, first, last in found:
+                page = b.segment.page
+                take = min(last - first, allowed - taken, growth - unmapped)
+                take -= take % page
+                if take <= 0:
+                    break
+                self._take_off_list(b)
+                done = self._unmap_pages(b, last - take, last, spares)
+                taken += done
+                unmapped += done
+            if unmapped >= growth:
                 break
         return unmapped
 
@@ -615,8 +719,9 @@ class DeviceAllocator:
             pool.private.segments += 1
         return seg
 
-    def _map_pages(self, seg: Segment, addr: int, nbytes: int) -> bool:
-        """Map physical pages over ``[addr, addr + nbytes)``; all or nothing.
+    def _map_pages(self, seg: Segment, addr: int, nbytes: int, spares: list[int]) -> bool:
+        """Map physical pages over ``[addr, addr + nbytes)``; all or nothing. Pages in
+        ``spares`` (unmapped elsewhere just before) are used first, new ones made for the rest.
 
         False when upstream is out of memory; other errors propagate, with
         every page made in this call given back first.
@@ -624,7 +729,7 @@ class DeviceAllocator:
         page, done = seg.page, []
         try:
             for start in range(addr, addr + nbytes, page):
-                h = self.upstream.vm_create(page)
+                h = spares.pop() if spares else self.upstream.vm_create(page)
                 try:
                     self.upstream.vm_map(start, page, h)
                 except BaseException:
@@ -653,10 +758,11 @@ class DeviceAllocator:
         last = seg.base + (b.ptr + b.size - seg.base) // page * page
         return self._unmap_pages(b, first, last)
 
-    def _unmap_pages(self, b: Block, first: int, last: int) -> int:
+    def _unmap_pages(self, b: Block, first: int, last: int, spares: list[int] | None = None) -> int:
         """Unmap the pages ``[first, last)`` (page aligned, inside free block ``b``, which
-        is off its list); the rest of ``b`` goes back on its list. Returns the bytes
-        unmapped (fewer when the driver fails part way: the error propagates)."""
+        is off its list); the rest of ``b`` goes back on its list. The physical pages
+        are released, or kept in ``spares`` when given. Returns the bytes unmapped
+        (fewer when the driver fails part way: the error propagates)."""
         seg, page = b.segment, b.segment.page
         if last <= first:
             self._insert_free(b)
@@ -666,7 +772,11 @@ class DeviceAllocator:
             while done < last:
                 index = (done - seg.base) // page
                 self.upstream.vm_unmap(done, page)
-                self.upstream.vm_release(seg.pages.pop(index), page)
+                handle = seg.pages.pop(index)
+                if spares is None:
+                    self.upstream.vm_release(handle, page)
+                else:
+                    spares.append(handle)
                 done += page
         finally:
             if done > first:

@@ -122,11 +122,12 @@ KEYS: tuple[KeySpec, ...] = (
         "common", True,
     ),
     KeySpec(
-        "expandable_keep_free_mb", "expandable_keep_free", "mib", "MiB", "2", ">= 0",
-        "accel only. When an expandable segment must grow, the whole free pages inside its "
-        "holes are unmapped first (new pages are mapped only for the rest), except this "
-        "much, kept mapped so that a steady state does not map and unmap every step. "
-        "A large value keeps every hole mapped, as PyTorch does.",
+        "expandable_keep_free_mb", "expandable_keep_free", "mib", "MiB", "0", ">= 0",
+        "accel only. When an expandable segment must grow, the whole free pages inside the "
+        "holes of the allocator's expandable segments are unmapped first (at most as many as "
+        "it grows by, so a steady state maps and unmaps nothing) and their physical pages "
+        "mapped again where needed; new pages are made only for the rest. This much of the "
+        "free pages stays mapped besides. A large value keeps every hole mapped, as PyTorch does.",
         "none", True,
     ),
     KeySpec(

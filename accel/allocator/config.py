@@ -124,8 +124,8 @@ class AllocatorConfig:
     """0.0: off."""
     roundup_power2_divisions: tuple[int, ...] = (0,) * ROUNDUP_SLOTS
     expandable_segments: bool = False
-    expandable_keep_free: int = 2 * MIB
-    """Free bytes of holes an expandable segment keeps mapped when it grows."""
+    expandable_keep_free: int = 0
+    """Free bytes of holes the expandable segments keep mapped when one grows."""
     pinned_use_background_threads: bool = False
     pinned_max_round_threshold: int | None = None
     pinned_max_cached_size: int | None = None

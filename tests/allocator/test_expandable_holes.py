@@ -13,6 +13,7 @@ import pytest
 
 from accel._runtime import Runtime
 from accel.allocator._caching import DeviceAllocator
+from accel.allocator._resources import BackendResource, StatisticsAdaptor
 from accel.allocator.config import parse
 from tests.allocator.test_caching import check_invariants
 
@@ -124,16 +125,74 @@ def test_a_steady_state_maps_and_unmaps_nothing(vm):
     backend, s = vm
     a = DeviceAllocator(backend, 0, parse("expandable_segments:True,expandable_keep_free_mb:0"))
     cache = [a.malloc(5 * MiB, s), a.malloc(3 * MiB, s)]
-    for step in range(12):
+    for step in range(15):
+        # A period of three steps; the 1 MiB temporary is in the small pool. In the
+        # first period the large pool takes the small pool's free page; the small
+        # pool maps one again in the second and keeps it from then on.
         temps = [a.malloc((1 + step % 3) * MiB, s), a.malloc(7 * MiB, s)]
         for t in temps:
             a.free(t)
-        if step == 3:
+        if step == 5:
             before = a.stats()
     after = a.stats()
     assert after["num_device_alloc"] == before["num_device_alloc"]
     assert after["num_device_free"] == before["num_device_free"]
+    assert after["reserved_bytes.all.current"] == before["reserved_bytes.all.current"]
     _release(a, cache)
+
+
+def test_growth_takes_the_free_pages_of_the_other_pool_and_maps_them_again(vm):
+    backend, s = vm
+    counted = StatisticsAdaptor(BackendResource(backend, 0))
+    a = DeviceAllocator(backend, 0, parse("expandable_segments:True"), upstream=counted)
+    big = a.malloc(4 * MiB, s)  # the large pool: 2 pages
+    small = [a.malloc(1 * MiB, s) for _ in range(3)]  # the small pool: 2 pages, one growth each
+    for b in small:
+        a.free(b)
+    assert a.stats()["reserved_bytes.all.current"] == 8 * MiB
+    assert counted.counts.allocations == 4
+    # The large pool grows by 3 pages. The small pool grew after it last did, so it
+    # keeps what its last growth mapped (a page) and gives the other; that physical
+    # page is mapped again in the large pool, not released and made anew.
+    more = a.malloc(6 * MiB, s)
+    check_invariants(a)
+    assert a.stats()["reserved_bytes.all.current"] == 12 * MiB
+    assert counted.counts.allocations == 6
+    # Growing again, the large pool takes the small pool's last page too: the
+    # small pool's reservation goes back, and no page is made.
+    last = a.malloc(2 * MiB, s)
+    check_invariants(a)
+    stats = a.stats()
+    assert stats["reserved_bytes.all.current"] == 12 * MiB
+    assert stats["reserved_bytes.small_pool.current"] == 0
+    assert stats["segment.small_pool.current"] == 0
+    assert counted.counts.allocations == 6
+    assert counted.counts.current_bytes == 12 * MiB
+    _release(a, [big, more, last])
+    assert counted.counts.current_bytes == 0
+
+
+def test_growth_maps_where_the_fewest_new_pages_are_needed(vm):
+    backend, s = vm
+    a = DeviceAllocator(backend, 0, parse("expandable_segments:True"))
+    x = a.malloc(int(3.75 * MiB), s)  # [0, 3.75): pages 0-1
+    y = a.malloc(8 * MiB, s)  # [3.75, 11.75): pages 2-5
+    z = a.malloc(3 * MiB, s)  # [11.75, 14.75): pages 6-7
+    base = x.ptr
+    a.free(y)
+    # 9 MiB fits in no hole: the segment grows at its end by 4 pages after giving back
+    # the hole's 3 whole pages, [4, 10). The hole keeps 0.25 MiB mapped before them
+    # and 1.75 MiB after.
+    w = a.malloc(9 * MiB, s)
+    assert w.ptr == base + int(14.75 * MiB)
+    assert a.stats()["reserved_bytes.all.current"] == 18 * MiB
+    # 5.5 MiB: starting in the 0.25 MiB before the hole needs 3 pages, and so does
+    # the end of the segment; ending in the 1.75 MiB after the hole needs 2.
+    v = a.malloc(int(5.5 * MiB), s)
+    assert v.ptr == base + 6 * MiB
+    assert a.stats()["reserved_bytes.all.current"] == 22 * MiB
+    check_invariants(a)
+    _release(a, [x, z, w, v])
 
 
 def test_nothing_is_unmapped_during_a_capture(vm):
@@ -148,3 +207,64 @@ def test_nothing_is_unmapped_during_a_capture(vm):
         a.release_pool((1, 0))
     check_invariants(a)
     _release(a, [*live, w])
+
+
+def test_pools_needing_pages_in_turn_settle(vm):
+    """Repeating patterns of small- and large-pool temporaries: after a few periods
+    no page is mapped or unmapped any more (a segment that grew since the growing
+    one last did keeps what that growth mapped, so pages are not passed back and
+    forth between the pools)."""
+    import random
+
+    backend, s = vm
+    still_mapping = []
+    for seed in range(12):
+        rng = random.Random(seed)
+        a = DeviceAllocator(backend, 0, parse("expandable_segments:True"))
+        cache = [a.malloc(int(rng.uniform(0.2, 9) * MiB), s) for _ in range(rng.randint(1, 4))]
+        period = [
+            [int(rng.choice([rng.uniform(0.05, 1), rng.uniform(1, 12)]) * MiB) for _ in range(rng.randint(1, 5))]
+            for _ in range(rng.randint(2, 5))
+        ]
+        for rep in range(12):
+            if rep == 8:
+                before = a.stats()
+            for step in period:
+                temps = [a.malloc(n, s) for n in step]
+                rng.shuffle(temps)
+                for t in temps:
+                    a.free(t)
+        after = a.stats()
+        if (after["num_device_alloc"], after["num_device_free"]) != (
+            before["num_device_alloc"],
+            before["num_device_free"],
+        ):
+            still_mapping.append(seed)
+        check_invariants(a)
+        _release(a, cache)
+    assert still_mapping == []
+
+
+def test_the_whole_free_pages_beyond_the_new_block_go_back_too(vm):
+    backend, s = vm
+    a = DeviceAllocator(backend, 0, parse("expandable_segments:True"))
+    p = a.malloc(10 * MiB, s)  # [0, 10)
+    base = p.ptr
+    q = a.malloc(int(2.25 * MiB), s)  # [10, 12.25)
+    r = a.malloc(int(5.5 * MiB), s)  # [12.25, 17.75)
+    a.free(r)
+    a.free(p)
+    d = a.malloc(int(3.5 * MiB), s)  # [12.25, 15.75)
+    e = a.malloc(4 * MiB, s)  # [0, 4)
+    f = a.malloc(8 * MiB, s)  # the end, [15.75, 23.75); pages [4, 10) given back
+    a.free(q)
+    a.free(e)
+    assert a.stats()["reserved_bytes.all.current"] == 18 * MiB
+    # Free [0, 4), unmapped [4, 10), free [10, 12.25). 10 MiB goes from 0 over the
+    # unmapped run (3 new pages) and the free block after the run joins it; that
+    # block's whole page [10, 12) is beyond the new block: it goes back first.
+    g = a.malloc(10 * MiB, s)
+    assert g.ptr == base
+    assert a.stats()["reserved_bytes.all.current"] == 22 * MiB
+    check_invariants(a)
+    _release(a, [d, f, g])
