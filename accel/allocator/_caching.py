@@ -841,78 +841,82 @@ class DeviceAllocator:
         lock = self._lock
         lock.acquire()  # not ``with``: see malloc
         try:
-            segment = block.segment
-            if block.state != ALLOCATED or segment.owner is not self:
+            if block.state != ALLOCATED or block.segment.owner is not self:
                 raise InvalidHandleError(
                     f"{block!r} is not allocated by {self!r} (freed twice, or from another allocator)"
                 )
-            if block.stream_uses or self._history is not None or self._orphaned:
-                self._free_locked(block)
-                if self._orphaned:
-                    self._release_if_idle()
-                return
-            # The common case of _free_locked inline: no other stream, no history.
-            pool = block.pool
-            k = self._kinds[pool.kind]
-            size = block.size
-            k.allocation -= 1
-            k.allocated_bytes -= size
-            if size >= self._ms:
-                self._s[OVERSIZE_ALLOCATIONS] -= 1
-            prev = block.prev
-            if self._fast and not segment.expandable and (prev is None or prev.state != FREE):
-                # The fast paths of _free_block (blocks of fixed segments are all
-                # mapped); tests/allocator/test_fast_path.py checks that they leave
-                # the same books. The block is retired either way.
-                nxt = block.next
-                if nxt is not None and nxt.state == FREE:
-                    # The free block after takes this one's place (the common case
-                    # of an allocate+free pair).
-                    k.requested_bytes -= block.requested
-                    block.state = RETIRED
-                    block.prev = block.next = None
-                    listed_size = nxt.size
-                    listed_ptr = nxt.ptr
-                    nxt.ptr = block.ptr
-                    nxt.size = merged = listed_size + size
-                    nxt.prev = prev
-                    if prev is not None:
-                        prev.next = nxt
-                    else:
-                        segment.head = nxt
-                    pool.free[block.stream].replace(listed_size, listed_ptr, nxt)
-                    nxt.gc_base = pool.calls
-                    # inactive_split: the listed rest leaves it; the merged block
-                    # joins it again only if the segment is still split.
-                    k.inactive_split -= 1
-                    k.inactive_split_bytes -= listed_size
-                    if prev is not None or nxt.next is not None:
-                        S.add_inactive_split(k, merged)
-                    return
-                free = pool.free.get(block.stream)
-                if free is not None:
-                    # No free neighbour: a new block object stands in for this one
-                    # (a cached pair that reuses a hole).
-                    k.requested_bytes -= block.requested
-                    block.state = RETIRED
-                    block.prev = block.next = None
-                    new = Block(block.ptr, size, segment)
-                    new.prev = prev
-                    new.next = nxt
-                    if prev is not None:
-                        prev.next = new
-                    else:
-                        segment.head = new
-                    if nxt is not None:
-                        nxt.prev = new
-                    new.gc_base = pool.calls
-                    free.add(new)
-                    if prev is not None or nxt is not None:
-                        S.add_inactive_split(k, size)
-                    return
-            self._free_block(block)
+            self._free_held(block)
         finally:
             lock.release()
+
+    def _free_held(self, block: Block) -> None:
+        """:meth:`free` of an allocated block of this allocator, the lock held."""
+        segment = block.segment
+        if block.stream_uses or self._history is not None or self._orphaned:
+            self._free_locked(block)
+            if self._orphaned:
+                self._release_if_idle()
+            return
+        # The common case of _free_locked inline: no other stream, no history.
+        pool = block.pool
+        k = self._kinds[pool.kind]
+        size = block.size
+        k.allocation -= 1
+        k.allocated_bytes -= size
+        if size >= self._ms:
+            self._s[OVERSIZE_ALLOCATIONS] -= 1
+        prev = block.prev
+        if self._fast and not segment.expandable and (prev is None or prev.state != FREE):
+            # The fast paths of _free_block (blocks of fixed segments are all
+            # mapped); tests/allocator/test_fast_path.py checks that they leave
+            # the same books. The block is retired either way.
+            nxt = block.next
+            if nxt is not None and nxt.state == FREE:
+                # The free block after takes this one's place (the common case
+                # of an allocate+free pair).
+                k.requested_bytes -= block.requested
+                block.state = RETIRED
+                block.prev = block.next = None
+                listed_size = nxt.size
+                listed_ptr = nxt.ptr
+                nxt.ptr = block.ptr
+                nxt.size = merged = listed_size + size
+                nxt.prev = prev
+                if prev is not None:
+                    prev.next = nxt
+                else:
+                    segment.head = nxt
+                pool.free[block.stream].replace(listed_size, listed_ptr, nxt)
+                nxt.gc_base = pool.calls
+                # inactive_split: the listed rest leaves it; the merged block
+                # joins it again only if the segment is still split.
+                k.inactive_split -= 1
+                k.inactive_split_bytes -= listed_size
+                if prev is not None or nxt.next is not None:
+                    S.add_inactive_split(k, merged)
+                return
+            free = pool.free.get(block.stream)
+            if free is not None:
+                # No free neighbour: a new block object stands in for this one
+                # (a cached pair that reuses a hole).
+                k.requested_bytes -= block.requested
+                block.state = RETIRED
+                block.prev = block.next = None
+                new = Block(block.ptr, size, segment)
+                new.prev = prev
+                new.next = nxt
+                if prev is not None:
+                    prev.next = new
+                else:
+                    segment.head = new
+                if nxt is not None:
+                    nxt.prev = new
+                new.gc_base = pool.calls
+                free.add(new)
+                if prev is not None or nxt is not None:
+                    S.add_inactive_split(k, size)
+                return
+        self._free_block(block)
 
     def _free_locked(self, block: Block) -> None:
         s = self._s
@@ -939,9 +943,7 @@ class DeviceAllocator:
         if self._lock.acquire(blocking=False):
             try:
                 if block.state == ALLOCATED:
-                    self._free_locked(block)
-                    if self._orphaned:
-                        self._release_if_idle()
+                    self._free_held(block)
             finally:
                 self._lock.release()
         else:
