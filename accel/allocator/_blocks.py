@@ -8,7 +8,7 @@ free blocks ordered by ``(size, ptr)``, so best fit costs O(log n).
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any
 
 from accel.allocator._freelist import FreeList
 from accel.allocator._pool_ids import PoolId
@@ -20,10 +20,7 @@ __all__ = ["ALLOCATED", "FREE", "PENDING", "RETIRED", "Block", "Pool", "PrivateP
 #: object that was handed to a caller and freed; it is never part of a segment
 #: again, so a stale second ``free`` of it is refused instead of freeing the
 #: memory's next owner.
-FREE: Final = 0
-ALLOCATED: Final = 1
-PENDING: Final = 2
-RETIRED: Final = 3
+FREE, ALLOCATED, PENDING, RETIRED = 0, 1, 2, 3
 
 
 class Segment:

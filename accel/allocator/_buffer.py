@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from typing_extensions import Self
 
-from accel._compiled import mypyc_attr
 from accel._device import Device, DeviceLike
 from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, NotSupportedError
 from accel._runtime import check_not_forked, get_runtime
@@ -96,7 +95,6 @@ def _note_collection(phase: str, info: dict[str, int]) -> None:
 gc.callbacks.append(_note_collection)
 
 
-@mypyc_attr(native_class=False)  # weakly referenced
 class _CachedMemory:
     """What device buffers and staging buffers share: a block of a caching
     allocator that goes back to it on free(), at the end of a ``with`` block,
@@ -163,7 +161,6 @@ class _CachedMemory:
             self._allocator.free_from_finalizer(block)
 
 
-@mypyc_attr(native_class=False)  # weakly referenced
 class _Lease:
     """A Buffer's block while exports of it may be read: it goes back to the
     cache when the last of the buffer and its exports lets go of it."""
@@ -188,7 +185,6 @@ _lease_lock = threading.Lock()
 track_lock(sys.modules[__name__], "_lease_lock")
 
 
-@mypyc_attr(native_class=False)  # weakly referenced
 class Buffer(_CachedMemory):
     """Device memory from the caching allocator.
 
@@ -347,7 +343,6 @@ def allocate(nbytes: int, *, device: DeviceLike = None, stream: Stream | None = 
     return Buffer(allocator.malloc_checked(nbytes, stream), allocator, stream, nbytes)
 
 
-@mypyc_attr(native_class=False)  # weakly referenced
 class HostBuffer(_CachedMemory):
     """Page-locked host memory for asynchronous copies, from a cache.
 

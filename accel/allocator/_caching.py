@@ -25,9 +25,8 @@ import threading
 import warnings
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
-from accel._compiled import mypyc_attr
 from accel._errors import AccelError, CaptureError, DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
 from accel.allocator import _stats as S
 from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED, Block, Pool, PrivatePool, Segment
@@ -54,13 +53,13 @@ if TYPE_CHECKING:
 
 __all__ = ["DeviceAllocator"]
 
-KB_MIN: Final = 512  # minimum block size and rounding quantum
-SMALL_SIZE: Final = 1 << 20  # requests up to this go to the small pool
-SMALL_BUFFER: Final = 2 << 20  # small segments; also the expandable page of the small pool
-MIN_LARGE_ALLOC: Final = 10 << 20  # below this, large requests get a whole large segment
-ROUND_LARGE: Final = 2 << 20  # larger segments are rounded to this
-MAX_REQUEST: Final = 1 << 60  # 1 EiB: PyTorch refuses anything larger
-_UNLIMITED: Final = 1 << 62  # max_split_size when unset
+KB_MIN = 512  # minimum block size and rounding quantum
+SMALL_SIZE = 1 << 20  # requests up to this go to the small pool
+SMALL_BUFFER = 2 << 20  # small segments; also the expandable page of the small pool
+MIN_LARGE_ALLOC = 10 << 20  # below this, large requests get a whole large segment
+ROUND_LARGE = 2 << 20  # larger segments are rounded to this
+MAX_REQUEST = 1 << 60  # 1 EiB: PyTorch refuses anything larger
+_UNLIMITED = 1 << 62  # max_split_size when unset
 
 
 def round_size(size: int, divisions: int) -> int:
@@ -106,8 +105,6 @@ class _PoolRelease:
         self.pool_id = pool_id
 
 
-# Weakly referenced (fork lock tracking), which mypyc's native classes cannot be.
-@mypyc_attr(native_class=False)
 class DeviceAllocator:
     """Caching allocator for one device of one backend.
 

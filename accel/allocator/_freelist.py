@@ -22,17 +22,16 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from accel.allocator._blocks import Block
 
 __all__ = ["FreeList"]
 
-# Not Final (unlike the constants below): tests shrink it to split buckets.
 LOAD = 256  # a bucket is split in two when it grows past 2 * LOAD keys
-_SHIFT: Final = 64  # ptr bits in a key: every address fits
-_ABOVE_ALL: Final = 1 << 128  # above every key
+_SHIFT = 64  # ptr bits in a key: every address fits
+_ABOVE_ALL = 1 << 128  # above every key
 
 
 class FreeList:

@@ -23,7 +23,6 @@ covers it. So the allocation hot path updates three statistics, not five.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Final
 
 __all__ = ["STAT_NAMES", "Stats"]
 
@@ -39,19 +38,10 @@ STAT_NAMES = (
     "inactive_split_bytes",
     "requested_bytes",
 )
-# One name a line, each Final: mypyc (accel/_compiled.py) then compiles them as constants.
-ALLOCATION: Final = 0
-SEGMENT: Final = 8
-ACTIVE: Final = 16
-INACTIVE_SPLIT: Final = 24
-ALLOCATED_BYTES: Final = 32
-RESERVED_BYTES: Final = 40
-ACTIVE_BYTES: Final = 48
-INACTIVE_SPLIT_BYTES: Final = 56
-REQUESTED_BYTES: Final = 64
+ALLOCATION, SEGMENT, ACTIVE, INACTIVE_SPLIT, ALLOCATED_BYTES, RESERVED_BYTES = (0, 8, 16, 24, 32, 40)
+ACTIVE_BYTES, INACTIVE_SPLIT_BYTES, REQUESTED_BYTES = (48, 56, 64)
 #: Oversize stats have no pool dimension; they use the small-pool slots.
-OVERSIZE_ALLOCATIONS: Final = 72
-OVERSIZE_SEGMENTS: Final = 80
+OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS = (72, 80)
 _ARRAYS = 88
 NUM_ALLOC_RETRIES, NUM_OOMS, NUM_SYNC_ALL_STREAMS, NUM_DEVICE_ALLOC, NUM_DEVICE_FREE = range(88, 93)
 SLOTS = 93
@@ -79,9 +69,7 @@ def inc(s: list[int], base: int, pool: int, n: int) -> None:
 
 
 #: Offsets of a statistic's slots from its base (see the layout above).
-PEAK: Final = 2
-TOTAL: Final = 4
-PEAK_ALL: Final = 6
+PEAK, TOTAL, PEAK_ALL = 2, 4, 6
 
 
 # The two helpers below raise several statistics at once, written out in full:

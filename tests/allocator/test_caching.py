@@ -52,10 +52,10 @@ def check_invariants(alloc: DeviceAllocator) -> None:
                     assert b.event_count > 0 or b in alloc._deferred
                 if b.state == FREE and b.mapped:
                     lst = seg.pool.free[seg.stream]
-                    # The first listed block at or after (size, ptr) must be b. Found with
-                    # at_least, not bisect: a FreeList compiled by mypyc is no sequence.
-                    first = next((x for x in lst.at_least(b.size) if (x.size, x.ptr) >= (b.size, b.ptr)), None)
-                    assert first is b, "free block missing from its free list"
+                    from bisect import bisect_left
+
+                    i = bisect_left(lst, (b.size, b.ptr))
+                    assert lst[i][2] is b, "free block missing from its free list"
                     listed += 1
                     if not seg.expandable and b.is_split():
                         count[kind][7] += 1
