@@ -112,6 +112,7 @@ class Graph:
         # Holds on the accel buffers the captured work touches (their memory stays
         # until this graph is reset or collected: every replay writes it).
         self._holds: list[object] = []
+        self._capture_id = 0  # the backend's id of the capture under way (keys the holds)
 
     def __repr__(self) -> str:
         state = "capturing" if self._stream is not None else ("captured" if self._captured else "empty")
@@ -175,13 +176,15 @@ class Graph:
                 _capturing.pop(key, None)
             raise
         self._runtime, self._device, self._stream, self._lease = runtime, device, stream, lease
-        runtime.capture_holds[(device, stream.native_handle)] = self._holds
         self._torch = torch_part
         self.replay_errors.clear()
-        if torch_part is None or torch_part.carries_graph:
-            return
         try:
-            torch_part.start(self._inputs)
+            # Keyed by the capture, not the stream: streams forked into it add theirs too.
+            self._capture_id = runtime.backend.stream_capture_id(device, stream.native_handle)
+            if self._capture_id:
+                runtime.capture_holds[self._capture_id] = self._holds
+            if torch_part is not None and not torch_part.carries_graph:
+                torch_part.start(self._inputs)
         except BaseException:
             self._abort()
             raise
@@ -263,8 +266,9 @@ class Graph:
             self._graph = 0
 
     def _finish_capture(self) -> None:
-        if self._runtime is not None and self._stream is not None:
-            self._runtime.capture_holds.pop((self._device, self._stream.native_handle), None)
+        if self._runtime is not None and self._capture_id:
+            self._runtime.capture_holds.pop(self._capture_id, None)
+            self._capture_id = 0
         with _capturing_lock:
             if self._runtime is not None:
                 key = (self._runtime.name, self._device)

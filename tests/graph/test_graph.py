@@ -344,6 +344,50 @@ print("OK")
 """
 
 
+REPLAY_AFTER_FREE_ON_FORKED_STREAMS = """
+import accel
+from accel.graph import Graph, graph
+
+dst, src = accel.memory.allocate(1 << 20), accel.memory.allocate(1 << 20)
+side, further = accel.Stream(), accel.Stream()
+g = Graph()
+with graph(g):
+    main = accel.current_stream()
+    side.wait_stream(main)  # fork: side joins the capture
+    further.wait_stream(side)  # and a stream forked from the fork
+    side.fill(dst, 7, 4096)
+    further.copy(src, dst, 4096)
+    side.wait_stream(further)
+    main.wait_stream(side)  # joined back
+dst.free()
+src.free()
+accel.memory.empty_cache()  # the buffers' segments would go back to the device
+assert accel.memory.memory_allocated() == 2 << 20, "the graph holds what its forked streams write"
+g.replay()
+accel.synchronize()
+g.reset()
+accel.memory.empty_cache()
+assert accel.memory.memory_allocated() == 0, accel.memory.memory_allocated()
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_buffers_written_on_streams_forked_into_a_capture_are_held_too(backend: str) -> None:
+    """Copies and fills on any stream of the capture (forked from the capturing
+    stream, as CUDA graphs allow) hold their buffers for the graph (a replay after
+    their free() wrote to memory given back to the device: SIGSEGV on the host)."""
+    reason = backend_skip_reason(backend)
+    if reason:
+        pytest.skip(reason)
+    env = {**os.environ, "ACCEL_BACKEND": backend}
+    result = subprocess.run(
+        [sys.executable, "-c", REPLAY_AFTER_FREE_ON_FORKED_STREAMS], capture_output=True, text=True, env=env,
+        cwd=Path(__file__).resolve().parents[2], timeout=120, check=False,
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), (result.returncode, result.stderr[-2000:])
+
+
 @pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
 def test_replaying_a_graph_whose_buffer_was_freed_does_not_crash(backend: str) -> None:
     """The graph holds the memory its captured work writes: a free() meanwhile takes
