@@ -113,6 +113,8 @@ class Graph:
         # until this graph is reset or collected: every replay writes it).
         self._holds: list[object] = []
         self._capture_id = 0  # the backend's id of the capture under way (keys the holds)
+        # torch's part in the capture of the ``with`` block under way, told when it exits.
+        self._block_part: CaptureIntegration | None = None
 
     def __repr__(self) -> str:
         state = "capturing" if self._stream is not None else ("captured" if self._captured else "empty")
@@ -286,22 +288,24 @@ class Graph:
         """Drop a capture under way: backend capture, recorder, pool routing and use."""
         runtime, stream = self._runtime, self._stream
         torch_part, self._torch = self._torch, None
-        if torch_part is not None:
-            torch_part.abort()  # torch's graph, where it carries the capture, ends it
-        backend_capture = torch_part is None or not torch_part.carries_graph
-        if backend_capture and runtime is not None and stream is not None and _still_capturing(stream):
-            try:
-                graph = runtime.backend.stream_end_capture(self._device, stream._live())
-            except CaptureError:
-                pass  # an invalidated capture ends by raising; it is over either way
-            else:
-                runtime.backend.graph_destroy(self._device, graph)
-        self._program = None
-        if self._lease is not None:
-            self._lease.release()
-            self._lease = None
-        self._finish_capture()
-        self._holds.clear()  # nothing will replay it
+        try:
+            if torch_part is not None:
+                torch_part.abort()  # torch's graph, where it carries the capture, ends it
+        finally:  # whatever torch's part raised, the capture must not stay half dropped
+            backend_capture = torch_part is None or not torch_part.carries_graph
+            if backend_capture and runtime is not None and stream is not None and _still_capturing(stream):
+                try:
+                    graph = runtime.backend.stream_end_capture(self._device, stream._live())
+                except CaptureError:
+                    pass  # an invalidated capture ends by raising; it is over either way
+                else:
+                    runtime.backend.graph_destroy(self._device, graph)
+            self._program = None
+            if self._lease is not None:
+                self._lease.release()
+                self._lease = None
+            self._finish_capture()
+            self._holds.clear()  # nothing will replay it
 
     # -- replay ----------------------------------------------------------------
 
@@ -465,16 +469,22 @@ class Graph:
     def __enter__(self) -> Graph:
         _prepare_for_capture()
         self.capture_begin()
+        self._block_part = self._torch
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if exc_type is None:
-            self.capture_end()
-        elif self._stream is not None:
-            self._abort()
-        _sweep()
+        try:
+            if exc_type is None:
+                self.capture_end()
+            elif self._stream is not None:
+                self._abort()
+        finally:
+            _sweep()
+            part, self._block_part = self._block_part, None
+            if part is not None:
+                part.block_exited()
 
 
 def _weak_abort(g: Graph) -> Callable[[], None]:
@@ -578,6 +588,7 @@ class graph:  # noqa: N801 - named like torch.cuda.graph
         except BaseException:
             stream.__exit__(None, None, None)
             raise
+        self._graph._block_part = self._graph._torch
         self._entered = stream
         return self._graph
 
