@@ -111,7 +111,9 @@ class Graph:
         self.replay_errors: list[tuple[str, BaseException]] = []
         # Holds on the accel buffers the captured work touches (their memory stays
         # until this graph is reset or collected: every replay writes it).
-        self._holds: list[object] = []
+        self._holds: list[Any] = []
+        # Streams replays ran on: held memory is reused after they passed its release.
+        self._replayed_on: set[int] = set()
         self._capture_id = 0  # the backend's id of the capture under way (keys the holds)
         # torch's part in the capture of the ``with`` block under way, told when it exits.
         self._block_part: CaptureIntegration | None = None
@@ -342,6 +344,8 @@ class Graph:
         if carrier is None and not self._exec:
             self.instantiate()
         self._raise_replay_errors()
+        if self._holds and stream.native_handle not in self._replayed_on:
+            self._hold_on(stream)
         if carrier is not None:
             carrier.graph.replay(stream)
         else:
@@ -349,6 +353,15 @@ class Graph:
         if self._forward_host_errors and stream.native_handle != self._capture_handle:
             stream.launch_host_func(self._host_error_forwarder(runtime))
         self._raise_replay_errors()
+
+    def _hold_on(self, stream: Stream) -> None:
+        """Replays on ``stream`` write the held memory: once the graph lets go of it
+        (reset, collected), it is reused only after ``stream`` passed that point,
+        as after a record_stream (else a replay still running there wrote into
+        whoever got the memory next)."""
+        for lease in {id(h): h for h in self._holds}.values():
+            lease.record_stream(stream)
+        self._replayed_on.add(stream.native_handle)
 
     def _host_error_forwarder(self, runtime: Runtime) -> Callable[[], None]:
         """A host function, queued after a replay, that re-raises the replay's host-function
@@ -404,6 +417,7 @@ class Graph:
             self._lease.release(from_finalizer=from_finalizer)
             self._lease = None
         self._holds.clear()  # freed buffers' memory goes back (from a finalizer too: leases defer)
+        self._replayed_on.clear()
         self._captured = False
         self.replay_errors.clear()
 

@@ -388,6 +388,58 @@ def test_buffers_written_on_streams_forked_into_a_capture_are_held_too(backend: 
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), (result.returncode, result.stderr[-2000:])
 
 
+RESET_WHILE_A_REPLAY_RUNS = """
+import threading, sys
+import numpy as np
+import accel
+from accel.graph import Graph, graph
+
+gate = threading.Event()
+buf = accel.memory.allocate(1 << 16)
+side = accel.Stream()
+g = Graph()
+with graph(g):
+    s = accel.current_stream()
+    s.launch_host_func(lambda: gate.wait(30))
+    s.fill(buf, 7)
+buf.free()  # held by the graph
+with side:
+    g.replay()  # on the side stream, held up in the host function
+threading.Timer(0.5, gate.set).start()
+if sys.argv[1] == "reset":
+    g.reset()  # the graph lets go of the freed buffer while its replay still runs
+else:
+    del g
+news = [accel.memory.allocate(1 << 16) for _ in range(4)]
+for n in news:
+    accel.current_stream().fill(n, 1)
+side.synchronize()  # the replay's fill ran
+host = np.zeros(1 << 16, dtype=np.uint8)
+for n in news:
+    accel.current_stream().copy(host, n)
+    accel.synchronize()
+    assert (host == 1).all(), "a replay still running wrote into memory handed out after the graph let go of it"
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("how", ["reset", "del"])
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_memory_a_graph_lets_go_of_is_reused_only_after_its_running_replays(backend: str, how: str) -> None:
+    """A replay on another stream writes a freed buffer the graph held; reset() (or
+    the graph's collection) meanwhile handed that memory to the next allocation,
+    which the replay then overwrote (host and CUDA; Level Zero waits for the replay)."""
+    reason = backend_skip_reason(backend)
+    if reason:
+        pytest.skip(reason)
+    env = {**os.environ, "ACCEL_BACKEND": backend}
+    result = subprocess.run(
+        [sys.executable, "-c", RESET_WHILE_A_REPLAY_RUNS, how], capture_output=True, text=True, env=env,
+        cwd=Path(__file__).resolve().parents[2], timeout=120, check=False,
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), (result.returncode, result.stderr[-2000:])
+
+
 @pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
 def test_replaying_a_graph_whose_buffer_was_freed_does_not_crash(backend: str) -> None:
     """The graph holds the memory its captured work writes: a free() meanwhile takes
