@@ -332,12 +332,31 @@ def compile_graph(
     """
     program = _check(g, inputs, outputs)
     chosen = _compile(program, list(inputs), list(outputs), _engines(engines), tolerance, announce=True)
-    _attach(program, chosen)
+    _attach(program, chosen, inputs)
     return chosen
 
 
-def _attach(program: Program, compiled: CompiledProgram) -> None:
-    program.segments[0].runner = compiled.replay
+def _attach(program: Program, compiled: CompiledProgram, inputs: Sequence[torch.Tensor]) -> None:
+    """Make ``compiled`` run the program's replays.
+
+    An engine may read the inputs where they were when it was bound (ONNX
+    Runtime's IO binding holds their addresses): a replay after an input's
+    memory moved (``resize_`` or ``set_`` on it, its storage resized) is
+    refused, where the engine would read freed memory (a crash)."""
+    replay = compiled.replay
+    bound = [(t, t.data_ptr()) for t in inputs]
+
+    def run() -> None:
+        for i, (t, pointer) in enumerate(bound):
+            if t.data_ptr() != pointer:
+                raise InvalidValueError(
+                    f"input {i} of the compiled program moved since compile_graph bound it (it was resized, "
+                    "or set_ to other memory): the engine reads the memory it was bound to. Copy new data "
+                    "into the static input (t.copy_(new)) instead, or capture and compile again"
+                )
+        replay()
+
+    program.segments[0].runner = run
     program.compiled = compiled
 
 
@@ -555,7 +574,7 @@ class BackgroundCompile:
             # One attribute store each: a replay running on another thread
             # sees either the interpreted tier or the compiled one, whole.
             self.compiled = compiled
-            _attach(self._program, compiled)
+            _attach(self._program, compiled, self._inputs)
             if self._on_ready is not None:
                 self._on_ready(compiled)
             self.state = "ready"
