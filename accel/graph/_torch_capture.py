@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -347,6 +348,18 @@ def sweep() -> None:
         stale._left_on_thread()
 
 
+def _not_capturing_in_child() -> None:
+    """A child forked during a capture is not capturing: the capture is its
+    parent's. The forking thread (the child's only one) leaves its recorder, so
+    torch ops in the child run as usual, with the grad mode the thread had."""
+    recorder = getattr(_current, "recorder", None)
+    if recorder is not None and recorder._active:
+        recorder._leave_in_child()
+
+
+os.register_at_fork(after_in_child=_not_capturing_in_child)
+
+
 # Tensor methods that give a tensor's memory to Python without an aten op.
 # (``.item()``, ``bool(t)`` and the like reach the dispatcher as ops that need
 # values, and are refused there.)
@@ -492,6 +505,18 @@ class Recorder(TorchDispatchMode):
                     _stale.append(self)
         if here:
             self._left_on_thread()
+
+    def _leave_in_child(self) -> None:
+        """:meth:`_leave` in a child forked on the capturing thread, taking no lock
+        (another thread of the parent may have held one at the fork): the memory
+        exports stay wrapped there, and refuse nothing without an active recorder."""
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        self._active = self._guarded = False
+        if self._on_stack and not self._dispatching and _get_current_dispatch_mode() is self:
+            self._on_stack = False
+            self.__exit__(None, None, None)
+        self._left_on_thread()
 
     def _left_on_thread(self) -> None:
         """On the capturing thread: what leaving changes in its thread-local state."""

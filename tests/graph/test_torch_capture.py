@@ -4,8 +4,12 @@ on replay, and refusal of what a replay would get wrong."""
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -289,6 +293,37 @@ def test_a_capture_reset_from_another_thread_is_dropped_on_the_capturing_thread(
             assert torch.equal(x + 1, torch.full((3,), 2.0))  # runs eagerly now
     assert errors == []
     _assert_clean(g)
+
+
+FORK_DURING_A_CAPTURE = """
+import os, torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from accel.graph import Graph, graph
+
+x, g = torch.ones(3), Graph()
+with graph(g):
+    y = x * 2
+    pid = os.fork()
+    if pid == 0:  # the capture is the parent's: torch runs as usual here
+        ok = torch.is_grad_enabled() and _get_current_dispatch_mode_stack() == []
+        ok = ok and (x + 1).tolist() == [2.0, 2.0, 2.0] and (x + 1).sum().item() == 6.0
+        os._exit(0 if ok else 3)
+    _, status = os.waitpid(pid, 0)
+g.replay()
+assert y.tolist() == [2.0, 2.0, 2.0]
+print("child exit", os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_child_forked_during_a_capture_runs_torch_as_usual() -> None:
+    """The child inherited the recorder on its thread: every torch op raised
+    AccelError (accel cannot be used in a forked child), .tolist() was refused
+    as a capture read, and autograd was off."""
+    result = subprocess.run(
+        [sys.executable, "-c", FORK_DURING_A_CAPTURE], capture_output=True, text=True,
+        env={**os.environ, "ACCEL_BACKEND": "cpu"}, cwd=Path(__file__).resolve().parents[2], timeout=120, check=False,
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "child exit 0", (result.stdout, result.stderr[-2000:])
 
 
 def _pool_segments(pool: tuple[int, int]) -> int:
