@@ -194,8 +194,9 @@ def bind_call(
                 if thread.streams.get(device, default) is not default:
                     return None
                 (a,) = args
-                # The program was built for contiguous inputs.
-                return run([a if a.is_contiguous() else a.contiguous()])[0]
+                # The program was built for contiguous host inputs (a meta or
+                # device tensor's address, read as host memory, crashed).
+                return run([a if a.is_cpu and a.is_contiguous() else a.cpu().contiguous()])[0]
 
             return direct_one
         spec = tree_flatten(output)[1]
@@ -203,7 +204,9 @@ def bind_call(
         def direct_any(args: Sequence[torch.Tensor]) -> Any:
             if thread.streams.get(device, default) is not default:
                 return None
-            return tree_unflatten(run([a if a.is_contiguous() else a.contiguous() for a in args]), spec)
+            return tree_unflatten(
+                run([a if a.is_cpu and a.is_contiguous() else a.cpu().contiguous() for a in args]), spec
+            )
 
         return direct_any
 
@@ -217,7 +220,8 @@ def bind_call(
         def take_one(args: Sequence[torch.Tensor]) -> Any:
             if thread.streams.get(device, default) is not default:
                 return None
-            if args[0].is_contiguous():
+            a = args[0]
+            if a.is_cpu and a.is_contiguous():  # a meta or device tensor is copied (or refused) instead
                 take(args)  # the engine reads the caller's tensor: no copy
             else:
                 static.copy_(args[0])
@@ -230,7 +234,7 @@ def bind_call(
         def take_any(args: Sequence[torch.Tensor]) -> Any:
             if thread.streams.get(device, default) is not default:
                 return None
-            if all(a.is_contiguous() for a in args):
+            if all(a.is_cpu and a.is_contiguous() for a in args):
                 take(args)
             else:
                 for static, a in zip(inputs, args):
