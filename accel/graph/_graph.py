@@ -222,6 +222,13 @@ class Graph:
         stream, runtime = self._stream, self._runtime
         if stream is None or runtime is None:
             raise CaptureError(f"capture_end() called on {self!r}, which is not capturing")
+        if stream._closed:
+            name = repr(self)
+            self._abort()
+            raise CaptureError(
+                f"capture_end() called on {name}: the stream it captured on ({stream!r}) was closed, "
+                "which dropped the capture; capture again on an open stream"
+            )
         carrier = self._carrier()
         if carrier is not None:
             carrier.graph.check_thread("capture_end()")  # before anything is torn down
@@ -556,7 +563,7 @@ def _side_stream(runtime: Runtime, device: int) -> Stream:
     key = (runtime.name, device)
     with _side_streams_lock:
         stream = _side_streams.get(key)
-        if stream is None:
+        if stream is None or stream._closed:  # closed by a user inside a graph() block
             stream = _side_streams[key] = Stream(device)
         return stream
 
