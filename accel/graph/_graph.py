@@ -115,6 +115,9 @@ class Graph:
         # Streams replays ran on: held memory is reused after they passed its release.
         self._replayed_on: set[int] = set()
         self._capture_id = 0  # the backend's id of the capture under way (keys the holds)
+        # Orders replay() launches and reset() letting go (reentrant: a host
+        # function of a replay run inline on the host may reset its graph).
+        self._launch_lock = threading.RLock()
         # torch's part in the capture of the ``with`` block under way, told when it exits.
         self._block_part: CaptureIntegration | None = None
 
@@ -348,15 +351,20 @@ class Graph:
         runtime = self._require_captured("replay")
         stream = runtime.current_stream(self._device)
         carrier = self._carrier()
-        if carrier is None and not self._exec:
-            self.instantiate()
-        self._raise_replay_errors()
-        if self._holds and stream.native_handle not in self._replayed_on:
-            self._hold_on(stream)
-        if carrier is not None:
-            carrier.graph.replay(stream)
-        else:
-            runtime.backend.graph_launch(self._device, self._exec, stream._live())
+        # Under the lock reset() takes to let go of the graph: a reset racing on
+        # another thread comes before (this replay is refused) or after the
+        # launch is queued (which CUDA lets finish), never in the middle of it.
+        with self._launch_lock:
+            self._require_captured("replay")
+            if carrier is None and not self._exec:
+                self.instantiate()
+            self._raise_replay_errors()
+            if self._holds and stream.native_handle not in self._replayed_on:
+                self._hold_on(stream)
+            if carrier is not None:
+                carrier.graph.replay(stream)
+            else:
+                runtime.backend.graph_launch(self._device, self._exec, stream._live())
         if self._forward_host_errors and stream.native_handle != self._capture_handle:
             stream.launch_host_func(self._host_error_forwarder(runtime))
         self._raise_replay_errors()
@@ -410,22 +418,25 @@ class Graph:
             return
         runtime = self._runtime
         carrier = self._carrier()
+        # No captured graph from here on: a replay racing on another thread is
+        # told so, not handed a handle being destroyed (see replay()).
+        with self._launch_lock:
+            self._captured = False
+            graph_exec, graph, self._exec, self._graph = self._exec, self._graph, 0, 0
         self._torch = None
         if carrier is not None:
             carrier.graph.reset()
         if runtime is not None:
-            if self._exec:
-                runtime.backend.graph_exec_destroy(self._device, self._exec)
-            if self._graph:
-                runtime.backend.graph_destroy(self._device, self._graph)
-        self._exec = self._graph = 0
+            if graph_exec:
+                runtime.backend.graph_exec_destroy(self._device, graph_exec)
+            if graph:
+                runtime.backend.graph_destroy(self._device, graph)
         self._program = None
         if self._lease is not None:
             self._lease.release(from_finalizer=from_finalizer)
             self._lease = None
         self._holds.clear()  # freed buffers' memory goes back (from a finalizer too: leases defer)
         self._replayed_on.clear()
-        self._captured = False
         self.replay_errors.clear()
 
     def __del__(self) -> None:

@@ -440,6 +440,62 @@ def test_memory_a_graph_lets_go_of_is_reused_only_after_its_running_replays(back
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), (result.returncode, result.stderr[-2000:])
 
 
+RESET_WHILE_ANOTHER_THREAD_REPLAYS = """
+import threading, time
+import accel
+from accel.graph import Graph, graph
+
+side = accel.Stream()
+seen = {}
+for _ in range(15):
+    g = Graph()
+    with graph(g):
+        s = accel.current_stream()
+        s.fill(accel.memory.allocate_host(4096), 1)
+        s.launch_host_func(lambda: None)  # on CUDA, host functions the backend keeps per launch
+    stop = threading.Event()
+
+    def replay():
+        while not stop.is_set():
+            try:
+                with side:
+                    g.replay()
+            except BaseException as exc:  # noqa: BLE001
+                if not (isinstance(exc, accel.CaptureError) and "holds no captured graph" in str(exc)):
+                    key = f"{type(exc).__name__}: {str(exc)[:80]}"
+                    seen[key] = seen.get(key, 0) + 1
+
+    t = threading.Thread(target=replay)
+    t.start()
+    time.sleep(0.01)
+    g.reset()
+    time.sleep(0.005)
+    stop.set()
+    t.join(30)
+    assert not t.is_alive()
+    accel.synchronize()
+assert not seen, seen
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_a_reset_racing_replays_on_another_thread_only_refuses_the_later_replays(backend: str) -> None:
+    """Replays racing a reset were handed the handle being destroyed (InvalidHandleError,
+    "was instantiated at capture_end and its raw graph dropped", and on CUDA a raw
+    KeyError from the backend's host-function bookkeeping); now a reset comes before a
+    replay (refused: no captured graph) or after its launch was queued."""
+    reason = backend_skip_reason(backend)
+    if reason:
+        pytest.skip(reason)
+    env = {**os.environ, "ACCEL_BACKEND": backend}
+    result = subprocess.run(
+        [sys.executable, "-c", RESET_WHILE_ANOTHER_THREAD_REPLAYS], capture_output=True, text=True, env=env,
+        cwd=Path(__file__).resolve().parents[2], timeout=240, check=False,
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), (result.returncode, result.stderr[-2000:])
+
+
 @pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
 def test_replaying_a_graph_whose_buffer_was_freed_does_not_crash(backend: str) -> None:
     """The graph holds the memory its captured work writes: a free() meanwhile takes
