@@ -348,14 +348,13 @@ class Graph:
         reading results (on the host, the default stream runs it inline). An
         op that failed in an earlier asynchronous replay is raised here.
         """
-        runtime = self._require_captured("replay")
-        stream = runtime.current_stream(self._device)
-        carrier = self._carrier()
         # Under the lock reset() takes to let go of the graph: a reset racing on
         # another thread comes before (this replay is refused) or after the
         # launch is queued (which CUDA lets finish), never in the middle of it.
         with self._launch_lock:
-            self._require_captured("replay")
+            runtime = self._require_captured("replay")
+            stream = runtime.current_stream(self._device)
+            carrier = self._carrier()
             if carrier is None and not self._exec:
                 self.instantiate()
             self._raise_replay_errors()
