@@ -496,6 +496,39 @@ def test_a_reset_racing_replays_on_another_thread_only_refuses_the_later_replays
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), (result.returncode, result.stderr[-2000:])
 
 
+EXIT_WITH_A_GRAPH_REPLAYED_ON_A_SIDE_STREAM = """
+import accel
+from accel.graph import Graph, graph
+
+side = accel.Stream()
+buf = accel.memory.allocate(1 << 16)
+g = Graph()
+g.cycle = g  # collected by the exit's last collection, after the side stream closed
+with graph(g):
+    accel.current_stream().fill(buf, 1)
+buf.free()  # held by the graph
+with side:
+    g.replay()  # the held memory is now ordered after the side stream
+del g
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_the_interpreter_exits_with_a_graph_that_held_memory_for_a_side_stream(backend: str) -> None:
+    """The graph's holds, let go at exit after the side stream closed, made the
+    allocator wait for the device, which needs threads that no longer run then: a hang."""
+    reason = backend_skip_reason(backend)
+    if reason:
+        pytest.skip(reason)
+    env = {**os.environ, "ACCEL_BACKEND": backend}
+    result = subprocess.run(
+        [sys.executable, "-c", EXIT_WITH_A_GRAPH_REPLAYED_ON_A_SIDE_STREAM], capture_output=True, text=True,
+        env=env, cwd=Path(__file__).resolve().parents[2], timeout=60, check=False,
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "OK", (result.returncode, result.stderr[-2000:])
+
+
 @pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
 def test_replaying_a_graph_whose_buffer_was_freed_does_not_crash(backend: str) -> None:
     """The graph holds the memory its captured work writes: a free() meanwhile takes
