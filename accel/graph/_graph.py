@@ -24,7 +24,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from accel._errors import CaptureError, HostFunctionError, InvalidHandleError, InvalidValueError
+from accel._errors import CaptureError, DeviceError, HostFunctionError, InvalidHandleError, InvalidValueError
 from accel._runtime import Runtime, get_runtime
 from accel.allocator import empty_cache
 from accel.backends.base import CaptureMode
@@ -374,7 +374,10 @@ class Graph:
         as after a record_stream (else a replay still running there wrote into
         whoever got the memory next)."""
         for lease in {id(h): h for h in self._holds}.values():
-            lease.record_stream(stream)
+            try:
+                lease.record_stream(stream)
+            except DeviceError:
+                pass  # memory of another device (a peer copy): only its own streams order its reuse
         self._replayed_on.add(stream.native_handle)
 
     def _host_error_forwarder(self, runtime: Runtime) -> Callable[[], None]:

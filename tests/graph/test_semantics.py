@@ -214,6 +214,24 @@ def test_closing_the_side_stream_of_graph_inside_its_block_spoils_no_later_graph
     assert seen == [1]
 
 
+def test_a_graph_holding_memory_of_another_device_replays_on_any_stream(rt) -> None:
+    """A captured peer copy holds the other device's buffer: replaying on a side
+    stream ordered the held memory on that stream and raised DeviceError (a stream
+    of device 0 for memory of device 1)."""
+    if accel.device_count() < 2:
+        pytest.skip("needs two devices")
+    peer, here = allocate(4096, device=1), allocate(4096, device=0)
+    g = accel.Graph()
+    with accel.graph(g):
+        accel.current_stream().copy(here, peer)
+    peer.free()  # held by the graph
+    side = accel.Stream()
+    with side:
+        g.replay()
+    side.synchronize()
+    g.reset()
+
+
 def test_a_graph_collected_mid_capture_frees_the_device(rt) -> None:
     import gc
 
