@@ -58,10 +58,11 @@ class Runtime:
         self._lock = threading.Lock()
         self._default_streams: dict[int, Stream] = {}
         self.extensions: dict[str, object] = {}  # per-runtime singletons (allocators...)
-        # What captured stream work touches, by (device, capturing stream handle):
-        # the stream layer adds the holds, the graph capturing there owns the list
-        # (so memory its replays write outlives a free() until the graph is gone).
-        self.capture_holds: dict[tuple[int, int], list[object]] = {}
+        # What captured stream work touches, by the backend's capture id (shared
+        # by the capturing stream and every stream forked into its capture): the
+        # stream layer adds the holds, the graph capturing owns the list (so
+        # memory its replays write outlives a free() until the graph is gone).
+        self.capture_holds: dict[int, list[object]] = {}
         # Errors of host functions, per (device, stream handle): shared by every
         # wrapper of one stream (Stream, ExternalStream, from_torch...).
         self._host_errors: dict[tuple[int, int], collections.deque[tuple[str, BaseException]]] = {}

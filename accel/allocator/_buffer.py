@@ -178,6 +178,11 @@ class _Lease:
         # garbage collection, Buffer.free().
         self._allocator.free_from_finalizer(self._block)
 
+    def record_stream(self, stream: Stream) -> None:
+        """Work queued on ``stream`` uses the memory (a graph's replays): once the
+        lease is gone, it is reused only after ``stream`` passed that point."""
+        self._allocator.record_stream(self._block, stream)
+
 
 # Creating a buffer's lease is rare (its first export) and never happens in
 # a finalizer, so a plain lock is safe here.

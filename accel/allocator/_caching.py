@@ -26,6 +26,7 @@ Where accel deliberately differs:
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 from collections import deque
@@ -1127,9 +1128,13 @@ class DeviceAllocator:
             except BaseException as exc:
                 # The stream was closed (its queued work still runs) or the
                 # driver failed: wait for the whole device instead, so the
-                # block is still freed safely and nothing leaks.
+                # block is still freed safely and nothing leaks. Not during
+                # interpreter exit (streams closed, a graph's holds let go):
+                # the threads such a wait needs no longer run, and nothing
+                # will be allocated again.
                 self._events.append(event)
-                self.backend.device_synchronize(self.device)
+                if not sys.is_finalizing():
+                    self.backend.device_synchronize(self.device)
                 if not isinstance(exc, InvalidHandleError):
                     error = error or exc
                 continue

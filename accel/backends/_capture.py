@@ -13,6 +13,7 @@ device-name prefix, like the backends' other errors.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterable
 from typing import Any, Generic, NamedTuple, NoReturn, Protocol, TypeVar
@@ -26,6 +27,7 @@ __all__ = [
     "Mark",
     "check_begin",
     "end_capture",
+    "ident",
     "refuse_captured_event",
     "refuse_device_synchronize",
     "refuse_while_capturing",
@@ -55,6 +57,9 @@ class Mark(NamedTuple):
     node: int  # index of that stream's last node then (-1: none yet)
 
 
+_idents = itertools.count(1)
+
+
 class Capture(Generic[N]):
     """One capture sequence, shared by the stream that began it and the streams forked into it.
 
@@ -73,6 +78,7 @@ class Capture(Generic[N]):
 
     def __init__(self, kind: str, origin: CaptureStream, mode: CaptureMode) -> None:
         self.kind = kind
+        self.ident = next(_idents)  # unique in the process, never 0 (CUDA's capture id)
         self.origin = origin
         self.mode = CaptureMode(mode)
         # Reentrant: finalizers run by garbage collection while this thread
@@ -159,6 +165,12 @@ def status(stream: CaptureStream) -> CaptureStatus:
     if capture is None:
         return CaptureStatus.NONE
     return CaptureStatus.INVALIDATED if capture.invalid_reason else CaptureStatus.ACTIVE
+
+
+def ident(stream: CaptureStream) -> int:
+    """The id of the capture ``stream`` takes part in (0 if not capturing)."""
+    capture = stream.capture
+    return 0 if capture is None else capture.ident
 
 
 def abandon(stream: CaptureStream) -> Capture[Any] | None:

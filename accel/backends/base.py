@@ -365,6 +365,15 @@ class Backend(abc.ABC):
         """Capture state of ``stream`` (NONE where graphs are unsupported)."""
         return CaptureStatus.NONE
 
+    def stream_capture_id(self, device: int, stream: int) -> int:
+        """The id of the capture ``stream`` takes part in, 0 when it is not capturing
+        (CUDA: ``cuStreamGetCaptureInfo``'s id).
+
+        A stream forked into a capture has the id of the stream that began it,
+        and ids are unique within the process, so layers above can tell which
+        capture work queued on any stream lands in."""
+        return 0
+
     def stream_capture_length(self, device: int, stream: int) -> int | None:
         """How many operations the capture ``stream`` takes part in has recorded
         so far (all its streams together), or None when ``stream`` is not

@@ -194,8 +194,9 @@ def bind_call(
                 if thread.streams.get(device, default) is not default:
                     return None
                 (a,) = args
-                # The program was built for contiguous inputs.
-                return run([a if a.is_contiguous() else a.contiguous()])[0]
+                # The program was built for contiguous host inputs (a meta or
+                # device tensor's address, read as host memory, crashed).
+                return run([a if a.is_cpu and a.is_contiguous() else a.cpu().contiguous()])[0]
 
             return direct_one
         spec = tree_flatten(output)[1]
@@ -203,7 +204,9 @@ def bind_call(
         def direct_any(args: Sequence[torch.Tensor]) -> Any:
             if thread.streams.get(device, default) is not default:
                 return None
-            return tree_unflatten(run([a if a.is_contiguous() else a.contiguous() for a in args]), spec)
+            return tree_unflatten(
+                run([a if a.is_cpu and a.is_contiguous() else a.cpu().contiguous() for a in args]), spec
+            )
 
         return direct_any
 
@@ -217,7 +220,8 @@ def bind_call(
         def take_one(args: Sequence[torch.Tensor]) -> Any:
             if thread.streams.get(device, default) is not default:
                 return None
-            if args[0].is_contiguous():
+            a = args[0]
+            if a.is_cpu and a.is_contiguous():  # a meta or device tensor is copied (or refused) instead
                 take(args)  # the engine reads the caller's tensor: no copy
             else:
                 static.copy_(args[0])
@@ -230,7 +234,7 @@ def bind_call(
         def take_any(args: Sequence[torch.Tensor]) -> Any:
             if thread.streams.get(device, default) is not default:
                 return None
-            if all(a.is_contiguous() for a in args):
+            if all(a.is_cpu and a.is_contiguous() for a in args):
                 take(args)
             else:
                 for static, a in zip(inputs, args):
@@ -332,12 +336,31 @@ def compile_graph(
     """
     program = _check(g, inputs, outputs)
     chosen = _compile(program, list(inputs), list(outputs), _engines(engines), tolerance, announce=True)
-    _attach(program, chosen)
+    _attach(program, chosen, inputs)
     return chosen
 
 
-def _attach(program: Program, compiled: CompiledProgram) -> None:
-    program.segments[0].runner = compiled.replay
+def _attach(program: Program, compiled: CompiledProgram, inputs: Sequence[torch.Tensor]) -> None:
+    """Make ``compiled`` run the program's replays.
+
+    An engine may read the inputs where they were when it was bound (ONNX
+    Runtime's IO binding holds their addresses): a replay after an input's
+    memory moved (``resize_`` or ``set_`` on it, its storage resized) is
+    refused, where the engine would read freed memory (a crash)."""
+    replay = compiled.replay
+    bound = [(t, t.data_ptr()) for t in inputs]
+
+    def run() -> None:
+        for i, (t, pointer) in enumerate(bound):
+            if t.data_ptr() != pointer:
+                raise InvalidValueError(
+                    f"input {i} of the compiled program moved since compile_graph bound it (it was resized, "
+                    "or set_ to other memory): the engine reads the memory it was bound to. Copy new data "
+                    "into the static input (t.copy_(new)) instead, or capture and compile again"
+                )
+        replay()
+
+    program.segments[0].runner = run
     program.compiled = compiled
 
 
@@ -555,7 +578,7 @@ class BackgroundCompile:
             # One attribute store each: a replay running on another thread
             # sees either the interpreted tier or the compiled one, whole.
             self.compiled = compiled
-            _attach(self._program, compiled)
+            _attach(self._program, compiled, self._inputs)
             if self._on_ready is not None:
                 self._on_ready(compiled)
             self.state = "ready"

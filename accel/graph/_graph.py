@@ -24,7 +24,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from accel._errors import CaptureError, HostFunctionError, InvalidHandleError, InvalidValueError
+from accel._errors import CaptureError, DeviceError, HostFunctionError, InvalidHandleError, InvalidValueError
 from accel._runtime import Runtime, get_runtime
 from accel.allocator import empty_cache
 from accel.backends.base import CaptureMode
@@ -111,7 +111,15 @@ class Graph:
         self.replay_errors: list[tuple[str, BaseException]] = []
         # Holds on the accel buffers the captured work touches (their memory stays
         # until this graph is reset or collected: every replay writes it).
-        self._holds: list[object] = []
+        self._holds: list[Any] = []
+        # Streams replays ran on: held memory is reused after they passed its release.
+        self._replayed_on: set[int] = set()
+        self._capture_id = 0  # the backend's id of the capture under way (keys the holds)
+        # Orders replay() launches and reset() letting go (reentrant: a host
+        # function of a replay run inline on the host may reset its graph).
+        self._launch_lock = threading.RLock()
+        # torch's part in the capture of the ``with`` block under way, told when it exits.
+        self._block_part: CaptureIntegration | None = None
 
     def __repr__(self) -> str:
         state = "capturing" if self._stream is not None else ("captured" if self._captured else "empty")
@@ -175,13 +183,15 @@ class Graph:
                 _capturing.pop(key, None)
             raise
         self._runtime, self._device, self._stream, self._lease = runtime, device, stream, lease
-        runtime.capture_holds[(device, stream.native_handle)] = self._holds
         self._torch = torch_part
         self.replay_errors.clear()
-        if torch_part is None or torch_part.carries_graph:
-            return
         try:
-            torch_part.start(self._inputs)
+            # Keyed by the capture, not the stream: streams forked into it add theirs too.
+            self._capture_id = runtime.backend.stream_capture_id(device, stream.native_handle)
+            if self._capture_id:
+                runtime.capture_holds[self._capture_id] = self._holds
+            if torch_part is not None and not torch_part.carries_graph:
+                torch_part.start(self._inputs)
         except BaseException:
             self._abort()
             raise
@@ -215,6 +225,13 @@ class Graph:
         stream, runtime = self._stream, self._runtime
         if stream is None or runtime is None:
             raise CaptureError(f"capture_end() called on {self!r}, which is not capturing")
+        if stream._closed:
+            name = repr(self)
+            self._abort()
+            raise CaptureError(
+                f"capture_end() called on {name}: the stream it captured on ({stream!r}) was closed, "
+                "which dropped the capture; capture again on an open stream"
+            )
         carrier = self._carrier()
         if carrier is not None:
             carrier.graph.check_thread("capture_end()")  # before anything is torn down
@@ -263,8 +280,9 @@ class Graph:
             self._graph = 0
 
     def _finish_capture(self) -> None:
-        if self._runtime is not None and self._stream is not None:
-            self._runtime.capture_holds.pop((self._device, self._stream.native_handle), None)
+        if self._runtime is not None and self._capture_id:
+            self._runtime.capture_holds.pop(self._capture_id, None)
+            self._capture_id = 0
         with _capturing_lock:
             if self._runtime is not None:
                 key = (self._runtime.name, self._device)
@@ -282,22 +300,24 @@ class Graph:
         """Drop a capture under way: backend capture, recorder, pool routing and use."""
         runtime, stream = self._runtime, self._stream
         torch_part, self._torch = self._torch, None
-        if torch_part is not None:
-            torch_part.abort()  # torch's graph, where it carries the capture, ends it
-        backend_capture = torch_part is None or not torch_part.carries_graph
-        if backend_capture and runtime is not None and stream is not None and _still_capturing(stream):
-            try:
-                graph = runtime.backend.stream_end_capture(self._device, stream._live())
-            except CaptureError:
-                pass  # an invalidated capture ends by raising; it is over either way
-            else:
-                runtime.backend.graph_destroy(self._device, graph)
-        self._program = None
-        if self._lease is not None:
-            self._lease.release()
-            self._lease = None
-        self._finish_capture()
-        self._holds.clear()  # nothing will replay it
+        try:
+            if torch_part is not None:
+                torch_part.abort()  # torch's graph, where it carries the capture, ends it
+        finally:  # whatever torch's part raised, the capture must not stay half dropped
+            backend_capture = torch_part is None or not torch_part.carries_graph
+            if backend_capture and runtime is not None and stream is not None and _still_capturing(stream):
+                try:
+                    graph = runtime.backend.stream_end_capture(self._device, stream._live())
+                except CaptureError:
+                    pass  # an invalidated capture ends by raising; it is over either way
+                else:
+                    runtime.backend.graph_destroy(self._device, graph)
+            self._program = None
+            if self._lease is not None:
+                self._lease.release()
+                self._lease = None
+            self._finish_capture()
+            self._holds.clear()  # nothing will replay it
 
     # -- replay ----------------------------------------------------------------
 
@@ -328,19 +348,37 @@ class Graph:
         reading results (on the host, the default stream runs it inline). An
         op that failed in an earlier asynchronous replay is raised here.
         """
-        runtime = self._require_captured("replay")
-        stream = runtime.current_stream(self._device)
-        carrier = self._carrier()
-        if carrier is None and not self._exec:
-            self.instantiate()
-        self._raise_replay_errors()
-        if carrier is not None:
-            carrier.graph.replay(stream)
-        else:
-            runtime.backend.graph_launch(self._device, self._exec, stream._live())
+        # Under the lock reset() takes to let go of the graph: a reset racing on
+        # another thread comes before (this replay is refused) or after the
+        # launch is queued (which CUDA lets finish), never in the middle of it.
+        with self._launch_lock:
+            runtime = self._require_captured("replay")
+            stream = runtime.current_stream(self._device)
+            carrier = self._carrier()
+            if carrier is None and not self._exec:
+                self.instantiate()
+            self._raise_replay_errors()
+            if self._holds and stream.native_handle not in self._replayed_on:
+                self._hold_on(stream)
+            if carrier is not None:
+                carrier.graph.replay(stream)
+            else:
+                runtime.backend.graph_launch(self._device, self._exec, stream._live())
         if self._forward_host_errors and stream.native_handle != self._capture_handle:
             stream.launch_host_func(self._host_error_forwarder(runtime))
         self._raise_replay_errors()
+
+    def _hold_on(self, stream: Stream) -> None:
+        """Replays on ``stream`` write the held memory: once the graph lets go of it
+        (reset, collected), it is reused only after ``stream`` passed that point,
+        as after a record_stream (else a replay still running there wrote into
+        whoever got the memory next)."""
+        for lease in {id(h): h for h in self._holds}.values():
+            try:
+                lease.record_stream(stream)
+            except DeviceError:
+                pass  # memory of another device (a peer copy): only its own streams order its reuse
+        self._replayed_on.add(stream.native_handle)
 
     def _host_error_forwarder(self, runtime: Runtime) -> Callable[[], None]:
         """A host function, queued after a replay, that re-raises the replay's host-function
@@ -382,21 +420,25 @@ class Graph:
             return
         runtime = self._runtime
         carrier = self._carrier()
+        # No captured graph from here on: a replay racing on another thread is
+        # told so, not handed a handle being destroyed (see replay()).
+        with self._launch_lock:
+            self._captured = False
+            graph_exec, graph, self._exec, self._graph = self._exec, self._graph, 0, 0
         self._torch = None
         if carrier is not None:
             carrier.graph.reset()
         if runtime is not None:
-            if self._exec:
-                runtime.backend.graph_exec_destroy(self._device, self._exec)
-            if self._graph:
-                runtime.backend.graph_destroy(self._device, self._graph)
-        self._exec = self._graph = 0
+            if graph_exec:
+                runtime.backend.graph_exec_destroy(self._device, graph_exec)
+            if graph:
+                runtime.backend.graph_destroy(self._device, graph)
         self._program = None
         if self._lease is not None:
             self._lease.release(from_finalizer=from_finalizer)
             self._lease = None
         self._holds.clear()  # freed buffers' memory goes back (from a finalizer too: leases defer)
-        self._captured = False
+        self._replayed_on.clear()
         self.replay_errors.clear()
 
     def __del__(self) -> None:
@@ -461,16 +503,22 @@ class Graph:
     def __enter__(self) -> Graph:
         _prepare_for_capture()
         self.capture_begin()
+        self._block_part = self._torch
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if exc_type is None:
-            self.capture_end()
-        elif self._stream is not None:
-            self._abort()
-        _sweep()
+        try:
+            if exc_type is None:
+                self.capture_end()
+            elif self._stream is not None:
+                self._abort()
+        finally:
+            _sweep()
+            part, self._block_part = self._block_part, None
+            if part is not None:
+                part.block_exited()
 
 
 def _weak_abort(g: Graph) -> Callable[[], None]:
@@ -528,7 +576,7 @@ def _side_stream(runtime: Runtime, device: int) -> Stream:
     key = (runtime.name, device)
     with _side_streams_lock:
         stream = _side_streams.get(key)
-        if stream is None:
+        if stream is None or stream._closed:  # closed by a user inside a graph() block
             stream = _side_streams[key] = Stream(device)
         return stream
 
@@ -574,6 +622,7 @@ class graph:  # noqa: N801 - named like torch.cuda.graph
         except BaseException:
             stream.__exit__(None, None, None)
             raise
+        self._graph._block_part = self._graph._torch
         self._entered = stream
         return self._graph
 

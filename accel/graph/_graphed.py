@@ -142,7 +142,10 @@ class GraphedCallable:
             except AttributeError:
                 same = False
             if same:
-                result = last[2](args)
+                try:
+                    result = last[2](args)
+                except (RuntimeError, NotImplementedError) as exc:
+                    raise _bad_call(args, self._device_type, exc) from exc
                 if result is not None:
                     self.hits += 1
                     return result
@@ -165,15 +168,20 @@ class GraphedCallable:
             self.hits += 1
             self._cache.move_to_end(key)
             call = entry.call
-            if call is not None:
-                result = call(args)  # the compiled program alone, without the graph around it
-                if result is not None:
-                    if len(args) == 1:
-                        self._last_compiled = (args[0].shape, args[0].dtype, call)
-                    return result
-            for static, arg in zip(entry.inputs, args):
-                if static.data_ptr() != arg.data_ptr():
-                    static.copy_(arg)
+            try:
+                if call is not None:
+                    result = call(args)  # the compiled program alone, without the graph around it
+                    if result is not None:
+                        if len(args) == 1:
+                            self._last_compiled = (args[0].shape, args[0].dtype, call)
+                        return result
+                for static, arg in zip(entry.inputs, args):
+                    if static.data_ptr() != arg.data_ptr():
+                        static.copy_(arg)
+            except (RuntimeError, NotImplementedError) as exc:
+                # The key is shapes and dtypes: a sparse or meta tensor shaped like a
+                # captured one hits it, and torch's copy (or the engine) refuses it.
+                raise _bad_call(args, self._device_type, exc) from exc
         fast = entry.fast
         if fast is not None and entry.current_stream(entry.device) is entry.default_stream:  # type: ignore[misc]
             fast()  # the graph is the torch program alone: run it without the graph around it
@@ -341,7 +349,22 @@ def _signature(args: Sequence[Any], role: str, device_type: str) -> Signature:
                 f"{role}[{i}] is on {a.device}; on the {device_type} backend graphed callables take "
                 f"{device_type} tensors. Move it with .to({device_type!r})"
             )
+        if a.layout is not torch.strided:
+            raise InvalidValueError(
+                f"{role}[{i}] is a {a.layout} tensor; graphed callables take dense (strided) tensors. "
+                "Convert it with .to_dense()"
+            )
     return tuple((tuple(a.shape), a.dtype) for a in args)
+
+
+def _bad_call(args: Sequence[Any], device_type: str, error: BaseException) -> BaseException:
+    """The InvalidValueError for arguments of a call that failed with ``error``
+    on a cached signature, or ``error`` itself where the arguments are fine."""
+    try:
+        _signature(args, "call", device_type)
+    except InvalidValueError as refusal:
+        return refusal
+    return error
 
 
 def _warm_up(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], iters: int) -> None:

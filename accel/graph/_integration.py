@@ -57,6 +57,11 @@ class CaptureIntegration:
     def abort(self) -> None:
         """The capture is dropped: leave nothing of it behind."""
 
+    def block_exited(self) -> None:
+        """The ``with`` block that captured has exited (the capture ended, or was
+        dropped inside it): restore what the capture changed in the thread's state
+        that contexts entered and exited inside the block may have set again."""
+
 
 class RecordHostOps(CaptureIntegration):
     """torch's CPU ops are the host backend's work: record them (see ``_torch_capture``)."""
@@ -87,6 +92,9 @@ class RecordHostOps(CaptureIntegration):
 
     def abort(self) -> None:
         self._recorder.discard()
+
+    def block_exited(self) -> None:
+        self._recorder.restore_grad_mode()
 
 
 class RefuseDeviceOps(CaptureIntegration):

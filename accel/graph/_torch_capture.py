@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -321,22 +322,42 @@ _ALLOC_OPS = frozenset(
     }
 )
 
-# Recorders whose capture failed inside an op: a mode cannot leave the
-# dispatch stack from its own __torch_dispatch__ (torch has stashed it there),
-# so it turns inert and leaves at the next accel call, see sweep().
+# Recorders whose capture was dropped where they could not leave their
+# thread's dispatch stack: inside an op (a mode cannot leave the stack from its
+# own __torch_dispatch__: torch has stashed it there), from another thread
+# (the stack, the grad mode and ``_current`` are per thread), or under another
+# mode. They turn inert and leave at the capturing thread's next accel call,
+# see sweep().
 _stale: list[Recorder] = []
+_stale_lock = threading.Lock()
 
 
 def sweep() -> None:
-    """Take inert recorders of failed captures off this thread's dispatch stack."""
+    """Take inert recorders of dropped captures off this thread's dispatch stack,
+    and give the thread back the grad mode it had where nothing restored it yet."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     while _stale:
         top = _get_current_dispatch_mode()
-        if top is None or not any(top is r for r in _stale):
-            return
-        _stale[:] = [r for r in _stale if r is not top]
-        top.__exit__(None, None, None)
+        with _stale_lock:
+            stale = next((r for r in _stale if r is top), None)
+            if stale is None:
+                return
+            _stale.remove(stale)
+        stale.__exit__(None, None, None)
+        stale._left_on_thread()
+
+
+def _not_capturing_in_child() -> None:
+    """A child forked during a capture is not capturing: the capture is its
+    parent's. The forking thread (the child's only one) leaves its recorder, so
+    torch ops in the child run as usual, with the grad mode the thread had."""
+    recorder = getattr(_current, "recorder", None)
+    if recorder is not None and recorder._active:
+        recorder._leave_in_child()
+
+
+os.register_at_fork(after_in_child=_not_capturing_in_child)
 
 
 # Tensor methods that give a tensor's memory to Python without an aten op.
@@ -420,6 +441,8 @@ class Recorder(TorchDispatchMode):
         self._on_stack = False
         self._dispatching = 0
         self._grad_was: bool | None = None
+        self._grad_restored = True
+        self._thread = 0  # the capturing thread: the stack, grad mode and _current are its
         self._guarded = False
         self._invalid: CaptureError | None = None
 
@@ -435,8 +458,10 @@ class Recorder(TorchDispatchMode):
     def start(self) -> None:
         # Captures record inference: with autograd on, the returned static
         # tensors would carry graph history that replay does not maintain.
+        self._thread = threading.get_ident()
         self._grad_was = torch.is_grad_enabled()
         torch.set_grad_enabled(False)
+        self._grad_restored = False
         _current.recorder = self
         _guard_exports(True)
         self._guarded = True
@@ -464,20 +489,52 @@ class Recorder(TorchDispatchMode):
         self._program = Program()
 
     def _leave(self) -> None:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        here = threading.get_ident() == self._thread
+        self._active = False
         if self._guarded:
             self._guarded = False
-            _current.recorder = None
             _guard_exports(False)
-        if self._active:
-            self._active = False
-            if self._grad_was is not None:
-                torch.set_grad_enabled(self._grad_was)
         if self._on_stack:
             self._on_stack = False
-            if self._dispatching:
-                _stale.append(self)
-            else:
+            if here and not self._dispatching and _get_current_dispatch_mode() is self:
                 self.__exit__(None, None, None)
+            else:
+                with _stale_lock:
+                    _stale.append(self)
+        if here:
+            self._left_on_thread()
+
+    def _leave_in_child(self) -> None:
+        """:meth:`_leave` in a child forked on the capturing thread, taking no lock
+        (another thread of the parent may have held one at the fork): the memory
+        exports stay wrapped there, and refuse nothing without an active recorder."""
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        self._active = self._guarded = False
+        if self._on_stack and not self._dispatching and _get_current_dispatch_mode() is self:
+            self._on_stack = False
+            self.__exit__(None, None, None)
+        self._left_on_thread()
+
+    def _left_on_thread(self) -> None:
+        """On the capturing thread: what leaving changes in its thread-local state."""
+        if getattr(_current, "recorder", None) is self:
+            _current.recorder = None
+        if not self._grad_restored:
+            self.restore_grad_mode()
+
+    def restore_grad_mode(self) -> None:
+        """Give the capturing thread the grad mode it had when the capture began.
+
+        Also called when the ``with`` block that captured exits: a capture dropped
+        inside it (a refused op) restored it there, and then the exit of a grad
+        context entered inside the block (``torch.no_grad()``) set the capture's
+        mode again."""
+        if self._grad_was is not None and threading.get_ident() == self._thread:
+            torch.set_grad_enabled(self._grad_was)
+            self._grad_restored = True
 
     # -- recording -------------------------------------------------------------------
 

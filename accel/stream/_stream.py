@@ -331,15 +331,10 @@ class Stream:
 
         accel buffers free in stream order and need no holding, except in a
         capture: every replay writes them, so the capturing graph holds their
-        memory (a free() meanwhile takes effect when the graph is gone)."""
-        holds = self._runtime.capture_holds
-        if holds:
-            held = holds.get((self._device, self._handle))
-            if held is not None:
-                for o in owners:
-                    lease = getattr(o, "_export_lease", None) if _is_stream_ordered(o) else None
-                    if lease is not None:
-                        held.append(lease())
+        memory (a free() meanwhile takes effect when the graph is gone), whichever
+        of the capture's streams the work was queued on."""
+        if self._runtime.capture_holds:
+            self._hold_for_capture(owners)
         owners = tuple(o for o in owners if o is not None and not _is_stream_ordered(o))
         if owners:
 
@@ -347,6 +342,16 @@ class Stream:
                 """Does nothing: the backend holds it, and its default the owners, until the work ran."""
 
             self._runtime.backend.launch_host_func(self._device, self._handle, keep)
+
+    def _hold_for_capture(self, owners: tuple[object, ...]) -> None:
+        """Give the accel buffers among ``owners`` to the graph whose capture this
+        stream takes part in (began it, or was forked into it), if any."""
+        leases = [lease for o in owners if _is_stream_ordered(o) and (lease := getattr(o, "_export_lease", None))]
+        if leases:
+            capture = self._runtime.backend.stream_capture_id(self._device, self._handle)
+            held = self._runtime.capture_holds.get(capture) if capture else None
+            if held is not None:
+                held.extend(lease() for lease in leases)
 
     def _raise_host_errors(self) -> None:
         failures = self._runtime.take_host_errors(self._device, self._handle)

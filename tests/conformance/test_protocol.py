@@ -343,6 +343,34 @@ def test_forked_capture_must_join_and_then_replays_both_streams(backend: Backend
     backend.stream_destroy(0, side)
 
 
+def test_capture_id_names_the_capture_of_every_stream_taking_part(backend: Backend, stream: int) -> None:
+    """The graph layer files what captured work holds by this id, whichever stream queued it."""
+    assert backend.stream_capture_id(0, stream) == 0  # not capturing
+    if not backend.supports_graphs(0):
+        return
+    side, other = backend.stream_create(0, 0), backend.stream_create(0, 0)
+    fork, join = (backend.event_create(0, timing=False, blocking=False, interprocess=False) for _ in range(2))
+    ids = []
+    for _ in range(2):
+        backend.stream_begin_capture(0, stream, CaptureMode.GLOBAL)
+        ident = backend.stream_capture_id(0, stream)
+        backend.event_record(0, fork, stream)
+        backend.stream_wait_event(0, side, fork)  # fork: the side stream joins this capture
+        assert backend.stream_capture_id(0, side) == ident != 0
+        assert backend.stream_capture_id(0, other) == 0
+        backend.event_record(0, join, side)
+        backend.stream_wait_event(0, stream, join)
+        backend.launch_host_func(0, stream, lambda: None)
+        backend.graph_destroy(0, backend.stream_end_capture(0, stream))
+        assert backend.stream_capture_id(0, stream) == backend.stream_capture_id(0, side) == 0
+        ids.append(ident)
+    assert ids[0] != ids[1]  # a new capture, a new id
+    for e in (fork, join):
+        backend.event_destroy(0, e)
+    for s in (side, other):
+        backend.stream_destroy(0, s)
+
+
 def test_unjoined_fork_fails_the_capture(backend: Backend, stream: int) -> None:
     if not backend.supports_graphs(0):
         pytest.skip(f"{backend.name} has no graphs")

@@ -179,6 +179,65 @@ def test_dropping_a_compiled_onnx_program_does_not_crash(cache: Path) -> None:
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
+@pytest.mark.parametrize("move", ["storage.resize_(0)", "resize_(8192, 256)", "set_(torch.ones(3))"])
+def test_a_replay_after_a_bound_input_moved_is_refused_not_a_read_of_freed_memory(cache: Path, move: str) -> None:
+    # ONNX Runtime's IO binding holds the input's address: after the user's
+    # tensor moved to new memory, the replay read the freed memory (SIGSEGV
+    # for a large input), so in a subprocess.
+    script = textwrap.dedent(
+        f"""
+        import torch, accel
+        from accel.graph import Graph, graph, compile_graph
+        x = torch.ones(4096, 256); lin = torch.nn.Linear(256, 256).eval()
+        g = Graph()
+        with graph(g):
+            y = torch.relu(lin(x))
+        compile_graph(g, inputs=[x], outputs=[y], engines=["onnxruntime"])
+        g.replay()
+        x.{move.replace("storage.", "untyped_storage().")}
+        junk = [torch.full((1 << 20,), 3.0) for _ in range(16)]  # reuse what was freed
+        try:
+            g.replay()
+        except accel.HostFunctionError as exc:
+            assert isinstance(exc.__cause__, accel.InvalidValueError) and "moved" in str(exc), exc
+            print("refused")
+        """
+    )
+    env = {**os.environ, "ACCEL_GRAPH_CACHE": str(cache), "PYTHONPATH": str(Path(__file__).parents[2])}
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", script], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "refused", (done.returncode, done.stderr[-2000:])
+
+
+def test_a_compiled_call_with_a_meta_tensor_is_refused_not_read_at_address_zero(cache: Path) -> None:
+    # Same shape and dtype as the captured input hit the compiled call, which
+    # pointed ONNX Runtime at the tensor's address: 0 for a meta tensor (SIGSEGV).
+    script = textwrap.dedent(
+        """
+        import warnings, torch, accel
+        from accel.graph import _compiled, _engines, make_graphed_callables
+        warnings.simplefilter("ignore")
+        _compiled.ENGINES = {"onnxruntime": _engines.ENGINES["onnxruntime"]}
+        lin = torch.nn.Linear(256, 256).eval()
+        x = torch.randn(64, 256)  # 64 KiB: the engine reads the caller's tensor in place
+        f = make_graphed_callables(lin, (x,), tier="compiled")
+        f(x)
+        for bad in (torch.randn(64, 256, device="meta"), x.to_sparse()):
+            try:
+                f(bad)
+            except accel.InvalidValueError as exc:
+                print("refused:", exc)
+        assert torch.allclose(f(x), lin(x), atol=1e-4)
+        """
+    )
+    env = {**os.environ, "ACCEL_GRAPH_CACHE": str(cache), "PYTHONPATH": str(Path(__file__).parents[2])}
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", script], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0 and done.stdout.count("refused:") == 2, (done.returncode, done.stdout, done.stderr[-2000:])
+
+
 def test_no_engine_that_agrees_is_refused(cache: Path, engines: Any) -> None:
     engines(_Wrong())
     g, y = _capture(_tiny(), x := torch.randn(2, 8))

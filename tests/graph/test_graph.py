@@ -344,6 +344,191 @@ print("OK")
 """
 
 
+REPLAY_AFTER_FREE_ON_FORKED_STREAMS = """
+import accel
+from accel.graph import Graph, graph
+
+dst, src = accel.memory.allocate(1 << 20), accel.memory.allocate(1 << 20)
+side, further = accel.Stream(), accel.Stream()
+g = Graph()
+with graph(g):
+    main = accel.current_stream()
+    side.wait_stream(main)  # fork: side joins the capture
+    further.wait_stream(side)  # and a stream forked from the fork
+    side.fill(dst, 7, 4096)
+    further.copy(src, dst, 4096)
+    side.wait_stream(further)
+    main.wait_stream(side)  # joined back
+dst.free()
+src.free()
+accel.memory.empty_cache()  # the buffers' segments would go back to the device
+assert accel.memory.memory_allocated() == 2 << 20, "the graph holds what its forked streams write"
+g.replay()
+accel.synchronize()
+g.reset()
+accel.memory.empty_cache()
+assert accel.memory.memory_allocated() == 0, accel.memory.memory_allocated()
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_buffers_written_on_streams_forked_into_a_capture_are_held_too(backend: str) -> None:
+    """Copies and fills on any stream of the capture (forked from the capturing
+    stream, as CUDA graphs allow) hold their buffers for the graph (a replay after
+    their free() wrote to memory given back to the device: SIGSEGV on the host)."""
+    reason = backend_skip_reason(backend)
+    if reason:
+        pytest.skip(reason)
+    env = {**os.environ, "ACCEL_BACKEND": backend}
+    result = subprocess.run(
+        [sys.executable, "-c", REPLAY_AFTER_FREE_ON_FORKED_STREAMS], capture_output=True, text=True, env=env,
+        cwd=Path(__file__).resolve().parents[2], timeout=120, check=False,
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), (result.returncode, result.stderr[-2000:])
+
+
+RESET_WHILE_A_REPLAY_RUNS = """
+import threading, sys
+import numpy as np
+import accel
+from accel.graph import Graph, graph
+
+gate = threading.Event()
+buf = accel.memory.allocate(1 << 16)
+side = accel.Stream()
+g = Graph()
+with graph(g):
+    s = accel.current_stream()
+    s.launch_host_func(lambda: gate.wait(30))
+    s.fill(buf, 7)
+buf.free()  # held by the graph
+with side:
+    g.replay()  # on the side stream, held up in the host function
+threading.Timer(0.5, gate.set).start()
+if sys.argv[1] == "reset":
+    g.reset()  # the graph lets go of the freed buffer while its replay still runs
+else:
+    del g
+news = [accel.memory.allocate(1 << 16) for _ in range(4)]
+for n in news:
+    accel.current_stream().fill(n, 1)
+side.synchronize()  # the replay's fill ran
+host = np.zeros(1 << 16, dtype=np.uint8)
+for n in news:
+    accel.current_stream().copy(host, n)
+    accel.synchronize()
+    assert (host == 1).all(), "a replay still running wrote into memory handed out after the graph let go of it"
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("how", ["reset", "del"])
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_memory_a_graph_lets_go_of_is_reused_only_after_its_running_replays(backend: str, how: str) -> None:
+    """A replay on another stream writes a freed buffer the graph held; reset() (or
+    the graph's collection) meanwhile handed that memory to the next allocation,
+    which the replay then overwrote (host and CUDA; Level Zero waits for the replay)."""
+    reason = backend_skip_reason(backend)
+    if reason:
+        pytest.skip(reason)
+    env = {**os.environ, "ACCEL_BACKEND": backend}
+    result = subprocess.run(
+        [sys.executable, "-c", RESET_WHILE_A_REPLAY_RUNS, how], capture_output=True, text=True, env=env,
+        cwd=Path(__file__).resolve().parents[2], timeout=120, check=False,
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), (result.returncode, result.stderr[-2000:])
+
+
+RESET_WHILE_ANOTHER_THREAD_REPLAYS = """
+import threading, time
+import accel
+from accel.graph import Graph, graph
+
+side = accel.Stream()
+seen = {}
+for _ in range(15):
+    g = Graph()
+    with graph(g):
+        s = accel.current_stream()
+        s.fill(accel.memory.allocate_host(4096), 1)
+        s.launch_host_func(lambda: None)  # on CUDA, host functions the backend keeps per launch
+    stop = threading.Event()
+
+    def replay():
+        while not stop.is_set():
+            try:
+                with side:
+                    g.replay()
+            except BaseException as exc:  # noqa: BLE001
+                if not (isinstance(exc, accel.CaptureError) and "holds no captured graph" in str(exc)):
+                    key = f"{type(exc).__name__}: {str(exc)[:80]}"
+                    seen[key] = seen.get(key, 0) + 1
+
+    t = threading.Thread(target=replay)
+    t.start()
+    time.sleep(0.01)
+    g.reset()
+    time.sleep(0.005)
+    stop.set()
+    t.join(30)
+    assert not t.is_alive()
+    accel.synchronize()
+assert not seen, seen
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_a_reset_racing_replays_on_another_thread_only_refuses_the_later_replays(backend: str) -> None:
+    """Replays racing a reset were handed the handle being destroyed (InvalidHandleError,
+    "was instantiated at capture_end and its raw graph dropped", and on CUDA a raw
+    KeyError from the backend's host-function bookkeeping); now a reset comes before a
+    replay (refused: no captured graph) or after its launch was queued."""
+    reason = backend_skip_reason(backend)
+    if reason:
+        pytest.skip(reason)
+    env = {**os.environ, "ACCEL_BACKEND": backend}
+    result = subprocess.run(
+        [sys.executable, "-c", RESET_WHILE_ANOTHER_THREAD_REPLAYS], capture_output=True, text=True, env=env,
+        cwd=Path(__file__).resolve().parents[2], timeout=240, check=False,
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), (result.returncode, result.stderr[-2000:])
+
+
+EXIT_WITH_A_GRAPH_REPLAYED_ON_A_SIDE_STREAM = """
+import accel
+from accel.graph import Graph, graph
+
+side = accel.Stream()
+buf = accel.memory.allocate(1 << 16)
+g = Graph()
+g.cycle = g  # collected by the exit's last collection, after the side stream closed
+with graph(g):
+    accel.current_stream().fill(buf, 1)
+buf.free()  # held by the graph
+with side:
+    g.replay()  # the held memory is now ordered after the side stream
+del g
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_the_interpreter_exits_with_a_graph_that_held_memory_for_a_side_stream(backend: str) -> None:
+    """The graph's holds, let go at exit after the side stream closed, made the
+    allocator wait for the device, which needs threads that no longer run then: a hang."""
+    reason = backend_skip_reason(backend)
+    if reason:
+        pytest.skip(reason)
+    env = {**os.environ, "ACCEL_BACKEND": backend}
+    result = subprocess.run(
+        [sys.executable, "-c", EXIT_WITH_A_GRAPH_REPLAYED_ON_A_SIDE_STREAM], capture_output=True, text=True,
+        env=env, cwd=Path(__file__).resolve().parents[2], timeout=60, check=False,
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "OK", (result.returncode, result.stderr[-2000:])
+
+
 @pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
 def test_replaying_a_graph_whose_buffer_was_freed_does_not_crash(backend: str) -> None:
     """The graph holds the memory its captured work writes: a free() meanwhile takes

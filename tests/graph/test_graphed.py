@@ -123,6 +123,19 @@ def test_bad_calls_are_refused() -> None:
         make_graphed_callables(lambda x: (x + 1, 3), (torch.ones(2),))
 
 
+def test_a_call_with_a_sparse_or_meta_tensor_shaped_like_a_captured_one_is_refused() -> None:
+    """Same shape and dtype hit the cache; torch's copy into the static input then
+    raised its own error (NotImplementedError, RuntimeError)."""
+    fast = make_graphed_callables(lambda x: x + 1, (torch.ones(2, 3),))
+    with pytest.raises(accel.InvalidValueError, match="on meta"):
+        fast(torch.ones(2, 3, device="meta"))
+    with pytest.raises(accel.InvalidValueError, match="dense"):
+        fast(torch.ones(2, 3).to_sparse())
+    with pytest.raises(accel.InvalidValueError, match="dense"):
+        make_graphed_callables(lambda x: x + 1, (torch.ones(2, 3).to_sparse(),))
+    assert torch.equal(fast(torch.ones(2, 3)), torch.full((2, 3), 2.0))
+
+
 def test_a_callable_that_cannot_be_captured_raises_capture_error() -> None:
     with pytest.raises(accel.CaptureError, match="reads tensor values"):
         make_graphed_callables(lambda x: x * float(x.sum()), (torch.ones(2),))

@@ -186,6 +186,52 @@ def test_a_capture_whose_stream_is_closed_is_dropped_and_frees_the_device(rt) ->
         g.capture_end()
 
 
+def test_capture_end_after_the_capturing_stream_was_closed_says_so(rt) -> None:
+    """It raised InvalidHandleError about the closed stream, not that the capture was dropped."""
+    s, g = accel.Stream(), accel.Graph()
+    with s:
+        g.capture_begin()
+        accel.current_stream().launch_host_func(lambda: None)
+        s.close()
+        with pytest.raises(accel.CaptureError, match="was closed, which dropped the capture"):
+            g.capture_end()
+    assert repr(g).startswith("accel.Graph(empty")
+
+
+def test_closing_the_side_stream_of_graph_inside_its_block_spoils_no_later_graph(rt) -> None:
+    """accel.graph() captures on a side stream shared per device: closed inside a
+    block (accel.current_stream().close()), every later graph() raised
+    InvalidHandleError for the rest of the process."""
+    with pytest.raises(accel.AccelError, match="was closed"):
+        with accel.graph(accel.Graph()):
+            accel.current_stream().close()
+    seen: list[int] = []
+    g = accel.Graph()
+    with accel.graph(g):
+        accel.current_stream().launch_host_func(lambda: seen.append(1))
+    g.replay()
+    accel.synchronize()
+    assert seen == [1]
+
+
+def test_a_graph_holding_memory_of_another_device_replays_on_any_stream(rt) -> None:
+    """A captured peer copy holds the other device's buffer: replaying on a side
+    stream ordered the held memory on that stream and raised DeviceError (a stream
+    of device 0 for memory of device 1)."""
+    if accel.device_count() < 2:
+        pytest.skip("needs two devices")
+    peer, here = allocate(4096, device=1), allocate(4096, device=0)
+    g = accel.Graph()
+    with accel.graph(g):
+        accel.current_stream().copy(here, peer)
+    peer.free()  # held by the graph
+    side = accel.Stream()
+    with side:
+        g.replay()
+    side.synchronize()
+    g.reset()
+
+
 def test_a_graph_collected_mid_capture_frees_the_device(rt) -> None:
     import gc
 

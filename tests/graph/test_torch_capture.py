@@ -3,7 +3,13 @@ on replay, and refusal of what a replay would get wrong."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
+import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -220,6 +226,104 @@ def test_capture_turns_autograd_off_and_restores_it() -> None:
         assert not torch.is_grad_enabled()
         y = model(x)
     assert torch.is_grad_enabled() and not y.requires_grad
+
+
+GRAD_CONTEXTS: dict[str, Callable[[], object]] = {
+    "no_grad": torch.no_grad,
+    "enable_grad": torch.enable_grad,
+    "set_grad_enabled(False)": lambda: torch.set_grad_enabled(False),
+    "inference_mode": torch.inference_mode,
+}
+
+
+@pytest.mark.parametrize("user_grad", [True, False])
+@pytest.mark.parametrize("context", sorted(GRAD_CONTEXTS))
+def test_a_capture_refused_inside_a_grad_context_restores_the_users_grad_mode(context: str, user_grad: bool) -> None:
+    """The refusal drops the capture inside the block; the grad context entered
+    there then restores the mode the capture had set (off): the block's exit
+    gives the user theirs back (grad mode was left off after such a capture)."""
+    x = torch.ones(3)
+    with torch.set_grad_enabled(user_grad):
+        for capturing in ("graph(g)", "with stream, g"):
+            g = Graph()
+            with pytest.raises(accel.CaptureError, match="nonzero"), contextlib.ExitStack() as block:
+                if capturing == "graph(g)":
+                    block.enter_context(graph(g))
+                else:
+                    block.enter_context(accel.Stream())
+                    block.enter_context(g)
+                with GRAD_CONTEXTS[context]():
+                    torch.nonzero(x)
+            assert torch.is_grad_enabled() is user_grad, capturing
+            assert _get_current_dispatch_mode_stack() == []
+
+
+def test_a_refusal_caught_inside_no_grad_gives_the_users_mode_back_when_the_block_exits() -> None:
+    x, g = torch.ones(3), Graph()
+    with pytest.raises(accel.CaptureError, match="not capturing"):
+        with graph(g):
+            with torch.no_grad():
+                with pytest.raises(accel.CaptureError, match="nonzero"):
+                    torch.nonzero(x)
+    assert torch.is_grad_enabled()
+    _assert_clean(g)
+
+
+def test_a_capture_reset_from_another_thread_is_dropped_on_the_capturing_thread() -> None:
+    """reset() on another thread popped that thread's (empty) dispatch stack: a raw
+    RuntimeError there, the capture half dropped (still capturing, its recorder left
+    on the capturing thread's stack, grad mode off for good)."""
+    x, g = torch.ones(3), Graph()
+    errors: list[BaseException] = []
+
+    def reset() -> None:
+        try:
+            g.reset()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    with pytest.raises(accel.CaptureError, match="not capturing"):
+        with graph(g):
+            x * 2
+            t = threading.Thread(target=reset)
+            t.start()
+            t.join()
+            assert not is_capturing()  # the capturing thread's next accel call leaves it
+            assert torch.is_grad_enabled() and _get_current_dispatch_mode_stack() == []
+            assert torch.equal(x + 1, torch.full((3,), 2.0))  # runs eagerly now
+    assert errors == []
+    _assert_clean(g)
+
+
+FORK_DURING_A_CAPTURE = """
+import os, torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from accel.graph import Graph, graph
+
+x, g = torch.ones(3), Graph()
+with graph(g):
+    y = x * 2
+    pid = os.fork()
+    if pid == 0:  # the capture is the parent's: torch runs as usual here
+        ok = torch.is_grad_enabled() and _get_current_dispatch_mode_stack() == []
+        ok = ok and (x + 1).tolist() == [2.0, 2.0, 2.0] and (x + 1).sum().item() == 6.0
+        os._exit(0 if ok else 3)
+    _, status = os.waitpid(pid, 0)
+g.replay()
+assert y.tolist() == [2.0, 2.0, 2.0]
+print("child exit", os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_child_forked_during_a_capture_runs_torch_as_usual() -> None:
+    """The child inherited the recorder on its thread: every torch op raised
+    AccelError (accel cannot be used in a forked child), .tolist() was refused
+    as a capture read, and autograd was off."""
+    result = subprocess.run(
+        [sys.executable, "-c", FORK_DURING_A_CAPTURE], capture_output=True, text=True,
+        env={**os.environ, "ACCEL_BACKEND": "cpu"}, cwd=Path(__file__).resolve().parents[2], timeout=120, check=False,
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "child exit 0", (result.stdout, result.stderr[-2000:])
 
 
 def _pool_segments(pool: tuple[int, int]) -> int:

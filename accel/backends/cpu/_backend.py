@@ -292,6 +292,9 @@ class CpuBackend(Backend):
     def stream_capture_status(self, device: int, stream: int) -> CaptureStatus:
         return self._streams.capture_status(device, stream)
 
+    def stream_capture_id(self, device: int, stream: int) -> int:
+        return _capture.ident(self._streams.stream(device, stream))
+
     def stream_capture_length(self, device: int, stream: int) -> int | None:
         return _capture.length(self._streams.stream(device, stream))
 

@@ -278,6 +278,13 @@ class GraphsAndHostFunctions:
             self._leave(device, pushed)
         self._check("cuEventRecordWithFlags", code, device, handle=f"event {event:#x} or stream {stream:#x}")
 
+    def stream_capture_id(self, device: int, stream: int) -> int:
+        pushed = self._enter(device)
+        try:
+            return self._capture_id(device, stream)
+        finally:
+            self._leave(device, pushed)
+
     def stream_capture_status(self, device: int, stream: int) -> CaptureStatus:
         if not self._driver.has_graphs:
             return CaptureStatus.NONE

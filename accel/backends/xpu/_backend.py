@@ -1062,6 +1062,9 @@ class XpuBackend(Sharing, Backend):
     def stream_capture_status(self, device: int, stream: int) -> CaptureStatus:
         return _capture.status(self._stream(device, stream))
 
+    def stream_capture_id(self, device: int, stream: int) -> int:
+        return _capture.ident(self._stream(device, stream))
+
     def stream_capture_length(self, device: int, stream: int) -> int | None:
         return _capture.length(self._stream(device, stream))
 
