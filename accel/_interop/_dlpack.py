@@ -382,6 +382,14 @@ def as_shape(shape: object) -> tuple[int, ...]:
     # DLPack and torch hold dims as int64: a wider one was wrapped by ctypes or refused deep in torch.
     if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= _INT64_MAX for d in dims):
         raise InvalidValueError(f"shape={shape!r} must hold non-negative ints below 2**63")
+    # A tensor with no elements needs no memory, but its strides (the products
+    # of the dims after each, a zero counted as one) are int64 too: a wider one
+    # failed in struct.pack or deep in torch ("numel: integer multiplication overflow").
+    if 0 in dims and math.prod(d for d in dims if d) > _INT64_MAX:
+        raise InvalidValueError(
+            f"shape={dims} has no elements, but the product of its non-zero dims is not below 2**63 "
+            "(DLPack and torch strides are int64); use smaller dims"
+        )
     return dims
 
 
