@@ -42,6 +42,7 @@ import enum
 import math
 import struct
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -204,15 +205,42 @@ _exports: dict[int, tuple[ctypes.Array[ctypes.c_uint64], object]] = {}
 _unconsumed: dict[int, tuple[Any, bytes]] = {}
 
 
+# A consumer that fails may call the deleter with its error still set (torch
+# does, e.g. for a CUDA capsule in a CPU-only build). Python code run then
+# fails at its first call ("returned a result with an exception set"): the
+# export was never released and its memory never went back to the cache.
+# Calling PyErr_Occurred through ctypes.pythonapi raises that pending error
+# in the deleter, where it is caught. It cannot be handed back: a ctypes
+# callback that returns with an error set has it reported and cleared, so the
+# consumer raises SystemError. The deleter warns with the consumer's error.
+_PyErr_Occurred = ctypes.pythonapi["PyErr_Occurred"]
+_PyErr_Occurred.restype = ctypes.c_void_p
+_PyErr_Occurred.argtypes = []
+
+
 def _make_deleter() -> Any:
-    exports, is_finalizing = _exports, sys.is_finalizing
+    exports, is_finalizing, take_pending = _exports, sys.is_finalizing, _PyErr_Occurred
+    warn = warnings.warn
 
     def release(address: int | None) -> None:
         # Called by C code, once per export, from any thread. An error here
         # cannot reach the consumer; ctypes reports it through
         # sys.unraisablehook.
+        try:
+            take_pending()  # raises the error the consumer left set, if any
+            failed = None
+        except BaseException as error:
+            failed = error
         if address and not is_finalizing():
             exports.pop(address, None)
+            if failed is not None:
+                warn(
+                    f"a DLPack consumer failed with {failed!r} and released accel's export; the error "
+                    "cannot pass through the deleter (a ctypes callback), so the consumer raises "
+                    "SystemError instead",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
 
     thunk = _Deleter(release)
     # Leaked on purpose (see above): a consumer may call it at any time
@@ -382,6 +410,14 @@ def as_shape(shape: object) -> tuple[int, ...]:
     # DLPack and torch hold dims as int64: a wider one was wrapped by ctypes or refused deep in torch.
     if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= _INT64_MAX for d in dims):
         raise InvalidValueError(f"shape={shape!r} must hold non-negative ints below 2**63")
+    # A tensor with no elements needs no memory, but its strides (the products
+    # of the dims after each, a zero counted as one) are int64 too: a wider one
+    # failed in struct.pack or deep in torch ("numel: integer multiplication overflow").
+    if 0 in dims and math.prod(d for d in dims if d) > _INT64_MAX:
+        raise InvalidValueError(
+            f"shape={dims} has no elements, but the product of its non-zero dims is not below 2**63 "
+            "(DLPack and torch strides are int64); use smaller dims"
+        )
     return dims
 
 

@@ -327,6 +327,15 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
             f"cannot open {what}: the process that exported it (pid {ticket.pid}) did not answer "
             f"within {_ANSWER_TIMEOUT_S:g} s (is it stopped?)"
         ) from None
+    except OSError as exc:
+        # An address no socket can have (empty, or longer than AF_UNIX allows:
+        # a damaged pickle), or a connection the exporter broke off.
+        sock.close()
+        raise InvalidHandleError(
+            f"cannot open {what}: no answer from the process that exported it (pid {ticket.pid}) at the "
+            f"address its pickle names ({exc}); the pickle is damaged or the process is gone. Pickle "
+            "the object again in its process"
+        ) from None
     except BaseException:
         sock.close()
         raise

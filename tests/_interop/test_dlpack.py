@@ -68,6 +68,16 @@ def test_legacy_capsule_layout(host_buffer):
 
 
 @pytest.mark.parametrize("versioned", [False, True], ids=["legacy", "versioned"])
+def test_no_elements_with_strides_past_int64_are_refused(host_buffer, versioned):
+    # The strides did not fit the int64 fields: a raw struct.error from pack_into.
+    buf = host_buffer(16)
+    with pytest.raises(accel.InvalidValueError, match="product of its non-zero dims"):
+        _dlpack.to_capsule(buf, shape=(1 << 40, 1 << 40, 1 << 40, 0), max_version=(1, 0) if versioned else None)
+    widest = torch.from_dlpack(_dlpack.to_capsule(buf, shape=(2, (1 << 62) - 1, 0)))
+    assert widest.shape == (2, (1 << 62) - 1, 0) and widest.stride()[0] == (1 << 62) - 1
+
+
+@pytest.mark.parametrize("versioned", [False, True], ids=["legacy", "versioned"])
 @pytest.mark.parametrize("shape", [(), (5,), (2, 3, 4), (2,) + (1,) * 39], ids=["0-d", "1-d", "3-d", "40-d"])
 def test_every_capsule_field_reads_back_through_the_ctypes_structures(host_buffer, versioned, shape):
     # The producer packs the structures with struct formats: they must say

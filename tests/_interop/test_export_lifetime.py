@@ -213,3 +213,49 @@ def test_freeing_a_buffer_after_a_refused_export_frees_it_at_once(backend):
             np.from_dlpack(buf)
         buf.free()
         assert memory.memory_allocated() == before
+
+
+_FAILING_CONSUMER = """
+import gc, warnings
+import accel, torch
+from accel._interop import _dlpack
+from accel.allocator import get_allocator
+buf = accel.memory.allocate(4096)
+capsule = {capsule}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    try:
+        torch.from_dlpack(capsule)
+    except BaseException as error:
+        print("raised", type(error).__name__)
+del capsule
+buf.free()
+gc.collect()
+print("warned", [str(w.message) for w in caught])
+print("exports", _dlpack.live_exports(), "allocated", get_allocator().stats()["allocated_bytes.all.current"])
+"""
+
+
+@pytest.mark.parametrize(
+    ("backend", "capsule"),
+    [
+        # The user's own export of a CUDA buffer, read by a CPU-only torch.
+        pytest.param("cuda", "buf.__dlpack__()", id="cuda", marks=_backends("cuda")[0].marks),
+        # The same consumer failure with host memory exported as CUDA's.
+        pytest.param(
+            "cpu",
+            "_dlpack.make_capsule(buf._export_lease(), buf.ptr, (_dlpack.DLDeviceType.kDLCUDA, 0), 1, 8, (4096,), False)",
+            id="host-as-cuda",
+        ),
+    ],
+)
+def test_a_consumer_that_fails_with_its_error_set_still_releases_the_export(backend, capsule):
+    # torch calls the deleter with its error still set: the deleter's first call
+    # raised SystemError, so the export was never released and the buffer's
+    # memory never went back to the cache.
+    if torch.cuda.is_available():
+        pytest.skip("this torch reads CUDA capsules")
+    result = _run(_FAILING_CONSUMER.format(capsule=capsule), backend)
+    assert result.returncode == 0, result.stderr
+    assert "exports 0 allocated 0" in result.stdout, result.stdout + result.stderr
+    assert "Torch not compiled with CUDA enabled" in result.stdout  # the consumer's own error, in the warning

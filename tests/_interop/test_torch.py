@@ -50,11 +50,20 @@ def test_as_tensor_waits_for_the_buffer_stream(host_buffer):
         (torch.uint8, (2, -1), accel.InvalidValueError, "non-negative ints"),
         # torch refused it with a raw TypeError from view().
         (torch.uint8, (0, 1 << 70), accel.InvalidValueError, "below 2"),
+        # No elements, but strides past int64: torch raised "numel: integer multiplication overflow".
+        (torch.int32, (1 << 40, 1 << 40, 1 << 40, 0), accel.InvalidValueError, "product of its non-zero dims"),
     ],
 )
 def test_as_tensor_bad_arguments(host_buffer, dtype, shape, error, message):
     with pytest.raises(error, match=message):
         as_tensor(host_buffer(16), dtype, shape)
+
+
+def test_empty_refuses_no_elements_with_strides_past_int64():
+    with pytest.raises(accel.InvalidValueError, match="product of its non-zero dims"):
+        accel.empty((1 << 40, 1 << 40, 1 << 40, 0))
+    # The widest that fits is a tensor like torch's own.
+    assert accel.empty((1 << 62, 1, 0)).stride() == torch.empty((1 << 62, 1, 0)).stride()
 
 
 def test_torch_cpu_stream_is_the_host_default_stream():

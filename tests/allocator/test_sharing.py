@@ -220,3 +220,20 @@ def test_damaged_pickles_are_clear_errors() -> None:
             open_buffer(ticket, name, device, uuid, "4096")  # type: ignore[arg-type]
         with pytest.raises(accel.DeviceError, match="does not see the exporter's device"):
             open_buffer(ticket, name, "0", uuid, nbytes)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("address", [b"", b"\0" + b"x" * 200, b"/" + b"x" * 200], ids=["empty", "abstract-too-long", "path-too-long"])
+def test_a_pickle_naming_an_address_no_socket_can_have_is_a_clear_error(address: bytes) -> None:
+    # connect() refused these with a raw OSError (EINVAL, "AF_UNIX path too long").
+    from accel._runtime import get_runtime
+    from accel.allocator._sharing import open_buffer
+    from accel.backends._sharing import ExportTicket
+    from accel.stream._event import _open_event
+
+    runtime = get_runtime()
+    uuid = runtime.backend.device_properties(0).uuid
+    ticket = ExportTicket(address, "ab" * 16, os.getpid() + 1)
+    with pytest.raises(accel.InvalidHandleError, match="the pickle is damaged"):
+        open_buffer(ticket, runtime.name, 0, uuid, 4096)
+    with pytest.raises(accel.InvalidHandleError, match="the pickle is damaged"):
+        _open_event(ticket, runtime.name, 0, uuid)
