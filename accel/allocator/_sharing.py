@@ -127,6 +127,13 @@ def open_buffer(ticket: ExportTicket, backend_name: str, device: int, uuid: str,
     check_device(runtime.backend, backend_name, device, uuid, what)
     payload, fds, held = open_export(ticket, "buffer", export_origin(backend_name, device, uuid), what)
     try:
+        if len(payload) < _SIZE.size:  # not what an accel exporter sends
+            for fd in fds:
+                os.close(fd)
+            raise InvalidHandleError(
+                f"cannot open {what}: its process answered with a damaged description of the memory "
+                "(is it an accel process?); pickle the buffer again in its process"
+            )
         (exported,) = _SIZE.unpack_from(payload)
         if exported != nbytes:
             for fd in fds:

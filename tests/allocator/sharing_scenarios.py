@@ -286,6 +286,28 @@ def scenario_swapped_tickets() -> dict[str, Any]:
     return {"result": result, "exitcode": child.exitcode, "holds": broker().stats()["holds"]}
 
 
+def scenario_short_description() -> dict[str, Any]:
+    """A broker of the same user that answers a buffer's ticket with a description
+    too short to hold the exported size."""
+    from accel.backends._sharing import export_origin
+
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    backend = accel.current_accelerator().type
+    uuid = accel.get_device_properties(0).uuid
+    kept = object()
+
+    def target() -> object:
+        return kept
+
+    ticket = broker().offer("buffer", export_origin(backend, 0, uuid), b"xx", [], target, hold=True)
+    child = ctx.Process(target=_open_claiming, args=((ticket, backend, 0, uuid, None), 2, replies))
+    child.start()
+    result = replies.get(timeout=TIMEOUT_S)
+    child.join(TIMEOUT_S)
+    return {"result": result, "exitcode": child.exitcode, "holds": broker().stats()["holds"]}
+
+
 def scenario_forged_device() -> dict[str, Any]:
     """A buffer's and an event's pickle made on device 0, edited to claim device 1
     (with device 1's UUID, so that the importer's own device check passes)."""

@@ -137,6 +137,17 @@ def test_a_pickle_naming_an_export_of_the_other_kind_is_refused(backend: str) ->
 
 
 @backends
+def test_a_description_too_short_for_its_size_is_a_clear_error(backend: str) -> None:
+    # A broker answering with fewer bytes than the exported size needs raised a
+    # raw struct.error from the importer's unpickling.
+    result = run_scenario(backend, "short_description")
+    kind, message = result["result"]
+    assert kind == "InvalidHandleError", message
+    assert "damaged description" in message
+    assert result["exitcode"] == 0 and result["holds"] == 0
+
+
+@backends
 def test_a_pickle_claiming_another_device_than_the_exporters_is_refused(backend: str) -> None:
     # The importer checked the claimed device against its own devices only: an
     # export of device 0 edited to say device 1 was mapped as device 1's memory.
