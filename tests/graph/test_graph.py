@@ -344,6 +344,20 @@ print("OK")
 """
 
 
+def run_script_on(backend: str, script: str, *args: str, timeout: int) -> None:
+    """Run ``script`` in a fresh interpreter on ``backend``; it must print OK last
+    (a crash or a hang there fails the test, not the suite)."""
+    reason = backend_skip_reason(backend)
+    if reason:
+        pytest.skip(reason)
+    env = {**os.environ, "ACCEL_BACKEND": backend}
+    result = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
+        cwd=Path(__file__).resolve().parents[2], timeout=timeout, check=False,
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), (result.returncode, result.stderr[-2000:])
+
+
 REPLAY_AFTER_FREE_ON_FORKED_STREAMS = """
 import accel
 from accel.graph import Graph, graph
@@ -377,15 +391,7 @@ def test_buffers_written_on_streams_forked_into_a_capture_are_held_too(backend: 
     """Copies and fills on any stream of the capture (forked from the capturing
     stream, as CUDA graphs allow) hold their buffers for the graph (a replay after
     their free() wrote to memory given back to the device: SIGSEGV on the host)."""
-    reason = backend_skip_reason(backend)
-    if reason:
-        pytest.skip(reason)
-    env = {**os.environ, "ACCEL_BACKEND": backend}
-    result = subprocess.run(
-        [sys.executable, "-c", REPLAY_AFTER_FREE_ON_FORKED_STREAMS], capture_output=True, text=True, env=env,
-        cwd=Path(__file__).resolve().parents[2], timeout=120, check=False,
-    )
-    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), (result.returncode, result.stderr[-2000:])
+    run_script_on(backend, REPLAY_AFTER_FREE_ON_FORKED_STREAMS, timeout=120)
 
 
 RESET_WHILE_A_REPLAY_RUNS = """
@@ -429,15 +435,7 @@ def test_memory_a_graph_lets_go_of_is_reused_only_after_its_running_replays(back
     """A replay on another stream writes a freed buffer the graph held; reset() (or
     the graph's collection) meanwhile handed that memory to the next allocation,
     which the replay then overwrote (host and CUDA; Level Zero waits for the replay)."""
-    reason = backend_skip_reason(backend)
-    if reason:
-        pytest.skip(reason)
-    env = {**os.environ, "ACCEL_BACKEND": backend}
-    result = subprocess.run(
-        [sys.executable, "-c", RESET_WHILE_A_REPLAY_RUNS, how], capture_output=True, text=True, env=env,
-        cwd=Path(__file__).resolve().parents[2], timeout=120, check=False,
-    )
-    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), (result.returncode, result.stderr[-2000:])
+    run_script_on(backend, RESET_WHILE_A_REPLAY_RUNS, how, timeout=120)
 
 
 RESET_WHILE_ANOTHER_THREAD_REPLAYS = """
@@ -485,15 +483,7 @@ def test_a_reset_racing_replays_on_another_thread_only_refuses_the_later_replays
     "was instantiated at capture_end and its raw graph dropped", and on CUDA a raw
     KeyError from the backend's host-function bookkeeping); now a reset comes before a
     replay (refused: no captured graph) or after its launch was queued."""
-    reason = backend_skip_reason(backend)
-    if reason:
-        pytest.skip(reason)
-    env = {**os.environ, "ACCEL_BACKEND": backend}
-    result = subprocess.run(
-        [sys.executable, "-c", RESET_WHILE_ANOTHER_THREAD_REPLAYS], capture_output=True, text=True, env=env,
-        cwd=Path(__file__).resolve().parents[2], timeout=240, check=False,
-    )
-    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), (result.returncode, result.stderr[-2000:])
+    run_script_on(backend, RESET_WHILE_ANOTHER_THREAD_REPLAYS, timeout=240)
 
 
 EXIT_WITH_A_GRAPH_REPLAYED_ON_A_SIDE_STREAM = """
@@ -518,27 +508,11 @@ print("OK")
 def test_the_interpreter_exits_with_a_graph_that_held_memory_for_a_side_stream(backend: str) -> None:
     """The graph's holds, let go at exit after the side stream closed, made the
     allocator wait for the device, which needs threads that no longer run then: a hang."""
-    reason = backend_skip_reason(backend)
-    if reason:
-        pytest.skip(reason)
-    env = {**os.environ, "ACCEL_BACKEND": backend}
-    result = subprocess.run(
-        [sys.executable, "-c", EXIT_WITH_A_GRAPH_REPLAYED_ON_A_SIDE_STREAM], capture_output=True, text=True,
-        env=env, cwd=Path(__file__).resolve().parents[2], timeout=60, check=False,
-    )
-    assert result.returncode == 0 and result.stdout.strip() == "OK", (result.returncode, result.stderr[-2000:])
+    run_script_on(backend, EXIT_WITH_A_GRAPH_REPLAYED_ON_A_SIDE_STREAM, timeout=60)
 
 
 @pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
 def test_replaying_a_graph_whose_buffer_was_freed_does_not_crash(backend: str) -> None:
     """The graph holds the memory its captured work writes: a free() meanwhile takes
     effect when the graph is gone (a replay wrote to memory given back to the device)."""
-    reason = backend_skip_reason(backend)
-    if reason:
-        pytest.skip(reason)
-    env = {**os.environ, "ACCEL_BACKEND": backend}
-    result = subprocess.run(
-        [sys.executable, "-c", REPLAY_AFTER_FREE], capture_output=True, text=True, env=env,
-        cwd=Path(__file__).resolve().parents[2], timeout=120, check=False,
-    )
-    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-2000:]
+    run_script_on(backend, REPLAY_AFTER_FREE, timeout=120)
