@@ -157,7 +157,7 @@ class Runtime:
             raise DeviceError(
                 f"device index {dev} is out of range: the {self.name} backend has {count} "
                 f"device{'s' if count != 1 else ''} (valid indexes 0..{count - 1})"
-                + (". Set ACCEL_CPU_DEVICES=N to present N host devices" if self.name == "cpu" else "")
+                + (f"; {self.backend.more_devices_hint}" if self.backend.more_devices_hint else "")
             )
         return dev
 

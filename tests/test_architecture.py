@@ -7,6 +7,7 @@ import cycle between subpackages fails the suite.
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +60,38 @@ def test_an_import_cycle_between_subpackages_is_named(tmp_path: Path) -> None:
     assert "No import cycles between accel's subpackages BROKEN" in result.stdout
     assert "No cycles are allowed in accel.backends." in result.stdout
     assert "- .base -> .cpu (1 import)" in result.stdout
+
+
+# ``runtime.name == "cpu"`` and the like: code above the Backend protocol that
+# branches on which vendor it runs on, instead of on a capability the backend
+# declares (``torch_integration``, ``torch_device_type``, ``supports_*``).
+VENDOR_NAMES = {"cpu", "cuda", "xpu"}
+
+
+def _branches_on_a_backend_name(source: str) -> list[int]:
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        names = [o for o in operands if isinstance(o, ast.Attribute) and o.attr == "name"]
+        vendors = [o for o in operands if isinstance(o, ast.Constant) and o.value in VENDOR_NAMES]
+        if names and vendors:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_nothing_above_the_seam_branches_on_a_backend_name() -> None:
+    found = {
+        str(path.relative_to(ROOT)): lines
+        for path in sorted((ROOT / "accel").rglob("*.py"))
+        if "backends" not in path.relative_to(ROOT / "accel").parts[:1]
+        and (lines := _branches_on_a_backend_name(path.read_text()))
+    }
+    assert not found, f"choose by a capability the backend declares, not by its name: {found}"
+
+
+def test_the_name_check_sees_a_comparison_with_a_vendor_name() -> None:
+    assert _branches_on_a_backend_name('if runtime.name == "cpu":\n    pass\n') == [1]
+    assert _branches_on_a_backend_name('if "cuda" != backend.name:\n    pass\n') == [1]
+    assert _branches_on_a_backend_name('if runtime.backend.torch_device_type == "cpu":\n    pass\n') == []

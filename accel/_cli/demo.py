@@ -203,13 +203,19 @@ def collect(calls: int, compiled: bool) -> dict[str, Any]:
     """The demo report as plain data."""
     from accel._runtime import get_runtime
 
+    from accel.backends.base import TorchIntegration
+
     runtime = get_runtime()
     report: dict[str, Any] = {"backend": runtime.name}
-    if _torch_available() and (runtime.name == "cpu" or _torch_graphs_available(runtime.name)):
-        if compiled and runtime.name != "cpu":
+    # Torch ops are captured where they are the backend's own work (the host) or
+    # where torch's device graphs share the backend's streams.
+    host_ops = runtime.backend.torch_integration is TorchIntegration.RECORD_HOST_OPS
+    device_type = runtime.backend.torch_device_type
+    if _torch_available() and device_type and (host_ops or _torch_graphs_available(device_type)):
+        if compiled and not host_ops:
             report["note"] = "--compiled compiles host programs; ignored on a GPU backend"
             compiled = False
-        report.update(_torch_demo(calls, compiled, runtime.name))
+        report.update(_torch_demo(calls, compiled, device_type))
     else:
         if compiled:
             report["note"] = "--compiled needs torch on the host backend; timing stream work instead"
@@ -217,12 +223,12 @@ def collect(calls: int, compiled: bool) -> dict[str, Any]:
     return report
 
 
-def _torch_graphs_available(runtime_name: str) -> bool:
+def _torch_graphs_available(device_type: str) -> bool:
     import torch  # noqa: F401 - accel hands captures to torch only once it is imported
 
     from accel.graph._torch_graphs import torch_graph_api
 
-    return torch_graph_api(runtime_name) is not None
+    return torch_graph_api(device_type) is not None
 
 
 def run(args: argparse.Namespace) -> int:

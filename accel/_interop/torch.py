@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from accel._device import DeviceLike
 from accel._errors import InvalidValueError, NotSupportedError
 from accel._interop import _dlpack
-from accel._runtime import get_runtime
+from accel._runtime import Runtime, get_runtime
 from accel._torch import import_torch
 from accel.allocator import Buffer, allocate
 from accel.stream import Stream
@@ -65,8 +65,20 @@ def _dtype_name(dtype: object) -> tuple[Any, str, int]:
     return entry
 
 
-# Device types this process's torch can hold tensors on, by accel device type.
+# Device types this process's torch can hold tensors on, by torch device type.
 _torch_devices: dict[str, bool] = {}
+
+
+def _torch_type(runtime: Runtime) -> str:
+    """torch's device type for the runtime's devices, as its backend declares it
+    (the interop chooses by it, never by the backend's name)."""
+    device_type = runtime.backend.torch_device_type
+    if device_type is None:
+        raise NotSupportedError(
+            f"torch has no device type for the {runtime.name!r} backend's memory; export it to "
+            "a DLPack consumer that reads this device"
+        )
+    return device_type
 
 
 def _check_torch_holds(device_type: str) -> None:
@@ -182,7 +194,8 @@ def empty(
         # is accel memory like any other.
         nbytes = max(math.prod(dims) * itemsize, itemsize)
     runtime = get_runtime()
-    if runtime.name == "cpu":
+    device_type = _torch_type(runtime)
+    if device_type == "cpu":
         # The tensor holds the buffer: when the tensor dies, so does the
         # buffer, which gives the memory back.
         buffer = allocate(nbytes, device=device, stream=stream)
@@ -197,8 +210,8 @@ def empty(
         else:
             tensor = _frombuffer(view, dtype=torch_dtype, count=dims[0])
         return tensor
-    _check_torch_holds(runtime.name)
-    if stream is None and runtime.name == "cuda":
+    _check_torch_holds(device_type)
+    if stream is None and device_type == "cuda":
         index = runtime.index(device)
         stream = Stream.from_torch(import_torch().cuda.current_stream(index))
     buffer = allocate(nbytes, device=device, stream=stream)
@@ -228,16 +241,20 @@ def as_tensor(buffer: Any, dtype: torch.dtype | str = "uint8", shape: int | tupl
     """
     torch_dtype, name, itemsize = _dtype_name(dtype)
     dims = None if shape is None else _dlpack.as_shape(shape)
-    if isinstance(buffer, Buffer) and buffer.stream._runtime.name == "cpu":
-        ptr, nbytes = buffer.ptr, buffer.nbytes
-        dims = _dlpack.read_shape(dims, itemsize, nbytes)
-        _dlpack.wait_on_host(buffer.stream)
-        return _host_tensor(ptr, nbytes, buffer._export_lease(), torch_dtype, itemsize, dims)
+    if isinstance(buffer, Buffer):
+        device_type = _torch_type(buffer.stream._runtime)
+        if device_type == "cpu":
+            ptr, nbytes = buffer.ptr, buffer.nbytes
+            dims = _dlpack.read_shape(dims, itemsize, nbytes)
+            _dlpack.wait_on_host(buffer.stream)
+            return _host_tensor(ptr, nbytes, buffer._export_lease(), torch_dtype, itemsize, dims)
     _, index = _dlpack.dlpack_device(buffer)  # also checks buffer.device
-    _check_torch_holds(buffer.device.type)
+    if not isinstance(buffer, Buffer):
+        device_type = buffer.device.type  # a DLPack exporter of accel's kind: torch's names
+    _check_torch_holds(device_type)
     capsule = _dlpack.to_capsule(
         buffer,
-        stream=_consumer_stream(buffer.device.type, index),
+        stream=_consumer_stream(device_type, index),
         max_version=None,  # legacy capsule, as in empty()
         dtype=name,
         shape=dims,

@@ -122,6 +122,11 @@ class Backend(abc.ABC):
     torch_device_type: str | None = None
     #: How torch ops take part in captures on this backend.
     torch_integration: TorchIntegration = TorchIntegration.NONE
+    #: The stream-exchange protocol its stream handles speak ("__cuda_stream__": they are
+    #: CUstreams other CUDA libraries can use), or None.
+    stream_protocol: str | None = None
+    #: How a user presents more devices, for an out-of-range index's error ("" if they cannot).
+    more_devices_hint: str = ""
 
     # -- devices ---------------------------------------------------------
 

@@ -131,7 +131,7 @@ class Stream:
     @property
     def __cuda_stream__(self) -> Callable[[], tuple[int, int]]:
         """The CUDA stream protocol, ``(version, CUstream address)``; CUDA streams only."""
-        if self._runtime.name != "cuda":
+        if self._runtime.backend.stream_protocol != "__cuda_stream__":
             raise AttributeError(f"__cuda_stream__ is only defined for CUDA streams, not {self._runtime.name}")
         handle = self._handle
         return lambda: (0, handle)
@@ -395,7 +395,7 @@ class Stream:
         device = getattr(torch_stream, "device", None)
         kind = getattr(device, "type", "cuda")
         runtime = get_runtime()
-        if kind != runtime.name:
+        if kind != runtime.backend.torch_device_type:
             raise DeviceError(f"{torch_stream!r} is a {kind} stream, but the current accelerator is {runtime.name!r}")
         if kind == "cpu":
             return runtime.default_stream(runtime.current_index)
@@ -420,7 +420,7 @@ class Stream:
         torch.Stream device_type=cpu, device_index=-1, stream_id=0
         """
         torch = import_torch()
-        kind = self.device.type
+        kind = self._runtime.backend.torch_device_type
         if kind == "cpu":
             return torch.Stream("cpu")
         if kind == "cuda":
@@ -495,7 +495,7 @@ def as_stream(obj: object, device: DeviceLike = None, *, role: str = "stream", o
     protocol = None if isinstance(obj, type) else getattr(obj, "__cuda_stream__", None)
     if protocol is not None:
         runtime = get_runtime()
-        if runtime.name != "cuda":
+        if runtime.backend.stream_protocol != "__cuda_stream__":
             raise DeviceError(
                 f"{type(obj).__name__} is a CUDA stream, but the current accelerator is {runtime.name!r}"
             )

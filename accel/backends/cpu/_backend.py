@@ -87,6 +87,7 @@ class CpuBackend(Backend):
 
     name = "cpu"
     torch_device_type = "cpu"
+    more_devices_hint = "set ACCEL_CPU_DEVICES=N to present N host devices"
     torch_integration = TorchIntegration.RECORD_HOST_OPS
 
     def __init__(self, device_count: int, memory_limit: int | None) -> None:

@@ -184,6 +184,7 @@ class CudaBackend(GraphsAndHostFunctions, Sharing, Backend):
 
     name = "cuda"
     torch_device_type = "cuda"
+    stream_protocol = "__cuda_stream__"
     torch_integration = TorchIntegration.SHARED_STREAMS
 
     def __init__(self, driver: Driver, device_count: int, driver_version: int) -> None:
