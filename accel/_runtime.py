@@ -70,6 +70,14 @@ class Runtime:
         # after the close; device synchronization reports them (as CUDA reports an
         # asynchronous error at the next synchronizing call).
         self._closed_errors: dict[int, list[tuple[int, collections.deque[tuple[str, BaseException]]]]] = {}
+        # Closed streams' error queues not yet filed in _closed_errors: destroy_stream
+        # runs in finalizers, which a garbage collection may start inside any section
+        # holding self._lock (on this thread: waiting for the lock would hang), so it
+        # only appends here (atomic under the GIL) and files them when the lock is free;
+        # every section that reads _closed_errors files them first.
+        self._closed_pending: collections.deque[tuple[int, int, collections.deque[tuple[str, BaseException]]]] = (
+            collections.deque()
+        )
 
     def __repr__(self) -> str:
         return f"<accel runtime {self.name}: {self.device_count()} device(s)>"
@@ -96,24 +104,39 @@ class Runtime:
         stream synchronize reported are kept for :meth:`raise_closed_stream_errors`."""
         errors = self._host_errors.pop((index, handle), None)
         if errors is not None:
-            with self._lock:
-                kept = self._closed_errors.setdefault(index, [])
-                kept.append((handle, errors))
-                # No backend call here (this runs in finalizers): what is dropped is what
-                # nothing can report into any more, empty and referenced only by this list.
-                kept[:] = [entry for entry in kept if entry[1] or _shared(entry[1])]
+            self._closed_pending.append((index, handle, errors))
+            del errors  # _shared counts references
+            if self._lock.acquire(blocking=False):  # never wait: see _closed_pending
+                try:
+                    self._file_closed()
+                finally:
+                    self._lock.release()
         self.backend.stream_destroy(index, handle)
+
+    def _file_closed(self) -> None:
+        """File the error queues destroy_stream left in _closed_pending (lock held)."""
+        pending = self._closed_pending
+        while pending:  # a finalizer run meanwhile may add more
+            index, handle, errors = pending.popleft()
+            kept = self._closed_errors.setdefault(index, [])
+            kept.append((handle, errors))
+            del errors  # _shared counts references
+            # No backend call here (this runs in finalizers): what is dropped is what
+            # nothing can report into any more, empty and referenced only by this list.
+            kept[:] = [entry for entry in kept if entry[1] or _shared(entry[1])]
 
     def synchronize_device(self, index: int) -> None:
         """Wait for every stream of device ``index``, closed ones included, then raise
         :class:`~accel.HostFunctionError` for a host function of a closed stream that
         failed and was never reported."""
         with self._lock:
+            self._file_closed()
             closed = self._closed_errors.pop(index, [])
         try:
             self.backend.device_synchronize(index)
         except BaseException:
             with self._lock:  # not waited for: keep them for the next synchronize
+                self._file_closed()
                 self._closed_errors[index] = closed + self._closed_errors.get(index, [])
             raise
         failures = [(handle, failure) for handle, errors in closed for failure in errors]

@@ -182,3 +182,42 @@ print('ok')
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"{backend}: hung\n{exc.stderr!r}")
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_a_stream_collected_while_another_is_destroyed_neither_hangs_nor_loses_its_errors(backend: str) -> None:
+    """A garbage collection can start at any allocation, also inside the runtime's
+    locked bookkeeping of a destroyed stream; the collected stream's finalizer then
+    destroyed it too and waited for the lock its own thread held (a hang found by the
+    stateful API test). Here the collection is forced at that point: the last
+    reference to a stream whose failed host function nothing reported goes there."""
+    run(
+        backend,
+        """
+        import pytest
+        import accel._runtime as runtime_module
+
+        def failing():
+            raise ValueError("unreported")
+
+        victim = [accel.Stream()]
+        victim[0].launch_host_func(failing)
+        real_shared = runtime_module._shared
+
+        def shared(errors):
+            if victim:
+                victim.pop()  # its finalizer runs here, inside the runtime's bookkeeping
+            return real_shared(errors)
+
+        runtime_module._shared = shared
+        other = accel.Stream()
+        other.launch_host_func(lambda: None)
+        other.close()
+        assert not victim
+        gate.set()
+        with pytest.raises(accel.HostFunctionError, match=r"failing on closed stream .* ValueError: unreported"):
+            accel.synchronize()
+        accel.synchronize()  # reported once
+        buf.free()
+        """,
+    )
