@@ -515,6 +515,29 @@ def test_onnx_calls_read_the_callers_tensor_in_place_and_repoint_only_for_new_me
     torch.testing.assert_close(square(m.t()), _eager(square.fn, m.t()))
 
 
+def test_onnx_calls_with_several_inputs_repoint_when_any_of_them_moved(cache: Path, engines: Any) -> None:
+    engines(_CountingPoints())
+    _CountingPoints.points = 0
+    lin = nn.Linear(8, 8).eval()
+
+    def model(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return torch.relu(lin(x) + bias)
+
+    def eager(*args: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return model(*args)
+
+    fast = make_graphed_callables(model, (torch.randn(2, 8), torch.randn(2, 8)), tier="compiled")
+    a, b, c = torch.randn(2, 8), torch.randn(2, 8), torch.randn(2, 8)
+    for args, points in (((a, b), 1), ((a, b), 1), ((a, c), 2), ((c, c), 3), ((c, c), 3), ((a, b.t().t()), 4)):
+        torch.testing.assert_close(fast(*args), eager(*args))
+        assert _CountingPoints.points == points
+    # Not contiguous: copied into the graph's inputs, the binding left as it was.
+    wide = torch.randn(8, 2).t()
+    torch.testing.assert_close(fast(a, wide), eager(a, wide))
+    assert _CountingPoints.points == 4
+
+
 def test_a_call_does_not_repoint_the_binding_while_another_threads_run_reads_it() -> None:
     # Without the lock, the second thread pointed the binding at its tensor
     # while the first run read through it (then freed it: a crash).
