@@ -12,7 +12,9 @@ the inputs and writes the outputs in place, with nothing else around it.
   forced, for programs with matrix products (they win on small ones).
 - ``onnxruntime``: the program exported to ONNX (``torch.onnx.export``,
   dynamo exporter) and run by an ``InferenceSession`` with IO binding over
-  the graph's own tensors: ONNX Runtime reads and writes them in place.
+  the graph's own tensors: ONNX Runtime reads and writes them in place. A
+  second binding, for graphed calls, reads the caller's input tensors in
+  place and writes the same outputs.
 - ``onnxruntime-1thread``: the same file in a session on one intra-op
   thread, competing where torch runs on more than one.
 
