@@ -256,8 +256,10 @@ def _taking_call(
     must not repoint the binding while a run reads through it, or leave it
     pointing at memory freed before this run reads it (a crash)."""
     run, point = take
+    # A with block rather than acquire() and try: no interrupt can land
+    # between taking the lock and the block that gives it back (a lock
+    # left held hangs every later call).
     lock = threading.Lock()
-    acquire, release = lock.acquire, lock.release
     if len(inputs) == 1:
         (static,) = inputs
         copy = static.copy_
@@ -270,14 +272,11 @@ def _taking_call(
             a = args[0]
             if a.is_cpu and a.is_contiguous():  # a meta or device tensor is copied (or refused) instead
                 pointer = a.data_ptr()
-                acquire()
-                try:
+                with lock:
                     if pointer != taken:
                         point(args)
                         taken = pointer
                     run()
-                finally:
-                    release()
             else:
                 copy(a)
                 replay()
@@ -292,14 +291,11 @@ def _taking_call(
             return None
         if all(a.is_cpu and a.is_contiguous() for a in args):
             pointers = tuple([a.data_ptr() for a in args])
-            acquire()
-            try:
+            with lock:
                 if pointers != taken_all:
                     point(args)
                     taken_all = pointers
                 run()
-            finally:
-                release()
         else:
             for static, a in zip(inputs, args):
                 static.copy_(a)
