@@ -539,7 +539,12 @@ def _time_interleaved(runs: list[tuple[Candidate, Callable[[], Any]]], rounds: i
     """Time of one run of each (its fastest round), in rounds that take turns, so
     that a busy machine slows them all alike. Each round runs each about ``budget`` seconds,
     after a warm-up of as long: an engine's first runs are slower (ONNX
-    Runtime's memory arena grows, caches fill) and must not decide the choice."""
+    Runtime's memory arena grows, caches fill) and must not decide the choice.
+    Each round's timed runs follow an untimed one: the first run after the
+    other engines' refills the caches they evicted, which a call in a loop
+    does not pay, and a round of a large program is only a few runs (the
+    benchmark measured that refill at 2.5 us a call on the attention block
+    at batch 1 and 8 us on the CNN at batch 8, in rounds of 100 calls)."""
     with torch.inference_mode():
         counts = []
         for _, run in runs:
@@ -553,6 +558,7 @@ def _time_interleaved(runs: list[tuple[Candidate, Callable[[], Any]]], rounds: i
         samples: list[list[float]] = [[] for _ in runs]
         for _ in range(rounds):
             for i, (_, run) in enumerate(runs):
+                run()  # untimed: the first run after another engine's refills the caches
                 t0 = time.perf_counter()
                 for _ in range(counts[i]):
                     run()
