@@ -29,7 +29,9 @@ One run measures, for each model and batch size, the latency of one call of:
   f32 precision, one reused ``InferRequest`` (where installed).
 
 Each round times ``--calls`` calls of every variant in turn, so that machine
-noise hits all of them alike; a latency is the mean of one round. The report
+noise hits all of them alike, each after a few untimed calls of its own
+(the caches refilled after the variant before it), starting with another
+variant each round; a latency is the mean of one round. The report
 gives the median round of ``--repeats``, and the spread of the per-round
 speed-ups (25th to 75th percentile). Ratios are eager time / variant time
 (higher is faster). ``--threads 1,2`` repeats everything per intra-op
@@ -221,8 +223,16 @@ def bench(model_name: str, batch: int, calls: int, repeats: int, variants: list[
     for fn in fns.values():  # warm-up
         _time(fn, max(10, calls // 10))
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    warm = max(2, calls // 20)
+    for r in range(repeats):
+        # Each round starts with another variant, and each variant's timed calls
+        # follow a few untimed ones: the first calls after another variant ran
+        # refill the caches (the variant timed right after eager paid 2.5 us
+        # more per call than the next one on the attention block at batch 1,
+        # 8 us on the CNN at batch 8, however fast its own call was).
+        for name, fn in order[r % len(order):] + order[:r % len(order)]:
+            _time(fn, warm)
             samples[name].append(_time(fn, calls))
     latency = {name: min(v) for name, v in samples.items()}
     median = {name: statistics.median(v) for name, v in samples.items()}

@@ -153,14 +153,6 @@ class CompiledProgram:
         return "\n".join(str(c) for c in self.candidates)
 
 
-#: From this many input bytes on, an engine that can read the caller's tensors
-#: in place (ONNX Runtime: a rebinding, about 0.6 us whatever the size) does,
-#: rather than have them copied into its bound buffers (0.7 us for 2 KiB, 0.8
-#: us for 16 KiB, 1.7 us for 96 KiB; the tiny MLP at batch 8, 2 KiB, ran 0.3 us
-#: slower rebound than copied).
-TAKE_MIN_BYTES = 16 << 10
-
-
 def bind_call(
     compiled: CompiledProgram,
     inputs: Sequence[torch.Tensor],
@@ -174,12 +166,12 @@ def bind_call(
     Everything that does not change between calls is looked up here, once:
     the call is the stream check and the engine's own run on the caller's
     tensors. AOTInductor takes them and returns new outputs; ONNX Runtime
-    reads inputs of ``TAKE_MIN_BYTES`` or more in place (its call binding
-    points at them) and writes the graph's static outputs. Smaller inputs,
-    and non-contiguous ones, are copied into the bound buffers (skipped for
-    the static input itself), as a direct caller of the engine does. It returns None, having done nothing, when the calling thread's
-    current stream on ``device`` is not the default one: the caller then
-    replays the graph on that stream.
+    reads contiguous host inputs where they lie (see :func:`_taking_call`)
+    and writes the graph's static outputs. Other inputs (not contiguous, not
+    on the host) are copied into the bound buffers, as a direct caller of the
+    engine does. It returns None, having done nothing, when the calling
+    thread's current stream on ``device`` is not the default one: the caller
+    then replays the graph on that stream.
     """
     # runtime.current_stream(device), inlined: the thread's current streams
     # (absent: the default one). A third of the whole overhead otherwise.
@@ -212,37 +204,8 @@ def bind_call(
 
     replay = compiled.replay
     take = getattr(replay, "take", None)
-    if sum(t.numel() * t.element_size() for t in inputs) < TAKE_MIN_BYTES:
-        take = None  # copying a small input is cheaper than pointing the engine at it
-    if take is not None and len(inputs) == 1:
-        (static,) = inputs
-
-        def take_one(args: Sequence[torch.Tensor]) -> Any:
-            if thread.streams.get(device, default) is not default:
-                return None
-            a = args[0]
-            if a.is_cpu and a.is_contiguous():  # a meta or device tensor is copied (or refused) instead
-                take(args)  # the engine reads the caller's tensor: no copy
-            else:
-                static.copy_(args[0])
-                replay()
-            return output
-
-        return take_one
     if take is not None:
-
-        def take_any(args: Sequence[torch.Tensor]) -> Any:
-            if thread.streams.get(device, default) is not default:
-                return None
-            if all(a.is_cpu and a.is_contiguous() for a in args):
-                take(args)
-            else:
-                for static, a in zip(inputs, args):
-                    static.copy_(a)
-                replay()
-            return output
-
-        return take_any
+        return _taking_call(take, replay, inputs, output, thread, device, default)
     if len(inputs) == 1:
         (static,) = inputs
         copy, pointer = static.copy_, static.data_ptr()
@@ -269,6 +232,77 @@ def bind_call(
         return output
 
     return replay_any
+
+
+def _taking_call(
+    take: tuple[Callable[[], Any], Callable[[Sequence[torch.Tensor]], None]],
+    replay: Callable[[], Any],
+    inputs: Sequence[torch.Tensor],
+    output: Any,
+    thread: Any,
+    device: int,
+    default: Any,
+) -> Callable[[Sequence[torch.Tensor]], Any]:
+    """The graphed call of an engine that can read the caller's tensors where
+    they lie (ONNX Runtime: ``take`` is its call binding's ``(run, point)``).
+
+    The binding stays pointed at the last call's inputs: a call with the same
+    tensors again (or new ones the allocator put at the same addresses, as
+    it does for a loop's fresh tensor of one size) is the engine's run alone,
+    with no copy and no rebinding; others point it at their memory first
+    (about 0.6 us, against 0.4 to 1.7 us for copying 256 B to 96 KiB). The
+    run reads the memory at that moment, so new values in the same tensor
+    are seen. Pointing and running hold a lock: a call on another thread
+    must not repoint the binding while a run reads through it, or leave it
+    pointing at memory freed before this run reads it (a crash)."""
+    run, point = take
+    # A with block rather than acquire() and try: no interrupt can land
+    # between taking the lock and the block that gives it back (a lock
+    # left held hangs every later call).
+    lock = threading.Lock()
+    if len(inputs) == 1:
+        (static,) = inputs
+        copy = static.copy_
+        taken: Any = None  # the address the call binding reads; None: not pointed yet
+
+        def take_one(args: Sequence[torch.Tensor]) -> Any:
+            nonlocal taken
+            if thread.streams.get(device, default) is not default:
+                return None
+            a = args[0]
+            if a.is_cpu and a.is_contiguous():  # a meta or device tensor is copied (or refused) instead
+                pointer = a.data_ptr()
+                with lock:
+                    if pointer != taken:
+                        point(args)
+                        taken = pointer
+                    run()
+            else:
+                copy(a)
+                replay()
+            return output
+
+        return take_one
+    taken_all: tuple[int, ...] = ()
+
+    def take_any(args: Sequence[torch.Tensor]) -> Any:
+        nonlocal taken_all
+        if thread.streams.get(device, default) is not default:
+            return None
+        if all(a.is_cpu and a.is_contiguous() for a in args):
+            pointers = tuple([a.data_ptr() for a in args])
+            with lock:
+                if pointers != taken_all:
+                    point(args)
+                    taken_all = pointers
+                run()
+        else:
+            for static, a in zip(inputs, args):
+                static.copy_(a)
+            replay()
+        return output
+
+    return take_any
 
 
 def _check(g: Graph, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> Program:
@@ -482,11 +516,15 @@ def _max_error(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -> fl
 
 def _as_called(trial: Callable[[], Any], inputs: list[torch.Tensor]) -> Callable[[], Any]:
     """``trial`` as a graphed call runs it: an engine that takes the caller's
-    tensors is called on them (no copies); the others copy the inputs into
-    their bound buffers first, which a call pays for them."""
+    tensors is called on them, one that reads them where they lie (``take``:
+    a call passing the same tensors again runs its binding alone) is run on
+    its bound ones; the others copy the inputs into their bound buffers
+    first, which a call pays for them."""
     direct = getattr(trial, "direct", None)
     if direct is not None:
         return functools.partial(direct, inputs)
+    if getattr(trial, "take", None) is not None:
+        return trial
     sources = [t.clone() for t in inputs]
 
     def copy_and_run() -> None:
@@ -501,7 +539,12 @@ def _time_interleaved(runs: list[tuple[Candidate, Callable[[], Any]]], rounds: i
     """Time of one run of each (its fastest round), in rounds that take turns, so
     that a busy machine slows them all alike. Each round runs each about ``budget`` seconds,
     after a warm-up of as long: an engine's first runs are slower (ONNX
-    Runtime's memory arena grows, caches fill) and must not decide the choice."""
+    Runtime's memory arena grows, caches fill) and must not decide the choice.
+    Each round's timed runs follow an untimed one: the first run after the
+    other engines' refills the caches they evicted, which a call in a loop
+    does not pay, and a round of a large program is only a few runs (the
+    benchmark measured that refill at 2.5 us a call on the attention block
+    at batch 1 and 8 us on the CNN at batch 8, in rounds of 100 calls)."""
     with torch.inference_mode():
         counts = []
         for _, run in runs:
@@ -515,6 +558,7 @@ def _time_interleaved(runs: list[tuple[Candidate, Callable[[], Any]]], rounds: i
         samples: list[list[float]] = [[] for _ in runs]
         for _ in range(rounds):
             for i, (_, run) in enumerate(runs):
+                run()  # untimed: the first run after another engine's refills the caches
                 t0 = time.perf_counter()
                 for _ in range(counts[i]):
                     run()

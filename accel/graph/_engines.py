@@ -12,7 +12,9 @@ the inputs and writes the outputs in place, with nothing else around it.
   forced, for programs with matrix products (they win on small ones).
 - ``onnxruntime``: the program exported to ONNX (``torch.onnx.export``,
   dynamo exporter) and run by an ``InferenceSession`` with IO binding over
-  the graph's own tensors: ONNX Runtime reads and writes them in place.
+  the graph's own tensors: ONNX Runtime reads and writes them in place. A
+  second binding, for graphed calls, reads the caller's input tensors in
+  place and writes the same outputs.
 - ``onnxruntime-1thread``: the same file in a session on one intra-op
   thread, competing where torch runs on more than one.
 
@@ -319,13 +321,19 @@ class OnnxRuntime(Engine):
             replay.take = self._taking(session, native, inputs, outputs, np)  # type: ignore[attr-defined]
         return replay
 
-    def _taking(self, session: Any, native: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], np: Any) -> Any:
-        """A run on the caller's own input tensors (contiguous, laid out like
-        ``inputs``), results in ``outputs``: its own binding points the inputs
-        at the caller's memory for the run, in place of a copy into the bound
-        buffers (about 0.6 us whatever the size, against 0.7 us for 2 KiB and
-        1.7 us for 96 KiB copied). The replay's binding keeps the graph's
-        buffers, so a replay of the graph never reads the caller's memory."""
+    def _taking(
+        self, session: Any, native: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], np: Any
+    ) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+        """A second binding for runs on the caller's own input tensors
+        (contiguous host tensors laid out like ``inputs``), results in
+        ``outputs``: ``(run, point)``, where ``point(args)`` points its inputs
+        at the caller's memory (about 0.6 us, whatever the size) and ``run()``
+        runs it. A caller that passes the same memory again runs it without
+        pointing it anew: no copy, no rebinding. The replay's binding keeps
+        the graph's buffers, so a replay of the graph never reads the
+        caller's memory. The caller must not run it after the memory it was
+        last pointed at is freed (:func:`accel.graph._compiled.bind_call`
+        points it at every call's tensors first, under a lock)."""
         from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
 
         binding = session.io_binding()
@@ -334,27 +342,18 @@ class OnnxRuntime(Engine):
         binding._accel_keep = (session, outputs)
         cpu = OrtDevice.make("cpu", 0)._get_c_device()
         bound = binding._iobinding
-        bind_input, run = bound.bind_input, native.run_with_iobinding
+        bind_input = bound.bind_input
         wanted = {arg.name for arg in session.get_inputs()}
         slots = [(i, f"input_{i}", np.dtype(_ORT_TYPES[t.dtype]), list(t.shape)) for i, t in enumerate(inputs)
                  if f"input_{i}" in wanted]
-        if len(slots) == 1 and len(inputs) == 1:
-            ((_, name, kind, shape),) = slots
 
-            def take_one(args: Any) -> None:
-                bind_input(name, cpu, kind, shape, args[0].data_ptr())
-                run(bound, None)
-
-            take_one.keep = binding  # type: ignore[attr-defined]
-            return take_one
-
-        def take(args: Any) -> None:
+        def point(args: Any) -> None:
             for i, name, kind, shape in slots:
                 bind_input(name, cpu, kind, shape, args[i].data_ptr())
-            run(bound, None)
 
-        take.keep = binding  # type: ignore[attr-defined]
-        return take
+        run = functools.partial(native.run_with_iobinding, bound, None)
+        run.keep = binding  # type: ignore[attr-defined]
+        return run, point
 
     def session_threads(self, threads: int) -> int:
         """The session's intra-op threads for a process running torch on ``threads``."""
