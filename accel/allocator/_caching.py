@@ -262,7 +262,7 @@ class DeviceAllocator:
         """
         if nbytes.__class__ is not int or not 0 < nbytes < MAX_REQUEST:
             self._bad_size(nbytes)
-        if stream._device != self.device or stream._runtime.backend is not self.backend:
+        if stream._device != self.device or stream._runtime.backend is not self.backend or stream._closed:
             self._bad_stream(stream, "an allocation")
         handle = stream._handle
         # acquire/release rather than ``with``: half the cost on this hot path.
@@ -418,6 +418,9 @@ class DeviceAllocator:
         raise InvalidValueError(f"nbytes={nbytes!r} must be an int number of bytes")
 
     def _bad_stream(self, stream: Stream, call: str) -> None:
+        # A closed stream's handle may be the backend's for a new stream: memory
+        # cached under it would be ordered on the wrong stream.
+        stream._live()  # raises, saying the stream was closed
         raise DeviceError(
             f"{stream!r} is not a stream of {self._name}; {call} needs a stream of "
             "the device the memory lives on"

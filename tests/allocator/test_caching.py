@@ -873,3 +873,20 @@ def test_malloc_refuses_stream_of_another_device():
     with pytest.raises(DeviceError):
         a.malloc(4096, other.default_stream(0))
     assert a.stats()["allocation.all.current"] == 0
+
+
+def test_malloc_refuses_a_closed_stream(backend):
+    """DeviceAllocator.malloc called directly (not through accel.memory.allocate, which
+    checked) with a closed stream cached memory under the dead stream's handle, which
+    the backend may hand to a new stream; it must refuse, as allocate does."""
+    rt = Runtime(backend)
+    a = DeviceAllocator(backend, 0, AllocatorConfig())
+    s = stream(rt)
+    s.close()
+    with pytest.raises(InvalidHandleError, match="was closed"):
+        a.malloc(4096, s)  # a cache miss
+    a.free(a.malloc(4096, rt.default_stream(0)))
+    with pytest.raises(InvalidHandleError, match="was closed"):
+        a.malloc(4096, s)  # the fast path, with a block cached
+    check_invariants(a)
+    a.empty_cache()
