@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from accel.allocator.config import AllocatorConfig
     from accel.stream import Stream
 
-__all__ = ["DeviceAllocator"]
+__all__ = ["DeviceAllocator", "release_orphans"]
 
 KB_MIN = 512  # minimum block size and rounding quantum
 SMALL_SIZE = 1 << 20  # requests up to this go to the small pool
@@ -102,6 +102,34 @@ class _PoolRelease:
 
     def __init__(self, pool_id: PoolId) -> None:
         self.pool_id = pool_id
+
+
+# Allocators of dropped MemPools that still hold cached memory their release could
+# not give back without waiting for the device (it runs in finalizers and in free(),
+# maybe on a thread the device's work waits for): a later call that may wait,
+# empty_cache or an allocation short of memory on the same device, finishes it.
+# No lock: a set's add, discard and copy are each atomic under the GIL.
+_orphans: set[DeviceAllocator] = set()
+
+
+def release_orphans(backend: Backend, device: int | None, *, busy: DeviceAllocator | None = None) -> None:
+    """Give back the cached memory of dropped pools' allocators of ``backend``'s
+    ``device`` (None: every device), waiting for the device as empty_cache does:
+    call it only where waiting is safe. ``busy``: an allocator whose lock the caller holds."""
+    for orphan in _orphans.copy():
+        if orphan is busy or orphan.backend is not backend or device not in (None, orphan.device):
+            continue
+        # Not blocking: an orphan busy on another thread is finished by a later call.
+        if orphan._lock.acquire(blocking=False):
+            try:
+                if orphan._gc_frees:
+                    orphan._drain_gc_frees()
+                small, large = orphan._kinds
+                if not (small.allocation or large.allocation):
+                    orphan._release_cached_blocks()
+                orphan._note_orphan()
+            finally:
+                orphan._lock.release()
 
 
 class DeviceAllocator:
@@ -464,6 +492,8 @@ class DeviceAllocator:
                 block = self._alloc_segment(pool, handle, size)
         if block is None and not capturing:
             self._release_cached_blocks()
+            if _orphans:
+                release_orphans(self.backend, self.device, busy=self)  # dropped pools' memory of this device
             self._stats.s[S.NUM_ALLOC_RETRIES] += 1
             block = self._alloc_segment(pool, handle, size)
         if block is None:
@@ -970,9 +1000,28 @@ class DeviceAllocator:
         # buffers) sees the flag.
 
     def _release_if_idle(self) -> None:
+        """A dropped pool's allocator with nothing allocated gives its memory back, without
+        waiting for the device: this runs in finalizers and in free(), maybe on the thread
+        of a host function the device's work waits for. Only when every stream of its
+        segments has no queued work and no cross-stream free is pending; else the allocator
+        waits in ``_orphans`` for a call that may wait (see :func:`release_orphans`)."""
         small, large = self._kinds
-        if not (small.allocation or large.allocation):
-            self._release_cached_blocks()
+        if small.allocation or large.allocation or self._captures:
+            return
+        if self._pending:
+            self._process_events()
+        if not self._pending and self._streams_idle():
+            self._release_cached_blocks(wait=False)
+        self._note_orphan()
+
+    def _streams_idle(self) -> bool:
+        for stream in {seg.stream for seg in self._segments.values()}:
+            try:
+                if not self.backend.stream_query(self.device, stream):
+                    return False
+            except AccelError:  # a closed stream's work may still run; or a capture under way
+                return False
+        return True
 
     def _drain_gc_frees(self) -> None:
         while self._gc_frees:
@@ -1198,13 +1247,26 @@ class DeviceAllocator:
             if self._gc_frees:
                 self._drain_gc_frees()
             self._release_cached_blocks()
+        if _orphans:
+            release_orphans(self.backend, self.device)
 
-    def _release_cached_blocks(self) -> None:
+    def _note_orphan(self) -> None:
+        """Keep this dropped pool's allocator for a later release while it holds memory."""
+        if self._segments:
+            _orphans.add(self)
+        else:
+            _orphans.discard(self)
+
+    def _release_cached_blocks(self, *, wait: bool = True) -> None:
         """Give back every free whole segment and free expandable page of the
-        default pools and of the private pools no graph uses any more."""
+        default pools and of the private pools no graph uses any more.
+
+        ``wait=False``: the caller saw the streams idle and nothing pending, and
+        must not wait for the device."""
         if self._captures:
             return  # never return memory upstream during a capture
-        self._synchronize_and_free_events()
+        if wait:
+            self._synchronize_and_free_events()
         freeable = [p for p in self._private.values() if p.use_count == 0]
         pools = [self._small, self._large]
         for private in freeable:
@@ -1217,7 +1279,7 @@ class DeviceAllocator:
             if b.segment.expandable or (b.prev is None and b.next is None)
         ]
         if victims:
-            self._release(victims)
+            self._release(victims, wait=wait)
         # Reservations left wholly unmapped (a failed first map) go back too.
         for pool in pools:
             for seg in list(pool.expandable.values()):
@@ -1228,10 +1290,11 @@ class DeviceAllocator:
             if private.segments == 0:
                 del self._private[private.id]
 
-    def _release(self, blocks: list[Block]) -> None:
+    def _release(self, blocks: list[Block], *, wait: bool = True) -> None:
         """Give free ``blocks`` (whole segments, or expandable free ranges) back upstream."""
         # Upstream frees are not stream ordered on every backend: let queued work finish.
-        self.backend.device_synchronize(self.device)
+        if wait:
+            self.backend.device_synchronize(self.device)
         for b in blocks:
             self._take_off_list(b)
             if b.segment.expandable:
