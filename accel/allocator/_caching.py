@@ -179,7 +179,9 @@ class DeviceAllocator:
         self._private: dict[PoolId, PrivatePool] = {}
         # (pool id, stream filter) of the captures under way, innermost last
         self._captures: list[tuple[PrivatePool, Callable[[Stream], bool]]] = []
-        self._deferred: list[Block] = []  # frees held back until the captures end
+        # Frees held back until the captures end (or, outside one, until the next release
+        # of cached memory: an interrupt left their stream uses unordered).
+        self._deferred: list[Block] = []
         self._pending: dict[int, deque[tuple[int, Block]]] = {}  # used stream -> (event, block)
         self._events: list[int] = []  # pooled events, ready for reuse
         self._events_created = 0
@@ -1010,7 +1012,7 @@ class DeviceAllocator:
             return
         if self._pending:
             self._process_events()
-        if not self._pending and self._streams_idle():
+        if not (self._pending or self._deferred) and self._streams_idle():
             self._release_cached_blocks(wait=False)
         self._note_orphan()
 
@@ -1171,30 +1173,42 @@ class DeviceAllocator:
                 block.stream_uses.add(handle)
 
     def _insert_events(self, block: Block) -> None:
-        uses, block.stream_uses = block.stream_uses or set(), None
+        remaining = list(block.stream_uses or ())
+        block.stream_uses = None
         error: BaseException | None = None
-        for handle in uses:
-            event = self._events.pop() if self._events else self._new_event()
-            try:
-                self.backend.event_record(self.device, event, handle)
-            except BaseException as exc:
-                # The stream was closed (its queued work still runs) or the
-                # driver failed: wait for the whole device instead, so the
-                # block is still freed safely and nothing leaks. Not during
-                # interpreter exit (streams closed, a graph's holds let go):
-                # the threads such a wait needs no longer run, and nothing
-                # will be allocated again.
-                self._events.append(event)
-                if not sys.is_finalizing():
-                    self.backend.device_synchronize(self.device)
-                if not isinstance(exc, InvalidHandleError):
-                    error = error or exc
-                continue
-            block.event_count += 1
-            queue = self._pending.get(handle)
-            if queue is None:
-                queue = self._pending[handle] = deque()
-            queue.append((event, block))
+        try:
+            while remaining:
+                handle = remaining[-1]
+                event = self._events.pop() if self._events else self._new_event()
+                try:
+                    self.backend.event_record(self.device, event, handle)
+                except BaseException as exc:
+                    # The stream was closed (its queued work still runs) or the
+                    # driver failed: wait for the whole device instead, so the
+                    # block is still freed safely and nothing leaks. Not during
+                    # interpreter exit (streams closed, a graph's holds let go):
+                    # the threads such a wait needs no longer run, and nothing
+                    # will be allocated again.
+                    self._events.append(event)
+                    if not sys.is_finalizing():
+                        self.backend.device_synchronize(self.device)
+                    remaining.pop()
+                    if not isinstance(exc, InvalidHandleError):
+                        error = error or exc
+                    continue
+                remaining.pop()
+                block.event_count += 1
+                queue = self._pending.get(handle)
+                if queue is None:
+                    queue = self._pending[handle] = deque()
+                queue.append((event, block))
+        except BaseException:
+            # Interrupted (Ctrl-C in the wait above), or no event could be made: the
+            # uses left are ordered by the next call that gives memory back (see
+            # _release_cached_blocks); until then the block stays pending.
+            block.stream_uses = set(remaining)
+            self._deferred.append(block)
+            raise
         if block.event_count == 0:
             self._free_block(block)
         if error is not None:
@@ -1221,14 +1235,19 @@ class DeviceAllocator:
 
     def _synchronize_and_free_events(self) -> None:
         self._stats.s[S.NUM_SYNC_ALL_STREAMS] += 1
-        for queue in self._pending.values():
-            for event, block in queue:
+        # Each entry leaves its queue once waited for: a wait interrupted (Ctrl-C)
+        # leaves the books whole, with the rest still pending.
+        for handle in list(self._pending):
+            queue = self._pending[handle]
+            while queue:
+                event, block = queue[0]
                 self.backend.event_synchronize(self.device, event)
+                queue.popleft()
                 self._events.append(event)
                 block.event_count -= 1
                 if block.event_count == 0:
                     self._free_block(block)
-        self._pending.clear()
+            del self._pending[handle]
 
     @property
     def events_created(self) -> int:
@@ -1266,6 +1285,8 @@ class DeviceAllocator:
         if self._captures:
             return  # never return memory upstream during a capture
         if wait:
+            while self._deferred:  # frees an interrupt left with stream uses unordered
+                self._insert_events(self._deferred.pop())
             self._synchronize_and_free_events()
         freeable = [p for p in self._private.values() if p.use_count == 0]
         pools = [self._small, self._large]
@@ -1397,10 +1418,9 @@ class DeviceAllocator:
                     break
             else:
                 raise CaptureError(f"end_allocate_to_pool: not currently recording to pool {pool_id}")
-            if not self._captures and self._deferred:
-                deferred, self._deferred = self._deferred, []
-                for block in deferred:
-                    self._insert_events(block)
+            if not self._captures:
+                while self._deferred:  # one at a time: an interrupt keeps the rest listed
+                    self._insert_events(self._deferred.pop())
 
     def release_pool(self, pool_id: PoolId) -> None:
         """Drop one use of ``pool_id`` (a graph that is gone).
