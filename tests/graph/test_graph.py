@@ -596,3 +596,46 @@ def test_a_capture_dropped_while_the_backend_fails_still_lets_go(monkeypatch: py
     buf.free()
     accel.memory.empty_cache()
     assert accel.memory.memory_allocated() == 0
+
+
+RESET_WHILE_A_REPLAY_NEVER_ENDS = """
+import sys, threading, time
+import accel
+from accel.graph import Graph, graph
+
+gate = threading.Event()
+holder = {}
+
+def host_function():
+    if sys.argv[1] == "from-its-replay":
+        holder.pop("g").reset()  # on the thread that runs the replay's host functions
+        gate.set()
+    gate.wait()  # "never": set only at the end, or never
+
+g = Graph()
+with graph(g):
+    accel.current_stream().launch_host_func(host_function)
+holder["g"] = g
+side = accel.Stream()
+with side:
+    g.replay()
+start = time.monotonic()
+if sys.argv[1] == "from-its-replay":
+    assert gate.wait(20), "reset() from the replay's own host function hung"
+else:
+    g.reset()
+assert time.monotonic() - start < 20, time.monotonic() - start
+print("OK", flush=True)
+# The interpreter exits with the replay still blocked (but for "from-its-replay").
+"""
+
+
+@pytest.mark.parametrize("how", ["reset", "from-its-replay"])
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_reset_does_not_wait_for_a_replay_that_never_ends(backend: str, how: str) -> None:
+    """Level Zero's reset() waited without a timeout (and without Ctrl-C) for the last
+    replay before destroying the command list: a replay blocked in a host function hung
+    it for ever, and a reset from the replay's own host function waited for itself.
+    The interpreter then exits with the replay still blocked (bounded, with a warning,
+    on the host)."""
+    run_script_on(backend, RESET_WHILE_A_REPLAY_NEVER_ENDS, how, timeout=60)
