@@ -988,7 +988,9 @@ class DeviceAllocator:
     def release_when_idle(self) -> None:
         """The owner of this allocator (a :class:`MemPool` that was dropped) needs it
         no more: give every segment back upstream now if nothing is allocated, else
-        when the last allocation is freed. Safe from a finalizer."""
+        when the last allocation is freed. Safe from a finalizer: it never waits for
+        the device, so memory whose streams still have queued work goes back at the
+        device's next ``empty_cache`` or allocation short of memory."""
         self._orphaned = True
         self._fast = False
         if self._lock.acquire(blocking=False):

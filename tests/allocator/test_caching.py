@@ -966,3 +966,31 @@ def test_an_interrupt_while_free_records_events_leaves_the_books_whole(backend, 
     assert a.stats()["reserved_bytes.all.current"] == 0
     a.free(a.malloc(4096, s))
     check_invariants(a)
+
+
+def test_an_allocation_short_of_memory_takes_back_what_a_dropped_pool_could_not_give():
+    """A dropped pool's allocator whose stream still ran gave nothing back (its release
+    must not wait for the device): an allocation of the device short of memory, which
+    may wait, finishes that release instead of failing."""
+    import accel.allocator._caching as caching
+
+    backend = CpuBackend(1, 4 * MiB)
+    rt = Runtime(backend)
+    s = stream(rt)
+    orphan = make(backend)
+    blocks = [orphan.malloc(MiB, s) for _ in range(3)]  # two 2 MiB segments: the whole device
+    for b in blocks:
+        orphan.free(b)
+    gate = threading.Event()
+    backend.launch_host_func(0, s.native_handle, lambda: gate.wait(10))
+    orphan.release_when_idle()  # what the MemPool's finalizer calls
+    assert orphan.stats()["reserved_bytes.all.current"] == 4 * MiB, "s still runs: nothing went"
+    assert orphan in caching._orphans
+    threading.Timer(0.2, gate.set).start()
+    main = make(backend)
+    b = main.malloc(MiB, rt.default_stream(0))  # waits for s, then takes the orphan's memory
+    assert orphan.stats()["reserved_bytes.all.current"] == 0
+    assert orphan not in caching._orphans
+    main.free(b)
+    check_invariants(main)
+    check_invariants(orphan)
