@@ -63,6 +63,9 @@ class Runtime:
         # stream layer adds the holds, the graph capturing owns the list (so
         # memory its replays write outlives a free() until the graph is gone).
         self.capture_holds: dict[int, list[object]] = {}
+        # Told, with the stream's handle, when a stream taking part in the capture is
+        # closed: the graph capturing lets go of what it holds if that drops its capture.
+        self.capture_owners: dict[int, Callable[[int, int], None]] = {}
         # Errors of host functions, per (device, stream handle): shared by every
         # wrapper of one stream (Stream, ExternalStream, from_torch...).
         self._host_errors: dict[tuple[int, int], collections.deque[tuple[str, BaseException]]] = {}
@@ -98,6 +101,13 @@ class Runtime:
         while errors:  # popleft: a failure reported meanwhile stays for next time
             taken.append(errors.popleft())
         return taken
+
+    def stream_closed_in_capture(self, capture: int, index: int, handle: int) -> None:
+        """Stream ``handle`` of device ``index`` was closed while it took part in
+        capture ``capture``; the graph capturing decides what that drops."""
+        owner = self.capture_owners.get(capture)
+        if owner is not None:
+            owner(index, handle)
 
     def destroy_stream(self, index: int, handle: int) -> None:
         """Destroy a stream accel created; failures of its host functions that no

@@ -349,8 +349,6 @@ def allocate(nbytes: int, *, device: DeviceLike = None, stream: Stream | None = 
                 f"stream {stream!r} is on {stream.device}, not on the device asked for ({device!r})"
             )
         index = stream.device_index
-    if stream._closed:
-        stream._live()  # raises, saying the stream was closed
     # A MemPool's allocator inside use_mem_pool, else the device's.
     if _mempool._open:
         allocator = routed_allocator(runtime, index)

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from accel.allocator.config import AllocatorConfig
     from accel.stream import Stream
 
-__all__ = ["DeviceAllocator"]
+__all__ = ["DeviceAllocator", "release_orphans"]
 
 KB_MIN = 512  # minimum block size and rounding quantum
 SMALL_SIZE = 1 << 20  # requests up to this go to the small pool
@@ -104,6 +104,34 @@ class _PoolRelease:
         self.pool_id = pool_id
 
 
+# Allocators of dropped MemPools that still hold cached memory their release could
+# not give back without waiting for the device (it runs in finalizers and in free(),
+# maybe on a thread the device's work waits for): a later call that may wait,
+# empty_cache or an allocation short of memory on the same device, finishes it.
+# No lock: a set's add, discard and copy are each atomic under the GIL.
+_orphans: set[DeviceAllocator] = set()
+
+
+def release_orphans(backend: Backend, device: int | None, *, busy: DeviceAllocator | None = None) -> None:
+    """Give back the cached memory of dropped pools' allocators of ``backend``'s
+    ``device`` (None: every device), waiting for the device as empty_cache does:
+    call it only where waiting is safe. ``busy``: an allocator whose lock the caller holds."""
+    for orphan in _orphans.copy():
+        if orphan is busy or orphan.backend is not backend or device not in (None, orphan.device):
+            continue
+        # Not blocking: an orphan busy on another thread is finished by a later call.
+        if orphan._lock.acquire(blocking=False):
+            try:
+                if orphan._gc_frees:
+                    orphan._drain_gc_frees()
+                small, large = orphan._kinds
+                if not (small.allocation or large.allocation):
+                    orphan._release_cached_blocks()
+                orphan._note_orphan()
+            finally:
+                orphan._lock.release()
+
+
 class DeviceAllocator:
     """Caching allocator for one device of one backend.
 
@@ -151,7 +179,9 @@ class DeviceAllocator:
         self._private: dict[PoolId, PrivatePool] = {}
         # (pool id, stream filter) of the captures under way, innermost last
         self._captures: list[tuple[PrivatePool, Callable[[Stream], bool]]] = []
-        self._deferred: list[Block] = []  # frees held back until the captures end
+        # Frees held back until the captures end (or, outside one, until the next release
+        # of cached memory: an interrupt left their stream uses unordered).
+        self._deferred: list[Block] = []
         self._pending: dict[int, deque[tuple[int, Block]]] = {}  # used stream -> (event, block)
         self._events: list[int] = []  # pooled events, ready for reuse
         self._events_created = 0
@@ -262,7 +292,7 @@ class DeviceAllocator:
         """
         if nbytes.__class__ is not int or not 0 < nbytes < MAX_REQUEST:
             self._bad_size(nbytes)
-        if stream._device != self.device or stream._runtime.backend is not self.backend:
+        if stream._device != self.device or stream._runtime.backend is not self.backend or stream._closed:
             self._bad_stream(stream, "an allocation")
         handle = stream._handle
         # acquire/release rather than ``with``: half the cost on this hot path.
@@ -418,6 +448,9 @@ class DeviceAllocator:
         raise InvalidValueError(f"nbytes={nbytes!r} must be an int number of bytes")
 
     def _bad_stream(self, stream: Stream, call: str) -> None:
+        # A closed stream's handle may be the backend's for a new stream: memory
+        # cached under it would be ordered on the wrong stream.
+        stream._live()  # raises, saying the stream was closed
         raise DeviceError(
             f"{stream!r} is not a stream of {self._name}; {call} needs a stream of "
             "the device the memory lives on"
@@ -461,6 +494,8 @@ class DeviceAllocator:
                 block = self._alloc_segment(pool, handle, size)
         if block is None and not capturing:
             self._release_cached_blocks()
+            if _orphans:
+                release_orphans(self.backend, self.device, busy=self)  # dropped pools' memory of this device
             self._stats.s[S.NUM_ALLOC_RETRIES] += 1
             block = self._alloc_segment(pool, handle, size)
         if block is None:
@@ -953,7 +988,9 @@ class DeviceAllocator:
     def release_when_idle(self) -> None:
         """The owner of this allocator (a :class:`MemPool` that was dropped) needs it
         no more: give every segment back upstream now if nothing is allocated, else
-        when the last allocation is freed. Safe from a finalizer."""
+        when the last allocation is freed. Safe from a finalizer: it never waits for
+        the device, so memory whose streams still have queued work goes back at the
+        device's next ``empty_cache`` or allocation short of memory."""
         self._orphaned = True
         self._fast = False
         if self._lock.acquire(blocking=False):
@@ -967,9 +1004,28 @@ class DeviceAllocator:
         # buffers) sees the flag.
 
     def _release_if_idle(self) -> None:
+        """A dropped pool's allocator with nothing allocated gives its memory back, without
+        waiting for the device: this runs in finalizers and in free(), maybe on the thread
+        of a host function the device's work waits for. Only when every stream of its
+        segments has no queued work and no cross-stream free is pending; else the allocator
+        waits in ``_orphans`` for a call that may wait (see :func:`release_orphans`)."""
         small, large = self._kinds
-        if not (small.allocation or large.allocation):
-            self._release_cached_blocks()
+        if small.allocation or large.allocation or self._captures:
+            return
+        if self._pending:
+            self._process_events()
+        if not (self._pending or self._deferred) and self._streams_idle():
+            self._release_cached_blocks(wait=False)
+        self._note_orphan()
+
+    def _streams_idle(self) -> bool:
+        for stream in {seg.stream for seg in self._segments.values()}:
+            try:
+                if not self.backend.stream_query(self.device, stream):
+                    return False
+            except AccelError:  # a closed stream's work may still run; or a capture under way
+                return False
+        return True
 
     def _drain_gc_frees(self) -> None:
         while self._gc_frees:
@@ -1119,30 +1175,42 @@ class DeviceAllocator:
                 block.stream_uses.add(handle)
 
     def _insert_events(self, block: Block) -> None:
-        uses, block.stream_uses = block.stream_uses or set(), None
+        remaining = list(block.stream_uses or ())
+        block.stream_uses = None
         error: BaseException | None = None
-        for handle in uses:
-            event = self._events.pop() if self._events else self._new_event()
-            try:
-                self.backend.event_record(self.device, event, handle)
-            except BaseException as exc:
-                # The stream was closed (its queued work still runs) or the
-                # driver failed: wait for the whole device instead, so the
-                # block is still freed safely and nothing leaks. Not during
-                # interpreter exit (streams closed, a graph's holds let go):
-                # the threads such a wait needs no longer run, and nothing
-                # will be allocated again.
-                self._events.append(event)
-                if not sys.is_finalizing():
-                    self.backend.device_synchronize(self.device)
-                if not isinstance(exc, InvalidHandleError):
-                    error = error or exc
-                continue
-            block.event_count += 1
-            queue = self._pending.get(handle)
-            if queue is None:
-                queue = self._pending[handle] = deque()
-            queue.append((event, block))
+        try:
+            while remaining:
+                handle = remaining[-1]
+                event = self._events.pop() if self._events else self._new_event()
+                try:
+                    self.backend.event_record(self.device, event, handle)
+                except BaseException as exc:
+                    # The stream was closed (its queued work still runs) or the
+                    # driver failed: wait for the whole device instead, so the
+                    # block is still freed safely and nothing leaks. Not during
+                    # interpreter exit (streams closed, a graph's holds let go):
+                    # the threads such a wait needs no longer run, and nothing
+                    # will be allocated again.
+                    self._events.append(event)
+                    if not sys.is_finalizing():
+                        self.backend.device_synchronize(self.device)
+                    remaining.pop()
+                    if not isinstance(exc, InvalidHandleError):
+                        error = error or exc
+                    continue
+                remaining.pop()
+                block.event_count += 1
+                queue = self._pending.get(handle)
+                if queue is None:
+                    queue = self._pending[handle] = deque()
+                queue.append((event, block))
+        except BaseException:
+            # Interrupted (Ctrl-C in the wait above), or no event could be made: the
+            # uses left are ordered by the next call that gives memory back (see
+            # _release_cached_blocks); until then the block stays pending.
+            block.stream_uses = set(remaining)
+            self._deferred.append(block)
+            raise
         if block.event_count == 0:
             self._free_block(block)
         if error is not None:
@@ -1169,14 +1237,19 @@ class DeviceAllocator:
 
     def _synchronize_and_free_events(self) -> None:
         self._stats.s[S.NUM_SYNC_ALL_STREAMS] += 1
-        for queue in self._pending.values():
-            for event, block in queue:
+        # Each entry leaves its queue once waited for: a wait interrupted (Ctrl-C)
+        # leaves the books whole, with the rest still pending.
+        for handle in list(self._pending):
+            queue = self._pending[handle]
+            while queue:
+                event, block = queue[0]
                 self.backend.event_synchronize(self.device, event)
+                queue.popleft()
                 self._events.append(event)
                 block.event_count -= 1
                 if block.event_count == 0:
                     self._free_block(block)
-        self._pending.clear()
+            del self._pending[handle]
 
     @property
     def events_created(self) -> int:
@@ -1195,13 +1268,28 @@ class DeviceAllocator:
             if self._gc_frees:
                 self._drain_gc_frees()
             self._release_cached_blocks()
+        if _orphans:
+            release_orphans(self.backend, self.device)
 
-    def _release_cached_blocks(self) -> None:
+    def _note_orphan(self) -> None:
+        """Keep this dropped pool's allocator for a later release while it holds memory."""
+        if self._segments:
+            _orphans.add(self)
+        else:
+            _orphans.discard(self)
+
+    def _release_cached_blocks(self, *, wait: bool = True) -> None:
         """Give back every free whole segment and free expandable page of the
-        default pools and of the private pools no graph uses any more."""
+        default pools and of the private pools no graph uses any more.
+
+        ``wait=False``: the caller saw the streams idle and nothing pending, and
+        must not wait for the device."""
         if self._captures:
             return  # never return memory upstream during a capture
-        self._synchronize_and_free_events()
+        if wait:
+            while self._deferred:  # frees an interrupt left with stream uses unordered
+                self._insert_events(self._deferred.pop())
+            self._synchronize_and_free_events()
         freeable = [p for p in self._private.values() if p.use_count == 0]
         pools = [self._small, self._large]
         for private in freeable:
@@ -1214,7 +1302,7 @@ class DeviceAllocator:
             if b.segment.expandable or (b.prev is None and b.next is None)
         ]
         if victims:
-            self._release(victims)
+            self._release(victims, wait=wait)
         # Reservations left wholly unmapped (a failed first map) go back too.
         for pool in pools:
             for seg in list(pool.expandable.values()):
@@ -1225,10 +1313,11 @@ class DeviceAllocator:
             if private.segments == 0:
                 del self._private[private.id]
 
-    def _release(self, blocks: list[Block]) -> None:
+    def _release(self, blocks: list[Block], *, wait: bool = True) -> None:
         """Give free ``blocks`` (whole segments, or expandable free ranges) back upstream."""
         # Upstream frees are not stream ordered on every backend: let queued work finish.
-        self.backend.device_synchronize(self.device)
+        if wait:
+            self.backend.device_synchronize(self.device)
         for b in blocks:
             self._take_off_list(b)
             if b.segment.expandable:
@@ -1331,10 +1420,9 @@ class DeviceAllocator:
                     break
             else:
                 raise CaptureError(f"end_allocate_to_pool: not currently recording to pool {pool_id}")
-            if not self._captures and self._deferred:
-                deferred, self._deferred = self._deferred, []
-                for block in deferred:
-                    self._insert_events(block)
+            if not self._captures:
+                while self._deferred:  # one at a time: an interrupt keeps the rest listed
+                    self._insert_events(self._deferred.pop())
 
     def release_pool(self, pool_id: PoolId) -> None:
         """Drop one use of ``pool_id`` (a graph that is gone).

@@ -247,8 +247,26 @@ class HostCachingAllocator:
             block.stream_uses.clear()
             self._graph_owned.append(block)
             return
+        try:
+            error = self._order(block)
+        except BaseException:
+            # Interrupted (Ctrl-C), or no event could be made: the uses left are
+            # ordered by _process_events; until then the block is pending.
+            self._pending.append(block)
+            raise
+        if block.events:
+            self._pending.append(block)
+        else:
+            self._cache(block)
+        if error is not None:
+            raise error
+
+    def _order(self, block: HostBlock) -> BaseException | None:
+        """Record an event on each stream ``block`` was used on, each use leaving the
+        block once ordered; the error of a stream that refused the record, if any."""
         error: BaseException | None = None
-        for device, handle in block.stream_uses:
+        while block.stream_uses:
+            device, handle = use = next(iter(block.stream_uses))
             pool = self._events.setdefault(device, [])
             event = pool.pop() if pool else self.backend.event_create(
                 device, timing=False, blocking=False, interprocess=False
@@ -260,17 +278,13 @@ class HostCachingAllocator:
                 # device instead, so the block is still reused safely.
                 pool.append(event)
                 self.backend.device_synchronize(device)
+                block.stream_uses.discard(use)
                 if not isinstance(exc, InvalidHandleError):
                     error = error or exc
                 continue
+            block.stream_uses.discard(use)
             block.events.append((device, event))
-        block.stream_uses.clear()
-        if block.events:
-            self._pending.append(block)
-        else:
-            self._cache(block)
-        if error is not None:
-            raise error
+        return error
 
     def _cache(self, block: HostBlock) -> None:
         # Reusable now: no longer an active request.
@@ -339,28 +353,45 @@ class HostCachingAllocator:
         The wait happens outside the lock: a host function queued before it may
         itself allocate staging memory."""
         with self._lock:
-            retired, self._retired = self._retired, []
+            retired = list(self._retired)
         devices = set().union(*(d for _, d in retired)) if retired else set()
         for device in sorted(devices):
             self.backend.device_synchronize(device)
+        # They leave the list only now: a wait interrupted (Ctrl-C) keeps them listed,
+        # and another thread may have cached them meanwhile.
+        waited = {id(block) for block, _ in retired}
         with self._lock:
-            for block, _ in retired:
-                self._cache(block)
+            still = []
+            for entry in self._retired:
+                if id(entry[0]) in waited:
+                    self._cache(entry[0])
+                else:
+                    still.append(entry)
+            self._retired = still
 
     def _is_capturing(self, device: int, stream: int) -> bool:
         return self.backend.stream_capture_status(device, stream) != CaptureStatus.NONE
 
     def _process_events(self) -> None:
-        still = []
-        for block in self._pending:
-            while block.events and self.backend.event_query(*block.events[-1]):
-                device, event = block.events.pop()
-                self._events[device].append(event)
-            if block.events:
-                still.append(block)
-            else:
-                self._cache(block)
-        self._pending = still
+        still: list[HostBlock] = []
+        pending = self._pending
+        try:  # each block leaves the list once handled: an interrupt leaves the books whole
+            while pending:
+                block = pending[-1]
+                if block.stream_uses:
+                    # Left unordered by an interrupted free, which raised; a stream that
+                    # refuses the record now was waited for instead.
+                    self._order(block)
+                while block.events and self.backend.event_query(*block.events[-1]):
+                    device, event = block.events.pop()
+                    self._events[device].append(event)
+                pending.pop()
+                if block.events:
+                    still.append(block)
+                else:
+                    self._cache(block)
+        finally:
+            pending.extend(reversed(still))
 
     def _release_free(self) -> None:
         for blocks in self._free.values():

@@ -8,7 +8,9 @@ device (``accel.memory.allocate``, ``accel.empty``, and the allocations of a
 graph captured there) come from the pool; other threads and other devices are
 not affected. The pool has its own statistics and snapshot, and its memory
 goes back to the device once the pool is dropped and nothing allocated from it
-is alive any more.
+is alive any more (without waiting for the device: memory whose streams still
+have queued work then goes back at the next ``empty_cache`` of the device, or
+when an allocation there runs short).
 
 >>> import accel
 >>> pool = accel.memory.MemPool("expandable_segments:False")

@@ -17,7 +17,7 @@ from typing import Any
 from accel._device import DeviceLike
 from accel._errors import InvalidValueError
 from accel._runtime import Runtime, get_runtime
-from accel.allocator._caching import DeviceAllocator
+from accel.allocator._caching import DeviceAllocator, release_orphans
 from accel.allocator._fork import track_lock
 from accel.allocator._history import History
 from accel.allocator._host_cache import HostCachingAllocator
@@ -151,6 +151,9 @@ def empty_cache(device: DeviceLike = None) -> None:
     """Give the unused cached memory of ``device`` back (None: every device that has an allocator)."""
     for allocator in allocators(device):
         allocator.empty_cache()
+    # Dropped pools' allocators of a device whose own allocator does not exist.
+    runtime = get_runtime()
+    release_orphans(runtime.backend, None if device is None else runtime.index(device))
 
 
 def set_upstream(resource: MemoryResource, device: DeviceLike = None) -> None:

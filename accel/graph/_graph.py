@@ -190,6 +190,7 @@ class Graph:
             self._capture_id = runtime.backend.stream_capture_id(device, stream.native_handle)
             if self._capture_id:
                 runtime.capture_holds[self._capture_id] = self._holds
+                runtime.capture_owners[self._capture_id] = _weak_on_stream_closed(self)
             if torch_part is not None and not torch_part.carries_graph:
                 torch_part.start(self._inputs)
         except BaseException:
@@ -282,6 +283,7 @@ class Graph:
     def _finish_capture(self) -> None:
         if self._runtime is not None and self._capture_id:
             self._runtime.capture_holds.pop(self._capture_id, None)
+            self._runtime.capture_owners.pop(self._capture_id, None)
             self._capture_id = 0
         with _capturing_lock:
             if self._runtime is not None:
@@ -303,21 +305,38 @@ class Graph:
         try:
             if torch_part is not None:
                 torch_part.abort()  # torch's graph, where it carries the capture, ends it
-        finally:  # whatever torch's part raised, the capture must not stay half dropped
-            backend_capture = torch_part is None or not torch_part.carries_graph
-            if backend_capture and runtime is not None and stream is not None and _still_capturing(stream):
-                try:
-                    graph = runtime.backend.stream_end_capture(self._device, stream._live())
-                except CaptureError:
-                    pass  # an invalidated capture ends by raising; it is over either way
-                else:
-                    runtime.backend.graph_destroy(self._device, graph)
-            self._program = None
-            if self._lease is not None:
-                self._lease.release()
-                self._lease = None
-            self._finish_capture()
-            self._holds.clear()  # nothing will replay it
+        finally:  # whatever torch's part or the backend raised, the capture must not stay half dropped
+            try:
+                backend_capture = torch_part is None or not torch_part.carries_graph
+                if backend_capture and runtime is not None and stream is not None and _still_capturing(stream):
+                    try:
+                        graph = runtime.backend.stream_end_capture(self._device, stream._live())
+                    except CaptureError:
+                        pass  # an invalidated capture ends by raising; it is over either way
+                    else:
+                        runtime.backend.graph_destroy(self._device, graph)
+            finally:
+                self._program = None
+                self._finish_capture()
+                self._holds.clear()  # nothing will replay it
+                lease, self._lease = self._lease, None
+                if lease is not None:
+                    lease.release()
+
+    def _stream_closed(self, index: int, handle: int) -> None:
+        """A stream of this capture was closed. The capturing one: the backend dropped
+        the capture with it, so its holds and pool use go now (capture_end() still says
+        why it failed). Another (forked into it): the capture fails at capture_end()."""
+        stream = self._stream
+        if stream is None or stream.device_index != index or stream.native_handle != handle:
+            return
+        if self._runtime is not None and self._capture_id:
+            self._runtime.capture_holds.pop(self._capture_id, None)
+            self._runtime.capture_owners.pop(self._capture_id, None)
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+        self._holds.clear()
 
     # -- replay ----------------------------------------------------------------
 
@@ -531,6 +550,18 @@ def _weak_abort(g: Graph) -> Callable[[], None]:
             graph._abort()
 
     return abort
+
+
+def _weak_on_stream_closed(g: Graph) -> Callable[[int, int], None]:
+    """``g._stream_closed``, without keeping ``g`` alive from the runtime."""
+    ref = weakref.ref(g)
+
+    def on_stream_closed(index: int, handle: int) -> None:
+        graph = ref()
+        if graph is not None:
+            graph._stream_closed(index, handle)
+
+    return on_stream_closed
 
 
 def _still_capturing(stream: Stream) -> bool:

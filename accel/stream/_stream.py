@@ -170,14 +170,22 @@ class Stream:
         (this is a no-op)."""
         if self._handle == self._runtime.backend.default_stream(self._device) and not self._owned:
             return
+        capture = 0
         with self._close_lock:
             if self._closed:
                 return
             if self._finalizer is not None:
+                with contextlib.suppress(AccelError):
+                    capture = self._runtime.backend.stream_capture_id(self._device, self._handle)
                 self._end = self._mark_end()
             self._closed = True
         if self._finalizer is not None:
             self._finalizer()
+        if capture:
+            # Closing may have dropped a capture: nothing can replay it, so what its
+            # graph holds (freed buffers' memory, its pool) must go now, not when
+            # the graph is next touched or collected.
+            self._runtime.stream_closed_in_capture(capture, self._device, self._handle)
 
     def _mark_end(self) -> Event | None:
         """An event after all work queued so far, recorded just before the stream is

@@ -102,6 +102,9 @@ def check_invariants(alloc: DeviceAllocator) -> None:
         for seg in segments:
             for b in seg.blocks():
                 assert b.event_count == pending.get(id(b), 0)
+        waited_for = [e for queue in alloc._pending.values() for e, _ in queue]
+        pooled = alloc._events
+        assert len(set(waited_for + pooled)) == len(waited_for) + len(pooled), "an event is pooled and in use"
 
 
 @pytest.fixture
@@ -873,3 +876,121 @@ def test_malloc_refuses_stream_of_another_device():
     with pytest.raises(DeviceError):
         a.malloc(4096, other.default_stream(0))
     assert a.stats()["allocation.all.current"] == 0
+
+
+def test_malloc_refuses_a_closed_stream(backend):
+    """DeviceAllocator.malloc called directly (not through accel.memory.allocate, which
+    checked) with a closed stream cached memory under the dead stream's handle, which
+    the backend may hand to a new stream; it must refuse, as allocate does."""
+    rt = Runtime(backend)
+    a = DeviceAllocator(backend, 0, AllocatorConfig())
+    s = stream(rt)
+    s.close()
+    with pytest.raises(InvalidHandleError, match="was closed"):
+        a.malloc(4096, s)  # a cache miss
+    a.free(a.malloc(4096, rt.default_stream(0)))
+    with pytest.raises(InvalidHandleError, match="was closed"):
+        a.malloc(4096, s)  # the fast path, with a block cached
+    check_invariants(a)
+    a.empty_cache()
+
+
+def _pending_frees(backend, a: DeviceAllocator, rt: Runtime, n: int) -> list:
+    """``n`` blocks freed while other streams (returned: keep them open) used them:
+    each waits for an event."""
+    s = rt.default_stream(0)
+    blocks = [a.malloc(4096 * (i + 1), s) for i in range(n)]
+    sides = [stream(rt) for _ in range(n)]
+    for b, side in zip(blocks, sides):
+        a.record_stream(b, side)
+        a.free(b)
+    assert sum(len(q) for q in a._pending.values()) == n
+    return sides
+
+
+def _interrupt_call(monkeypatch, backend, name: str, at: int) -> None:
+    """Ctrl-C during the ``at``-th call of ``backend.<name>`` (before it does anything)."""
+    real = getattr(backend, name)
+    calls = [0]
+
+    def interrupted(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == at:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backend, name, interrupted)
+
+
+@pytest.mark.parametrize("at", [1, 2, 3])
+def test_an_interrupt_while_empty_cache_waits_for_events_leaves_the_books_whole(backend, monkeypatch, at):
+    """empty_cache waited for the pending frees' events one by one and dropped the
+    whole queue only at the end: a KeyboardInterrupt in a wait left the events it had
+    already pooled (and the blocks it had already freed) queued as well, so an event
+    was handed out twice and a block's event count went negative (never freed)."""
+    rt = Runtime(backend)
+    a = DeviceAllocator(backend, 0, AllocatorConfig())
+    sides = _pending_frees(backend, a, rt, 3)
+    _interrupt_call(monkeypatch, backend, "event_synchronize", at)
+    with pytest.raises(KeyboardInterrupt):
+        a.empty_cache()
+    monkeypatch.undo()
+    check_invariants(a)
+    a.empty_cache()
+    check_invariants(a)
+    assert a.stats()["reserved_bytes.all.current"] == 0
+    a.free(a.malloc(4096, rt.default_stream(0)))
+    check_invariants(a)
+    del sides
+
+
+@pytest.mark.parametrize("call", ["event_create", "event_record"])
+def test_an_interrupt_while_free_records_events_leaves_the_books_whole(backend, monkeypatch, call):
+    """free() of a block other streams used took the block's stream uses, then made
+    and recorded an event per stream: a KeyboardInterrupt in event_create left the
+    block pending with no event, on no list: its memory was never reused nor given back."""
+    rt = Runtime(backend)
+    a = DeviceAllocator(backend, 0, AllocatorConfig())
+    s = rt.default_stream(0)
+    b = a.malloc(4096, s)
+    sides = [stream(rt), stream(rt)]
+    for side in sides:
+        a.record_stream(b, side)
+    _interrupt_call(monkeypatch, backend, call, 1)
+    with pytest.raises(KeyboardInterrupt):
+        a.free(b)
+    monkeypatch.undo()
+    a.empty_cache()
+    check_invariants(a)
+    assert a.stats()["active.all.current"] == 0
+    assert a.stats()["reserved_bytes.all.current"] == 0
+    a.free(a.malloc(4096, s))
+    check_invariants(a)
+
+
+def test_an_allocation_short_of_memory_takes_back_what_a_dropped_pool_could_not_give():
+    """A dropped pool's allocator whose stream still ran gave nothing back (its release
+    must not wait for the device): an allocation of the device short of memory, which
+    may wait, finishes that release instead of failing."""
+    import accel.allocator._caching as caching
+
+    backend = CpuBackend(1, 4 * MiB)
+    rt = Runtime(backend)
+    s = stream(rt)
+    orphan = make(backend)
+    blocks = [orphan.malloc(MiB, s) for _ in range(3)]  # two 2 MiB segments: the whole device
+    for b in blocks:
+        orphan.free(b)
+    gate = threading.Event()
+    backend.launch_host_func(0, s.native_handle, lambda: gate.wait(10))
+    orphan.release_when_idle()  # what the MemPool's finalizer calls
+    assert orphan.stats()["reserved_bytes.all.current"] == 4 * MiB, "s still runs: nothing went"
+    assert orphan in caching._orphans
+    threading.Timer(0.2, gate.set).start()
+    main = make(backend)
+    b = main.malloc(MiB, rt.default_stream(0))  # waits for s, then takes the orphan's memory
+    assert orphan.stats()["reserved_bytes.all.current"] == 0
+    assert orphan not in caching._orphans
+    main.free(b)
+    check_invariants(main)
+    check_invariants(orphan)

@@ -12,6 +12,8 @@ import pytest
 import accel
 from accel.allocator import BackendResource, ConfigStringError, StatisticsAdaptor
 from accel.graph import Graph, graph
+from tests.conftest import CONFORMANCE_BACKENDS
+from tests.graph.test_graph import run_script_on
 
 MiB = 1 << 20
 
@@ -210,3 +212,53 @@ def test_a_mempool_id_is_not_a_graph_pool():
     del pool
     gc.collect()
     Graph(pool=pool_id)  # a dead pool's id is an ordinary id again
+
+
+DROP_IN_A_HOST_FUNCTION = """
+import gc, sys, threading
+import accel
+
+pool = accel.memory.MemPool()
+s = accel.Stream()
+with accel.memory.use_mem_pool(pool), s:
+    # Cached segments ordered on s: the release has memory to give back, which it
+    # cannot without waiting while s runs the host function.
+    accel.memory.allocate(1 << 20).free()
+    kept = accel.memory.allocate(4096) if sys.argv[1] == "last-free" else None
+allocator = pool.allocator()
+holder = [pool]
+if sys.argv[1] == "collect":
+    pool.cycle = pool  # only a collection frees it
+del pool
+done = threading.Event()
+
+def drop():
+    # On the stream's own thread: a wait for the device here waits for itself.
+    if sys.argv[1] == "collect":
+        holder.clear()
+        gc.collect()
+    elif sys.argv[1] == "last-free":
+        holder.clear()
+        gc.collect()
+        kept.free()
+    else:
+        holder.clear()
+    done.set()
+
+s.launch_host_func(drop)
+assert done.wait(10), "dropping the pool inside a host function hung"
+s.synchronize()
+assert allocator.stats()["reserved_bytes.all.current"] > 0, "given back while s still ran"
+accel.memory.empty_cache()  # what the drop could not give back without waiting goes now
+assert allocator.stats()["reserved_bytes.all.current"] == 0, allocator.stats()["reserved_bytes.all.current"]
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("how", ["drop", "collect", "last-free"])
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_a_pool_dropped_inside_a_host_function_does_not_wait_for_the_device(backend: str, how: str) -> None:
+    """The pool's finalizer (and the free of its last buffer) synchronized the device
+    to give the memory back; on the thread running a host function (or in a collection
+    there) that waits for the host function itself: a deadlock."""
+    run_script_on(backend, DROP_IN_A_HOST_FUNCTION, how, timeout=60)

@@ -516,3 +516,126 @@ def test_replaying_a_graph_whose_buffer_was_freed_does_not_crash(backend: str) -
     """The graph holds the memory its captured work writes: a free() meanwhile takes
     effect when the graph is gone (a replay wrote to memory given back to the device)."""
     run_script_on(backend, REPLAY_AFTER_FREE, timeout=120)
+
+
+ABANDONED_CAPTURE = """
+import gc, sys
+import accel
+from accel._runtime import get_runtime
+from accel.graph import Graph
+
+runtime = get_runtime()
+buf = accel.memory.allocate(1 << 20)
+s = accel.Stream()
+g = Graph()
+with s:
+    g.capture_begin()
+    s.fill(buf, 1)  # the capture holds buf: every replay would write it
+    kept = accel.memory.allocate(1 << 20)  # from the capture's private pool
+assert runtime.capture_holds
+kept.free()
+buf.free()
+if sys.argv[1] == "close":
+    s.close()  # drops the capture: nothing can replay it
+else:
+    del g
+    gc.collect()
+assert not runtime.capture_holds, runtime.capture_holds
+accel.memory.empty_cache()
+assert accel.memory.memory_allocated() == 0, accel.memory.memory_allocated()
+assert accel.memory.memory_reserved() == 0, accel.memory.memory_reserved()
+if sys.argv[1] == "close":
+    try:
+        g.capture_end()
+    except accel.CaptureError as exc:
+        assert "was closed" in str(exc), exc
+    else:
+        raise AssertionError("capture_end() after the stream closed must raise")
+    with s.__class__() as again:  # the device captures again
+        g.capture_begin()
+        again.fill(accel.memory.allocate(64), 2)
+        g.capture_end()
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("how", ["close", "collect"])
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_an_abandoned_capture_lets_go_of_what_it_held(backend: str, how: str) -> None:
+    """A capture dropped by closing its stream kept its holds (runtime.capture_holds)
+    and its pool while the graph lived, so freed buffers' memory and the pool's
+    stayed reserved, and empty_cache gave nothing back; a collected graph must
+    let go too."""
+    run_script_on(backend, ABANDONED_CAPTURE, how, timeout=60)
+
+
+def test_a_capture_dropped_while_the_backend_fails_still_lets_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """reset() of a capture whose end the backend refused with an error other than
+    CaptureError (a driver failure, Ctrl-C) skipped releasing its holds and pool:
+    empty_cache then gave nothing back for as long as the process ran."""
+    from accel._runtime import get_runtime
+
+    runtime = get_runtime()
+    buf = accel.memory.allocate(1 << 20)
+    s = accel.Stream()
+    g = Graph()
+    with s:
+        g.capture_begin()
+        s.fill(buf, 1)
+
+    def refuse(device: int, stream: int) -> int:
+        raise accel.DeviceError("the driver failed")
+
+    real = runtime.backend.stream_end_capture
+    monkeypatch.setattr(runtime.backend, "stream_end_capture", refuse)
+    with pytest.raises(accel.DeviceError):
+        g.reset()
+    monkeypatch.setattr(runtime.backend, "stream_end_capture", real)
+    assert not runtime.capture_holds
+    runtime.backend.graph_destroy(0, real(0, s.native_handle))  # the backend's capture ends here
+    buf.free()
+    accel.memory.empty_cache()
+    assert accel.memory.memory_allocated() == 0
+
+
+RESET_WHILE_A_REPLAY_NEVER_ENDS = """
+import sys, threading, time
+import accel
+from accel.graph import Graph, graph
+
+gate = threading.Event()
+holder = {}
+
+def host_function():
+    if sys.argv[1] == "from-its-replay":
+        holder.pop("g").reset()  # on the thread that runs the replay's host functions
+        gate.set()
+    gate.wait()  # "never": set only at the end, or never
+
+g = Graph()
+with graph(g):
+    accel.current_stream().launch_host_func(host_function)
+holder["g"] = g
+side = accel.Stream()
+with side:
+    g.replay()
+start = time.monotonic()
+if sys.argv[1] == "from-its-replay":
+    assert gate.wait(20), "reset() from the replay's own host function hung"
+else:
+    g.reset()
+assert time.monotonic() - start < 20, time.monotonic() - start
+print("OK", flush=True)
+# The interpreter exits with the replay still blocked (but for "from-its-replay").
+"""
+
+
+@pytest.mark.parametrize("how", ["reset", "from-its-replay"])
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_reset_does_not_wait_for_a_replay_that_never_ends(backend: str, how: str) -> None:
+    """Level Zero's reset() waited without a timeout (and without Ctrl-C) for the last
+    replay before destroying the command list: a replay blocked in a host function hung
+    it for ever, and a reset from the replay's own host function waited for itself.
+    The interpreter then exits with the replay still blocked (bounded, with a warning,
+    on the host)."""
+    run_script_on(backend, RESET_WHILE_A_REPLAY_NEVER_ENDS, how, timeout=60)

@@ -48,7 +48,7 @@ from accel._units import format_size
 from accel.backends import _capture
 from accel.backends._cffi import resolve_everything
 from accel.backends.base import Backend, CaptureMode, CaptureStatus, DeviceProperties, TorchIntegration
-from accel.backends.xpu._bindings import WAIT_FOREVER, ZeLoader, describe_result
+from accel.backends.xpu._bindings import ZeLoader, describe_result
 from accel.backends.xpu._event_pool import EventSlot, EventSlots
 from accel.backends.xpu._host_worker import HostWorker
 from accel.backends.xpu._sharing import Sharing
@@ -143,6 +143,9 @@ class XpuBackend(Sharing, Backend):
         # collected accel.Stream's finalizer can run inside a section holding
         # it, on the same thread): retired by the next reap.
         self._dying: list[StreamState] = []
+        # Graphs let go of while a replay still ran (Level Zero forbids destroying
+        # the list meanwhile): destroyed by the first reap that sees the replay over.
+        self._dying_graphs: list[GraphState] = []
         self._events: dict[int, EventState] = {}
         self._graphs: dict[int, GraphState] = {}
         self._execs: dict[int, GraphState] = {}
@@ -672,6 +675,26 @@ class XpuBackend(Sharing, Backend):
         if keep:
             with self._lock:
                 self._retired.extend(keep)
+        if self._dying_graphs:
+            self._reap_graphs(wait=wait)
+
+    def _reap_graphs(self, *, wait: bool) -> None:
+        """Destroy the graphs whose last replay ended (with ``wait``: wait for it, in
+        slices that Ctrl-C interrupts). Each leaves the list only once destroyed."""
+        lib = self._ze.lib
+        with self._lock:
+            graphs = list(self._dying_graphs)
+        for g in graphs:
+            assert g.last_launch is not None
+            if wait:
+                self._check("zeEventHostSynchronize", _wait(lib.zeEventHostSynchronize, g.last_launch.cdata), g.device)
+            elif lib.zeEventQueryStatus(g.last_launch.cdata) == _NOT_READY:
+                continue
+            with self._lock:
+                if g not in self._dying_graphs:
+                    continue  # destroyed by another thread's reap
+                self._dying_graphs.remove(g)
+            self._destroy_graph(g)
 
     def stream_query(self, device: int, stream: int) -> bool:
         s = self._stream(device, stream)
@@ -1162,10 +1185,20 @@ class XpuBackend(Sharing, Backend):
         if not last:
             return
         lib = self._ze.lib
+        if g.last_launch is not None and lib.zeEventQueryStatus(g.last_launch.cdata) == _NOT_READY:
+            # The list is still replaying, and Level Zero forbids destroying it meanwhile.
+            # No wait here: the replay may never end (a host function of it blocked), or
+            # this may be the thread that runs its host functions (a replay resetting its
+            # own graph). The next reap destroys it (device_synchronize waits for it).
+            with self._lock:
+                self._dying_graphs.append(g)
+            return
+        self._destroy_graph(g)
+
+    def _destroy_graph(self, g: GraphState) -> None:
+        """Destroy graph ``g``, no owner left and no replay of it running."""
+        lib = self._ze.lib
         if g.last_launch is not None:
-            # The list may still be replaying; Level Zero forbids destroying it meanwhile.
-            code = lib.zeEventHostSynchronize(g.last_launch.cdata, WAIT_FOREVER)
-            self._check("zeEventHostSynchronize", code, g.device)
             self._slots.drop(g.last_launch)
         if g.worker is not None:
             g.worker.put(None)
