@@ -214,7 +214,7 @@ def test_level_zero_refuses_to_share_virtual_memory() -> None:
              "PYTHONPATH": str(REPO_ROOT)},
     )
     assert result.returncode == 0, result.stderr
-    assert "cannot share virtual memory" in result.stdout and "without expandable_segments" in result.stdout
+    assert "cannot share Level Zero virtual memory" in result.stdout and "without expandable_segments" in result.stdout
 
 
 def test_damaged_pickles_are_clear_errors() -> None:

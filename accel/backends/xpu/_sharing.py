@@ -81,8 +81,10 @@ class Sharing:
         if base is None:
             if virtual:
                 raise NotSupportedError(
-                    f"xpu:{device}: Level Zero cannot share virtual memory with other processes (it has no "
-                    "IPC handle for physical memory); share buffers allocated without expandable_segments"
+                    f"xpu:{device}: accel cannot share Level Zero virtual memory with other processes yet "
+                    "(physical memory exports, zePhysicalMemGetProperties with a file descriptor, need "
+                    "Level Zero 1.15; accel is built on 1.8's API); share buffers allocated without "
+                    "expandable_segments"
                 )
             raise InvalidValueError(f"xpu:{device}: [{ptr:#x}, {ptr + nbytes:#x}) is not memory allocated on this device")
         ffi, lib = self._ze.ffi, self._ze.lib
