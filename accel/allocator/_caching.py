@@ -21,7 +21,9 @@ Where accel deliberately differs:
   first unmaps the whole free pages of the holes of every expandable segment
   of the allocator and maps their physical pages again where it grows
   (PyTorch keeps holes mapped until ``empty_cache``); the growth goes where
-  the fewest new pages are needed (see ``_map_target``, ``_give_back_holes``).
+  the fewest new pages are needed, and a block cut from a free block goes
+  at its end when that touches fewer pages than its start (see
+  ``_map_target``, ``_give_back_holes``, ``_place_at_end``).
 """
 
 from __future__ import annotations
@@ -343,6 +345,8 @@ class DeviceAllocator:
         block = free.best_fit(size) if free else None
         if free is not None and block is not None and (block.size >= self._ms or block.segment.expandable):
             block = self._find_free(free, size)  # the oversize and expandable rules
+            if block is not None and block.segment.expandable and self._place_at_end(block, size, free):
+                free = None  # cut off the free block's end: on no list
         if self._gc_threshold and free:
             pool.calls += 1
         if block is None:
@@ -568,6 +572,59 @@ class DeviceAllocator:
         if self._history is not None:
             self._history.record("segment_map", b.ptr, nbytes, handle, None)
         return self._merge_free(b)
+
+    def _place_at_end(self, b: Block, size: int, free: FreeList) -> bool:
+        """Put a new block of ``size`` bytes at the end of free block ``b`` of an
+        expandable segment (listed on ``free``) rather than at its start, when that
+        adds fewer pages to those live blocks touch, or as many but touches fewer
+        bytes of pages beyond its size. Then ``b`` is cut to that end, off the list,
+        its start left free; returns whether it was.
+
+        The pages live blocks touch are what stays mapped at the next growth, which
+        gives back every other whole free page: so the choice is the one that
+        keeps the least memory. At the start, the new block fills the partial page
+        of the live block before (if any); at the end, that of the live block after.
+        Only ``b``, the best fit, is looked at: trying the next larger free blocks
+        as well gave no better peaks on the traces of bench_expandable.py
+        (docs/benchmarks.md) and costs a search per allocation.
+        """
+        rest = b.size - size
+        if rest < KB_MIN:
+            return False  # taken whole
+        seg = b.segment
+        if self._keep_free >= self._s[S.RESERVED_BYTES + seg.pool.kind]:
+            # Free pages are all kept (PyTorch's policy, expandable_keep_free_mb set
+            # very large): none goes back, and the lowest place keeps holes fewer.
+            return False
+        page, base = seg.page, seg.base
+        prev, nxt = b.prev, b.next
+        # The partial page at b's start (end) is already touched when a live block
+        # ends (starts) there.
+        head_used = prev is not None and prev.mapped and prev.state != FREE and (b.ptr - base) % page != 0
+        end = b.ptr + b.size
+        tail_used = nxt is not None and nxt.mapped and nxt.state != FREE and (end - base) % page != 0
+
+        def cost(start: int) -> tuple[int, int]:
+            first = (start - base) // page
+            last = -(-(start + size - base) // page)
+            touched = first == (b.ptr - base) // page and head_used
+            touched_last = last - 1 == (end - base - 1) // page and tail_used
+            new = last - first - touched - (touched_last and (last - 1 > first or not touched))
+            return new, (last - first) * page - size
+
+        if cost(end - size) >= cost(b.ptr):
+            return False
+        free.remove(b)
+        head = Block(b.ptr, rest, seg)
+        head.prev, head.next = prev, b
+        if prev is not None:
+            prev.next = head
+        else:
+            seg.head = head
+        b.prev = head
+        b.ptr, b.size = end - size, size
+        self._insert_free(head)
+        return True
 
     @staticmethod
     def _unmapped_at(seg: Segment, addr: int) -> Block:

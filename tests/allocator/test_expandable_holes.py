@@ -268,3 +268,55 @@ def test_the_whole_free_pages_beyond_the_new_block_go_back_too(vm):
     assert a.stats()["reserved_bytes.all.current"] == 22 * MiB
     check_invariants(a)
     _release(a, [d, f, g])
+
+
+def test_a_block_goes_to_the_end_of_a_hole_when_that_touches_fewer_pages(vm):
+    backend, s = vm
+    a = DeviceAllocator(backend, 0, parse("expandable_segments:True"))
+    x = a.malloc(3 * MiB, s)  # [0, 3)
+    y = a.malloc(int(4.5 * MiB), s)  # [3, 7.5)
+    z = a.malloc(int(2.5 * MiB), s)  # [7.5, 10): the segment's last page is full
+    base = x.ptr
+    a.free(y)
+    # 1.5 MiB in the hole [3, 7.5): at its start it would touch [2, 4), which x
+    # touches already, and [4, 6), a new page; at its end, [6, 7.5) touches only
+    # [6, 8), which z touches already. So it goes at the end, and [4, 6) stays a
+    # whole free page.
+    w = a.malloc(int(1.5 * MiB), s)
+    assert w.ptr == base + 6 * MiB
+    check_invariants(a)
+    # The next growth gives that page back: 10 + 10 - 2 MiB reserved, not 20.
+    v = a.malloc(10 * MiB, s)
+    assert a.stats()["reserved_bytes.all.current"] == 18 * MiB
+    check_invariants(a)
+    _release(a, [x, z, w, v])
+
+
+def test_a_block_stays_at_the_start_of_a_hole_when_the_end_is_no_better(vm):
+    backend, s = vm
+    a = DeviceAllocator(backend, 0, parse("expandable_segments:True"))
+    x = a.malloc(3 * MiB, s)  # [0, 3)
+    y = a.malloc(4 * MiB, s)  # [3, 7)
+    z = a.malloc(3 * MiB, s)  # [7, 10)
+    base = x.ptr
+    a.free(y)
+    # 1.5 MiB in [3, 7): one new page, [4, 6), at either end, and
+    # as many bytes of pages touched: the start, as without pages to save.
+    w = a.malloc(int(1.5 * MiB), s)
+    assert w.ptr == base + 3 * MiB
+    check_invariants(a)
+    _release(a, [x, z, w])
+
+
+def test_with_every_free_page_kept_blocks_go_at_the_start_of_holes(vm):
+    backend, s = vm
+    a = DeviceAllocator(backend, 0, parse("expandable_segments:True,expandable_keep_free_mb:1000000"))
+    x = a.malloc(3 * MiB, s)
+    y = a.malloc(int(4.5 * MiB), s)
+    z = a.malloc(int(2.5 * MiB), s)
+    a.free(y)
+    # No page goes back before empty_cache: nothing to save by going to the end.
+    w = a.malloc(int(1.5 * MiB), s)
+    assert w.ptr == x.ptr + 3 * MiB
+    check_invariants(a)
+    _release(a, [x, z, w])
