@@ -596,24 +596,28 @@ class DeviceAllocator:
             # Free pages are all kept (PyTorch's policy, expandable_keep_free_mb set
             # very large): none goes back, and the lowest place keeps holes fewer.
             return False
-        page, base = seg.page, seg.base
+        page = seg.page
         prev, nxt = b.prev, b.next
+        lo = b.ptr - seg.base
+        hi = lo + b.size
         # The partial page at b's start (end) is already touched when a live block
         # ends (starts) there.
-        head_used = prev is not None and prev.mapped and prev.state != FREE and (b.ptr - base) % page != 0
-        end = b.ptr + b.size
-        tail_used = nxt is not None and nxt.mapped and nxt.state != FREE and (end - base) % page != 0
-
-        def cost(start: int) -> tuple[int, int]:
-            first = (start - base) // page
-            last = -(-(start + size - base) // page)
-            touched = first == (b.ptr - base) // page and head_used
-            touched_last = last - 1 == (end - base - 1) // page and tail_used
-            new = last - first - touched - (touched_last and (last - 1 > first or not touched))
-            return new, (last - first) * page - size
-
-        if cost(end - size) >= cost(b.ptr):
+        head_used = prev is not None and prev.mapped and prev.state != FREE and lo % page != 0
+        tail_used = nxt is not None and nxt.mapped and nxt.state != FREE and hi % page != 0
+        # Pages [first, last) the new block touches, at b's start and at its end, and
+        # how many of them no live block touches yet (inline: this runs on every
+        # allocation that an expandable segment's cache serves).
+        first, last = lo // page, -(-(lo + size) // page)
+        new_start = last - first - head_used - (
+            tail_used and last - 1 == (hi - 1) // page and (last - 1 > first or not head_used)
+        )
+        first_end, last_end = (hi - size) // page, -(-hi // page)
+        new_end = last_end - first_end - tail_used - (
+            head_used and first_end == first and (first_end < last_end - 1 or not tail_used)
+        )
+        if (new_end, last_end - first_end) >= (new_start, last - first):
             return False
+        end = b.ptr + b.size
         free.remove(b)
         head = Block(b.ptr, rest, seg)
         head.prev, head.next = prev, b
