@@ -592,18 +592,24 @@ class DeviceAllocator:
         if rest < KB_MIN:
             return False  # taken whole
         seg = b.segment
+        page = seg.page
+        lo = b.ptr - seg.base
+        hi = lo + b.size
+        nxt = b.next
+        # The partial page at b's end (start) is already touched when a live block
+        # starts (ends) there.
+        tail_used = hi % page != 0 and nxt is not None and nxt.mapped and nxt.state != FREE
+        if not tail_used and lo % page == 0:
+            # At b's start the new block is page aligned, touching as few pages as
+            # it can; and the end has no touched page to fill. (The common case of
+            # a segment's free end, checked first: this runs on every hit.)
+            return False
         if self._keep_free >= self._s[S.RESERVED_BYTES + seg.pool.kind]:
             # Free pages are all kept (PyTorch's policy, expandable_keep_free_mb set
             # very large): none goes back, and the lowest place keeps holes fewer.
             return False
-        page = seg.page
-        prev, nxt = b.prev, b.next
-        lo = b.ptr - seg.base
-        hi = lo + b.size
-        # The partial page at b's start (end) is already touched when a live block
-        # ends (starts) there.
-        head_used = prev is not None and prev.mapped and prev.state != FREE and lo % page != 0
-        tail_used = nxt is not None and nxt.mapped and nxt.state != FREE and hi % page != 0
+        prev = b.prev
+        head_used = lo % page != 0 and prev is not None and prev.mapped and prev.state != FREE
         # Pages [first, last) the new block touches, at b's start and at its end, and
         # how many of them no live block touches yet (inline: this runs on every
         # allocation that an expandable segment's cache serves).
