@@ -21,8 +21,8 @@ Where accel deliberately differs:
   first unmaps the whole free pages of the holes of every expandable segment
   of the allocator and maps their physical pages again where it grows
   (PyTorch keeps holes mapped until ``empty_cache``); the growth goes where
-  the fewest new pages are needed, and a block cut from a free block goes
-  at its end when that touches fewer pages than its start (see
+  it adds the fewest pages to those live blocks touch, and a block cut from
+  a free block goes at its end when that adds fewer than its start (see
   ``_map_target``, ``_give_back_holes``, ``_place_at_end``).
 """
 
@@ -655,16 +655,18 @@ class DeviceAllocator:
         pages at the edges of a hole, or the free end of the last page): the new block
         starts at the start of the free block before (or of the run), running into the
         free block after if need be, or it starts on a page boundary and ends in the
-        free block after. Chosen, in this order: the fewest new pages (the least memory
-        now: free bytes mapped after the growth are the same for every such choice);
-        the fewest bytes of the pages the new block touches beyond its size (each
-        edge of it that is not on a page boundary leaves a partial page mapped when
-        its neighbour there is freed); the most free bytes taken in (partial pages
-        filled). No free block is left stranded between the new block and a live one.
+        free block after. Chosen, in this order: the fewest pages added to those live
+        blocks touch (what stays mapped once the give-back has unmapped every other
+        whole free page: a whole free page the new block covers counts, though it is
+        mapped already, as it would otherwise go back); the fewest bytes of the pages
+        the new block touches beyond its size (each edge of it that is not on a page
+        boundary leaves a partial page mapped when its neighbour there is freed); the
+        fewest pages to map; the most free bytes taken in (partial pages filled). No
+        free block is left stranded between the new block and a live one.
         """
         page = seg.page
         base = seg.base
-        best: tuple[tuple[int, int, int], Block, int, int, bool] | None = None
+        best: tuple[tuple[int, int, int, int], Block, int, int, bool] | None = None
         b = seg.head
         while b is not None:
             if not b.mapped:
@@ -672,6 +674,14 @@ class DeviceAllocator:
                 before = prev.size if prev is not None and prev.state == FREE else 0
                 after = nxt.size if nxt is not None and nxt.state == FREE else 0
                 run_end = b.ptr + b.size
+                # The free region around the run, and whether a live block touches
+                # its first (last) page: one ends (starts) off a page boundary there.
+                lo = b.ptr - before - base
+                hi = run_end + after - base
+                left = prev.prev if before and prev is not None else prev
+                right = nxt.next if after and nxt is not None else nxt
+                head_used = lo % page != 0 and left is not None and left.mapped and left.state != FREE
+                tail_used = hi % page != 0 and right is not None and right.mapped and right.state != FREE
                 # (bytes to map, first address mapped, whether the free block before is taken in)
                 options = []
                 if size <= before + b.size:  # from the start of the free block before (or of the run)
@@ -683,10 +693,14 @@ class DeviceAllocator:
                     if n < b.size:
                         options.append((n, run_end - n, False))
                 for n, addr, absorb in options:
-                    start = addr - before if absorb else addr  # of the new block
+                    start = (addr - before if absorb else addr) - base  # of the new block
                     taken = (before if absorb else 0) + (after if addr + n == run_end else 0)
-                    off = start - base
-                    key = (n, (-(-(off + size) // page) - off // page) * page - size, -taken)
+                    first, last = start // page, -(-(start + size) // page)
+                    touched = head_used and first == lo // page
+                    added = last - first - touched - (
+                        tail_used and last - 1 == (hi - 1) // page and (last - 1 > first or not touched)
+                    )
+                    key = (added, (last - first) * page - size, n, -taken)
                     if best is None or key < best[0]:
                         best = (key, b, addr, n, absorb)
             b = b.next

@@ -320,3 +320,24 @@ def test_with_every_free_page_kept_blocks_go_at_the_start_of_holes(vm):
     assert w.ptr == x.ptr + 3 * MiB
     check_invariants(a)
     _release(a, [x, z, w])
+
+
+def test_a_growth_counts_the_free_pages_it_covers_as_added(vm):
+    backend, s = vm
+    a = DeviceAllocator(backend, 0, parse("expandable_segments:True"))
+    x = a.malloc(2 * MiB, s)  # [0, 2)
+    y = a.malloc(int(2.5 * MiB), s)  # [2, 4.5)
+    base = x.ptr
+    a.free(x)
+    z = a.malloc(6 * MiB, s)  # [4.5, 10.5), after giving back [0, 2)
+    assert a.stats()["reserved_bytes.all.current"] == 10 * MiB
+    a.free(y)  # free [2, 4.5): the whole page [2, 4) stays mapped
+    # 3.5 MiB needs one new page either at [0, 3.5), over the unmapped [0, 2) into
+    # the free block after, or at the end, [10.5, 14). The first also covers the
+    # free page [2, 4), which would otherwise go back: two pages added to those
+    # live blocks touch, against one at the end, where z's last page is filled.
+    w = a.malloc(int(3.5 * MiB), s)
+    assert w.ptr == base + int(10.5 * MiB)
+    assert a.stats()["reserved_bytes.all.current"] == 10 * MiB
+    check_invariants(a)
+    _release(a, [z, w])
