@@ -345,14 +345,15 @@ class DeviceAllocator:
         block = free.best_fit(size) if free else None
         if free is not None and block is not None and (block.size >= self._ms or block.segment.expandable):
             block = self._find_free(free, size)  # the oversize and expandable rules
-            if block is not None and block.segment.expandable and self._place_at_end(block, size, free):
-                free = None  # cut off the free block's end: on no list
         if self._gc_threshold and free:
             pool.calls += 1
+        listed = free
         if block is None:
             block = self._grow(pool, handle, size, stream)
-            free = None  # the new block is on no list
-        self._split(block, size, pool, handle, free)
+            listed = None  # the new block is on no list
+        elif free is not None and block.segment.expandable and self._place_at_end(block, size, free):
+            listed = None  # cut off the free block's end: on no list
+        self._split(block, size, pool, handle, listed)
         self._account(block, nbytes, handle)
         return block
 
