@@ -21,7 +21,9 @@ Where accel deliberately differs:
   first unmaps the whole free pages of the holes of every expandable segment
   of the allocator and maps their physical pages again where it grows
   (PyTorch keeps holes mapped until ``empty_cache``); the growth goes where
-  the fewest new pages are needed (see ``_map_target``, ``_give_back_holes``).
+  it adds the fewest pages to those live blocks touch, and a block cut from
+  a free block goes at its end when that adds fewer than its start (see
+  ``_map_target``, ``_give_back_holes``, ``_place_at_end``).
 """
 
 from __future__ import annotations
@@ -375,10 +377,13 @@ class DeviceAllocator:
             block = self._find_free(free, size)  # the oversize and expandable rules
         if self._gc_threshold and free:
             pool.calls += 1
+        listed = free
         if block is None:
             block = self._grow(pool, handle, size, stream)
-            free = None  # the new block is on no list
-        self._split(block, size, pool, handle, free)
+            listed = None  # the new block is on no list
+        elif free is not None and block.segment.expandable and self._place_at_end(block, size, free):
+            listed = None  # cut off the free block's end: on no list
+        self._split(block, size, pool, handle, listed)
         self._account(block, nbytes, handle)
         return block
 
@@ -604,6 +609,69 @@ class DeviceAllocator:
             self._history.record("segment_map", b.ptr, nbytes, handle, None)
         return self._merge_free(b)
 
+    def _place_at_end(self, b: Block, size: int, free: FreeList) -> bool:
+        """Put a new block of ``size`` bytes at the end of free block ``b`` of an
+        expandable segment (listed on ``free``) rather than at its start, when that
+        adds fewer pages to those live blocks touch, or as many but touches fewer
+        bytes of pages beyond its size. Then ``b`` is cut to that end, off the list,
+        its start left free; returns whether it was.
+
+        The pages live blocks touch are what stays mapped at the next growth, which
+        gives back every other whole free page: so the choice is the one that
+        keeps the least memory. At the start, the new block fills the partial page
+        of the live block before (if any); at the end, that of the live block after.
+        Only ``b``, the best fit, is looked at: trying the next larger free blocks
+        as well gave no better peaks on the traces of bench_expandable.py
+        (docs/benchmarks.md) and costs a search per allocation.
+        """
+        rest = b.size - size
+        if rest < KB_MIN:
+            return False  # taken whole
+        seg = b.segment
+        page = seg.page
+        lo = b.ptr - seg.base
+        hi = lo + b.size
+        nxt = b.next
+        # The partial page at b's end (start) is already touched when a live block
+        # starts (ends) there.
+        tail_used = hi % page != 0 and nxt is not None and nxt.mapped and nxt.state != FREE
+        if not tail_used and lo % page == 0:
+            # At b's start the new block is page aligned, touching as few pages as
+            # it can; and the end has no touched page to fill. (The common case of
+            # a segment's free end, checked first: this runs on every hit.)
+            return False
+        if self._keep_free >= self._s[S.RESERVED_BYTES + seg.pool.kind]:
+            # Free pages are all kept (PyTorch's policy, expandable_keep_free_mb set
+            # very large): none goes back, and the lowest place keeps holes fewer.
+            return False
+        prev = b.prev
+        head_used = lo % page != 0 and prev is not None and prev.mapped and prev.state != FREE
+        # Pages [first, last) the new block touches, at b's start and at its end, and
+        # how many of them no live block touches yet (inline: this runs on every
+        # allocation that an expandable segment's cache serves).
+        first, last = lo // page, -(-(lo + size) // page)
+        new_start = last - first - head_used - (
+            tail_used and last - 1 == (hi - 1) // page and (last - 1 > first or not head_used)
+        )
+        first_end, last_end = (hi - size) // page, -(-hi // page)
+        new_end = last_end - first_end - tail_used - (
+            head_used and first_end == first and (first_end < last_end - 1 or not tail_used)
+        )
+        if (new_end, last_end - first_end) >= (new_start, last - first):
+            return False
+        end = b.ptr + b.size
+        free.remove(b)
+        head = Block(b.ptr, rest, seg)
+        head.prev, head.next = prev, b
+        if prev is not None:
+            prev.next = head
+        else:
+            seg.head = head
+        b.prev = head
+        b.ptr, b.size = end - size, size
+        self._insert_free(head)
+        return True
+
     @staticmethod
     def _unmapped_at(seg: Segment, addr: int) -> Block:
         b = seg.head
@@ -623,16 +691,18 @@ class DeviceAllocator:
         pages at the edges of a hole, or the free end of the last page): the new block
         starts at the start of the free block before (or of the run), running into the
         free block after if need be, or it starts on a page boundary and ends in the
-        free block after. Chosen, in this order: the fewest new pages (the least memory
-        now: free bytes mapped after the growth are the same for every such choice);
-        the fewest bytes of the pages the new block touches beyond its size (each
-        edge of it that is not on a page boundary leaves a partial page mapped when
-        its neighbour there is freed); the most free bytes taken in (partial pages
-        filled). No free block is left stranded between the new block and a live one.
+        free block after. Chosen, in this order: the fewest pages added to those live
+        blocks touch (what stays mapped once the give-back has unmapped every other
+        whole free page: a whole free page the new block covers counts, though it is
+        mapped already, as it would otherwise go back); the fewest bytes of the pages
+        the new block touches beyond its size (each edge of it that is not on a page
+        boundary leaves a partial page mapped when its neighbour there is freed); the
+        fewest pages to map; the most free bytes taken in (partial pages filled). No
+        free block is left stranded between the new block and a live one.
         """
         page = seg.page
         base = seg.base
-        best: tuple[tuple[int, int, int], Block, int, int, bool] | None = None
+        best: tuple[tuple[int, int, int, int], Block, int, int, bool] | None = None
         b = seg.head
         while b is not None:
             if not b.mapped:
@@ -640,6 +710,14 @@ class DeviceAllocator:
                 before = prev.size if prev is not None and prev.state == FREE else 0
                 after = nxt.size if nxt is not None and nxt.state == FREE else 0
                 run_end = b.ptr + b.size
+                # The free region around the run, and whether a live block touches
+                # its first (last) page: one ends (starts) off a page boundary there.
+                lo = b.ptr - before - base
+                hi = run_end + after - base
+                left = prev.prev if before and prev is not None else prev
+                right = nxt.next if after and nxt is not None else nxt
+                head_used = lo % page != 0 and left is not None and left.mapped and left.state != FREE
+                tail_used = hi % page != 0 and right is not None and right.mapped and right.state != FREE
                 # (bytes to map, first address mapped, whether the free block before is taken in)
                 options = []
                 if size <= before + b.size:  # from the start of the free block before (or of the run)
@@ -651,10 +729,14 @@ class DeviceAllocator:
                     if n < b.size:
                         options.append((n, run_end - n, False))
                 for n, addr, absorb in options:
-                    start = addr - before if absorb else addr  # of the new block
+                    start = (addr - before if absorb else addr) - base  # of the new block
                     taken = (before if absorb else 0) + (after if addr + n == run_end else 0)
-                    off = start - base
-                    key = (n, (-(-(off + size) // page) - off // page) * page - size, -taken)
+                    first, last = start // page, -(-(start + size) // page)
+                    touched = head_used and first == lo // page
+                    added = last - first - touched - (
+                        tail_used and last - 1 == (hi - 1) // page and (last - 1 > first or not touched)
+                    )
+                    key = (added, (last - first) * page - size, n, -taken)
                     if best is None or key < best[0]:
                         best = (key, b, addr, n, absorb)
             b = b.next

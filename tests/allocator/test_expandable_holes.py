@@ -268,3 +268,76 @@ def test_the_whole_free_pages_beyond_the_new_block_go_back_too(vm):
     assert a.stats()["reserved_bytes.all.current"] == 22 * MiB
     check_invariants(a)
     _release(a, [d, f, g])
+
+
+def test_a_block_goes_to_the_end_of_a_hole_when_that_touches_fewer_pages(vm):
+    backend, s = vm
+    a = DeviceAllocator(backend, 0, parse("expandable_segments:True"))
+    x = a.malloc(3 * MiB, s)  # [0, 3)
+    y = a.malloc(int(4.5 * MiB), s)  # [3, 7.5)
+    z = a.malloc(int(2.5 * MiB), s)  # [7.5, 10): the segment's last page is full
+    base = x.ptr
+    a.free(y)
+    # 1.5 MiB in the hole [3, 7.5): at its start it would touch [2, 4), which x
+    # touches already, and [4, 6), a new page; at its end, [6, 7.5) touches only
+    # [6, 8), which z touches already. So it goes at the end, and [4, 6) stays a
+    # whole free page.
+    w = a.malloc(int(1.5 * MiB), s)
+    assert w.ptr == base + 6 * MiB
+    check_invariants(a)
+    # The next growth gives that page back: 10 + 10 - 2 MiB reserved, not 20.
+    v = a.malloc(10 * MiB, s)
+    assert a.stats()["reserved_bytes.all.current"] == 18 * MiB
+    check_invariants(a)
+    _release(a, [x, z, w, v])
+
+
+def test_a_block_stays_at_the_start_of_a_hole_when_the_end_is_no_better(vm):
+    backend, s = vm
+    a = DeviceAllocator(backend, 0, parse("expandable_segments:True"))
+    x = a.malloc(3 * MiB, s)  # [0, 3)
+    y = a.malloc(4 * MiB, s)  # [3, 7)
+    z = a.malloc(3 * MiB, s)  # [7, 10)
+    base = x.ptr
+    a.free(y)
+    # 1.5 MiB in [3, 7): one new page, [4, 6), at either end, and
+    # as many bytes of pages touched: the start, as without pages to save.
+    w = a.malloc(int(1.5 * MiB), s)
+    assert w.ptr == base + 3 * MiB
+    check_invariants(a)
+    _release(a, [x, z, w])
+
+
+def test_with_every_free_page_kept_blocks_go_at_the_start_of_holes(vm):
+    backend, s = vm
+    a = DeviceAllocator(backend, 0, parse("expandable_segments:True,expandable_keep_free_mb:1000000"))
+    x = a.malloc(3 * MiB, s)
+    y = a.malloc(int(4.5 * MiB), s)
+    z = a.malloc(int(2.5 * MiB), s)
+    a.free(y)
+    # No page goes back before empty_cache: nothing to save by going to the end.
+    w = a.malloc(int(1.5 * MiB), s)
+    assert w.ptr == x.ptr + 3 * MiB
+    check_invariants(a)
+    _release(a, [x, z, w])
+
+
+def test_a_growth_counts_the_free_pages_it_covers_as_added(vm):
+    backend, s = vm
+    a = DeviceAllocator(backend, 0, parse("expandable_segments:True"))
+    x = a.malloc(2 * MiB, s)  # [0, 2)
+    y = a.malloc(int(2.5 * MiB), s)  # [2, 4.5)
+    base = x.ptr
+    a.free(x)
+    z = a.malloc(6 * MiB, s)  # [4.5, 10.5), after giving back [0, 2)
+    assert a.stats()["reserved_bytes.all.current"] == 10 * MiB
+    a.free(y)  # free [2, 4.5): the whole page [2, 4) stays mapped
+    # 3.5 MiB needs one new page either at [0, 3.5), over the unmapped [0, 2) into
+    # the free block after, or at the end, [10.5, 14). The first also covers the
+    # free page [2, 4), which would otherwise go back: two pages added to those
+    # live blocks touch, against one at the end, where z's last page is filled.
+    w = a.malloc(int(3.5 * MiB), s)
+    assert w.ptr == base + int(10.5 * MiB)
+    assert a.stats()["reserved_bytes.all.current"] == 10 * MiB
+    check_invariants(a)
+    _release(a, [z, w])
