@@ -30,7 +30,7 @@ def run_scenario(backend: str, name: str, stdin: str = "", alloc_conf: str = "")
     if reason:
         pytest.skip(reason)
     if backend == "xpu" and "expandable" in alloc_conf:
-        pytest.skip("Level Zero has no IPC for virtual memory (see test_level_zero_refuses_to_share_virtual_memory)")
+        pytest.skip("accel does not share Level Zero virtual memory yet (see test_level_zero_refuses_to_share_virtual_memory)")
     env = {**os.environ, "ACCEL_BACKEND": backend, "PYTHONPATH": str(REPO_ROOT), "ACCEL_ALLOC_CONF": alloc_conf}
     result = subprocess.run(
         [sys.executable, "-m", "tests.allocator.sharing_scenarios", name],
