@@ -130,7 +130,7 @@ def stream_destroyed(backend: Backend, device: int, handle: int) -> None:
     runtime's stream-destroy listener; it runs in finalizers too, so it never waits)."""
     for allocator in list(_allocators):
         if allocator.backend is backend and allocator.device == device:
-            allocator.stream_destroyed(handle)
+            allocator._stream_destroyed(handle)
 
 
 # Allocators of dropped MemPools that still hold cached memory their release could
@@ -1071,7 +1071,7 @@ class DeviceAllocator:
         except AccelError:  # a closed stream's work may still run; or a capture under way
             return False
 
-    def stream_destroyed(self, handle: int) -> None:
+    def _stream_destroyed(self, handle: int) -> None:
         """Stream ``handle`` is about to be destroyed; the driver may give its handle to
         the next stream created while its queued work still runs. Memory this allocator
         keys by the handle is retired (see :meth:`_retire`) before the next call that

@@ -1,7 +1,7 @@
 """Memory a closed stream's queued work still uses is never handed to another
 stream, nor given back, before that work ran, also when the driver gives the
 closed stream's handle to the next stream created (a real CUDA driver may reuse
-the freed CUstream object; the simulated one does with SIMCUDA_REUSE_STREAM_HANDLES=1).
+the freed CUstream object; the simulated one does, unless ACCEL_SIMCUDA_REUSE_STREAM_HANDLES=0).
 The host backend never reuses a handle, and the Level Zero backend destroys a
 command list only once its work ran: there the tests guard the same promise.
 
@@ -44,7 +44,7 @@ if s2.device.type == "cuda":
 """
 
 
-def run(backend: str, *parts: str) -> None:
+def run(backend: str, *parts: str, conf: str = "") -> None:
     reason = backend_skip_reason(backend)
     if reason:
         pytest.skip(reason)
@@ -52,7 +52,7 @@ def run(backend: str, *parts: str) -> None:
     result = subprocess.run(
         [sys.executable, "-X", "faulthandler", "-c", code],
         cwd=ROOT,
-        env={**os.environ, "ACCEL_BACKEND": backend, "SIMCUDA_REUSE_STREAM_HANDLES": "1"},
+        env={**os.environ, "ACCEL_BACKEND": backend, "ACCEL_SIMCUDA_REUSE_STREAM_HANDLES": "1", "ACCEL_ALLOC_CONF": conf},
         capture_output=True,
         text=True,
         timeout=60,
@@ -136,5 +136,62 @@ def test_a_dropped_pool_keeps_memory_a_closed_stream_still_writes(backend: str) 
         accel.synchronize()
         accel.memory.empty_cache()
         assert allocator.stats()["reserved_bytes.all.current"] == 0
+        """,
+    )
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_a_growing_expandable_segment_leaves_the_pages_a_closed_stream_still_writes(backend: str) -> None:
+    run(
+        backend,
+        """
+        big = accel.memory.allocate(2 << 20, stream=s)
+        s.fill(big, 7)
+        big.free()
+        buf.free()  # the segment's mapped pages are all free, its stream's fills queued
+        old = s.native_handle
+        s.close()
+        allocator = accel.memory.get_allocator()
+        before = allocator.stats()["reserved_bytes.all.current"]
+        """,
+        SECOND,
+        """
+        b1 = accel.memory.allocate(2 << 20, stream=s2)
+        # s2's segment grows again, so the closed stream's segments keep no free pages
+        # against it (hysteresis): their whole free pages go first if their stream is idle.
+        b2 = accel.memory.allocate(4 << 20, stream=s2)
+        assert allocator.stats()["reserved_bytes.all.current"] >= before + (6 << 20), (
+            "pages a closed stream's queued fill still writes were given back or given to another stream"
+        )
+        gate.set()
+        accel.synchronize()
+        """,
+        conf="expandable_segments:True",
+    )
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_a_block_a_closed_stream_used_waits_for_its_work_after_the_free(backend: str) -> None:
+    run(
+        backend,
+        """
+        main = accel.current_stream()
+        x = accel.memory.allocate(1 << 16, stream=main)
+        q = x.ptr
+        s.fill(x, 5)  # queued behind the gate
+        x.record_stream(s)
+        old = s.native_handle
+        s.close()
+        """,
+        SECOND,
+        """
+        # Its reuse waits for s's work, not for s2's; nor does free() wait for the whole device
+        # (as it did where the destroyed handle was refused: here until the gate timed out).
+        x.free()
+        s2.synchronize()
+        y = accel.memory.allocate(1 << 16, stream=main)
+        assert y.ptr != q, "a block a closed stream's pending fill writes was reused"
+        gate.set()
+        accel.synchronize()
         """,
     )
