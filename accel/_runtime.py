@@ -127,9 +127,11 @@ class Runtime:
                     self._file_closed()
                 finally:
                     self._lock.release()
-        for listener in self.stream_destroy_listeners:
-            listener(index, handle)
-        self.backend.stream_destroy(index, handle)
+        try:
+            for listener in self.stream_destroy_listeners:
+                listener(index, handle)
+        finally:  # the stream goes whatever a listener raised
+            self.backend.stream_destroy(index, handle)
 
     def _file_closed(self) -> None:
         """File the error queues destroy_stream left in _closed_pending (lock held)."""

@@ -927,8 +927,6 @@ class DeviceAllocator:
         if block.stream_uses or self._history is not None or self._orphaned:
             if self._gc_frees:  # a retired handle among the uses is known before events are recorded
                 self._drain_gc_frees()
-                if block.state != ALLOCATED:  # the drain freed it (a finalizer's free)
-                    return
             self._free_locked(block)
             if self._orphaned:
                 self._release_if_idle()
@@ -1065,7 +1063,14 @@ class DeviceAllocator:
         """Whether the stream that segments keyed ``key`` belong to has no queued work."""
         if key < 0:  # a retired handle: its destroyed stream's end event says
             event = self._retired.get(key)
-            return event is None or (event != _UNORDERED and self.backend.event_query(self.device, event))
+            if event is None:
+                return True
+            if event == _UNORDERED or not self.backend.event_query(self.device, event):
+                return False
+            if key not in self._pending:  # no free waits for it: the event goes back to the pool
+                del self._retired[key]
+                self._events.append(event)
+            return True
         try:
             return self.backend.stream_query(self.device, key)
         except AccelError:  # a closed stream's work may still run; or a capture under way
