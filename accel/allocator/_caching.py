@@ -21,7 +21,13 @@ Where accel deliberately differs:
   first unmaps the whole free pages of the holes of every expandable segment
   of the allocator and maps their physical pages again where it grows
   (PyTorch keeps holes mapped until ``empty_cache``); the growth goes where
-  the fewest new pages are needed (see ``_map_target``, ``_give_back_holes``).
+  the fewest new pages are needed (see ``_map_target``, ``_give_back_holes``);
+- memory is cached under a stream's handle only while the stream lives: when
+  accel destroys a stream (its queued work may still run, and the driver may
+  give the handle to the next stream created), what the allocator keyed by it
+  moves to a key no stream has, reused by no stream and given back once an
+  event recorded at the destruction completed (PyTorch never destroys the
+  streams of its pools; see ``_retire``).
 """
 
 from __future__ import annotations
