@@ -66,6 +66,12 @@ class Runtime:
         # Told, with the stream's handle, when a stream taking part in the capture is
         # closed: the graph capturing lets go of what it holds if that drops its capture.
         self.capture_owners: dict[int, Callable[[int, int], None]] = {}
+        # Told (device index, handle) when a stream accel created is destroyed, before
+        # the backend destroys it: the driver may give the handle to the next stream
+        # while the closed stream's queued work still runs, so what a layer above keys
+        # by the handle (the caching allocator's cached memory) must stop naming the
+        # new stream. Called from finalizers too: a listener never waits for a lock.
+        self.stream_destroy_listeners: list[Callable[[int, int], None]] = []
         # Errors of host functions, per (device, stream handle): shared by every
         # wrapper of one stream (Stream, ExternalStream, from_torch...).
         self._host_errors: dict[tuple[int, int], collections.deque[tuple[str, BaseException]]] = {}
@@ -121,7 +127,11 @@ class Runtime:
                     self._file_closed()
                 finally:
                     self._lock.release()
-        self.backend.stream_destroy(index, handle)
+        try:
+            for listener in self.stream_destroy_listeners:
+                listener(index, handle)
+        finally:  # the stream goes whatever a listener raised
+            self.backend.stream_destroy(index, handle)
 
     def _file_closed(self) -> None:
         """File the error queues destroy_stream left in _closed_pending (lock held)."""

@@ -23,7 +23,13 @@ Where accel deliberately differs:
   (PyTorch keeps holes mapped until ``empty_cache``); the growth goes where
   it adds the fewest pages to those live blocks touch, and a block cut from
   a free block goes at its end when that adds fewer than its start (see
-  ``_map_target``, ``_give_back_holes``, ``_place_at_end``).
+  ``_map_target``, ``_give_back_holes``, ``_place_at_end``);
+- memory is cached under a stream's handle only while the stream lives: when
+  accel destroys a stream (its queued work may still run, and the driver may
+  give the handle to the next stream created), what the allocator keyed by it
+  moves to a key no stream has, reused by no stream and given back once an
+  event recorded at the destruction completed (PyTorch never destroys the
+  streams of its pools; see ``_retire``).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import sys
 import threading
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -46,13 +53,13 @@ from accel.allocator._oom import OutOfMemoryDetails, out_of_memory
 from accel.allocator._pool_ids import PoolId, check_pool_id
 from accel.allocator._resources import BackendResource, MemoryResource
 from accel.allocator.config import AllocatorConfigWarning
-from accel.backends.base import Backend
+from accel.backends.base import Backend, CaptureStatus
 
 if TYPE_CHECKING:
     from accel.allocator.config import AllocatorConfig
     from accel.stream import Stream
 
-__all__ = ["DeviceAllocator", "release_orphans"]
+__all__ = ["DeviceAllocator", "release_orphans", "stream_destroyed"]
 
 KB_MIN = 512  # minimum block size and rounding quantum
 SMALL_SIZE = 1 << 20  # requests up to this go to the small pool
@@ -104,6 +111,34 @@ class _PoolRelease:
 
     def __init__(self, pool_id: PoolId) -> None:
         self.pool_id = pool_id
+
+
+class _StreamRetired:
+    """A stream handle destroyed while this allocator keyed memory by it (see
+    :meth:`DeviceAllocator._retire`): ``event`` completes after the work queued on the
+    stream before its destruction (None: nothing of it will run; _UNORDERED: no event
+    could be recorded, so only a device synchronization orders after that work)."""
+
+    __slots__ = ("handle", "event")
+
+    def __init__(self, handle: int, event: int | None) -> None:
+        self.handle = handle
+        self.event = event
+
+
+_UNORDERED = -1  # a _StreamRetired event that could not be recorded
+
+# Every allocator, so that a destroyed stream reaches those of its device: the
+# registry's and the MemPools' alike.
+_allocators: weakref.WeakSet[DeviceAllocator] = weakref.WeakSet()
+
+
+def stream_destroyed(backend: Backend, device: int, handle: int) -> None:
+    """Stream ``handle`` of ``backend``'s ``device`` is about to be destroyed (the
+    runtime's stream-destroy listener; it runs in finalizers too, so it never waits)."""
+    for allocator in list(_allocators):
+        if allocator.backend is backend and allocator.device == device:
+            allocator._stream_destroyed(handle)
 
 
 # Allocators of dropped MemPools that still hold cached memory their release could
@@ -188,7 +223,7 @@ class DeviceAllocator:
         self._events: list[int] = []  # pooled events, ready for reuse
         self._events_created = 0
         # Frees (and pool releases) from finalizers that found the lock taken.
-        self._gc_frees: deque[Block | _PoolRelease] = deque()
+        self._gc_frees: deque[Block | _PoolRelease | _StreamRetired] = deque()
         self._history: History | None = None
         self._fraction: float | None = None
         self._fraction_explicit = False
@@ -202,7 +237,15 @@ class DeviceAllocator:
         self._orphaned = False
         self._fast = False  # see _update_fast
         self._growths = 0  # expandable segment growths: the clock of Segment.grown_at
+        # Stream handles this allocator keys memory by (segments' streams, record_stream
+        # uses): a destroyed one is retired (see _retire), the others cost nothing.
+        self._known: set[int] = set()
+        # Retired handles' keys (negative: never a live handle) -> the event after the
+        # destroyed stream's work (absent: nothing to wait for).
+        self._retired: dict[int, int] = {}
+        self._next_key = -1
         self._apply_config(config)
+        _allocators.add(self)
 
     def __repr__(self) -> str:
         return f"<accel DeviceAllocator {self._name}>"
@@ -521,6 +564,7 @@ class DeviceAllocator:
             self._refusal = str(exc)
             return None
         seg = Segment(self, ptr, alloc, handle, pool, False)
+        self._known.add(handle)
         block = Block(ptr, alloc, seg)
         seg.head = block
         self._segments[ptr] = seg
@@ -795,10 +839,7 @@ class DeviceAllocator:
             if whole <= keep:
                 continue
             if seg.stream not in idle:
-                try:
-                    idle[seg.stream] = self.backend.stream_query(self.device, seg.stream)
-                except AccelError:  # a closed stream's work may still run: leave its pages be
-                    idle[seg.stream] = False
+                idle[seg.stream] = self._stream_idle(seg.stream)
             if idle[seg.stream]:
                 plan.append((whole - keep, found[::-1]))
         unmapped = 0
@@ -829,6 +870,7 @@ class DeviceAllocator:
             self._refusal = str(exc)
             return None
         seg = Segment(self, base, size, handle, pool, True)
+        self._known.add(handle)
         seg.page = page
         seg.head = Block(base, size, seg, mapped=False)
         pool.expandable[handle] = seg
@@ -971,6 +1013,8 @@ class DeviceAllocator:
         """:meth:`free` of an allocated block of this allocator, the lock held."""
         segment = block.segment
         if block.stream_uses or self._history is not None or self._orphaned:
+            if self._gc_frees:  # a retired handle among the uses is known before events are recorded
+                self._drain_gc_frees()
             self._free_locked(block)
             if self._orphaned:
                 self._release_if_idle()
@@ -1101,19 +1145,92 @@ class DeviceAllocator:
         self._note_orphan()
 
     def _streams_idle(self) -> bool:
-        for stream in {seg.stream for seg in self._segments.values()}:
-            try:
-                if not self.backend.stream_query(self.device, stream):
-                    return False
-            except AccelError:  # a closed stream's work may still run; or a capture under way
+        return all(self._stream_idle(stream) for stream in {seg.stream for seg in self._segments.values()})
+
+    def _stream_idle(self, key: int) -> bool:
+        """Whether the stream that segments keyed ``key`` belong to has no queued work."""
+        if key < 0:  # a retired handle: its destroyed stream's end event says
+            event = self._retired.get(key)
+            if event is None:
+                return True
+            if event == _UNORDERED or not self.backend.event_query(self.device, event):
                 return False
-        return True
+            if key not in self._pending:  # no free waits for it: the event goes back to the pool
+                del self._retired[key]
+                self._events.append(event)
+            return True
+        try:
+            return self.backend.stream_query(self.device, key)
+        except AccelError:  # a closed stream's work may still run; or a capture under way
+            return False
+
+    def _stream_destroyed(self, handle: int) -> None:
+        """Stream ``handle`` is about to be destroyed; the driver may give its handle to
+        the next stream created while its queued work still runs. Memory this allocator
+        keys by the handle is retired (see :meth:`_retire`) before the next call that
+        could reach it under the new stream: the retirement is queued with the frees
+        of finalizers, which malloc's fast path and every slow path take first. Never
+        waits (it runs in finalizers), so the end of the stream's work is an event
+        recorded here, while the handle still names the old stream."""
+        if handle not in self._known:
+            return
+        backend, device = self.backend, self.device
+        event: int | None = None
+        try:
+            if backend.stream_capture_status(device, handle) == CaptureStatus.NONE:
+                event = backend.event_create(device, timing=False, blocking=False, interprocess=False)
+                try:
+                    backend.event_record(device, event, handle)
+                except BaseException:
+                    backend.event_destroy(device, event)
+                    raise
+            # else: a capture is abandoned with the stream; its work never runs
+        except AccelError:
+            event = _UNORDERED
+        self._gc_frees.append(_StreamRetired(handle, event))
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain_gc_frees()
+            finally:
+                self._lock.release()
+
+    def _retire(self, retired: _StreamRetired) -> None:
+        """Key what this allocator keys by a destroyed stream's handle by a new key of its
+        own, which no stream has: the segments, their blocks (cached, allocated, pending),
+        the free lists, the expandable segments, record_stream uses. Memory cached under
+        it is then never given to another stream, and its idle checks ask the end event."""
+        handle = retired.handle
+        self._known.discard(handle)
+        key = self._next_key
+        self._next_key -= 1
+        if retired.event is not None:
+            self._retired[key] = retired.event
+        for seg in self._segments.values():
+            mine = seg.stream == handle
+            if mine:
+                seg.stream = key
+            b = seg.head
+            while b is not None:
+                if mine:
+                    b.stream = key
+                uses = b.stream_uses
+                if uses and handle in uses:
+                    uses.discard(handle)
+                    uses.add(key)
+                b = b.next
+        for pool in self._all_pools():
+            if handle in pool.free:
+                pool.free[key] = pool.free.pop(handle)
+            if handle in pool.expandable:
+                pool.expandable[key] = pool.expandable.pop(handle)
 
     def _drain_gc_frees(self) -> None:
         while self._gc_frees:
             item = self._gc_frees.popleft()
             if isinstance(item, _PoolRelease):
                 self._release_pool_locked(item.pool_id)
+            elif isinstance(item, _StreamRetired):
+                self._retire(item)
             elif item.state == ALLOCATED:
                 self._free_locked(item)
         if self._orphaned:
@@ -1247,10 +1364,13 @@ class DeviceAllocator:
             self._bad_stream(stream, "record_stream")
         handle = stream._live()
         with self._lock:
+            if self._gc_frees:  # a retirement of this handle queued before must go first
+                self._drain_gc_frees()
             if block.state != ALLOCATED or block.segment.owner is not self:
                 raise InvalidHandleError(f"record_stream on {block!r}, which is not allocated here")
             if handle == block.stream:
                 return
+            self._known.add(handle)
             if block.stream_uses is None:
                 block.stream_uses = {handle}
             else:
@@ -1263,6 +1383,10 @@ class DeviceAllocator:
         try:
             while remaining:
                 handle = remaining[-1]
+                if handle < 0:  # a use by a destroyed stream: wait for its end event
+                    self._wait_for_retired(block, handle)
+                    remaining.pop()
+                    continue
                 event = self._events.pop() if self._events else self._new_event()
                 try:
                     self.backend.event_record(self.device, event, handle)
@@ -1298,6 +1422,23 @@ class DeviceAllocator:
         if error is not None:
             raise error
 
+    def _wait_for_retired(self, block: Block, key: int) -> None:
+        """Order the reuse of freed ``block`` after the work of the destroyed stream
+        retired as ``key``: its end event joins the block's pending events (shared: the
+        queue of ``key`` does not return it to the pool)."""
+        event = self._retired.get(key)
+        if event is None:
+            return
+        if event == _UNORDERED:
+            if not sys.is_finalizing():  # see the record failure in _insert_events
+                self.backend.device_synchronize(self.device)
+            return
+        block.event_count += 1
+        queue = self._pending.get(key)
+        if queue is None:
+            queue = self._pending[key] = deque()
+        queue.append((event, block))
+
     def _new_event(self) -> int:
         self._events_created += 1
         return self.backend.event_create(self.device, timing=False, blocking=False, interprocess=False)
@@ -1310,7 +1451,8 @@ class DeviceAllocator:
                 if not self.backend.event_query(self.device, event):
                     break
                 queue.popleft()
-                self._events.append(event)
+                if handle >= 0:  # a retired handle's end event is shared: see _wait_for_retired
+                    self._events.append(event)
                 block.event_count -= 1
                 if block.event_count == 0:
                     self._free_block(block)
@@ -1327,7 +1469,8 @@ class DeviceAllocator:
                 event, block = queue[0]
                 self.backend.event_synchronize(self.device, event)
                 queue.popleft()
-                self._events.append(event)
+                if handle >= 0:  # a retired handle's end event is shared: see _wait_for_retired
+                    self._events.append(event)
                 block.event_count -= 1
                 if block.event_count == 0:
                     self._free_block(block)
@@ -1372,6 +1515,12 @@ class DeviceAllocator:
             while self._deferred:  # frees an interrupt left with stream uses unordered
                 self._insert_events(self._deferred.pop())
             self._synchronize_and_free_events()
+            if self._retired:
+                # Every destroyed stream's work is done after a device synchronization:
+                # their end events go to the pool, and their memory is idle for good.
+                self.backend.device_synchronize(self.device)
+                self._events += [e for e in self._retired.values() if e != _UNORDERED]
+                self._retired.clear()
         freeable = [p for p in self._private.values() if p.use_count == 0]
         pools = [self._small, self._large]
         for private in freeable:

@@ -17,7 +17,7 @@ from typing import Any
 from accel._device import DeviceLike
 from accel._errors import InvalidValueError
 from accel._runtime import Runtime, get_runtime
-from accel.allocator._caching import DeviceAllocator, release_orphans
+from accel.allocator._caching import DeviceAllocator, release_orphans, stream_destroyed
 from accel.allocator._fork import track_lock
 from accel.allocator._history import History
 from accel.allocator._host_cache import HostCachingAllocator
@@ -59,6 +59,11 @@ class AllocatorRegistry:
         self.host: HostCachingAllocator | None = None
         self.history: HistorySettings | None = None
         add_change_observer(self._config_changed)
+        runtime.stream_destroy_listeners.append(self._stream_destroyed)
+
+    def _stream_destroyed(self, index: int, handle: int) -> None:
+        # runtime.backend, read now: in a forked child it is a stand-in no allocator uses.
+        stream_destroyed(self.runtime.backend, index, handle)
 
     def _config_changed(self, backend: str, old: Any, new: Any) -> None:
         if backend != self.runtime.name:

@@ -1,9 +1,13 @@
-"""Random allocate/free/record_stream/empty_cache/sync/capture sequences, checked after every step.
+"""Random allocate/free/record_stream/empty_cache/sync/capture/stream replacement sequences,
+checked after every step.
 
 Streams used through ``record_stream`` are held by a *gate*: a host function
 on that stream that waits for a threading.Event the test opens later. Until
 its gates open, a freed block must not be handed out again, and the host
-backend's worker threads make that real asynchrony, not a simulation.
+backend's worker threads make that real asynchrony, not a simulation. A stream
+is also closed with its gates shut and its handle given to the next stream, as a
+driver may do (the host backend never reuses handles: the test moves the new
+stream to the old handle).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
 from accel._runtime import Runtime
-from accel.allocator._caching import DeviceAllocator
+from accel.allocator._caching import DeviceAllocator, stream_destroyed
 from accel.allocator.config import parse
 from accel.backends.cpu import CpuBackend
 from accel.stream._stream import Stream
@@ -64,6 +68,9 @@ class AllocatorMachine(RuleBasedStateMachine):
             Stream._wrap(self.runtime, 0, self.backend.stream_create(0, 0), owned=True) for _ in range(2)
         ]
         self.alloc = DeviceAllocator(self.backend, 0, parse(config) if config else parse("expandable_segments:False"))
+        # as the allocator registry does for the runtime's allocators
+        self.runtime.stream_destroy_listeners.append(lambda index, handle: stream_destroyed(self.backend, index, handle))
+        self.retired = 0  # streams replaced: their gates are kept under keys -1, -2...
         self.live: list[Live] = []
         # freed ranges that must not be reused while any of their gates is closed
         self.quarantine: list[tuple[int, int, list[threading.Event]]] = []
@@ -73,7 +80,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.pool_serial = 0
         # Ranges freed on their own stream while work queued there (a gate) may
         # still use them: reusable in stream order, but never to be unmapped.
-        self.own_busy: list[tuple[int, int, list[threading.Event]]] = []
+        self.own_busy: list[tuple[int, int, list[threading.Event], int]] = []
         unmap = self.backend.vm_unmap
 
         def checked_unmap(device: int, addr: int, nbytes: int) -> None:
@@ -86,7 +93,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         """No page is unmapped under a live block or under work a stream may still run."""
         for item in self.live:
             assert item.ptr + item.size <= start or end <= item.ptr, "a page under a live block was unmapped"
-        for lo, hi, gates in self.quarantine + self.own_busy:
+        for lo, hi, gates, *_ in self.quarantine + self.own_busy:
             if not all(g.is_set() for g in gates):
                 assert hi <= start or end <= lo, "a page that queued stream work may use was unmapped"
 
@@ -125,13 +132,54 @@ class AllocatorMachine(RuleBasedStateMachine):
         if item.gates:
             self.quarantine.append((item.ptr, item.ptr + item.size, item.gates))
         if self.gates[item.stream]:
-            self.own_busy.append((item.ptr, item.ptr + item.size, list(self.gates[item.stream])))
+            busy = (item.ptr, item.ptr + item.size, list(self.gates[item.stream]))
+            if item.stream < 0:  # its stream was closed: no stream may reuse it in order
+                self.quarantine.append(busy)
+            else:
+                self.own_busy.append((*busy, item.stream))
 
     @rule(which=st.integers(1, 2))
     def open_gates(self, which: int) -> None:
         for gate in self.gates[which]:
             gate.set()
         self.gates[which].clear()
+
+    @rule()
+    def open_closed_streams_gates(self) -> None:
+        for key in range(-1, -self.retired - 1, -1):
+            for gate in self.gates[key]:
+                gate.set()
+
+    @rule(which=st.integers(1, 2))
+    def replace_stream(self, which: int) -> None:
+        """Close stream ``which`` (its gated work still runs) and give its handle to a new stream."""
+        if self.capture is not None:
+            return
+        old = self.streams[which]
+        handle = old._handle
+        self.retired += 1
+        key = -self.retired
+        self.gates[key] = self.gates[which]
+        self.gates[which] = []
+        # What was freed on it and may be reused in its order may now be reused by no stream.
+        for lo, hi, busy, stream in self.own_busy:
+            if stream == which:
+                self.quarantine.append((lo, hi, busy))
+        for item in self.live:
+            if item.stream == which:
+                item.stream = key
+        # What close() does but for its end event (an Event of the process's runtime,
+        # not of this machine's): the runtime tells the allocator, the backend destroys it.
+        old._closed = True
+        assert old._finalizer is not None
+        old._finalizer()
+        table = self.backend._streams
+        new = self.backend.stream_create(0, 0)
+        with table._lock:
+            host = table._streams.pop(new)
+            host.handle = handle
+            table._streams[handle] = host
+        self.streams[which] = Stream._wrap(self.runtime, 0, handle, owned=True)
 
     @rule(which=st.integers(0, 2))
     def synchronize(self, which: int) -> None:
@@ -162,6 +210,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         # empty_cache waits for every pending free: open the gates first.
         for which in (1, 2):
             self.open_gates(which)
+        self.open_closed_streams_gates()
         self.alloc.empty_cache()
         st_ = self.alloc.stats()
         assert st_["reserved_bytes.all.current"] >= st_["allocated_bytes.all.current"]
@@ -187,6 +236,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         for which in (1, 2):
             self.open_gates(which)
+        self.open_closed_streams_gates()
         self.end_capture()
         for item in list(self.live):
             self.alloc.free(item.block)
@@ -208,3 +258,22 @@ AllocatorMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestAllocator = AllocatorMachine.TestCase
+
+
+def test_a_block_freed_on_a_replaced_stream_is_not_reused_by_the_stream_given_its_handle() -> None:
+    """The machine's steps of a case the random search rarely reaches: a block freed on
+    stream 1 while its gated work may still use it, stream 1 closed and its handle given
+    to a new stream, which allocates (it must not get the block)."""
+    machine = AllocatorMachine()
+    machine.setup("")
+    steps = [
+        lambda: machine.allocate(4096, 1),
+        lambda: machine.use_on_other_stream(machine.live[0], 1),
+        lambda: machine.free(machine.live[0]),
+        lambda: machine.replace_stream(1),
+        lambda: machine.allocate(4096, 1),
+    ]
+    for step in steps:
+        step()
+        machine.structures_hold()
+    machine.teardown()
