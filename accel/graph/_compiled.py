@@ -270,10 +270,18 @@ def _taking_call(
             if thread.streams.get(device, default) is not default:
                 return None
             a = args[0]
-            if a.is_cpu and a.is_contiguous():  # a meta or device tensor is copied (or refused) instead
+            # Read in place: a contiguous host tensor. A meta or device tensor, or a
+            # negated view (its memory holds -x: torch's copy resolves it), is
+            # copied (or refused) instead.
+            if a.is_cpu and a.is_contiguous() and not a.is_neg():
                 pointer = a.data_ptr()
                 with lock:
                     if pointer != taken:
+                        _check_memory(args)
+                        # An interrupt or error while (or right after) pointing must
+                        # not leave the binding on memory a later call takes for the
+                        # one it was pointed at before.
+                        taken = None
                         point(args)
                         taken = pointer
                     run()
@@ -289,10 +297,12 @@ def _taking_call(
         nonlocal taken_all
         if thread.streams.get(device, default) is not default:
             return None
-        if all(a.is_cpu and a.is_contiguous() for a in args):
+        if all(a.is_cpu and a.is_contiguous() and not a.is_neg() for a in args):  # as take_one
             pointers = tuple([a.data_ptr() for a in args])
             with lock:
                 if pointers != taken_all:
+                    _check_memory(args)
+                    taken_all = ()  # as take_one: pointing may stop halfway
                     point(args)
                     taken_all = pointers
                 run()
@@ -303,6 +313,19 @@ def _taking_call(
         return output
 
     return take_any
+
+
+def _check_memory(args: Sequence[torch.Tensor]) -> None:
+    """Refuse a tensor with no memory behind it (its storage resized to 0 bytes,
+    as sharded training frees parameters): its address is its offset from 0, and
+    an engine reading it there crashes. Checked when the binding is pointed at
+    new memory, so a call reading the same memory again does not pay for it."""
+    for i, a in enumerate(args):
+        if a.numel() and not a.untyped_storage().data_ptr():
+            raise InvalidValueError(
+                f"call[{i}] has no memory behind it (its storage was resized to 0 bytes); "
+                "pass a tensor whose storage holds its elements"
+            )
 
 
 def _check(g: Graph, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> Program:
