@@ -58,7 +58,9 @@ if TYPE_CHECKING:
     from accel.graph._graph import Graph
     from accel.graph._torch_capture import Program
 
-__all__ = ["BackgroundCompile", "BuildWarning", "CompiledProgram", "bind_call", "cache_dir", "compile_graph"]
+__all__ = [
+    "BackgroundCompile", "BuildWarning", "CompiledProgram", "bind_call", "cache_dir", "check_memory", "compile_graph",
+]
 
 #: Default largest accepted difference from eager, relative to the output's
 #: largest magnitude (at least 1).
@@ -215,6 +217,7 @@ def bind_call(
                 return None
             (a,) = args
             if a.data_ptr() != pointer:  # the caller passed new data, not the static input
+                check_memory(args)
                 copy(a)
             replay()
             return output
@@ -225,8 +228,9 @@ def bind_call(
     def replay_any(args: Sequence[torch.Tensor]) -> Any:
         if thread.streams.get(device, default) is not default:
             return None
-        for (static, pointer), a in zip(statics, args):
+        for i, ((static, pointer), a) in enumerate(zip(statics, args)):
             if a.data_ptr() != pointer:
+                check_memory([a], i)
                 static.copy_(a)
         replay()
         return output
@@ -277,7 +281,7 @@ def _taking_call(
                 pointer = a.data_ptr()
                 with lock:
                     if pointer != taken:
-                        _check_memory(args)
+                        check_memory(args)
                         # An interrupt or error while (or right after) pointing must
                         # not leave the binding on memory a later call takes for the
                         # one it was pointed at before.
@@ -286,6 +290,7 @@ def _taking_call(
                         taken = pointer
                     run()
             else:
+                check_memory(args)
                 copy(a)
                 replay()
             return output
@@ -301,12 +306,13 @@ def _taking_call(
             pointers = tuple([a.data_ptr() for a in args])
             with lock:
                 if pointers != taken_all:
-                    _check_memory(args)
+                    check_memory(args)
                     taken_all = ()  # as take_one: pointing may stop halfway
                     point(args)
                     taken_all = pointers
                 run()
         else:
+            check_memory(args)
             for static, a in zip(inputs, args):
                 static.copy_(a)
             replay()
@@ -315,12 +321,14 @@ def _taking_call(
     return take_any
 
 
-def _check_memory(args: Sequence[torch.Tensor]) -> None:
+def check_memory(args: Sequence[torch.Tensor], first: int = 0) -> None:
     """Refuse a tensor with no memory behind it (its storage resized to 0 bytes,
     as sharded training frees parameters): its address is its offset from 0, and
-    an engine reading it there crashes. Checked when the binding is pointed at
-    new memory, so a call reading the same memory again does not pay for it."""
-    for i, a in enumerate(args):
+    an engine reading it there, or torch copying from it, crashes. Checked
+    before a copy, and where ONNX Runtime's binding is pointed at new memory
+    (a call reading the same memory again does not pay for it). ``first``: the
+    index of ``args[0]`` among the call's arguments, for the message."""
+    for i, a in enumerate(args, first):
         if a.numel() and not a.untyped_storage().data_ptr():
             raise InvalidValueError(
                 f"call[{i}] has no memory behind it (its storage was resized to 0 bytes); "
