@@ -87,6 +87,11 @@ class Runtime:
         self._closed_pending: collections.deque[tuple[int, int, collections.deque[tuple[str, BaseException]]]] = (
             collections.deque()
         )
+        # Per device, the length of _closed_errors' list at which it is next pruned:
+        # twice what the last pruning kept, so that filing n streams whose failures
+        # nobody reported yet scans n entries in all, not n * n / 2 (20 000 of them
+        # took minutes), and the list stays within twice what it must keep.
+        self._closed_prune_at: dict[int, int] = {}
 
     def __repr__(self) -> str:
         return f"<accel runtime {self.name}: {self.device_count()} device(s)>"
@@ -141,9 +146,11 @@ class Runtime:
             kept = self._closed_errors.setdefault(index, [])
             kept.append((handle, errors))
             del errors  # _shared counts references
-            # No backend call here (this runs in finalizers): what is dropped is what
-            # nothing can report into any more, empty and referenced only by this list.
-            kept[:] = [entry for entry in kept if entry[1] or _shared(entry[1])]
+            if len(kept) >= self._closed_prune_at.get(index, 0):
+                # No backend call here (this runs in finalizers): what is dropped is what
+                # nothing can report into any more, empty and referenced only by this list.
+                kept[:] = [entry for entry in kept if entry[1] or _shared(entry[1])]
+                self._closed_prune_at[index] = max(16, 2 * len(kept))
 
     def synchronize_device(self, index: int) -> None:
         """Wait for every stream of device ``index``, closed ones included, then raise
@@ -152,6 +159,7 @@ class Runtime:
         with self._lock:
             self._file_closed()
             closed = self._closed_errors.pop(index, [])
+            self._closed_prune_at.pop(index, None)
         try:
             self.backend.device_synchronize(index)
         except BaseException:

@@ -58,7 +58,9 @@ if TYPE_CHECKING:
     from accel.graph._graph import Graph
     from accel.graph._torch_capture import Program
 
-__all__ = ["BackgroundCompile", "BuildWarning", "CompiledProgram", "bind_call", "cache_dir", "compile_graph"]
+__all__ = [
+    "BackgroundCompile", "BuildWarning", "CompiledProgram", "bind_call", "cache_dir", "check_memory", "compile_graph",
+]
 
 #: Default largest accepted difference from eager, relative to the output's
 #: largest magnitude (at least 1).
@@ -215,6 +217,7 @@ def bind_call(
                 return None
             (a,) = args
             if a.data_ptr() != pointer:  # the caller passed new data, not the static input
+                check_memory(args)
                 copy(a)
             replay()
             return output
@@ -225,8 +228,9 @@ def bind_call(
     def replay_any(args: Sequence[torch.Tensor]) -> Any:
         if thread.streams.get(device, default) is not default:
             return None
-        for (static, pointer), a in zip(statics, args):
+        for i, ((static, pointer), a) in enumerate(zip(statics, args)):
             if a.data_ptr() != pointer:
+                check_memory([a], i)
                 static.copy_(a)
         replay()
         return output
@@ -270,14 +274,23 @@ def _taking_call(
             if thread.streams.get(device, default) is not default:
                 return None
             a = args[0]
-            if a.is_cpu and a.is_contiguous():  # a meta or device tensor is copied (or refused) instead
+            # Read in place: a contiguous host tensor. A meta or device tensor, or a
+            # negated view (its memory holds -x: torch's copy resolves it), is
+            # copied (or refused) instead.
+            if a.is_cpu and a.is_contiguous() and not a.is_neg():
                 pointer = a.data_ptr()
                 with lock:
                     if pointer != taken:
+                        check_memory(args)
+                        # An interrupt or error while (or right after) pointing must
+                        # not leave the binding on memory a later call takes for the
+                        # one it was pointed at before.
+                        taken = None
                         point(args)
                         taken = pointer
                     run()
             else:
+                check_memory(args)
                 copy(a)
                 replay()
             return output
@@ -289,20 +302,38 @@ def _taking_call(
         nonlocal taken_all
         if thread.streams.get(device, default) is not default:
             return None
-        if all(a.is_cpu and a.is_contiguous() for a in args):
+        if all(a.is_cpu and a.is_contiguous() and not a.is_neg() for a in args):  # as take_one
             pointers = tuple([a.data_ptr() for a in args])
             with lock:
                 if pointers != taken_all:
+                    check_memory(args)
+                    taken_all = ()  # as take_one: pointing may stop halfway
                     point(args)
                     taken_all = pointers
                 run()
         else:
+            check_memory(args)
             for static, a in zip(inputs, args):
                 static.copy_(a)
             replay()
         return output
 
     return take_any
+
+
+def check_memory(args: Sequence[torch.Tensor], first: int = 0) -> None:
+    """Refuse a tensor with no memory behind it (its storage resized to 0 bytes,
+    as sharded training frees parameters): its address is its offset from 0, and
+    an engine reading it there, or torch copying from it, crashes. Checked
+    before a copy, and where ONNX Runtime's binding is pointed at new memory
+    (a call reading the same memory again does not pay for it). ``first``: the
+    index of ``args[0]`` among the call's arguments, for the message."""
+    for i, a in enumerate(args, first):
+        if a.numel() and not a.untyped_storage().data_ptr():
+            raise InvalidValueError(
+                f"call[{i}] has no memory behind it (its storage was resized to 0 bytes); "
+                "pass a tensor whose storage holds its elements"
+            )
 
 
 def _check(g: Graph, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> Program:

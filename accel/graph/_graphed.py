@@ -27,6 +27,7 @@ from accel.backends.base import Backend, TorchIntegration
 from accel.graph._graph import Graph, graph
 from accel.graph._pool import PoolId, check_pool_id, graph_pool_handle
 from accel.graph import _torch_graphs
+from accel.graph._compiled import check_memory
 
 __all__ = ["GraphCacheWarning", "GraphedCallable", "make_graphed_callables"]
 
@@ -175,8 +176,9 @@ class GraphedCallable:
                         if len(args) == 1:
                             self._last_compiled = (args[0].shape, args[0].dtype, call)
                         return result
-                for static, arg in zip(entry.inputs, args):
+                for i, (static, arg) in enumerate(zip(entry.inputs, args)):
                     if static.data_ptr() != arg.data_ptr():
+                        check_memory(args[i : i + 1], i)
                         static.copy_(arg)
             except (RuntimeError, NotImplementedError) as exc:
                 # The key is shapes and dtypes: a sparse or meta tensor shaped like a

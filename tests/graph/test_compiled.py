@@ -639,3 +639,104 @@ def test_repeated_compiled_calls_skip_the_lookup_until_the_shape_changes(cache: 
     assert fast._last_compiled is None and list(fast._cache)[-1] == (((4, 8), torch.float32),)
     with pytest.raises(accel.InvalidValueError, match="tensors only"):
         fast(three.numpy())  # same shape, not a tensor: not taken for the last call's
+
+
+def test_onnx_calls_copy_negated_views_rather_than_read_their_memory(cache: Path, engines: Any) -> None:
+    # A negated view is contiguous and shares its base's address, but its values are
+    # the memory's with the other sign: read in place, the call computed on -x.
+    engines(_engines.OnnxRuntime())
+    lin = nn.Linear(8, 8).eval()
+
+    def model(*xs: torch.Tensor) -> torch.Tensor:
+        return lin(torch.cat(xs, dim=-1)[..., :8] + xs[-1])
+
+    def eager(*xs: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return model(*xs)
+
+    one = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
+    two = make_graphed_callables(model, (torch.randn(2, 8), torch.randn(2, 8)), tier="compiled")
+    a, b = torch.randn(2, 8), torch.randn(2, 8)
+    neg_a, neg_b = torch._neg_view(a), torch._neg_view(b)
+    assert neg_a.is_contiguous() and neg_a.data_ptr() == a.data_ptr()
+    for x in (a, neg_a, neg_b):
+        torch.testing.assert_close(one(x), eager(x))
+    for args in ((a, b), (a, neg_b), (neg_a, b)):
+        torch.testing.assert_close(two(*args), eager(*args))
+
+
+class _InterruptedPoint(_engines.OnnxRuntime):
+    """ONNX Runtime whose call binding, once armed, is interrupted right after it was pointed."""
+
+    armed = False
+
+    def _taking(self, *args: Any) -> Any:
+        run, point = super()._taking(*args)
+
+        def interrupted(tensors: Any) -> None:
+            point(tensors)
+            if type(self).armed:
+                type(self).armed = False
+                raise KeyboardInterrupt
+
+        return run, interrupted
+
+
+@pytest.mark.parametrize("inputs", [1, 2])
+def test_an_interrupt_right_after_pointing_the_binding_does_not_leave_it_on_other_memory(
+    cache: Path, engines: Any, inputs: int
+) -> None:
+    # The interrupt landed between pointing the binding at b and noting that it
+    # was: the next call with a was taken for the one the binding read, and the
+    # run read b's memory (freed by then in real code: a crash or garbage).
+    engines(_InterruptedPoint())
+    lin = nn.Linear(8, 8).eval()
+
+    def model(*xs: torch.Tensor) -> torch.Tensor:
+        return lin(sum(xs[1:], xs[0]))
+
+    fast = make_graphed_callables(model, tuple(torch.randn(2, 8) for _ in range(inputs)), tier="compiled")
+    a, b = [torch.randn(2, 8) for _ in range(inputs)], [torch.randn(2, 8) for _ in range(inputs)]
+    with torch.inference_mode():
+        expected = model(*a)
+    torch.testing.assert_close(fast(*a), expected)
+    _InterruptedPoint.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        fast(*b)
+    for t in b:
+        t.fill_(1e3)
+    torch.testing.assert_close(fast(*a), expected)
+
+
+def test_a_compiled_call_with_a_tensor_whose_storage_was_freed_is_refused_not_read_at_address_zero(
+    cache: Path,
+) -> None:
+    # Same shape and dtype, on the host, but its storage resized to nothing: its
+    # address is 0 (or its offset from 0), and ONNX Runtime read it there, or
+    # torch's copy into the graph's input did (SIGSEGV).
+    script = textwrap.dedent(
+        """
+        import warnings, torch, accel
+        from accel.graph import _compiled, _engines, make_graphed_callables
+        warnings.simplefilter("ignore")
+        _compiled.ENGINES = {"onnxruntime": _engines.ENGINES["onnxruntime"]}
+        lin = torch.nn.Linear(8, 8).eval()
+        for n in (1, 2):
+            f = make_graphed_callables(lambda *xs: lin(sum(xs)), tuple(torch.randn(4, 8) for _ in range(n)),
+                                       tier="compiled")
+            # At address 0, at its offset from 0, and not contiguous (copied, not read in place).
+            for make in (lambda: torch.randn(4, 8), lambda: torch.randn(5, 8)[1:], lambda: torch.randn(8, 4).t()):
+                xs = [make() for _ in range(n)]
+                f(*xs)
+                xs[-1].untyped_storage().resize_(0)
+                try:
+                    f(*xs)
+                except accel.InvalidValueError as exc:
+                    print("refused:", exc)
+        """
+    )
+    env = {**os.environ, "ACCEL_GRAPH_CACHE": str(cache), "PYTHONPATH": str(Path(__file__).parents[2])}
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", script], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0 and done.stdout.count("refused:") == 6, (done.returncode, done.stdout, done.stderr[-2000:])

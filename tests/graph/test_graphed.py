@@ -11,6 +11,7 @@ from torch import nn  # noqa: E402
 
 import accel  # noqa: E402
 from accel.graph import GraphCacheWarning, make_graphed_callables  # noqa: E402
+from tests.graph.test_graph import run_script_on  # noqa: E402
 
 
 def _mlp() -> nn.Module:
@@ -246,3 +247,30 @@ def test_a_replay_failure_is_raised_by_the_call() -> None:
     with pytest.raises(accel.HostFunctionError, match=r"aten\.index_select\.out.*index out of range"):
         fast(torch.tensor([10]))
     assert torch.equal(fast(torch.tensor([3])), torch.tensor([6.0]))  # reported once; calls go on
+
+
+def test_a_call_with_a_tensor_whose_storage_was_freed_is_refused_not_a_crash() -> None:
+    # Same shape and dtype as the captured input, but its storage resized to 0
+    # bytes (as sharded training frees parameters): torch's copy into the graph's
+    # input read its address, 0 or its offset from 0 (SIGSEGV), so in a subprocess.
+    script = """
+import torch, accel
+from accel.graph import make_graphed_callables
+lin = torch.nn.Linear(8, 8).eval()
+f = make_graphed_callables(lambda x, y: lin(x + y), (torch.randn(4, 8), torch.randn(4, 8)))
+refused = 0
+for offset in (0, 1):
+    x, y = torch.randn(4, 8), torch.randn(4 + offset, 8)[offset:]
+    f(x, y)
+    y.untyped_storage().resize_(0)
+    try:
+        f(x, y)
+    except accel.InvalidValueError as exc:
+        assert "call[1] has no memory" in str(exc), exc
+        refused += 1
+assert refused == 2, refused
+x = torch.randn(4, 8)
+torch.testing.assert_close(f(x, x), lin(x + x).detach())
+print("OK")
+"""
+    run_script_on("cpu", script, timeout=120)

@@ -146,6 +146,12 @@ class XpuBackend(Sharing, Backend):
         # Graphs let go of while a replay still ran (Level Zero forbids destroying
         # the list meanwhile): destroyed by the first reap that sees the replay over.
         self._dying_graphs: list[GraphState] = []
+        # One reap at a time: a reap that does not wait takes both lists and puts
+        # back what still runs, and a waiting one (device synchronize) that ran
+        # meanwhile found them empty and returned before that work completed (a
+        # closed stream's failed host function then went unreported). Reentrant:
+        # a finalizer run inside a reap, on its thread, destroys another stream.
+        self._reap_lock = threading.RLock()
         self._events: dict[int, EventState] = {}
         self._graphs: dict[int, GraphState] = {}
         self._execs: dict[int, GraphState] = {}
@@ -648,6 +654,15 @@ class XpuBackend(Sharing, Backend):
         return True
 
     def _reap_retired(self, *, wait: bool) -> None:
+        # Not waiting: another reap is running, and what it leaves the next one takes.
+        if not self._reap_lock.acquire(blocking=wait):
+            return
+        try:
+            self._reap_retired_locked(wait=wait)
+        finally:
+            self._reap_lock.release()
+
+    def _reap_retired_locked(self, *, wait: bool) -> None:
         with self._lock:
             dying, self._dying = self._dying, []
         still_dying = [s for s in dying if not self._retire(s, wait=wait)]
