@@ -621,8 +621,7 @@ class DeviceAllocator:
             if not self._map_pages(seg, addr, nbytes, spares):
                 return None
         finally:
-            for h in spares:
-                self.upstream.vm_release(h, seg.page)
+            self._release_pages(spares, seg.page)
         # Pages given back next to the target merged into it: find it again.
         b = self._unmapped_at(seg, addr)
         end = addr + nbytes
@@ -928,22 +927,39 @@ class DeviceAllocator:
             self._insert_free(b)
             return 0
         done = first
+        unmapped: list[int] = [] if spares is None else spares
         try:
             while done < last:
                 index = (done - seg.base) // page
                 self.upstream.vm_unmap(done, page)
-                handle = seg.pages.pop(index)
-                if spares is None:
-                    self.upstream.vm_release(handle, page)
-                else:
-                    spares.append(handle)
+                # Counted as unmapped before anything else can raise (an interrupt
+                # in the release left a page unmapped that the blocks called mapped).
+                unmapped.append(seg.pages.pop(index))
                 done += page
         finally:
-            if done > first:
-                self._carve_unmapped(b, first, done)
-            else:
-                self._insert_free(b)
+            try:
+                if done > first:
+                    self._carve_unmapped(b, first, done)
+                else:
+                    self._insert_free(b)
+            finally:  # the carve may give the reservation back, and be interrupted there
+                if spares is None:
+                    self._release_pages(unmapped, page)
         return done - first
+
+    def _release_pages(self, handles: list[int], page: int) -> None:
+        """Release the physical pages ``handles`` (unmapped, in no segment's books),
+        emptying the list; an error (an interrupt) in one release still releases
+        the rest, then propagates."""
+        error: BaseException | None = None
+        while handles:
+            h = handles.pop()
+            try:
+                self.upstream.vm_release(h, page)
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
 
     def _carve_unmapped(self, b: Block, first: int, last: int) -> None:
         """Split free block ``b`` so that ``[first, last)`` is an unmapped block."""
