@@ -33,14 +33,20 @@ s.launch_host_func(lambda: ran.append("fill"))
 
 
 def run(backend: str, body: str) -> None:
+    run_parts(backend, PREAMBLE, body)
+
+
+def run_parts(backend: str, *parts: str, env: dict[str, str] | None = None) -> None:
+    """Run the dedented ``parts`` as one script in a fresh interpreter on ``backend``
+    (with ``env`` added to the environment); it must end by printing ok."""
     reason = backend_skip_reason(backend)
     if reason:
         pytest.skip(reason)
-    code = textwrap.dedent(PREAMBLE) + textwrap.dedent(body) + "\nprint('ok')\n"
+    code = "".join(textwrap.dedent(part) for part in parts) + "\nprint('ok')\n"
     result = subprocess.run(
         [sys.executable, "-X", "faulthandler", "-c", code],
         cwd=ROOT,
-        env={**os.environ, "ACCEL_BACKEND": backend},
+        env={**os.environ, "ACCEL_BACKEND": backend, **(env or {})},
         capture_output=True,
         text=True,
         timeout=60,

@@ -11,17 +11,10 @@ or write freed memory).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 
-from tests.conftest import CONFORMANCE_BACKENDS, backend_skip_reason
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import CONFORMANCE_BACKENDS
+from tests.stream.test_closed_streams import run_parts
 
 # Stream s, closed with a fill of 7 into p (4 KiB) held back by a gate; s2, created
 # next, gets s's handle on a driver that reuses handles.
@@ -45,20 +38,8 @@ if s2.device.type == "cuda":
 
 
 def run(backend: str, *parts: str, conf: str = "") -> None:
-    reason = backend_skip_reason(backend)
-    if reason:
-        pytest.skip(reason)
-    code = "".join(textwrap.dedent(part) for part in (PREAMBLE, *parts)) + "\nprint('ok')\n"
-    result = subprocess.run(
-        [sys.executable, "-X", "faulthandler", "-c", code],
-        cwd=ROOT,
-        env={**os.environ, "ACCEL_BACKEND": backend, "ACCEL_SIMCUDA_REUSE_STREAM_HANDLES": "1", "ACCEL_ALLOC_CONF": conf},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0 and result.stdout.endswith("ok\n"), (
-        f"{backend}: exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    run_parts(
+        backend, PREAMBLE, *parts, env={"ACCEL_SIMCUDA_REUSE_STREAM_HANDLES": "1", "ACCEL_ALLOC_CONF": conf}
     )
 
 
