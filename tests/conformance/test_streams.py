@@ -218,3 +218,29 @@ def test_host_function_errors_reach_every_wrapper_of_the_stream(runtime) -> None
     with pytest.raises(accel.HostFunctionError, match="through the external wrapper"):
         s.synchronize()
     external.synchronize()  # reported once, to one caller
+
+
+def test_a_stream_is_idle_once_its_last_recorded_event_completed(runtime) -> None:
+    # An event completes after all work before it; when nothing follows it, the
+    # stream has no work left, so a thread woken by the event must see it idle.
+    # (The simulated CUDA driver signalled the event before it dequeued the
+    # record, and a query in between said "not ready"; Level Zero's query
+    # appended a barrier of its own and asked whether the device passed it.)
+    # Four threads make the window wide enough to be hit.
+    busy = []
+
+    def loop() -> None:
+        s, e = accel.Stream(), accel.Event()
+        for _ in range(1000):
+            s.launch_host_func(lambda: None)
+            e.record(s)
+            e.synchronize()
+            if not s.query():
+                busy.append(1)
+
+    threads = [threading.Thread(target=loop) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert busy == []

@@ -313,6 +313,18 @@ class XpuBackend(Sharing, Backend):
             self._mark(stream)
             self._reap(stream)
 
+    def _appended_marker(self, stream: StreamState, slot: EventSlot) -> None:
+        """Count a barrier just appended that signals ``slot``, and keep it as a marker:
+        it completes once everything before it ran, so a query after the event
+        completed finds the stream idle instead of appending a barrier of its own
+        (which the device has not reached yet)."""
+        self._slots.hold(slot)  # dropped by _reap
+        stream.seq += 1
+        stream.markers.append((stream.seq, slot))
+        stream.marked = stream.seq
+        if len(stream.markers) >= _MARKER_EVERY:  # recorded often, never synchronized
+            self._reap(stream)
+
     def _mark(self, stream: StreamState) -> None:
         slot = self._slots.acquire(False)
         try:
@@ -825,8 +837,7 @@ class XpuBackend(Sharing, Backend):
             with s.lock:
                 self._check_open(s)
                 self._barrier(s, s.cdata, slot)
-                self._appended(s)
-                self._hold_until_passed(s, slot)
+                self._appended_marker(s, slot)
         except BaseException:
             self._slots.drop(slot)
             raise
