@@ -22,7 +22,7 @@ from __future__ import annotations
 import ast
 import inspect
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import CONFORMANCE_BACKENDS
-from tests.stream.test_life_cycle import ok, run
+from tests.fixtures.scripts import ok, run
 
 
 @pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.stream.test_life_cycle import ok, run
+from tests.fixtures.scripts import ok, run
 
 DROPPED_POOLS_ON_EIGHT_THREADS = """
 import gc, threading, accel

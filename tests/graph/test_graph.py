@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import accel
 from accel.graph import Graph, graph, graph_pool_handle, is_capturing
-from tests.conftest import CONFORMANCE_BACKENDS, backend_skip_reason
+from tests.conftest import CONFORMANCE_BACKENDS
+from tests.fixtures import scripts
 
 
 def _array(n: int = 64) -> np.ndarray:
@@ -307,13 +304,9 @@ def test_a_graph_collected_while_its_allocator_is_locked_gives_its_pool_back_lat
     """Graph.__del__ can run in a garbage collection triggered anywhere, also
     inside the allocator's locked sections: it must not wait for that lock.
     In a subprocess: a deadlocked allocator would hang this one."""
-    env = {**os.environ, "ACCEL_BACKEND": "cpu"}
-    result = subprocess.run(
-        [sys.executable, "-c", COLLECTED_INSIDE_THE_ALLOCATOR], capture_output=True, text=True, env=env,
-        cwd=Path(__file__).resolve().parents[2], timeout=120, check=False,
-    )
+    result = scripts.run("cpu", COLLECTED_INSIDE_THE_ALLOCATOR, timeout=120)
     assert "DEADLOCK" not in result.stdout, "Graph.__del__ deadlocked on the allocator's lock"
-    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-2000:]
+    scripts.ok(result, "OK")
 
 
 REPLAY_AFTER_FREE = """
@@ -345,17 +338,8 @@ print("OK")
 
 
 def run_script_on(backend: str, script: str, *args: str, timeout: int) -> None:
-    """Run ``script`` in a fresh interpreter on ``backend``; it must print OK last
-    (a crash or a hang there fails the test, not the suite)."""
-    reason = backend_skip_reason(backend)
-    if reason:
-        pytest.skip(reason)
-    env = {**os.environ, "ACCEL_BACKEND": backend}
-    result = subprocess.run(
-        [sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
-        cwd=Path(__file__).resolve().parents[2], timeout=timeout, check=False,
-    )
-    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), (result.returncode, result.stderr[-2000:])
+    """Run ``script`` in a fresh interpreter on ``backend``; it must print OK."""
+    scripts.ok(scripts.run(backend, script, *args, timeout=timeout), "OK")
 
 
 REPLAY_AFTER_FREE_ON_FORKED_STREAMS = """

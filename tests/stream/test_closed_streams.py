@@ -6,15 +6,13 @@ guards against is a worker thread writing into unmapped memory (a segfault).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import CONFORMANCE_BACKENDS, backend_skip_reason
+from tests.conftest import CONFORMANCE_BACKENDS
+from tests.fixtures import scripts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,18 +37,8 @@ def run(backend: str, body: str) -> None:
 def run_parts(backend: str, *parts: str, env: dict[str, str] | None = None) -> None:
     """Run the dedented ``parts`` as one script in a fresh interpreter on ``backend``
     (with ``env`` added to the environment); it must end by printing ok."""
-    reason = backend_skip_reason(backend)
-    if reason:
-        pytest.skip(reason)
     code = "".join(textwrap.dedent(part) for part in parts) + "\nprint('ok')\n"
-    result = subprocess.run(
-        [sys.executable, "-X", "faulthandler", "-c", code],
-        cwd=ROOT,
-        env={**os.environ, "ACCEL_BACKEND": backend, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = scripts.run(backend, code, env=env)
     assert result.returncode == 0 and result.stdout.endswith("ok\n"), (
         f"{backend}: exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     )
@@ -150,9 +138,6 @@ def test_closing_a_stream_while_other_threads_queue_on_it(backend: str) -> None:
     """On Level Zero, a host function queued in the moment between another thread's lookup
     of the stream and its close landed after the list's last marker: its worker had ended,
     so the list waited forever and destroying it hung (or the list was used after destroy)."""
-    reason = backend_skip_reason(backend)
-    if reason:
-        pytest.skip(reason)
     code = """
 import threading, accel
 for _ in range(60):
@@ -180,14 +165,7 @@ for _ in range(60):
 accel.synchronize()
 print('ok')
 """
-    try:
-        result = subprocess.run(
-            [sys.executable, "-X", "faulthandler", "-c", code], cwd=ROOT, capture_output=True, text=True,
-            env={**os.environ, "ACCEL_BACKEND": backend}, timeout=90,
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{backend}: hung\n{exc.stderr!r}")
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    scripts.ok(scripts.run(backend, code, timeout=90))
 
 
 @pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)

@@ -7,18 +7,13 @@ across fork) or work silently lost at exit.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import CONFORMANCE_BACKENDS, backend_skip_reason
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import CONFORMANCE_BACKENDS
+from tests.fixtures.scripts import ok, run
 
 # In a forked child: every way of touching accel fails at once, saying to use spawn.
 CHILD_IS_REFUSED = """
@@ -51,35 +46,6 @@ def child_checks(stream, event, buf):
     del buf
     __import__("gc").collect()
 """
-
-
-def run(backend: str, code: str, *, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    reason = backend_skip_reason(backend)
-    if reason:
-        pytest.skip(reason)
-    # A session of its own, so that a hung forked grandchild is killed with it.
-    proc = subprocess.Popen(
-        [sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code)],
-        cwd=ROOT,
-        env={**os.environ, "ACCEL_BACKEND": backend},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{backend}: no result in {timeout} s (a hang)\n{out}\n{err}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def ok(result: subprocess.CompletedProcess[str], marker: str = "ok") -> None:
-    assert result.returncode == 0 and marker in result.stdout, (
-        f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    )
 
 
 @pytest.mark.parametrize("busy_thread", [False, True], ids=["idle", "busy-parent-thread"])

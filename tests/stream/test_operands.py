@@ -13,7 +13,7 @@ import torch
 
 import accel
 from tests.conftest import CONFORMANCE_BACKENDS
-from tests.stream.test_life_cycle import ok, run
+from tests.fixtures.scripts import ok, run
 
 
 @pytest.fixture
