@@ -520,12 +520,18 @@ class XpuBackend(Sharing, Backend):
         dev = self._require_vm(device)
         self._require_multiple(device, "size", nbytes)
         ffi, lib = self._ze.ffi, self._ze.lib
-        export = self._exportable_chunk_desc()  # kept alive through the call that reads it
+        export = self._exportable_chunk_desc(device)  # kept alive through the calls that read it
         desc = ffi.new("ze_physical_mem_desc_t *", {
             "stype": lib.ZE_STRUCTURE_TYPE_PHYSICAL_MEM_DESC, "pNext": export, "size": nbytes,
         })
         out = ffi.new("ze_physical_mem_handle_t *")
         code = lib.zePhysicalMemCreate(self._context, dev.cdata, desc, out)
+        if code != 0 and code not in _OOM_CODES and export != ffi.NULL:
+            # Refused as exportable, perhaps: what a plain chunk answers tells.
+            refused, desc.pNext = code, ffi.NULL
+            code = lib.zePhysicalMemCreate(self._context, dev.cdata, desc, out)
+            if code == 0:
+                self._refuse_export(device, refused)
         if code in _OOM_CODES:
             what = f"create a {format_size(nbytes)} chunk"
             raise self._out_of_memory(device, "zePhysicalMemCreate", what, nbytes, code)

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from accel._errors import InvalidHandleError, InvalidValueError, NotSupportedError
 from accel.backends._sharing import dup_for_export
+from accel.backends.xpu._library import describe_result
 from accel.backends.xpu._records import DeviceState, EventState, new_handle
 
 _PID = struct.Struct("!q")
@@ -101,6 +102,7 @@ class Sharing:
 
         def _check(self, call: str, code: int, device: int | None = None) -> None: ...
         def _event(self, device: int, handle: int, *, any_device: bool = False) -> EventState: ...
+        def _require_vm(self, device: int) -> DeviceState: ...
 
     def supports_ipc(self, device: int) -> bool:
         return True
@@ -110,16 +112,24 @@ class Sharing:
         # Whether physical chunks can be exported (the loader forwards Level Zero 1.15's
         # call): chunks are then created exportable, as the export requires.
         self._physical_export = self._ze.has(_EXPORT_CALL)
+        # Devices whose driver refused an exportable chunk -> the result it answered.
+        self._export_refused: dict[int, int] = {}
 
-    def _exportable_chunk_desc(self) -> Any:
+    def _exportable_chunk_desc(self, device: int) -> Any:
         """The ``pNext`` for zePhysicalMemCreate: an opaque-fd export descriptor, or NULL."""
         ffi, lib = self._ze.ffi, self._ze.lib
-        if not self._physical_export:
+        if not self._physical_export or device in self._export_refused:
             return ffi.NULL
         return ffi.new("ze_external_memory_export_desc_t *", {
             "stype": lib.ZE_STRUCTURE_TYPE_EXTERNAL_MEMORY_EXPORT_DESC,
             "flags": lib.ZE_EXTERNAL_MEMORY_TYPE_FLAG_OPAQUE_FD,
         })
+
+    def _refuse_export(self, device: int, code: int) -> None:
+        """The driver refused an exportable chunk (``code``) and made a plain one: this device's
+        chunks are made plain from now on, so that expandable segments keep working (unshareable)
+        instead of failing."""
+        self._export_refused.setdefault(device, code)
 
     def ipc_memory_export(self, device: int, ptr: int, nbytes: int) -> tuple[bytes, list[int]]:
         dev = self._devices[device]
@@ -146,6 +156,14 @@ class Sharing:
                 f"processes: exporting physical memory needs {_EXPORT_CALL} (Level Zero {_EXPORT_VERSION}), "
                 f"which the loader {self._ze.path} does not export; point ACCEL_ZE_LOADER at a Level Zero "
                 f"{_EXPORT_VERSION}+ loader, or share buffers allocated without expandable_segments"
+            )
+        refused = self._export_refused.get(device)
+        if refused is not None:
+            raise NotSupportedError(
+                f"xpu:{device}: cannot share Level Zero virtual memory (expandable segments) with other "
+                f"processes: the driver refused to create exportable physical memory (zePhysicalMemCreate "
+                f"with an opaque-fd ze_external_memory_export_desc_t answered {describe_result(refused)}); "
+                "share buffers allocated without expandable_segments"
             )
         ffi, lib = self._ze.ffi, self._ze.lib
         starts = sorted(a for a, (size, _) in dev.mappings.items() if a < ptr + nbytes and ptr < a + size)
@@ -216,11 +234,11 @@ class Sharing:
                 "loader (ACCEL_ZE_LOADER) here too"
             )
         ffi, lib = self._ze.ffi, self._ze.lib
-        dev = self._devices[device]
+        dev = self._require_vm(device)
         total = sum(sizes)
         out = ffi.new("void **")
         with dev.lock:  # the hint: as vm_reserve's (the validation layer refuses NULL)
-            hint = dev.next_hint or (dev.vm_page or total)
+            hint = dev.next_hint or dev.vm_page or total
         self._ze.check("zeVirtualMemReserve", lib.zeVirtualMemReserve(self._context, ffi.cast("void *", hint), total, out),
                        device=device, requested=total)
         base = int(ffi.cast("uintptr_t", out[0]))

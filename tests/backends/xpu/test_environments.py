@@ -11,7 +11,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.backends.xpu.conftest import REPO, require_simulator, run_json, run_python
+from tests.fixtures import xpu_driver
 
 PROBE = """
 import json
@@ -186,3 +189,45 @@ def test_protocol_conformance_passes_through_the_loader_intercept_path() -> None
         capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+SHARE_EXPANDABLE = """
+import json, pickle
+import accel
+buf = accel.memory.allocate(1 << 20)
+try:
+    pickle.dumps(buf)
+    out = {"shared": "ok"}
+except accel.NotSupportedError as exc:
+    out = {"shared": str(exc)}
+accel.current_stream().fill(buf, 1, 1 << 20)
+accel.current_stream().synchronize()
+print(json.dumps(out))
+"""
+
+
+def physical_export_loader() -> str:
+    """The simulator built as a Level Zero 1.15 loader (see tests/fixtures/xpu_driver.py)."""
+    require_simulator()
+    environment = xpu_driver.physical_export_environment()
+    if isinstance(environment, str):
+        pytest.skip(environment)
+    if "ACCEL_ZE_LOADER" not in environment:
+        pytest.skip("ACCEL_SIMZE_UNSUPPORTED needs the simulator")
+    return environment["ACCEL_ZE_LOADER"]
+
+
+def test_a_driver_refusing_exportable_chunks_keeps_expandable_segments_working_unshared() -> None:
+    # A loader with zePhysicalMemGetProperties over a driver that cannot export physical
+    # memory: chunks are made plain (so expandable allocations still work) and sharing one
+    # says why it cannot.
+    out = run_json(SHARE_EXPANDABLE, ACCEL_ZE_LOADER=physical_export_loader(), ACCEL_BACKEND="xpu",
+                   ACCEL_ALLOC_CONF="expandable_segments:True", ACCEL_SIMZE_UNSUPPORTED="ze_external_memory_export_desc_t")
+    assert "the driver refused to create exportable physical memory" in out["shared"], out
+    assert "ZE_RESULT_ERROR_UNSUPPORTED_ENUMERATION" in out["shared"] and "without expandable_segments" in out["shared"]
+
+
+def test_a_driver_without_the_physical_memory_export_is_not_supported() -> None:
+    out = run_json(SHARE_EXPANDABLE, ACCEL_ZE_LOADER=physical_export_loader(), ACCEL_BACKEND="xpu",
+                   ACCEL_ALLOC_CONF="expandable_segments:True", ACCEL_SIMZE_UNSUPPORTED="zePhysicalMemGetProperties")
+    assert out["shared"].startswith("zePhysicalMemGetProperties is not supported by the Level Zero driver on xpu:0"), out
