@@ -200,8 +200,16 @@ class Sharing:
         try:
             layout = json.loads(payload)
             if layout["kind"] == "physical":
-                mapped = self._import_chunks(device, [int(n) for n in layout["sizes"]], fds)
-                ptr = mapped.base + int(layout["lead"])
+                sizes, lead = layout["sizes"], layout["lead"]
+                if not (sizes and len(sizes) == len(fds) and all(isinstance(n, int) and n > 0 for n in sizes)
+                        and isinstance(lead, int) and 0 <= lead < sizes[0]):
+                    raise InvalidHandleError(
+                        f"xpu:{device}: the exporting process described its physical memory inconsistently "
+                        f"({len(fds)} descriptor(s) for chunks of {sizes!r} bytes, {lead!r} bytes in); "
+                        "pickle the buffer again in its process"
+                    )
+                mapped = self._import_chunks(device, sizes, fds)
+                ptr = mapped.base + lead
                 with self._lock:
                     self._ipc_imports[ptr] = mapped
                 return ptr
