@@ -90,6 +90,8 @@ def _holder(queue: Any, replies: Any) -> None:
     queue.get(timeout=TIMEOUT_S)  # the warm-up
     buf = queue.get(timeout=TIMEOUT_S)
     replies.put(host_bytes(buf).hex())
+    queue.get(timeout=TIMEOUT_S)  # the exporter freed its buffer and allocated and filled another
+    replies.put(host_bytes(buf).hex())
     time.sleep(3600)  # killed here, still holding the buffer
 
 
@@ -112,9 +114,14 @@ def scenario_kill_importer() -> dict[str, Any]:
     held = broker().stats()
     ptr = buf.ptr
     buf.free()  # the importer still maps it: the block must not be reused
+    accel.memory.empty_cache()  # nor its memory given back (expandable segments: unmapped)
     again = accel.memory.allocate(SIZE)
+    accel.current_stream().fill(again, 0x55, SIZE)
+    accel.current_stream().synchronize()
     reused_while_held = again.ptr == ptr
     allocated_while_held = allocated()
+    queue.put("look again")
+    seen_again = replies.get(timeout=TIMEOUT_S)  # the importer's view of what it holds
     again.free()
     child.kill()
     child.join(TIMEOUT_S)
@@ -124,6 +131,7 @@ def scenario_kill_importer() -> dict[str, Any]:
     after = broker().stats()
     return {
         "seen": seen,
+        "seen_again": seen_again,
         "held": held,
         "reused_while_held": reused_while_held,
         "allocated_while_held": allocated_while_held,
@@ -179,6 +187,27 @@ def scenario_freed_before_open() -> dict[str, Any]:
     result = replies.get(timeout=TIMEOUT_S)
     child.join(TIMEOUT_S)
     return {"result": result, "exports": broker().stats()["exports"]}
+
+
+def scenario_importer_on_the_default_loader() -> dict[str, Any]:
+    """The exporter's loader (ACCEL_ZE_LOADER) exports physical memory; its importer uses the
+    default loader (Debian's 1.8.12, with the simulated driver), which cannot import it."""
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    buf = accel.memory.allocate(SIZE)
+    data = pickle.dumps(buf)
+    newer = os.environ.pop("ACCEL_ZE_LOADER")  # spawn passes os.environ as it is at start
+    try:
+        child = ctx.Process(target=_opener, args=(data, replies))
+        child.start()
+    finally:
+        os.environ["ACCEL_ZE_LOADER"] = newer
+    result = replies.get(timeout=TIMEOUT_S)
+    child.join(TIMEOUT_S)
+    deadline = time.monotonic() + TIMEOUT_S
+    while broker().stats()["holds"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return {"result": result, "exitcode": child.exitcode, "holds": broker().stats()["holds"]}
 
 
 def scenario_print_pickle() -> dict[str, Any]:

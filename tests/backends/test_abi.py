@@ -36,9 +36,11 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not 
 LEVEL_ZERO_INCLUDE = Path("/usr/include/level_zero")
 LEVEL_ZERO_HEADERS = ("ze_api.h", "zes_api.h", "loader/ze_loader.h")
 
-#: Declared by accel but newer than Debian's libze-dev 1.8 headers (API 1.6): probed at run
-#: time, never assumed, and checked only where a header has it.
-LEVEL_ZERO_NEWER_THAN_HEADERS = ("zeCommandListHostSynchronize",)
+#: Declared by accel but newer than Debian's libze-dev 1.8 headers (APIs 1.6 and 1.15): probed
+#: at run time, never assumed, and checked only where a header has them.
+LEVEL_ZERO_NEWER_THAN_HEADERS = (
+    "zeCommandListHostSynchronize", "zePhysicalMemGetProperties", "ze_physical_mem_properties_t",
+)
 
 
 #: accel's names for the CUdevice_attribute ids it reads (``_ATTRIBUTES``) -> the header's names.

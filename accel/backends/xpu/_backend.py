@@ -78,7 +78,8 @@ _CTYPES = (
     "ze_event_pool_desc_t *", "ze_event_pool_handle_t *", "ze_host_mem_alloc_desc_t *",
     "ze_kernel_timestamp_result_t *", "ze_physical_mem_desc_t *", "ze_physical_mem_handle_t *",
     "zes_mem_handle_t[]", "zes_mem_properties_t *", "zes_mem_state_t *", "ze_ipc_mem_handle_t *",
-    "ze_ipc_event_pool_handle_t *",
+    "ze_ipc_event_pool_handle_t *", "ze_external_memory_export_desc_t *", "ze_external_memory_export_fd_t *",
+    "ze_external_memory_import_fd_t *", "ze_physical_mem_properties_t *",
 )
 _MIN_VM_GRANULARITY = 2 << 20
 # A marker is added after this many commands without one, so that events held
@@ -531,9 +532,18 @@ class XpuBackend(Sharing, Backend):
         dev = self._require_vm(device)
         self._require_multiple(device, "size", nbytes)
         ffi, lib = self._ze.ffi, self._ze.lib
-        desc = ffi.new("ze_physical_mem_desc_t *", {"stype": lib.ZE_STRUCTURE_TYPE_PHYSICAL_MEM_DESC, "size": nbytes})
+        export = self._exportable_chunk_desc(device)  # kept alive through the calls that read it
+        desc = ffi.new("ze_physical_mem_desc_t *", {
+            "stype": lib.ZE_STRUCTURE_TYPE_PHYSICAL_MEM_DESC, "pNext": export, "size": nbytes,
+        })
         out = ffi.new("ze_physical_mem_handle_t *")
         code = lib.zePhysicalMemCreate(self._context, dev.cdata, desc, out)
+        if code != 0 and code not in _OOM_CODES and export != ffi.NULL:
+            # Refused as exportable, perhaps: what a plain chunk answers tells.
+            refused, desc.pNext = code, ffi.NULL
+            code = lib.zePhysicalMemCreate(self._context, dev.cdata, desc, out)
+            if code == 0:
+                self._refuse_export(device, refused)
         if code in _OOM_CODES:
             what = f"create a {format_size(nbytes)} chunk"
             raise self._out_of_memory(device, "zePhysicalMemCreate", what, nbytes, code)

@@ -4,8 +4,10 @@ Derived from Debian's ``libze-dev`` 1.8 headers (API version 1.4): the
 declarations below were extracted from ``gcc -E -P`` output of
 ``level_zero/ze_api.h``, ``zes_api.h`` and ``loader/ze_loader.h`` for the
 functions accel calls and the types they need, then checked against gcc's
-``sizeof`` for every structure. One later function is declared by hand at the
-end; the 1.8 loader lacks it, so it is probed, never assumed.
+``sizeof`` for every structure. Later functions are declared by hand at the
+end (``zeCommandListHostSynchronize`` of API 1.6, ``zePhysicalMemGetProperties``
+and its structure of API 1.15); the 1.8 loader lacks them, so they are probed,
+never assumed.
 """
 
 CDEF = r"""
@@ -673,6 +675,39 @@ zeVirtualMemQueryPageSize(
  size_t size,
  size_t* pagesize
  );
+typedef uint32_t ze_external_memory_type_flags_t;
+typedef enum _ze_external_memory_type_flag_t
+{
+ ZE_EXTERNAL_MEMORY_TYPE_FLAG_OPAQUE_FD = (1 << 0),
+ ZE_EXTERNAL_MEMORY_TYPE_FLAG_DMA_BUF = (1 << 1),
+ ZE_EXTERNAL_MEMORY_TYPE_FLAG_OPAQUE_WIN32 = (1 << 2),
+ ZE_EXTERNAL_MEMORY_TYPE_FLAG_OPAQUE_WIN32_KMT = (1 << 3),
+ ZE_EXTERNAL_MEMORY_TYPE_FLAG_D3D11_TEXTURE = (1 << 4),
+ ZE_EXTERNAL_MEMORY_TYPE_FLAG_D3D11_TEXTURE_KMT = (1 << 5),
+ ZE_EXTERNAL_MEMORY_TYPE_FLAG_D3D12_HEAP = (1 << 6),
+ ZE_EXTERNAL_MEMORY_TYPE_FLAG_D3D12_RESOURCE = (1 << 7),
+ ZE_EXTERNAL_MEMORY_TYPE_FLAG_FORCE_UINT32 = 0x7fffffff
+} ze_external_memory_type_flag_t;
+typedef struct _ze_external_memory_export_desc_t
+{
+ ze_structure_type_t stype;
+ const void* pNext;
+ ze_external_memory_type_flags_t flags;
+} ze_external_memory_export_desc_t;
+typedef struct _ze_external_memory_import_fd_t
+{
+ ze_structure_type_t stype;
+ const void* pNext;
+ ze_external_memory_type_flags_t flags;
+ int fd;
+} ze_external_memory_import_fd_t;
+typedef struct _ze_external_memory_export_fd_t
+{
+ ze_structure_type_t stype;
+ const void* pNext;
+ ze_external_memory_type_flags_t flags;
+ int fd;
+} ze_external_memory_export_fd_t;
 typedef uint32_t ze_physical_mem_flags_t;
 typedef struct _ze_physical_mem_desc_t
 {
@@ -898,4 +933,19 @@ zelLoaderGetVersions(
 
 /* Newer than the 1.4 headers (API 1.6); declared here so it can be probed at run time. */
 ze_result_t zeCommandListHostSynchronize(ze_command_list_handle_t hCommandList, uint64_t timeout);
+
+/* Newer than the 1.8 loader (API 1.15): exporting physical memory as a file descriptor,
+   written from the Level Zero specification's description of zePhysicalMemGetProperties
+   (an ze_external_memory_export_fd_t chained to the properties' pNext). Probed at run time:
+   Debian's 1.8.12 loader does not export it. */
+#define ZE_STRUCTURE_TYPE_PHYSICAL_MEM_PROPERTIES 0x00020040
+typedef struct _ze_physical_mem_properties_t
+{
+ ze_structure_type_t stype;
+ void* pNext;
+ uint64_t id;
+ uint64_t size;
+} ze_physical_mem_properties_t;
+ze_result_t zePhysicalMemGetProperties(ze_context_handle_t hContext, ze_physical_mem_handle_t hPhysicalMem,
+                                       ze_physical_mem_properties_t* pMemProperties);
 """

@@ -7,6 +7,7 @@ Zero the way the protocol needs, not how an Intel GPU behaves.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import re
 import subprocess
@@ -713,3 +714,20 @@ def test_an_importer_stops_waiting_on_an_event_whose_exporter_was_killed() -> No
         importer.kill()
         importer.wait(30)
     assert out.startswith("InvalidHandleError") and "exited before the work it recorded completed" in out, out
+
+
+@pytest.mark.parametrize("layout", [
+    {"kind": "physical", "lead": 0, "sizes": [2 << 20, 2 << 20]},  # two chunks, one descriptor
+    {"kind": "physical", "lead": 0, "sizes": []},
+    {"kind": "physical", "lead": 0, "sizes": [0]},
+    {"kind": "physical", "lead": 2 << 20, "sizes": [2 << 20]},  # starts past its first chunk
+], ids=["descriptors", "no-chunk", "empty-chunk", "lead"])
+def test_an_inconsistent_description_of_physical_memory_is_refused_and_its_descriptors_closed(xpu, layout) -> None:
+    read_end, write_end = os.pipe()
+    try:
+        with pytest.raises(accel.InvalidHandleError, match="described its physical memory inconsistently"):
+            xpu.ipc_memory_import(0, json.dumps(layout).encode(), [read_end])
+        with pytest.raises(BrokenPipeError):  # the backend closed the only read end
+            os.write(write_end, b"x")
+    finally:
+        os.close(write_end)

@@ -7,11 +7,15 @@ unsupported features, Sysman, the validation layer) runs in a subprocess.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.backends.xpu.conftest import REPO, require_simulator, run_json, run_python
+from tests.fixtures import xpu_driver
 
 PROBE = """
 import json
@@ -186,3 +190,129 @@ def test_protocol_conformance_passes_through_the_loader_intercept_path() -> None
         capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+SHARE_EXPANDABLE = """
+import json, pickle
+import accel
+buf = accel.memory.allocate(1 << 20)
+try:
+    pickle.dumps(buf)
+    out = {"shared": "ok"}
+except accel.NotSupportedError as exc:
+    out = {"shared": str(exc)}
+accel.current_stream().fill(buf, 1, 1 << 20)
+accel.current_stream().synchronize()
+print(json.dumps(out))
+"""
+
+
+def physical_export_loader() -> str:
+    """The simulator built as a Level Zero 1.15 loader (see tests/fixtures/xpu_driver.py)."""
+    require_simulator()
+    environment = xpu_driver.physical_export_environment()
+    if isinstance(environment, str):
+        pytest.skip(environment)
+    if "ACCEL_ZE_LOADER" not in environment:
+        pytest.skip("ACCEL_SIMZE_UNSUPPORTED needs the simulator")
+    return environment["ACCEL_ZE_LOADER"]
+
+
+def test_a_driver_refusing_exportable_chunks_keeps_expandable_segments_working_unshared() -> None:
+    # A loader with zePhysicalMemGetProperties over a driver that cannot export physical
+    # memory: chunks are made plain (so expandable allocations still work) and sharing one
+    # says why it cannot.
+    out = run_json(SHARE_EXPANDABLE, ACCEL_ZE_LOADER=physical_export_loader(), ACCEL_BACKEND="xpu",
+                   ACCEL_ALLOC_CONF="expandable_segments:True", ACCEL_SIMZE_UNSUPPORTED="ze_external_memory_export_desc_t")
+    assert "the driver refused to create exportable physical memory" in out["shared"], out
+    assert "ZE_RESULT_ERROR_UNSUPPORTED_ENUMERATION" in out["shared"] and "without expandable_segments" in out["shared"]
+
+
+def test_a_driver_without_the_physical_memory_export_is_not_supported() -> None:
+    out = run_json(SHARE_EXPANDABLE, ACCEL_ZE_LOADER=physical_export_loader(), ACCEL_BACKEND="xpu",
+                   ACCEL_ALLOC_CONF="expandable_segments:True", ACCEL_SIMZE_UNSUPPORTED="zePhysicalMemGetProperties")
+    assert out["shared"].startswith("zePhysicalMemGetProperties is not supported by the Level Zero driver on xpu:0"), out
+
+
+
+CHUNKS_EXPORTER = """
+import ctypes, json, subprocess, sys
+import accel
+from accel.backends import load_backend
+xpu = load_backend("xpu")
+s = xpu.default_stream(0)
+host = xpu.host_malloc(1)
+
+def read(at):
+    xpu.memcpy_async(0, host, at, 1, s)
+    xpu.stream_synchronize(0, s)
+    return ctypes.string_at(host, 1).decode()
+
+g = xpu.vm_granularity(0)
+base = xpu.vm_reserve(0, 3 * g)
+chunks = [xpu.vm_create(0, g) for _ in range(3)]
+for i in (0, 2) if sys.argv[1] == "hole" else range(3):
+    xpu.vm_map(0, base + i * g, g, chunks[i])
+if sys.argv[1] == "hole":
+    try:
+        xpu.ipc_memory_export(0, base, 3 * g)
+    except accel.InvalidValueError as exc:
+        print(json.dumps({"error": str(exc)}))
+    raise SystemExit
+for i in range(3):
+    xpu.memset_async(0, base + i * g, ord("A") + i, g, s)
+xpu.stream_synchronize(0, s)
+# From the middle of chunk 0 to the middle of chunk 2: three chunks, half a chunk before the buffer.
+payload, fds = xpu.ipc_memory_export(0, base + g // 2, 2 * g)
+child = subprocess.run([sys.executable, "-c", IMPORTER, payload.decode(), json.dumps(fds)], pass_fds=fds,
+                       capture_output=True, text=True, timeout=60)
+assert child.returncode == 0, child.stderr
+print(json.dumps({"payload": json.loads(payload), "g": g, "imported": json.loads(child.stdout),
+                  "written_there": read(base + 3 * g // 2)}))
+"""
+
+CHUNKS_IMPORTER = """
+import ctypes, json, os, sys
+from accel.backends import load_backend
+xpu = load_backend("xpu")
+s = xpu.default_stream(0)
+host = xpu.host_malloc(1)
+
+def read(at):
+    xpu.memcpy_async(0, host, at, 1, s)
+    xpu.stream_synchronize(0, s)
+    return ctypes.string_at(host, 1).decode()
+
+g = xpu.vm_granularity(0)
+read(xpu.malloc(0, 512))  # the first copy's own descriptors (event pools), not the import's
+fds = json.loads(sys.argv[2])
+before = len(os.listdir("/proc/self/fd"))
+ptr = xpu.ipc_memory_import(0, sys.argv[1].encode(), fds)
+seen = [read(ptr + at) for at in (0, g // 2 - 1, g // 2, 3 * g // 2 - 1, 3 * g // 2, 2 * g - 1)]
+xpu.memset_async(0, ptr + g, ord("Z"), 1, s)
+xpu.stream_synchronize(0, s)
+xpu.ipc_memory_close(0, ptr)
+print(json.dumps({"seen": seen, "fds_left": len(os.listdir("/proc/self/fd")) - (before - len(fds))}))
+"""
+
+
+def test_a_range_over_three_physical_chunks_is_the_same_memory_in_another_process() -> None:
+    code = CHUNKS_EXPORTER.replace("IMPORTER", repr(CHUNKS_IMPORTER))
+    loader = physical_export_loader()
+    result = run_python(f"import sys; sys.argv[1:] = ['range']\n{code}", ACCEL_ZE_LOADER=loader)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    g = out["g"]
+    assert out["payload"] == {"kind": "physical", "lead": g // 2, "sizes": [g, g, g]}
+    # Each side of each boundary between the chunks, and both ends of the range.
+    assert out["imported"]["seen"] == ["A", "A", "B", "B", "C", "C"]
+    # The received descriptors were closed on import, the driver's own copies on close.
+    assert out["imported"]["fds_left"] == 0
+    assert out["written_there"] == "Z"
+
+
+def test_a_range_with_an_unmapped_hole_is_refused_on_export() -> None:
+    result = run_python(f"import sys; sys.argv[1:] = ['hole']\n{CHUNKS_EXPORTER}", ACCEL_ZE_LOADER=physical_export_loader())
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "is not mapped" in out["error"], out
