@@ -165,15 +165,22 @@ def bind_call(
     """A graphed call of ``compiled`` made whole: arguments in, result out, for
     a graph that is the compiled program alone.
 
-    Everything that does not change between calls is looked up here, once:
-    the call is the stream check and the engine's own run on the caller's
-    tensors. AOTInductor takes them and returns new outputs; ONNX Runtime
-    reads contiguous host inputs where they lie (see :func:`_taking_call`)
-    and writes the graph's static outputs. Other inputs (not contiguous, not
-    on the host) are copied into the bound buffers, as a direct caller of the
-    engine does. It returns None, having done nothing, when the calling
-    thread's current stream on ``device`` is not the default one: the caller
-    then replays the graph on that stream.
+    Everything that does not change between calls is looked up here, once.
+    A call checks, in this order: the arguments' shapes and dtypes against
+    the graph's inputs, the calling thread's current stream on ``device``,
+    and whether each tensor can be handed to the engine as it lies (on the
+    host, contiguous, not a negated or conjugated view, whose memory holds
+    other values than the tensor's; its memory is checked where its address
+    changed since the last call, :func:`check_memory`). AOTInductor takes
+    such tensors and returns new outputs; ONNX Runtime reads them where they
+    lie (see :func:`_taking_call`) and writes the graph's static outputs.
+    Other tensors are copied (AOTInductor: into new contiguous host tensors;
+    ONNX Runtime: into the bound buffers), as a direct caller of the engine
+    does, and torch's copy refuses what it cannot copy. It returns None,
+    having done nothing, when the arguments' shapes or dtypes are not the
+    graph's, or the current stream is not the default one: the caller then
+    looks the graph up by the arguments' signature, or replays it on that
+    stream.
     """
     # runtime.current_stream(device), inlined: the thread's current streams
     # (absent: the default one). A third of the whole overhead otherwise.
@@ -181,55 +188,136 @@ def bind_call(
     default = runtime.default_stream(device)
     direct = compiled.direct
     if direct is not None and all(t.is_contiguous() for t in inputs):
-        run = direct
-        if isinstance(output, torch.Tensor) and len(inputs) == 1:
-
-            def direct_one(args: Sequence[torch.Tensor]) -> Any:
-                if thread.streams.get(device, default) is not default:
-                    return None
-                (a,) = args
-                # The program was built for contiguous host inputs (a meta or
-                # device tensor's address, read as host memory, crashed).
-                return run([a if a.is_cpu and a.is_contiguous() else a.cpu().contiguous()])[0]
-
-            return direct_one
-        spec = tree_flatten(output)[1]
-
-        def direct_any(args: Sequence[torch.Tensor]) -> Any:
-            if thread.streams.get(device, default) is not default:
-                return None
-            return tree_unflatten(
-                run([a if a.is_cpu and a.is_contiguous() else a.cpu().contiguous() for a in args]), spec
-            )
-
-        return direct_any
-
+        return _direct_call(direct, inputs, output, thread, device, default)
     replay = compiled.replay
     take = getattr(replay, "take", None)
     if take is not None:
         return _taking_call(take, replay, inputs, output, thread, device, default)
-    if len(inputs) == 1:
-        (static,) = inputs
-        copy, pointer = static.copy_, static.data_ptr()
+    return _copying_call(replay, inputs, output, thread, device, default)
 
-        def replay_one(args: Sequence[torch.Tensor]) -> Any:
+
+def _same_signature(args: Sequence[Any], signature: list[tuple[torch.Size, torch.dtype]]) -> bool:
+    """Whether ``args`` are tensors of the shapes and dtypes in ``signature``
+    (anything else: False, for the caller's lookup to refuse it clearly)."""
+    if len(args) != len(signature):
+        return False
+    try:
+        for a, (shape, dtype) in zip(args, signature):
+            if a.shape != shape or a.dtype is not dtype:
+                return False
+    except AttributeError:
+        return False
+    return True
+
+
+def _direct_call(
+    run: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+    inputs: Sequence[torch.Tensor],
+    output: Any,
+    thread: Any,
+    device: int,
+    default: Any,
+) -> Callable[[Sequence[torch.Tensor]], Any]:
+    """The graphed call of an engine that takes the caller's tensors and returns
+    new outputs (AOTInductor's runner, built for contiguous host inputs).
+
+    The runner reads each tensor's memory at its address as the program's
+    layout: a meta or device tensor's address read as host memory crashed,
+    a negated view's memory holds -x (the call computed on it), and a tensor
+    whose storage was resized to 0 bytes has its offset from 0 for an address
+    (SIGSEGV). Those are copied into new contiguous host tensors (torch's
+    copy resolves the view, refuses what it cannot read) or refused."""
+    signature = [(t.shape, t.dtype) for t in inputs]
+    # The conjugate bit only exists on complex tensors: not asked of real ones.
+    real = not any(t.is_complex() for t in inputs)
+
+    def fresh(a: torch.Tensor, i: int) -> torch.Tensor:
+        check_memory([a], i)
+        shape, dtype = signature[i]
+        return torch.empty(shape, dtype=dtype, device="cpu").copy_(a)
+
+    if isinstance(output, torch.Tensor) and len(inputs) == 1:
+        ((shape, dtype),) = signature
+        checked = 0  # the address of the last argument found to have memory behind it
+
+        def direct_one(args: Sequence[torch.Tensor]) -> Any:
+            nonlocal checked
+            try:
+                (a,) = args
+                if a.shape != shape or a.dtype is not dtype:
+                    return None
+            except (ValueError, AttributeError):  # not one tensor: the caller's lookup refuses it
+                return None
             if thread.streams.get(device, default) is not default:
                 return None
-            (a,) = args
-            if a.data_ptr() != pointer:  # the caller passed new data, not the static input
+            if a.is_cpu and a.is_contiguous() and not a.is_neg() and (real or not a.is_conj()):
+                pointer = a.data_ptr()
+                if pointer != checked:
+                    check_memory(args)
+                    checked = pointer
+                return run([a])[0]
+            return run([fresh(a, 0)])[0]
+
+        return direct_one
+    spec = tree_flatten(output)[1]
+    checked_all: tuple[int, ...] = ()
+
+    def direct_any(args: Sequence[torch.Tensor]) -> Any:
+        nonlocal checked_all
+        if not _same_signature(args, signature) or thread.streams.get(device, default) is not default:
+            return None
+        if all(a.is_cpu and a.is_contiguous() and not a.is_neg() and (real or not a.is_conj()) for a in args):
+            pointers = tuple([a.data_ptr() for a in args])
+            if pointers != checked_all:
+                check_memory(args)
+                checked_all = pointers
+            return tree_unflatten(run(list(args)), spec)
+        return tree_unflatten(run([fresh(a, i) for i, a in enumerate(args)]), spec)
+
+    return direct_any
+
+
+def _copying_call(
+    replay: Callable[[], Any],
+    inputs: Sequence[torch.Tensor],
+    output: Any,
+    thread: Any,
+    device: int,
+    default: Any,
+) -> Callable[[Sequence[torch.Tensor]], Any]:
+    """The graphed call of an engine bound to the graph's input tensors only:
+    each argument is copied into its static input (the static input itself
+    is not), then the bound replay runs."""
+    signature = [(t.shape, t.dtype) for t in inputs]
+    if len(inputs) == 1:
+        (static,) = inputs
+        ((shape, dtype),) = signature
+        copy = static.copy_
+
+        def replay_one(args: Sequence[torch.Tensor]) -> Any:
+            try:
+                (a,) = args
+                if a.shape != shape or a.dtype is not dtype:
+                    return None
+            except (ValueError, AttributeError):
+                return None
+            if thread.streams.get(device, default) is not default:
+                return None
+            # Not a comparison of addresses: a negated or transposed view
+            # of the static input shares its address and holds other values.
+            if a is not static:
                 check_memory(args)
                 copy(a)
             replay()
             return output
 
         return replay_one
-    statics = [(t, t.data_ptr()) for t in inputs]
 
     def replay_any(args: Sequence[torch.Tensor]) -> Any:
-        if thread.streams.get(device, default) is not default:
+        if not _same_signature(args, signature) or thread.streams.get(device, default) is not default:
             return None
-        for i, ((static, pointer), a) in enumerate(zip(statics, args)):
-            if a.data_ptr() != pointer:
+        for i, (static, a) in enumerate(zip(inputs, args)):
+            if a is not static:
                 check_memory([a], i)
                 static.copy_(a)
         replay()
@@ -260,20 +348,27 @@ def _taking_call(
     must not repoint the binding while a run reads through it, or leave it
     pointing at memory freed before this run reads it (a crash)."""
     run, point = take
+    signature = [(t.shape, t.dtype) for t in inputs]
     # A with block rather than acquire() and try: no interrupt can land
     # between taking the lock and the block that gives it back (a lock
     # left held hangs every later call).
     lock = threading.Lock()
     if len(inputs) == 1:
         (static,) = inputs
+        ((shape, dtype),) = signature
         copy = static.copy_
         taken: Any = None  # the address the call binding reads; None: not pointed yet
 
         def take_one(args: Sequence[torch.Tensor]) -> Any:
             nonlocal taken
+            try:
+                (a,) = args
+                if a.shape != shape or a.dtype is not dtype:
+                    return None
+            except (ValueError, AttributeError):  # not one tensor: the caller's lookup refuses it
+                return None
             if thread.streams.get(device, default) is not default:
                 return None
-            a = args[0]
             # Read in place: a contiguous host tensor. A meta or device tensor, or a
             # negated view (its memory holds -x: torch's copy resolves it), is
             # copied (or refused) instead.
@@ -300,7 +395,7 @@ def _taking_call(
 
     def take_any(args: Sequence[torch.Tensor]) -> Any:
         nonlocal taken_all
-        if thread.streams.get(device, default) is not default:
+        if not _same_signature(args, signature) or thread.streams.get(device, default) is not default:
             return None
         if all(a.is_cpu and a.is_contiguous() and not a.is_neg() for a in args):  # as take_one
             pointers = tuple([a.data_ptr() for a in args])

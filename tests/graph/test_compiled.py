@@ -633,10 +633,10 @@ def test_repeated_compiled_calls_skip_the_lookup_until_the_shape_changes(cache: 
     for x in (two, two, three, three, two, three):
         torch.testing.assert_close(fast(x), _eager(model, x))
     assert fast.cache_info()["hits"] == 6 and fast.cache_info()["misses"] == 2
-    assert fast._last_compiled is not None and fast._last_compiled[0] == (3, 8)
+    assert fast._hot is not None and fast._hot is fast._cache[(((3, 8), torch.float32),)].call
     # Least recently used is still kept right: the shortcut's entry is the newest.
     fast.capture(torch.randn(4, 8))
-    assert fast._last_compiled is None and list(fast._cache)[-1] == (((4, 8), torch.float32),)
+    assert fast._hot is None and list(fast._cache)[-1] == (((4, 8), torch.float32),)
     with pytest.raises(accel.InvalidValueError, match="tensors only"):
         fast(three.numpy())  # same shape, not a tensor: not taken for the last call's
 
