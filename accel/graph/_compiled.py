@@ -39,6 +39,7 @@ import functools
 import hashlib
 import operator
 import os
+import statistics
 import threading
 import time
 import warnings
@@ -89,8 +90,11 @@ class Candidate:
     #: "chosen", "ok" (agreed with eager, slower), "rejected", "failed", "not installed" or "not tried".
     status: str
     detail: str = ""
-    #: Seconds of one run (its fastest round), measured interleaved with the other engines.
+    #: Seconds of one run (its median round), measured in rounds interleaved with the other engines.
     seconds: float | None = None
+    #: 25th and 75th percentile of its rounds' seconds per run, and how many rounds.
+    spread: tuple[float, float] | None = None
+    rounds: int = 0
     max_error: float | None = None
     build_seconds: float | None = None
     cached: bool = False
@@ -98,7 +102,8 @@ class Candidate:
     def __str__(self) -> str:
         parts = [f"{self.engine}: {self.status}"]
         if self.seconds is not None:
-            parts.append(f"{self.seconds * 1e6:.1f} us/run")
+            spread = "" if self.spread is None else f" ({self.spread[0] * 1e6:.1f}-{self.spread[1] * 1e6:.1f})"
+            parts.append(f"{self.seconds * 1e6:.1f} us/run{spread} in {self.rounds} rounds")
         if self.max_error is not None:
             parts.append(f"max |error| {self.max_error:.1e}")
         if self.build_seconds is not None:
@@ -613,9 +618,21 @@ def _compile(
             + "; ".join(str(c) for c in candidates)
             + ". Keep the interpreted tier for this graph"
         )
-    _time_interleaved([(c, _as_called(run, trial_inputs)) for _, _, _, c, (_, run) in loaded])
-    engine, path, key, candidate, (program_, _) = min(loaded, key=lambda item: item[3].seconds or 0.0)
+    allocates = [engine.allocates_outputs for engine, *_ in loaded]
+    samples = _time_interleaved([_as_called(run, trial_inputs) for _, _, _, _, (_, run) in loaded], allocates)
+    index, tied = _choose(samples, allocates)
+    for (_, _, _, c, _), times in zip(loaded, samples):
+        ordered = sorted(times)
+        c.seconds = statistics.median(ordered)
+        c.spread = (ordered[len(ordered) // 4], ordered[(3 * len(ordered)) // 4])
+        c.rounds = len(ordered)
+    engine, path, key, candidate, (program_, _) = loaded[index]
     candidate.status = "chosen"
+    if len(tied) > 1:
+        candidate.detail = "tied with " + ", ".join(loaded[i][0].name for i in tied if i != index) + (
+            "; kept for writing the graph's outputs in place" if not engine.allocates_outputs
+            and any(loaded[i][0].allocates_outputs for i in tied) else "; kept for its faster median round"
+        )
     replay = engine.bind(program_, inputs, outputs)
     return CompiledProgram(
         engine.name, path, key, replay, candidates,
@@ -661,19 +678,34 @@ def _as_called(trial: Callable[[], Any], inputs: list[torch.Tensor]) -> Callable
     return copy_and_run
 
 
-def _time_interleaved(runs: list[tuple[Candidate, Callable[[], Any]]], rounds: int = 9, budget: float = 2e-3) -> None:
-    """Time of one run of each (its fastest round), in rounds that take turns, so
-    that a busy machine slows them all alike. Each round runs each about ``budget`` seconds,
-    after a warm-up of as long: an engine's first runs are slower (ONNX
-    Runtime's memory arena grows, caches fill) and must not decide the choice.
-    Each round's timed runs follow an untimed one: the first run after the
-    other engines' refills the caches they evicted, which a call in a loop
-    does not pay, and a round of a large program is only a few runs (the
-    benchmark measured that refill at 2.5 us a call on the attention block
-    at batch 1 and 8 us on the CNN at batch 8, in rounds of 100 calls)."""
+def _time_interleaved(
+    runs: list[Callable[[], Any]],
+    allocates: list[bool],
+    *,
+    rounds: int = 11,
+    most: int = 41,
+    budget: float = 2e-3,
+    limit: float = 2.0,
+) -> list[list[float]]:
+    """Each of ``runs``' seconds per run in every round, for :func:`_choose`.
+
+    Runs are timed in rounds that take turns, so that a busy machine slows
+    them all alike, and compared round by round (:func:`_choose`). Each
+    round runs each about ``budget`` seconds, after a warm-up of as long: an
+    engine's first runs are slower (ONNX Runtime's memory arena grows,
+    caches fill) and must not decide the choice. Each round's timed runs
+    follow an untimed one: the first run after the other engines' refills
+    the caches they evicted, which a call in a loop does not pay, and a
+    round of a large program is only a few runs (the benchmark measured that
+    refill at 2.5 us a call on the attention block at batch 1 and 8 us on
+    the CNN at batch 8, in rounds of 100 calls). After ``rounds`` rounds,
+    more are run while the choice is a tie, up to ``most`` rounds or
+    ``limit`` seconds of timing: a choice made in few rounds on a busy
+    machine went to the slower engine (the attention block at batch 8
+    chose AOTInductor, 6 % behind ONNX Runtime)."""
     with torch.inference_mode():
         counts = []
-        for _, run in runs:
+        for run in runs:
             run()
             t0 = time.perf_counter()
             calls = 0
@@ -682,18 +714,45 @@ def _time_interleaved(runs: list[tuple[Candidate, Callable[[], Any]]], rounds: i
                 calls += 1
             counts.append(max(1, min(400, int(calls * budget / max(time.perf_counter() - t0, 1e-7)))))
         samples: list[list[float]] = [[] for _ in runs]
-        for _ in range(rounds):
-            for i, (_, run) in enumerate(runs):
+        start = time.perf_counter()
+        for r in range(most):
+            for i in [(r + k) % len(runs) for k in range(len(runs))]:  # each round starts with another
+                run = runs[i]
                 run()  # untimed: the first run after another engine's refills the caches
                 t0 = time.perf_counter()
                 for _ in range(counts[i]):
                     run()
                 samples[i].append((time.perf_counter() - t0) / counts[i])
-    for (candidate, _), times in zip(runs, samples):
-        # The fastest round: other processes only ever add time, and on a busy
-        # machine a median still carries it (ONNX Runtime measured 17 us/run
-        # in a median of rounds taken under load, 9 us run alone).
-        candidate.seconds = min(times)
+            if r + 1 >= rounds and (len(_choose(samples, allocates)[1]) == 1 or time.perf_counter() - start > limit):
+                break
+    return samples
+
+
+def _choose(samples: list[list[float]], allocates: list[bool]) -> tuple[int, list[int]]:
+    """The engine to keep (an index), and those it is tied with, from each
+    engine's seconds per run in the same rounds.
+
+    Engines are compared round by round (the ratio of their times in one
+    round, which the load of that moment hits alike) against the one whose
+    median round is fastest: an engine is clearly slower when it was slower
+    in three rounds out of four or more (the lower quartile of its ratios
+    above 1), tied otherwise. Among tied engines, those whose run writes the
+    graph's own outputs are kept before those that allocate new outputs at
+    every call (AOTInductor's runner), a cost a few rounds sample poorly and
+    that grows with the outputs; then the fastest median round. A single
+    round decides nothing: a lucky one (or an unlucky one) is a quarter of
+    no ratio list."""
+    medians = [statistics.median(times) for times in samples]
+    best = min(range(len(samples)), key=lambda i: medians[i])
+    tied = [best]
+    for i, times in enumerate(samples):
+        if i == best:
+            continue
+        ratios = sorted(t / b for t, b in zip(times, samples[best]))
+        if ratios[len(ratios) // 4] <= 1.0:
+            tied.append(i)
+    chosen = min(tied, key=lambda i: (allocates[i], medians[i]))
+    return chosen, sorted(tied)
 
 
 class BackgroundCompile:
