@@ -373,15 +373,31 @@ def test_graphed_callables_call_aotinductor_on_the_callers_tensors(cache: Path, 
     assert torch.equal(first, kept)
     wide = torch.randn(8, 2).t()  # not contiguous: made contiguous for the program
     torch.testing.assert_close(fast(wide), _eager(model, wide))
-    # A negated view lies at its base's address, contiguous, its memory holding -x:
-    # the runner read that memory (the call computed on the base).
-    negated = torch._neg_view(new)
-    assert negated.is_contiguous() and negated.data_ptr() == new.data_ptr()
-    torch.testing.assert_close(fast(negated), _eager(model, negated))
     # On a side stream the graph replays as a graph, into its static outputs.
     with accel.Stream():
         torch.testing.assert_close(fast(new), _eager(model, new))
     accel.synchronize()
+
+
+def test_direct_calls_hand_the_runner_a_negated_views_values_not_its_memory() -> None:
+    # A negated view lies at its base's address, contiguous, its memory holding -x.
+    # AOTInductor's generated kernels read the memory at that address (the MLP of
+    # the benchmark computed on x): the call must hand them -x. The runner here
+    # reads memory as such a kernel does, ignoring the view's sign.
+    def run(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        (t,) = tensors
+        return [torch.empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride()) * 2]
+
+    class _State:
+        streams: dict[int, Any] = {}
+
+    x = torch.randn(2, 4)
+    call = _compiled._direct_call(run, [torch.zeros(2, 4)], torch.zeros(2, 4), _State(), 0, object())
+    negated = torch._neg_view(x)
+    assert negated.is_contiguous() and negated.data_ptr() == x.data_ptr()
+    assert torch.equal(call((x,)), x * 2)
+    assert torch.equal(call((negated,)), x * -2)
+    assert call((torch.zeros(3, 4),)) is None and call((x, x)) is None  # not its signature: the lookup's
 
 
 def test_aotinductor_calls_refuse_a_tensor_whose_storage_was_freed(cache: Path) -> None:
