@@ -717,6 +717,93 @@ def test_a_call_does_not_repoint_the_binding_while_another_threads_run_reads_it(
     assert pointed == [first.data_ptr(), second.data_ptr()]
 
 
+class _Blocking:
+    """A call binding's (run, point) whose runs can be held, counting runs under way."""
+
+    def __init__(self) -> None:
+        self.pointed: list[int] = []
+        self.running = threading.Event()
+        self.release = threading.Event()
+        self.hold = False
+        self.inside = self.most = 0
+        self.fail = False
+
+    def run(self) -> None:
+        self.inside += 1
+        self.most = max(self.most, self.inside)
+        try:
+            if self.fail:
+                self.fail = False
+                raise RuntimeError("the engine failed")
+            if self.hold:
+                self.hold = False
+                self.running.set()
+                assert self.release.wait(10)
+            else:
+                time.sleep(0.01)  # long enough for a call on another thread to start meanwhile
+        finally:
+            self.inside -= 1
+
+    def point(self, args: Any) -> None:
+        self.pointed.append(args[0].data_ptr())
+
+    def call(self) -> Any:
+        class _State:
+            streams: dict[int, Any] = {}
+
+        return _compiled._taking_call((self.run, self.point), lambda: None, [torch.zeros(4)], "out", _State(), 0, object())
+
+
+def test_a_call_does_not_repoint_the_binding_while_a_steady_calls_run_reads_it() -> None:
+    # The steady call (the binding already on its memory) runs without the lock:
+    # a call with other memory must still wait for its run to end before pointing.
+    engine = _Blocking()
+    call = engine.call()
+    first, second = torch.ones(4), torch.ones(4)
+    assert call((first,)) == "out" and engine.pointed == [first.data_ptr()]
+    engine.hold = True
+    t = threading.Thread(target=call, args=((first,),))
+    t.start()
+    assert engine.running.wait(10)
+    other = threading.Thread(target=call, args=((second,),))
+    other.start()
+    other.join(0.2)
+    assert engine.pointed == [first.data_ptr()]  # waits for the steady run
+    engine.release.set()
+    t.join(10)
+    other.join(10)
+    assert engine.pointed == [first.data_ptr(), second.data_ptr()]
+
+
+def test_steady_calls_on_two_threads_do_not_run_the_binding_at_once() -> None:
+    engine = _Blocking()
+    call = engine.call()
+    x = torch.ones(4)
+    call((x,))
+    threads = [threading.Thread(target=lambda: [call((x,)) for _ in range(20)]) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert engine.most == 1 and engine.pointed == [x.data_ptr()]
+
+
+def test_an_engine_error_in_a_steady_call_leaves_the_binding_usable() -> None:
+    # The run's flag is cleared whatever the run does: left set, every later
+    # call would wait for a run that is not under way (a hang).
+    engine = _Blocking()
+    call = engine.call()
+    x = torch.ones(4)
+    call((x,))
+    engine.fail = True
+    with pytest.raises(RuntimeError, match="the engine failed"):
+        call((x,))
+    done = threading.Thread(target=call, args=((torch.zeros(4),),), daemon=True)
+    done.start()
+    done.join(10)
+    assert not done.is_alive() and len(engine.pointed) == 2
+
+
 def test_compiled_calls_read_the_callers_input_and_replay_as_a_graph_on_a_side_stream(
     cache: Path, engines: Any
 ) -> None:
