@@ -39,6 +39,8 @@ import functools
 import hashlib
 import operator
 import os
+import statistics
+import sys
 import threading
 import time
 import warnings
@@ -89,8 +91,11 @@ class Candidate:
     #: "chosen", "ok" (agreed with eager, slower), "rejected", "failed", "not installed" or "not tried".
     status: str
     detail: str = ""
-    #: Seconds of one run (its fastest round), measured interleaved with the other engines.
+    #: Seconds of one run (its median round), measured in rounds interleaved with the other engines.
     seconds: float | None = None
+    #: 25th and 75th percentile of its rounds' seconds per run, and how many rounds.
+    spread: tuple[float, float] | None = None
+    rounds: int = 0
     max_error: float | None = None
     build_seconds: float | None = None
     cached: bool = False
@@ -98,7 +103,8 @@ class Candidate:
     def __str__(self) -> str:
         parts = [f"{self.engine}: {self.status}"]
         if self.seconds is not None:
-            parts.append(f"{self.seconds * 1e6:.1f} us/run")
+            spread = "" if self.spread is None else f" ({self.spread[0] * 1e6:.1f}-{self.spread[1] * 1e6:.1f})"
+            parts.append(f"{self.seconds * 1e6:.1f} us/run{spread} in {self.rounds} rounds")
         if self.max_error is not None:
             parts.append(f"max |error| {self.max_error:.1e}")
         if self.build_seconds is not None:
@@ -165,15 +171,22 @@ def bind_call(
     """A graphed call of ``compiled`` made whole: arguments in, result out, for
     a graph that is the compiled program alone.
 
-    Everything that does not change between calls is looked up here, once:
-    the call is the stream check and the engine's own run on the caller's
-    tensors. AOTInductor takes them and returns new outputs; ONNX Runtime
-    reads contiguous host inputs where they lie (see :func:`_taking_call`)
-    and writes the graph's static outputs. Other inputs (not contiguous, not
-    on the host) are copied into the bound buffers, as a direct caller of the
-    engine does. It returns None, having done nothing, when the calling
-    thread's current stream on ``device`` is not the default one: the caller
-    then replays the graph on that stream.
+    Everything that does not change between calls is looked up here, once.
+    A call checks, in this order: the arguments' shapes and dtypes against
+    the graph's inputs, the calling thread's current stream on ``device``,
+    and whether each tensor can be handed to the engine as it lies (on the
+    host, contiguous, not a negated or conjugated view, whose memory holds
+    other values than the tensor's; its memory is checked where its address
+    changed since the last call, :func:`check_memory`). AOTInductor takes
+    such tensors and returns new outputs; ONNX Runtime reads them where they
+    lie (see :func:`_taking_call`) and writes the graph's static outputs.
+    Other tensors are copied (AOTInductor: into new contiguous host tensors;
+    ONNX Runtime: into the bound buffers), as a direct caller of the engine
+    does, and torch's copy refuses what it cannot copy. It returns None,
+    having done nothing, when the arguments' shapes or dtypes are not the
+    graph's, or the current stream is not the default one: the caller then
+    looks the graph up by the arguments' signature, or replays it on that
+    stream.
     """
     # runtime.current_stream(device), inlined: the thread's current streams
     # (absent: the default one). A third of the whole overhead otherwise.
@@ -181,55 +194,136 @@ def bind_call(
     default = runtime.default_stream(device)
     direct = compiled.direct
     if direct is not None and all(t.is_contiguous() for t in inputs):
-        run = direct
-        if isinstance(output, torch.Tensor) and len(inputs) == 1:
-
-            def direct_one(args: Sequence[torch.Tensor]) -> Any:
-                if thread.streams.get(device, default) is not default:
-                    return None
-                (a,) = args
-                # The program was built for contiguous host inputs (a meta or
-                # device tensor's address, read as host memory, crashed).
-                return run([a if a.is_cpu and a.is_contiguous() else a.cpu().contiguous()])[0]
-
-            return direct_one
-        spec = tree_flatten(output)[1]
-
-        def direct_any(args: Sequence[torch.Tensor]) -> Any:
-            if thread.streams.get(device, default) is not default:
-                return None
-            return tree_unflatten(
-                run([a if a.is_cpu and a.is_contiguous() else a.cpu().contiguous() for a in args]), spec
-            )
-
-        return direct_any
-
+        return _direct_call(direct, inputs, output, thread, device, default)
     replay = compiled.replay
     take = getattr(replay, "take", None)
     if take is not None:
         return _taking_call(take, replay, inputs, output, thread, device, default)
-    if len(inputs) == 1:
-        (static,) = inputs
-        copy, pointer = static.copy_, static.data_ptr()
+    return _copying_call(replay, inputs, output, thread, device, default)
 
-        def replay_one(args: Sequence[torch.Tensor]) -> Any:
+
+def _same_signature(args: Sequence[Any], signature: list[tuple[torch.Size, torch.dtype]]) -> bool:
+    """Whether ``args`` are tensors of the shapes and dtypes in ``signature``
+    (anything else: False, for the caller's lookup to refuse it clearly)."""
+    if len(args) != len(signature):
+        return False
+    try:
+        for a, (shape, dtype) in zip(args, signature):
+            if a.shape != shape or a.dtype is not dtype:
+                return False
+    except AttributeError:
+        return False
+    return True
+
+
+def _direct_call(
+    run: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+    inputs: Sequence[torch.Tensor],
+    output: Any,
+    thread: Any,
+    device: int,
+    default: Any,
+) -> Callable[[Sequence[torch.Tensor]], Any]:
+    """The graphed call of an engine that takes the caller's tensors and returns
+    new outputs (AOTInductor's runner, built for contiguous host inputs).
+
+    The runner reads each tensor's memory at its address as the program's
+    layout: a meta or device tensor's address read as host memory crashed,
+    a negated view's memory holds -x (the call computed on it), and a tensor
+    whose storage was resized to 0 bytes has its offset from 0 for an address
+    (SIGSEGV). Those are copied into new contiguous host tensors (torch's
+    copy resolves the view, refuses what it cannot read) or refused."""
+    signature = [(t.shape, t.dtype) for t in inputs]
+    # The conjugate bit only exists on complex tensors: not asked of real ones.
+    real = not any(t.is_complex() for t in inputs)
+
+    def fresh(a: torch.Tensor, i: int) -> torch.Tensor:
+        check_memory([a], i)
+        shape, dtype = signature[i]
+        return torch.empty(shape, dtype=dtype, device="cpu").copy_(a)
+
+    if isinstance(output, torch.Tensor) and len(inputs) == 1:
+        ((shape, dtype),) = signature
+        checked = 0  # the address of the last argument found to have memory behind it
+
+        def direct_one(args: Sequence[torch.Tensor]) -> Any:
+            nonlocal checked
+            try:
+                (a,) = args
+                if a.shape != shape or a.dtype is not dtype:
+                    return None
+            except (ValueError, AttributeError):  # not one tensor: the caller's lookup refuses it
+                return None
             if thread.streams.get(device, default) is not default:
                 return None
-            (a,) = args
-            if a.data_ptr() != pointer:  # the caller passed new data, not the static input
+            if a.is_cpu and a.is_contiguous() and not a.is_neg() and (real or not a.is_conj()):
+                pointer = a.data_ptr()
+                if pointer != checked:
+                    check_memory(args)
+                    checked = pointer
+                return run([a])[0]
+            return run([fresh(a, 0)])[0]
+
+        return direct_one
+    spec = tree_flatten(output)[1]
+    checked_all: tuple[int, ...] = ()
+
+    def direct_any(args: Sequence[torch.Tensor]) -> Any:
+        nonlocal checked_all
+        if not _same_signature(args, signature) or thread.streams.get(device, default) is not default:
+            return None
+        if all(a.is_cpu and a.is_contiguous() and not a.is_neg() and (real or not a.is_conj()) for a in args):
+            pointers = tuple([a.data_ptr() for a in args])
+            if pointers != checked_all:
+                check_memory(args)
+                checked_all = pointers
+            return tree_unflatten(run(list(args)), spec)
+        return tree_unflatten(run([fresh(a, i) for i, a in enumerate(args)]), spec)
+
+    return direct_any
+
+
+def _copying_call(
+    replay: Callable[[], Any],
+    inputs: Sequence[torch.Tensor],
+    output: Any,
+    thread: Any,
+    device: int,
+    default: Any,
+) -> Callable[[Sequence[torch.Tensor]], Any]:
+    """The graphed call of an engine bound to the graph's input tensors only:
+    each argument is copied into its static input (the static input itself
+    is not), then the bound replay runs."""
+    signature = [(t.shape, t.dtype) for t in inputs]
+    if len(inputs) == 1:
+        (static,) = inputs
+        ((shape, dtype),) = signature
+        copy = static.copy_
+
+        def replay_one(args: Sequence[torch.Tensor]) -> Any:
+            try:
+                (a,) = args
+                if a.shape != shape or a.dtype is not dtype:
+                    return None
+            except (ValueError, AttributeError):
+                return None
+            if thread.streams.get(device, default) is not default:
+                return None
+            # Not a comparison of addresses: a negated or transposed view
+            # of the static input shares its address and holds other values.
+            if a is not static:
                 check_memory(args)
                 copy(a)
             replay()
             return output
 
         return replay_one
-    statics = [(t, t.data_ptr()) for t in inputs]
 
     def replay_any(args: Sequence[torch.Tensor]) -> Any:
-        if thread.streams.get(device, default) is not default:
+        if not _same_signature(args, signature) or thread.streams.get(device, default) is not default:
             return None
-        for i, ((static, pointer), a) in enumerate(zip(statics, args)):
-            if a.data_ptr() != pointer:
+        for i, (static, a) in enumerate(zip(inputs, args)):
+            if a is not static:
                 check_memory([a], i)
                 static.copy_(a)
         replay()
@@ -260,35 +354,67 @@ def _taking_call(
     must not repoint the binding while a run reads through it, or leave it
     pointing at memory freed before this run reads it (a crash)."""
     run, point = take
-    # A with block rather than acquire() and try: no interrupt can land
-    # between taking the lock and the block that gives it back (a lock
-    # left held hangs every later call).
+    signature = [(t.shape, t.dtype) for t in inputs]
+    # Runs of the call binding exclude each other by ``busy``: a call that finds
+    # the binding on its memory and no run under way tests and sets it in one
+    # step (no call between the two: with the GIL held, no other thread runs
+    # and no interrupt lands there) and runs at once; its try block starts
+    # right after, so the flag cannot stay set. That costs a tenth of taking
+    # the lock (0.02 against 0.2 us quiet, 0.8 us under load, measured in the
+    # MLP's call). Every other call takes the per-graph lock, waits out a run
+    # under way and sets ``busy`` itself before pointing the binding, so no
+    # run reads through a binding being repointed. A with block rather than
+    # acquire() and try: no interrupt can land between taking the lock and
+    # the block that gives it back (a lock left held hangs every later
+    # call). Without a GIL (free-threaded Python) every call takes the lock.
     lock = threading.Lock()
+    gil = bool(getattr(sys, "_is_gil_enabled", lambda: True)())
+    busy = False
+
     if len(inputs) == 1:
         (static,) = inputs
+        ((shape, dtype),) = signature
         copy = static.copy_
         taken: Any = None  # the address the call binding reads; None: not pointed yet
 
         def take_one(args: Sequence[torch.Tensor]) -> Any:
-            nonlocal taken
+            nonlocal taken, busy
+            try:
+                (a,) = args
+                if a.shape != shape or a.dtype is not dtype:
+                    return None
+            except (ValueError, AttributeError):  # not one tensor: the caller's lookup refuses it
+                return None
             if thread.streams.get(device, default) is not default:
                 return None
-            a = args[0]
             # Read in place: a contiguous host tensor. A meta or device tensor, or a
             # negated view (its memory holds -x: torch's copy resolves it), is
             # copied (or refused) instead.
             if a.is_cpu and a.is_contiguous() and not a.is_neg():
                 pointer = a.data_ptr()
+                if pointer == taken and not busy and gil:
+                    busy = True
+                    try:
+                        run()
+                    finally:
+                        busy = False
+                    return output
                 with lock:
-                    if pointer != taken:
-                        check_memory(args)
-                        # An interrupt or error while (or right after) pointing must
-                        # not leave the binding on memory a later call takes for the
-                        # one it was pointed at before.
-                        taken = None
-                        point(args)
-                        taken = pointer
-                    run()
+                    while busy:  # a steady call's run on another thread: wait it out
+                        time.sleep(0)
+                    busy = True  # right after the test (no call between: see above)
+                    try:
+                        if pointer != taken:
+                            check_memory(args)
+                            # An interrupt or error while (or right after) pointing must
+                            # not leave the binding on memory a later call takes for the
+                            # one it was pointed at before.
+                            taken = None
+                            point(args)
+                            taken = pointer
+                        run()
+                    finally:
+                        busy = False
             else:
                 check_memory(args)
                 copy(a)
@@ -299,18 +425,31 @@ def _taking_call(
     taken_all: tuple[int, ...] = ()
 
     def take_any(args: Sequence[torch.Tensor]) -> Any:
-        nonlocal taken_all
-        if thread.streams.get(device, default) is not default:
+        nonlocal taken_all, busy
+        if not _same_signature(args, signature) or thread.streams.get(device, default) is not default:
             return None
         if all(a.is_cpu and a.is_contiguous() and not a.is_neg() for a in args):  # as take_one
             pointers = tuple([a.data_ptr() for a in args])
+            if pointers == taken_all and not busy and gil:
+                busy = True
+                try:
+                    run()
+                finally:
+                    busy = False
+                return output
             with lock:
-                if pointers != taken_all:
-                    check_memory(args)
-                    taken_all = ()  # as take_one: pointing may stop halfway
-                    point(args)
-                    taken_all = pointers
-                run()
+                while busy:  # as take_one
+                    time.sleep(0)
+                busy = True
+                try:
+                    if pointers != taken_all:
+                        check_memory(args)
+                        taken_all = ()  # as take_one: pointing may stop halfway
+                        point(args)
+                        taken_all = pointers
+                    run()
+                finally:
+                    busy = False
         else:
             check_memory(args)
             for static, a in zip(inputs, args):
@@ -518,9 +657,21 @@ def _compile(
             + "; ".join(str(c) for c in candidates)
             + ". Keep the interpreted tier for this graph"
         )
-    _time_interleaved([(c, _as_called(run, trial_inputs)) for _, _, _, c, (_, run) in loaded])
-    engine, path, key, candidate, (program_, _) = min(loaded, key=lambda item: item[3].seconds or 0.0)
+    allocates = [engine.allocates_outputs for engine, *_ in loaded]
+    samples = _time_interleaved([_as_called(run, trial_inputs) for _, _, _, _, (_, run) in loaded], allocates)
+    index, tied = _choose(samples, allocates)
+    for (_, _, _, c, _), times in zip(loaded, samples):
+        ordered = sorted(times)
+        c.seconds = statistics.median(ordered)
+        c.spread = (ordered[len(ordered) // 4], ordered[(3 * len(ordered)) // 4])
+        c.rounds = len(ordered)
+    engine, path, key, candidate, (program_, _) = loaded[index]
     candidate.status = "chosen"
+    if len(tied) > 1:
+        candidate.detail = "tied with " + ", ".join(loaded[i][0].name for i in tied if i != index) + (
+            "; kept for writing the graph's outputs in place" if not engine.allocates_outputs
+            and any(loaded[i][0].allocates_outputs for i in tied) else "; kept for its faster median round"
+        )
     replay = engine.bind(program_, inputs, outputs)
     return CompiledProgram(
         engine.name, path, key, replay, candidates,
@@ -566,19 +717,34 @@ def _as_called(trial: Callable[[], Any], inputs: list[torch.Tensor]) -> Callable
     return copy_and_run
 
 
-def _time_interleaved(runs: list[tuple[Candidate, Callable[[], Any]]], rounds: int = 9, budget: float = 2e-3) -> None:
-    """Time of one run of each (its fastest round), in rounds that take turns, so
-    that a busy machine slows them all alike. Each round runs each about ``budget`` seconds,
-    after a warm-up of as long: an engine's first runs are slower (ONNX
-    Runtime's memory arena grows, caches fill) and must not decide the choice.
-    Each round's timed runs follow an untimed one: the first run after the
-    other engines' refills the caches they evicted, which a call in a loop
-    does not pay, and a round of a large program is only a few runs (the
-    benchmark measured that refill at 2.5 us a call on the attention block
-    at batch 1 and 8 us on the CNN at batch 8, in rounds of 100 calls)."""
+def _time_interleaved(
+    runs: list[Callable[[], Any]],
+    allocates: list[bool],
+    *,
+    rounds: int = 11,
+    most: int = 41,
+    budget: float = 2e-3,
+    limit: float = 2.0,
+) -> list[list[float]]:
+    """Each of ``runs``' seconds per run in every round, for :func:`_choose`.
+
+    Runs are timed in rounds that take turns, so that a busy machine slows
+    them all alike, and compared round by round (:func:`_choose`). Each
+    round runs each about ``budget`` seconds, after a warm-up of as long: an
+    engine's first runs are slower (ONNX Runtime's memory arena grows,
+    caches fill) and must not decide the choice. Each round's timed runs
+    follow an untimed one: the first run after the other engines' refills
+    the caches they evicted, which a call in a loop does not pay, and a
+    round of a large program is only a few runs (the benchmark measured that
+    refill at 2.5 us a call on the attention block at batch 1 and 8 us on
+    the CNN at batch 8, in rounds of 100 calls). After ``rounds`` rounds,
+    more are run while the choice is a tie, up to ``most`` rounds or
+    ``limit`` seconds of timing: a choice made in few rounds on a busy
+    machine went to the slower engine (the attention block at batch 8
+    chose AOTInductor, 6 % behind ONNX Runtime)."""
     with torch.inference_mode():
         counts = []
-        for _, run in runs:
+        for run in runs:
             run()
             t0 = time.perf_counter()
             calls = 0
@@ -587,18 +753,45 @@ def _time_interleaved(runs: list[tuple[Candidate, Callable[[], Any]]], rounds: i
                 calls += 1
             counts.append(max(1, min(400, int(calls * budget / max(time.perf_counter() - t0, 1e-7)))))
         samples: list[list[float]] = [[] for _ in runs]
-        for _ in range(rounds):
-            for i, (_, run) in enumerate(runs):
+        start = time.perf_counter()
+        for r in range(most):
+            for i in [(r + k) % len(runs) for k in range(len(runs))]:  # each round starts with another
+                run = runs[i]
                 run()  # untimed: the first run after another engine's refills the caches
                 t0 = time.perf_counter()
                 for _ in range(counts[i]):
                     run()
                 samples[i].append((time.perf_counter() - t0) / counts[i])
-    for (candidate, _), times in zip(runs, samples):
-        # The fastest round: other processes only ever add time, and on a busy
-        # machine a median still carries it (ONNX Runtime measured 17 us/run
-        # in a median of rounds taken under load, 9 us run alone).
-        candidate.seconds = min(times)
+            if r + 1 >= rounds and (len(_choose(samples, allocates)[1]) == 1 or time.perf_counter() - start > limit):
+                break
+    return samples
+
+
+def _choose(samples: list[list[float]], allocates: list[bool]) -> tuple[int, list[int]]:
+    """The engine to keep (an index), and those it is tied with, from each
+    engine's seconds per run in the same rounds.
+
+    Engines are compared round by round (the ratio of their times in one
+    round, which the load of that moment hits alike) against the one whose
+    median round is fastest: an engine is clearly slower when it was slower
+    in three rounds out of four or more (the lower quartile of its ratios
+    above 1), tied otherwise. Among tied engines, those whose run writes the
+    graph's own outputs are kept before those that allocate new outputs at
+    every call (AOTInductor's runner), a cost a few rounds sample poorly and
+    that grows with the outputs; then the fastest median round. A single
+    round decides nothing: a lucky one (or an unlucky one) is a quarter of
+    no ratio list."""
+    medians = [statistics.median(times) for times in samples]
+    best = min(range(len(samples)), key=lambda i: medians[i])
+    tied = [best]
+    for i, times in enumerate(samples):
+        if i == best:
+            continue
+        ratios = sorted(t / b for t, b in zip(times, samples[best]))
+        if ratios[len(ratios) // 4] <= 1.0:
+            tied.append(i)
+    chosen = min(tied, key=lambda i: (allocates[i], medians[i]))
+    return chosen, sorted(tied)
 
 
 class BackgroundCompile:

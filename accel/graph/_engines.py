@@ -77,6 +77,10 @@ class Engine:
     suffix = ""
     #: What to install when the engine is missing.
     install = ""
+    #: Whether a run returns new output tensors (allocated at every call)
+    #: rather than writing the ones it was bound to: the compiled tier keeps
+    #: an engine that does not where two are timed alike.
+    allocates_outputs = False
 
     def version(self) -> str | None:
         """The engine's version, or None when it is not installed."""
@@ -139,6 +143,7 @@ class AOTInductor(Engine):
 
     name = "aotinductor"
     suffix = ".pt2"
+    allocates_outputs = True
     install = "a C++ compiler (g++) for inductor"
 
     def version(self) -> str | None:

@@ -104,9 +104,9 @@ class GraphedCallable:
         self._cache: OrderedDict[Signature, _Entry] = OrderedDict()
         self.hits = self.misses = self.evictions = 0
         self._warned = False
-        # (shape, dtype, bound call) of the last one-argument call that ran a
-        # compiled program; reset by every call that does not.
-        self._last_compiled: tuple[torch.Size, torch.dtype, Callable[[Sequence[torch.Tensor]], Any]] | None = None
+        # The bound call (see _compiled.bind_call) of the last call that ran a
+        # compiled program, tried first by the next; reset by every call that does not.
+        self._hot: Callable[[Sequence[torch.Tensor]], Any] | None = None
         backend = get_runtime().backend
         self._device_type = backend.torch_device_type or ""
         # Where torch's graphs carry the capture, torch reads the outputs in
@@ -127,30 +127,25 @@ class GraphedCallable:
         }
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        hot = self._hot
+        if hot is not None and not kwargs:
+            # The compiled tier's hot path: the last compiled call's bound call,
+            # which checks the arguments' shapes and dtypes itself and returns
+            # None for others: no key, no lookup, no reordering (its entry is the
+            # most recent already). Most of accel's cost per call otherwise.
+            try:
+                result = hot(args)
+            except (RuntimeError, NotImplementedError) as exc:
+                raise _bad_call(args, self._device_type, exc) from exc
+            if result is not None:
+                self.hits += 1
+                return result
         if kwargs:
             raise InvalidValueError(
                 f"graphed {_name(self.fn)} takes tensors as positional arguments only, got keywords "
                 f"{sorted(kwargs)}"
             )
-        last = self._last_compiled
-        if last is not None and len(args) == 1:
-            # The compiled tier's hot path: the same shape as the last call, which
-            # ran a compiled program: no key, no lookup, no reordering (that
-            # entry is the most recent already). A third of accel's cost per call.
-            (a,) = args
-            try:
-                same = a.shape == last[0] and a.dtype is last[1]
-            except AttributeError:
-                same = False
-            if same:
-                try:
-                    result = last[2](args)
-                except (RuntimeError, NotImplementedError) as exc:
-                    raise _bad_call(args, self._device_type, exc) from exc
-                if result is not None:
-                    self.hits += 1
-                    return result
-        self._last_compiled = None
+        self._hot = None
         key: tuple[tuple[Any, Any], ...]
         try:
             # The hot path: torch.Size hashes and compares like the tuples
@@ -173,8 +168,7 @@ class GraphedCallable:
                 if call is not None:
                     result = call(args)  # the compiled program alone, without the graph around it
                     if result is not None:
-                        if len(args) == 1:
-                            self._last_compiled = (args[0].shape, args[0].dtype, call)
+                        self._hot = call
                         return result
                 for i, (static, arg) in enumerate(zip(entry.inputs, args)):
                     if static.data_ptr() != arg.data_ptr():
@@ -214,7 +208,7 @@ class GraphedCallable:
             self._capture(sample_args, key)
 
     def _capture(self, args: Sequence[torch.Tensor], key: Signature) -> _Entry:
-        self._last_compiled = None  # the cache changes
+        self._hot = None  # the cache changes
         self.misses += 1
         if len(self._cache) >= self._cache_size:
             _, old = self._cache.popitem(last=False)

@@ -154,6 +154,68 @@ def test_the_fastest_engine_that_agrees_with_eager_is_chosen(cache: Path, engine
     torch.testing.assert_close(y, _eager(model, x))
 
 
+def _rounds(*per_round: tuple[float, ...]) -> list[list[float]]:
+    """Per-engine seconds from one tuple per round (engine i's time at index i)."""
+    return [list(times) for times in zip(*per_round)]
+
+
+def test_an_engine_faster_in_most_rounds_is_chosen_over_one_with_a_lucky_round() -> None:
+    # B's best round is the fastest of all (one quiet moment), but A beat it in
+    # every other round: kept by its rounds, not by B's one (the fastest round
+    # decided before).
+    samples = _rounds((10.0, 11.0), (10.2, 11.1), (9.9, 7.0), (10.1, 11.3), (10.0, 10.9), (10.3, 11.0), (10.1, 11.2))
+    assert _compiled._choose(samples, [False, False]) == (0, [0])
+    assert _compiled._choose(samples, [True, False]) == (0, [0])  # clearly faster: what it allocates does not matter
+
+
+def test_a_load_burst_that_slows_every_engine_alike_does_not_decide() -> None:
+    # Rounds 3 and 4 ran under load (everything twice as slow): compared round
+    # by round, A is 5 % ahead in each, although B's median round is faster than
+    # A's would be if the bursts landed on A only.
+    samples = _rounds((100.0, 105.0), (101.0, 106.0), (200.0, 210.0), (202.0, 212.0), (100.0, 105.0))
+    assert _compiled._choose(samples, [True, False]) == (0, [0])
+
+
+def test_engines_timed_alike_are_a_tie_kept_for_writing_outputs_in_place() -> None:
+    # Within each other's spread, either ahead by turns: a tie. The engine whose
+    # runs write the graph's outputs is kept, though its median round is 1 % slower.
+    samples = _rounds((10.0, 10.3), (10.4, 10.1), (10.1, 10.1), (10.5, 10.0), (10.0, 10.2), (10.3, 10.2))
+    assert _compiled._choose(samples, [False, True]) == (0, [0, 1])
+    assert _compiled._choose(samples, [True, False]) == (1, [0, 1])
+    # Alike in that too: the faster median round (10.15 against 10.2).
+    assert _compiled._choose(samples, [False, False])[0] == 1
+    # A third engine, clearly slower, is not part of the tie.
+    third = [t * 1.2 for t in samples[0]]
+    assert _compiled._choose([*samples, third], [False, True, False]) == (0, [0, 1])
+
+
+def test_the_compiled_tier_keeps_the_engine_its_rounds_choose(
+    cache: Path, engines: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The timings are injected (no timed test on a shared machine): "slow" is
+    # timed clearly ahead, so it is kept over ONNX Runtime; then the two tie,
+    # and the report says so.
+    engines(_engines.OnnxRuntime(), _Slow())
+    model, x = _tiny(), torch.randn(2, 8)
+    timed: list[list[float]] = []
+
+    def fake(runs: list[Any], allocates: list[bool]) -> list[list[float]]:
+        assert allocates == [False, False] and len(runs) == 2
+        return timed
+
+    monkeypatch.setattr(_compiled, "_time_interleaved", fake)
+    timed[:] = _rounds(*[(2e-5, 1e-5)] * 11)
+    g, y = _capture(model, x)
+    compiled = compile_graph(g, inputs=[x], outputs=[y])
+    by_name = {c.engine: c for c in compiled.candidates}
+    assert compiled.engine == "slow" and by_name["slow"].seconds == 1e-5 and by_name["slow"].rounds == 11
+    assert "20.0 us/run (20.0-20.0) in 11 rounds" in str(by_name["onnxruntime"])
+    timed[:] = _rounds(*[(1e-5, 1.1e-5), (1.1e-5, 1e-5)] * 6)
+    g, y = _capture(model, x)
+    compiled = compile_graph(g, inputs=[x], outputs=[y])
+    assert "tied with" in {c.engine: c for c in compiled.candidates}[compiled.engine].detail
+
+
 def test_dropping_a_compiled_onnx_program_does_not_crash(cache: Path) -> None:
     # ONNX Runtime's IO binding points into its session: freed after it,
     # the binding's destructor crashed the process (segfault), so in a subprocess.
@@ -315,6 +377,70 @@ def test_graphed_callables_call_aotinductor_on_the_callers_tensors(cache: Path, 
     with accel.Stream():
         torch.testing.assert_close(fast(new), _eager(model, new))
     accel.synchronize()
+
+
+def test_direct_calls_hand_the_runner_a_negated_views_values_not_its_memory() -> None:
+    # A negated view lies at its base's address, contiguous, its memory holding -x.
+    # AOTInductor's generated kernels read the memory at that address (the MLP of
+    # the benchmark computed on x): the call must hand them -x. The runner here
+    # reads memory as such a kernel does, ignoring the view's sign.
+    def run(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        (t,) = tensors
+        return [torch.empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride()) * 2]
+
+    class _State:
+        streams: dict[int, Any] = {}
+
+    x = torch.randn(2, 4)
+    call = _compiled._direct_call(run, [torch.zeros(2, 4)], torch.zeros(2, 4), _State(), 0, object())
+    negated = torch._neg_view(x)
+    assert negated.is_contiguous() and negated.data_ptr() == x.data_ptr()
+    assert torch.equal(call((x,)), x * 2)
+    assert torch.equal(call((negated,)), x * -2)
+    assert call((torch.zeros(3, 4),)) is None and call((x, x)) is None  # not its signature: the lookup's
+
+
+def test_aotinductor_calls_refuse_a_tensor_whose_storage_was_freed(cache: Path) -> None:
+    # Its address is 0 or its offset from 0, and AOTInductor's runner read it
+    # there (SIGSEGV). The build is the one the tests above made (same model).
+    script = textwrap.dedent(
+        """
+        import warnings, torch, accel
+        from accel.graph import _compiled, _engines, make_graphed_callables
+        from tests.graph.test_compiled import _tiny
+        warnings.simplefilter("ignore")
+        _compiled.ENGINES = {"aotinductor": _engines.ENGINES["aotinductor"]}
+        f = make_graphed_callables(_tiny(), (torch.randn(2, 8),), tier="compiled")
+        for make in (lambda: torch.randn(2, 8), lambda: torch.randn(3, 8)[1:]):
+            x = make()
+            f(x)
+            x.untyped_storage().resize_(0)
+            try:
+                f(x)
+            except accel.InvalidValueError as exc:
+                print("refused:", exc)
+        """
+    )
+    env = {**os.environ, "ACCEL_GRAPH_CACHE": str(cache), "PYTHONPATH": str(Path(__file__).parents[2])}
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", script], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0 and done.stdout.count("refused:") == 2, (done.returncode, done.stdout, done.stderr[-2000:])
+
+
+def test_calls_that_copy_into_the_graphs_input_copy_a_negated_view_of_it(cache: Path, engines: Any) -> None:
+    # An engine bound to the graph's input only: the call copied an argument in
+    # unless it lay at the input's address, which a negated view of it does.
+    engines(_Slow())
+    model = _tiny()
+    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
+    (entry,) = fast._cache.values()
+    assert entry.call is not None and getattr(entry.compiled.replay, "take", None) is None
+    (static,) = entry.inputs
+    torch.testing.assert_close(fast(static), _eager(model, static))
+    negated = torch._neg_view(static)
+    expected = _eager(model, negated)  # before the call copies -x into the input its view reads
+    torch.testing.assert_close(fast(negated), expected)
 
 
 class _Gated(_engines.OnnxRuntime):
@@ -481,9 +607,8 @@ def test_engines_are_timed_as_they_run_in_a_loop_not_after_another_engine() -> N
         time.sleep(0.0005)
         last[0] = "steady"
 
-    a, b = _compiled.Candidate("refilling", "ok"), _compiled.Candidate("steady", "ok")
-    _compiled._time_interleaved([(a, refilling), (b, steady)])
-    assert a.seconds is not None and b.seconds is not None and a.seconds < b.seconds
+    samples = _compiled._time_interleaved([refilling, steady], [False, False])
+    assert _compiled._choose(samples, [False, False]) == (0, [0])
 
 
 class _CountingPoints(_engines.OnnxRuntime):
@@ -591,6 +716,93 @@ def test_a_call_does_not_repoint_the_binding_while_another_threads_run_reads_it(
     assert pointed == [first.data_ptr(), second.data_ptr()]
 
 
+class _Blocking:
+    """A call binding's (run, point) whose runs can be held, counting runs under way."""
+
+    def __init__(self) -> None:
+        self.pointed: list[int] = []
+        self.running = threading.Event()
+        self.release = threading.Event()
+        self.hold = False
+        self.inside = self.most = 0
+        self.fail = False
+
+    def run(self) -> None:
+        self.inside += 1
+        self.most = max(self.most, self.inside)
+        try:
+            if self.fail:
+                self.fail = False
+                raise RuntimeError("the engine failed")
+            if self.hold:
+                self.hold = False
+                self.running.set()
+                assert self.release.wait(10)
+            else:
+                time.sleep(0.01)  # long enough for a call on another thread to start meanwhile
+        finally:
+            self.inside -= 1
+
+    def point(self, args: Any) -> None:
+        self.pointed.append(args[0].data_ptr())
+
+    def call(self) -> Any:
+        class _State:
+            streams: dict[int, Any] = {}
+
+        return _compiled._taking_call((self.run, self.point), lambda: None, [torch.zeros(4)], "out", _State(), 0, object())
+
+
+def test_a_call_does_not_repoint_the_binding_while_a_steady_calls_run_reads_it() -> None:
+    # The steady call (the binding already on its memory) runs without the lock:
+    # a call with other memory must still wait for its run to end before pointing.
+    engine = _Blocking()
+    call = engine.call()
+    first, second = torch.ones(4), torch.ones(4)
+    assert call((first,)) == "out" and engine.pointed == [first.data_ptr()]
+    engine.hold = True
+    t = threading.Thread(target=call, args=((first,),))
+    t.start()
+    assert engine.running.wait(10)
+    other = threading.Thread(target=call, args=((second,),))
+    other.start()
+    other.join(0.2)
+    assert engine.pointed == [first.data_ptr()]  # waits for the steady run
+    engine.release.set()
+    t.join(10)
+    other.join(10)
+    assert engine.pointed == [first.data_ptr(), second.data_ptr()]
+
+
+def test_steady_calls_on_two_threads_do_not_run_the_binding_at_once() -> None:
+    engine = _Blocking()
+    call = engine.call()
+    x = torch.ones(4)
+    call((x,))
+    threads = [threading.Thread(target=lambda: [call((x,)) for _ in range(20)]) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert engine.most == 1 and engine.pointed == [x.data_ptr()]
+
+
+def test_an_engine_error_in_a_steady_call_leaves_the_binding_usable() -> None:
+    # The run's flag is cleared whatever the run does: left set, every later
+    # call would wait for a run that is not under way (a hang).
+    engine = _Blocking()
+    call = engine.call()
+    x = torch.ones(4)
+    call((x,))
+    engine.fail = True
+    with pytest.raises(RuntimeError, match="the engine failed"):
+        call((x,))
+    done = threading.Thread(target=call, args=((torch.zeros(4),),), daemon=True)
+    done.start()
+    done.join(10)
+    assert not done.is_alive() and len(engine.pointed) == 2
+
+
 def test_compiled_calls_read_the_callers_input_and_replay_as_a_graph_on_a_side_stream(
     cache: Path, engines: Any
 ) -> None:
@@ -633,10 +845,10 @@ def test_repeated_compiled_calls_skip_the_lookup_until_the_shape_changes(cache: 
     for x in (two, two, three, three, two, three):
         torch.testing.assert_close(fast(x), _eager(model, x))
     assert fast.cache_info()["hits"] == 6 and fast.cache_info()["misses"] == 2
-    assert fast._last_compiled is not None and fast._last_compiled[0] == (3, 8)
+    assert fast._hot is not None and fast._hot is fast._cache[(((3, 8), torch.float32),)].call
     # Least recently used is still kept right: the shortcut's entry is the newest.
     fast.capture(torch.randn(4, 8))
-    assert fast._last_compiled is None and list(fast._cache)[-1] == (((4, 8), torch.float32),)
+    assert fast._hot is None and list(fast._cache)[-1] == (((4, 8), torch.float32),)
     with pytest.raises(accel.InvalidValueError, match="tensors only"):
         fast(three.numpy())  # same shape, not a tensor: not taken for the last call's
 
