@@ -298,7 +298,6 @@ def _copying_call(
     if len(inputs) == 1:
         (static,) = inputs
         ((shape, dtype),) = signature
-        copy = static.copy_
 
         def replay_one(args: Sequence[torch.Tensor]) -> Any:
             try:
@@ -312,8 +311,7 @@ def _copying_call(
             # Not a comparison of addresses: a negated or transposed view
             # of the static input shares its address and holds other values.
             if a is not static:
-                check_memory(args)
-                copy(a)
+                copy_into(static, a)
             replay()
             return output
 
@@ -324,8 +322,7 @@ def _copying_call(
             return None
         for i, (static, a) in enumerate(zip(inputs, args)):
             if a is not static:
-                check_memory([a], i)
-                static.copy_(a)
+                copy_into(static, a, i)
         replay()
         return output
 
@@ -374,7 +371,6 @@ def _taking_call(
     if len(inputs) == 1:
         (static,) = inputs
         ((shape, dtype),) = signature
-        copy = static.copy_
         taken: Any = None  # the address the call binding reads; None: not pointed yet
 
         def take_one(args: Sequence[torch.Tensor]) -> Any:
@@ -416,8 +412,7 @@ def _taking_call(
                     finally:
                         busy = False
             else:
-                check_memory(args)
-                copy(a)
+                copy_into(static, a)
                 replay()
             return output
 
@@ -451,9 +446,8 @@ def _taking_call(
                 finally:
                     busy = False
         else:
-            check_memory(args)
-            for static, a in zip(inputs, args):
-                static.copy_(a)
+            for i, (static, a) in enumerate(zip(inputs, args)):
+                copy_into(static, a, i)
             replay()
         return output
 
@@ -473,6 +467,18 @@ def check_memory(args: Sequence[torch.Tensor], first: int = 0) -> None:
                 f"call[{i}] has no memory behind it (its storage was resized to 0 bytes); "
                 "pass a tensor whose storage holds its elements"
             )
+
+
+def copy_into(static: torch.Tensor, a: torch.Tensor, i: int = 0) -> None:
+    """``static.copy_(a)`` for the call's argument ``i`` (checked by :func:`check_memory`).
+    A view of ``static``'s own memory (transposed, negated: the same address, other
+    values) is read into a new tensor first: torch refuses a copy between tensors
+    that overlap in part, and skipping the copy because the address matched
+    computed on the static input's values instead of the argument's."""
+    check_memory([a], i)
+    if a.untyped_storage().data_ptr() == static.untyped_storage().data_ptr():
+        a = a.clone()
+    static.copy_(a)
 
 
 def _check(g: Graph, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> Program:

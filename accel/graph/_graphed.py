@@ -27,7 +27,7 @@ from accel.backends.base import Backend, TorchIntegration
 from accel.graph._graph import Graph, graph
 from accel.graph._pool import PoolId, check_pool_id, graph_pool_handle
 from accel.graph import _torch_graphs
-from accel.graph._compiled import check_memory
+from accel.graph._compiled import copy_into
 
 __all__ = ["GraphCacheWarning", "GraphedCallable", "make_graphed_callables"]
 
@@ -171,9 +171,10 @@ class GraphedCallable:
                         self._hot = call
                         return result
                 for i, (static, arg) in enumerate(zip(entry.inputs, args)):
-                    if static.data_ptr() != arg.data_ptr():
-                        check_memory(args[i : i + 1], i)
-                        static.copy_(arg)
+                    # Not a comparison of addresses: a transposed or negated view of
+                    # the static input (a graph may return it) shares its address.
+                    if arg is not static:
+                        copy_into(static, arg, i)
             except (RuntimeError, NotImplementedError) as exc:
                 # The key is shapes and dtypes: a sparse or meta tensor shaped like a
                 # captured one hits it, and torch's copy (or the engine) refuses it.

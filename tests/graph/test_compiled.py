@@ -952,3 +952,22 @@ def test_a_compiled_call_with_a_tensor_whose_storage_was_freed_is_refused_not_re
         [sys.executable, "-W", "ignore", "-c", script], env=env, capture_output=True, text=True, timeout=240
     )
     assert done.returncode == 0 and done.stdout.count("refused:") == 6, (done.returncode, done.stdout, done.stderr[-2000:])
+
+
+@pytest.mark.parametrize("tier", ["interpreted", "compiled"])
+def test_a_view_of_the_static_input_is_read_as_its_values(cache: Path, engines: Any, tier: str) -> None:
+    # A graph that returns its input hands the caller a view of its static input;
+    # a transposed or negated view of that shares the static input's address but
+    # holds other values. The interpreted tier compared addresses and skipped the
+    # copy (it computed on the static input as it was); torch refuses the copy of
+    # a transposed view into the memory it views.
+    engines(_engines.OnnxRuntime())
+
+    def model(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x @ x, x.view_as(x)
+
+    fast = make_graphed_callables(model, (torch.randn(3, 3),), tier=tier)
+    _, alias = fast(torch.arange(9.0).view(3, 3))
+    for view in (alias.t(), torch._neg_view(alias)):
+        want = view.clone() @ view.clone()
+        torch.testing.assert_close(fast(view)[0], want)
