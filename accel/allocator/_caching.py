@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import warnings
 import weakref
 from collections import deque
@@ -149,24 +150,58 @@ def stream_destroyed(backend: Backend, device: int, handle: int) -> None:
 _orphans: set[DeviceAllocator] = set()
 
 
-def release_orphans(backend: Backend, device: int | None, *, busy: DeviceAllocator | None = None) -> None:
+# How long one call of release_orphans waits, in all, for dropped pools' allocators
+# that other threads hold (see release_orphans: a bound against a lock cycle the
+# rules below should rule out, not a wait expected to run out).
+ORPHAN_WAIT_S = 60.0
+
+
+def release_orphans(backend: Backend, device: int | None, *, busy: DeviceAllocator | None = None) -> int:
     """Give back the cached memory of dropped pools' allocators of ``backend``'s
     ``device`` (None: every device), waiting for the device as empty_cache does:
-    call it only where waiting is safe. ``busy``: an allocator whose lock the caller holds."""
-    for orphan in _orphans.copy():
-        if orphan is busy or orphan.backend is not backend or device not in (None, orphan.device):
-            continue
-        # Not blocking: an orphan busy on another thread is finished by a later call.
-        if orphan._lock.acquire(blocking=False):
-            try:
-                if orphan._gc_frees:
-                    orphan._drain_gc_frees()
-                small, large = orphan._kinds
-                if not (small.allocation or large.allocation):
-                    orphan._release_cached_blocks()
-                orphan._note_orphan()
-            finally:
-                orphan._lock.release()
+    call it only where waiting is safe. ``busy``: an allocator whose lock the caller
+    holds. Returns the bytes given back.
+
+    An orphan whose lock another thread holds (it is giving the orphan's memory back
+    after a wait for the device, or freeing into it) is waited for, so that the
+    caller (an allocation short of memory) retries only once the memory that orphan
+    held is back. No lock cycle: every thread waiting here holds at most the lock of
+    ``busy``, a live pool's allocator (nobody allocates from a dropped pool) that is
+    in no ``_orphans`` while its lock is held (only that lock's holder adds it); and
+    the holder of an orphan's lock waits for no other allocator. A caller whose own
+    allocator was dropped too (allocating through an allocator it holds) waits for
+    no orphan, so two of them never wait for each other; ORPHAN_WAIT_S bounds the
+    wait should that reasoning miss a case. Orphans noted while this runs (pools
+    dropped meanwhile) are taken too."""
+    may_wait = busy is None or not busy._orphaned
+    deadline = None
+    done: set[DeviceAllocator] = set()
+    given = 0
+    while True:
+        todo = [
+            orphan
+            for orphan in _orphans.copy()
+            if orphan not in done
+            and orphan is not busy
+            and orphan.backend is backend
+            and device in (None, orphan.device)
+        ]
+        if not todo:
+            return given
+        done.update(todo)
+        # Those free now first, then the busy ones: a busy one's holder is waiting
+        # for the device, and the others' memory need not wait for it.
+        waiting = []
+        for orphan in todo:
+            if orphan._lock.acquire(blocking=False):
+                given += orphan._release_orphaned()
+            elif may_wait:
+                waiting.append(orphan)
+        for orphan in waiting:
+            if deadline is None:
+                deadline = time.monotonic() + ORPHAN_WAIT_S
+            if orphan._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                given += orphan._release_orphaned()
 
 
 class DeviceAllocator:
@@ -542,10 +577,15 @@ class DeviceAllocator:
                 block = self._alloc_segment(pool, handle, size)
         if block is None and not capturing:
             self._release_cached_blocks()
-            if _orphans:
-                release_orphans(self.backend, self.device, busy=self)  # dropped pools' memory of this device
+            # Dropped pools' memory of this device, waiting for those other threads use.
+            given = release_orphans(self.backend, self.device, busy=self) if _orphans else 0
             self._stats.s[S.NUM_ALLOC_RETRIES] += 1
             block = self._alloc_segment(pool, handle, size)
+            # Another thread may take what came back first, while others drop pools
+            # that hold memory: try again as long as dropped pools give some back.
+            while block is None and given and _orphans:
+                given = release_orphans(self.backend, self.device, busy=self)
+                block = self._alloc_segment(pool, handle, size) if given else None
         if block is None:
             raise self._out_of_memory(size, handle)
         return block
@@ -1512,6 +1552,23 @@ class DeviceAllocator:
         if _orphans:
             release_orphans(self.backend, self.device)
 
+    def _release_orphaned(self) -> int:
+        """:func:`release_orphans`' work on this dropped pool's allocator, whose lock the
+        caller took (released here): every cached segment goes back, after waiting for
+        the device (its streams may still run work queued on the memory). Returns the
+        bytes given back."""
+        try:
+            before = self._reserved()
+            if self._gc_frees:
+                self._drain_gc_frees()
+            small, large = self._kinds
+            if not (small.allocation or large.allocation):
+                self._release_cached_blocks()
+            self._note_orphan()
+            return before - self._reserved()
+        finally:
+            self._lock.release()
+
     def _note_orphan(self) -> None:
         """Keep this dropped pool's allocator for a later release while it holds memory."""
         if self._segments:
@@ -1842,6 +1899,14 @@ class DeviceAllocator:
                                 if b.state != FREE:
                                     private_allocated += b.size
         cached_free = sum(t[0] for pool in self._all_pools() for lst in pool.free.values() for t in lst)
+        # What dropped pools of the device still hold (buffers of theirs still alive, or
+        # a release still under way on another thread): read without their locks, for
+        # the diagnosis only.
+        dropped = dropped_allocated = 0
+        for other in list(_allocators):
+            if other._orphaned and other is not self and other.backend is self.backend and other.device == self.device:
+                dropped += other._reserved()
+                dropped_allocated += other._stats.current(S.ALLOCATED_BYTES)
         details = OutOfMemoryDetails(
             device=self._name,
             requested=size,
@@ -1859,6 +1924,8 @@ class DeviceAllocator:
             capturing=bool(self._captures),
             fraction_refused=self._fraction_refused,
             refusal=self._refusal,
+            dropped_pools=dropped,
+            dropped_pools_allocated=dropped_allocated,
         )
         return out_of_memory(details, self.device)
 

@@ -35,6 +35,10 @@ class OutOfMemoryDetails:
     capturing: bool
     fraction_refused: bool = False  # the memory fraction, not the device, refused the growth
     refusal: str = ""  # the device's own error when it refused (it may name a cause other than memory)
+    # Reserved (and of it, allocated) by dropped MemPools of the device, which the
+    # numbers above (this allocator's) leave out.
+    dropped_pools: int = 0
+    dropped_pools_allocated: int = 0
 
     @property
     def reserved_unallocated(self) -> int:
@@ -64,6 +68,11 @@ def _advice(d: OutOfMemoryDetails) -> str:
         tips.append(
             f"{format_size(d.private_reserved)} is held by graph private pools: delete graphs you "
             "no longer replay, or share one pool between graphs (accel.memory.graph_pool_handle())."
+        )
+    if d.dropped_pools_allocated and d.dropped_pools_allocated + d.free >= d.requested:
+        tips.append(
+            f"Buffers of dropped MemPools hold {format_size(d.dropped_pools_allocated)}: free those "
+            "you no longer need, and their pools' memory goes back."
         )
     # Fragmentation is the cause when the request would fit in the cached free
     # memory plus what the device still has, had the cache been one piece.
@@ -101,6 +110,12 @@ def out_of_memory(d: OutOfMemoryDetails, device: int) -> OutOfMemoryError:
         f"The largest free cached block is {format_size(d.largest_free_block)}; fragmentation "
         f"{d.fragmentation:.2f}. "
     )
+    if d.dropped_pools:
+        text += (
+            f"Dropped MemPools of this device still reserve {format_size(d.dropped_pools)}, of which "
+            f"{format_size(d.dropped_pools_allocated)} is allocated (a dropped pool's memory goes back "
+            "once its buffers are freed). "
+        )
     if d.refusal:
         text += f"The device said: {d.refusal.rstrip('.')}. "
     text += _advice(d)
