@@ -1182,8 +1182,12 @@ class DeviceAllocator:
                 self._release_if_idle()
             finally:
                 self._lock.release()
-        # Lock taken: the free that follows (or the draining of collected
-        # buffers) sees the flag.
+        else:
+            # Another thread holds the lock: a free may be under way that read the
+            # flag before it was set (its fast path then never releases), and it may
+            # be the last. Noted as an orphan, the memory goes at the device's next
+            # empty_cache or allocation short of memory, which take the lock.
+            _orphans.add(self)
 
     def _release_if_idle(self) -> None:
         """A dropped pool's allocator with nothing allocated gives its memory back, without

@@ -1123,3 +1123,25 @@ def test_the_out_of_memory_message_counts_the_buffers_of_dropped_pools():
     assert orphan not in caching._orphans and orphan.stats()["reserved_bytes.all.current"] == 0
     main.free(main.malloc(MiB, rt.default_stream(0)))
     check_invariants(main)
+
+
+def test_a_pool_dropped_while_another_thread_frees_into_it_is_not_forgotten():
+    """A dropped pool's finalizer that found the lock taken left the release to the
+    free under way, but that free may have read the dropped flag before it was set
+    (the fast path then releases nothing): the memory stayed cached for good. The
+    pool is noted as an orphan, so the device's next empty_cache takes it back."""
+    import accel.allocator._caching as caching
+
+    backend = CpuBackend(1, 4 * MiB)
+    rt = Runtime(backend)
+    s = stream(rt)
+    orphan = make(backend)
+    orphan.free(orphan.malloc(MiB, s))  # cached: a 2 MiB segment, nothing allocated
+    holder = _hold_lock(orphan, 0.3)  # as the free that read the flag too early
+    orphan.release_when_idle()  # what the MemPool's finalizer calls: the lock is taken
+    holder.join()
+    assert orphan in caching._orphans
+    caching.release_orphans(backend, 0)  # what the device's empty_cache does
+    assert orphan.stats()["reserved_bytes.all.current"] == 0
+    assert orphan not in caching._orphans
+    check_invariants(orphan)
