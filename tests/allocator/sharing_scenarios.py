@@ -83,6 +83,45 @@ def scenario_queue() -> dict[str, Any]:
     return {**reply, "written": written, "after": host_bytes(buf).hex(), "exitcode": child.exitcode}
 
 
+# -- the importer records the event; the exporter's work waits for it ------------------
+
+
+def _recorder(queue: Any, replies: Any) -> None:
+    buf, event = queue.get(timeout=TIMEOUT_S)
+    stream = accel.Stream(buf.device)
+    stream.launch_host_func(lambda: time.sleep(0.5))  # the exporter queues its wait meanwhile
+    stream.fill(buf, 0x44, 16)
+    event.record(stream)
+    replies.put("recorded")
+    stream.synchronize()
+    queue.get(timeout=TIMEOUT_S)  # the exporter read the buffer
+    buf.free()
+
+
+def scenario_importer_records() -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    queue, replies = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_recorder, args=(queue, replies))
+    child.start()
+    buf = accel.memory.allocate(SIZE)
+    accel.current_stream().fill(buf, 0, SIZE)
+    event = accel.Event(interprocess=True)
+    event.record()
+    event.synchronize()
+    queue.put((buf, event))
+    recorded = replies.get(timeout=TIMEOUT_S)
+    stream = accel.Stream()
+    event.wait(stream)  # orders the copy below after the importer's fill
+    with accel.memory.allocate_host(16) as staging:
+        stream.copy(staging, buf, 16)
+        stream.synchronize()
+        seen = ctypes.string_at(staging.ptr, 16)
+    event.synchronize()
+    queue.put("read")
+    child.join(TIMEOUT_S)
+    return {"recorded": recorded, "seen": seen.hex(), "done": event.query(), "exitcode": child.exitcode}
+
+
 # -- the importer is killed while it holds the buffer ---------------------------------
 
 

@@ -66,6 +66,16 @@ def test_a_buffer_and_an_event_cross_a_queue_as_the_same_memory_and_event(backen
     assert result["exitcode"] == 0
 
 
+@backends
+def test_an_event_an_importer_records_orders_the_exporters_work(backend: str) -> None:
+    # As in CUDA, every process that opened an interprocess event records it (the
+    # host backend let only the exporter record).
+    result = run_scenario(backend, "importer_records")
+    assert result["recorded"] == "recorded"
+    assert result["seen"] == "44" * 16, "the exporter's copy ran before the importer's fill"
+    assert result["done"] and result["exitcode"] == 0
+
+
 @segments
 @backends
 def test_killing_the_importer_mid_use_leaks_nothing_in_the_exporter(backend: str, alloc_conf: str) -> None:

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import ctypes
+import fcntl
 import functools
 import itertools
 import os
@@ -30,7 +32,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from accel._errors import CaptureError, InvalidHandleError, InvalidValueError, NotSupportedError
@@ -108,6 +110,12 @@ class HostEvent:
         self._waiting = 0
         self.captured: Mark | None = None  # where it was recorded inside a capture
 
+    def next_gen(self) -> int:
+        """Count a new record; its generation."""
+        with self.cond:
+            self.record_gen += 1
+            return self.record_gen
+
     def complete(self, gen: int) -> None:
         if gen > self.done_gen:
             self.timestamp_ns = time.monotonic_ns()
@@ -135,10 +143,7 @@ class HostEvent:
 
 def _record_now(event: HostEvent) -> None:
     """Record ``event`` and complete it at once (run where the stream has reached the record)."""
-    with event.cond:
-        event.record_gen += 1
-        gen = event.record_gen
-    event.complete(gen)
+    event.complete(event.next_gen())
 
 
 # How often a process polls an event that another process completes (it cannot
@@ -147,35 +152,40 @@ _POLL_FIRST_S, _POLL_MAX_S = 20e-6, 2e-3
 
 
 class SharedHostEvent(HostEvent):
-    """An interprocess event: its record and completion counts live in a page
-    of a memfd that the exporting process and its importers all map.
+    """An interprocess event: its counts live in a page of a memfd that the
+    exporting process and its importers all map: the record count, the
+    completion count and the pid of the process that recorded last.
 
-    Only the exporter records it (two processes cannot increment the count
-    atomically from Python); importers query it, wait on it and synchronize
-    it. An importer cannot be woken by the exporter's condition variable, so
-    it polls; it stops waiting, with an error, if the exporter exits first.
+    Every process records it, as in CUDA. A record and a completion change the
+    counts under a POSIX record lock on the memfd (``lockf``: it excludes other
+    processes, and ``_local`` the other threads of this one), so two processes
+    never count the same generation and the completion count never goes back.
+    A process waits on its own condition variable for a record it made itself
+    (its own stream completes it); for another process's record it polls, and
+    stops waiting, with an error, if that process exits first.
     """
 
     def __init__(self, device: int, fd: int, *, exporter_pid: int | None) -> None:
-        super().__init__(device, timing=False)
-        self.fd = fd  # the exporter keeps it to export again; importers close theirs at once
-        self.exporter_pid = exporter_pid  # None in the exporting process
+        if exporter_pid is not None:
+            # Opening the event of a process that exited is refused (ProcessLookupError).
+            os.close(os.pidfd_open(exporter_pid))
         addr = _libc.map_fd(_libc.PAGE, fd, 0)
-        self._counts = (ctypes.c_uint64 * 2).from_address(addr)
-        # Unmapped only when nothing can read it any more: stream work that waits
-        # on the event holds it, and may outlive event_destroy.
+        super().__init__(device, timing=False)
+        self.exporter_pid = exporter_pid  # None in the exporting process
+        self._local = threading.Lock()
+        self._counts = (ctypes.c_uint64 * 3).from_address(addr)
+        # The event owns fd (for the record lock; the exporter exports it again)
+        # from here on. Both go only when nothing can use them any more: stream
+        # work that records, completes or waits on the event holds it, and may
+        # outlive event_destroy.
+        self.fd = fd
+        weakref.finalize(self, os.close, fd)
         weakref.finalize(self, _libc.unmap, addr, _libc.PAGE)
-        self._pidfd = -1 if exporter_pid is None else os.pidfd_open(exporter_pid)
-        if self._pidfd >= 0:
-            weakref.finalize(self, os.close, self._pidfd)
 
+    # Read-only: a record counts only through next_gen, under the record lock.
     @property
-    def record_gen(self) -> int:
+    def record_gen(self) -> int:  # type: ignore[override]
         return int(self._counts[0])
-
-    @record_gen.setter
-    def record_gen(self, value: int) -> None:
-        self._counts[0] = value
 
     @property
     def done_gen(self) -> int:
@@ -185,25 +195,65 @@ class SharedHostEvent(HostEvent):
     def done_gen(self, value: int) -> None:
         self._counts[1] = value
 
-    def exporter_exited(self) -> bool:
-        if self._pidfd < 0:
-            return False
-        ready, _, _ = select.select([self._pidfd], [], [], 0)
-        return bool(ready)
+    @property
+    def recorder(self) -> int:
+        """The pid of the process that recorded last (0: never recorded)."""
+        return int(self._counts[2])
+
+    def _locked(self) -> contextlib.AbstractContextManager[None]:
+        return _file_locked(self._local, self.fd)
+
+    def next_gen(self) -> int:
+        with self._locked():
+            gen = self._counts[0] = self._counts[0] + 1
+            self._counts[2] = os.getpid()
+        return int(gen)
+
+    def complete(self, gen: int) -> None:
+        with self._locked():  # max(): a later record of another process may have completed first
+            if gen > self._counts[1]:
+                self.timestamp_ns = time.monotonic_ns()
+                self._counts[1] = gen
+        if self._waiting:
+            with self.cond:
+                self.cond.notify_all()
 
     def wait(self, gen: int) -> None:
-        if self.exporter_pid is None:
-            super().wait(gen)
+        if self.done_gen >= gen:
             return
-        delay = _POLL_FIRST_S
-        while self.done_gen < gen:
-            if self.exporter_exited() and self.done_gen < gen:
-                raise InvalidHandleError(
-                    f"cpu:{self.device}: the process that exported event {self.handle:#x} "
-                    f"(pid {self.exporter_pid}) exited before the work it recorded completed"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, _POLL_MAX_S)
+        with self._locked():
+            recorder = self.recorder
+        if recorder == os.getpid():
+            super().wait(gen)  # this process's stream completes it, and notifies
+            return
+        try:
+            pidfd = os.pidfd_open(recorder)
+        except ProcessLookupError:
+            pidfd = -1
+        try:
+            delay = _POLL_FIRST_S
+            while self.done_gen < gen:
+                if (pidfd < 0 or select.select([pidfd], [], [], 0)[0]) and self.done_gen < gen:
+                    raise InvalidHandleError(
+                        f"cpu:{self.device}: the process that recorded event {self.handle:#x} last "
+                        f"(pid {recorder}) exited before the work it recorded completed"
+                    )
+                time.sleep(delay)
+                delay = min(delay * 2, _POLL_MAX_S)
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
+
+
+@contextlib.contextmanager
+def _file_locked(local: threading.Lock, fd: int) -> Iterator[None]:
+    """``local`` and a POSIX record lock on all of ``fd``: held by one thread of one process."""
+    with local:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.lockf(fd, fcntl.LOCK_UN)
 
 
 class HostStream:
@@ -487,11 +537,9 @@ class StreamTable:
         return event.handle
 
     def destroy_event(self, device: int, handle: int) -> None:
-        event = self.event(device, handle)
+        self.event(device, handle)
         with self._lock:
-            del self._events[handle]
-        if isinstance(event, SharedHostEvent) and event.fd >= 0:
-            os.close(event.fd)
+            del self._events[handle]  # a shared event's memfd closes with the object
 
     def export_event(self, device: int, handle: int) -> tuple[bytes, list[int]]:
         event = self.event(device, handle)
@@ -510,10 +558,10 @@ class StreamTable:
             raise InvalidHandleError(
                 f"cpu:{device}: the process that exported this event (pid {int(payload)}) has exited"
             ) from None
-        finally:
+        except BaseException:
             for fd in fds:
                 os.close(fd)
-        event.fd = -1
+            raise
         with self._lock:
             self._events[event.handle] = event
         return event.handle
@@ -521,11 +569,6 @@ class StreamTable:
     def record(self, device: int, event_handle: int, stream_handle: int, *, external: bool = False) -> None:
         event = self.event(device, event_handle)
         stream = self.stream(device, stream_handle)
-        if isinstance(event, SharedHostEvent) and event.exporter_pid is not None:
-            raise NotSupportedError(
-                f"cpu:{device}: event {event_handle:#x} was opened from process {event.exporter_pid}; "
-                "on the host backend only the process that created an interprocess event records it"
-            )
         capture = stream.capture
         if capture is not None and external:
             # A node of the graph: each replay records the event when it gets there.
@@ -536,9 +579,7 @@ class StreamTable:
             event.captured = capture.mark(stream)
             return
         event.captured = None
-        with event.cond:
-            event.record_gen += 1
-            gen = event.record_gen
+        gen = event.next_gen()
         if stream.inline or stream.idle():
             # Everything queued before the record has run: the event completes now,
             # without a trip through the worker.
