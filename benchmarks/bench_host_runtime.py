@@ -287,6 +287,68 @@ def _tensors(n: int, rounds: int) -> list[dict]:
     ]
 
 
+_BOTH_WAYS_CHILD = """
+import json, sys, time
+import torch
+import accel
+
+n = int(sys.argv[1])
+allocate = accel.memory.allocate
+
+
+def best(op):
+    out = []
+    for _ in range(3):
+        start = time.thread_time()
+        for _ in range(n):
+            op()
+        out.append((time.thread_time() - start) / n)
+    return min(out)
+
+
+print(json.dumps({
+    "pair": best(lambda: allocate(4096).free()),
+    "empty": best(lambda: accel.empty(4096, dtype=torch.uint8)),
+    "torch": best(lambda: torch.empty(4096, dtype=torch.uint8)),
+}))
+"""
+
+
+def _both_ways(n: int, rounds: int) -> list[dict]:
+    """The allocation targets of issue 16 with the compiled fast paths (accel._speedups)
+    and in pure Python (``ACCEL_PURE_PYTHON=1``): one child process per variant per
+    round, alternating, each timing the pair, accel.empty and torch.empty (thread CPU
+    time, best of 3 batches); torch.empty is taken from the compiled children."""
+    import importlib.util
+
+    if importlib.util.find_spec("accel._speedups") is None:
+        print("bench_host_runtime: accel._speedups is not built: no compiled-vs-pure rows", file=sys.stderr)
+        return []
+    env = {k: v for k, v in os.environ.items() if k != "ACCEL_PURE_PYTHON"}
+    env["PYTHONPATH"] = str(ROOT)
+    results: dict[str, list[dict[str, float]]] = {"compiled": [], "pure Python": []}
+    for _ in range(rounds):
+        for name in results:
+            child_env = dict(env, ACCEL_PURE_PYTHON="1") if name == "pure Python" else env
+            out = subprocess.run(
+                [sys.executable, "-c", _BOTH_WAYS_CHILD, str(n)], env=child_env, capture_output=True, text=True, check=True
+            )
+            results[name].append(json.loads(out.stdout))
+    torch_empty = [r["torch"] for r in results["compiled"]]
+
+    def times(key: str) -> dict[str, list[float]]:
+        return {
+            "compiled": [r[key] for r in results["compiled"]],
+            "pure Python": [r[key] for r in results["pure Python"]],
+            "torch.empty(4096, uint8) + del": torch_empty,
+        }
+
+    return [
+        _row("accel.memory.allocate(4096).free(), compiled vs pure Python (CPU time)", times("pair"), "compiled"),
+        _row("accel.empty(4096, dtype=torch.uint8) + del, compiled vs pure Python (CPU time)", times("empty"), "compiled"),
+    ]
+
+
 def _holes(n: int, rounds: int, holes: int) -> list[dict]:
     """Interleaved: each round punches 10 holes, times the pair, gives them back, then
     the same with ``holes`` holes (the two states cannot coexist)."""
@@ -360,6 +422,7 @@ def run(quick: bool) -> list[dict]:
     rows.append(_event(rt_n, rounds))
     rows += _alloc(500 if quick else 20_000, rounds)
     rows += _tensors(500 if quick else 20_000, rounds)
+    rows += _both_ways(500 if quick else 20_000, 2 if quick else 9)
     rows += _holes(200 if quick else 5000, 2 if quick else 5, 1000 if quick else 100_000)
     rows.append(_startup(2 if quick else 9))
     return rows
@@ -394,8 +457,11 @@ def main(argv: list[str]) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    from accel._native import speedups
+
     print(f"{platform.processor() or platform.machine()}, {cpus} CPUs, Python {platform.python_version()}, "
-          f"{platform.system()} {platform.release()}\n")
+          f"{platform.system()} {platform.release()}, load average {os.getloadavg()[0]:.1f}; "
+          f"accel's fast paths in this process: {'compiled' if speedups is not None else 'pure Python'}\n")
     print(_markdown(rows))
     return 0
 
