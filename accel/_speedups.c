@@ -148,16 +148,15 @@ as_ll(PyObject *v, long long *out)
     return 1;
 }
 
+/* An address or size below 2**63 (every one a host or device gives; 0 otherwise, and the
+ * caller takes the Python path). */
 static inline int
 as_ull(PyObject *v, unsigned long long *out)
 {
-    if (v == NULL || !PyLong_CheckExact(v))
+    long long x;
+    if (!as_ll(v, &x) || x < 0)
         return 0;
-    *out = PyLong_AsUnsignedLongLong(v);
-    if (*out == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return 0;
-    }
+    *out = (unsigned long long)x;
     return 1;
 }
 
@@ -718,10 +717,67 @@ replace_method(PyTypeObject *cls, const char *name, impl_t impl, PyObject **wrap
 
 /* -- the allocator (accel/allocator/_caching.py) ----------------------------------- */
 
+/* o.<name> for an attribute kept in the instance's __dict__ (the allocator's, a stream's,
+ * a runtime's: none of these names is a descriptor of their classes): a look in that dict,
+ * without the class's; anything else takes the generic way. A new reference. */
 static inline PyObject *
 attr(PyObject *o, PyObject *name)
 {
+    PyObject **dp = _PyObject_GetDictPtr(o);
+    if (dp != NULL && *dp != NULL) {
+        PyObject *v = PyDict_GetItemWithError(*dp, name);
+        if (v != NULL) {
+            Py_INCREF(v);
+            return v;
+        }
+        if (PyErr_Occurred())
+            return NULL;
+    }
     return PyObject_GetAttr(o, name);
+}
+
+/* The allocator's threading.Lock, taken and given back as its acquire() and release()
+ * do: on CPython 3.10-3.12 a _thread.lock is this struct (Modules/_threadmodule.c), and an
+ * uncontended acquire is a non-blocking PyThread_acquire_lock_timed and ``locked = 1``.
+ * A contended one, another lock type or another CPython calls the methods. */
+#if PY_VERSION_HEX >= 0x030A0000 && PY_VERSION_HEX < 0x030D0000
+#define DIRECT_LOCK 1
+typedef struct {
+    PyObject_HEAD
+    PyThread_type_lock lock_lock;
+    PyObject *in_weakreflist;
+    char locked;
+} lockobject;
+#else
+#define DIRECT_LOCK 0
+#endif
+static PyTypeObject *Lock_T;
+
+static int lock_call(PyObject *lock, PyObject *name);
+
+static int
+lock_acquire(PyObject *lock)
+{
+#if DIRECT_LOCK
+    if (Py_IS_TYPE(lock, Lock_T) && PyThread_acquire_lock_timed(((lockobject *)lock)->lock_lock, 0, 0) == PY_LOCK_ACQUIRED) {
+        ((lockobject *)lock)->locked = 1;
+        return 0;
+    }
+#endif
+    return lock_call(lock, s_acquire);
+}
+
+static int
+lock_release(PyObject *lock)
+{
+#if DIRECT_LOCK
+    if (Py_IS_TYPE(lock, Lock_T) && ((lockobject *)lock)->locked) {
+        ((lockobject *)lock)->locked = 0;
+        PyThread_release_lock(((lockobject *)lock)->lock_lock);
+        return 0;
+    }
+#endif
+    return lock_call(lock, s_release);
 }
 
 static int
@@ -741,7 +797,7 @@ release(PyObject *lock, PyObject *result)
 {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    if (lock_call(lock, s_release) < 0) {
+    if (lock_release(lock) < 0) {
         Py_XDECREF(result);
         Py_XDECREF(type);
         Py_XDECREF(value);
@@ -1005,7 +1061,7 @@ allocator_malloc(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyO
     if (handle == NULL)
         return NULL;
     PyObject *lock = attr(self, s_lock);
-    if (lock == NULL || lock_call(lock, s_acquire) < 0) {
+    if (lock == NULL || lock_acquire(lock) < 0) {
         Py_XDECREF(lock);
         Py_DECREF(handle);
         return NULL;
@@ -1248,10 +1304,22 @@ allocator_free_from_finalizer(PyObject *wrapped, PyObject *const *args, Py_ssize
     PyObject *lock = attr(self, s_lock), *res = NULL;
     if (lock == NULL)
         return NULL;
-    PyObject *largs[2] = {lock, Py_False};
-    PyObject *got = PyObject_VectorcallMethod(s_acquire, largs, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-    int r = got == NULL ? -1 : PyObject_IsTrue(got);
-    Py_XDECREF(got);
+    int r;
+#if DIRECT_LOCK
+    if (Py_IS_TYPE(lock, Lock_T)) {
+        /* acquire(blocking=False) */
+        r = PyThread_acquire_lock_timed(((lockobject *)lock)->lock_lock, 0, 0) == PY_LOCK_ACQUIRED;
+        if (r)
+            ((lockobject *)lock)->locked = 1;
+    }
+    else
+#endif
+    {
+        PyObject *largs[2] = {lock, Py_False};
+        PyObject *got = PyObject_VectorcallMethod(s_acquire, largs, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        r = got == NULL ? -1 : PyObject_IsTrue(got);
+        Py_XDECREF(got);
+    }
     if (r < 0) {
         Py_DECREF(lock);
         return NULL;
@@ -1289,7 +1357,7 @@ allocator_free(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObj
     PyObject *lock = attr(self, s_lock), *res = NULL;
     if (lock == NULL)
         return NULL;
-    if (lock_call(lock, s_acquire) < 0) {
+    if (lock_acquire(lock) < 0) {
         Py_DECREF(lock);
         return NULL;
     }
@@ -1382,6 +1450,14 @@ install_allocator(PyObject *module, PyObject *ns)
         || get_ll(ns, "OVERSIZE_ALLOCATIONS", &v) < 0)
         return NULL;
     OVERSIZE_ALLOCATIONS = (Py_ssize_t)v;
+    if (get_type(ns, "Lock", &Lock_T) < 0)
+        return NULL;
+#if DIRECT_LOCK
+    if (Lock_T->tp_basicsize != sizeof(lockobject)) {
+        PyErr_SetString(PyExc_TypeError, "threading.Lock is not the _thread.lock the compiled paths know");
+        return NULL;
+    }
+#endif
     if ((ONE = PyLong_FromLong(1)) == NULL)
         return NULL;
     if (get_ll(ns, "ACTIVE", &v) < 0)
@@ -1568,7 +1644,8 @@ buffer_allocate(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyOb
     Py_INCREF(runtime);
     PyObject *state = NULL, *index = NULL, *streams = NULL, *defaults = NULL, *exts = NULL, *allocators = NULL,
              *found, *stream, *allocator, *result = NULL;
-    if ((state = attr(runtime, s_state)) == NULL || (index = attr(state, s_device)) == NULL)
+    /* state is a threading.local: its attributes are the thread's, read the generic way */
+    if ((state = attr(runtime, s_state)) == NULL || (index = PyObject_GetAttr(state, s_device)) == NULL)
         goto out;
     stream = dict_attr_get(state, s_streams, index, &streams);
     if (stream == NULL) {

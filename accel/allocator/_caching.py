@@ -1875,5 +1875,6 @@ if speedups is not None:
             "note_active_peak": S.note_active_peak, "InvalidHandleError": InvalidHandleError,
             "FREE": FREE, "ALLOCATED": ALLOCATED, "RETIRED": RETIRED, "SMALL_SIZE": SMALL_SIZE,
             "MAX_REQUEST": MAX_REQUEST, "OVERSIZE_ALLOCATIONS": OVERSIZE_ALLOCATIONS, "ACTIVE": S.ACTIVE,
+            "Lock": type(threading.Lock()),
         }  # fmt: skip
     )
