@@ -26,6 +26,7 @@ static PyObject *py_free_held; /* the Python method */
 static PyObject *py_fl_replace, *py_fl_remove, *py_fl_add;         /* FreeList's methods */
 static PyObject *py_note_active_peak, *InvalidHandleError;
 static PyObject *FREE, *ALLOCATED, *RETIRED;                       /* block states */
+static PyObject *freelist_globals, *s_LOAD;                        /* accel/allocator/_freelist.py */
 static PyObject *ONE;
 static long long SMALL_SIZE, MAX_REQUEST;
 static Py_ssize_t OVERSIZE_ALLOCATIONS, ACTIVE;
@@ -527,7 +528,18 @@ fl_add(PyObject *fl, PyObject *block)
     bucket = PyList_GET_ITEM(keys, kk);
     bblocks = PyList_GET_ITEM(blocks, kk);
     if (!PyList_CheckExact(bucket) || !PyList_CheckExact(bblocks) || ii >= PyList_GET_SIZE(bucket)
-        || PyList_GET_SIZE(bblocks) != PyList_GET_SIZE(bucket) || PyList_GET_SIZE(bucket) >= 2 * 64 - 1)
+        || PyList_GET_SIZE(bblocks) != PyList_GET_SIZE(bucket))
+        goto python;
+    /* the bucket must stay within 2 * LOAD keys (read each time: tests change LOAD), or
+     * FreeList.add splits it */
+    PyObject *load = PyDict_GetItemWithError(freelist_globals, s_LOAD);
+    long long lo;
+    if (load == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        goto python;
+    }
+    if (!as_ll(load, &lo) || PyList_GET_SIZE(bucket) + 1 > 2 * lo)
         goto python;
     if ((key = make_key(s, p)) == NULL)
         return -1;
@@ -547,7 +559,6 @@ fl_add(PyObject *fl, PyObject *block)
         Py_DECREF(key);
         goto python;
     }
-    /* no split needed: the bucket stays within 2 * LOAD keys (checked above, for LOAD = 64) */
     if (set_new(fl, F_len, PyLong_FromLongLong(n + 1)) < 0 || PyList_Insert(bucket, ii, key) < 0
         || PyList_Insert(bblocks, ii, block) < 0) {
         Py_DECREF(key);
@@ -1450,8 +1461,12 @@ install_allocator(PyObject *module, PyObject *ns)
         || get_ll(ns, "OVERSIZE_ALLOCATIONS", &v) < 0)
         return NULL;
     OVERSIZE_ALLOCATIONS = (Py_ssize_t)v;
-    if (get_type(ns, "Lock", &Lock_T) < 0)
+    if (get_type(ns, "Lock", &Lock_T) < 0 || get_obj(ns, "freelist_module", &freelist_globals) < 0
+        || intern(&s_LOAD, "LOAD") < 0)
         return NULL;
+    if ((freelist_globals = PyModule_GetDict(freelist_globals)) == NULL)
+        return NULL;
+    Py_INCREF(freelist_globals);
 #if DIRECT_LOCK
     if (Lock_T->tp_basicsize != sizeof(lockobject)) {
         PyErr_SetString(PyExc_TypeError, "threading.Lock is not the _thread.lock the compiled paths know");

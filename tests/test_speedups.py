@@ -88,3 +88,28 @@ def test_compiled_stand_ins_keep_the_python_names_docs_and_signatures() -> None:
     buf = accel.memory.allocate(64)
     assert list(inspect.signature(buf.free).parameters) == []
     buf.free()
+
+
+def test_freed_holes_keep_the_free_lists_bucket_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The compiled free of a hole adds its block to the free list without a split only
+    # while the bucket stays within 2 * LOAD keys, LOAD read when it runs (as FreeList.add).
+    from accel._runtime import Runtime
+    from accel.allocator import _freelist
+    from accel.allocator.config import parse
+    from accel.backends.cpu import CpuBackend
+
+    monkeypatch.setattr(_freelist, "LOAD", 2)
+    backend = CpuBackend(1, None)
+    alloc = DeviceAllocator(backend, 0, parse("expandable_segments:False"))
+    stream = Runtime(backend).default_stream(0)
+    blocks = [alloc.malloc(512, stream) for _ in range(40)]
+    kept = []
+    for block in blocks[::2]:
+        # A best fit in the segment's rest, then a hole freed just below it: the hole's
+        # key goes where that best fit looked, the add without a search.
+        kept.append(alloc.malloc(1024, stream))
+        alloc.free(block)
+    (free,) = alloc._small.free.values()
+    assert len(free) == 21
+    assert max(len(keys) for keys in free._keys) <= 4
+    assert [size for size, _, _ in free] == sorted(size for size, _, _ in free)

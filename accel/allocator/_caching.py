@@ -1875,6 +1875,6 @@ if speedups is not None:
             "note_active_peak": S.note_active_peak, "InvalidHandleError": InvalidHandleError,
             "FREE": FREE, "ALLOCATED": ALLOCATED, "RETIRED": RETIRED, "SMALL_SIZE": SMALL_SIZE,
             "MAX_REQUEST": MAX_REQUEST, "OVERSIZE_ALLOCATIONS": OVERSIZE_ALLOCATIONS, "ACTIVE": S.ACTIVE,
-            "Lock": type(threading.Lock()),
+            "Lock": type(threading.Lock()), "freelist_module": sys.modules[FreeList.__module__],
         }  # fmt: skip
     )
