@@ -287,6 +287,71 @@ def _tensors(n: int, rounds: int) -> list[dict]:
     ]
 
 
+_BOTH_WAYS_CHILD = """
+import json, sys, time
+import torch
+import accel
+
+n, batches = int(sys.argv[1]), int(sys.argv[2])
+allocate = accel.memory.allocate
+ops = {
+    "pair": lambda: allocate(4096).free(),
+    "empty": lambda: accel.empty(4096, dtype=torch.uint8),
+    "torch": lambda: torch.empty(4096, dtype=torch.uint8),
+}
+best = dict.fromkeys(ops, float("inf"))
+for _ in range(batches):  # short batches, interleaved: the least disturbed one of each counts
+    for key, op in ops.items():
+        start = time.thread_time()
+        for _ in range(n):
+            op()
+        best[key] = min(best[key], (time.thread_time() - start) / n)
+print(json.dumps(best))
+"""
+
+
+def _both_ways(n: int, batches: int, rounds: int) -> list[dict]:
+    """The allocation targets of issue 16 with the compiled fast paths (accel._speedups)
+    and in pure Python (``ACCEL_PURE_PYTHON=1``): one child process per variant per
+    round, alternating; each child times the pair, accel.empty and torch.empty in
+    ``batches`` interleaved batches of ``n`` (thread CPU time) and keeps the best batch
+    of each. torch.empty's column is the compiled children's; ``vs_torch`` is each
+    child's own accel / torch.empty ratio (median, lowest..highest over the rounds),
+    which a loaded machine disturbs least."""
+    import importlib.util
+
+    if importlib.util.find_spec("accel._speedups") is None:
+        print("bench_host_runtime: accel._speedups is not built: no compiled-vs-pure rows", file=sys.stderr)
+        return []
+    env = {k: v for k, v in os.environ.items() if k != "ACCEL_PURE_PYTHON"}
+    env["PYTHONPATH"] = str(ROOT)
+    results: dict[str, list[dict[str, float]]] = {"compiled": [], "pure Python": []}
+    for _ in range(rounds):
+        for name in results:
+            child_env = dict(env, ACCEL_PURE_PYTHON="1") if name == "pure Python" else env
+            out = subprocess.run(
+                [sys.executable, "-c", _BOTH_WAYS_CHILD, str(n), str(batches)],
+                env=child_env, capture_output=True, text=True, check=True,
+            )
+            results[name].append(json.loads(out.stdout))
+    rows = []
+    for key, name in (
+        ("pair", "accel.memory.allocate(4096).free(), compiled vs pure Python (CPU time)"),
+        ("empty", "accel.empty(4096, dtype=torch.uint8) + del, compiled vs pure Python (CPU time)"),
+    ):
+        times = {
+            "compiled": [r[key] for r in results["compiled"]],
+            "pure Python": [r[key] for r in results["pure Python"]],
+            "torch.empty(4096, uint8) + del": [r["torch"] for r in results["compiled"]],
+        }
+        vs_torch = {}
+        for variant, runs in results.items():
+            ratios = [r[key] / r["torch"] for r in runs]
+            vs_torch[variant] = (statistics.median(ratios), min(ratios), max(ratios))
+        rows.append(_row(name, times, "compiled", vs_torch=vs_torch))
+    return rows
+
+
 def _holes(n: int, rounds: int, holes: int) -> list[dict]:
     """Interleaved: each round punches 10 holes, times the pair, gives them back, then
     the same with ``holes`` holes (the two states cannot coexist)."""
@@ -360,6 +425,7 @@ def run(quick: bool) -> list[dict]:
     rows.append(_event(rt_n, rounds))
     rows += _alloc(500 if quick else 20_000, rounds)
     rows += _tensors(500 if quick else 20_000, rounds)
+    rows += _both_ways(500, 3 if quick else 150, 2 if quick else 7)
     rows += _holes(200 if quick else 5000, 2 if quick else 5, 1000 if quick else 100_000)
     rows.append(_startup(2 if quick else 9))
     return rows
@@ -380,7 +446,12 @@ def _markdown(rows: list[dict]) -> str:
 
         alts = "; ".join(f"{k}: {fmt(k)}" for k in row["ratios"])
         ratios = "; ".join(f"{r:.2f} ({1 / r:.1f}x slower)" if r < 1 else f"{r:.2f}" for r in row["ratios"].values())
-        lines.append(f"| {row['name']} | {fmt(acc)} | {alts} | {ratios} |")
+        name = row["name"]
+        if "vs_torch" in row:  # each child's own ratio to torch.empty
+            name += " [x torch.empty per child: " + "; ".join(
+                f"{k} {m:.2f} ({lo:.2f}..{hi:.2f})" for k, (m, lo, hi) in row["vs_torch"].items()
+            ) + "]"
+        lines.append(f"| {name} | {fmt(acc)} | {alts} | {ratios} |")
     return "\n".join(lines)
 
 
@@ -394,8 +465,11 @@ def main(argv: list[str]) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    from accel._native import speedups
+
     print(f"{platform.processor() or platform.machine()}, {cpus} CPUs, Python {platform.python_version()}, "
-          f"{platform.system()} {platform.release()}\n")
+          f"{platform.system()} {platform.release()}, load average {os.getloadavg()[0]:.1f}; "
+          f"accel's fast paths in this process: {'compiled' if speedups is not None else 'pure Python'}\n")
     print(_markdown(rows))
     return 0
 

@@ -188,6 +188,8 @@ def render_module(title: str, module_name: str, intro: str) -> list[str]:
     out = [f"## {title}: `{module_name}`", "", intro, ""]
     for name in names:
         value = getattr(module, name)
+        if type(value).__module__ == "accel._speedups":
+            value = value.__wrapped__  # a compiled stand-in (accel/_native.py) documents its Python function
         qualname = f"{module_name}.{name}"
         if inspect.isclass(value):
             out += _render_class(qualname, value)

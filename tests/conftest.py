@@ -62,3 +62,10 @@ def backend(request: pytest.FixtureRequest):
         pytest.skip(reason)
     # A prepared driver that does not load is a failure, not a skip.
     return load_backend(name)
+
+
+def pytest_report_header() -> str:
+    """Which fast paths this run tests (the suite runs both ways: see tests/test_speedups.py)."""
+    from accel._native import speedups
+
+    return "accel: " + ("compiled fast paths (accel._speedups)" if speedups is not None else "pure Python")

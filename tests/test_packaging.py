@@ -43,7 +43,7 @@ def test_sdist_carries_its_tests_and_they_run(tmp_path) -> None:
         archive.extractall(tmp_path / "unpacked", filter="data")
     root = tmp_path / "unpacked" / sdist.name.removesuffix(".tar.gz")
     for needed in ("LICENSE", "tests/conftest.py", "tests/fixtures/simcuda/simcuda.c", "tests/fixtures/simze/simze.c",
-                   "benchmarks/README.md", "docs/api.md"):
+                   "benchmarks/README.md", "docs/api.md", "accel/_speedups.c"):
         assert f"{root.name}/{needed}" in names, needed
     assert not [n for n in names if "__pycache__" in n or n.endswith((".pyc", ".so"))]
     assert "License-Expression: Apache-2.0" in (root / "PKG-INFO").read_text()

@@ -26,6 +26,7 @@ from typing_extensions import Self
 
 from accel import _runtime
 from accel._device import Device, DeviceLike
+from accel._native import speedups
 from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, NotSupportedError
 from accel._runtime import check_not_forked, get_runtime
 from accel.allocator import _mempool
@@ -384,3 +385,15 @@ def allocate_host(nbytes: int) -> HostBuffer:
     """``nbytes`` of page-locked host memory (cuMemHostAlloc, zeMemAllocHost, host pages)."""
     allocator = registry().host_allocator()
     return HostBuffer(allocator.malloc(nbytes), allocator, nbytes)
+
+
+# The compiled allocate, Buffer.free and Buffer.__del__ (accel/_speedups.c) when it was
+# built and ACCEL_PURE_PYTHON is not 1: the same steps, which call the Python versions
+# above for every case but the common one (current stream, no MemPool, no export).
+if speedups is not None:
+    speedups.install_buffers(
+        {
+            "Buffer": Buffer, "runtime_module": _runtime, "buffer_module": sys.modules[__name__],
+            "mempool_module": _mempool, "EXTENSION": _EXTENSION,
+        }  # fmt: skip
+    )

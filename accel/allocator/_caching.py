@@ -43,6 +43,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from accel._native import speedups
 from accel._errors import AccelError, CaptureError, DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
 from accel.allocator import _stats as S
 from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED, Block, Pool, PrivatePool, Segment
@@ -1933,3 +1934,18 @@ class DeviceAllocator:
         )
         return out_of_memory(details, self.device)
 
+
+# The compiled malloc, free and _free_held (accel/_speedups.c) when it was built and
+# ACCEL_PURE_PYTHON is not 1: the same steps on the same objects, which call the
+# methods above for every case but the cached fast paths.
+if speedups is not None:
+    speedups.install_allocator(
+        {
+            "DeviceAllocator": DeviceAllocator, "Block": Block, "Segment": Segment, "Pool": Pool,
+            "FreeList": FreeList, "Counts": S.Counts, "Every": S.Every,
+            "note_active_peak": S.note_active_peak, "InvalidHandleError": InvalidHandleError,
+            "FREE": FREE, "ALLOCATED": ALLOCATED, "RETIRED": RETIRED, "SMALL_SIZE": SMALL_SIZE,
+            "MAX_REQUEST": MAX_REQUEST, "OVERSIZE_ALLOCATIONS": OVERSIZE_ALLOCATIONS, "ACTIVE": S.ACTIVE,
+            "Lock": type(threading.Lock()), "freelist_module": sys.modules[FreeList.__module__],
+        }  # fmt: skip
+    )

@@ -1,0 +1,1780 @@
+/* accel._speedups: optional C versions of the caching allocator's hot paths.
+ *
+ * Pure Python is accel's reference and its fallback: this module is built when a
+ * compiler is there (setup.py marks it optional) and used unless ACCEL_PURE_PYTHON=1
+ * (accel/_native.py decides). Every function here does, step by step, what the
+ * Python code it replaces does, on the same objects: Block, Segment, Pool, FreeList,
+ * Counts and Buffer stay the Python classes of accel/allocator (so weak references,
+ * pickling, repr and every slow path keep working unchanged), and this module reads
+ * and writes their __slots__ at the offsets their member descriptors give. Whenever
+ * a condition of a fast path fails, or an object is not of the exact class expected,
+ * it calls the Python method it stands in for, before changing anything.
+ *
+ * The whole suite runs both ways (tests/test_speedups.py says which one ran).
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
+
+/* -- what install_allocator() was given ------------------------------------------ */
+
+static PyTypeObject *Block_T, *Segment_T, *Pool_T, *FreeList_T, *Counts_T, *Every_T;
+static PyObject *py_free_held; /* the Python method */
+static PyObject *py_fl_replace, *py_fl_remove, *py_fl_add;         /* FreeList's methods */
+static PyObject *py_note_active_peak, *InvalidHandleError;
+static PyObject *FREE, *ALLOCATED, *RETIRED;                       /* block states */
+static PyObject *freelist_globals, *s_LOAD;                        /* accel/allocator/_freelist.py */
+static PyObject *ONE;
+static long long SMALL_SIZE, MAX_REQUEST;
+static Py_ssize_t OVERSIZE_ALLOCATIONS, ACTIVE;
+
+/* slot offsets */
+static Py_ssize_t B_ptr, B_size, B_requested, B_stream, B_pool, B_segment, B_state, B_mapped,
+    B_prev, B_next, B_event_count, B_stream_uses, B_gc_base, B_frames;
+static Py_ssize_t SG_owner, SG_expandable, SG_head, SG_stream, SG_pool;
+static Py_ssize_t P_small, P_kind, P_free, P_calls;
+static Py_ssize_t F_keys, F_blocks, F_maxes, F_len, F_fit_k, F_fit_i;
+
+enum { ST_ALLOCATION, ST_ALLOCATED_BYTES, ST_REQUESTED_BYTES, ST_INACTIVE_SPLIT, ST_INACTIVE_SPLIT_BYTES, N_HOT };
+static const char *const hot_names[N_HOT] = {
+    "allocation", "allocated_bytes", "requested_bytes", "inactive_split", "inactive_split_bytes",
+};
+static Py_ssize_t C_cur[N_HOT], C_peak[N_HOT], C_total[N_HOT], E_peak[N_HOT];
+static Py_ssize_t C_other, C_every;
+
+/* interned attribute names of the (dict-based) allocator and stream */
+static PyObject *s_lock, *s_fast, *s_gc_frees, *s_pending, *s_small, *s_large, *s_ms, *s_gc_threshold,
+    *s_kinds, *s_s, *s_device, *s_backend, *s_history, *s_orphaned, *s_malloc_steps, *s_free_block,
+    *s_acquire, *s_release, *s_dev, *s_runtime, *s_closed, *s_handle;
+
+/* -- slots ------------------------------------------------------------------------- */
+
+static int
+slot_offset(PyTypeObject *type, const char *name, Py_ssize_t *out)
+{
+    PyObject *descr = PyObject_GetAttrString((PyObject *)type, name);
+    if (descr == NULL)
+        return -1;
+    if (!Py_IS_TYPE(descr, &PyMemberDescr_Type) || ((PyMemberDescrObject *)descr)->d_member->type != T_OBJECT_EX) {
+        PyErr_Format(PyExc_TypeError, "%s.%s is not a __slots__ attribute", type->tp_name, name);
+        Py_DECREF(descr);
+        return -1;
+    }
+    *out = ((PyMemberDescrObject *)descr)->d_member->offset;
+    Py_DECREF(descr);
+    return 0;
+}
+
+/* The value of a slot, borrowed; AttributeError when it was never set. */
+static inline PyObject *
+get(PyObject *o, Py_ssize_t off)
+{
+    PyObject *v = SLOT(o, off);
+    if (v == NULL)
+        PyErr_Format(PyExc_AttributeError, "a slot of %s is not set", Py_TYPE(o)->tp_name);
+    return v;
+}
+
+static inline void
+set(PyObject *o, Py_ssize_t off, PyObject *v)
+{
+    Py_INCREF(v);
+    Py_XSETREF(SLOT(o, off), v);
+}
+
+/* Store a new reference (stolen); -1 when v is NULL (an error is set). */
+static inline int
+set_new(PyObject *o, Py_ssize_t off, PyObject *v)
+{
+    if (v == NULL)
+        return -1;
+    Py_XSETREF(SLOT(o, off), v);
+    return 0;
+}
+
+/* v + d as Python computes it: C arithmetic while it fits, Python's otherwise. */
+static PyObject *
+add_ll(PyObject *v, long long d)
+{
+    if (PyLong_CheckExact(v)) {
+        int overflow;
+        long long x = PyLong_AsLongLongAndOverflow(v, &overflow), r;
+        if (!overflow && !(x == -1 && PyErr_Occurred()) && !__builtin_add_overflow(x, d, &r))
+            return PyLong_FromLongLong(r);
+        PyErr_Clear();
+    }
+    PyObject *dd = PyLong_FromLongLong(d);
+    if (dd == NULL)
+        return NULL;
+    PyObject *r = PyNumber_Add(v, dd);
+    Py_DECREF(dd);
+    return r;
+}
+
+/* o.slot += d; *out (borrowed) is the new value. */
+static int
+slot_add(PyObject *o, Py_ssize_t off, long long d, PyObject **out)
+{
+    PyObject *v = get(o, off);
+    if (v == NULL || set_new(o, off, add_ll(v, d)) < 0)
+        return -1;
+    if (out != NULL)
+        *out = SLOT(o, off);
+    return 0;
+}
+
+/* o.slot -= v (a Python int) */
+static int
+slot_sub(PyObject *o, Py_ssize_t off, PyObject *v)
+{
+    PyObject *x = get(o, off);
+    return x == NULL ? -1 : set_new(o, off, PyNumber_Subtract(x, v));
+}
+
+/* A C long long of a Python int; 0 when it is none, or does not fit. */
+static inline int
+as_ll(PyObject *v, long long *out)
+{
+    if (v == NULL || !PyLong_CheckExact(v))
+        return 0;
+    int overflow;
+    *out = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow || (*out == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return 0;
+    }
+    return 1;
+}
+
+/* An address or size below 2**63 (every one a host or device gives; 0 otherwise, and the
+ * caller takes the Python path). */
+static inline int
+as_ull(PyObject *v, unsigned long long *out)
+{
+    long long x;
+    if (!as_ll(v, &x) || x < 0)
+        return 0;
+    *out = (unsigned long long)x;
+    return 1;
+}
+
+/* -- statistics (accel/allocator/_stats.py) ------------------------------------------ */
+
+/* One hot statistic of Counts k rises by n: current, total, peak, and the peak of all. */
+static int
+rise(PyObject *k, PyObject *o, PyObject *every, int stat, long long n)
+{
+    PyObject *c, *peak, *other, *all;
+    if (slot_add(k, C_cur[stat], n, &c) < 0 || slot_add(k, C_total[stat], n, NULL) < 0)
+        return -1;
+    Py_INCREF(c);
+    if ((peak = get(k, C_peak[stat])) == NULL)
+        goto error;
+    int r = PyObject_RichCompareBool(c, peak, Py_GT);
+    if (r < 0)
+        goto error;
+    if (r)
+        set(k, C_peak[stat], c);
+    if ((other = get(o, C_cur[stat])) == NULL || (all = PyNumber_Add(c, other)) == NULL)
+        goto error;
+    Py_DECREF(c);
+    if ((peak = get(every, E_peak[stat])) == NULL) {
+        Py_DECREF(all);
+        return -1;
+    }
+    r = PyObject_RichCompareBool(all, peak, Py_GT);
+    if (r > 0)
+        set(every, E_peak[stat], all);
+    Py_DECREF(all);
+    return r < 0 ? -1 : 0;
+error:
+    Py_DECREF(c);
+    return -1;
+}
+
+static int
+counts_parts(PyObject *k, PyObject **o, PyObject **every)
+{
+    if ((*o = get(k, C_other)) == NULL || (*every = get(k, C_every)) == NULL)
+        return -1;
+    if (!Py_IS_TYPE(*o, Counts_T) || !Py_IS_TYPE(*every, Every_T)) {
+        PyErr_SetString(PyExc_TypeError, "Counts.other or Counts.every of an unexpected type");
+        return -1;
+    }
+    return 0;
+}
+
+/* S.add_inactive_split(k, size) */
+static int
+add_inactive_split(PyObject *k, long long size)
+{
+    PyObject *o, *every;
+    if (counts_parts(k, &o, &every) < 0)
+        return -1;
+    if (rise(k, o, every, ST_INACTIVE_SPLIT, 1) < 0)
+        return -1;
+    return rise(k, o, every, ST_INACTIVE_SPLIT_BYTES, size);
+}
+
+/* S.add_allocation(k, s, size, nbytes) */
+static int
+add_allocation(PyObject *k, PyObject *s, long long size, long long nbytes)
+{
+    PyObject *o, *every;
+    if (counts_parts(k, &o, &every) < 0)
+        return -1;
+    if (rise(k, o, every, ST_ALLOCATION, 1) < 0 || rise(k, o, every, ST_ALLOCATED_BYTES, size) < 0
+        || rise(k, o, every, ST_REQUESTED_BYTES, nbytes) < 0)
+        return -1;
+    if (!PyList_CheckExact(s) || PyList_GET_SIZE(s) <= ACTIVE + 1) {
+        PyErr_SetString(PyExc_TypeError, "the allocator's statistics are not a list of slots");
+        return -1;
+    }
+    int r = PyObject_IsTrue(PyList_GET_ITEM(s, ACTIVE));
+    if (r == 0)
+        r = PyObject_IsTrue(PyList_GET_ITEM(s, ACTIVE + 1));
+    if (r < 0)
+        return -1;
+    if (r) {
+        /* active = allocated + pending: its peak needs a look only while some block is pending */
+        PyObject *args[2] = {k, s};
+        PyObject *res = PyObject_Vectorcall(py_note_active_peak, args, 2, NULL);
+        if (res == NULL)
+            return -1;
+        Py_DECREF(res);
+    }
+    return 0;
+}
+
+/* -- the free list (accel/allocator/_freelist.py) ------------------------------------ */
+
+/* size << 64 | ptr */
+static PyObject *
+make_key(unsigned long long size, unsigned long long ptr)
+{
+    unsigned char bytes[16];
+    for (int j = 0; j < 8; j++) {
+        bytes[j] = (unsigned char)(ptr >> (8 * j));
+        bytes[8 + j] = (unsigned char)(size >> (8 * j));
+    }
+    return _PyLong_FromByteArray(bytes, 16, 1, 0);
+}
+
+static Py_ssize_t
+bisect_left(PyObject *list, PyObject *key)
+{
+    Py_ssize_t lo = 0, hi = PyList_GET_SIZE(list);
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        int r = PyObject_RichCompareBool(PyList_GET_ITEM(list, mid), key, Py_LT);
+        if (r < 0)
+            return -1;
+        if (r)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* The free list's lists, checked: 0 when they are not what FreeList keeps. */
+static int
+fl_lists(PyObject *fl, PyObject **keys, PyObject **blocks, PyObject **maxes)
+{
+    *keys = SLOT(fl, F_keys);
+    *blocks = SLOT(fl, F_blocks);
+    *maxes = SLOT(fl, F_maxes);
+    return *keys != NULL && *blocks != NULL && *maxes != NULL && PyList_CheckExact(*keys)
+           && PyList_CheckExact(*blocks) && PyList_CheckExact(*maxes)
+           && PyList_GET_SIZE(*keys) == PyList_GET_SIZE(*maxes) && PyList_GET_SIZE(*blocks) == PyList_GET_SIZE(*maxes);
+}
+
+static int
+set_index(PyObject *fl, Py_ssize_t off, Py_ssize_t v)
+{
+    return set_new(fl, off, PyLong_FromSsize_t(v));
+}
+
+/* FreeList.best_fit: a new reference, Py_None, or NULL on error. */
+static PyObject *
+fl_best_fit(PyObject *fl, long long size)
+{
+    PyObject *keys, *blocks, *maxes;
+    if (!Py_IS_TYPE(fl, FreeList_T) || !fl_lists(fl, &keys, &blocks, &maxes))
+        return PyObject_CallMethod(fl, "best_fit", "L", size);
+    PyObject *key = make_key((unsigned long long)size, 0);
+    if (key == NULL)
+        return NULL;
+    Py_ssize_t k = bisect_left(maxes, key), i;
+    if (k < 0)
+        goto error;
+    if (k == PyList_GET_SIZE(maxes)) {
+        Py_DECREF(key);
+        Py_RETURN_NONE;
+    }
+    PyObject *bucket = PyList_GET_ITEM(keys, k), *bblocks = PyList_GET_ITEM(blocks, k);
+    if (!PyList_CheckExact(bucket) || !PyList_CheckExact(bblocks)) {
+        Py_DECREF(key);
+        return PyObject_CallMethod(fl, "best_fit", "L", size);
+    }
+    if ((i = bisect_left(bucket, key)) < 0)
+        goto error;
+    Py_DECREF(key);
+    if (i >= PyList_GET_SIZE(bblocks)) {
+        PyErr_SetString(PyExc_IndexError, "list index out of range");
+        return NULL;
+    }
+    if (set_index(fl, F_fit_k, k) < 0 || set_index(fl, F_fit_i, i) < 0)
+        return NULL;
+    PyObject *block = PyList_GET_ITEM(bblocks, i);
+    Py_INCREF(block);
+    return block;
+error:
+    Py_DECREF(key);
+    return NULL;
+}
+
+static PyObject *
+call3(PyObject *f, PyObject *a, PyObject *b, PyObject *c, PyObject *d, Py_ssize_t n)
+{
+    PyObject *args[4] = {a, b, c, d};
+    return PyObject_Vectorcall(f, args, n, NULL);
+}
+
+/* Where best_fit left (k, i), when keys[k][i] == key there: 1 and the bucket; 0 else. */
+static int
+at_fit(PyObject *fl, PyObject *keys, PyObject *key, Py_ssize_t *k, Py_ssize_t *i, PyObject **bucket)
+{
+    PyObject *fk = SLOT(fl, F_fit_k), *fi = SLOT(fl, F_fit_i);
+    long long kk, ii;
+    if (!as_ll(fk, &kk) || !as_ll(fi, &ii) || kk < 0 || ii < 0 || kk >= PyList_GET_SIZE(keys))
+        return 0;
+    *bucket = PyList_GET_ITEM(keys, kk);
+    if (!PyList_CheckExact(*bucket) || ii >= PyList_GET_SIZE(*bucket))
+        return 0;
+    *k = (Py_ssize_t)kk;
+    *i = (Py_ssize_t)ii;
+    return PyObject_RichCompareBool(PyList_GET_ITEM(*bucket, ii), key, Py_EQ);
+}
+
+static int
+block_key(PyObject *block, unsigned long long *size, unsigned long long *ptr)
+{
+    return as_ull(SLOT(block, B_size), size) && as_ull(SLOT(block, B_ptr), ptr) && *size < (1ULL << 62);
+}
+
+/* FreeList.replace(size, ptr, block) */
+static int
+fl_replace(PyObject *fl, PyObject *size, PyObject *ptr, PyObject *block)
+{
+    PyObject *keys, *blocks, *maxes, *key = NULL, *new_key = NULL, *bucket, *bblocks;
+    unsigned long long s, p, ns, np;
+    Py_ssize_t k, i;
+    int r;
+    if (!Py_IS_TYPE(fl, FreeList_T) || !Py_IS_TYPE(block, Block_T) || !fl_lists(fl, &keys, &blocks, &maxes)
+        || !as_ull(size, &s) || !as_ull(ptr, &p) || s >= (1ULL << 62) || !block_key(block, &ns, &np))
+        goto python;
+    if ((key = make_key(s, p)) == NULL || (new_key = make_key(ns, np)) == NULL)
+        goto error;
+    PyObject *len = SLOT(fl, F_len);
+    long long n;
+    if (as_ll(len, &n) && n == 1 && PyList_GET_SIZE(maxes) == 1) {
+        bucket = PyList_GET_ITEM(keys, 0);
+        bblocks = PyList_GET_ITEM(blocks, 0);
+        r = PyObject_RichCompareBool(PyList_GET_ITEM(maxes, 0), key, Py_EQ);
+        if (r < 0)
+            goto error;
+        if (r && PyList_CheckExact(bucket) && PyList_CheckExact(bblocks) && PyList_GET_SIZE(bucket) == 1
+            && PyList_GET_SIZE(bblocks) == 1) {
+            /* the only block (a segment's rest, cut and merged back by a pair) */
+            Py_INCREF(new_key);
+            PyList_SetItem(bucket, 0, new_key);
+            Py_INCREF(new_key);
+            PyList_SetItem(maxes, 0, new_key);
+            Py_INCREF(block);
+            PyList_SetItem(bblocks, 0, block);
+            goto done;
+        }
+    }
+    r = at_fit(fl, keys, key, &k, &i, &bucket);
+    if (r < 0)
+        goto error;
+    if (r) {
+        /* in place when the new key still sorts between its neighbours */
+        Py_ssize_t nb = PyList_GET_SIZE(bucket), nbuckets = PyList_GET_SIZE(keys);
+        bblocks = PyList_GET_ITEM(blocks, k);
+        if (!PyList_CheckExact(bblocks) || PyList_GET_SIZE(bblocks) != nb)
+            goto python;
+        int fits;
+        if ((r = PyObject_RichCompareBool(new_key, key, Py_LT)) < 0)
+            goto error;
+        if (r) {
+            if (i)
+                fits = PyObject_RichCompareBool(PyList_GET_ITEM(bucket, i - 1), new_key, Py_LT);
+            else if (k)
+                fits = PyObject_RichCompareBool(PyList_GET_ITEM(maxes, k - 1), new_key, Py_LT);
+            else
+                fits = 1; /* -1 < new_key: keys are never negative */
+        }
+        else if (i + 1 < nb)
+            fits = PyObject_RichCompareBool(new_key, PyList_GET_ITEM(bucket, i + 1), Py_LT);
+        else if (k + 1 == nbuckets)
+            fits = 1;
+        else {
+            PyObject *next = PyList_GET_ITEM(keys, k + 1);
+            if (!PyList_CheckExact(next) || PyList_GET_SIZE(next) == 0)
+                goto python;
+            fits = PyObject_RichCompareBool(new_key, PyList_GET_ITEM(next, 0), Py_LT);
+        }
+        if (fits < 0)
+            goto error;
+        if (fits) {
+            if ((r = PyObject_RichCompareBool(PyList_GET_ITEM(maxes, k), key, Py_EQ)) < 0)
+                goto error;
+            Py_INCREF(new_key);
+            PyList_SetItem(bucket, i, new_key);
+            Py_INCREF(block);
+            PyList_SetItem(bblocks, i, block);
+            if (r) {
+                Py_INCREF(new_key);
+                PyList_SetItem(maxes, k, new_key);
+            }
+            goto done;
+        }
+    }
+python:
+    Py_XDECREF(key);
+    Py_XDECREF(new_key);
+    {
+        PyObject *res = call3(py_fl_replace, fl, size, ptr, block, 4);
+        if (res == NULL)
+            return -1;
+        Py_DECREF(res);
+        return 0;
+    }
+done:
+    Py_DECREF(key);
+    Py_DECREF(new_key);
+    return 0;
+error:
+    Py_XDECREF(key);
+    Py_XDECREF(new_key);
+    return -1;
+}
+
+/* FreeList.remove(block) */
+static int
+fl_remove(PyObject *fl, PyObject *block)
+{
+    PyObject *keys, *blocks, *maxes, *key = NULL, *bucket, *bblocks;
+    unsigned long long s, p;
+    Py_ssize_t k, i;
+    long long n;
+    if (!Py_IS_TYPE(fl, FreeList_T) || !Py_IS_TYPE(block, Block_T) || !fl_lists(fl, &keys, &blocks, &maxes)
+        || !block_key(block, &s, &p) || !as_ll(SLOT(fl, F_len), &n))
+        goto python;
+    if ((key = make_key(s, p)) == NULL)
+        return -1;
+    int r = at_fit(fl, keys, key, &k, &i, &bucket);
+    Py_DECREF(key);
+    if (r < 0)
+        return -1;
+    if (!r)
+        goto python;
+    /* the best fit, taken whole */
+    bblocks = PyList_GET_ITEM(blocks, k);
+    Py_ssize_t nb = PyList_GET_SIZE(bucket);
+    if (!PyList_CheckExact(bblocks) || PyList_GET_SIZE(bblocks) != nb)
+        goto python;
+    if (set_new(fl, F_len, PyLong_FromLongLong(n - 1)) < 0)
+        return -1;
+    if (nb == 1) {
+        if (PySequence_DelItem(keys, k) < 0 || PySequence_DelItem(blocks, k) < 0 || PySequence_DelItem(maxes, k) < 0)
+            return -1;
+        return 0;
+    }
+    if (PySequence_DelItem(bucket, i) < 0 || PySequence_DelItem(bblocks, i) < 0)
+        return -1;
+    if (i == nb - 1) {
+        PyObject *last = PyList_GET_ITEM(bucket, nb - 2);
+        Py_INCREF(last);
+        PyList_SetItem(maxes, k, last);
+    }
+    return 0;
+python:
+    {
+        PyObject *res = call3(py_fl_remove, fl, block, NULL, NULL, 2);
+        if (res == NULL)
+            return -1;
+        Py_DECREF(res);
+        return 0;
+    }
+}
+
+/* FreeList.add(block) */
+static int
+fl_add(PyObject *fl, PyObject *block)
+{
+    PyObject *keys, *blocks, *maxes, *key = NULL, *bucket, *bblocks;
+    unsigned long long s, p;
+    long long kk, ii, n;
+    if (!Py_IS_TYPE(fl, FreeList_T) || !Py_IS_TYPE(block, Block_T) || !fl_lists(fl, &keys, &blocks, &maxes)
+        || !block_key(block, &s, &p) || !as_ll(SLOT(fl, F_len), &n) || !as_ll(SLOT(fl, F_fit_k), &kk)
+        || !as_ll(SLOT(fl, F_fit_i), &ii) || kk < 0 || ii < 0 || kk >= PyList_GET_SIZE(keys))
+        goto python;
+    bucket = PyList_GET_ITEM(keys, kk);
+    bblocks = PyList_GET_ITEM(blocks, kk);
+    if (!PyList_CheckExact(bucket) || !PyList_CheckExact(bblocks) || ii >= PyList_GET_SIZE(bucket)
+        || PyList_GET_SIZE(bblocks) != PyList_GET_SIZE(bucket))
+        goto python;
+    /* the bucket must stay within 2 * LOAD keys (read each time: tests change LOAD), or
+     * FreeList.add splits it */
+    PyObject *load = PyDict_GetItemWithError(freelist_globals, s_LOAD);
+    long long lo;
+    if (load == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        goto python;
+    }
+    if (!as_ll(load, &lo) || PyList_GET_SIZE(bucket) + 1 > 2 * lo)
+        goto python;
+    if ((key = make_key(s, p)) == NULL)
+        return -1;
+    /* where best_fit looked last, if the key goes just there: no search */
+    int r = PyObject_RichCompareBool(key, PyList_GET_ITEM(bucket, ii), Py_LT);
+    if (r > 0) {
+        if (ii)
+            r = PyObject_RichCompareBool(PyList_GET_ITEM(bucket, ii - 1), key, Py_LT);
+        else if (kk)
+            r = PyObject_RichCompareBool(PyList_GET_ITEM(maxes, kk - 1), key, Py_LT);
+    }
+    if (r < 0) {
+        Py_DECREF(key);
+        return -1;
+    }
+    if (!r) {
+        Py_DECREF(key);
+        goto python;
+    }
+    if (set_new(fl, F_len, PyLong_FromLongLong(n + 1)) < 0 || PyList_Insert(bucket, ii, key) < 0
+        || PyList_Insert(bblocks, ii, block) < 0) {
+        Py_DECREF(key);
+        return -1;
+    }
+    Py_DECREF(key);
+    return 0;
+python:
+    {
+        PyObject *res = call3(py_fl_add, fl, block, NULL, NULL, 2);
+        if (res == NULL)
+            return -1;
+        Py_DECREF(res);
+        return 0;
+    }
+}
+
+/* -- blocks ------------------------------------------------------------------------ */
+
+/* Block(ptr, size, segment), as Block.__init__ makes it (mapped). */
+static PyObject *
+new_block(unsigned long long ptr, PyObject *size, PyObject *segment)
+{
+    PyObject *stream = get(segment, SG_stream), *pool = get(segment, SG_pool);
+    if (stream == NULL || pool == NULL)
+        return NULL;
+    PyObject *p = PyLong_FromUnsignedLongLong(ptr);
+    if (p == NULL)
+        return NULL;
+    PyObject *b = Block_T->tp_alloc(Block_T, 0);
+    if (b == NULL) {
+        Py_DECREF(p);
+        return NULL;
+    }
+    PyObject *zero = PyLong_FromLong(0);
+    SLOT(b, B_ptr) = p;
+    set(b, B_size, size);
+    set(b, B_requested, zero);
+    set(b, B_segment, segment);
+    set(b, B_stream, stream);
+    set(b, B_pool, pool);
+    set(b, B_state, FREE);
+    set(b, B_mapped, Py_True);
+    set(b, B_prev, Py_None);
+    set(b, B_next, Py_None);
+    set(b, B_event_count, zero);
+    set(b, B_stream_uses, Py_None);
+    set(b, B_gc_base, zero);
+    set(b, B_frames, Py_None);
+    Py_DECREF(zero);
+    return b;
+}
+
+static inline int
+is_block_or_none(PyObject *o)
+{
+    return o != NULL && (o == Py_None || Py_IS_TYPE(o, Block_T));
+}
+
+
+/* -- compiled methods ----------------------------------------------------------------- */
+
+/* A C function standing in for a Python function or method: called with the Python
+ * function's arguments (self first, for a method), it binds as a method does, and
+ * carries the Python function's name, docstring and signature (functools.update_wrapper:
+ * __wrapped__), so that help(), inspect.signature and docs/gen_api.py see the same. */
+typedef PyObject *(*impl_t)(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    impl_t impl;
+    PyObject *wrapped;
+    PyObject *dict;
+} Compiled;
+
+static PyObject *
+compiled_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Compiled *c = (Compiled *)self;
+    return c->impl(c->wrapped, args, PyVectorcall_NARGS(nargsf), kwnames);
+}
+
+static PyObject *
+compiled_get(PyObject *self, PyObject *obj, PyObject *type)
+{
+    if (obj == NULL || obj == Py_None) {
+        Py_INCREF(self);
+        return self;
+    }
+    return PyMethod_New(self, obj);
+}
+
+static PyObject *
+compiled_repr(PyObject *self)
+{
+    return PyUnicode_FromFormat("<compiled %R>", ((Compiled *)self)->wrapped);
+}
+
+static PyGetSetDef compiled_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject Compiled_T = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "accel._speedups.compiled",
+    .tp_basicsize = sizeof(Compiled),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_vectorcall_offset = offsetof(Compiled, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_descr_get = compiled_get,
+    .tp_dictoffset = offsetof(Compiled, dict),
+    .tp_getattro = PyObject_GenericGetAttr,
+    .tp_setattro = PyObject_GenericSetAttr,
+    .tp_repr = compiled_repr,
+    .tp_getset = compiled_getset,
+    .tp_doc = "A compiled stand-in for the Python function in __wrapped__ (accel/_speedups.c).",
+};
+
+/* The Python function, called with the same arguments. */
+static PyObject *
+call_wrapped(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    return PyObject_Vectorcall(wrapped, args, nargs, kwnames);
+}
+
+static PyObject *
+make_compiled(impl_t impl, PyObject *wrapped)
+{
+    Compiled *c = PyObject_New(Compiled, &Compiled_T);
+    if (c == NULL)
+        return NULL;
+    c->vectorcall = compiled_vectorcall;
+    c->impl = impl;
+    Py_INCREF(wrapped);
+    c->wrapped = wrapped;
+    c->dict = PyDict_New();
+    PyObject *functools = PyImport_ImportModule("functools"), *r = NULL;
+    if (c->dict != NULL && functools != NULL)
+        r = PyObject_CallMethod(functools, "update_wrapper", "OO", (PyObject *)c, wrapped);
+    Py_XDECREF(functools);
+    if (r == NULL)
+        return NULL; /* c is kept: its type has no dealloc beyond the default */
+    Py_DECREF(r);
+    return (PyObject *)c;
+}
+
+/* Put a compiled stand-in for cls.<name> on cls; 0 or -1. */
+static int
+replace_method(PyTypeObject *cls, const char *name, impl_t impl, PyObject **wrapped_out)
+{
+    PyObject *wrapped = PyDict_GetItemString(cls->tp_dict, name);
+    if (wrapped == NULL || !PyFunction_Check(wrapped)) {
+        PyErr_Format(PyExc_TypeError, "%s.%s is not a Python function", cls->tp_name, name);
+        return -1;
+    }
+    Py_INCREF(wrapped);
+    PyObject *c = make_compiled(impl, wrapped);
+    int r = c == NULL ? -1 : PyObject_SetAttrString((PyObject *)cls, name, c);
+    Py_XDECREF(c);
+    if (wrapped_out != NULL && r == 0)
+        *wrapped_out = wrapped; /* kept */
+    else
+        Py_DECREF(wrapped);
+    return r;
+}
+
+/* -- the allocator (accel/allocator/_caching.py) ----------------------------------- */
+
+/* o.<name> for an attribute kept in the instance's __dict__ (the allocator's, a stream's,
+ * a runtime's: none of these names is a descriptor of their classes): a look in that dict,
+ * without the class's; anything else takes the generic way. A new reference. */
+static inline PyObject *
+attr(PyObject *o, PyObject *name)
+{
+    PyObject **dp = _PyObject_GetDictPtr(o);
+    if (dp != NULL && *dp != NULL) {
+        PyObject *v = PyDict_GetItemWithError(*dp, name);
+        if (v != NULL) {
+            Py_INCREF(v);
+            return v;
+        }
+        if (PyErr_Occurred())
+            return NULL;
+    }
+    return PyObject_GetAttr(o, name);
+}
+
+/* The allocator's threading.Lock, taken and given back as its acquire() and release()
+ * do: on CPython 3.10-3.12 a _thread.lock is this struct (Modules/_threadmodule.c), and an
+ * uncontended acquire is a non-blocking PyThread_acquire_lock_timed and ``locked = 1``.
+ * A contended one, another lock type or another CPython calls the methods. */
+#if PY_VERSION_HEX >= 0x030A0000 && PY_VERSION_HEX < 0x030D0000
+#define DIRECT_LOCK 1
+typedef struct {
+    PyObject_HEAD
+    PyThread_type_lock lock_lock;
+    PyObject *in_weakreflist;
+    char locked;
+} lockobject;
+#else
+#define DIRECT_LOCK 0
+#endif
+static PyTypeObject *Lock_T;
+
+static int lock_call(PyObject *lock, PyObject *name);
+
+static int
+lock_acquire(PyObject *lock)
+{
+#if DIRECT_LOCK
+    if (Py_IS_TYPE(lock, Lock_T) && PyThread_acquire_lock_timed(((lockobject *)lock)->lock_lock, 0, 0) == PY_LOCK_ACQUIRED) {
+        ((lockobject *)lock)->locked = 1;
+        return 0;
+    }
+#endif
+    return lock_call(lock, s_acquire);
+}
+
+static int
+lock_release(PyObject *lock)
+{
+#if DIRECT_LOCK
+    if (Py_IS_TYPE(lock, Lock_T) && ((lockobject *)lock)->locked) {
+        ((lockobject *)lock)->locked = 0;
+        PyThread_release_lock(((lockobject *)lock)->lock_lock);
+        return 0;
+    }
+#endif
+    return lock_call(lock, s_release);
+}
+
+static int
+lock_call(PyObject *lock, PyObject *name)
+{
+    PyObject *res = PyObject_VectorcallMethod(name, &lock, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (res == NULL)
+        return -1;
+    Py_DECREF(res);
+    return 0;
+}
+
+/* Release the lock whatever happened ("finally: lock.release()"); returns result,
+ * or NULL when the release failed. */
+static PyObject *
+release(PyObject *lock, PyObject *result)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (lock_release(lock) < 0) {
+        Py_XDECREF(result);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        return NULL;
+    }
+    PyErr_Restore(type, value, tb);
+    return result;
+}
+
+/* Truth of self.<name>; -1 on error. */
+static int
+truth(PyObject *o, PyObject *name)
+{
+    PyObject *v = attr(o, name);
+    if (v == NULL)
+        return -1;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* self._kinds[pool.kind], a new reference, or NULL with no error when it is not a Counts. */
+static PyObject *
+kind_counts(PyObject *self, PyObject *pool)
+{
+    PyObject *kinds = attr(self, s_kinds), *kind = get(pool, P_kind);
+    if (kinds == NULL || kind == NULL) {
+        Py_XDECREF(kinds);
+        return NULL;
+    }
+    PyObject *k = PyObject_GetItem(kinds, kind);
+    Py_DECREF(kinds);
+    if (k != NULL && !Py_IS_TYPE(k, Counts_T))
+        Py_CLEAR(k);
+    return k;
+}
+
+/* malloc's fast path, the lock held: a new reference to the block, Py_None when the
+ * fast path does not apply (nothing was changed), NULL on error. */
+static PyObject *
+malloc_fast(PyObject *self, long long nbytes, PyObject *handle)
+{
+    PyObject *pool = NULL, *free, *block = NULL, *k = NULL, *ms = NULL, *result = NULL;
+    int r = truth(self, s_fast);
+    if (r <= 0)
+        goto none_or_error;
+    if ((r = truth(self, s_gc_frees)) != 0 || (r = truth(self, s_pending)) != 0)
+        goto not_fast;
+    long long size = nbytes < 512 ? 512 : (nbytes + 511) & -512;
+    pool = attr(self, size <= SMALL_SIZE ? s_small : s_large);
+    if (pool == NULL)
+        return NULL;
+    PyObject *frees = Py_IS_TYPE(pool, Pool_T) ? get(pool, P_free) : NULL;
+    if (frees == NULL || !PyDict_CheckExact(frees)) {
+        r = PyErr_Occurred() ? -1 : 0;
+        goto not_fast;
+    }
+    free = PyDict_GetItemWithError(frees, handle);
+    if (free == NULL || !Py_IS_TYPE(free, FreeList_T)) {
+        r = PyErr_Occurred() ? -1 : 0;
+        goto not_fast;
+    }
+    Py_INCREF(free);
+    block = fl_best_fit(free, size);
+    Py_DECREF(free); /* the dict holds it: nothing below runs Python code before its use */
+    if (block == NULL)
+        goto error;
+    if (block == Py_None || !Py_IS_TYPE(block, Block_T)) {
+        r = 0;
+        goto not_fast;
+    }
+    PyObject *segment = SLOT(block, B_segment), *bsize = SLOT(block, B_size), *nxt = SLOT(block, B_next),
+             *prev = SLOT(block, B_prev), *ptr = SLOT(block, B_ptr);
+    long long full;
+    unsigned long long p;
+    if (segment == NULL || !Py_IS_TYPE(segment, Segment_T) || !as_ll(bsize, &full) || !is_block_or_none(nxt)
+        || !is_block_or_none(prev) || !as_ull(ptr, &p) || SLOT(segment, SG_expandable) == NULL) {
+        r = 0;
+        goto not_fast;
+    }
+    if ((ms = attr(self, s_ms)) == NULL)
+        goto error;
+    if ((r = PyObject_RichCompareBool(bsize, ms, Py_LT)) <= 0)
+        goto not_fast;
+    if ((r = PyObject_IsTrue(SLOT(segment, SG_expandable))) != 0) {
+        r = r < 0 ? -1 : 0;
+        goto not_fast;
+    }
+    if ((k = kind_counts(self, pool)) == NULL) {
+        r = PyErr_Occurred() ? -1 : 0;
+        goto not_fast;
+    }
+    /* the fast path proper: from here on, the books change */
+    if ((r = truth(self, s_gc_threshold)) < 0)
+        goto error;
+    if (r && slot_add(pool, P_calls, 1, NULL) < 0)
+        goto error;
+    long long remaining = full - size;
+    PyObject *small = get(pool, P_small);
+    if (small == NULL || (r = PyObject_IsTrue(small)) < 0)
+        goto error;
+    if (remaining >= 512 && (r || remaining > SMALL_SIZE)) {
+        /* _split: a new block object for the rest, which takes this one's place on the free list */
+        PyObject *rsize = PyLong_FromLongLong(remaining);
+        if (rsize == NULL)
+            goto error;
+        PyObject *rest = new_block(p + (unsigned long long)size, rsize, segment);
+        Py_DECREF(rsize);
+        if (rest == NULL)
+            goto error;
+        set(rest, B_next, nxt);
+        set(rest, B_prev, block);
+        set(block, B_next, rest);
+        if (nxt != Py_None)
+            set(nxt, B_prev, rest);
+        PyObject *calls = get(pool, P_calls);
+        if (calls == NULL) {
+            Py_DECREF(rest);
+            goto error;
+        }
+        set(rest, B_gc_base, calls);
+        PyObject *fullobj = bsize;
+        Py_INCREF(fullobj);
+        if (set_new(block, B_size, PyLong_FromLongLong(size)) < 0) {
+            Py_DECREF(fullobj);
+            Py_DECREF(rest);
+            goto error;
+        }
+        /* free is still listed by pool.free (nothing ran Python code since) */
+        free = PyDict_GetItemWithError(frees, handle);
+        if (free == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetObject(PyExc_KeyError, handle);
+            Py_DECREF(fullobj);
+            Py_DECREF(rest);
+            goto error;
+        }
+        Py_INCREF(free);
+        r = fl_replace(free, fullobj, ptr, rest);
+        Py_DECREF(free);
+        Py_DECREF(fullobj);
+        Py_DECREF(rest);
+        if (r < 0)
+            goto error;
+        if (prev != Py_None || nxt != Py_None) {
+            /* the free part that was counted shrinks to the rest */
+            if (slot_add(k, C_cur[ST_INACTIVE_SPLIT_BYTES], -size, NULL) < 0)
+                goto error;
+        }
+        else if (add_inactive_split(k, remaining) < 0)
+            goto error;
+    }
+    else {
+        /* _split without a cut: the whole block leaves the list */
+        size = full;
+        free = PyDict_GetItemWithError(frees, handle);
+        if (free == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetObject(PyExc_KeyError, handle);
+            goto error;
+        }
+        Py_INCREF(free);
+        r = fl_remove(free, block);
+        Py_DECREF(free);
+        if (r < 0)
+            goto error;
+        if (prev != Py_None || nxt != Py_None) {
+            if (slot_add(k, C_cur[ST_INACTIVE_SPLIT], -1, NULL) < 0
+                || slot_add(k, C_cur[ST_INACTIVE_SPLIT_BYTES], -full, NULL) < 0)
+                goto error;
+        }
+    }
+    /* _account */
+    set(block, B_state, ALLOCATED);
+    if (set_new(block, B_requested, PyLong_FromLongLong(nbytes)) < 0)
+        goto error;
+    PyObject *s = attr(self, s_s);
+    if (s == NULL)
+        goto error;
+    r = add_allocation(k, s, size, nbytes);
+    Py_DECREF(s);
+    if (r < 0)
+        goto error;
+    result = block;
+    block = NULL;
+    goto out;
+not_fast:
+    if (r < 0)
+        goto error;
+    result = Py_None;
+    Py_INCREF(result);
+    goto out;
+none_or_error:
+    if (r == 0) {
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    return result;
+error:
+out:
+    Py_XDECREF(pool);
+    Py_XDECREF(block);
+    Py_XDECREF(k);
+    Py_XDECREF(ms);
+    return result;
+}
+
+/* Whether stream is one malloc accepts without a look at the Python checks: 1 yes,
+ * 0 no (the Python method says why), -1 error. */
+static int
+stream_ok(PyObject *self, PyObject *stream)
+{
+    PyObject *a = attr(stream, s_dev), *b = NULL, *rt = NULL, *c = NULL;
+    int r = -1;
+    if (a == NULL || (b = attr(self, s_device)) == NULL)
+        goto out;
+    if ((r = PyObject_RichCompareBool(a, b, Py_NE)) != 0) {
+        r = r < 0 ? -1 : 0;
+        goto out;
+    }
+    Py_CLEAR(a);
+    Py_CLEAR(b);
+    if ((rt = attr(stream, s_runtime)) == NULL || (a = attr(rt, s_backend)) == NULL
+        || (b = attr(self, s_backend)) == NULL) {
+        r = -1;
+        goto out;
+    }
+    if (a != b) {
+        r = 0;
+        goto out;
+    }
+    if ((c = attr(stream, s_closed)) == NULL) {
+        r = -1;
+        goto out;
+    }
+    r = PyObject_IsTrue(c);
+    r = r < 0 ? -1 : !r;
+out:
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    Py_XDECREF(rt);
+    Py_XDECREF(c);
+    return r;
+}
+
+/* DeviceAllocator.malloc(nbytes, stream) */
+static PyObject *
+allocator_malloc(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    long long nbytes;
+    if (nargs != 3 || kwnames != NULL || !as_ll(args[1], &nbytes) || nbytes <= 0 || nbytes >= MAX_REQUEST)
+        return call_wrapped(wrapped, args, nargs, kwnames); /* the Python method raises accel's error */
+    PyObject *self = args[0], *stream = args[2];
+    int r = stream_ok(self, stream);
+    if (r < 0)
+        return NULL;
+    if (!r)
+        return call_wrapped(wrapped, args, nargs, kwnames);
+    PyObject *handle = attr(stream, s_handle);
+    if (handle == NULL)
+        return NULL;
+    PyObject *lock = attr(self, s_lock);
+    if (lock == NULL || lock_acquire(lock) < 0) {
+        Py_XDECREF(lock);
+        Py_DECREF(handle);
+        return NULL;
+    }
+    PyObject *block = malloc_fast(self, nbytes, handle);
+    if (block == Py_None) {
+        Py_DECREF(block);
+        PyObject *sargs[4] = {self, args[1], stream, handle};
+        block = PyObject_VectorcallMethod(s_malloc_steps, sargs, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    }
+    block = release(lock, block);
+    Py_DECREF(lock);
+    Py_DECREF(handle);
+    return block;
+}
+
+/* _free_held's fast paths; Py_None when done, NULL on error. */
+static PyObject *
+free_held(PyObject *self, PyObject *block)
+{
+    PyObject *segment, *pool, *k = NULL, *history = NULL, *ms = NULL, *prev, *nxt, *size, *frees;
+    int r;
+    if (!Py_IS_TYPE(block, Block_T) || (segment = SLOT(block, B_segment)) == NULL
+        || !Py_IS_TYPE(segment, Segment_T) || (pool = SLOT(block, B_pool)) == NULL || !Py_IS_TYPE(pool, Pool_T)
+        || SLOT(block, B_stream_uses) == NULL || !is_block_or_none(prev = SLOT(block, B_prev))
+        || !is_block_or_none(nxt = SLOT(block, B_next)) || (size = SLOT(block, B_size)) == NULL
+        || SLOT(segment, SG_expandable) == NULL || (frees = SLOT(pool, P_free)) == NULL
+        || !PyDict_CheckExact(frees) || SLOT(block, B_stream) == NULL || SLOT(block, B_requested) == NULL)
+        goto python;
+    if ((r = PyObject_IsTrue(SLOT(block, B_stream_uses))) != 0)
+        goto python_or_error;
+    if ((history = attr(self, s_history)) == NULL)
+        return NULL;
+    if (history != Py_None || (r = truth(self, s_orphaned)) != 0)
+        goto python_or_error;
+    if ((k = kind_counts(self, pool)) == NULL) {
+        r = PyErr_Occurred() ? -1 : 1;
+        goto python_or_error;
+    }
+    Py_INCREF(block);
+    /* the common case of _free_locked inline: no other stream, no history */
+    if (slot_sub(k, C_cur[ST_ALLOCATION], ONE) < 0 || slot_sub(k, C_cur[ST_ALLOCATED_BYTES], size) < 0)
+        goto error;
+    if ((ms = attr(self, s_ms)) == NULL || (r = PyObject_RichCompareBool(size, ms, Py_GE)) < 0)
+        goto error;
+    if (r) {
+        PyObject *s = attr(self, s_s);
+        if (s == NULL)
+            goto error;
+        PyObject *idx = PyLong_FromSsize_t(OVERSIZE_ALLOCATIONS), *v = NULL, *nv = NULL;
+        if (idx != NULL && (v = PyObject_GetItem(s, idx)) != NULL && (nv = add_ll(v, -1)) != NULL)
+            r = PyObject_SetItem(s, idx, nv);
+        else
+            r = -1;
+        Py_XDECREF(idx);
+        Py_XDECREF(v);
+        Py_XDECREF(nv);
+        Py_DECREF(s);
+        if (r < 0)
+            goto error;
+    }
+    if ((r = truth(self, s_fast)) < 0)
+        goto error;
+    int prev_free = 0;
+    if (r && prev != Py_None) {
+        PyObject *st = get(prev, B_state);
+        if (st == NULL || (prev_free = PyObject_RichCompareBool(st, FREE, Py_EQ)) < 0)
+            goto error;
+    }
+    if (r && !prev_free) {
+        if ((r = PyObject_IsTrue(SLOT(segment, SG_expandable))) < 0)
+            goto error;
+        if (r)
+            goto free_block;
+        /* the fast paths of _free_block: the block is retired either way */
+        int next_free = 0;
+        if (nxt != Py_None) {
+            PyObject *st = get(nxt, B_state);
+            if (st == NULL || (next_free = PyObject_RichCompareBool(st, FREE, Py_EQ)) < 0)
+                goto error;
+        }
+        if (next_free) {
+            /* the free block after takes this one's place (an allocate+free pair) */
+            PyObject *listed_size = SLOT(nxt, B_size), *listed_ptr = SLOT(nxt, B_ptr), *free;
+            if (listed_size == NULL || listed_ptr == NULL) {
+                PyErr_SetString(PyExc_AttributeError, "a free block without size or ptr");
+                goto error;
+            }
+            Py_INCREF(listed_size);
+            Py_INCREF(listed_ptr);
+            Py_INCREF(nxt);
+            Py_INCREF(prev);
+            long long merged_ll = 0;
+            PyObject *merged = NULL;
+            r = -1;
+            if (slot_sub(k, C_cur[ST_REQUESTED_BYTES], SLOT(block, B_requested)) < 0)
+                goto merge_out;
+            set(block, B_state, RETIRED);
+            set(block, B_prev, Py_None);
+            set(block, B_next, Py_None);
+            set(nxt, B_ptr, SLOT(block, B_ptr));
+            if ((merged = PyNumber_Add(listed_size, size)) == NULL)
+                goto merge_out;
+            set(nxt, B_size, merged);
+            set(nxt, B_prev, prev);
+            if (prev != Py_None)
+                set(prev, B_next, nxt);
+            else
+                set(segment, SG_head, nxt);
+            if ((free = PyObject_GetItem(frees, SLOT(block, B_stream))) == NULL)
+                goto merge_out;
+            r = fl_replace(free, listed_size, listed_ptr, nxt);
+            Py_DECREF(free);
+            if (r < 0)
+                goto merge_out;
+            r = -1;
+            PyObject *calls = get(pool, P_calls);
+            if (calls == NULL)
+                goto merge_out;
+            set(nxt, B_gc_base, calls);
+            /* inactive_split: the listed rest leaves it; the merged block joins it
+             * again only if the segment is still split */
+            if (slot_add(k, C_cur[ST_INACTIVE_SPLIT], -1, NULL) < 0
+                || slot_sub(k, C_cur[ST_INACTIVE_SPLIT_BYTES], listed_size) < 0)
+                goto merge_out;
+            if (prev != Py_None || SLOT(nxt, B_next) != Py_None) {
+                if (!as_ll(merged, &merged_ll)) {
+                    PyErr_SetString(PyExc_OverflowError, "block size out of range");
+                    goto merge_out;
+                }
+                if (add_inactive_split(k, merged_ll) < 0)
+                    goto merge_out;
+            }
+            r = 0;
+        merge_out:
+            Py_XDECREF(merged);
+            Py_DECREF(listed_size);
+            Py_DECREF(listed_ptr);
+            Py_DECREF(nxt);
+            Py_DECREF(prev);
+            if (r < 0)
+                goto error;
+            goto done;
+        }
+        PyObject *free = PyDict_GetItemWithError(frees, SLOT(block, B_stream));
+        if (free == NULL && PyErr_Occurred())
+            goto error;
+        if (free != NULL) {
+            /* no free neighbour: a new block object stands in for this one (a cached
+             * pair that reuses a hole) */
+            unsigned long long p;
+            long long sz;
+            if (!as_ull(SLOT(block, B_ptr), &p) || !as_ll(size, &sz)) {
+                PyErr_SetString(PyExc_OverflowError, "block address or size out of range");
+                goto error;
+            }
+            Py_INCREF(free);
+            Py_INCREF(prev);
+            Py_INCREF(nxt);
+            r = -1;
+            if (slot_sub(k, C_cur[ST_REQUESTED_BYTES], SLOT(block, B_requested)) < 0)
+                goto hole_out;
+            set(block, B_state, RETIRED);
+            set(block, B_prev, Py_None);
+            set(block, B_next, Py_None);
+            PyObject *new = new_block(p, size, segment);
+            if (new == NULL)
+                goto hole_out;
+            set(new, B_prev, prev);
+            set(new, B_next, nxt);
+            if (prev != Py_None)
+                set(prev, B_next, new);
+            else
+                set(segment, SG_head, new);
+            if (nxt != Py_None)
+                set(nxt, B_prev, new);
+            PyObject *calls = get(pool, P_calls);
+            if (calls != NULL) {
+                set(new, B_gc_base, calls);
+                if (fl_add(free, new) == 0
+                    && ((prev == Py_None && nxt == Py_None) || add_inactive_split(k, sz) == 0))
+                    r = 0;
+            }
+            Py_DECREF(new);
+        hole_out:
+            Py_DECREF(free);
+            Py_DECREF(prev);
+            Py_DECREF(nxt);
+            if (r < 0)
+                goto error;
+            goto done;
+        }
+    }
+free_block: {
+    PyObject *args[2] = {self, block};
+    PyObject *res = PyObject_VectorcallMethod(s_free_block, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (res == NULL)
+        goto error;
+    Py_DECREF(res);
+}
+done:
+    Py_DECREF(block);
+    Py_DECREF(k);
+    Py_XDECREF(ms);
+    Py_XDECREF(history);
+    Py_RETURN_NONE;
+error:
+    Py_DECREF(block);
+    Py_XDECREF(k);
+    Py_XDECREF(ms);
+    Py_XDECREF(history);
+    return NULL;
+python_or_error:
+    Py_XDECREF(history);
+    Py_XDECREF(k);
+    if (r < 0)
+        return NULL;
+python: {
+    PyObject *args[2] = {self, block};
+    return PyObject_Vectorcall(py_free_held, args, 2, NULL);
+}
+}
+
+/* DeviceAllocator._free_held(block) */
+static PyObject *
+allocator_free_held(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (nargs != 2 || kwnames != NULL)
+        return call_wrapped(wrapped, args, nargs, kwnames);
+    return free_held(args[0], args[1]);
+}
+
+/* DeviceAllocator.free_from_finalizer(block) */
+static PyObject *
+allocator_free_from_finalizer(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (nargs != 2 || kwnames != NULL)
+        return call_wrapped(wrapped, args, nargs, kwnames);
+    PyObject *self = args[0], *block = args[1];
+    PyObject *lock = attr(self, s_lock), *res = NULL;
+    if (lock == NULL)
+        return NULL;
+    int r;
+#if DIRECT_LOCK
+    if (Py_IS_TYPE(lock, Lock_T)) {
+        /* acquire(blocking=False) */
+        r = PyThread_acquire_lock_timed(((lockobject *)lock)->lock_lock, 0, 0) == PY_LOCK_ACQUIRED;
+        if (r)
+            ((lockobject *)lock)->locked = 1;
+    }
+    else
+#endif
+    {
+        PyObject *largs[2] = {lock, Py_False};
+        PyObject *got = PyObject_VectorcallMethod(s_acquire, largs, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        r = got == NULL ? -1 : PyObject_IsTrue(got);
+        Py_XDECREF(got);
+    }
+    if (r < 0) {
+        Py_DECREF(lock);
+        return NULL;
+    }
+    if (r) {
+        PyObject *state = PyObject_GetAttrString(block, "state");
+        r = state == NULL ? -1 : PyObject_RichCompareBool(state, ALLOCATED, Py_EQ);
+        Py_XDECREF(state);
+        if (r > 0)
+            res = free_held(self, block);
+        else if (r == 0) {
+            res = Py_None;
+            Py_INCREF(res);
+        }
+        res = release(lock, res);
+    }
+    else {
+        /* the lock is taken (maybe by this thread): the free waits for the next call */
+        PyObject *q = attr(self, s_gc_frees);
+        if (q != NULL)
+            res = PyObject_CallMethod(q, "append", "O", block);
+        Py_XDECREF(q);
+    }
+    Py_DECREF(lock);
+    return res;
+}
+
+/* DeviceAllocator.free(block) */
+static PyObject *
+allocator_free(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (nargs != 2 || kwnames != NULL || !Py_IS_TYPE(args[1], Block_T))
+        return call_wrapped(wrapped, args, nargs, kwnames);
+    PyObject *self = args[0], *block = args[1];
+    PyObject *lock = attr(self, s_lock), *res = NULL;
+    if (lock == NULL)
+        return NULL;
+    if (lock_acquire(lock) < 0) {
+        Py_DECREF(lock);
+        return NULL;
+    }
+    PyObject *state = get(block, B_state), *segment, *owner;
+    int r = state == NULL ? -1 : PyObject_RichCompareBool(state, ALLOCATED, Py_NE);
+    if (r == 0) {
+        if ((segment = get(block, B_segment)) == NULL || (owner = PyObject_GetAttrString(segment, "owner")) == NULL)
+            r = -1;
+        else {
+            r = owner != self;
+            Py_DECREF(owner);
+        }
+    }
+    if (r > 0) {
+        PyObject *msg = PyUnicode_FromFormat(
+            "%R is not allocated by %R (freed twice, or from another allocator)", block, self);
+        if (msg != NULL) {
+            PyErr_SetObject(InvalidHandleError, msg);
+            Py_DECREF(msg);
+        }
+    }
+    else if (r == 0)
+        res = free_held(self, block);
+    res = release(lock, res);
+    Py_DECREF(lock);
+    return res;
+}
+
+
+/* -- install ------------------------------------------------------------------------ */
+
+static int
+intern(PyObject **out, const char *s)
+{
+    *out = PyUnicode_InternFromString(s);
+    return *out == NULL ? -1 : 0;
+}
+
+static int
+get_type(PyObject *ns, const char *name, PyTypeObject **out)
+{
+    PyObject *t = PyMapping_GetItemString(ns, name);
+    if (t == NULL)
+        return -1;
+    if (!PyType_Check(t)) {
+        PyErr_Format(PyExc_TypeError, "%s is not a class", name);
+        Py_DECREF(t);
+        return -1;
+    }
+    *out = (PyTypeObject *)t; /* kept for the life of the process */
+    return 0;
+}
+
+static int
+get_obj(PyObject *ns, const char *name, PyObject **out)
+{
+    *out = PyMapping_GetItemString(ns, name);
+    return *out == NULL ? -1 : 0;
+}
+
+static int
+get_ll(PyObject *ns, const char *name, long long *out)
+{
+    PyObject *v = PyMapping_GetItemString(ns, name);
+    if (v == NULL)
+        return -1;
+    *out = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+static int installed = 0;
+
+/* install_allocator(names): put the compiled methods on DeviceAllocator. ``names`` maps
+ * the names below to the allocator module's classes, functions and constants. */
+static PyObject *
+install_allocator(PyObject *module, PyObject *ns)
+{
+    if (installed)
+        Py_RETURN_NONE;
+    PyTypeObject *alloc;
+    long long v;
+    if (get_type(ns, "DeviceAllocator", &alloc) < 0 || get_type(ns, "Block", &Block_T) < 0
+        || get_type(ns, "Segment", &Segment_T) < 0 || get_type(ns, "Pool", &Pool_T) < 0
+        || get_type(ns, "FreeList", &FreeList_T) < 0 || get_type(ns, "Counts", &Counts_T) < 0
+        || get_type(ns, "Every", &Every_T) < 0 || get_obj(ns, "note_active_peak", &py_note_active_peak) < 0
+        || get_obj(ns, "InvalidHandleError", &InvalidHandleError) < 0 || get_obj(ns, "FREE", &FREE) < 0
+        || get_obj(ns, "ALLOCATED", &ALLOCATED) < 0 || get_obj(ns, "RETIRED", &RETIRED) < 0
+        || get_ll(ns, "SMALL_SIZE", &SMALL_SIZE) < 0 || get_ll(ns, "MAX_REQUEST", &MAX_REQUEST) < 0
+        || get_ll(ns, "OVERSIZE_ALLOCATIONS", &v) < 0)
+        return NULL;
+    OVERSIZE_ALLOCATIONS = (Py_ssize_t)v;
+    if (get_type(ns, "Lock", &Lock_T) < 0 || get_obj(ns, "freelist_module", &freelist_globals) < 0
+        || intern(&s_LOAD, "LOAD") < 0)
+        return NULL;
+    if ((freelist_globals = PyModule_GetDict(freelist_globals)) == NULL)
+        return NULL;
+    Py_INCREF(freelist_globals);
+#if DIRECT_LOCK
+    if (Lock_T->tp_basicsize != sizeof(lockobject)) {
+        PyErr_SetString(PyExc_TypeError, "threading.Lock is not the _thread.lock the compiled paths know");
+        return NULL;
+    }
+#endif
+    if ((ONE = PyLong_FromLong(1)) == NULL)
+        return NULL;
+    if (get_ll(ns, "ACTIVE", &v) < 0)
+        return NULL;
+    ACTIVE = (Py_ssize_t)v;
+    PyObject *d = alloc->tp_dict;
+    if ((py_free_held = PyDict_GetItemString(d, "_free_held")) == NULL
+        || (py_fl_replace = PyDict_GetItemString(FreeList_T->tp_dict, "replace")) == NULL
+        || (py_fl_remove = PyDict_GetItemString(FreeList_T->tp_dict, "remove")) == NULL
+        || (py_fl_add = PyDict_GetItemString(FreeList_T->tp_dict, "add")) == NULL) {
+        PyErr_SetString(PyExc_TypeError, "DeviceAllocator or FreeList lacks a method the compiled paths replace");
+        return NULL;
+    }
+    Py_INCREF(py_free_held);
+    Py_INCREF(py_fl_replace);
+    Py_INCREF(py_fl_remove);
+    Py_INCREF(py_fl_add);
+#define OFF(T, name, var) (slot_offset(T, name, &var) < 0)
+    if (OFF(Block_T, "ptr", B_ptr) || OFF(Block_T, "size", B_size) || OFF(Block_T, "requested", B_requested)
+        || OFF(Block_T, "stream", B_stream) || OFF(Block_T, "pool", B_pool) || OFF(Block_T, "segment", B_segment)
+        || OFF(Block_T, "state", B_state) || OFF(Block_T, "mapped", B_mapped) || OFF(Block_T, "prev", B_prev)
+        || OFF(Block_T, "next", B_next) || OFF(Block_T, "event_count", B_event_count)
+        || OFF(Block_T, "stream_uses", B_stream_uses) || OFF(Block_T, "gc_base", B_gc_base)
+        || OFF(Block_T, "frames", B_frames) || OFF(Segment_T, "owner", SG_owner)
+        || OFF(Segment_T, "expandable", SG_expandable) || OFF(Segment_T, "head", SG_head)
+        || OFF(Segment_T, "stream", SG_stream) || OFF(Segment_T, "pool", SG_pool) || OFF(Pool_T, "small", P_small)
+        || OFF(Pool_T, "kind", P_kind) || OFF(Pool_T, "free", P_free) || OFF(Pool_T, "calls", P_calls)
+        || OFF(FreeList_T, "_keys", F_keys) || OFF(FreeList_T, "_blocks", F_blocks)
+        || OFF(FreeList_T, "_maxes", F_maxes) || OFF(FreeList_T, "_len", F_len)
+        || OFF(FreeList_T, "_fit_k", F_fit_k) || OFF(FreeList_T, "_fit_i", F_fit_i)
+        || OFF(Counts_T, "other", C_other) || OFF(Counts_T, "every", C_every))
+        return NULL;
+    /* Block.__init__ sets every slot: new_block() does the same, and must know them all */
+    if (Block_T->tp_basicsize != (Py_ssize_t)(sizeof(PyObject) + 14 * sizeof(PyObject *))
+        || Block_T->tp_dictoffset != 0 || Block_T->tp_weaklistoffset != 0) {
+        PyErr_SetString(PyExc_TypeError, "Block's slots are not the ones the compiled paths know");
+        return NULL;
+    }
+    for (int i = 0; i < N_HOT; i++) {
+        char name[64];
+        snprintf(name, sizeof name, "%s", hot_names[i]);
+        if (OFF(Counts_T, name, C_cur[i]))
+            return NULL;
+        snprintf(name, sizeof name, "%s_peak", hot_names[i]);
+        if (OFF(Counts_T, name, C_peak[i]) || OFF(Every_T, name, E_peak[i]))
+            return NULL;
+        snprintf(name, sizeof name, "%s_total", hot_names[i]);
+        if (OFF(Counts_T, name, C_total[i]))
+            return NULL;
+    }
+#undef OFF
+    if (intern(&s_lock, "_lock") || intern(&s_fast, "_fast") || intern(&s_gc_frees, "_gc_frees")
+        || intern(&s_pending, "_pending") || intern(&s_small, "_small") || intern(&s_large, "_large")
+        || intern(&s_ms, "_ms") || intern(&s_gc_threshold, "_gc_threshold") || intern(&s_kinds, "_kinds")
+        || intern(&s_s, "_s") || intern(&s_device, "device") || intern(&s_backend, "backend")
+        || intern(&s_history, "_history") || intern(&s_orphaned, "_orphaned")
+        || intern(&s_malloc_steps, "_malloc_steps") || intern(&s_free_block, "_free_block")
+        || intern(&s_acquire, "acquire") || intern(&s_release, "release") || intern(&s_dev, "_device")
+        || intern(&s_runtime, "_runtime") || intern(&s_closed, "_closed") || intern(&s_handle, "_handle"))
+        return NULL;
+    if (replace_method(alloc, "malloc", allocator_malloc, NULL) < 0
+        || PyObject_SetAttrString((PyObject *)alloc, "malloc_checked", PyDict_GetItemString(alloc->tp_dict, "malloc")) < 0
+        || replace_method(alloc, "free", allocator_free, NULL) < 0
+        || replace_method(alloc, "_free_held", allocator_free_held, NULL) < 0
+        || replace_method(alloc, "free_from_finalizer", allocator_free_from_finalizer, NULL) < 0)
+        return NULL;
+    installed = 1;
+    Py_RETURN_NONE;
+}
+
+
+/* -- buffers (accel/allocator/_buffer.py) --------------------------------------------- */
+
+static PyTypeObject *Buffer_T;
+static PyObject *runtime_globals, *buffer_globals, *mempool_globals, *EXTENSION;
+static Py_ssize_t U_block, U_allocator, U_nbytes, U_stream, U_lease;
+static PyObject *s_runtime_g, *s_forked_from, *s_collecting, *s_open, *s_state, *s_streams, *s_default_streams,
+    *s_extensions, *s_allocators, *s_free, *s_free_from_finalizer, *s_malloc, *s_device_kw, *s_stream_kw;
+
+/* A module global, borrowed (NULL without an error when it is missing). */
+static inline PyObject *
+global(PyObject *globals, PyObject *name)
+{
+    return PyDict_GetItemWithError(globals, name);
+}
+
+/* Buffer.free() */
+static PyObject *
+buffer_free(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (nargs != 1 || kwnames != NULL || !Py_IS_TYPE(args[0], Buffer_T))
+        return call_wrapped(wrapped, args, nargs, kwnames);
+    PyObject *self = args[0], *block = SLOT(self, U_block), *lease = SLOT(self, U_lease),
+             *forked = global(runtime_globals, s_forked_from), *allocator = SLOT(self, U_allocator);
+    if (block == Py_None)
+        Py_RETURN_NONE;
+    if (block == NULL || lease != Py_None || forked != Py_None || allocator == NULL)
+        return call_wrapped(wrapped, args, nargs, kwnames); /* a lease, a fork, or an error */
+    PyObject *collecting = global(buffer_globals, s_collecting);
+    int r = collecting == NULL ? -1 : PyObject_IsTrue(collecting);
+    if (r < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_NameError, "_collecting");
+        return NULL;
+    }
+    Py_INCREF(block);
+    Py_INCREF(allocator);
+    set(self, U_block, Py_None);
+    PyObject *fargs[2] = {allocator, block};
+    PyObject *res = PyObject_VectorcallMethod(r ? s_free_from_finalizer : s_free, fargs,
+                                              2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(block);
+    Py_DECREF(allocator);
+    if (res == NULL)
+        return NULL;
+    Py_DECREF(res);
+    Py_RETURN_NONE;
+}
+
+/* Buffer.__del__() */
+static PyObject *
+buffer_del(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (nargs != 1 || kwnames != NULL || !Py_IS_TYPE(args[0], Buffer_T))
+        return call_wrapped(wrapped, args, nargs, kwnames);
+    PyObject *self = args[0], *block = SLOT(self, U_block), *lease = SLOT(self, U_lease),
+             *allocator = SLOT(self, U_allocator);
+    if (block == NULL || block == Py_None) /* __init__ never ran, or freed */
+        Py_RETURN_NONE;
+    if (lease != Py_None || allocator == NULL)
+        return call_wrapped(wrapped, args, nargs, kwnames);
+    Py_INCREF(block);
+    Py_INCREF(allocator);
+    set(self, U_block, Py_None);
+    PyObject *fargs[2] = {allocator, block};
+    PyObject *res = PyObject_VectorcallMethod(s_free_from_finalizer, fargs, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(block);
+    Py_DECREF(allocator);
+    if (res == NULL)
+        return NULL;
+    Py_DECREF(res);
+    Py_RETURN_NONE;
+}
+
+/* dict.get(key) of an attribute that is a dict: borrowed, NULL without an error when absent
+ * (or when the attribute is no dict: the caller takes the Python path). */
+static PyObject *
+dict_attr_get(PyObject *o, PyObject *name, PyObject *key, PyObject **hold)
+{
+    PyObject *d = attr(o, name);
+    if (d == NULL)
+        return NULL;
+    if (!PyDict_CheckExact(d)) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    PyObject *v = PyDict_GetItemWithError(d, key);
+    *hold = d; /* keeps v alive */
+    return v;
+}
+
+/* allocate(nbytes, *, device=None, stream=None): the current stream of the current
+ * device and its allocator, when they exist already and no MemPool is in use. */
+static PyObject *
+buffer_allocate(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (nargs != 1)
+        return call_wrapped(wrapped, args, nargs, kwnames);
+    if (kwnames != NULL) {
+        /* device=None and stream=None are the defaults */
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); i++) {
+            PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+            int known = PyUnicode_Compare(name, s_device_kw) == 0 || PyUnicode_Compare(name, s_stream_kw) == 0;
+            if (!known || args[nargs + i] != Py_None)
+                return call_wrapped(wrapped, args, nargs, kwnames);
+        }
+    }
+    PyObject *runtime = global(runtime_globals, s_runtime_g), *open = global(mempool_globals, s_open);
+    if (runtime == NULL || runtime == Py_None || open == NULL || !PyLong_CheckExact(open) || PyLong_AsLong(open) != 0) {
+        if (PyErr_Occurred())
+            return NULL;
+        return call_wrapped(wrapped, args, nargs, kwnames);
+    }
+    Py_INCREF(runtime);
+    PyObject *state = NULL, *index = NULL, *streams = NULL, *defaults = NULL, *exts = NULL, *allocators = NULL,
+             *found, *stream, *allocator, *result = NULL;
+    /* state is a threading.local: its attributes are the thread's, read the generic way */
+    if ((state = attr(runtime, s_state)) == NULL || (index = PyObject_GetAttr(state, s_device)) == NULL)
+        goto out;
+    stream = dict_attr_get(state, s_streams, index, &streams);
+    if (stream == NULL) {
+        if (PyErr_Occurred())
+            goto out;
+        stream = dict_attr_get(runtime, s_default_streams, index, &defaults);
+        if (stream == NULL)
+            goto python;
+    }
+    found = dict_attr_get(runtime, s_extensions, EXTENSION, &exts);
+    if (found == NULL || found == Py_None)
+        goto python;
+    allocator = dict_attr_get(found, s_allocators, index, &allocators);
+    if (allocator == NULL || allocator == Py_None)
+        goto python;
+    Py_INCREF(stream);
+    Py_INCREF(allocator);
+    PyObject *margs[3] = {allocator, args[0], stream};
+    PyObject *block = PyObject_VectorcallMethod(s_malloc, margs, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (block != NULL) {
+        /* Buffer(block, allocator, stream, nbytes): what Buffer.__init__ sets */
+        result = Buffer_T->tp_alloc(Buffer_T, 0);
+        if (result != NULL) {
+            SLOT(result, U_block) = block;
+            block = NULL;
+            set(result, U_allocator, allocator);
+            set(result, U_nbytes, args[0]);
+            set(result, U_stream, stream);
+            set(result, U_lease, Py_None);
+        }
+        Py_XDECREF(block);
+    }
+    Py_DECREF(stream);
+    Py_DECREF(allocator);
+    goto out;
+python:
+    if (!PyErr_Occurred())
+        result = call_wrapped(wrapped, args, nargs, kwnames);
+out:
+    Py_DECREF(runtime);
+    Py_XDECREF(state);
+    Py_XDECREF(index);
+    Py_XDECREF(streams);
+    Py_XDECREF(defaults);
+    Py_XDECREF(exts);
+    Py_XDECREF(allocators);
+    return result;
+}
+
+static int buffers_installed = 0;
+
+/* install_buffers(names): compiled Buffer.free, Buffer.__del__ and allocate (put in the
+ * buffer module's globals). */
+static PyObject *
+install_buffers(PyObject *module, PyObject *ns)
+{
+    if (buffers_installed)
+        Py_RETURN_NONE;
+    PyObject *rt_mod, *buf_mod, *mp_mod;
+    if (get_type(ns, "Buffer", &Buffer_T) < 0 || get_obj(ns, "runtime_module", &rt_mod) < 0
+        || get_obj(ns, "buffer_module", &buf_mod) < 0 || get_obj(ns, "mempool_module", &mp_mod) < 0
+        || get_obj(ns, "EXTENSION", &EXTENSION) < 0)
+        return NULL;
+    if ((runtime_globals = PyModule_GetDict(rt_mod)) == NULL || (buffer_globals = PyModule_GetDict(buf_mod)) == NULL
+        || (mempool_globals = PyModule_GetDict(mp_mod)) == NULL)
+        return NULL;
+    Py_INCREF(runtime_globals);
+    Py_INCREF(buffer_globals);
+    Py_INCREF(mempool_globals);
+    if (slot_offset(Buffer_T, "_block", &U_block) < 0 || slot_offset(Buffer_T, "_allocator", &U_allocator) < 0
+        || slot_offset(Buffer_T, "_nbytes", &U_nbytes) < 0 || slot_offset(Buffer_T, "_stream", &U_stream) < 0
+        || slot_offset(Buffer_T, "_lease", &U_lease) < 0)
+        return NULL;
+    if (intern(&s_runtime_g, "_runtime") || intern(&s_forked_from, "_forked_from")
+        || intern(&s_collecting, "_collecting") || intern(&s_open, "_open") || intern(&s_state, "_state")
+        || intern(&s_streams, "streams") || intern(&s_default_streams, "_default_streams")
+        || intern(&s_extensions, "extensions") || intern(&s_allocators, "allocators") || intern(&s_free, "free")
+        || intern(&s_free_from_finalizer, "free_from_finalizer") || intern(&s_malloc, "malloc")
+        || intern(&s_device_kw, "device") || intern(&s_stream_kw, "stream") || intern(&s_device, "device"))
+        return NULL;
+    PyObject *py_allocate = PyDict_GetItemString(buffer_globals, "allocate");
+    if (py_allocate == NULL || !PyFunction_Check(py_allocate)) {
+        PyErr_SetString(PyExc_TypeError, "the buffer module's allocate is not a Python function");
+        return NULL;
+    }
+    PyObject *c = make_compiled(buffer_allocate, py_allocate);
+    if (c == NULL || PyDict_SetItemString(buffer_globals, "allocate", c) < 0) {
+        Py_XDECREF(c);
+        return NULL;
+    }
+    Py_DECREF(c);
+    if (replace_method(Buffer_T, "free", buffer_free, NULL) < 0 || replace_method(Buffer_T, "__del__", buffer_del, NULL) < 0)
+        return NULL;
+    buffers_installed = 1;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"install_allocator", install_allocator, METH_O,
+     "Replace DeviceAllocator's malloc, free, _free_held and free_from_finalizer by compiled versions."},
+    {"install_buffers", install_buffers, METH_O,
+     "Replace Buffer.free, Buffer.__del__ and the buffer module's allocate by compiled versions."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "accel._speedups",
+    "Optional C versions of accel's allocation hot paths (see accel/_native.py).", -1, module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__speedups(void)
+{
+    if (PyType_Ready(&Compiled_T) < 0)
+        return NULL;
+    return PyModule_Create(&module);
+}

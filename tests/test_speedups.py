@@ -1,0 +1,115 @@
+"""The optional compiled fast paths (accel/_speedups.c, loaded by accel/_native.py).
+
+The whole suite runs both ways: as installed (compiled where a compiler built the
+extension) and with ``ACCEL_PURE_PYTHON=1``. These tests say which one this run
+is, and check the switch and the build in fresh processes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+import accel
+from accel._native import speedups
+from accel.allocator._buffer import Buffer
+from accel.allocator._caching import DeviceAllocator
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_PROBE = """
+import accel, types
+from accel._native import speedups
+from accel.allocator._caching import DeviceAllocator
+print(speedups is not None, isinstance(DeviceAllocator.__dict__["malloc"], types.FunctionType),
+      isinstance(accel.memory.allocate, types.FunctionType))
+"""
+
+
+def _probe(**env: str) -> list[str]:
+    environ = {k: v for k, v in os.environ.items() if k != "ACCEL_PURE_PYTHON"}
+    environ.update(env)
+    environ["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE], env=environ, capture_output=True, text=True, timeout=120, check=True
+    )
+    return out.stdout.split()
+
+
+def _compiler() -> bool:
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    return shutil.which(cc) is not None
+
+
+def test_this_run_uses_the_path_its_environment_asks_for() -> None:
+    built = importlib.util.find_spec("accel._speedups") is not None
+    pure = os.environ.get("ACCEL_PURE_PYTHON") == "1"
+    assert (speedups is not None) == (built and not pure)
+    compiled = speedups is not None
+    # One seam per module: the replaced functions are Python functions exactly when pure.
+    assert inspect.isfunction(DeviceAllocator.__dict__["malloc"]) != compiled
+    assert inspect.isfunction(DeviceAllocator.__dict__["free"]) != compiled
+    assert inspect.isfunction(Buffer.__dict__["free"]) != compiled
+    assert inspect.isfunction(accel.memory.allocate) != compiled
+
+
+@pytest.mark.skipif(not _compiler(), reason="no C compiler here: accel is pure Python by design")
+def test_a_compiler_builds_the_extension_and_accel_uses_it() -> None:
+    assert importlib.util.find_spec("accel._speedups") is not None, (
+        "a C compiler is here but accel._speedups was not built: reinstall with "
+        '`pip install -e ".[test]" --config-settings editable_mode=compat`'
+    )
+    assert _probe() == ["True", "False", "False"]
+
+
+def test_accel_pure_python_switches_the_extension_off() -> None:
+    assert _probe(ACCEL_PURE_PYTHON="1") == ["False", "True", "True"]
+
+
+def test_compiled_stand_ins_keep_the_python_names_docs_and_signatures() -> None:
+    # help(), inspect.signature and docs/gen_api.py see the Python functions either way.
+    for fn, name in (
+        (DeviceAllocator.malloc, "malloc"),
+        (DeviceAllocator.free, "free"),
+        (Buffer.free, "free"),
+        (accel.memory.allocate, "allocate"),
+    ):
+        assert fn.__name__ == name
+        assert inspect.unwrap(fn).__doc__ == fn.__doc__
+        assert inspect.signature(fn) == inspect.signature(inspect.unwrap(fn))
+    buf = accel.memory.allocate(64)
+    assert list(inspect.signature(buf.free).parameters) == []
+    buf.free()
+
+
+def test_freed_holes_keep_the_free_lists_bucket_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The compiled free of a hole adds its block to the free list without a split only
+    # while the bucket stays within 2 * LOAD keys, LOAD read when it runs (as FreeList.add).
+    from accel._runtime import Runtime
+    from accel.allocator import _freelist
+    from accel.allocator.config import parse
+    from accel.backends.cpu import CpuBackend
+
+    monkeypatch.setattr(_freelist, "LOAD", 2)
+    backend = CpuBackend(1, None)
+    alloc = DeviceAllocator(backend, 0, parse("expandable_segments:False"))
+    stream = Runtime(backend).default_stream(0)
+    blocks = [alloc.malloc(512, stream) for _ in range(40)]
+    kept = []
+    for block in blocks[::2]:
+        # A best fit in the segment's rest, then a hole freed just below it: the hole's
+        # key goes where that best fit looked, the add without a search.
+        kept.append(alloc.malloc(1024, stream))
+        alloc.free(block)
+    (free,) = alloc._small.free.values()
+    assert len(free) == 21
+    assert max(len(keys) for keys in free._keys) <= 4
+    assert [size for size, _, _ in free] == sorted(size for size, _, _ in free)
