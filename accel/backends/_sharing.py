@@ -24,6 +24,7 @@ a token from a pickle (128 random bits).
 from __future__ import annotations
 
 import errno
+import json
 import os
 import secrets
 import selectors
@@ -32,14 +33,17 @@ import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from accel._errors import DeviceError, DriverError, InvalidHandleError
 
 if TYPE_CHECKING:
     from accel.backends.base import Backend
 
-__all__ = ["ExportTicket", "Held", "broker", "check_device", "dup_for_export", "export_origin", "open_export"]
+__all__ = [
+    "ExportTicket", "Held", "broker", "check_device", "check_extent", "description", "dup_for_export",
+    "export_origin", "natural", "naturals", "open_export",
+]
 
 _TOKEN_BYTES = 16
 _HEADER = struct.Struct("!cI")  # b"K" + payload length, or b"E" + message length
@@ -254,6 +258,56 @@ def dup_for_export(fd: int, backend: str, device: int) -> int:
             device=device, remedy="close exports no longer needed (free the buffers, close the events) or "
             "raise the open-file limit (ulimit -n)",
         ) from None
+
+
+
+# -- reading another process's description of its memory ----------------------------
+#
+# A description comes from whatever process answers at the address a pickle
+# names: an importer checks it before mapping anything, because a wrong offset
+# or size is not an error of any call (the mapping succeeds) but a read past it
+# (SIGSEGV, SIGBUS) or of the wrong bytes.
+
+
+def _damaged(where: str, detail: str) -> InvalidHandleError:
+    return InvalidHandleError(
+        f"{where}: the exporting process described its memory inconsistently ({detail}); is it an "
+        "accel process? Pickle the buffer again in its process"
+    )
+
+
+def description(payload: bytes, where: str) -> dict[str, Any]:
+    """The JSON object ``payload`` holds, or InvalidHandleError naming ``where``."""
+    try:
+        layout = json.loads(payload)
+    except ValueError:  # not UTF-8, not JSON
+        layout = None
+    if not isinstance(layout, dict):
+        raise _damaged(where, f"{payload[:40]!r} is not a description")
+    return layout
+
+
+def natural(layout: dict[str, Any], key: str, where: str, *, positive: bool = False) -> int:
+    """``layout[key]``, an int at least 0 (1 with ``positive``), or InvalidHandleError."""
+    value = layout.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < int(positive):
+        raise _damaged(where, f"{key}={value!r}")
+    return value
+
+
+def naturals(layout: dict[str, Any], key: str, where: str, count: int) -> list[int]:
+    """``layout[key]``, a list of ``count`` positive ints, or InvalidHandleError."""
+    values = layout.get(key)
+    if not (isinstance(values, list) and len(values) == count
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)):
+        raise _damaged(where, f"{key}={values!r} for {count} descriptor(s)")
+    return values
+
+
+def check_extent(where: str, lead: int, nbytes: int, total: int) -> None:
+    """Refuse a buffer of ``nbytes`` at ``lead`` bytes into ``total`` mapped bytes that runs past them."""
+    if lead + nbytes > total:
+        raise _damaged(where, f"{nbytes} bytes from {lead} bytes in, past the {total} bytes it maps")
 
 
 class Held:

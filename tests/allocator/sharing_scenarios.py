@@ -383,5 +383,107 @@ def scenario_fd_limit() -> dict[str, Any]:
     return {"failure": failure}
 
 
+
+def _open_each(opens: list[Any], replies: Any) -> None:
+    """Open each forged export, read the whole buffer it claims, free it; report one by one
+    (a crash shows as the first missing reply)."""
+    from accel.allocator._sharing import open_buffer
+
+    for args in opens:
+        before = open_fds()
+        try:
+            buf = open_buffer(*args)
+            with accel.memory.allocate_host(buf.nbytes) as staging:
+                accel.current_stream().copy(staging, buf, buf.nbytes)
+                accel.current_stream().synchronize()
+                seen = set(ctypes.string_at(staging.ptr, buf.nbytes))
+            buf.free()
+            result = ["opened", sorted(seen)]
+        except Exception as exc:  # noqa: BLE001 - what escapes is what the test checks
+            result = [type(exc).__module__, type(exc).__name__, str(exc)]
+        replies.put([*result, open_fds() - before])
+
+
+def scenario_forged_descriptions() -> dict[str, Any]:
+    """A broker of the same user answering with damaged descriptions of a real buffer's
+    memory: each field of the backend's description edited, descriptors that are not
+    the memory (a pipe) or missing, a size larger than described."""
+    import struct
+
+    from accel._runtime import get_runtime
+    from accel.backends._sharing import export_origin
+
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    backend = get_runtime().backend
+    uuid = backend.device_properties(0).uuid
+    stream = accel.current_stream()
+    buf = accel.memory.allocate(SIZE)
+    stream.fill(buf, 0x55, SIZE)
+    stream.synchronize()
+    payload, fds = backend.ipc_memory_export(0, buf.ptr, SIZE)
+    for fd in fds:
+        os.close(fd)
+    layout = json.loads(payload)
+
+    def pipe() -> int:
+        read_end, write_end = os.pipe()
+        os.close(write_end)
+        return read_end
+
+    def real() -> tuple[bytes, list[int]]:
+        return backend.ipc_memory_export(0, buf.ptr, SIZE)
+
+    forged: dict[str, Any] = {
+        "not json": lambda: (b"not json", real()[1]),
+        "a list": lambda: (b"[1, 2]", real()[1]),
+        "no descriptors": lambda: (real()[0], []),
+        "pipes": lambda: (lambda p, f: (p, [pipe() for _ in f] or [pipe()]))(*real()),
+        "an extra descriptor": lambda: (lambda p, f: (p, [*f, pipe()]))(*real()),
+        "larger than described": "larger",
+    }
+    for key, value in layout.items():
+        if isinstance(value, int):
+            for name, edited in (("huge", 1 << 40), ("negative", -4096), ("text", "x"), ("true", True)):
+                forged[f"{key} {name}"] = (key, edited)
+        elif isinstance(value, list):
+            forged[f"{key} empty"] = (key, [])
+            forged[f"{key} twice"] = (key, value + value)
+            forged[f"{key} nested"] = (key, [value])
+            if key == "pieces":  # the host backend's (file, offset, length) ranges
+                forged["pieces past the file"] = (key, [[0, 1 << 40, value[0][2]]])
+                forged["pieces of a missing file"] = (key, [[7, 0, value[0][2]]])
+                forged["pieces unaligned"] = (key, [[0, 1, value[0][2]]])
+            else:
+                forged[f"{key} halved"] = (key, [n // 2 for n in value])
+    kept = object()
+    opens, names = [], []
+    for name, how in forged.items():
+        claimed = SIZE
+        if how == "larger":
+            (description, descriptors), claimed = real(), 4 * SIZE
+        elif isinstance(how, tuple):
+            description, descriptors = json.dumps({**layout, how[0]: how[1]}).encode(), real()[1]
+        else:
+            description, descriptors = how()
+        ticket = broker().offer(
+            "buffer", export_origin(backend.name, 0, uuid), struct.pack("!Q", claimed) + description,
+            descriptors, lambda: kept, hold=True,
+        )
+        opens.append((ticket, backend.name, 0, uuid, claimed))
+        names.append(name)
+    child = ctx.Process(target=_open_each, args=(opens, replies))
+    child.start()
+    results: dict[str, Any] = {}
+    for name in names:
+        try:
+            results[name] = replies.get(timeout=TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - the child died (a crash): the rest is missing
+            results[name] = ["no answer"]
+            break
+    child.join(TIMEOUT_S)
+    return {"results": results, "exitcode": child.exitcode, "holds": broker().stats()["holds"]}
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[f"scenario_{sys.argv[1]}"]()))

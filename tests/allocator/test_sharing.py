@@ -168,6 +168,28 @@ def test_a_pickle_claiming_another_device_than_the_exporters_is_refused(backend:
     assert result["exitcode"] == 0 and result["holds"] == 0
 
 
+@segments
+@backends
+def test_damaged_descriptions_of_memory_are_clear_errors(backend: str, alloc_conf: str) -> None:
+    # The importer trusted the exporter's description: a broker answering with
+    # a damaged one (what a forged or foreign process can send) crashed it
+    # (SIGSEGV/SIGBUS reading past what it mapped: an offset past the memory,
+    # a size larger than described, missing descriptors on CUDA's virtual
+    # memory), gave it silent wrong data (a negative offset: the bytes before
+    # the buffer), or escaped as raw ValueError/TypeError/KeyError/IndexError.
+    result = run_scenario(backend, "forged_descriptions", alloc_conf=alloc_conf)
+    for name, answer in result["results"].items():
+        assert answer[0] != "no answer", f"{name}: the importer died (exit code {result['exitcode']})"
+        *outcome, fds_grown = answer
+        assert fds_grown == 0, (name, outcome)
+        if outcome[0] == "opened":  # an edit that still describes the buffer (an unused descriptor)
+            assert outcome[1] == [0x55], (name, outcome)
+            continue
+        assert outcome[0] == "accel._errors", (name, outcome)
+        assert outcome[1] in ("InvalidHandleError", "DriverError"), (name, outcome)
+    assert result["exitcode"] == 0 and result["holds"] == 0
+
+
 @backends
 def test_a_full_descriptor_table_while_exporting_is_a_driver_error(backend: str) -> None:
     # Exporting an event (host, Level Zero) or memory (Level Zero) duplicated a
