@@ -485,5 +485,27 @@ def scenario_forged_descriptions() -> dict[str, Any]:
     return {"results": results, "exitcode": child.exitcode, "holds": broker().stats()["holds"]}
 
 
+
+def _pickle_again(data: bytes, replies: Any) -> None:
+    event = pickle.loads(data)
+    try:
+        pickle.dumps(event)
+        replies.put(["pickled"])
+    except Exception as exc:  # noqa: BLE001 - what escapes is what the test checks
+        replies.put([type(exc).__module__, type(exc).__name__, str(exc)])
+
+
+def scenario_opened_event_pickled_again() -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    event = accel.Event(interprocess=True)
+    event.record()
+    child = ctx.Process(target=_pickle_again, args=(pickle.dumps(event), replies))
+    child.start()
+    result = replies.get(timeout=TIMEOUT_S)
+    child.join(TIMEOUT_S)
+    return {"result": result, "exitcode": child.exitcode, "pid": os.getpid()}
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[f"scenario_{sys.argv[1]}"]()))

@@ -191,6 +191,18 @@ def test_damaged_descriptions_of_memory_are_clear_errors(backend: str, alloc_con
 
 
 @backends
+def test_pickling_an_opened_event_again_says_to_pickle_it_in_its_process(backend: str) -> None:
+    # Each backend refused in its own misleading way: "create it with interprocess=True"
+    # (host), "already destroyed or freed" (CUDA), a raw zeEventPoolGetIpcHandle
+    # DriverError (Level Zero).
+    result = run_scenario(backend, "opened_event_pickled_again")
+    module, kind, message = result["result"]
+    assert (module, kind) == ("accel._errors", "NotSupportedError"), message
+    assert f"was opened from process {result['pid']}" in message and "pickle the event in the process" in message
+    assert result["exitcode"] == 0
+
+
+@backends
 def test_a_full_descriptor_table_while_exporting_is_a_driver_error(backend: str) -> None:
     # Exporting an event (host, Level Zero) or memory (Level Zero) duplicated a
     # descriptor with os.dup and let its OSError escape.
