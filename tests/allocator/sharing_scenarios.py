@@ -507,5 +507,72 @@ def scenario_opened_event_pickled_again() -> dict[str, Any]:
     return {"result": result, "exitcode": child.exitcode, "pid": os.getpid()}
 
 
+
+def _open_events(opens: list[Any], replies: Any) -> None:
+    from accel.stream._event import _open_event
+
+    for args in opens:
+        before = open_fds()
+        try:
+            event = _open_event(*args)
+            event.synchronize()
+            event.close()
+            result = ["opened"]
+        except Exception as exc:  # noqa: BLE001 - what escapes is what the test checks
+            result = [type(exc).__module__, type(exc).__name__, str(exc)]
+        replies.put([*result, open_fds() - before])
+
+
+def scenario_forged_event_descriptions() -> dict[str, Any]:
+    """A broker of the same user answering an event's ticket with a damaged description."""
+    from accel._runtime import get_runtime
+    from accel.backends._sharing import export_origin
+
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    backend = get_runtime().backend
+    uuid = backend.device_properties(0).uuid
+    event = accel.Event(interprocess=True)
+    event.record()
+    handle = event._ensure(0)
+
+    def real() -> tuple[bytes, list[int]]:
+        return backend.ipc_event_export(0, handle)
+
+    def pipe() -> int:
+        read_end, write_end = os.pipe()
+        os.close(write_end)
+        return read_end
+
+    forged = {
+        "empty": lambda: (b"", real()[1]),
+        "garbage": lambda: (b"garbage!" * 3, real()[1]),
+        "no descriptors": lambda: (real()[0], []),
+        "a pipe": lambda: (lambda p, f: (p, [pipe() for _ in f] or [pipe()]))(*real()),
+        "an extra descriptor": lambda: (lambda p, f: (p, [*f, pipe()]))(*real()),
+        "zeros": lambda: (bytes(len(real()[0])), real()[1]),
+    }
+    if len(real()[0]) > 8:  # a binary handle (the host backend's is the exporter's pid in digits)
+        forged["truncated"] = lambda: (real()[0][:5], real()[1])
+    opens, names = [], []
+    for name, how in forged.items():
+        description, descriptors = how()
+        ticket = broker().offer("event", export_origin(backend.name, 0, uuid), description, descriptors,
+                                lambda: event, hold=False)
+        opens.append((ticket, backend.name, 0, uuid))
+        names.append(name)
+    child = ctx.Process(target=_open_events, args=(opens, replies))
+    child.start()
+    results: dict[str, Any] = {}
+    for name in names:
+        try:
+            results[name] = replies.get(timeout=TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - the child died (a crash): the rest is missing
+            results[name] = ["no answer"]
+            break
+    child.join(TIMEOUT_S)
+    return {"results": results, "exitcode": child.exitcode}
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[f"scenario_{sys.argv[1]}"]()))

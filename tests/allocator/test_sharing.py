@@ -203,6 +203,27 @@ def test_pickling_an_opened_event_again_says_to_pickle_it_in_its_process(backend
 
 
 @backends
+def test_damaged_descriptions_of_events_are_clear_errors(backend: str) -> None:
+    # Raw ValueError/PermissionError/OSError on the host backend (a payload that is
+    # not a pid, descriptors missing or not a memfd), struct.error/ValueError on Level
+    # Zero; CUDA copied 64 bytes from a shorter payload (reading past its end).
+    result = run_scenario(backend, "forged_event_descriptions")
+    for name, answer in result["results"].items():
+        assert answer[0] != "no answer", f"{name}: the importer died (exit code {result['exitcode']})"
+        *outcome, fds_grown = answer
+        assert fds_grown == 0, (name, outcome)
+        if outcome[0] == "opened":  # CUDA's handle carries no descriptor: those sent are closed, unused
+            assert backend == "cuda" and name in ("no descriptors", "a pipe", "an extra descriptor"), name
+            continue
+        assert outcome[0] == "accel._errors", (name, outcome)
+        assert outcome[1] in ("InvalidHandleError", "DriverError"), (name, outcome)
+        if name in ("empty", "garbage", "truncated"):
+            assert outcome[1] == "InvalidHandleError", (name, outcome)
+            assert "damaged" in outcome[2] or "inconsistently" in outcome[2], (name, outcome)
+    assert result["exitcode"] == 0
+
+
+@backends
 def test_a_full_descriptor_table_while_exporting_is_a_driver_error(backend: str) -> None:
     # Exporting an event (host, Level Zero) or memory (Level Zero) duplicated a
     # descriptor with os.dup and let its OSError escape.

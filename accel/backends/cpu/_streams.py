@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import atexit
 import collections
+import errno
 import ctypes
 import functools
 import itertools
 import os
 import queue
 import select
+import stat
 import threading
 import time
 import warnings
@@ -33,7 +35,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from accel._errors import CaptureError, InvalidHandleError, InvalidValueError, NotSupportedError
+from accel._errors import CaptureError, DriverError, InvalidHandleError, InvalidValueError, NotSupportedError
 from accel.backends import _capture
 from accel.backends._capture import Capture, Mark
 from accel.backends._sharing import dup_for_export
@@ -144,6 +146,10 @@ def _record_now(event: HostEvent) -> None:
 # How often a process polls an event that another process completes (it cannot
 # be woken by that process's condition variable): from 20 µs, doubling, to 2 ms.
 _POLL_FIRST_S, _POLL_MAX_S = 20e-6, 2e-3
+
+
+# The largest pid Linux can give (PID_MAX_LIMIT, 2**22 on 64-bit): a larger one is not a pid.
+_PID_MAX = 1 << 22
 
 
 class SharedHostEvent(HostEvent):
@@ -504,8 +510,27 @@ class StreamTable:
 
     def import_event(self, device: int, payload: bytes, fds: list[int]) -> int:
         try:
-            (fd,) = fds
-            event = SharedHostEvent(device, fd, exporter_pid=int(payload))
+            # Checked before mapping: the description comes from whatever process answered,
+            # and reading a page past the end of a shorter file is SIGBUS.
+            try:
+                size = os.fstat(fds[0]).st_size if len(fds) == 1 and stat.S_ISREG(os.fstat(fds[0]).st_mode) else 0
+            except OSError:
+                size = 0
+            if not (payload.isdigit() and 0 < int(payload) <= _PID_MAX and size >= _libc.PAGE):
+                raise InvalidHandleError(
+                    f"cpu:{device}: the exporting process described its event inconsistently ({payload[:20]!r}, "
+                    f"{len(fds)} descriptor(s), {size} bytes); is it an accel process? Pickle the event again there"
+                )
+            try:
+                event = SharedHostEvent(device, fds[0], exporter_pid=int(payload))
+            except ProcessLookupError:
+                raise
+            except OSError as exc:
+                code = exc.errno or 0
+                raise DriverError(
+                    "cpu", "mapping an event of another process", code, errno.errorcode.get(code, "OSError"), str(exc),
+                    device=device,
+                ) from None
         except ProcessLookupError:
             raise InvalidHandleError(
                 f"cpu:{device}: the process that exported this event (pid {int(payload)}) has exited"

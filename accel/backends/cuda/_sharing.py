@@ -245,9 +245,14 @@ class Sharing:
         return bytes(self._ffi.buffer(handle.reserved, 64)), []
 
     def ipc_event_import(self, device: int, payload: bytes, fds: list[int]) -> int:
-        self._require_ipc(device)
         for fd in fds:
             os.close(fd)
+        self._require_ipc(device)
+        if len(payload) != 64:  # memmove below copies 64 bytes: past the end of a shorter payload
+            raise InvalidHandleError(
+                f"cuda:{device}: the exporting process sent a damaged IPC event handle ({len(payload)} bytes, "
+                "not 64); is it an accel process? Pickle the event again there"
+            )
         handle = self._ffi.new("CUipcEventHandle *")
         self._ffi.memmove(handle.reserved, payload, 64)
         out = self._ffi.new("CUevent *")

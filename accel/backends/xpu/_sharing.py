@@ -342,15 +342,20 @@ class Sharing:
 
     def ipc_event_import(self, device: int, payload: bytes, fds: list[int]) -> int:
         try:
-            (fd,) = fds
+            handle_size = len(self._ze.ffi.new("ze_ipc_event_pool_handle_t *").data)
+            if len(fds) != 1 or len(payload) != _PID.size + handle_size:  # raw ValueError/struct.error before
+                raise InvalidHandleError(
+                    f"xpu:{device}: the exporting process described its event inconsistently ({len(payload)} "
+                    f"bytes, {len(fds)} descriptor(s)); is it an accel process? Pickle the event again there"
+                )
             (pid,) = _PID.unpack_from(payload)
-            slot = self._slots.open_ipc(_with_fd(payload[_PID.size :], fd))
+            slot = self._slots.open_ipc(_with_fd(payload[_PID.size :], fds[0]))
         finally:
             for fd_ in fds:
                 os.close(fd_)
         try:
             exporter = os.pidfd_open(pid)
-        except OSError:
+        except (OSError, OverflowError):  # OverflowError: a "pid" past pid_t, from a damaged description
             exporter = -1  # gone already (it answered the broker a moment ago): waits are not bounded
         handle = new_handle()
         with self._lock:
