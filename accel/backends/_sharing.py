@@ -48,6 +48,9 @@ __all__ = [
 _TOKEN_BYTES = 16
 _HEADER = struct.Struct("!cI")  # b"K" + payload length, or b"E" + message length
 _MAX_FDS = 64
+# The longest answer an accel broker sends is a few hundred bytes (the description
+# of a buffer's chunks): a longer stated length is not an accel process.
+_MAX_ANSWER = 1 << 20
 # How long an importer waits for the exporter's broker to answer (it answers
 # from its own thread, so only a stopped or swapped-out exporter is this slow).
 _ANSWER_TIMEOUT_S = 60.0
@@ -346,6 +349,7 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
         )
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(_ANSWER_TIMEOUT_S)
+    fds: list[int] = []  # closed on every failure below: they came with the answer's first part
     try:
         try:
             sock.connect(ticket.address)
@@ -357,8 +361,6 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
         sock.sendall(ticket.token.encode("ascii"))
         data, fds, flags, _ = socket.recv_fds(sock, 1 << 16, _MAX_FDS)
         if flags & socket.MSG_CTRUNC:
-            for fd in fds:
-                os.close(fd)
             raise InvalidHandleError(
                 f"cannot open {what}: this process has too many open files to receive its descriptors; "
                 "close some, or raise the open-file limit (ulimit -n)"
@@ -369,6 +371,11 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
                 "connection without answering (it is exiting?)"
             )
         status, length = _HEADER.unpack_from(data)
+        if length > _MAX_ANSWER:  # recv() below would allocate what it states, up to 4 GiB
+            raise InvalidHandleError(
+                f"cannot open {what}: the process at the address its pickle names (pid {ticket.pid}) "
+                f"announced a {length}-byte answer (is it an accel process?); pickle the object again in its process"
+            )
         body = data[_HEADER.size :]
         while len(body) < length:
             more = sock.recv(length - len(body))
@@ -376,7 +383,7 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
                 break
             body += more
     except TimeoutError:
-        sock.close()
+        _close_all(sock, fds)
         raise InvalidHandleError(
             f"cannot open {what}: the process that exported it (pid {ticket.pid}) did not answer "
             f"within {_ANSWER_TIMEOUT_S:g} s (is it stopped?)"
@@ -384,14 +391,14 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
     except OSError as exc:
         # An address no socket can have (empty, or longer than AF_UNIX allows:
         # a damaged pickle), or a connection the exporter broke off.
-        sock.close()
+        _close_all(sock, fds)
         raise InvalidHandleError(
             f"cannot open {what}: no answer from the process that exported it (pid {ticket.pid}) at the "
             f"address its pickle names ({exc}); the pickle is damaged or the process is gone. Pickle "
             "the object again in its process"
         ) from None
     except BaseException:
-        sock.close()
+        _close_all(sock, fds)
         raise
     exported, at = _read_label(body, 0) if status == b"K" else ("", 0)
     source, at = _read_label(body, at)
@@ -412,6 +419,14 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
             )
         raise InvalidHandleError(f"cannot open {what}: {reason}")
     return body[at:], list(fds), Held(sock)
+
+
+def _close_all(sock: socket.socket, fds: list[int]) -> None:
+    """Close the connection and the descriptors received on it (an answer that failed
+    part way: a stalled or broken-off sender kept them open in this process before)."""
+    sock.close()
+    for fd in fds:
+        os.close(fd)
 
 
 def check_device(backend: Backend, backend_name: str, device: int, uuid: str, what: str) -> None:

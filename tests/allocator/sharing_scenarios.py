@@ -574,5 +574,56 @@ def scenario_forged_event_descriptions() -> dict[str, Any]:
     return {"results": results, "exitcode": child.exitcode}
 
 
+
+def _misbehaving_broker(mode: str, replies: Any) -> None:
+    """Answer every connection with descriptors and a header, then stall: ``huge``
+    announces a 4 GiB answer, ``stall`` a 100-byte one it never finishes."""
+    import socket
+    import struct
+
+    address = f"\0accel-test-stall-{os.getpid()}".encode()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(4)
+    replies.put(address)
+    kept = []
+    while True:
+        conn, _ = listener.accept()
+        conn.recv(32)
+        read_end, write_end = os.pipe()
+        length = 0xFFFFFFF0 if mode == "huge" else 100
+        socket.send_fds(conn, [struct.pack("!cI", b"K", length) + b"abc"], [read_end])
+        os.close(read_end)
+        os.close(write_end)
+        kept.append(conn)
+
+
+def scenario_stalled_answers() -> dict[str, Any]:
+    """Open a buffer from a process that sends part of an answer and stops."""
+    import accel.backends._sharing as sharing
+    from accel._runtime import get_runtime
+    from accel.allocator._sharing import open_buffer
+
+    sharing._ANSWER_TIMEOUT_S = 2.0
+    ctx = mp.get_context("spawn")
+    backend = get_runtime().backend
+    uuid = backend.device_properties(0).uuid
+    results = {}
+    for mode in ("huge", "stall"):
+        replies = ctx.Queue()
+        server = ctx.Process(target=_misbehaving_broker, args=(mode, replies), daemon=True)
+        server.start()
+        address = replies.get(timeout=TIMEOUT_S)
+        before = open_fds()
+        try:
+            open_buffer(sharing.ExportTicket(address, "ab" * 16, server.pid), backend.name, 0, uuid, 4096)
+            results[mode] = ["opened"]
+        except Exception as exc:  # noqa: BLE001 - what escapes is what the test checks
+            results[mode] = [type(exc).__module__, type(exc).__name__, str(exc), open_fds() - before]
+        server.kill()
+        server.join(TIMEOUT_S)
+    return results
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[f"scenario_{sys.argv[1]}"]()))

@@ -223,6 +223,19 @@ def test_damaged_descriptions_of_events_are_clear_errors(backend: str) -> None:
     assert result["exitcode"] == 0
 
 
+def test_an_answer_that_stalls_or_announces_gigabytes_is_refused_closing_what_came_with_it() -> None:
+    # The descriptors received with the first part of an answer stayed open when
+    # the rest never came (one per timeout), and an announced length was passed
+    # to recv() as is: 4 GiB allocated for one answer.
+    result = run_scenario("cpu", "stalled_answers")
+    kind, message, fds_grown = result["huge"][1:]
+    assert kind == "InvalidHandleError" and "announced a 4294967280-byte answer" in message, message
+    assert fds_grown == 0
+    kind, message, fds_grown = result["stall"][1:]
+    assert kind == "InvalidHandleError" and "did not answer within 2 s" in message, message
+    assert fds_grown == 0
+
+
 @backends
 def test_a_full_descriptor_table_while_exporting_is_a_driver_error(backend: str) -> None:
     # Exporting an event (host, Level Zero) or memory (Level Zero) duplicated a
