@@ -625,5 +625,50 @@ def scenario_stalled_answers() -> dict[str, Any]:
     return results
 
 
+
+def _record_behind_a_gate(replies: Any) -> None:
+    """Export an event recorded behind work that never ends, then wait to be killed."""
+    import threading
+
+    stream = accel.Stream()
+    event = accel.Event(interprocess=True)
+    gate = threading.Event()
+    stream.launch_host_func(lambda: gate.wait(10 * TIMEOUT_S))
+    event.record(stream)
+    replies.put(pickle.dumps(event))
+    time.sleep(10 * TIMEOUT_S)
+
+
+def scenario_exporter_dies_while_a_stream_waits() -> dict[str, Any]:
+    """Open an event whose record never completes, kill its exporter, queue a wait
+    for it on a stream and synchronize the stream (in a thread, to see a hang)."""
+    import signal
+    import threading
+
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    exporter = ctx.Process(target=_record_behind_a_gate, args=(replies,))
+    exporter.start()
+    event = pickle.loads(replies.get(timeout=TIMEOUT_S))
+    os.kill(exporter.pid, signal.SIGKILL)
+    exporter.join(TIMEOUT_S)
+    outcome: list[Any] = ["hung"]
+
+    def wait() -> None:
+        stream = accel.Stream()
+        try:
+            event.wait(stream)
+            stream.synchronize()
+            outcome[:] = ["passed"]
+        except Exception as exc:  # noqa: BLE001 - what escapes is what the test checks
+            outcome[:] = [type(exc).__module__, type(exc).__name__, str(exc)]
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(10)
+    print(json.dumps({"outcome": outcome}), flush=True)
+    os._exit(0)  # a hung waiter holds the stream: do not wait for it at exit
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[f"scenario_{sys.argv[1]}"]()))
