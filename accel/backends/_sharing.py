@@ -299,9 +299,9 @@ def natural(layout: dict[str, Any], key: str, where: str, *, positive: bool = Fa
 
 
 def naturals(layout: dict[str, Any], key: str, where: str, count: int) -> list[int]:
-    """``layout[key]``, a list of ``count`` positive ints, or InvalidHandleError."""
+    """``layout[key]``, a list of ``count`` (at least one) positive ints, or InvalidHandleError."""
     values = layout.get(key)
-    if not (isinstance(values, list) and len(values) == count
+    if not (isinstance(values, list) and len(values) == count > 0
             and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)):
         raise _damaged(where, f"{key}={values!r} for {count} descriptor(s)")
     return values
