@@ -142,7 +142,7 @@ def open_buffer(ticket: ExportTicket, backend_name: str, device: int, uuid: str,
                 f"cannot open {what}: its process exports {format_size(exported)} there (the pickle "
                 "is damaged or forged); pickle the buffer again in its process"
             )
-        ptr = runtime.backend.ipc_memory_import(device, payload[_SIZE.size :], fds)
+        ptr = runtime.backend.ipc_memory_import(device, payload[_SIZE.size :], fds, nbytes)
     except BaseException:
         held.release()
         raise

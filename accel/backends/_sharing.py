@@ -24,6 +24,7 @@ a token from a pickle (128 random bits).
 from __future__ import annotations
 
 import errno
+import json
 import os
 import secrets
 import selectors
@@ -32,18 +33,24 @@ import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from accel._errors import DeviceError, DriverError, InvalidHandleError
 
 if TYPE_CHECKING:
     from accel.backends.base import Backend
 
-__all__ = ["ExportTicket", "Held", "broker", "check_device", "dup_for_export", "export_origin", "open_export"]
+__all__ = [
+    "ExportTicket", "Held", "broker", "check_device", "check_extent", "description", "dup_for_export",
+    "export_origin", "natural", "naturals", "open_export",
+]
 
 _TOKEN_BYTES = 16
 _HEADER = struct.Struct("!cI")  # b"K" + payload length, or b"E" + message length
 _MAX_FDS = 64
+# The longest answer an accel broker sends is a few hundred bytes (the description
+# of a buffer's chunks): a longer stated length is not an accel process.
+_MAX_ANSWER = 1 << 20
 # How long an importer waits for the exporter's broker to answer (it answers
 # from its own thread, so only a stopped or swapped-out exporter is this slow).
 _ANSWER_TIMEOUT_S = 60.0
@@ -256,6 +263,56 @@ def dup_for_export(fd: int, backend: str, device: int) -> int:
         ) from None
 
 
+
+# -- reading another process's description of its memory ----------------------------
+#
+# A description comes from whatever process answers at the address a pickle
+# names: an importer checks it before mapping anything, because a wrong offset
+# or size is not an error of any call (the mapping succeeds) but a read past it
+# (SIGSEGV, SIGBUS) or of the wrong bytes.
+
+
+def _damaged(where: str, detail: str) -> InvalidHandleError:
+    return InvalidHandleError(
+        f"{where}: the exporting process described its memory inconsistently ({detail}); is it an "
+        "accel process? Pickle the buffer again in its process"
+    )
+
+
+def description(payload: bytes, where: str) -> dict[str, Any]:
+    """The JSON object ``payload`` holds, or InvalidHandleError naming ``where``."""
+    try:
+        layout = json.loads(payload)
+    except ValueError:  # not UTF-8, not JSON
+        layout = None
+    if not isinstance(layout, dict):
+        raise _damaged(where, f"{payload[:40]!r} is not a description")
+    return layout
+
+
+def natural(layout: dict[str, Any], key: str, where: str, *, positive: bool = False) -> int:
+    """``layout[key]``, an int at least 0 (1 with ``positive``), or InvalidHandleError."""
+    value = layout.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < int(positive):
+        raise _damaged(where, f"{key}={value!r}")
+    return value
+
+
+def naturals(layout: dict[str, Any], key: str, where: str, count: int) -> list[int]:
+    """``layout[key]``, a list of ``count`` (at least one) positive ints, or InvalidHandleError."""
+    values = layout.get(key)
+    if not (isinstance(values, list) and len(values) == count > 0
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)):
+        raise _damaged(where, f"{key}={values!r} for {count} descriptor(s)")
+    return values
+
+
+def check_extent(where: str, lead: int, nbytes: int, total: int) -> None:
+    """Refuse a buffer of ``nbytes`` at ``lead`` bytes into ``total`` mapped bytes that runs past them."""
+    if lead + nbytes > total:
+        raise _damaged(where, f"{nbytes} bytes from {lead} bytes in, past the {total} bytes it maps")
+
+
 class Held:
     """An importer's hold on an export: the open connection. :meth:`release` closes it."""
 
@@ -292,6 +349,7 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
         )
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(_ANSWER_TIMEOUT_S)
+    fds: list[int] = []  # closed on every failure below: they came with the answer's first part
     try:
         try:
             sock.connect(ticket.address)
@@ -303,8 +361,6 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
         sock.sendall(ticket.token.encode("ascii"))
         data, fds, flags, _ = socket.recv_fds(sock, 1 << 16, _MAX_FDS)
         if flags & socket.MSG_CTRUNC:
-            for fd in fds:
-                os.close(fd)
             raise InvalidHandleError(
                 f"cannot open {what}: this process has too many open files to receive its descriptors; "
                 "close some, or raise the open-file limit (ulimit -n)"
@@ -315,6 +371,11 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
                 "connection without answering (it is exiting?)"
             )
         status, length = _HEADER.unpack_from(data)
+        if length > _MAX_ANSWER:  # recv() below would allocate what it states, up to 4 GiB
+            raise InvalidHandleError(
+                f"cannot open {what}: the process at the address its pickle names (pid {ticket.pid}) "
+                f"announced a {length}-byte answer (is it an accel process?); pickle the object again in its process"
+            )
         body = data[_HEADER.size :]
         while len(body) < length:
             more = sock.recv(length - len(body))
@@ -322,7 +383,7 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
                 break
             body += more
     except TimeoutError:
-        sock.close()
+        _close_all(sock, fds)
         raise InvalidHandleError(
             f"cannot open {what}: the process that exported it (pid {ticket.pid}) did not answer "
             f"within {_ANSWER_TIMEOUT_S:g} s (is it stopped?)"
@@ -330,14 +391,14 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
     except OSError as exc:
         # An address no socket can have (empty, or longer than AF_UNIX allows:
         # a damaged pickle), or a connection the exporter broke off.
-        sock.close()
+        _close_all(sock, fds)
         raise InvalidHandleError(
             f"cannot open {what}: no answer from the process that exported it (pid {ticket.pid}) at the "
             f"address its pickle names ({exc}); the pickle is damaged or the process is gone. Pickle "
             "the object again in its process"
         ) from None
     except BaseException:
-        sock.close()
+        _close_all(sock, fds)
         raise
     exported, at = _read_label(body, 0) if status == b"K" else ("", 0)
     source, at = _read_label(body, at)
@@ -358,6 +419,14 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
             )
         raise InvalidHandleError(f"cannot open {what}: {reason}")
     return body[at:], list(fds), Held(sock)
+
+
+def _close_all(sock: socket.socket, fds: list[int]) -> None:
+    """Close the connection and the descriptors received on it (an answer that failed
+    part way: a stalled or broken-off sender kept them open in this process before)."""
+    sock.close()
+    for fd in fds:
+        os.close(fd)
 
 
 def check_device(backend: Backend, backend_name: str, device: int, uuid: str, what: str) -> None:

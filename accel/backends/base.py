@@ -227,8 +227,10 @@ class Backend(abc.ABC):
         mapped by :meth:`vm_map`, so that another process can map it."""
         raise self._unsupported("sharing memory with other processes")
 
-    def ipc_memory_import(self, device: int, payload: bytes, fds: list[int]) -> int:
-        """Map memory exported by another process; returns its address here."""
+    def ipc_memory_import(self, device: int, payload: bytes, fds: list[int], nbytes: int) -> int:
+        """Map memory exported by another process; returns its address here, the
+        start of ``nbytes`` mapped bytes. A description that does not map them
+        (damaged, or forged by another process) raises InvalidHandleError."""
         raise self._unsupported("sharing memory with other processes")
 
     def ipc_memory_close(self, device: int, ptr: int) -> None:

@@ -52,6 +52,7 @@ class Event:
         self._finalizer: weakref.finalize[[Runtime, int, int], Event] | None = None
         # One export however often the event is pickled: each holds descriptors until closed.
         self._ticket: ExportTicket | None = None
+        self._opened_from: int | None = None  # the exporter's pid, for an event unpickled here
 
     # -- identity ---------------------------------------------------------
 
@@ -199,6 +200,14 @@ class Event:
                 f"{self!r} cannot be shared with another process: create it with "
                 "accel.Event(interprocess=True)"
             )
+        if self._opened_from is not None:
+            # The backends cannot export an opened event (CUDA and Level Zero answered with a
+            # misleading "destroyed or freed" or a raw driver error, the host backend with
+            # "create it with interprocess=True"): say what to do, as for an opened buffer.
+            raise NotSupportedError(
+                f"{self!r} was opened from process {self._opened_from}; pickle the event in the process "
+                "that created it instead (an opened event is not exported again)"
+            )
         index = self._device if self._device is not None else self._runtime.current_index
         handle = self._ensure(index)
         backend = self._runtime.backend
@@ -240,6 +249,7 @@ def _open_event(ticket: ExportTicket, backend_name: str, index: int, uuid: str) 
     event = Event(index, interprocess=True)
     event._handle = handle
     event._recorded = True  # the exporter's records count: query and wait ask the backend
+    event._opened_from = ticket.pid
     event._finalizer = weakref.finalize(event, _destroy, runtime, index, handle)
     return event
 

@@ -422,5 +422,293 @@ def scenario_fd_limit() -> dict[str, Any]:
     return {"failure": failure}
 
 
+
+def _open_each(opens: list[Any], replies: Any) -> None:
+    """Open each forged export, read the whole buffer it claims, free it; report one by one
+    (a crash shows as the first missing reply)."""
+    from accel.allocator._sharing import open_buffer
+
+    for args in opens:
+        before = open_fds()
+        try:
+            buf = open_buffer(*args)
+            with accel.memory.allocate_host(buf.nbytes) as staging:
+                accel.current_stream().copy(staging, buf, buf.nbytes)
+                accel.current_stream().synchronize()
+                seen = set(ctypes.string_at(staging.ptr, buf.nbytes))
+            buf.free()
+            result = ["opened", sorted(seen)]
+        except Exception as exc:  # noqa: BLE001 - what escapes is what the test checks
+            result = [type(exc).__module__, type(exc).__name__, str(exc)]
+        replies.put([*result, open_fds() - before])
+
+
+def scenario_forged_descriptions() -> dict[str, Any]:
+    """A broker of the same user answering with damaged descriptions of a real buffer's
+    memory: each field of the backend's description edited, descriptors that are not
+    the memory (a pipe) or missing, a size larger than described."""
+    import struct
+
+    from accel._runtime import get_runtime
+    from accel.backends._sharing import export_origin
+
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    backend = get_runtime().backend
+    uuid = backend.device_properties(0).uuid
+    stream = accel.current_stream()
+    buf = accel.memory.allocate(SIZE)
+    stream.fill(buf, 0x55, SIZE)
+    stream.synchronize()
+    payload, fds = backend.ipc_memory_export(0, buf.ptr, SIZE)
+    for fd in fds:
+        os.close(fd)
+    layout = json.loads(payload)
+
+    def pipe() -> int:
+        read_end, write_end = os.pipe()
+        os.close(write_end)
+        return read_end
+
+    def real() -> tuple[bytes, list[int]]:
+        return backend.ipc_memory_export(0, buf.ptr, SIZE)
+
+    forged: dict[str, Any] = {
+        "not json": lambda: (b"not json", real()[1]),
+        "a list": lambda: (b"[1, 2]", real()[1]),
+        "no descriptors": lambda: (real()[0], []),
+        "no descriptors, no chunks": lambda: (json.dumps({**layout, "sizes": [], "pieces": []}).encode(), []),
+        "pipes": lambda: (lambda p, f: (p, [pipe() for _ in f] or [pipe()]))(*real()),
+        "an extra descriptor": lambda: (lambda p, f: (p, [*f, pipe()]))(*real()),
+        "larger than described": "larger",
+    }
+    for key, value in layout.items():
+        if isinstance(value, int):
+            for name, edited in (("huge", 1 << 40), ("negative", -4096), ("text", "x"), ("true", True)):
+                forged[f"{key} {name}"] = (key, edited)
+        elif isinstance(value, list):
+            forged[f"{key} empty"] = (key, [])
+            forged[f"{key} twice"] = (key, value + value)
+            forged[f"{key} nested"] = (key, [value])
+            if key == "pieces":  # the host backend's (file, offset, length) ranges
+                forged["pieces past the file"] = (key, [[0, 1 << 40, value[0][2]]])
+                forged["pieces of a missing file"] = (key, [[7, 0, value[0][2]]])
+                forged["pieces unaligned"] = (key, [[0, 1, value[0][2]]])
+            else:
+                forged[f"{key} halved"] = (key, [n // 2 for n in value])
+    kept = object()
+    opens, names = [], []
+    for name, how in forged.items():
+        claimed = SIZE
+        if how == "larger":
+            (description, descriptors), claimed = real(), 4 * SIZE
+        elif isinstance(how, tuple):
+            description, descriptors = json.dumps({**layout, how[0]: how[1]}).encode(), real()[1]
+        else:
+            description, descriptors = how()
+        ticket = broker().offer(
+            "buffer", export_origin(backend.name, 0, uuid), struct.pack("!Q", claimed) + description,
+            descriptors, lambda: kept, hold=True,
+        )
+        opens.append((ticket, backend.name, 0, uuid, claimed))
+        names.append(name)
+    child = ctx.Process(target=_open_each, args=(opens, replies))
+    child.start()
+    results: dict[str, Any] = {}
+    for name in names:
+        try:
+            results[name] = replies.get(timeout=TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - the child died (a crash): the rest is missing
+            results[name] = ["no answer"]
+            break
+    child.join(TIMEOUT_S)
+    return {"results": results, "exitcode": child.exitcode, "holds": broker().stats()["holds"]}
+
+
+
+def _pickle_again(data: bytes, replies: Any) -> None:
+    event = pickle.loads(data)
+    try:
+        pickle.dumps(event)
+        replies.put(["pickled"])
+    except Exception as exc:  # noqa: BLE001 - what escapes is what the test checks
+        replies.put([type(exc).__module__, type(exc).__name__, str(exc)])
+
+
+def scenario_opened_event_pickled_again() -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    event = accel.Event(interprocess=True)
+    event.record()
+    child = ctx.Process(target=_pickle_again, args=(pickle.dumps(event), replies))
+    child.start()
+    result = replies.get(timeout=TIMEOUT_S)
+    child.join(TIMEOUT_S)
+    return {"result": result, "exitcode": child.exitcode, "pid": os.getpid()}
+
+
+
+def _open_events(opens: list[Any], replies: Any) -> None:
+    from accel.stream._event import _open_event
+
+    for args in opens:
+        before = open_fds()
+        try:
+            event = _open_event(*args)
+            event.synchronize()
+            event.close()
+            result = ["opened"]
+        except Exception as exc:  # noqa: BLE001 - what escapes is what the test checks
+            result = [type(exc).__module__, type(exc).__name__, str(exc)]
+        replies.put([*result, open_fds() - before])
+
+
+def scenario_forged_event_descriptions() -> dict[str, Any]:
+    """A broker of the same user answering an event's ticket with a damaged description."""
+    from accel._runtime import get_runtime
+    from accel.backends._sharing import export_origin
+
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    backend = get_runtime().backend
+    uuid = backend.device_properties(0).uuid
+    event = accel.Event(interprocess=True)
+    event.record()
+    handle = event._ensure(0)
+
+    def real() -> tuple[bytes, list[int]]:
+        return backend.ipc_event_export(0, handle)
+
+    def pipe() -> int:
+        read_end, write_end = os.pipe()
+        os.close(write_end)
+        return read_end
+
+    forged = {
+        "empty": lambda: (b"", real()[1]),
+        "garbage": lambda: (b"garbage!" * 3, real()[1]),
+        "no descriptors": lambda: (real()[0], []),
+        "a pipe": lambda: (lambda p, f: (p, [pipe() for _ in f] or [pipe()]))(*real()),
+        "an extra descriptor": lambda: (lambda p, f: (p, [*f, pipe()]))(*real()),
+        "zeros": lambda: (bytes(len(real()[0])), real()[1]),
+    }
+    if len(real()[0]) > 8:  # a binary handle (the host backend's is the exporter's pid in digits)
+        forged["truncated"] = lambda: (real()[0][:5], real()[1])
+    opens, names = [], []
+    for name, how in forged.items():
+        description, descriptors = how()
+        ticket = broker().offer("event", export_origin(backend.name, 0, uuid), description, descriptors,
+                                lambda: event, hold=False)
+        opens.append((ticket, backend.name, 0, uuid))
+        names.append(name)
+    child = ctx.Process(target=_open_events, args=(opens, replies))
+    child.start()
+    results: dict[str, Any] = {}
+    for name in names:
+        try:
+            results[name] = replies.get(timeout=TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - the child died (a crash): the rest is missing
+            results[name] = ["no answer"]
+            break
+    child.join(TIMEOUT_S)
+    return {"results": results, "exitcode": child.exitcode}
+
+
+
+def _misbehaving_broker(mode: str, replies: Any) -> None:
+    """Answer every connection with descriptors and a header, then stall: ``huge``
+    announces a 4 GiB answer, ``stall`` a 100-byte one it never finishes."""
+    import socket
+    import struct
+
+    address = f"\0accel-test-stall-{os.getpid()}".encode()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(4)
+    replies.put(address)
+    kept = []
+    while True:
+        conn, _ = listener.accept()
+        conn.recv(32)
+        read_end, write_end = os.pipe()
+        length = 0xFFFFFFF0 if mode == "huge" else 100
+        socket.send_fds(conn, [struct.pack("!cI", b"K", length) + b"abc"], [read_end])
+        os.close(read_end)
+        os.close(write_end)
+        kept.append(conn)
+
+
+def scenario_stalled_answers() -> dict[str, Any]:
+    """Open a buffer from a process that sends part of an answer and stops."""
+    import accel.backends._sharing as sharing
+    from accel._runtime import get_runtime
+    from accel.allocator._sharing import open_buffer
+
+    sharing._ANSWER_TIMEOUT_S = 2.0
+    ctx = mp.get_context("spawn")
+    backend = get_runtime().backend
+    uuid = backend.device_properties(0).uuid
+    results = {}
+    for mode in ("huge", "stall"):
+        replies = ctx.Queue()
+        server = ctx.Process(target=_misbehaving_broker, args=(mode, replies), daemon=True)
+        server.start()
+        address = replies.get(timeout=TIMEOUT_S)
+        before = open_fds()
+        try:
+            open_buffer(sharing.ExportTicket(address, "ab" * 16, server.pid), backend.name, 0, uuid, 4096)
+            results[mode] = ["opened"]
+        except Exception as exc:  # noqa: BLE001 - what escapes is what the test checks
+            results[mode] = [type(exc).__module__, type(exc).__name__, str(exc), open_fds() - before]
+        server.kill()
+        server.join(TIMEOUT_S)
+    return results
+
+
+
+def _record_behind_a_gate(replies: Any) -> None:
+    """Export an event recorded behind work that never ends, then wait to be killed."""
+    import threading
+
+    stream = accel.Stream()
+    event = accel.Event(interprocess=True)
+    gate = threading.Event()
+    stream.launch_host_func(lambda: gate.wait(10 * TIMEOUT_S))
+    event.record(stream)
+    replies.put(pickle.dumps(event))
+    time.sleep(10 * TIMEOUT_S)
+
+
+def scenario_exporter_dies_while_a_stream_waits() -> dict[str, Any]:
+    """Open an event whose record never completes, kill its exporter, queue a wait
+    for it on a stream and synchronize the stream (in a thread, to see a hang)."""
+    import signal
+    import threading
+
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    exporter = ctx.Process(target=_record_behind_a_gate, args=(replies,))
+    exporter.start()
+    event = pickle.loads(replies.get(timeout=TIMEOUT_S))
+    os.kill(exporter.pid, signal.SIGKILL)
+    exporter.join(TIMEOUT_S)
+    outcome: list[Any] = ["hung"]
+
+    def wait() -> None:
+        stream = accel.Stream()
+        try:
+            event.wait(stream)
+            stream.synchronize()
+            outcome[:] = ["passed"]
+        except Exception as exc:  # noqa: BLE001 - what escapes is what the test checks
+            outcome[:] = [type(exc).__module__, type(exc).__name__, str(exc)]
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(10)
+    print(json.dumps({"outcome": outcome}), flush=True)
+    os._exit(0)  # a hung waiter holds the stream: do not wait for it at exit
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[f"scenario_{sys.argv[1]}"]()))

@@ -178,6 +178,92 @@ def test_a_pickle_claiming_another_device_than_the_exporters_is_refused(backend:
     assert result["exitcode"] == 0 and result["holds"] == 0
 
 
+@segments
+@backends
+def test_damaged_descriptions_of_memory_are_clear_errors(backend: str, alloc_conf: str) -> None:
+    # The importer trusted the exporter's description: a broker answering with
+    # a damaged one (what a forged or foreign process can send) crashed it
+    # (SIGSEGV/SIGBUS reading past what it mapped: an offset past the memory,
+    # a size larger than described, missing descriptors on CUDA's virtual
+    # memory), gave it silent wrong data (a negative offset: the bytes before
+    # the buffer), or escaped as raw ValueError/TypeError/KeyError/IndexError.
+    result = run_scenario(backend, "forged_descriptions", alloc_conf=alloc_conf)
+    for name, answer in result["results"].items():
+        assert answer[0] != "no answer", f"{name}: the importer died (exit code {result['exitcode']})"
+        *outcome, fds_grown = answer
+        assert fds_grown == 0, (name, outcome)
+        if outcome[0] == "opened":  # an edit that still describes the buffer (an unused descriptor)
+            assert outcome[1] == [0x55], (name, outcome)
+            continue
+        assert outcome[0] == "accel._errors", (name, outcome)
+        assert outcome[1] in ("InvalidHandleError", "DriverError"), (name, outcome)
+    assert result["exitcode"] == 0 and result["holds"] == 0
+
+
+@backends
+def test_pickling_an_opened_event_again_says_to_pickle_it_in_its_process(backend: str) -> None:
+    # Each backend refused in its own misleading way: "create it with interprocess=True"
+    # (host), "already destroyed or freed" (CUDA), a raw zeEventPoolGetIpcHandle
+    # DriverError (Level Zero).
+    result = run_scenario(backend, "opened_event_pickled_again")
+    module, kind, message = result["result"]
+    assert (module, kind) == ("accel._errors", "NotSupportedError"), message
+    assert f"was opened from process {result['pid']}" in message and "pickle the event in the process" in message
+    assert result["exitcode"] == 0
+
+
+@backends
+def test_damaged_descriptions_of_events_are_clear_errors(backend: str) -> None:
+    # Raw ValueError/PermissionError/OSError on the host backend (a payload that is
+    # not a pid, descriptors missing or not a memfd), struct.error/ValueError on Level
+    # Zero; CUDA copied 64 bytes from a shorter payload (reading past its end).
+    result = run_scenario(backend, "forged_event_descriptions")
+    for name, answer in result["results"].items():
+        assert answer[0] != "no answer", f"{name}: the importer died (exit code {result['exitcode']})"
+        *outcome, fds_grown = answer
+        assert fds_grown == 0, (name, outcome)
+        if outcome[0] == "opened":  # CUDA's handle carries no descriptor: those sent are closed, unused
+            assert backend == "cuda" and name in ("no descriptors", "a pipe", "an extra descriptor"), name
+            continue
+        assert outcome[0] == "accel._errors", (name, outcome)
+        assert outcome[1] in ("InvalidHandleError", "DriverError"), (name, outcome)
+        if name in ("empty", "garbage", "truncated"):
+            assert outcome[1] == "InvalidHandleError", (name, outcome)
+            assert "damaged" in outcome[2] or "inconsistently" in outcome[2], (name, outcome)
+    assert result["exitcode"] == 0
+
+
+def test_an_answer_that_stalls_or_announces_gigabytes_is_refused_closing_what_came_with_it() -> None:
+    # The descriptors received with the first part of an answer stayed open when
+    # the rest never came (one per timeout), and an announced length was passed
+    # to recv() as is: 4 GiB allocated for one answer.
+    result = run_scenario("cpu", "stalled_answers")
+    kind, message, fds_grown = result["huge"][1:]
+    assert kind == "InvalidHandleError" and "announced a 4294967280-byte answer" in message, message
+    assert fds_grown == 0
+    kind, message, fds_grown = result["stall"][1:]
+    assert kind == "InvalidHandleError" and "did not answer within 2 s" in message, message
+    assert fds_grown == 0
+
+
+@pytest.mark.parametrize("backend", [
+    "cpu",
+    pytest.param("xpu", marks=pytest.mark.xfail(strict=True, reason=(
+        "a stream's wait on an IPC event is a device-side wait (zeCommandListAppendWaitOnEvents): "
+        "when the exporter dies before signalling, stream.synchronize() waits forever. Only "
+        "event.synchronize() watches the exporter's pidfd; the stream's host waits would need to "
+        "know which opened events its queued work waits on (and the stream stays blocked after)"))),
+])
+def test_a_stream_waiting_on_an_event_whose_exporter_died_is_an_error_not_a_hang(backend: str) -> None:
+    # The host backend raises from the stream (HostFunctionError naming the exit).
+    # CUDA is left out: simcuda ends the wait early when the exporter exits (a
+    # choice of the simulator), so the stream passes without the work done.
+    result = run_scenario(backend, "exporter_dies_while_a_stream_waits")
+    assert result["outcome"] != ["hung"]
+    module, _, message = result["outcome"]
+    assert module == "accel._errors" and "exited before the work it recorded completed" in message, message
+
+
 @backends
 def test_a_full_descriptor_table_while_exporting_is_a_driver_error(backend: str) -> None:
     # Exporting an event (host, Level Zero) or memory (Level Zero) duplicated a

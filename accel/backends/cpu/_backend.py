@@ -181,8 +181,8 @@ class CpuBackend(Backend):
     def ipc_memory_export(self, device: int, ptr: int, nbytes: int) -> tuple[bytes, list[int]]:
         return self._memory[device].export(ptr, nbytes)
 
-    def ipc_memory_import(self, device: int, payload: bytes, fds: list[int]) -> int:
-        return self._memory[device].import_(payload, fds)
+    def ipc_memory_import(self, device: int, payload: bytes, fds: list[int], nbytes: int) -> int:
+        return self._memory[device].import_(payload, fds, nbytes)
 
     def ipc_memory_close(self, device: int, ptr: int) -> None:
         self._memory[device].close_import(ptr)

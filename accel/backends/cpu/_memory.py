@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 from accel._errors import AccelError, DriverError, InvalidHandleError, InvalidValueError, OutOfMemoryError
 from accel._units import format_size
+from accel.backends._sharing import check_extent, description, natural
 from accel.backends.cpu import _libc
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -483,12 +484,9 @@ class DeviceMemory(_Allocations):
         layout = {"lead": ptr % PAGE, "pieces": [(files.index(f), off, n) for f, off, n in pieces]}
         return json.dumps(layout).encode(), fds
 
-    def import_(self, payload: bytes, fds: list[int]) -> int:
-        import json
-
+    def import_(self, payload: bytes, fds: list[int], nbytes: int) -> int:
         try:
-            layout = json.loads(payload)
-            pieces = layout["pieces"]
+            lead, pieces = self._check_description(payload, fds, nbytes)
             total = sum(n for _, _, n in pieces)
             with self._system_call(total, "mapping memory of another process"):
                 base = _libc.reserve(total)
@@ -503,10 +501,41 @@ class DeviceMemory(_Allocations):
         finally:
             for fd in fds:
                 os.close(fd)
-        ptr = base + int(layout["lead"])
+        ptr = base + lead
         with self._lock:
             self._imports[ptr] = (base, total)
         return ptr
+
+    def _check_description(self, payload: bytes, fds: list[int], nbytes: int) -> tuple[int, list[tuple[int, int, int]]]:
+        """``(lead, pieces)`` of an export's description, checked against the descriptors:
+        mapping a range past the end of its file maps it, and the first read there is SIGBUS."""
+        where = f"cpu:{self.device}: mapping memory of another process"
+        layout = description(payload, where)
+        lead = natural(layout, "lead", where)
+        raw = layout.get("pieces")
+        pieces: list[tuple[int, int, int]] = []
+        for piece in raw if isinstance(raw, list) else [None]:
+            fields = dict(zip(("file", "offset", "length"), piece if isinstance(piece, list) and len(piece) == 3 else []))
+            index, offset = natural(fields, "file", where), natural(fields, "offset", where)
+            length = natural(fields, "length", where, positive=True)
+            if index >= len(fds) or offset % PAGE or length % PAGE:
+                raise InvalidHandleError(
+                    f"{where}: the exporting process described its memory inconsistently (piece {piece!r} of "
+                    f"{len(fds)} file(s), pages of {PAGE} bytes); pickle the buffer again in its process"
+                )
+            try:
+                size = os.fstat(fds[index]).st_size
+            except OSError:
+                size = 0
+            check_extent(where, offset, length, size)
+            pieces.append((index, offset, length))
+        if not pieces or lead >= PAGE:
+            raise InvalidHandleError(
+                f"{where}: the exporting process described its memory inconsistently ({len(pieces)} piece(s), "
+                f"{lead} bytes into the first page); pickle the buffer again in its process"
+            )
+        check_extent(where, lead, nbytes, sum(n for _, _, n in pieces))
+        return lead, pieces
 
     def close_import(self, ptr: int) -> None:
         with self._lock:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import errno
 import ctypes
 import fcntl
 import functools
@@ -28,6 +29,7 @@ import itertools
 import os
 import queue
 import select
+import stat
 import threading
 import time
 import warnings
@@ -35,7 +37,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from accel._errors import CaptureError, InvalidHandleError, InvalidValueError, NotSupportedError
+from accel._errors import CaptureError, DriverError, InvalidHandleError, InvalidValueError, NotSupportedError
 from accel.backends import _capture
 from accel.backends._capture import Capture, Mark
 from accel.backends._sharing import dup_for_export
@@ -149,6 +151,10 @@ def _record_now(event: HostEvent) -> None:
 # How often a process polls an event that another process completes (it cannot
 # be woken by that process's condition variable): from 20 µs, doubling, to 2 ms.
 _POLL_FIRST_S, _POLL_MAX_S = 20e-6, 2e-3
+
+
+# The largest pid Linux can give (PID_MAX_LIMIT, 2**22 on 64-bit): a larger one is not a pid.
+_PID_MAX = 1 << 22
 
 
 class SharedHostEvent(HostEvent):
@@ -552,13 +558,30 @@ class StreamTable:
 
     def import_event(self, device: int, payload: bytes, fds: list[int]) -> int:
         try:
-            (fd,) = fds
-            event = SharedHostEvent(device, fd, exporter_pid=int(payload))
-        except ProcessLookupError:
-            raise InvalidHandleError(
-                f"cpu:{device}: the process that exported this event (pid {int(payload)}) has exited"
-            ) from None
-        except BaseException:
+            # Checked before mapping: the description comes from whatever process answered,
+            # and reading a page past the end of a shorter file is SIGBUS.
+            try:
+                size = os.fstat(fds[0]).st_size if len(fds) == 1 and stat.S_ISREG(os.fstat(fds[0]).st_mode) else 0
+            except OSError:
+                size = 0
+            if not (payload.isdigit() and 0 < int(payload) <= _PID_MAX and size >= _libc.PAGE):
+                raise InvalidHandleError(
+                    f"cpu:{device}: the exporting process described its event inconsistently ({payload[:20]!r}, "
+                    f"{len(fds)} descriptor(s), {size} bytes); is it an accel process? Pickle the event again there"
+                )
+            try:
+                event = SharedHostEvent(device, fds[0], exporter_pid=int(payload))
+            except ProcessLookupError:
+                raise InvalidHandleError(
+                    f"cpu:{device}: the process that exported this event (pid {int(payload)}) has exited"
+                ) from None
+            except OSError as exc:
+                code = exc.errno or 0
+                raise DriverError(
+                    "cpu", "mapping an event of another process", code, errno.errorcode.get(code, "OSError"), str(exc),
+                    device=device,
+                ) from None
+        except BaseException:  # the event owns fds[0] only once made
             for fd in fds:
                 os.close(fd)
             raise

@@ -20,6 +20,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from accel._errors import InvalidHandleError, InvalidValueError, NotSupportedError
+from accel.backends._sharing import check_extent, description, natural, naturals
 from accel.backends.cuda._bindings import Driver
 from accel.backends.cuda._constants import (
     CUDA_SUCCESS,
@@ -133,29 +134,54 @@ class Sharing:
             raise
         return json.dumps({"kind": "vmm", "lead": lead, "sizes": sizes}).encode(), fds
 
-    def ipc_memory_import(self, device: int, payload: bytes, fds: list[int]) -> int:
-        self._require_ipc(device)
-        layout = json.loads(payload)
-        pushed = self._enter(device)
+    def ipc_memory_import(self, device: int, payload: bytes, fds: list[int], nbytes: int) -> int:
+        pushed = False
         try:
-            if layout["kind"] == "legacy":
+            self._require_ipc(device)
+            # Parsed and checked inside the try: the descriptors are closed whatever the payload.
+            where = f"cuda:{device}: opening memory of another process"
+            layout = description(payload, where)
+            pushed = self._enter(device)
+            if layout.get("kind") == "legacy":
+                raw = layout.get("handle")
+                offset = natural(layout, "offset", where)
+                try:
+                    handle_bytes = bytes.fromhex(raw) if isinstance(raw, str) else b""
+                except ValueError:
+                    handle_bytes = b""
+                if len(handle_bytes) != 64:
+                    raise InvalidHandleError(f"{where}: the exporting process sent a damaged IPC handle ({raw!r:.40})")
                 handle = self._ffi.new("CUipcMemHandle *")
-                self._ffi.memmove(handle.reserved, bytes.fromhex(layout["handle"]), 64)
+                self._ffi.memmove(handle.reserved, handle_bytes, 64)
                 out = self._ffi.new("CUdeviceptr *")
                 code = self._fn["cuIpcOpenMemHandle"](out, handle[0], CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
                 self._check("cuIpcOpenMemHandle", code, device, handle="IPC memory handle")
                 base = int(out[0])
-                ptr = base + int(layout["offset"])
+                try:
+                    # The handle names a whole allocation; the buffer must lie inside it.
+                    check_extent(where, offset, nbytes, self._address_range(device, base)[1])
+                except BaseException:
+                    self._fn["cuIpcCloseMemHandle"](base)
+                    raise
+                ptr = base + offset
                 self._imports[ptr] = ("legacy", base)
                 return ptr
-            base = self._import_chunks(device, layout["sizes"], fds)
-            ptr = base + int(layout["lead"])
-            self._imports[ptr] = ("vmm", base, sum(layout["sizes"]))
+            if layout.get("kind") != "vmm":
+                raise InvalidHandleError(f"{where}: the exporting process described memory of kind {layout.get('kind')!r}")
+            # One descriptor per chunk: mapping fewer chunks than the sizes add up to
+            # left the rest of the reservation unmapped under the buffer (SIGSEGV).
+            sizes = naturals(layout, "sizes", where, len(fds))
+            lead = natural(layout, "lead", where)
+            check_extent(where, lead, nbytes, sum(sizes))
+            base = self._import_chunks(device, sizes, fds)
+            ptr = base + lead
+            self._imports[ptr] = ("vmm", base, sum(sizes))
             return ptr
         finally:
             for fd in fds:
                 os.close(fd)
-            self._leave(device, pushed)
+            if pushed:
+                self._leave(device, pushed)
 
     def _import_chunks(self, device: int, sizes: list[int], fds: list[int]) -> int:
         """Map the chunks behind ``fds`` back to back into a new reservation (context current)."""
@@ -170,7 +196,7 @@ class Sharing:
         access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         mapped = 0
         try:
-            for fd, size in zip(fds, sizes):
+            for fd, size in zip(fds, sizes, strict=True):
                 chunk = self._ffi.new("CUmemGenericAllocationHandle *")
                 code = self._fn["cuMemImportFromShareableHandle"](
                     chunk, self._ffi.cast("void *", fd), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -219,9 +245,14 @@ class Sharing:
         return bytes(self._ffi.buffer(handle.reserved, 64)), []
 
     def ipc_event_import(self, device: int, payload: bytes, fds: list[int]) -> int:
-        self._require_ipc(device)
         for fd in fds:
             os.close(fd)
+        self._require_ipc(device)
+        if len(payload) != 64:  # memmove below copies 64 bytes: past the end of a shorter payload
+            raise InvalidHandleError(
+                f"cuda:{device}: the exporting process sent a damaged IPC event handle ({len(payload)} bytes, "
+                "not 64); is it an accel process? Pickle the event again there"
+            )
         handle = self._ffi.new("CUipcEventHandle *")
         self._ffi.memmove(handle.reserved, payload, 64)
         out = self._ffi.new("CUevent *")

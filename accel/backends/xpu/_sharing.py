@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from accel._errors import InvalidHandleError, InvalidValueError, NotSupportedError
-from accel.backends._sharing import dup_for_export
+from accel.backends._sharing import check_extent, description, dup_for_export, natural, naturals
 from accel.backends.xpu._library import describe_result
 from accel.backends.xpu._records import DeviceState, EventState, new_handle
 
@@ -196,27 +196,41 @@ class Sharing:
             raise
         return json.dumps({"kind": "physical", "lead": ptr - starts[0] if starts else 0, "sizes": sizes}).encode(), fds
 
-    def ipc_memory_import(self, device: int, payload: bytes, fds: list[int]) -> int:
+    def ipc_memory_import(self, device: int, payload: bytes, fds: list[int], nbytes: int) -> int:
+        where = f"xpu:{device}: opening memory of another process"
         try:
-            layout = json.loads(payload)
-            if layout["kind"] == "physical":
-                sizes, lead = layout["sizes"], layout["lead"]
-                if not (sizes and len(sizes) == len(fds) and all(isinstance(n, int) and n > 0 for n in sizes)
-                        and isinstance(lead, int) and 0 <= lead < sizes[0]):
+            layout = description(payload, where)
+            if layout.get("kind") == "physical":
+                sizes = naturals(layout, "sizes", where, len(fds))
+                lead = natural(layout, "lead", where)
+                if lead >= sizes[0]:
                     raise InvalidHandleError(
                         f"xpu:{device}: the exporting process described its physical memory inconsistently "
                         f"({len(fds)} descriptor(s) for chunks of {sizes!r} bytes, {lead!r} bytes in); "
                         "pickle the buffer again in its process"
                     )
+                check_extent(where, lead, nbytes, sum(sizes))
                 mapped = self._import_chunks(device, sizes, fds)
                 ptr = mapped.base + lead
                 with self._lock:
                     self._ipc_imports[ptr] = mapped
                 return ptr
-            (fd,) = fds
+            if layout.get("kind") != "ipc" or len(fds) != 1:
+                raise InvalidHandleError(
+                    f"{where}: the exporting process described memory of kind {layout.get('kind')!r} with "
+                    f"{len(fds)} descriptor(s)"
+                )
+            offset = natural(layout, "offset", where)
+            raw = layout.get("handle")
             ffi, lib = self._ze.ffi, self._ze.lib
             handle = ffi.new("ze_ipc_mem_handle_t *")
-            ffi.memmove(handle.data, _with_fd(bytes.fromhex(layout["handle"]), fd), len(handle.data))
+            try:
+                handle_bytes = bytes.fromhex(raw) if isinstance(raw, str) else b""
+            except ValueError:
+                handle_bytes = b""
+            if len(handle_bytes) != len(handle.data):
+                raise InvalidHandleError(f"{where}: the exporting process sent a damaged IPC handle ({raw!r:.40})")
+            ffi.memmove(handle.data, _with_fd(handle_bytes, fds[0]), len(handle.data))
             out = ffi.new("void **")
             code = lib.zeMemOpenIpcHandle(self._context, self._devices[device].cdata, handle[0], 0, out)
             self._check("zeMemOpenIpcHandle", code, device)
@@ -224,7 +238,16 @@ class Sharing:
             for fd_ in fds:
                 os.close(fd_)
         base = int(ffi.cast("uintptr_t", out[0]))
-        ptr = base + int(layout["offset"])
+        size = ffi.new("size_t *")
+        code = lib.zeMemGetAddressRange(self._context, out[0], ffi.NULL, size)
+        try:
+            self._check("zeMemGetAddressRange", code, device)
+            # The handle names a whole allocation; the buffer must lie inside it.
+            check_extent(where, offset, nbytes, int(size[0]))
+        except BaseException:
+            lib.zeMemCloseIpcHandle(self._context, out[0])
+            raise
+        ptr = base + offset
         with self._lock:
             self._ipc_imports[ptr] = _Opened(base)
         return ptr
@@ -319,15 +342,20 @@ class Sharing:
 
     def ipc_event_import(self, device: int, payload: bytes, fds: list[int]) -> int:
         try:
-            (fd,) = fds
+            handle_size = len(self._ze.ffi.new("ze_ipc_event_pool_handle_t *").data)
+            if len(fds) != 1 or len(payload) != _PID.size + handle_size:  # raw ValueError/struct.error before
+                raise InvalidHandleError(
+                    f"xpu:{device}: the exporting process described its event inconsistently ({len(payload)} "
+                    f"bytes, {len(fds)} descriptor(s)); is it an accel process? Pickle the event again there"
+                )
             (pid,) = _PID.unpack_from(payload)
-            slot = self._slots.open_ipc(_with_fd(payload[_PID.size :], fd))
+            slot = self._slots.open_ipc(_with_fd(payload[_PID.size :], fds[0]))
         finally:
             for fd_ in fds:
                 os.close(fd_)
         try:
             exporter = os.pidfd_open(pid)
-        except OSError:
+        except (OSError, OverflowError):  # OverflowError: a "pid" past pid_t, from a damaged description
             exporter = -1  # gone already (it answered the broker a moment ago): waits are not bounded
         handle = new_handle()
         with self._lock:

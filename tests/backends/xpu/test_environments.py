@@ -287,7 +287,7 @@ g = xpu.vm_granularity(0)
 read(xpu.malloc(0, 512))  # the first copy's own descriptors (event pools), not the import's
 fds = json.loads(sys.argv[2])
 before = len(os.listdir("/proc/self/fd"))
-ptr = xpu.ipc_memory_import(0, sys.argv[1].encode(), fds)
+ptr = xpu.ipc_memory_import(0, sys.argv[1].encode(), fds, 2 * g)
 seen = [read(ptr + at) for at in (0, g // 2 - 1, g // 2, 3 * g // 2 - 1, 3 * g // 2, 2 * g - 1)]
 xpu.memset_async(0, ptr + g, ord("Z"), 1, s)
 xpu.stream_synchronize(0, s)
