@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from accel._errors import (
+    AccelError,
     CaptureError,
     InvalidHandleError,
     InvalidValueError,
@@ -747,6 +748,8 @@ class XpuBackend(Sharing, Backend):
         s = self._stream(device, stream)
         _capture.refuse_while_capturing(s, "synchronizing a stream")
         self._synchronize(s)
+        if s.failures:
+            raise s.failures.popleft()
 
     def _synchronize(self, s: StreamState) -> None:
         if not self._synchronize_open(s):
@@ -794,6 +797,9 @@ class XpuBackend(Sharing, Backend):
         slot = self._slots.hold_current(e)  # not recycled by a concurrent re-record before the wait is queued
         if slot is None:
             return  # never recorded: a no-op, as in CUDA
+        if e.exporter >= 0:
+            self._wait_imported_on(s, e, slot)
+            return
         try:
             with s.lock:
                 self._check_open(s)
@@ -923,20 +929,49 @@ class XpuBackend(Sharing, Backend):
             if e.exporter < 0:
                 code = _wait(self._ze.lib.zeEventHostSynchronize, slot.cdata)
             else:
-                code = self._wait_imported(e, slot)
+                code = self._wait_imported(e, slot, e.exporter)
             self._check("zeEventHostSynchronize", code, device)
         finally:
             self._slots.drop(slot)
 
-    def _wait_imported(self, e: EventState, slot: EventSlot) -> int:
+    def _wait_imported_on(self, s: StreamState, e: EventState, slot: EventSlot) -> None:
+        """Order ``s`` after an event opened from another process (``slot`` held, and
+        dropped here). Not a device-side wait: if the exporter exited before it
+        signalled, nothing ever would, and the stream would wait forever. A host
+        function waits instead, watching the exporter (its own duplicate of the
+        pidfd: the event may be destroyed first); an exit ends it, later work
+        runs, and the stream's next synchronize raises the error."""
+        try:
+            pidfd = os.dup(e.exporter)
+        except BaseException:
+            self._slots.drop(slot)
+            raise
+
+        def wait_for_the_exporter() -> None:
+            try:
+                self._check("zeEventHostSynchronize", self._wait_imported(e, slot, pidfd), s.device)
+            except AccelError as exc:
+                s.failures.append(exc)  # the stream's next synchronize raises it
+            finally:
+                self._slots.drop(slot)
+                os.close(pidfd)
+
+        try:
+            self.launch_host_func(s.device, s.handle, wait_for_the_exporter)
+        except BaseException:
+            self._slots.drop(slot)
+            os.close(pidfd)
+            raise
+
+    def _wait_imported(self, e: EventState, slot: EventSlot, pidfd: int) -> int:
         """Wait for an event opened from another process in slices, checking that the
-        exporter still lives: once it exited, nothing will ever signal the event."""
+        exporter (``pidfd``) still lives: once it exited, nothing will ever signal the event."""
         while True:
             code = int(self._ze.lib.zeEventHostSynchronize(slot.cdata, _WAIT_SLICE_NS))
             if code != _NOT_READY:
                 return code
             # Between slices: Ctrl-C is seen, and a dead exporter ends the wait.
-            exited, _, _ = select.select([e.exporter], [], [], 0)
+            exited, _, _ = select.select([pidfd], [], [], 0)
             if exited:
                 code = int(self._ze.lib.zeEventQueryStatus(slot.cdata))
                 if code != _NOT_READY:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from accel._errors import InvalidHandleError
+from accel._errors import AccelError, InvalidHandleError
 from accel.backends._capture import Capture, Mark
 from accel.backends.base import CaptureMode, DeviceProperties
 
@@ -65,6 +65,9 @@ class StreamState:
     # Capture; see xpu_capture() for the backend's own view.
     capture: Capture[Any] | None = None
     worker: HostWorker | None = None
+    # Failures of the backend's own host functions (a wait on an event whose exporting
+    # process exited), raised by the stream's next synchronize.
+    failures: deque[AccelError] = field(default_factory=deque)
     # Set (under ``lock``) when the stream's last marker is fixed: its command list is
     # destroyed once that marker is reached, so nothing may be appended after it.
     retired: bool = False
