@@ -41,6 +41,7 @@ class LiveBuffer:
     def __init__(self, buf: accel.memory.Buffer, value: int) -> None:
         self.buf = buf
         self.value = value
+        self.writer = buf.stream  # the stream of the last fill: the next one is ordered after it
         self.ptr, self.nbytes = buf.ptr, buf.nbytes
 
 
@@ -173,10 +174,13 @@ class PublicApiMachine(RuleBasedStateMachine):
             except accel.AccelError:
                 return
             raise AssertionError("fill on a closed stream was accepted")
+        # After the last fill too: two fills on streams that each waited only for the
+        # buffer's own stream land in either order (the model expected the later call).
         stream.wait_stream(live.buf.stream)
+        stream.wait_stream(live.writer)
         stream.fill(live.buf, value)
         live.buf.record_stream(stream)
-        live.value = value
+        live.value, live.writer = value, stream
 
     @rule(live=consumes(buffers))
     def free(self, live: LiveBuffer) -> None:
@@ -231,8 +235,9 @@ class PublicApiMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def replay(self, data: st.DataObject) -> None:
         g, target, value = data.draw(st.sampled_from(self.graphs))
+        accel.current_stream().wait_stream(target.writer)  # after a fill on another stream
         g.replay()
-        target.value = value
+        target.value, target.writer = value, accel.current_stream()
 
     @precondition(lambda self: bool(self.graphs))
     @rule(data=st.data())
