@@ -1312,6 +1312,10 @@ allocator_free_from_finalizer(PyObject *wrapped, PyObject *const *args, Py_ssize
     if (nargs != 2 || kwnames != NULL)
         return call_wrapped(wrapped, args, nargs, kwnames);
     PyObject *self = args[0], *block = args[1];
+    /* another allocator's block (or none): the Python function raises as free() does */
+    PyObject *segment = Py_IS_TYPE(block, Block_T) ? SLOT(block, B_segment) : NULL;
+    if (segment == NULL || !Py_IS_TYPE(segment, Segment_T) || SLOT(segment, SG_owner) != self)
+        return call_wrapped(wrapped, args, nargs, kwnames);
     PyObject *lock = attr(self, s_lock), *res = NULL;
     if (lock == NULL)
         return NULL;
