@@ -44,25 +44,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from accel._native import speedups
-from accel._errors import (
-    AccelError,
-    CaptureError,
-    DeviceError,
-    InvalidHandleError,
-    InvalidValueError,
-    OutOfMemoryError,
-)
+from accel._errors import AccelError, CaptureError, DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
 from accel.allocator import _stats as S
-from accel.allocator._blocks import (
-    ALLOCATED,
-    FREE,
-    PENDING,
-    RETIRED,
-    Block,
-    Pool,
-    PrivatePool,
-    Segment,
-)
+from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED, Block, Pool, PrivatePool, Segment
 from accel.allocator._fork import track_lock
 from accel.allocator._freelist import FreeList
 from accel.allocator._stats import OVERSIZE_ALLOCATIONS
@@ -173,9 +157,7 @@ _orphans: set[DeviceAllocator] = set()
 ORPHAN_WAIT_S = 60.0
 
 
-def release_orphans(
-    backend: Backend, device: int | None, *, busy: DeviceAllocator | None = None
-) -> int:
+def release_orphans(backend: Backend, device: int | None, *, busy: DeviceAllocator | None = None) -> int:
     """Give back the cached memory of dropped pools' allocators of ``backend``'s
     ``device`` (None: every device), waiting for the device as empty_cache does:
     call it only where waiting is safe. ``busy``: an allocator whose lock the caller
@@ -254,9 +236,7 @@ class DeviceAllocator:
     ) -> None:
         self.backend = backend
         self.device = device
-        self.upstream = (
-            upstream if upstream is not None else BackendResource(backend, device)
-        )
+        self.upstream = upstream if upstream is not None else BackendResource(backend, device)
         if self.upstream.device != device:
             raise DeviceError(
                 f"the upstream resource serves device {self.upstream.device}, not device {device}"
@@ -275,9 +255,7 @@ class DeviceAllocator:
         # Frees held back until the captures end (or, outside one, until the next release
         # of cached memory: an interrupt left their stream uses unordered).
         self._deferred: list[Block] = []
-        self._pending: dict[
-            int, deque[tuple[int, Block]]
-        ] = {}  # used stream -> (event, block)
+        self._pending: dict[int, deque[tuple[int, Block]]] = {}  # used stream -> (event, block)
         self._events: list[int] = []  # pooled events, ready for reuse
         self._events_created = 0
         # Frees (and pool releases) from finalizers that found the lock taken.
@@ -313,9 +291,7 @@ class DeviceAllocator:
     def _apply_config(self, config: AllocatorConfig) -> None:
         self.config = config
         old_ms = getattr(self, "_ms", None)
-        self._ms = (
-            _UNLIMITED if config.max_split_size is None else config.max_split_size
-        )
+        self._ms = _UNLIMITED if config.max_split_size is None else config.max_split_size
         if old_ms is not None and old_ms != self._ms:
             self._recount_oversize()
         self._nsr = config.max_non_split_rounding
@@ -340,12 +316,7 @@ class DeviceAllocator:
         """Whether malloc may take its fast path: no capture under way, no history
         recorded, no rounding divisions, and an owner that still uses the allocator.
         Called wherever one of these changes."""
-        self._fast = not (
-            self._captures
-            or self._history is not None
-            or self._any_divisions
-            or self._orphaned
-        )
+        self._fast = not (self._captures or self._history is not None or self._any_divisions or self._orphaned)
 
     def _recount_oversize(self) -> None:
         """max_split_size changed: count oversize blocks and segments again, so
@@ -358,10 +329,7 @@ class DeviceAllocator:
             for b in seg.blocks():
                 if b.state == ALLOCATED and b.size >= self._ms:
                     blocks += 1
-        for base, count in (
-            (S.OVERSIZE_ALLOCATIONS, blocks),
-            (S.OVERSIZE_SEGMENTS, segments),
-        ):
+        for base, count in ((S.OVERSIZE_ALLOCATIONS, blocks), (S.OVERSIZE_SEGMENTS, segments)):
             s[base] = count
             s[base + 2] = max(s[base + 2], count)
             s[base + 6] = max(s[base + 6], count)
@@ -386,14 +354,8 @@ class DeviceAllocator:
 
         Going past the cap raises OutOfMemoryError without asking the device.
         """
-        if (
-            isinstance(fraction, bool)
-            or not isinstance(fraction, (int, float))
-            or not 0.0 <= fraction <= 1.0
-        ):
-            raise InvalidValueError(
-                f"memory fraction {fraction!r} must be a number in [0, 1]"
-            )
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+            raise InvalidValueError(f"memory fraction {fraction!r} must be a number in [0, 1]")
         with self._lock:
             self._set_fraction(float(fraction), explicit=True)
 
@@ -411,11 +373,7 @@ class DeviceAllocator:
         """
         if nbytes.__class__ is not int or not 0 < nbytes < MAX_REQUEST:
             self._bad_size(nbytes)
-        if (
-            stream._device != self.device
-            or stream._runtime.backend is not self.backend
-            or stream._closed
-        ):
+        if stream._device != self.device or stream._runtime.backend is not self.backend or stream._closed:
             self._bad_stream(stream, "an allocation")
         handle = stream._handle
         # acquire/release rather than ``with``: half the cost on this hot path.
@@ -434,20 +392,14 @@ class DeviceAllocator:
                 free = pool.free.get(handle)
                 if free is not None:
                     block = free.best_fit(size)
-                    if (
-                        block is not None
-                        and block.size < self._ms
-                        and not block.segment.expandable
-                    ):
+                    if block is not None and block.size < self._ms and not block.segment.expandable:
                         if self._gc_threshold:
                             pool.calls += 1
                         k = self._kinds[pool.kind]
                         full = block.size
                         remaining = full - size
                         nxt = block.next
-                        if remaining >= KB_MIN and (
-                            pool.small or remaining > SMALL_SIZE
-                        ):
+                        if remaining >= KB_MIN and (pool.small or remaining > SMALL_SIZE):
                             # _split: a new block object for the rest, which takes
                             # this one's place on the free list.
                             rest = Block(block.ptr + size, remaining, block.segment)
@@ -468,9 +420,7 @@ class DeviceAllocator:
                             # _split without a cut: the whole block leaves the list.
                             size = full
                             free.remove(block)
-                            if (
-                                block.prev is not None or nxt is not None
-                            ):  # S.drop_inactive_split
+                            if block.prev is not None or nxt is not None:  # S.drop_inactive_split
                                 k.inactive_split -= 1
                                 k.inactive_split_bytes -= full
                         # _account
@@ -494,11 +444,7 @@ class DeviceAllocator:
         if self._pending and not self._captures:
             self._process_events()
         # The common rounding inline; _round does the rest.
-        size = (
-            (nbytes + 511) & -512
-            if nbytes >= 512 and not self._any_divisions
-            else self._round(nbytes)
-        )
+        size = (nbytes + 511) & -512 if nbytes >= 512 and not self._any_divisions else self._round(nbytes)
         if self._captures:
             pool = self._capture_pool(size, stream)
         else:
@@ -506,11 +452,7 @@ class DeviceAllocator:
         # Find the best-fitting cached block; it stays listed until _split.
         free = pool.free.get(handle)
         block = free.best_fit(size) if free else None
-        if (
-            free is not None
-            and block is not None
-            and (block.size >= self._ms or block.segment.expandable)
-        ):
+        if free is not None and block is not None and (block.size >= self._ms or block.segment.expandable):
             block = self._find_free(free, size)  # the oversize and expandable rules
         if self._gc_threshold and free:
             pool.calls += 1
@@ -518,11 +460,7 @@ class DeviceAllocator:
         if block is None:
             block = self._grow(pool, handle, size, stream)
             listed = None  # the new block is on no list
-        elif (
-            free is not None
-            and block.segment.expandable
-            and self._place_at_end(block, size, free)
-        ):
+        elif free is not None and block.segment.expandable and self._place_at_end(block, size, free):
             listed = None  # cut off the free block's end: on no list
         self._split(block, size, pool, handle, listed)
         self._account(block, nbytes, handle)
@@ -533,17 +471,11 @@ class DeviceAllocator:
         if nbytes < KB_MIN:
             return KB_MIN
         if self._any_divisions:
-            slot = (
-                nbytes.bit_length() - 21
-            )  # the divisions of [1 MiB, 2 MiB) are slot 0
-            return round_size(
-                nbytes, self._divisions[0 if slot < 0 else (slot if slot < 15 else 15)]
-            )
+            slot = nbytes.bit_length() - 21  # the divisions of [1 MiB, 2 MiB) are slot 0
+            return round_size(nbytes, self._divisions[0 if slot < 0 else (slot if slot < 15 else 15)])
         return (nbytes + KB_MIN - 1) & -KB_MIN
 
-    def _split(
-        self, block: Block, size: int, pool: Pool, handle: int, listed: FreeList | None
-    ) -> None:
+    def _split(self, block: Block, size: int, pool: Pool, handle: int, listed: FreeList | None) -> None:
         """Cut ``block`` to ``size`` bytes when the rest is worth keeping as a free
         block (PyTorch's ``should_split``); take ``block`` off free list ``listed``
         (None: it is on none), the rest taking its place; keep the inactive-split counts."""
@@ -552,9 +484,7 @@ class DeviceAllocator:
         was_split = block.prev is not None or block.next is not None
         full = block.size
         remaining = full - size
-        if remaining >= KB_MIN and (
-            pool.small or expandable or (size < self._ms and remaining > SMALL_SIZE)
-        ):
+        if remaining >= KB_MIN and (pool.small or expandable or (size < self._ms and remaining > SMALL_SIZE)):
             rest = self._stand_in(block, block.ptr + size, remaining, block, block.next)
             block.size = size
             rest.gc_base = pool.calls
@@ -598,9 +528,7 @@ class DeviceAllocator:
                     requested=nbytes,
                     device=self.device,
                 )
-            raise InvalidValueError(
-                f"cannot allocate {nbytes} bytes: the size must be at least 1"
-            )
+            raise InvalidValueError(f"cannot allocate {nbytes} bytes: the size must be at least 1")
         raise InvalidValueError(f"nbytes={nbytes!r} must be an int number of bytes")
 
     def _bad_stream(self, stream: Stream, call: str) -> None:
@@ -638,9 +566,7 @@ class DeviceAllocator:
     def _grow(self, pool: Pool, handle: int, size: int, stream: Stream) -> Block:
         """Cache miss: new memory, after giving back cache if needed; or OOM."""
         capturing = bool(self._captures)
-        self._fraction_refused = (
-            False  # set when the memory fraction, not the device, says no
-        )
+        self._fraction_refused = False  # set when the memory fraction, not the device, says no
         self._refusal = ""
         if self._gc_frees:
             self._drain_gc_frees()  # buffers collected while the lock was taken are free memory
@@ -653,9 +579,7 @@ class DeviceAllocator:
         if block is None and not capturing:
             self._release_cached_blocks()
             # Dropped pools' memory of this device, waiting for those other threads use.
-            given = (
-                release_orphans(self.backend, self.device, busy=self) if _orphans else 0
-            )
+            given = release_orphans(self.backend, self.device, busy=self) if _orphans else 0
             self._stats.s[S.NUM_ALLOC_RETRIES] += 1
             block = self._alloc_segment(pool, handle, size)
             # Another thread may take what came back first, while others drop pools
@@ -725,23 +649,13 @@ class DeviceAllocator:
         b, addr, nbytes, absorb = found
         # The free blocks the new pages join: the give-back leaves alone the part
         # of them the new block will take.
-        joined = (
-            b.prev if absorb else None,
-            b.next if addr + nbytes == b.ptr + b.size else None,
-        )
+        joined = (b.prev if absorb else None, b.next if addr + nbytes == b.ptr + b.size else None)
         start = b.prev.ptr if absorb and b.prev is not None else addr
-        spares: list[
-            int
-        ] = []  # physical pages the give-back unmapped, mapped again here
+        spares: list[int] = []  # physical pages the give-back unmapped, mapped again here
         try:
             # Growing: give back the whole free pages of holes first.
-            if (
-                self._give_back_holes(seg, nbytes, joined, start + size, spares)
-                and pool.expandable.get(handle) is not seg
-            ):
-                return self._alloc_expandable(
-                    pool, handle, size
-                )  # left wholly unmapped, it went
+            if self._give_back_holes(seg, nbytes, joined, start + size, spares) and pool.expandable.get(handle) is not seg:
+                return self._alloc_expandable(pool, handle, size)  # left wholly unmapped, it went
             if self._allowed is not None and self._reserved() + nbytes > self._allowed:
                 self._fraction_refused = True
                 return None
@@ -804,9 +718,7 @@ class DeviceAllocator:
         nxt = b.next
         # The partial page at b's end (start) is already touched when a live block
         # starts (ends) there.
-        tail_used = (
-            hi % page != 0 and nxt is not None and nxt.mapped and nxt.state != FREE
-        )
+        tail_used = hi % page != 0 and nxt is not None and nxt.mapped and nxt.state != FREE
         if not tail_used and lo % page == 0:
             # At b's start the new block is page aligned, touching as few pages as
             # it can; and the end has no touched page to fill. (The common case of
@@ -817,33 +729,17 @@ class DeviceAllocator:
             # very large): none goes back, and the lowest place keeps holes fewer.
             return False
         prev = b.prev
-        head_used = (
-            lo % page != 0 and prev is not None and prev.mapped and prev.state != FREE
-        )
+        head_used = lo % page != 0 and prev is not None and prev.mapped and prev.state != FREE
         # Pages [first, last) the new block touches, at b's start and at its end, and
         # how many of them no live block touches yet (inline: this runs on every
         # allocation that an expandable segment's cache serves).
         first, last = lo // page, -(-(lo + size) // page)
-        new_start = (
-            last
-            - first
-            - head_used
-            - (
-                tail_used
-                and last - 1 == (hi - 1) // page
-                and (last - 1 > first or not head_used)
-            )
+        new_start = last - first - head_used - (
+            tail_used and last - 1 == (hi - 1) // page and (last - 1 > first or not head_used)
         )
         first_end, last_end = (hi - size) // page, -(-hi // page)
-        new_end = (
-            last_end
-            - first_end
-            - tail_used
-            - (
-                head_used
-                and first_end == first
-                and (first_end < last_end - 1 or not tail_used)
-            )
+        new_end = last_end - first_end - tail_used - (
+            head_used and first_end == first and (first_end < last_end - 1 or not tail_used)
         )
         if (new_end, last_end - first_end) >= (new_start, last - first):
             return False
@@ -904,54 +800,25 @@ class DeviceAllocator:
                 hi = run_end + after - base
                 left = prev.prev if before and prev is not None else prev
                 right = nxt.next if after and nxt is not None else nxt
-                head_used = (
-                    lo % page != 0
-                    and left is not None
-                    and left.mapped
-                    and left.state != FREE
-                )
-                tail_used = (
-                    hi % page != 0
-                    and right is not None
-                    and right.mapped
-                    and right.state != FREE
-                )
+                head_used = lo % page != 0 and left is not None and left.mapped and left.state != FREE
+                tail_used = hi % page != 0 and right is not None and right.mapped and right.state != FREE
                 # (bytes to map, first address mapped, whether the free block before is taken in)
                 options = []
-                if (
-                    size <= before + b.size
-                ):  # from the start of the free block before (or of the run)
-                    options.append(
-                        (-(-(size - before) // page) * page, b.ptr, before > 0)
-                    )
-                elif (
-                    size <= before + b.size + after
-                ):  # across the run into the free block after
+                if size <= before + b.size:  # from the start of the free block before (or of the run)
+                    options.append((-(-(size - before) // page) * page, b.ptr, before > 0))
+                elif size <= before + b.size + after:  # across the run into the free block after
                     options.append((b.size, b.ptr, before > 0))
-                if (
-                    after and size <= after + b.size
-                ):  # from a page boundary to the end of the free block after
+                if after and size <= after + b.size:  # from a page boundary to the end of the free block after
                     n = -(-(size - after) // page) * page
                     if n < b.size:
                         options.append((n, run_end - n, False))
                 for n, addr, absorb in options:
-                    start = (
-                        addr - before if absorb else addr
-                    ) - base  # of the new block
-                    taken = (before if absorb else 0) + (
-                        after if addr + n == run_end else 0
-                    )
+                    start = (addr - before if absorb else addr) - base  # of the new block
+                    taken = (before if absorb else 0) + (after if addr + n == run_end else 0)
                     first, last = start // page, -(-(start + size) // page)
                     touched = head_used and first == lo // page
-                    added = (
-                        last
-                        - first
-                        - touched
-                        - (
-                            tail_used
-                            and last - 1 == (hi - 1) // page
-                            and (last - 1 > first or not touched)
-                        )
+                    added = last - first - touched - (
+                        tail_used and last - 1 == (hi - 1) // page and (last - 1 > first or not touched)
                     )
                     key = (added, (last - first) * page - size, n, -taken)
                     if best is None or key < best[0]:
@@ -987,10 +854,7 @@ class DeviceAllocator:
         if self._captures:  # nothing goes back upstream during a capture
             return 0
         segments = [growing] + [
-            s
-            for pool in (self._small, self._large)
-            for s in pool.expandable.values()
-            if s is not growing
+            s for pool in (self._small, self._large) for s in pool.expandable.values() if s is not growing
         ]
         idle: dict[int, bool] = {}
         # (bytes that may go, whole free pages of the segment's free blocks, highest first)
@@ -1055,9 +919,7 @@ class DeviceAllocator:
             pool.private.segments += 1
         return seg
 
-    def _map_pages(
-        self, seg: Segment, addr: int, nbytes: int, spares: list[int]
-    ) -> bool:
+    def _map_pages(self, seg: Segment, addr: int, nbytes: int, spares: list[int]) -> bool:
         """Map physical pages over ``[addr, addr + nbytes)``; all or nothing. Pages in
         ``spares`` (unmapped elsewhere just before) are used first, new ones made for the rest.
 
@@ -1096,9 +958,7 @@ class DeviceAllocator:
         last = seg.base + (b.ptr + b.size - seg.base) // page * page
         return self._unmap_pages(b, first, last)
 
-    def _unmap_pages(
-        self, b: Block, first: int, last: int, spares: list[int] | None = None
-    ) -> int:
+    def _unmap_pages(self, b: Block, first: int, last: int, spares: list[int] | None = None) -> int:
         """Unmap the pages ``[first, last)`` (page aligned, inside free block ``b``, which
         is off its list); the rest of ``b`` goes back on its list. The physical pages
         are released, or kept in ``spares`` when given. Returns the bytes unmapped
@@ -1210,9 +1070,7 @@ class DeviceAllocator:
         """:meth:`free` of an allocated block of this allocator, the lock held."""
         segment = block.segment
         if block.stream_uses or self._history is not None or self._orphaned:
-            if (
-                self._gc_frees
-            ):  # a retired handle among the uses is known before events are recorded
+            if self._gc_frees:  # a retired handle among the uses is known before events are recorded
                 self._drain_gc_frees()
             self._free_locked(block)
             if self._orphaned:
@@ -1227,11 +1085,7 @@ class DeviceAllocator:
         if size >= self._ms:
             self._s[OVERSIZE_ALLOCATIONS] -= 1
         prev = block.prev
-        if (
-            self._fast
-            and not segment.expandable
-            and (prev is None or prev.state != FREE)
-        ):
+        if self._fast and not segment.expandable and (prev is None or prev.state != FREE):
             # The fast paths of _free_block (blocks of fixed segments are all
             # mapped); tests/allocator/test_fast_path.py checks that they leave
             # the same books. The block is retired either way.
@@ -1309,9 +1163,7 @@ class DeviceAllocator:
             # as free() does: freed here, another allocator's block would drive this
             # one's counts below zero and put that allocator's memory on its free list.
             # The owner never changes, so the check needs no lock.
-            raise InvalidHandleError(
-                f"{block!r} is not allocated by {self!r} (from another allocator)"
-            )
+            raise InvalidHandleError(f"{block!r} is not allocated by {self!r} (from another allocator)")
         if self._lock.acquire(blocking=False):
             try:
                 if block.state == ALLOCATED:
@@ -1359,10 +1211,7 @@ class DeviceAllocator:
         self._note_orphan()
 
     def _streams_idle(self) -> bool:
-        return all(
-            self._stream_idle(stream)
-            for stream in {seg.stream for seg in self._segments.values()}
-        )
+        return all(self._stream_idle(stream) for stream in {seg.stream for seg in self._segments.values()})
 
     def _stream_idle(self, key: int) -> bool:
         """Whether the stream that segments keyed ``key`` belong to has no queued work."""
@@ -1372,17 +1221,13 @@ class DeviceAllocator:
                 return True
             if event == _UNORDERED or not self.backend.event_query(self.device, event):
                 return False
-            if (
-                key not in self._pending
-            ):  # no free waits for it: the event goes back to the pool
+            if key not in self._pending:  # no free waits for it: the event goes back to the pool
                 del self._retired[key]
                 self._events.append(event)
             return True
         try:
             return self.backend.stream_query(self.device, key)
-        except (
-            AccelError
-        ):  # a closed stream's work may still run; or a capture under way
+        except AccelError:  # a closed stream's work may still run; or a capture under way
             return False
 
     def _stream_destroyed(self, handle: int) -> None:
@@ -1399,9 +1244,7 @@ class DeviceAllocator:
         event: int | None = None
         try:
             if backend.stream_capture_status(device, handle) == CaptureStatus.NONE:
-                event = backend.event_create(
-                    device, timing=False, blocking=False, interprocess=False
-                )
+                event = backend.event_create(device, timing=False, blocking=False, interprocess=False)
                 try:
                     backend.event_record(device, event, handle)
                 except BaseException:
@@ -1474,9 +1317,7 @@ class DeviceAllocator:
             S.drop_pending(self._s, kind, block.size)
         k.requested_bytes -= block.requested
         if self._history is not None:
-            self._history.record(
-                "free_completed", block.ptr, block.size, block.stream, None
-            )
+            self._history.record("free_completed", block.ptr, block.size, block.stream, None)
         block.state = RETIRED
         free = pool.free.get(block.stream)
         if free is None:
@@ -1526,9 +1367,7 @@ class DeviceAllocator:
         if split_counted and (prev is not None or nxt is not None):
             S.add_inactive_split(k, survivor.size)
 
-    def _stand_in(
-        self, like: Block, ptr: int, size: int, prev: Block | None, nxt: Block | None
-    ) -> Block:
+    def _stand_in(self, like: Block, ptr: int, size: int, prev: Block | None, nxt: Block | None) -> Block:
         """A FREE block object of ``like``'s segment for ``[ptr, ptr + size)``, linked
         between ``prev`` and ``nxt``."""
         new = Block(ptr, size, like.segment)
@@ -1576,9 +1415,7 @@ class DeviceAllocator:
         if free is None:
             free = pool.free[block.stream] = FreeList()
         free.add(block)
-        if not block.segment.expandable and (
-            block.prev is not None or block.next is not None
-        ):
+        if not block.segment.expandable and (block.prev is not None or block.next is not None):
             S.add_inactive_split(self._kinds[pool.kind], block.size)
 
     def _take_off_list(self, block: Block) -> None:
@@ -1593,14 +1430,10 @@ class DeviceAllocator:
             self._bad_stream(stream, "record_stream")
         handle = stream._live()
         with self._lock:
-            if (
-                self._gc_frees
-            ):  # a retirement of this handle queued before must go first
+            if self._gc_frees:  # a retirement of this handle queued before must go first
                 self._drain_gc_frees()
             if block.state != ALLOCATED or block.segment.owner is not self:
-                raise InvalidHandleError(
-                    f"record_stream on {block!r}, which is not allocated here"
-                )
+                raise InvalidHandleError(f"record_stream on {block!r}, which is not allocated here")
             if handle == block.stream:
                 return
             self._known.add(handle)
@@ -1674,9 +1507,7 @@ class DeviceAllocator:
 
     def _new_event(self) -> int:
         self._events_created += 1
-        return self.backend.event_create(
-            self.device, timing=False, blocking=False, interprocess=False
-        )
+        return self.backend.event_create(self.device, timing=False, blocking=False, interprocess=False)
 
     def _process_events(self) -> None:
         for handle in list(self._pending):
@@ -1686,9 +1517,7 @@ class DeviceAllocator:
                 if not self.backend.event_query(self.device, event):
                     break
                 queue.popleft()
-                if (
-                    handle >= 0
-                ):  # a retired handle's end event is shared: see _wait_for_retired
+                if handle >= 0:  # a retired handle's end event is shared: see _wait_for_retired
                     self._events.append(event)
                 block.event_count -= 1
                 if block.event_count == 0:
@@ -1706,9 +1535,7 @@ class DeviceAllocator:
                 event, block = queue[0]
                 self.backend.event_synchronize(self.device, event)
                 queue.popleft()
-                if (
-                    handle >= 0
-                ):  # a retired handle's end event is shared: see _wait_for_retired
+                if handle >= 0:  # a retired handle's end event is shared: see _wait_for_retired
                     self._events.append(event)
                 block.event_count -= 1
                 if block.event_count == 0:
@@ -1835,11 +1662,7 @@ class DeviceAllocator:
         """PyTorch's ``release_available_cached_blocks``: free one oversize block
         that fits, else the largest oversize ones until ``max(size, MS)`` is freed."""
         key = max(size, self._ms)
-        whole = [
-            b
-            for _, _, b in pool.free.get(handle, ())
-            if not b.segment.expandable and b.prev is None and b.next is None
-        ]
+        whole = [b for _, _, b in pool.free.get(handle, ()) if not b.segment.expandable and b.prev is None and b.next is None]
         fitting = [b for b in whole if b.size >= key]
         if fitting:
             self._release([fitting[0]])
@@ -1882,9 +1705,7 @@ class DeviceAllocator:
 
     # -- private pools ------------------------------------------------------------------
 
-    def begin_allocate_to_pool(
-        self, pool_id: PoolId, stream_filter: Callable[[Stream], bool]
-    ) -> None:
+    def begin_allocate_to_pool(self, pool_id: PoolId, stream_filter: Callable[[Stream], bool]) -> None:
         """Route allocations on streams that ``stream_filter`` accepts to private pool
         ``pool_id`` (created here, or its use count raised) until :meth:`end_allocate_to_pool`."""
         pool_id = check_pool_id(pool_id, where="begin_allocate_to_pool")
@@ -1894,9 +1715,7 @@ class DeviceAllocator:
             if self._gc_frees:
                 self._drain_gc_frees()
             if any(p.id == pool_id for p, _ in self._captures):
-                raise CaptureError(
-                    f"begin_allocate_to_pool: already recording to pool {pool_id}"
-                )
+                raise CaptureError(f"begin_allocate_to_pool: already recording to pool {pool_id}")
             private = self._private.get(pool_id)
             if private is None:
                 private = self._private[pool_id] = PrivatePool(pool_id)
@@ -1914,13 +1733,9 @@ class DeviceAllocator:
                     self._update_fast()
                     break
             else:
-                raise CaptureError(
-                    f"end_allocate_to_pool: not currently recording to pool {pool_id}"
-                )
+                raise CaptureError(f"end_allocate_to_pool: not currently recording to pool {pool_id}")
             if not self._captures:
-                while (
-                    self._deferred
-                ):  # one at a time: an interrupt keeps the rest listed
+                while self._deferred:  # one at a time: an interrupt keeps the rest listed
                     self._insert_events(self._deferred.pop())
 
     def release_pool(self, pool_id: PoolId) -> None:
@@ -1936,9 +1751,7 @@ class DeviceAllocator:
             if self._gc_frees:
                 self._drain_gc_frees()
             if not self._release_pool_locked(pool_id):
-                raise InvalidValueError(
-                    f"release_pool: {pool_id} is not a live private pool"
-                )
+                raise InvalidValueError(f"release_pool: {pool_id} is not a live private pool")
 
     def release_pool_from_finalizer(self, pool_id: PoolId) -> None:
         """:meth:`release_pool` from a garbage-collection finalizer (a graph
@@ -2009,9 +1822,7 @@ class DeviceAllocator:
                 self._drain_gc_frees()
             out = []
             for seg in self._segments.values():
-                pool_id = (
-                    seg.pool.private.id if seg.pool.private is not None else (0, 0)
-                )
+                pool_id = seg.pool.private.id if seg.pool.private is not None else (0, 0)
                 runs: list[list[Block]] = [[]]
                 for b in seg.blocks():
                     if b.mapped:
@@ -2026,9 +1837,7 @@ class DeviceAllocator:
                 self._history.record("snapshot", 0, active, 0, None)
             return sorted(out, key=lambda x: x["address"])
 
-    def _segment_dict(
-        self, seg: Segment, run: list[Block], pool_id: PoolId
-    ) -> dict[str, Any]:
+    def _segment_dict(self, seg: Segment, run: list[Block], pool_id: PoolId) -> dict[str, Any]:
         blocks = []
         allocated = active = requested = 0
         for b in run:
@@ -2072,11 +1881,7 @@ class DeviceAllocator:
 
     def _largest_free(self) -> int:
         return max(
-            (
-                free.largest()
-                for pool in self._all_pools()
-                for free in pool.free.values()
-            ),
+            (free.largest() for pool in self._all_pools() for free in pool.free.values()),
             default=0,
         )
 
@@ -2103,23 +1908,13 @@ class DeviceAllocator:
                                 private_reserved += b.size
                                 if b.state != FREE:
                                     private_allocated += b.size
-        cached_free = sum(
-            t[0]
-            for pool in self._all_pools()
-            for lst in pool.free.values()
-            for t in lst
-        )
+        cached_free = sum(t[0] for pool in self._all_pools() for lst in pool.free.values() for t in lst)
         # What dropped pools of the device still hold (buffers of theirs still alive, or
         # a release still under way on another thread): read without their locks, for
         # the diagnosis only.
         dropped = dropped_allocated = 0
         for other in list(_allocators):
-            if (
-                other._orphaned
-                and other is not self
-                and other.backend is self.backend
-                and other.device == self.device
-            ):
+            if other._orphaned and other is not self and other.backend is self.backend and other.device == self.device:
                 dropped += other._reserved()
                 dropped_allocated += other._stats.current(S.ALLOCATED_BYTES)
         details = OutOfMemoryDetails(
@@ -2151,23 +1946,11 @@ class DeviceAllocator:
 if speedups is not None:
     speedups.install_allocator(
         {
-            "DeviceAllocator": DeviceAllocator,
-            "Block": Block,
-            "Segment": Segment,
-            "Pool": Pool,
-            "FreeList": FreeList,
-            "Counts": S.Counts,
-            "Every": S.Every,
-            "note_active_peak": S.note_active_peak,
-            "InvalidHandleError": InvalidHandleError,
-            "FREE": FREE,
-            "ALLOCATED": ALLOCATED,
-            "RETIRED": RETIRED,
-            "SMALL_SIZE": SMALL_SIZE,
-            "MAX_REQUEST": MAX_REQUEST,
-            "OVERSIZE_ALLOCATIONS": OVERSIZE_ALLOCATIONS,
-            "ACTIVE": S.ACTIVE,
-            "Lock": type(threading.Lock()),
-            "freelist_module": sys.modules[FreeList.__module__],
+            "DeviceAllocator": DeviceAllocator, "Block": Block, "Segment": Segment, "Pool": Pool,
+            "FreeList": FreeList, "Counts": S.Counts, "Every": S.Every,
+            "note_active_peak": S.note_active_peak, "InvalidHandleError": InvalidHandleError,
+            "FREE": FREE, "ALLOCATED": ALLOCATED, "RETIRED": RETIRED, "SMALL_SIZE": SMALL_SIZE,
+            "MAX_REQUEST": MAX_REQUEST, "OVERSIZE_ALLOCATIONS": OVERSIZE_ALLOCATIONS, "ACTIVE": S.ACTIVE,
+            "Lock": type(threading.Lock()), "freelist_module": sys.modules[FreeList.__module__],
         }  # fmt: skip
     )
