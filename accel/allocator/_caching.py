@@ -528,7 +528,13 @@ class DeviceAllocator:
                     requested=nbytes,
                     device=self.device,
                 )
-            raise InvalidValueError(f"cannot allocate {nbytes} bytes: the size must be at least 1")
+            if nbytes < 1:
+                raise InvalidValueError(f"cannot allocate {nbytes} bytes: the size must be at least 1")
+            # an int subclass in range (malloc takes exact ints only): it was told
+            # "the size must be at least 1" of a size of 10
+            raise InvalidValueError(
+                f"nbytes={nbytes!r} is a {type(nbytes).__name__}, not an int: pass int(nbytes)"
+            )
         raise InvalidValueError(f"nbytes={nbytes!r} must be an int number of bytes")
 
     def _bad_stream(self, stream: Stream, call: str) -> None:

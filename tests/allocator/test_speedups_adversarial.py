@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from accel._errors import InvalidHandleError
+import accel
+from accel._errors import InvalidHandleError, InvalidValueError
 from accel._runtime import Runtime
 from accel.allocator._caching import DeviceAllocator
 from accel.allocator.config import parse
@@ -35,3 +36,14 @@ def test_free_from_finalizer_refuses_a_block_of_another_allocator() -> None:
     )  # still allocated, in its own books
     other.free(block)
     assert other.stats()["allocation.all.current"] == 1
+
+
+def test_an_int_subclass_size_is_refused_for_its_type_not_its_value() -> None:
+    # nbytes=Size(10) was refused with "cannot allocate 10 bytes: the size must be at least 1"
+    class Size(int):
+        pass
+
+    with pytest.raises(InvalidValueError, match=r"is a Size, not an int: pass int\(nbytes\)"):
+        accel.memory.allocate(Size(10))
+    with pytest.raises(InvalidValueError, match="the size must be at least 1"):
+        accel.memory.allocate(Size(0))
