@@ -3,6 +3,11 @@ pure Python alike (the suite runs both ways)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 import accel
@@ -47,3 +52,38 @@ def test_an_int_subclass_size_is_refused_for_its_type_not_its_value() -> None:
         accel.memory.allocate(Size(10))
     with pytest.raises(InvalidValueError, match="the size must be at least 1"):
         accel.memory.allocate(Size(0))
+
+
+_GC_CALLBACK_ALLOCATES = """
+import gc, accel
+def allocate_in_collection(phase, info):
+    if phase == "start":
+        accel.memory.allocate(100).free()
+gc.callbacks.append(allocate_in_collection)
+gc.set_threshold(1, 1, 1)
+live = []
+for _ in range(3000):
+    live.append(accel.memory.allocate(700))
+    if len(live) > 10:
+        live.pop(0).free()
+"""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a gc callback that allocates, run by a collection inside malloc or free (a Block is made "
+    "with the allocator's lock held), waits forever on that lock, compiled and pure alike: "
+    "it needs the lock's owner noted to refuse the re-entry with a clear error",
+)
+def test_an_allocation_from_a_gc_callback_inside_malloc_does_not_hang() -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _GC_CALLBACK_ALLOCATES], env=env, capture_output=True, text=True, timeout=15,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("hung: the allocation in the gc callback waits on the lock its own thread holds")
+    # done, or refused with an accel error (not a raw RuntimeError of the lock)
+    assert out.returncode == 0 or "accel._errors" in out.stderr or "accel.Accel" in out.stderr, out.stderr
