@@ -1561,6 +1561,24 @@ global(PyObject *globals, PyObject *name)
     return PyDict_GetItemWithError(globals, name);
 }
 
+/* What Buffer.free and Buffer.__del__ end with: the buffer lets go of ``block`` (borrowed
+ * slots of ``self``), then ``allocator.<method>(block)`` takes it back. */
+static PyObject *
+give_back(PyObject *self, PyObject *allocator, PyObject *block, PyObject *method)
+{
+    Py_INCREF(block);
+    Py_INCREF(allocator);
+    set(self, U_block, Py_None);
+    PyObject *fargs[2] = {allocator, block};
+    PyObject *res = PyObject_VectorcallMethod(method, fargs, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(block);
+    Py_DECREF(allocator);
+    if (res == NULL)
+        return NULL;
+    Py_DECREF(res);
+    Py_RETURN_NONE;
+}
+
 /* Buffer.free() */
 static PyObject *
 buffer_free(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
@@ -1580,18 +1598,7 @@ buffer_free(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject
             PyErr_SetString(PyExc_NameError, "_collecting");
         return NULL;
     }
-    Py_INCREF(block);
-    Py_INCREF(allocator);
-    set(self, U_block, Py_None);
-    PyObject *fargs[2] = {allocator, block};
-    PyObject *res = PyObject_VectorcallMethod(r ? s_free_from_finalizer : s_free, fargs,
-                                              2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-    Py_DECREF(block);
-    Py_DECREF(allocator);
-    if (res == NULL)
-        return NULL;
-    Py_DECREF(res);
-    Py_RETURN_NONE;
+    return give_back(self, allocator, block, r ? s_free_from_finalizer : s_free);
 }
 
 /* Buffer.__del__() */
@@ -1606,17 +1613,7 @@ buffer_del(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject 
         Py_RETURN_NONE;
     if (lease != Py_None || allocator == NULL)
         return call_wrapped(wrapped, args, nargs, kwnames);
-    Py_INCREF(block);
-    Py_INCREF(allocator);
-    set(self, U_block, Py_None);
-    PyObject *fargs[2] = {allocator, block};
-    PyObject *res = PyObject_VectorcallMethod(s_free_from_finalizer, fargs, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-    Py_DECREF(block);
-    Py_DECREF(allocator);
-    if (res == NULL)
-        return NULL;
-    Py_DECREF(res);
-    Py_RETURN_NONE;
+    return give_back(self, allocator, block, s_free_from_finalizer);
 }
 
 /* dict.get(key) of an attribute that is a dict: borrowed, NULL without an error when absent
