@@ -16,6 +16,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <dlfcn.h>
+#include <stdbool.h>
+#include <stdint.h>
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 
@@ -1757,11 +1760,653 @@ install_buffers(PyObject *module, PyObject *ns)
     Py_RETURN_NONE;
 }
 
+/* -- graphed calls (accel/graph/_compiled.py, accel/graph/_graphed.py) ------------------ */
+
+/* A graphed call of a compiled program, in its steady state: the arguments are contiguous
+ * host torch.Tensors (exactly that class) of the graph's shapes and dtypes, not negated or
+ * conjugated views, on the calling thread's default stream, and (for an engine that reads
+ * them where they lie) the engine's binding already points at their memory and no run of
+ * it is under way. Then this is the engine's run and little else. Every other call goes
+ * to ``fallback``, the Python call of accel/graph/_compiled.py it stands in for (which
+ * checks everything again, copies, repoints the binding, or returns None), and so do calls
+ * whose arguments are not a tuple: this never refuses or copies anything itself, and it
+ * returns None only where the Python call does (another stream: the caller replays there).
+ *
+ * A tensor is read through torch's stable C interface for AOTInductor's generated code
+ * (the aoti_torch_* functions of libtorch_cpu, torch/csrc/inductor/aoti_torch/c/shim.h),
+ * which takes an at::Tensor*: an at::Tensor is one TensorImpl pointer, which
+ * ``tensor._cdata`` gives. That is 0.1 us where asking the tensor's Python attributes and
+ * methods (shape, dtype, is_cpu, is_contiguous(), data_ptr()) is 0.5 us. Where those
+ * functions are missing, or disagree with the attributes on the graph's own inputs, the
+ * attributes are asked. Negation and conjugation have no such function: torch's own
+ * at::native::is_neg and is_conj (bool f(const at::Tensor&), exported by libtorch_cpu)
+ * are called where they are found and answer right on a negated and a conjugated view,
+ * else the methods is_neg() and (complex inputs only) is_conj() are asked. */
+
+typedef int32_t (*shim_ptr_t)(void *, void **);
+typedef int32_t (*shim_i64p_t)(void *, int64_t **);
+typedef int32_t (*shim_i64_t)(void *, int64_t *);
+typedef int32_t (*shim_i32_t)(void *, int32_t *);
+typedef int32_t (*shim_bool_t)(void *, bool *);
+static shim_i64_t shim_dim;
+static shim_i64p_t shim_sizes;
+static shim_i32_t shim_dtype, shim_device_type, shim_layout;
+static shim_bool_t shim_contiguous;
+static shim_ptr_t shim_data_ptr;
+typedef bool (*native_bit_t)(const void *);
+static native_bit_t native_is_neg, native_is_conj; /* at::native::is_neg/is_conj(const at::Tensor&) */
+
+static PyTypeObject *Tensor_T;  /* torch.Tensor */
+static PyObject *py_check_memory; /* accel.graph._compiled.check_memory */
+static PyObject *s_shape, *s_dtype, *s_is_cpu, *s_is_contiguous, *s_is_neg, *s_is_conj, *s_data_ptr, *s_call_,
+    *s_refuse, *s_gstreams, *s_cdata;
+static PyTypeObject *Binding_T;  /* accel.graph._compiled._Binding */
+static Py_ssize_t BI_taken, BI_busy; /* its slots */
+static int graphs_installed = 0;
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    int taking;   /* 1: run() runs a binding pointed at the arguments (ONNX Runtime); 0: run(list) */
+    int real;     /* no input is complex: the conjugate bit is not asked */
+    int shim;     /* tensors are read through the aoti_torch_* functions */
+    Py_ssize_t n; /* the graph's inputs */
+    PyObject *fallback, *shapes, *dtypes, *thread, *device, *default_stream, *run;
+    PyObject *finish; /* taking: the outputs returned; direct: None (one output: result[0]) or finish(result) */
+    PyObject *binding; /* taking: the _Binding the fallback shares */
+    int64_t *dims;    /* shim: each input's dimensions, sizes (at sizes + offsets[i]) and dtype */
+    int64_t *offsets, *sizes;
+    int32_t *dtype_codes;
+    unsigned long long *pointers; /* the call's addresses (n) */
+    unsigned long long *checked;  /* direct: the addresses check_memory last passed (n; 0: none) */
+} SteadyCall;
+
+static PyTypeObject SteadyCall_T;
+
+/* 1 if o.<name>() is True, 0 if not (or it failed: the error is cleared, the fallback redoes it) */
+static inline int
+method_true(PyObject *o, PyObject *name)
+{
+    PyObject *r = PyObject_VectorcallMethod(name, &o, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (r == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_DECREF(r);
+    return r == Py_True;
+}
+
+/* o.<name> is ``want`` (by identity: True, a dtype): 1, 0, or 0 with the error cleared */
+static inline int
+attr_is(PyObject *o, PyObject *name, PyObject *want)
+{
+    PyObject *r = PyObject_GetAttr(o, name);
+    if (r == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_DECREF(r);
+    return r == want;
+}
+
+/* The TensorImpl of a torch.Tensor (tensor._cdata), NULL (no error) where it gives none. */
+static inline void *
+impl_of(PyObject *a)
+{
+    PyObject *cdata = PyObject_GetAttr(a, s_cdata);
+    if (cdata == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    void *impl = PyLong_AsVoidPtr(cdata);
+    Py_DECREF(cdata);
+    if (impl == NULL)
+        PyErr_Clear();
+    return impl;
+}
+
+/* Whether argument ``i`` is a steady one (its address then in c->pointers[i]): of the
+ * graph's signature, on the host, contiguous, strided, not negated or conjugated. */
+static int
+steady_tensor(SteadyCall *c, Py_ssize_t i, PyObject *a)
+{
+    if (!Py_IS_TYPE(a, Tensor_T))
+        return 0; /* a subclass may answer anything: the Python call asks it */
+    if (c->shim) {
+        void *impl = impl_of(a);
+        if (impl == NULL)
+            return 0;
+        void *t = &impl; /* an at::Tensor* */
+        int64_t dim, *sizes;
+        int32_t dtype, device_type, layout;
+        bool contiguous;
+        void *data;
+        if (shim_dim(t, &dim) || dim != c->dims[i] || shim_sizes(t, &sizes)
+            || (dim && memcmp(sizes, c->sizes + c->offsets[i], dim * sizeof(int64_t)))
+            || shim_dtype(t, &dtype) || dtype != c->dtype_codes[i] || shim_device_type(t, &device_type)
+            || device_type != 0 /* CPU */ || shim_layout(t, &layout) || layout != 0 /* strided */
+            || shim_contiguous(t, &contiguous) || !contiguous || shim_data_ptr(t, &data))
+            return 0;
+        c->pointers[i] = (unsigned long long)(uintptr_t)data;
+        if (native_is_neg != NULL)
+            return !native_is_neg(t) && (c->real || !native_is_conj(t));
+    }
+    else {
+        PyObject *shape = PyObject_GetAttr(a, s_shape);
+        if (shape == NULL) {
+            PyErr_Clear();
+            return 0;
+        }
+        int same = PyObject_RichCompareBool(shape, PyTuple_GET_ITEM(c->shapes, i), Py_EQ);
+        Py_DECREF(shape);
+        if (same <= 0) {
+            PyErr_Clear();
+            return 0;
+        }
+        if (!attr_is(a, s_dtype, PyTuple_GET_ITEM(c->dtypes, i)) || !attr_is(a, s_is_cpu, Py_True)
+            || !method_true(a, s_is_contiguous))
+            return 0;
+        PyObject *p = PyObject_VectorcallMethod(s_data_ptr, &a, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        if (p == NULL) {
+            PyErr_Clear();
+            return 0;
+        }
+        c->pointers[i] = PyLong_AsUnsignedLongLong(p);
+        Py_DECREF(p);
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    return !method_true(a, s_is_neg) && (c->real || !method_true(a, s_is_conj));
+}
+
+/* The steady call on the tuple ``args``: a new reference, NULL with an error, or whatever
+ * the fallback returns. */
+static PyObject *
+steady_call(SteadyCall *c, PyObject *args)
+{
+    if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) != c->n)
+        goto fallback;
+    PyObject **items = &PyTuple_GET_ITEM(args, 0);
+    for (Py_ssize_t i = 0; i < c->n; i++)
+        if (!steady_tensor(c, i, items[i]))
+            goto fallback;
+    /* thread.streams.get(device, default) is default */
+    PyObject *streams = PyObject_GetAttr(c->thread, s_gstreams);
+    if (streams == NULL) {
+        PyErr_Clear();
+        goto fallback;
+    }
+    if (!PyDict_CheckExact(streams)) {
+        Py_DECREF(streams);
+        goto fallback;
+    }
+    PyObject *current = PyDict_GetItemWithError(streams, c->device);
+    Py_DECREF(streams); /* current stays alive: this thread's state keeps that dict */
+    if (current == NULL && PyErr_Occurred()) {
+        PyErr_Clear();
+        goto fallback;
+    }
+    if (current != NULL && current != c->default_stream)
+        Py_RETURN_NONE; /* another stream: the caller replays the graph on it */
+    if (c->taking) {
+        /* The binding points at these addresses (_Binding.taken: one int, or a tuple of n)
+         * and no run is under way: test and set ``busy`` with the GIL held throughout, as
+         * the Python call's steady path does (see _taking_call). */
+        PyObject *taken = SLOT(c->binding, BI_taken), *busy = SLOT(c->binding, BI_busy);
+        if (taken == NULL || busy != Py_False)
+            goto fallback;
+        if (c->n == 1 && !PyTuple_Check(taken)) {
+            if (!PyLong_CheckExact(taken) || PyLong_AsUnsignedLongLong(taken) != c->pointers[0]) {
+                PyErr_Clear();
+                goto fallback;
+            }
+        }
+        else {
+            if (!PyTuple_CheckExact(taken) || PyTuple_GET_SIZE(taken) != c->n)
+                goto fallback;
+            for (Py_ssize_t i = 0; i < c->n; i++) {
+                PyObject *t = PyTuple_GET_ITEM(taken, i);
+                if (!PyLong_CheckExact(t) || PyLong_AsUnsignedLongLong(t) != c->pointers[i]) {
+                    PyErr_Clear();
+                    goto fallback;
+                }
+            }
+        }
+        set(c->binding, BI_busy, Py_True);
+        PyObject *r = PyObject_CallNoArgs(c->run);
+        set(c->binding, BI_busy, Py_False);
+        if (r == NULL)
+            return NULL;
+        Py_DECREF(r);
+        Py_INCREF(c->finish);
+        return c->finish;
+    }
+    int fresh = 0;
+    for (Py_ssize_t i = 0; i < c->n; i++)
+        fresh |= c->pointers[i] != c->checked[i];
+    if (fresh) {
+        /* memory at new addresses: refuse a tensor with none behind it, as the Python call does */
+        PyObject *r = PyObject_CallOneArg(py_check_memory, args);
+        if (r == NULL)
+            return NULL;
+        Py_DECREF(r);
+        memcpy(c->checked, c->pointers, c->n * sizeof(unsigned long long));
+    }
+    PyObject *list = PyList_New(c->n);
+    if (list == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < c->n; i++) {
+        Py_INCREF(items[i]);
+        PyList_SET_ITEM(list, i, items[i]);
+    }
+    PyObject *result = PyObject_CallOneArg(c->run, list);
+    Py_DECREF(list);
+    if (result == NULL)
+        return NULL;
+    PyObject *out;
+    if (c->finish == Py_None)
+        out = PySequence_GetItem(result, 0);
+    else
+        out = PyObject_CallOneArg(c->finish, result);
+    Py_DECREF(result);
+    return out;
+fallback:
+    return PyObject_CallOneArg(c->fallback, args);
+}
+
+static PyObject *
+steady_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    SteadyCall *c = (SteadyCall *)self;
+    if (PyVectorcall_NARGS(nargsf) == 1 && kwnames == NULL)
+        return steady_call(c, args[0]);
+    return PyObject_Vectorcall(c->fallback, args, nargsf, kwnames);
+}
+
+static int
+steady_traverse(PyObject *self, visitproc visit, void *arg)
+{
+    SteadyCall *c = (SteadyCall *)self;
+    Py_VISIT(c->fallback);
+    Py_VISIT(c->shapes);
+    Py_VISIT(c->dtypes);
+    Py_VISIT(c->thread);
+    Py_VISIT(c->device);
+    Py_VISIT(c->default_stream);
+    Py_VISIT(c->run);
+    Py_VISIT(c->finish);
+    Py_VISIT(c->binding);
+    return 0;
+}
+
+static int
+steady_clear(PyObject *self)
+{
+    SteadyCall *c = (SteadyCall *)self;
+    Py_CLEAR(c->fallback);
+    Py_CLEAR(c->shapes);
+    Py_CLEAR(c->dtypes);
+    Py_CLEAR(c->thread);
+    Py_CLEAR(c->device);
+    Py_CLEAR(c->default_stream);
+    Py_CLEAR(c->run);
+    Py_CLEAR(c->finish);
+    Py_CLEAR(c->binding);
+    return 0;
+}
+
+static void
+steady_dealloc(PyObject *self)
+{
+    SteadyCall *c = (SteadyCall *)self;
+    PyObject_GC_UnTrack(self);
+    steady_clear(self);
+    PyMem_Free(c->pointers);
+    PyMem_Free(c->checked);
+    PyMem_Free(c->dims);
+    PyMem_Free(c->offsets);
+    PyMem_Free(c->sizes);
+    PyMem_Free(c->dtype_codes);
+    Py_TYPE(self)->tp_free(self);
+}
+
+/* What the shim reads of the graph's input ``t`` (a torch.Tensor): its dimensions and
+ * sizes, which must agree with ``shape`` (its torch.Size), and its dtype's code. 1 when
+ * read and agreeing, 0 when not (the attributes are asked then), -1 on a memory error. */
+static int
+shim_signature(SteadyCall *c, Py_ssize_t i, PyObject *t, PyObject *shape, int64_t **sizes, Py_ssize_t *used)
+{
+    void *impl = Py_IS_TYPE(t, Tensor_T) ? impl_of(t) : NULL;
+    if (impl == NULL)
+        return 0;
+    void *handle = &impl;
+    int64_t dim, *got;
+    if (shim_dim(handle, &dim) || dim != PyTuple_GET_SIZE(shape) || shim_sizes(handle, &got)
+        || shim_dtype(handle, &c->dtype_codes[i]))
+        return 0;
+    int64_t *grown = PyMem_Realloc(*sizes, (*used + dim + 1) * sizeof(int64_t));
+    if (grown == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *sizes = grown;
+    for (int64_t d = 0; d < dim; d++) {
+        long long want = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d));
+        if (want == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+        if (got[d] != want)
+            return 0;
+        grown[*used + d] = got[d];
+    }
+    c->dims[i] = dim;
+    c->offsets[i] = *used;
+    *used += dim;
+    return 1;
+}
+
+static PyObject *
+steady_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"fallback", "inputs", "thread", "device", "default", "run", "finish", "binding", "real",
+                            NULL};
+    PyObject *fallback, *inputs, *thread, *device, *dflt, *run, *finish, *binding;
+    int real;
+    if (!graphs_installed) {
+        PyErr_SetString(PyExc_RuntimeError, "accel._speedups.install_graphs() has not run");
+        return NULL;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OOOOOOp:SteadyCall", names, &fallback, &PyList_Type, &inputs,
+                                     &thread, &device, &dflt, &run, &finish, &binding, &real))
+        return NULL;
+    if (!PyCallable_Check(fallback) || !PyCallable_Check(run) || PyList_GET_SIZE(inputs) == 0
+        || (binding != Py_None && !Py_IS_TYPE(binding, Binding_T))) {
+        PyErr_SetString(PyExc_TypeError, "SteadyCall: fallback and run must be callable, inputs a list of tensors, "
+                                         "binding a _Binding or None");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(inputs), used = 0;
+    SteadyCall *c = (SteadyCall *)type->tp_alloc(type, 0);
+    if (c == NULL)
+        return NULL;
+    c->vectorcall = steady_vectorcall;
+    c->taking = binding != Py_None;
+    c->real = real;
+    c->n = n;
+    Py_INCREF(fallback);
+    c->fallback = fallback;
+    Py_INCREF(thread);
+    c->thread = thread;
+    Py_INCREF(device);
+    c->device = device;
+    Py_INCREF(dflt);
+    c->default_stream = dflt;
+    Py_INCREF(run);
+    c->run = run;
+    Py_INCREF(finish);
+    c->finish = finish;
+    Py_INCREF(binding);
+    c->binding = binding;
+    c->shapes = PyTuple_New(n);
+    c->dtypes = PyTuple_New(n);
+    c->pointers = PyMem_Calloc(n, sizeof(unsigned long long));
+    c->checked = PyMem_Calloc(n, sizeof(unsigned long long));
+    c->dims = PyMem_Calloc(n, sizeof(int64_t));
+    c->offsets = PyMem_Calloc(n, sizeof(int64_t));
+    c->dtype_codes = PyMem_Calloc(n, sizeof(int32_t));
+    if (c->shapes == NULL || c->dtypes == NULL || c->pointers == NULL || c->checked == NULL || c->dims == NULL
+        || c->offsets == NULL || c->dtype_codes == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto error;
+    }
+    c->shim = shim_data_ptr != NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PyList_GET_ITEM(inputs, i), *shape = PyObject_GetAttr(t, s_shape), *dtype;
+        if (shape == NULL || !PyTuple_Check(shape)) {
+            Py_XDECREF(shape);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "SteadyCall: inputs must be tensors");
+            goto error;
+        }
+        PyTuple_SET_ITEM(c->shapes, i, shape);
+        if ((dtype = PyObject_GetAttr(t, s_dtype)) == NULL)
+            goto error;
+        PyTuple_SET_ITEM(c->dtypes, i, dtype);
+        if (c->shim) {
+            int r = shim_signature(c, i, t, shape, &c->sizes, &used);
+            if (r < 0)
+                goto error;
+            c->shim = r;
+        }
+    }
+    return (PyObject *)c;
+error:
+    Py_DECREF(c);
+    return NULL;
+}
+
+static PyObject *
+steady_repr(PyObject *self)
+{
+    return PyUnicode_FromFormat("<compiled %R>", ((SteadyCall *)self)->fallback);
+}
+
+static PyMemberDef steady_members[] = {
+    {"__wrapped__", T_OBJECT, offsetof(SteadyCall, fallback), READONLY, "The Python call it stands in for."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject SteadyCall_T = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "accel._speedups.SteadyCall",
+    .tp_basicsize = sizeof(SteadyCall),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(SteadyCall, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = steady_new,
+    .tp_traverse = steady_traverse,
+    .tp_clear = steady_clear,
+    .tp_dealloc = steady_dealloc,
+    .tp_repr = steady_repr,
+    .tp_members = steady_members,
+    .tp_doc = "SteadyCall(fallback, inputs, thread, device, default, run, finish, binding, real): a compiled "
+              "graphed call's steady path; every other call goes to fallback (accel/_speedups.c).",
+};
+
+/* GraphedCallable's base: a call tries ``_hot`` first (the last compiled call's bound call,
+ * see accel/graph/_graphed.py's _CallHead, which this does step by step), then self._call. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *hot;
+    Py_ssize_t hits;
+} CallHead;
+
+static PyObject *
+head_call(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    CallHead *h = (CallHead *)self;
+    PyObject *hot = h->hot;
+    if (hot != NULL && hot != Py_None && (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0)) {
+        Py_INCREF(hot);
+        PyObject *r = Py_IS_TYPE(hot, &SteadyCall_T) ? steady_call((SteadyCall *)hot, args)
+                                                      : PyObject_CallOneArg(hot, args);
+        Py_DECREF(hot);
+        if (r == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_RuntimeError)) /* NotImplementedError is one */
+                return NULL;
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_NormalizeException(&type, &value, &tb);
+            if (tb != NULL)
+                PyException_SetTraceback(value, tb);
+            Py_XDECREF(type);
+            Py_XDECREF(tb);
+            PyObject *fargs[3] = {self, args, value};
+            r = PyObject_VectorcallMethod(s_refuse, fargs, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+            Py_XDECREF(value);
+            if (r != NULL) { /* _refuse raises */
+                Py_DECREF(r);
+                PyErr_SetString(PyExc_SystemError, "GraphedCallable._refuse returned");
+            }
+            return NULL;
+        }
+        if (r != Py_None) {
+            h->hits++;
+            return r;
+        }
+        Py_DECREF(r);
+    }
+    PyObject *fargs[3] = {self, args, kwargs != NULL ? kwargs : Py_None};
+    return PyObject_VectorcallMethod(s_call_, fargs, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+static int
+head_traverse(PyObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(((CallHead *)self)->hot);
+    return 0;
+}
+
+static int
+head_clear(PyObject *self)
+{
+    Py_CLEAR(((CallHead *)self)->hot);
+    return 0;
+}
+
+static void
+head_dealloc(PyObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    head_clear(self);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static PyMemberDef head_members[] = {
+    {"_hot", T_OBJECT, offsetof(CallHead, hot), 0, "The bound call a call tries first (None: none)."},
+    {"hits", T_PYSSIZET, offsetof(CallHead, hits), 0, "Calls that replayed a cached graph."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject CallHead_T = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "accel._speedups.CallHead",
+    .tp_basicsize = sizeof(CallHead),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_call = head_call,
+    .tp_new = PyType_GenericNew,
+    .tp_traverse = head_traverse,
+    .tp_clear = head_clear,
+    .tp_dealloc = head_dealloc,
+    .tp_members = head_members,
+    .tp_doc = "GraphedCallable's compiled base: its __call__ (accel/graph/_graphed.py's _CallHead, in C).",
+};
+
+/* Whether the native is_neg and is_conj tell the four ``bit_samples`` apart as they must:
+ * (plain, negated view, plain complex, conjugated view). */
+static int
+native_bits_right(PyObject *samples)
+{
+    if (!PyTuple_Check(samples) || PyTuple_GET_SIZE(samples) != 4)
+        return 0;
+    for (Py_ssize_t k = 0; k < 4; k++) {
+        PyObject *t = PyTuple_GET_ITEM(samples, k);
+        void *impl = Py_IS_TYPE(t, Tensor_T) ? impl_of(t) : NULL;
+        if (impl == NULL)
+            return 0;
+        void *handle = &impl;
+        if (native_is_neg(handle) != (k == 1) || native_is_conj(handle) != (k == 3))
+            return 0;
+    }
+    return 1;
+}
+
+/* Look torch's C functions up in ``torch_library`` (the path of the libtorch_cpu torch
+ * loaded, or None): the aoti_torch_* ones all or none, then the native bits. 0 or -1. */
+static int
+find_torch_functions(PyObject *ns)
+{
+    PyObject *library = PyMapping_GetItemString(ns, "torch_library"), *samples = NULL, *path = NULL;
+    if (library == NULL)
+        return -1;
+    void *lib = NULL;
+    if (library != Py_None) {
+        if ((path = PyUnicode_EncodeFSDefault(library)) == NULL)
+            goto error;
+        /* torch has it loaded (RTLD_NOLOAD: nothing else), and keeps it for the process */
+        lib = dlopen(PyBytes_AS_STRING(path), RTLD_NOW | RTLD_NOLOAD);
+    }
+    if (lib != NULL) {
+        shim_dim = (shim_i64_t)dlsym(lib, "aoti_torch_get_dim");
+        shim_sizes = (shim_i64p_t)dlsym(lib, "aoti_torch_get_sizes");
+        shim_dtype = (shim_i32_t)dlsym(lib, "aoti_torch_get_dtype");
+        shim_device_type = (shim_i32_t)dlsym(lib, "aoti_torch_get_device_type");
+        shim_layout = (shim_i32_t)dlsym(lib, "aoti_torch_get_layout");
+        shim_contiguous = (shim_bool_t)dlsym(lib, "aoti_torch_is_contiguous");
+        shim_data_ptr = (shim_ptr_t)dlsym(lib, "aoti_torch_get_data_ptr");
+        if (!shim_dim || !shim_sizes || !shim_dtype || !shim_device_type || !shim_layout || !shim_contiguous)
+            shim_data_ptr = NULL; /* one missing: none used */
+        native_is_neg = (native_bit_t)dlsym(lib, "_ZN2at6native6is_negERKNS_6TensorE");
+        native_is_conj = (native_bit_t)dlsym(lib, "_ZN2at6native7is_conjERKNS_6TensorE");
+    }
+    if (shim_data_ptr == NULL || native_is_conj == NULL)
+        native_is_neg = NULL;
+    if (native_is_neg != NULL) {
+        if ((samples = PyMapping_GetItemString(ns, "bit_samples")) == NULL)
+            goto error;
+        if (!native_bits_right(samples))
+            native_is_neg = NULL;
+    }
+    Py_XDECREF(path);
+    Py_XDECREF(samples);
+    Py_DECREF(library);
+    return 0;
+error:
+    Py_XDECREF(path);
+    Py_DECREF(library);
+    return -1;
+}
+
+/* install_graphs(names): what SteadyCall reads (torch.Tensor, check_memory, _Binding, where
+ * torch's library is, and tensors to try its functions on). */
+static PyObject *
+install_graphs(PyObject *module, PyObject *ns)
+{
+    if (graphs_installed)
+        Py_RETURN_NONE;
+    if (get_type(ns, "Tensor", &Tensor_T) < 0 || get_obj(ns, "check_memory", &py_check_memory) < 0
+        || get_type(ns, "Binding", &Binding_T) < 0)
+        return NULL;
+    if (slot_offset(Binding_T, "taken", &BI_taken) < 0 || slot_offset(Binding_T, "busy", &BI_busy) < 0)
+        return NULL;
+    if (intern(&s_shape, "shape") || intern(&s_dtype, "dtype") || intern(&s_is_cpu, "is_cpu")
+        || intern(&s_is_contiguous, "is_contiguous") || intern(&s_is_neg, "is_neg") || intern(&s_is_conj, "is_conj")
+        || intern(&s_data_ptr, "data_ptr") || intern(&s_call_, "_call") || intern(&s_refuse, "_refuse")
+        || intern(&s_gstreams, "streams") || intern(&s_cdata, "_cdata"))
+        return NULL;
+    if (find_torch_functions(ns) < 0)
+        return NULL;
+    graphs_installed = 1;
+    Py_RETURN_NONE;
+}
+
+/* Which of torch's functions SteadyCall calls: for tests and reports. */
+static PyObject *
+graph_paths(PyObject *module, PyObject *unused)
+{
+    return Py_BuildValue("{s:O,s:O}", "tensor_c_interface", shim_data_ptr != NULL ? Py_True : Py_False,
+                         "native_bits", native_is_neg != NULL ? Py_True : Py_False);
+}
+
 static PyMethodDef module_methods[] = {
     {"install_allocator", install_allocator, METH_O,
      "Replace DeviceAllocator's malloc, free, _free_held and free_from_finalizer by compiled versions."},
     {"install_buffers", install_buffers, METH_O,
      "Replace Buffer.free, Buffer.__del__ and the buffer module's allocate by compiled versions."},
+    {"install_graphs", install_graphs, METH_O, "Give SteadyCall what it reads (torch.Tensor, check_memory, _Binding)."},
+    {"graph_paths", graph_paths, METH_NOARGS, "Which of torch's C functions SteadyCall found and trusts."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1773,7 +2418,17 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__speedups(void)
 {
-    if (PyType_Ready(&Compiled_T) < 0)
+    if (PyType_Ready(&Compiled_T) < 0 || PyType_Ready(&SteadyCall_T) < 0 || PyType_Ready(&CallHead_T) < 0)
         return NULL;
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&SteadyCall_T);
+    Py_INCREF(&CallHead_T);
+    if (PyModule_AddObject(m, "SteadyCall", (PyObject *)&SteadyCall_T) < 0
+        || PyModule_AddObject(m, "CallHead", (PyObject *)&CallHead_T) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -1,5 +1,33 @@
 # The optional C extension accel/_speedups.c (see accel/_native.py).
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
 
 def install_allocator(names: Mapping[str, object], /) -> None: ...
 def install_buffers(names: Mapping[str, object], /) -> None: ...
+def install_graphs(names: Mapping[str, object], /) -> None: ...
+
+class SteadyCall:
+    __wrapped__: Callable[[Sequence[Any]], Any]
+    def __init__(
+        self,
+        fallback: Callable[[Sequence[Any]], Any],
+        inputs: list[Any],
+        thread: Any,
+        device: int,
+        default: Any,
+        run: Callable[..., Any],
+        finish: Any,
+        binding: Any,
+        real: bool,
+        /,
+    ) -> None: ...
+    def __call__(self, args: Sequence[Any], /) -> Any: ...
+
+class CallHead:
+    _hot: Callable[[Sequence[Any]], Any] | None
+    hits: int
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any: ...
+    def _refuse(self, args: tuple[Any, ...], exc: BaseException) -> NoReturn: ...
+
+def graph_paths() -> dict[str, bool]: ...

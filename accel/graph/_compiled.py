@@ -54,6 +54,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from accel._errors import InvalidValueError, NotSupportedError
+from accel._native import speedups
 from accel.graph._engines import ENGINES, Engine, Facts
 
 if TYPE_CHECKING:
@@ -264,7 +265,7 @@ def _direct_call(
                 return run([a])[0]
             return run([fresh(a, 0)])[0]
 
-        return direct_one
+        return _steady(direct_one, inputs, thread, device, default, run, None, None, real)
     spec = tree_flatten(output)[1]
     checked_all: tuple[int, ...] = ()
 
@@ -280,7 +281,8 @@ def _direct_call(
             return tree_unflatten(run(list(args)), spec)
         return tree_unflatten(run([fresh(a, i) for i, a in enumerate(args)]), spec)
 
-    return direct_any
+    finish = functools.partial(tree_unflatten, treespec=spec)
+    return _steady(direct_any, inputs, thread, device, default, run, finish, None, real)
 
 
 def _copying_call(
@@ -366,15 +368,13 @@ def _taking_call(
     # call). Without a GIL (free-threaded Python) every call takes the lock.
     lock = threading.Lock()
     gil = bool(getattr(sys, "_is_gil_enabled", lambda: True)())
-    busy = False
+    binding = _Binding()
 
     if len(inputs) == 1:
         (static,) = inputs
         ((shape, dtype),) = signature
-        taken: Any = None  # the address the call binding reads; None: not pointed yet
 
         def take_one(args: Sequence[torch.Tensor]) -> Any:
-            nonlocal taken, busy
             try:
                 (a,) = args
                 if a.shape != shape or a.dtype is not dtype:
@@ -388,70 +388,102 @@ def _taking_call(
             # copied (or refused) instead.
             if a.is_cpu and a.is_contiguous() and not a.is_neg():
                 pointer = a.data_ptr()
-                if pointer == taken and not busy and gil:
-                    busy = True
+                if pointer == binding.taken and not binding.busy and gil:
+                    binding.busy = True
                     try:
                         run()
                     finally:
-                        busy = False
+                        binding.busy = False
                     return output
                 with lock:
-                    while busy:  # a steady call's run on another thread: wait it out
+                    while binding.busy:  # a steady call's run on another thread: wait it out
                         time.sleep(0)
-                    busy = True  # right after the test (no call between: see above)
+                    binding.busy = True  # right after the test (no call between: see above)
                     try:
-                        if pointer != taken:
+                        if pointer != binding.taken:
                             check_memory(args)
                             # An interrupt or error while (or right after) pointing must
                             # not leave the binding on memory a later call takes for the
                             # one it was pointed at before.
-                            taken = None
+                            binding.taken = None
                             point(args)
-                            taken = pointer
+                            binding.taken = pointer
                         run()
                     finally:
-                        busy = False
+                        binding.busy = False
             else:
                 copy_into(static, a)
                 replay()
             return output
 
-        return take_one
-    taken_all: tuple[int, ...] = ()
+        return _steady(take_one, inputs, thread, device, default, run, output, binding, True) if gil else take_one
 
     def take_any(args: Sequence[torch.Tensor]) -> Any:
-        nonlocal taken_all, busy
         if not _same_signature(args, signature) or thread.streams.get(device, default) is not default:
             return None
         if all(a.is_cpu and a.is_contiguous() and not a.is_neg() for a in args):  # as take_one
             pointers = tuple([a.data_ptr() for a in args])
-            if pointers == taken_all and not busy and gil:
-                busy = True
+            if pointers == binding.taken and not binding.busy and gil:
+                binding.busy = True
                 try:
                     run()
                 finally:
-                    busy = False
+                    binding.busy = False
                 return output
             with lock:
-                while busy:  # as take_one
+                while binding.busy:  # as take_one
                     time.sleep(0)
-                busy = True
+                binding.busy = True
                 try:
-                    if pointers != taken_all:
+                    if pointers != binding.taken:
                         check_memory(args)
-                        taken_all = ()  # as take_one: pointing may stop halfway
+                        binding.taken = ()  # as take_one: pointing may stop halfway
                         point(args)
-                        taken_all = pointers
+                        binding.taken = pointers
                     run()
                 finally:
-                    busy = False
+                    binding.busy = False
         else:
             for i, (static, a) in enumerate(zip(inputs, args)):
                 copy_into(static, a, i)
             replay()
         return output
 
-    return take_any
+    return _steady(take_any, inputs, thread, device, default, run, output, binding, True) if gil else take_any
+
+
+class _Binding:
+    """Where a taking call's binding points (``taken``: an address for one input,
+    a tuple of them for more; None or (): not pointed yet), and whether a run of it
+    is under way (``busy``). Shared by the Python call and its compiled steady path."""
+
+    __slots__ = ("taken", "busy")
+
+    def __init__(self) -> None:
+        self.taken: Any = None
+        self.busy = False
+
+
+def _steady(
+    call: Callable[[Sequence[torch.Tensor]], Any],
+    inputs: Sequence[torch.Tensor],
+    thread: Any,
+    device: int,
+    default: Any,
+    run: Callable[..., Any],
+    finish: Any,
+    binding: _Binding | None,
+    real: bool,
+) -> Callable[[Sequence[torch.Tensor]], Any]:
+    """``call``, or where accel._speedups was built, its steady path in C
+    (``SteadyCall``: a direct engine's ``run(list)`` with ``finish`` None for
+    ``result[0]``, else ``finish(result)``; a taking engine's ``run()`` on
+    ``binding``, returning ``finish``), which hands every other call to ``call``.
+    The steady path's checks in Python cost about 1 us a call, the engine's
+    runner 2 to 4 us on the small MLP of the benchmark."""
+    if speedups is None:
+        return call
+    return speedups.SteadyCall(call, list(inputs), thread, device, default, run, finish, binding, real)  # type: ignore[no-any-return]
 
 
 def check_memory(args: Sequence[torch.Tensor], first: int = 0) -> None:
@@ -949,3 +981,22 @@ def _engine_key(base: str, engine: Engine, version: str, settings: dict[str, Any
         f"{sorted(settings.items())}".encode()
     )
     return f"{engine.artifact or engine.name}-{h.hexdigest()[:32]}"
+
+
+def _torch_library() -> str | None:
+    """The path of the libtorch_cpu that torch loaded (None where it is not one file beside torch)."""
+    path = Path(torch.__file__).parent / "lib" / ("libtorch_cpu.dylib" if sys.platform == "darwin" else "libtorch_cpu.so")
+    return str(path) if path.exists() else None
+
+
+# The compiled steady path of graphed calls (accel/_speedups.c) when it was built and
+# ACCEL_PURE_PYTHON is not 1: what it reads of torch and of this module.
+if speedups is not None:
+    speedups.install_graphs({
+        "Tensor": torch.Tensor, "check_memory": check_memory, "Binding": _Binding,
+        # torch's C interface for AOTInductor's code reads a tensor's layout faster than its attributes
+        "torch_library": _torch_library(),
+        # on which torch's native is_neg and is_conj must answer right before they are trusted
+        "bit_samples": (torch.zeros(1), torch.zeros(1)._neg_view(), torch.zeros(1, dtype=torch.complex64),
+                        torch.zeros(1, dtype=torch.complex64).conj()),
+    })

@@ -16,12 +16,13 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from accel._errors import InvalidValueError, NotSupportedError
+from accel._native import speedups
 from accel._runtime import get_runtime
 from accel.backends.base import Backend, TorchIntegration
 from accel.graph._graph import Graph, graph
@@ -74,7 +75,46 @@ class _Entry:
     default_stream: Any = None
 
 
-class GraphedCallable:
+class _CallHead:
+    """The start of every call of a :class:`GraphedCallable`: the last compiled
+    call's bound call (``_hot``, see :func:`accel.graph._compiled.bind_call`), which
+    checks the arguments' shapes and dtypes itself and returns None for others:
+    no key, no lookup, no reordering (its entry is the most recent already). Then
+    ``_call``, the lookup. accel._speedups has it in C (``CallHead``): the Python
+    frame of this method cost a quarter of accel's time per call."""
+
+    __slots__ = ("_hot", "hits")
+    _hot: Callable[[Sequence[torch.Tensor]], Any] | None
+    hits: int
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        hot = self._hot
+        if hot is not None and not kwargs:
+            try:
+                result = hot(args)
+            except (RuntimeError, NotImplementedError) as exc:
+                self._refuse(args, exc)
+            if result is not None:
+                self.hits += 1
+                return result
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+        """The lookup (GraphedCallable's)."""
+        raise NotImplementedError
+
+    def _refuse(self, args: tuple[Any, ...], exc: BaseException) -> NoReturn:
+        """Raise ``exc``, the hot path's, as the call's refusal (GraphedCallable's)."""
+        raise NotImplementedError
+
+
+if TYPE_CHECKING or speedups is None:
+    _Head = _CallHead
+else:
+    _Head = speedups.CallHead
+
+
+class GraphedCallable(_Head):
     """A callable replaying captured graphs of ``fn``, one per input-shape signature.
 
     The returned tensors are the graph's static outputs: the next call
@@ -106,7 +146,7 @@ class GraphedCallable:
         self._warned = False
         # The bound call (see _compiled.bind_call) of the last call that ran a
         # compiled program, tried first by the next; reset by every call that does not.
-        self._hot: Callable[[Sequence[torch.Tensor]], Any] | None = None
+        self._hot = None
         backend = get_runtime().backend
         self._device_type = backend.torch_device_type or ""
         # Where torch's graphs carry the capture, torch reads the outputs in
@@ -126,20 +166,13 @@ class GraphedCallable:
             "capacity": self._cache_size,
         }
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        hot = self._hot
-        if hot is not None and not kwargs:
-            # The compiled tier's hot path: the last compiled call's bound call,
-            # which checks the arguments' shapes and dtypes itself and returns
-            # None for others: no key, no lookup, no reordering (its entry is the
-            # most recent already). Most of accel's cost per call otherwise.
-            try:
-                result = hot(args)
-            except (RuntimeError, NotImplementedError) as exc:
-                raise _bad_call(args, self._device_type, exc) from exc
-            if result is not None:
-                self.hits += 1
-                return result
+    def _refuse(self, args: tuple[Any, ...], exc: BaseException) -> NoReturn:
+        """Raise torch's or an engine's refusal of ``args`` as accel's (see _bad_call)."""
+        raise _bad_call(args, self._device_type, exc) from exc
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+        """A call that the hot path (_CallHead) did not take: look the graph up by
+        the arguments' signature, capture it on a miss, replay it."""
         if kwargs:
             raise InvalidValueError(
                 f"graphed {_name(self.fn)} takes tensors as positional arguments only, got keywords "
@@ -148,7 +181,7 @@ class GraphedCallable:
         self._hot = None
         key: tuple[tuple[Any, Any], ...]
         try:
-            # The hot path: torch.Size hashes and compares like the tuples
+            # The lookup: torch.Size hashes and compares like the tuples
             # _signature() stores; anything unusual is validated on the miss.
             if len(args) == 1:
                 (a,) = args
