@@ -1818,7 +1818,8 @@ typedef struct {
     int64_t *offsets, *sizes;
     int32_t *dtype_codes;
     unsigned long long *pointers; /* the call's addresses (n) */
-    unsigned long long *checked;  /* direct: the addresses check_memory last passed (n; 0: none) */
+    unsigned long long *checked;  /* direct: the addresses check_memory last passed (n) */
+    int checked_set;              /* whether ``checked`` holds any (a freed tensor's address can be 0) */
 } SteadyCall;
 
 static PyTypeObject SteadyCall_T;
@@ -1983,7 +1984,7 @@ steady_call(SteadyCall *c, PyObject *args)
         Py_INCREF(c->finish);
         return c->finish;
     }
-    int fresh = 0;
+    int fresh = !c->checked_set;
     for (Py_ssize_t i = 0; i < c->n; i++)
         fresh |= c->pointers[i] != c->checked[i];
     if (fresh) {
@@ -1993,6 +1994,7 @@ steady_call(SteadyCall *c, PyObject *args)
             return NULL;
         Py_DECREF(r);
         memcpy(c->checked, c->pointers, c->n * sizeof(unsigned long long));
+        c->checked_set = 1;
     }
     PyObject *list = PyList_New(c->n);
     if (list == NULL)

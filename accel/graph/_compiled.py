@@ -245,7 +245,9 @@ def _direct_call(
 
     if isinstance(output, torch.Tensor) and len(inputs) == 1:
         ((shape, dtype),) = signature
-        checked = 0  # the address of the last argument found to have memory behind it
+        # The address of the last argument found to have memory behind it; None at first
+        # (not 0: a tensor whose storage was freed has its offset from 0 for an address).
+        checked: int | None = None
 
         def direct_one(args: Sequence[torch.Tensor]) -> Any:
             nonlocal checked

@@ -428,6 +428,29 @@ def test_aotinductor_calls_refuse_a_tensor_whose_storage_was_freed(cache: Path) 
     assert done.returncode == 0 and done.stdout.count("refused:") == 2, (done.returncode, done.stdout, done.stderr[-2000:])
 
 
+def test_a_direct_calls_first_call_with_a_tensor_whose_storage_was_freed_is_refused() -> None:
+    # The address of the last argument checked started at 0, which is also the address
+    # of a tensor whose storage was freed (at offset 0): a first call with one went to
+    # the runner unchecked, and AOTInductor's read address 0 (SIGSEGV).
+    handed: list[int] = []
+
+    def runner(tensors: list[Any]) -> list[Any]:
+        handed.append(len(tensors))  # not read: this runner must not be reached
+        return [torch.zeros(4)]
+
+    class _State:
+        streams: dict[int, Any] = {}
+
+    call = _compiled._direct_call(runner, [torch.zeros(2, 4)], torch.zeros(4), _State(), 0, object())
+    x = torch.randn(2, 4)
+    x.untyped_storage().resize_(0)
+    assert x.data_ptr() == 0
+    for _ in range(2):
+        with pytest.raises(accel.InvalidValueError, match="no memory behind it"):
+            call((x,))
+    assert handed == []
+
+
 def test_calls_that_copy_into_the_graphs_input_copy_a_negated_view_of_it(cache: Path, engines: Any) -> None:
     # An engine bound to the graph's input only: the call copied an argument in
     # unless it lay at the input's address, which a negated view of it does.

@@ -1,0 +1,252 @@
+"""The compiled steady path of graphed calls (accel._speedups.SteadyCall) against the
+Python call it stands in for (accel.graph._compiled's direct and taking calls).
+
+Each case calls a fresh compiled call and a fresh Python call with the same
+arguments, on engines that record what they were handed, and requires the same
+result, the same error and the same runs: the compiled path either runs the
+engine on the caller's tensors exactly where the Python call does, or hands the
+call to it. The cases are what a hostile caller passes: views whose memory holds
+other values, subclasses, meta, sparse and mkldnn tensors, storage freed under a
+tensor, tensors whose data was swapped, other streams, wrong counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import accel  # noqa: E402
+from accel._native import speedups  # noqa: E402
+from accel._runtime import get_runtime  # noqa: E402
+from accel.graph import _compiled  # noqa: E402
+from tests.fixtures.scripts import ok, run  # noqa: E402
+
+pytestmark = pytest.mark.skipif(speedups is None, reason="accel._speedups is not in use (pure Python)")
+
+
+class _Engine:
+    """A fake engine recording what each run was handed, relative to the call's own
+    arguments (``current``): for a direct engine, each tensor as the index of the
+    argument it is (or "copy") with its layout bits and whether its memory is that
+    argument's; for a taking one, what its binding was pointed at, the same way."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.seen: list[tuple[Any, ...]] = []
+        self.fail = fail
+        self.current: Any = ()
+
+    def _which(self, t: Any, i: int) -> tuple[Any, ...]:
+        arg = self.current[i] if isinstance(self.current, tuple) and i < len(self.current) else None
+        same_memory = isinstance(arg, torch.Tensor) and arg.layout == torch.strided and arg.device.type == "cpu" \
+            and arg.data_ptr() == t.data_ptr()
+        return (i if t is arg else "copy", t.is_neg(), t.is_conj(), t.is_contiguous(), same_memory)
+
+    def direct(self, tensors: list[Any]) -> list[Any]:
+        if self.fail:
+            raise RuntimeError("the engine failed")
+        self.seen.append(tuple(self._which(t, i) for i, t in enumerate(tensors)))
+        return [tensors[0].resolve_neg().resolve_conj().sum(0), "second"]
+
+    def run(self) -> None:
+        if self.fail:
+            raise RuntimeError("the engine failed")
+        self.seen.append(("run",))
+
+    def point(self, args: Any) -> None:
+        self.seen.append(("point", *[self._which(a, i) for i, a in enumerate(args)]))
+
+
+def _calls(kind: str, inputs: list[Any], fail: bool = False) -> tuple[Callable[..., Any], _Engine]:
+    engine = _Engine(fail)
+    runtime = get_runtime()
+    thread, default = runtime._state, runtime.default_stream(0)
+    output: Any = torch.zeros(4) if len(inputs) == 1 else (torch.zeros(4), torch.zeros(4))
+    if kind == "direct":
+        call = _compiled._direct_call(engine.direct, inputs, output, thread, 0, default)
+    else:
+        call = _compiled._taking_call((engine.run, engine.point), engine.run, inputs, output, thread, 0, default)
+    return call, engine
+
+
+def _outcome(call: Callable[..., Any], args: Any) -> Any:
+    try:
+        result = call(args)
+    except Exception as exc:  # noqa: BLE001 - the type and message are compared
+        return ("raised", type(exc), str(exc))
+    if isinstance(result, torch.Tensor):
+        return ("tensor", result.tolist())
+    return ("value", result if not isinstance(result, tuple) else tuple(map(str, result)))
+
+
+def _same(kind: str, inputs: list[Any], *calls: Any, fail: bool = False) -> list[Any]:
+    """Run ``calls`` (argument tuples, in order) on a compiled call and on a Python call;
+    both must give the same outcomes and hand their engines the same things."""
+    compiled, on_c = _calls(kind, inputs, fail)
+    python, on_py = _calls(kind, inputs, fail)
+    assert type(compiled).__name__ == "SteadyCall"
+    fallback = python.__wrapped__  # type: ignore[attr-defined]
+    got, want = [], []
+    for args in calls:
+        on_c.current = on_py.current = args
+        got.append(_outcome(compiled, args))
+        want.append(_outcome(fallback, args))
+    assert got == want
+    assert on_c.seen == on_py.seen
+    return got
+
+
+def _zero_storage() -> Any:
+    t = torch.randn(2, 4)
+    t.untyped_storage().resize_(0)
+    return t
+
+
+def _swapped() -> Any:
+    t = torch.randn(2, 4)
+    t.data = torch.randn(3, 4)
+    return t
+
+
+def _offset() -> Any:
+    return torch.randn(4, 4)[1:3]
+
+
+def _inference() -> Any:
+    with torch.inference_mode():
+        return torch.randn(2, 4)
+
+
+def _parameter() -> Any:
+    return torch.nn.Parameter(torch.randn(2, 4), requires_grad=False)
+
+
+CASES: dict[str, Callable[[], Any]] = {
+    "plain": lambda: torch.randn(2, 4),
+    "at an offset in its storage": _offset,
+    "an inference tensor": _inference,
+    "a negated view": lambda: torch.randn(2, 4)._neg_view(),
+    "transposed": lambda: torch.randn(4, 2).t(),
+    "a Parameter": _parameter,
+    "another shape": lambda: torch.randn(3, 4),
+    "another dtype": lambda: torch.randn(2, 4, dtype=torch.float64),
+    "a meta tensor": lambda: torch.empty(2, 4, device="meta"),
+    "sparse": lambda: torch.randn(2, 4).to_sparse(),
+    "mkldnn": lambda: torch.randn(2, 4).to_mkldnn(),
+    "its storage freed": _zero_storage,
+    "its data swapped for another shape": _swapped,
+    "not a tensor": lambda: [[0.0] * 4] * 2,
+}
+
+
+@pytest.mark.parametrize("kind", ["direct", "taking"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_compiled_call_does_what_the_python_call_does(kind: str, case: str) -> None:
+    arg = CASES[case]()
+    again = torch.randn(2, 4)
+    # the argument, the same again (steady for a taking engine now), then a plain one
+    _same(kind, [torch.zeros(2, 4)], (arg,), (arg,), (again,), (arg,))
+
+
+@pytest.mark.parametrize("kind", ["direct", "taking"])
+def test_calls_with_the_wrong_count_or_not_a_tuple_do_what_the_python_call_does(kind: str) -> None:
+    x = torch.randn(2, 4)
+    _same(kind, [torch.zeros(2, 4)], (x, x), (), [x], (x,), [x], x)
+
+
+@pytest.mark.parametrize("kind", ["direct", "taking"])
+def test_several_inputs_one_of_them_moved_or_negated(kind: str) -> None:
+    a, b = torch.randn(2, 4), torch.randn(3)
+    _same(kind, [torch.zeros(2, 4), torch.zeros(3)], (a, b), (a, b), (a, torch.randn(3)), (a, b._neg_view()), (b, a))
+
+
+@pytest.mark.parametrize("kind", ["direct", "taking"])
+def test_complex_inputs_are_asked_for_their_conjugate_bit(kind: str) -> None:
+    z = torch.randn(2, 4, dtype=torch.complex64)
+    got = _same(kind, [torch.zeros(2, 4, dtype=torch.complex64)], (z,), (z.conj(),), (z,), (z.conj().imag,))
+    assert got[3][0] == "value" and got[3][1] is None  # float32: another signature
+
+
+@pytest.mark.parametrize("kind", ["direct", "taking"])
+def test_an_engine_error_is_the_python_calls_error(kind: str) -> None:
+    x = torch.randn(2, 4)
+    _same(kind, [torch.zeros(2, 4)], (x,), (x,), fail=True)
+
+
+@pytest.mark.parametrize("kind", ["direct", "taking"])
+def test_on_another_stream_the_call_steps_aside(kind: str) -> None:
+    x = torch.randn(2, 4)
+    with accel.Stream():
+        got = _same(kind, [torch.zeros(2, 4)], (x,), (x,))
+    assert got == [("value", None)] * 2
+    _same(kind, [torch.zeros(2, 4)], (x,))
+
+
+def test_the_steady_path_reads_tensors_through_torchs_c_functions() -> None:
+    # On the torch CI installs, both are found and trusted: a torch that drops them
+    # slows the steady path down to asking attributes (still right, tested below).
+    assert speedups is not None
+    assert speedups.graph_paths() == {"tensor_c_interface": True, "native_bits": True}
+
+
+def test_without_torchs_c_functions_the_attributes_are_asked_and_calls_agree() -> None:
+    # torch.__file__ pointed elsewhere: no library to look the functions up in.
+    result = run("cpu", """
+        import torch
+        torch.__file__ = "/nonexistent/torch/__init__.py"
+        from accel._native import speedups
+        from accel.graph import _compiled
+        assert speedups.graph_paths() == {"tensor_c_interface": False, "native_bits": False}
+        import tests.graph.test_steady_call as t
+        for kind in ("direct", "taking"):
+            for case in sorted(t.CASES):
+                t.test_a_compiled_call_does_what_the_python_call_does(kind, case)
+            t.test_several_inputs_one_of_them_moved_or_negated(kind)
+            t.test_complex_inputs_are_asked_for_their_conjugate_bit(kind)
+        print("agreed")
+    """, timeout=120)
+    ok(result, "agreed")
+
+
+def test_a_graphed_callable_counts_hits_and_refuses_as_the_python_head_does() -> None:
+    # CallHead (C) and _CallHead (Python) take the same steps: hot call first, hits
+    # counted, an engine's RuntimeError refused as accel's, anything else to _call.
+    from accel.graph import _graphed
+
+    class _Probe(speedups.CallHead):  # type: ignore[misc,name-defined]
+        def __init__(self, hot: Any) -> None:
+            self._hot, self.hits, self.slow = hot, 0, []
+
+        def _call(self, args: Any, kwargs: Any) -> Any:
+            self.slow.append((args, kwargs))
+            return "slow"
+
+        def _refuse(self, args: Any, exc: BaseException) -> Any:
+            raise accel.InvalidValueError(f"refused {args!r}") from exc
+
+    class _PyProbe(_graphed._CallHead):
+        __init__ = _Probe.__init__  # type: ignore[assignment]
+        _call = _Probe._call
+        _refuse = _Probe._refuse  # type: ignore[assignment]
+
+    def hot(args: Any) -> Any:
+        if args == ("boom",):
+            raise NotImplementedError("engine says no")
+        if args == ("other",):
+            raise ValueError("not refused")
+        return None if args == ("miss",) else ("hot", args)
+
+    for probe in (_Probe(hot), _PyProbe(hot)):
+        assert probe(1) == ("hot", (1,)) and probe.hits == 1
+        assert probe("miss") == "slow" and probe.hits == 1
+        assert probe(1, k=2) == "slow" and probe.slow[-1] == ((1,), {"k": 2})
+        with pytest.raises(accel.InvalidValueError, match="refused") as info:
+            probe("boom")
+        assert isinstance(info.value.__cause__, NotImplementedError)
+        with pytest.raises(ValueError, match="not refused"):
+            probe("other")
+        probe._hot = None
+        assert probe(1) == "slow" and probe.slow[-1] == ((1,), {} if isinstance(probe, _PyProbe) else None)
