@@ -1817,7 +1817,6 @@ typedef struct {
     int64_t *dims;    /* shim: each input's dimensions, sizes (at sizes + offsets[i]) and dtype */
     int64_t *offsets, *sizes;
     int32_t *dtype_codes;
-    unsigned long long *pointers; /* the call's addresses (n) */
     unsigned long long *checked;  /* direct: the addresses check_memory last passed (n) */
     int checked_set;              /* whether ``checked`` holds any (a freed tensor's address can be 0) */
 } SteadyCall;
@@ -1866,10 +1865,10 @@ impl_of(PyObject *a)
     return impl;
 }
 
-/* Whether argument ``i`` is a steady one (its address then in c->pointers[i]): of the
+/* Whether argument ``i`` is a steady one (its address then in pointers[i]): of the
  * graph's signature, on the host, contiguous, strided, not negated or conjugated. */
 static int
-steady_tensor(SteadyCall *c, Py_ssize_t i, PyObject *a)
+steady_tensor(SteadyCall *c, Py_ssize_t i, PyObject *a, unsigned long long *pointers)
 {
     if (!Py_IS_TYPE(a, Tensor_T))
         return 0; /* a subclass may answer anything: the Python call asks it */
@@ -1888,7 +1887,7 @@ steady_tensor(SteadyCall *c, Py_ssize_t i, PyObject *a)
             || device_type != 0 /* CPU */ || shim_layout(t, &layout) || layout != 0 /* strided */
             || shim_contiguous(t, &contiguous) || !contiguous || shim_data_ptr(t, &data))
             return 0;
-        c->pointers[i] = (unsigned long long)(uintptr_t)data;
+        pointers[i] = (unsigned long long)(uintptr_t)data;
         if (native_is_neg != NULL)
             return !native_is_neg(t) && (c->real || !native_is_conj(t));
     }
@@ -1912,7 +1911,7 @@ steady_tensor(SteadyCall *c, Py_ssize_t i, PyObject *a)
             PyErr_Clear();
             return 0;
         }
-        c->pointers[i] = PyLong_AsUnsignedLongLong(p);
+        pointers[i] = PyLong_AsUnsignedLongLong(p);
         Py_DECREF(p);
         if (PyErr_Occurred()) {
             PyErr_Clear();
@@ -1922,16 +1921,13 @@ steady_tensor(SteadyCall *c, Py_ssize_t i, PyObject *a)
     return !method_true(a, s_is_neg) && (c->real || !method_true(a, s_is_conj));
 }
 
-/* The steady call on the tuple ``args``: a new reference, NULL with an error, or whatever
- * the fallback returns. */
+/* steady_call on a tuple of the graph's count, its addresses read into ``pointers``. */
 static PyObject *
-steady_call(SteadyCall *c, PyObject *args)
+steady_run(SteadyCall *c, PyObject *args, unsigned long long *pointers)
 {
-    if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) != c->n)
-        goto fallback;
     PyObject **items = &PyTuple_GET_ITEM(args, 0);
     for (Py_ssize_t i = 0; i < c->n; i++)
-        if (!steady_tensor(c, i, items[i]))
+        if (!steady_tensor(c, i, items[i], pointers))
             goto fallback;
     /* thread.streams.get(device, default) is default */
     PyObject *streams = PyObject_GetAttr(c->thread, s_gstreams);
@@ -1959,7 +1955,7 @@ steady_call(SteadyCall *c, PyObject *args)
         if (taken == NULL || busy != Py_False)
             goto fallback;
         if (c->n == 1 && !PyTuple_Check(taken)) {
-            if (!PyLong_CheckExact(taken) || PyLong_AsUnsignedLongLong(taken) != c->pointers[0]) {
+            if (!PyLong_CheckExact(taken) || PyLong_AsUnsignedLongLong(taken) != pointers[0]) {
                 PyErr_Clear();
                 goto fallback;
             }
@@ -1969,7 +1965,7 @@ steady_call(SteadyCall *c, PyObject *args)
                 goto fallback;
             for (Py_ssize_t i = 0; i < c->n; i++) {
                 PyObject *t = PyTuple_GET_ITEM(taken, i);
-                if (!PyLong_CheckExact(t) || PyLong_AsUnsignedLongLong(t) != c->pointers[i]) {
+                if (!PyLong_CheckExact(t) || PyLong_AsUnsignedLongLong(t) != pointers[i]) {
                     PyErr_Clear();
                     goto fallback;
                 }
@@ -1986,14 +1982,14 @@ steady_call(SteadyCall *c, PyObject *args)
     }
     int fresh = !c->checked_set;
     for (Py_ssize_t i = 0; i < c->n; i++)
-        fresh |= c->pointers[i] != c->checked[i];
+        fresh |= pointers[i] != c->checked[i];
     if (fresh) {
         /* memory at new addresses: refuse a tensor with none behind it, as the Python call does */
         PyObject *r = PyObject_CallOneArg(py_check_memory, args);
         if (r == NULL)
             return NULL;
         Py_DECREF(r);
-        memcpy(c->checked, c->pointers, c->n * sizeof(unsigned long long));
+        memcpy(c->checked, pointers, c->n * sizeof(unsigned long long));
         c->checked_set = 1;
     }
     PyObject *list = PyList_New(c->n);
@@ -2016,6 +2012,27 @@ steady_call(SteadyCall *c, PyObject *args)
     return out;
 fallback:
     return PyObject_CallOneArg(c->fallback, args);
+}
+
+/* The steady call on the tuple ``args``: a new reference, NULL with an error, or whatever
+ * the fallback returns. The addresses read are this call's own, never the SteadyCall's: a
+ * call made while this one runs Python code (check_memory, a thread-local's first
+ * __init__, a finalizer), on another thread or from a hook on this one, read its own
+ * into shared ones, and this call then recorded that other call's addresses as checked
+ * (a freed tensor's address 0 went to the runner unchecked: SIGSEGV) or ran a binding
+ * pointed at the other call's memory (its result for this call's). */
+static PyObject *
+steady_call(SteadyCall *c, PyObject *args)
+{
+    if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) != c->n)
+        return PyObject_CallOneArg(c->fallback, args);
+    unsigned long long local[8], *pointers = local;
+    if (c->n > 8 && (pointers = PyMem_Malloc(c->n * sizeof(unsigned long long))) == NULL)
+        return PyErr_NoMemory();
+    PyObject *r = steady_run(c, args, pointers);
+    if (pointers != local)
+        PyMem_Free(pointers);
+    return r;
 }
 
 static PyObject *
@@ -2065,7 +2082,6 @@ steady_dealloc(PyObject *self)
     SteadyCall *c = (SteadyCall *)self;
     PyObject_GC_UnTrack(self);
     steady_clear(self);
-    PyMem_Free(c->pointers);
     PyMem_Free(c->checked);
     PyMem_Free(c->dims);
     PyMem_Free(c->offsets);
@@ -2154,12 +2170,11 @@ steady_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     c->binding = binding;
     c->shapes = PyTuple_New(n);
     c->dtypes = PyTuple_New(n);
-    c->pointers = PyMem_Calloc(n, sizeof(unsigned long long));
     c->checked = PyMem_Calloc(n, sizeof(unsigned long long));
     c->dims = PyMem_Calloc(n, sizeof(int64_t));
     c->offsets = PyMem_Calloc(n, sizeof(int64_t));
     c->dtype_codes = PyMem_Calloc(n, sizeof(int32_t));
-    if (c->shapes == NULL || c->dtypes == NULL || c->pointers == NULL || c->checked == NULL || c->dims == NULL
+    if (c->shapes == NULL || c->dtypes == NULL || c->checked == NULL || c->dims == NULL
         || c->offsets == NULL || c->dtype_codes == NULL) {
         if (!PyErr_Occurred())
             PyErr_NoMemory();

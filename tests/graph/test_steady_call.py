@@ -12,6 +12,8 @@ tensor, tensors whose data was swapped, other streams, wrong counts.
 
 from __future__ import annotations
 
+import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -250,3 +252,83 @@ def test_a_graphed_callable_counts_hits_and_refuses_as_the_python_head_does() ->
             probe("other")
         probe._hot = None
         assert probe(1) == "slow" and probe.slow[-1] == ((1,), {} if isinstance(probe, _PyProbe) else None)
+
+
+def test_a_call_made_while_another_checks_memory_does_not_pass_for_checked() -> None:
+    # A call made while a direct call's check_memory runs (another thread, or here a
+    # profile hook on this one) with a tensor whose storage was freed: refused. The
+    # compiled path read every call's addresses into the SteadyCall's own array, so the
+    # first call then recorded the refused tensor's address (0) as checked, and the next
+    # call with that tensor went to the runner unchecked (SIGSEGV reading address 0).
+    result = run("cpu", """
+        import sys, torch
+        import accel
+        import tests.graph.test_steady_call as t
+        from accel.graph import _compiled
+
+        compiled, _ = t._calls("direct", [torch.zeros(2, 4)])
+        for call in (compiled, compiled.__wrapped__):
+            freed = torch.randn(2, 4)
+            freed.untyped_storage().resize_(0)
+            inner = []
+
+            def hook(frame, event, arg):
+                if event == "call" and frame.f_code is _compiled.check_memory.__code__ and not inner:
+                    inner.append(t._outcome(call, (freed,))[0])
+
+            sys.setprofile(hook)
+            try:
+                call((torch.randn(2, 4),))
+            finally:
+                sys.setprofile(None)
+            assert inner == ["raised"], inner
+            try:
+                call((freed,))
+            except accel.InvalidValueError as exc:
+                assert "no memory behind it" in str(exc)
+            else:
+                raise AssertionError("the freed tensor was run")
+        print("agreed")
+    """, timeout=60)
+    ok(result, "agreed")
+
+
+def test_a_call_made_while_another_reads_its_threads_state_runs_on_its_own_memory() -> None:
+    # A taking call on a new thread runs the thread state's __init__ (Python) on its
+    # first read of the current streams; a call made then (here from a profile hook)
+    # with the tensor the binding points at wrote that tensor's address over the first
+    # call's in the compiled path, which then ran the binding on the other tensor's
+    # memory: the result of ``y`` for a call with ``x``, no repointing.
+    from accel._runtime import _ThreadState
+
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    seen = []
+    for which in ("compiled", "python"):
+        call, engine = _calls("taking", [torch.zeros(2, 4)])
+        if which == "python":
+            call = call.__wrapped__  # type: ignore[attr-defined]
+        engine.current = (y,)
+        call((y,))
+        inner: list[Any] = []
+
+        def hook(frame: Any, event: str, arg: Any) -> None:
+            if event == "return" and frame.f_code is _ThreadState.__init__.__code__ and not inner:
+                engine.current = (y,)
+                inner.append(_outcome(call, (y,)))  # noqa: B023 - run within this iteration
+                engine.current = (x,)  # noqa: B023
+
+        def body() -> None:
+            sys.setprofile(hook)  # noqa: B023
+            try:
+                engine.current = (x,)  # noqa: B023
+                inner.append(_outcome(call, (x,)))  # noqa: B023
+            finally:
+                sys.setprofile(None)
+
+        thread = threading.Thread(target=body)
+        thread.start()
+        thread.join()
+        assert len(inner) == 2
+        seen.append(engine.seen)
+    assert seen[0] == seen[1]
+    assert seen[0][-2:] == [("point", (0, False, False, True, True)), ("run",)]
