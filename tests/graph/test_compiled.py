@@ -451,6 +451,35 @@ def test_a_direct_calls_first_call_with_a_tensor_whose_storage_was_freed_is_refu
     assert handed == []
 
 
+@pytest.mark.parametrize("kind", ["direct", "taking", "copying"])
+@pytest.mark.parametrize("view", ["whole", "transposed", "at an offset"])
+def test_a_call_with_a_tensor_whose_storage_was_resized_smaller_is_refused(kind: str, view: str) -> None:
+    # Torch keeps the tensor's shape when its storage is resized to fewer bytes
+    # (nonzero): its address is that of the new, smaller allocation, and the engine
+    # (or torch's copy into the graph's input) read past its end: garbage results
+    # that differed run to run, and past the end of the heap a crash.
+    handed: list[Any] = []
+
+    class _State:
+        streams: dict[int, Any] = {}
+
+    static = torch.zeros(4, 4)
+    if kind == "direct":
+        call = _compiled._direct_call(lambda ts: handed.append(ts) or [torch.zeros(4)], [static], torch.zeros(4),
+                                      _State(), 0, object())
+    elif kind == "taking":
+        call = _compiled._taking_call((lambda: handed.append("run"), handed.append), handed.append, [static],
+                                      torch.zeros(4), _State(), 0, object())
+    else:
+        call = _compiled._copying_call(lambda: handed.append("replay"), [static], torch.zeros(4), _State(), 0, object())
+    base = {"whole": torch.randn(4, 4), "transposed": torch.randn(4, 4).t(), "at an offset": torch.randn(5, 4)[1:]}[view]
+    base.untyped_storage().resize_(40)  # 10 floats of the 16 or 20 it reaches
+    for _ in range(2):
+        with pytest.raises(accel.InvalidValueError, match="resized smaller"):
+            call((base,))
+    assert handed == [] and torch.equal(static, torch.zeros(4, 4))
+
+
 def test_calls_that_copy_into_the_graphs_input_copy_a_negated_view_of_it(cache: Path, engines: Any) -> None:
     # An engine bound to the graph's input only: the call copied an argument in
     # unless it lay at the input's address, which a negated view of it does.
