@@ -17,6 +17,7 @@
 #include <Python.h>
 #include <structmember.h>
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -1803,6 +1804,15 @@ static PyObject *s_shape, *s_dtype, *s_is_cpu, *s_is_contiguous, *s_is_neg, *s_i
 static PyTypeObject *Binding_T;  /* accel.graph._compiled._Binding */
 static Py_ssize_t BI_taken, BI_busy; /* its slots */
 static int graphs_installed = 0;
+/* Set in a forked child: every call goes to the fallback, which refuses it there (the
+ * engines' thread pools have no threads in the child: a run waits for them forever). */
+static volatile int forked_child = 0;
+
+static void
+note_fork_in_child(void)
+{
+    forked_child = 1;
+}
 
 typedef struct {
     PyObject_HEAD
@@ -2024,7 +2034,7 @@ fallback:
 static PyObject *
 steady_call(SteadyCall *c, PyObject *args)
 {
-    if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) != c->n)
+    if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) != c->n || forked_child)
         return PyObject_CallOneArg(c->fallback, args);
     unsigned long long local[8], *pointers = local;
     if (c->n > 8 && (pointers = PyMem_Malloc(c->n * sizeof(unsigned long long))) == NULL)
@@ -2405,6 +2415,10 @@ install_graphs(PyObject *module, PyObject *ns)
         return NULL;
     if (find_torch_functions(ns) < 0)
         return NULL;
+    if (pthread_atfork(NULL, NULL, note_fork_in_child) != 0) {
+        PyErr_SetString(PyExc_OSError, "install_graphs: pthread_atfork failed");
+        return NULL;
+    }
     graphs_installed = 1;
     Py_RETURN_NONE;
 }

@@ -55,6 +55,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from accel._errors import InvalidValueError, NotSupportedError
 from accel._native import speedups
+from accel._runtime import check_not_forked
 from accel.graph._engines import ENGINES, Engine, Facts
 
 if TYPE_CHECKING:
@@ -187,7 +188,10 @@ def bind_call(
     having done nothing, when the arguments' shapes or dtypes are not the
     graph's, or the current stream is not the default one: the caller then
     looks the graph up by the arguments' signature, or replays it on that
-    stream.
+    stream. In a child forked after accel was initialized it refuses the call
+    (:func:`accel._runtime.check_not_forked`) rather than run the engine: the
+    engines' thread pools (ONNX Runtime's, AOTInductor's OpenMP) have no threads
+    there, and a run waited for them forever.
     """
     # runtime.current_stream(device), inlined: the thread's current streams
     # (absent: the default one). A third of the whole overhead otherwise.
@@ -259,6 +263,7 @@ def _direct_call(
                 return None
             if thread.streams.get(device, default) is not default:
                 return None
+            check_not_forked()
             if a.is_cpu and a.is_contiguous() and not a.is_neg() and (real or not a.is_conj()):
                 pointer = a.data_ptr()
                 if pointer != checked:
@@ -275,6 +280,7 @@ def _direct_call(
         nonlocal checked_all
         if not _same_signature(args, signature) or thread.streams.get(device, default) is not default:
             return None
+        check_not_forked()
         if all(a.is_cpu and a.is_contiguous() and not a.is_neg() and (real or not a.is_conj()) for a in args):
             pointers = tuple([a.data_ptr() for a in args])
             if pointers != checked_all:
@@ -312,6 +318,7 @@ def _copying_call(
                 return None
             if thread.streams.get(device, default) is not default:
                 return None
+            check_not_forked()
             # Not a comparison of addresses: a negated or transposed view
             # of the static input shares its address and holds other values.
             if a is not static:
@@ -324,6 +331,7 @@ def _copying_call(
     def replay_any(args: Sequence[torch.Tensor]) -> Any:
         if not _same_signature(args, signature) or thread.streams.get(device, default) is not default:
             return None
+        check_not_forked()
         for i, (static, a) in enumerate(zip(inputs, args)):
             if a is not static:
                 copy_into(static, a, i)
@@ -385,6 +393,7 @@ def _taking_call(
                 return None
             if thread.streams.get(device, default) is not default:
                 return None
+            check_not_forked()
             # Read in place: a contiguous host tensor. A meta or device tensor, or a
             # negated view (its memory holds -x: torch's copy resolves it), is
             # copied (or refused) instead.
@@ -423,6 +432,7 @@ def _taking_call(
     def take_any(args: Sequence[torch.Tensor]) -> Any:
         if not _same_signature(args, signature) or thread.streams.get(device, default) is not default:
             return None
+        check_not_forked()
         if all(a.is_cpu and a.is_contiguous() and not a.is_neg() for a in args):  # as take_one
             pointers = tuple([a.data_ptr() for a in args])
             if pointers == binding.taken and not binding.busy and gil:

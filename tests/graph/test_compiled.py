@@ -28,6 +28,7 @@ import accel  # noqa: E402
 from accel.graph import Graph, compile_graph, graph, make_graphed_callables  # noqa: E402
 from accel.graph import _compiled, _engines  # noqa: E402
 from accel.graph._compiled import BuildWarning  # noqa: E402
+from tests.fixtures import scripts  # noqa: E402
 
 
 class _Tiny(nn.Module):
@@ -478,6 +479,47 @@ def test_a_call_with_a_tensor_whose_storage_was_resized_smaller_is_refused(kind:
         with pytest.raises(accel.InvalidValueError, match="resized smaller"):
             call((base,))
     assert handed == [] and torch.equal(static, torch.zeros(4, 4))
+
+
+def test_a_compiled_call_in_a_forked_child_is_refused_not_run() -> None:
+    # A child forked after accel was initialized refuses accel at once; the compiled
+    # call, which reads no runtime state but the thread's streams, ran its engine
+    # there: ONNX Runtime's and AOTInductor's (OpenMP) thread pools have no threads
+    # in the child, and a call on a 256x512 MLP hung (both engines, compiled and
+    # ACCEL_PURE_PYTHON=1 alike). Here runners that record that they ran.
+    result = scripts.run("cpu", """
+        import os, torch, accel
+        from accel._runtime import get_runtime
+        from accel.graph import _compiled
+
+        runtime = get_runtime()
+        thread, default = runtime._state, runtime.default_stream(0)
+        ran = []
+        calls = {
+            "direct": _compiled._direct_call(lambda ts: ran.append("direct") or [ts[0] * 2], [torch.zeros(2, 4)],
+                                             torch.zeros(2, 4), thread, 0, default),
+            "taking": _compiled._taking_call((lambda: ran.append("taking"), lambda args: None), lambda: None,
+                                             [torch.zeros(2, 4)], torch.zeros(2, 4), thread, 0, default),
+            "copying": _compiled._copying_call(lambda: ran.append("copying"), [torch.zeros(2, 4)], torch.zeros(2, 4),
+                                               thread, 0, default),
+        }
+        x = torch.randn(2, 4)
+        for call in calls.values():
+            call((x,)), call((x,))  # steady
+        pid = os.fork()
+        if pid == 0:
+            ran.clear()
+            refused = []
+            for name, call in calls.items():
+                try:
+                    call((x,))
+                except accel.AccelError as exc:
+                    refused.append(name if "forked" in str(exc) else str(exc))
+            os._exit(0 if refused == list(calls) and ran == [] else 3)
+        _, status = os.waitpid(pid, 0)
+        print("child exit", os.waitstatus_to_exitcode(status))
+    """, timeout=60)
+    scripts.ok(result, "child exit 0")
 
 
 def test_calls_that_copy_into_the_graphs_input_copy_a_negated_view_of_it(cache: Path, engines: Any) -> None:
