@@ -379,6 +379,22 @@ def _taking_call(
     lock = threading.Lock()
     gil = bool(getattr(sys, "_is_gil_enabled", lambda: True)())
     binding = _Binding()
+    # The memory a run writes: the graph's outputs, [start, end) each. The binding is
+    # never pointed at tensors overlapping them (a call with the last call's result,
+    # f(f(x))): the run would write its outputs over the inputs it is reading, and a
+    # linear layer's result was off by up to 1.0. Those are copied in, like views.
+    spans = [
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+        for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)
+    ]
+
+    def overlaps_outputs(args: Sequence[torch.Tensor]) -> bool:
+        for a in args:
+            start = a.data_ptr()
+            end = start + a.numel() * a.element_size()
+            if any(start < stop and begin < end for begin, stop in spans):
+                return True
+        return False
 
     if len(inputs) == 1:
         (static,) = inputs
@@ -406,25 +422,26 @@ def _taking_call(
                     finally:
                         binding.busy = False
                     return output
-                with lock:
-                    while binding.busy:  # a steady call's run on another thread: wait it out
-                        time.sleep(0)
-                    binding.busy = True  # right after the test (no call between: see above)
-                    try:
-                        if pointer != binding.taken:
-                            check_memory(args)
-                            # An interrupt or error while (or right after) pointing must
-                            # not leave the binding on memory a later call takes for the
-                            # one it was pointed at before.
-                            binding.taken = None
-                            point(args)
-                            binding.taken = pointer
-                        run()
-                    finally:
-                        binding.busy = False
-            else:
-                copy_into(static, a)
-                replay()
+                if not overlaps_outputs(args):
+                    with lock:
+                        while binding.busy:  # a steady call's run on another thread: wait it out
+                            time.sleep(0)
+                        binding.busy = True  # right after the test (no call between: see above)
+                        try:
+                            if pointer != binding.taken:
+                                check_memory(args)
+                                # An interrupt or error while (or right after) pointing must
+                                # not leave the binding on memory a later call takes for the
+                                # one it was pointed at before.
+                                binding.taken = None
+                                point(args)
+                                binding.taken = pointer
+                            run()
+                        finally:
+                            binding.busy = False
+                    return output
+            copy_into(static, a)
+            replay()
             return output
 
         return _steady(take_one, inputs, thread, device, default, run, output, binding, True) if gil else take_one
@@ -442,23 +459,24 @@ def _taking_call(
                 finally:
                     binding.busy = False
                 return output
-            with lock:
-                while binding.busy:  # as take_one
-                    time.sleep(0)
-                binding.busy = True
-                try:
-                    if pointers != binding.taken:
-                        check_memory(args)
-                        binding.taken = ()  # as take_one: pointing may stop halfway
-                        point(args)
-                        binding.taken = pointers
-                    run()
-                finally:
-                    binding.busy = False
-        else:
-            for i, (static, a) in enumerate(zip(inputs, args)):
-                copy_into(static, a, i)
-            replay()
+            if not overlaps_outputs(args):  # as take_one
+                with lock:
+                    while binding.busy:  # as take_one
+                        time.sleep(0)
+                    binding.busy = True
+                    try:
+                        if pointers != binding.taken:
+                            check_memory(args)
+                            binding.taken = ()  # as take_one: pointing may stop halfway
+                            point(args)
+                            binding.taken = pointers
+                        run()
+                    finally:
+                        binding.busy = False
+                return output
+        for i, (static, a) in enumerate(zip(inputs, args)):
+            copy_into(static, a, i)
+        replay()
         return output
 
     return _steady(take_any, inputs, thread, device, default, run, output, binding, True) if gil else take_any

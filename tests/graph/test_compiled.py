@@ -522,6 +522,30 @@ def test_a_compiled_call_in_a_forked_child_is_refused_not_run() -> None:
     scripts.ok(result, "child exit 0")
 
 
+@pytest.mark.parametrize("inputs", [1, 2])
+def test_an_onnx_call_with_the_last_calls_result_reads_its_values(cache: Path, engines: Any, inputs: int) -> None:
+    # f(f(x)): the result is the graph's static output, which ONNX Runtime's run
+    # writes. Its binding was pointed at it as at any tensor, and the run wrote its
+    # outputs over the input it read: a linear layer's result was off by up to 1.0.
+    engines(_engines.OnnxRuntime())
+
+    class _Add(nn.Module):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(x, torch.ones(16, 16) / 16) + y
+
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16).eval() if inputs == 1 else _Add()
+    args = tuple(torch.randn(8, 16) for _ in range(inputs))
+    fast = make_graphed_callables(model, args, tier="compiled")
+    # which arguments are the last call's result
+    for uses in [[True]] if inputs == 1 else [[True, False], [False, True], [True, True]]:
+        y = fast(*args)
+        again = [y if use else a for use, a in zip(uses, args)]
+        with torch.inference_mode():
+            want = model(*[a.clone() for a in again])
+        torch.testing.assert_close(fast(*again), want)
+
+
 def test_calls_that_copy_into_the_graphs_input_copy_a_negated_view_of_it(cache: Path, engines: Any) -> None:
     # An engine bound to the graph's input only: the call copied an argument in
     # unless it lay at the input's address, which a negated view of it does.
