@@ -384,6 +384,14 @@ def _signature(args: Sequence[Any], role: str, device_type: str) -> Signature:
                 f"{role}[{i}] is a {a.layout} tensor; graphed callables take dense (strided) tensors. "
                 "Convert it with .to_dense()"
             )
+        try:
+            a.untyped_storage().data_ptr()
+        except RuntimeError:  # torch's refusal was the call's error, naming no argument
+            raise InvalidValueError(
+                f"{role}[{i}] has no storage of its own (a tensor inside torch.func's vmap or grad, or a "
+                "functional wrapper); graphed callables replay on tensors with memory. Call it outside the "
+                "transform"
+            ) from None
     return tuple((tuple(a.shape), a.dtype) for a in args)
 
 

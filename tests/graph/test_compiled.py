@@ -546,6 +546,36 @@ def test_an_onnx_call_with_the_last_calls_result_reads_its_values(cache: Path, e
         torch.testing.assert_close(fast(*again), want)
 
 
+def _functional(x: torch.Tensor) -> torch.Tensor:
+    return torch._to_functional_tensor(x)
+
+
+def _functional_tensor(x: torch.Tensor) -> torch.Tensor:
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    with FunctionalTensorMode():
+        return FunctionalTensor.to_functional(x)
+
+
+@pytest.mark.parametrize("how", ["vmap", "grad", "functional", "FunctionalTensor"])
+def test_a_call_with_a_tensor_without_storage_is_refused_as_accels(cache: Path, engines: Any, how: str) -> None:
+    # Inside torch.func's transforms, or wrapped for functionalization, a tensor has
+    # the graph's shape and dtype but no storage: torch's RuntimeError ("Cannot access
+    # data pointer of Tensor that doesn't have storage") came out of the call, naming
+    # no argument, compiled and ACCEL_PURE_PYTHON=1 alike.
+    engines(_engines.OnnxRuntime())
+    model = _tiny()
+    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
+    fast(torch.randn(2, 8))  # steady: the hot call first
+    with pytest.raises(accel.InvalidValueError, match=r"call\[0\] has no storage of its own"):
+        if how == "vmap":
+            torch.func.vmap(fast)(torch.randn(3, 2, 8))
+        elif how == "grad":
+            torch.func.grad(lambda x: fast(x).sum())(torch.randn(2, 8))
+        else:
+            fast((_functional if how == "functional" else _functional_tensor)(torch.randn(2, 8)))
+
+
 def test_calls_that_copy_into_the_graphs_input_copy_a_negated_view_of_it(cache: Path, engines: Any) -> None:
     # An engine bound to the graph's input only: the call copied an argument in
     # unless it lay at the input's address, which a negated view of it does.
