@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -460,19 +461,16 @@ def test_a_call_with_a_tensor_whose_storage_was_resized_smaller_is_refused(kind:
     # (or torch's copy into the graph's input) read past its end: garbage results
     # that differed run to run, and past the end of the heap a crash.
     handed: list[Any] = []
-
-    class _State:
-        streams: dict[int, Any] = {}
-
+    state = types.SimpleNamespace(streams={})
     static = torch.zeros(4, 4)
     if kind == "direct":
         call = _compiled._direct_call(lambda ts: handed.append(ts) or [torch.zeros(4)], [static], torch.zeros(4),
-                                      _State(), 0, object())
+                                      state, 0, object())
     elif kind == "taking":
         call = _compiled._taking_call((lambda: handed.append("run"), handed.append), handed.append, [static],
-                                      torch.zeros(4), _State(), 0, object())
+                                      torch.zeros(4), state, 0, object())
     else:
-        call = _compiled._copying_call(lambda: handed.append("replay"), [static], torch.zeros(4), _State(), 0, object())
+        call = _compiled._copying_call(lambda: handed.append("replay"), [static], torch.zeros(4), state, 0, object())
     base = {"whole": torch.randn(4, 4), "transposed": torch.randn(4, 4).t(), "at an offset": torch.randn(5, 4)[1:]}[view]
     base.untyped_storage().resize_(40)  # 10 floats of the 16 or 20 it reaches
     for _ in range(2):
@@ -551,7 +549,10 @@ def _functional(x: torch.Tensor) -> torch.Tensor:
 
 
 def _functional_tensor(x: torch.Tensor) -> torch.Tensor:
-    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+    from torch._subclasses.functional_tensor import (
+        FunctionalTensor,
+        FunctionalTensorMode,
+    )
 
     with FunctionalTensorMode():
         return FunctionalTensor.to_functional(x)

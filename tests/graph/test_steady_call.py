@@ -293,42 +293,47 @@ def test_a_call_made_while_another_checks_memory_does_not_pass_for_checked() -> 
     ok(result, "agreed")
 
 
-def test_a_call_made_while_another_reads_its_threads_state_runs_on_its_own_memory() -> None:
-    # A taking call on a new thread runs the thread state's __init__ (Python) on its
-    # first read of the current streams; a call made then (here from a profile hook)
-    # with the tensor the binding points at wrote that tensor's address over the first
-    # call's in the compiled path, which then ran the binding on the other tensor's
-    # memory: the result of ``y`` for a call with ``x``, no repointing.
+def _first_call_on_a_new_thread(which: str, x: Any, y: Any) -> list[Any]:
+    """What a taking call's engine was handed for a call with ``y``, then a call with ``x``
+    on a new thread during which (from a profile hook, as the thread state's __init__
+    returns) a call with ``y`` again is made; ``which``: the compiled or the Python call."""
     from accel._runtime import _ThreadState
 
+    call, engine = _calls("taking", [torch.zeros(2, 4)])
+    if which == "python":
+        call = call.__wrapped__  # type: ignore[attr-defined]
+    engine.current = (y,)
+    call((y,))
+    inner: list[Any] = []
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event == "return" and frame.f_code is _ThreadState.__init__.__code__ and not inner:
+            engine.current = (y,)
+            inner.append(_outcome(call, (y,)))
+            engine.current = (x,)
+
+    def body() -> None:
+        sys.setprofile(hook)
+        try:
+            engine.current = (x,)
+            inner.append(_outcome(call, (x,)))
+        finally:
+            sys.setprofile(None)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert len(inner) == 2
+    return engine.seen
+
+
+def test_a_call_made_while_another_reads_its_threads_state_runs_on_its_own_memory() -> None:
+    # A taking call on a new thread runs the thread state's __init__ (Python) on its
+    # first read of the current streams; a call made then with the tensor the binding
+    # points at wrote that tensor's address over the first call's in the compiled path,
+    # which then ran the binding on the other tensor's memory: the result of ``y`` for
+    # a call with ``x``, no repointing.
     x, y = torch.randn(2, 4), torch.randn(2, 4)
-    seen = []
-    for which in ("compiled", "python"):
-        call, engine = _calls("taking", [torch.zeros(2, 4)])
-        if which == "python":
-            call = call.__wrapped__  # type: ignore[attr-defined]
-        engine.current = (y,)
-        call((y,))
-        inner: list[Any] = []
-
-        def hook(frame: Any, event: str, arg: Any) -> None:
-            if event == "return" and frame.f_code is _ThreadState.__init__.__code__ and not inner:
-                engine.current = (y,)
-                inner.append(_outcome(call, (y,)))  # noqa: B023 - run within this iteration
-                engine.current = (x,)  # noqa: B023
-
-        def body() -> None:
-            sys.setprofile(hook)  # noqa: B023
-            try:
-                engine.current = (x,)  # noqa: B023
-                inner.append(_outcome(call, (x,)))  # noqa: B023
-            finally:
-                sys.setprofile(None)
-
-        thread = threading.Thread(target=body)
-        thread.start()
-        thread.join()
-        assert len(inner) == 2
-        seen.append(engine.seen)
-    assert seen[0] == seen[1]
-    assert seen[0][-2:] == [("point", (0, False, False, True, True)), ("run",)]
+    seen = _first_call_on_a_new_thread("compiled", x, y)
+    assert seen == _first_call_on_a_new_thread("python", x, y)
+    assert seen[-2:] == [("point", (0, False, False, True, True)), ("run",)]
