@@ -1824,6 +1824,7 @@ typedef struct {
     PyObject *fallback, *shapes, *dtypes, *thread, *device, *default_stream, *run;
     PyObject *finish; /* taking: the outputs returned; direct: None (one output: result[0]) or finish(result) */
     PyObject *binding; /* taking: the _Binding the fallback shares */
+    Py_ssize_t taken_at, busy_at; /* its slots' offsets (its class's: see install_graphs) */
     int64_t *dims;    /* shim: each input's dimensions, sizes (at sizes + offsets[i]) and dtype */
     int64_t *offsets, *sizes;
     int32_t *dtype_codes;
@@ -1961,7 +1962,7 @@ steady_run(SteadyCall *c, PyObject *args, unsigned long long *pointers)
         /* The binding points at these addresses (_Binding.taken: one int, or a tuple of n)
          * and no run is under way: test and set ``busy`` with the GIL held throughout, as
          * the Python call's steady path does (see _taking_call). */
-        PyObject *taken = SLOT(c->binding, BI_taken), *busy = SLOT(c->binding, BI_busy);
+        PyObject *taken = SLOT(c->binding, c->taken_at), *busy = SLOT(c->binding, c->busy_at);
         if (taken == NULL || busy != Py_False)
             goto fallback;
         if (c->n == 1 && !PyTuple_Check(taken)) {
@@ -1981,9 +1982,9 @@ steady_run(SteadyCall *c, PyObject *args, unsigned long long *pointers)
                 }
             }
         }
-        set(c->binding, BI_busy, Py_True);
+        set(c->binding, c->busy_at, Py_True);
         PyObject *r = PyObject_CallNoArgs(c->run);
-        set(c->binding, BI_busy, Py_False);
+        set(c->binding, c->busy_at, Py_False);
         if (r == NULL)
             return NULL;
         Py_DECREF(r);
@@ -2162,6 +2163,8 @@ steady_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         return NULL;
     c->vectorcall = steady_vectorcall;
     c->taking = binding != Py_None;
+    c->taken_at = BI_taken;
+    c->busy_at = BI_busy;
     c->real = real;
     c->n = n;
     Py_INCREF(fallback);
@@ -2397,17 +2400,37 @@ error:
 }
 
 /* install_graphs(names): what SteadyCall reads (torch.Tensor, check_memory, _Binding, where
- * torch's library is, and tensors to try its functions on). */
+ * torch's library is, and tensors to try its functions on). Called again (importlib.reload
+ * of accel.graph._compiled, as IPython's autoreload does), it takes the new module's
+ * check_memory and _Binding class: SteadyCalls made from then on were refused for their new
+ * _Binding (a TypeError for every ONNX Runtime graph). Those made before keep their
+ * binding's slot offsets; the old objects are kept, as the first ones are, for the process. */
 static PyObject *
 install_graphs(PyObject *module, PyObject *ns)
 {
+    PyTypeObject *tensor, *binding = NULL;
+    PyObject *check;
+    Py_ssize_t taken, busy;
+    if (get_type(ns, "Tensor", &tensor) < 0)
+        return NULL;
+    if (get_obj(ns, "check_memory", &check) < 0) {
+        Py_DECREF(tensor);
+        return NULL;
+    }
+    if (get_type(ns, "Binding", &binding) < 0 || slot_offset(binding, "taken", &taken) < 0
+        || slot_offset(binding, "busy", &busy) < 0) {
+        Py_XDECREF(binding);
+        Py_DECREF(tensor);
+        Py_DECREF(check);
+        return NULL;
+    }
+    Tensor_T = tensor;
+    py_check_memory = check;
+    Binding_T = binding;
+    BI_taken = taken;
+    BI_busy = busy;
     if (graphs_installed)
         Py_RETURN_NONE;
-    if (get_type(ns, "Tensor", &Tensor_T) < 0 || get_obj(ns, "check_memory", &py_check_memory) < 0
-        || get_type(ns, "Binding", &Binding_T) < 0)
-        return NULL;
-    if (slot_offset(Binding_T, "taken", &BI_taken) < 0 || slot_offset(Binding_T, "busy", &BI_busy) < 0)
-        return NULL;
     if (intern(&s_shape, "shape") || intern(&s_dtype, "dtype") || intern(&s_is_cpu, "is_cpu")
         || intern(&s_is_contiguous, "is_contiguous") || intern(&s_is_neg, "is_neg") || intern(&s_is_conj, "is_conj")
         || intern(&s_data_ptr, "data_ptr") || intern(&s_call_, "_call") || intern(&s_refuse, "_refuse")

@@ -544,6 +544,37 @@ def test_an_onnx_call_with_the_last_calls_result_reads_its_values(cache: Path, e
         torch.testing.assert_close(fast(*again), want)
 
 
+def test_compiled_calls_work_after_the_module_is_reloaded() -> None:
+    # importlib.reload(accel.graph._compiled) (IPython's autoreload does it) makes a new
+    # _Binding class: the compiled steady path refused every ONNX Runtime call made
+    # after it with a TypeError ("binding a _Binding or None"); ACCEL_PURE_PYTHON=1 ran.
+    # Calls bound before the reload keep working too.
+    result = scripts.run("cpu", """
+        import importlib, torch
+        from accel._runtime import get_runtime
+        from accel.graph import _compiled
+
+        runtime = get_runtime()
+        thread, default = runtime._state, runtime.default_stream(0)
+
+        def taking(module):
+            ran = []
+            call = module._taking_call((lambda: ran.append("run"), lambda args: ran.append("point")), None,
+                                       [torch.zeros(2, 4)], "out", thread, 0, default)
+            return call, ran
+
+        before, ran_before = taking(_compiled)
+        importlib.reload(_compiled)
+        after, ran_after = taking(_compiled)
+        x = torch.randn(2, 4)
+        for call, ran in ((before, ran_before), (after, ran_after)):
+            assert call((x,)) == "out" and call((x,)) == "out", ran
+            assert ran == ["point", "run", "run"], ran
+        print("ran")
+    """, timeout=60)
+    scripts.ok(result, "ran")
+
+
 def _functional(x: torch.Tensor) -> torch.Tensor:
     return torch._to_functional_tensor(x)
 
