@@ -337,3 +337,34 @@ def test_a_call_made_while_another_reads_its_threads_state_runs_on_its_own_memor
     seen = _first_call_on_a_new_thread("compiled", x, y)
     assert seen == _first_call_on_a_new_thread("python", x, y)
     assert seen[-2:] == [("point", (0, False, False, True, True)), ("run",)]
+
+
+@pytest.mark.parametrize("kind", ["direct", "taking"])
+def test_calls_with_more_inputs_than_the_stack_array_holds(kind: str) -> None:
+    # Up to 8 addresses are read into an array on the C stack, more into one allocated
+    # per call: both paths agree with the Python call (moved, negated, the same again).
+    args = tuple(torch.randn(3) for _ in range(10))
+    moved = (*args[:9], torch.randn(3))
+    negated = (*args[:9], args[9]._neg_view())
+    _same(kind, [torch.zeros(3) for _ in range(10)], args, args, moved, moved, negated, args)
+
+
+@pytest.mark.xfail(strict=True, reason="CallHead keeps hits in a C Py_ssize_t: past sys.maxsize it wraps to "
+                   "negative (-fwrapv), and ints past it or other objects are refused on assignment, where "
+                   "_CallHead's slot holds any int; matching it costs an int object per hit")
+def test_hits_count_past_the_largest_c_size_as_the_python_head_does() -> None:
+    from accel.graph import _graphed
+
+    class _Probe(speedups.CallHead):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            self._hot, self.hits = (lambda args: "hot"), 0
+
+    class _PyProbe(_graphed._CallHead):
+        __init__ = _Probe.__init__  # type: ignore[assignment]
+
+    counts = []
+    for probe in (_Probe(), _PyProbe()):
+        probe.hits = sys.maxsize
+        probe()
+        counts.append(probe.hits)
+    assert counts == [sys.maxsize + 1] * 2
