@@ -216,7 +216,7 @@ def test_a_graphed_callable_counts_hits_and_refuses_as_the_python_head_does() ->
     # counted, an engine's RuntimeError refused as accel's, anything else to _call.
     from accel.graph import _graphed
 
-    class _Probe(speedups.CallHead):  # type: ignore[misc,name-defined]
+    class _Probe(speedups._CallHead):  # type: ignore[misc,name-defined]
         def __init__(self, hot: Any) -> None:
             self._hot, self.hits, self.slow = hot, 0, []
 
