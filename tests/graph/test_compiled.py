@@ -661,7 +661,7 @@ def test_timing_large_programs_is_bounded_by_shorter_blocks(monkeypatch: pytest.
     # once the limit (2 s) is spent: the rounds end within one round of it.
     clock = _FakeClock()
     monkeypatch.setattr(_compiled, "time", clock)
-    runs, calls = _fake_engines(clock, *[lambda k: 5e-3] * 3)
+    runs, _ = _fake_engines(clock, *[lambda k: 5e-3] * 3)
     samples = _compiled._time_interleaved(runs, [False, True, True])
     rounds = len(samples[0])
     assert rounds >= 11 and clock.now <= 0.1 + 2.0 + 2.0 / 11  # calibration, limit, one round
