@@ -759,9 +759,10 @@ def _time_interleaved(
     machine went to the slower engine (the attention block at batch 8
     chose AOTInductor, 6 % behind ONNX Runtime). Timing thus takes about
     ``rounds`` x ``least`` runs of every engine for a program slower than
-    ``budget / least`` a run (0.45 s for the attention block at batch 8,
-    against 0.1 s in blocks of ``budget``), never much more than ``limit``
-    once a block is down to one run."""
+    ``budget / least`` a run (0.45 s for the attention block at batch 8 on
+    one thread, against 0.1 s in blocks of ``budget``), and up to ``limit``
+    plus a round while tied; only a program whose ``rounds`` rounds of two
+    runs (one untimed) take longer than ``limit`` takes longer."""
     with torch.inference_mode():
         seconds = []
         for run in runs:
