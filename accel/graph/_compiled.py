@@ -800,7 +800,7 @@ def _time_interleaved(
 #: thread was timed 3 % slower on AOTInductor than ONNX Runtime in the
 #: competition and ran 5 % slower in a loop (load 0.5); under more load it
 #: was timed 1 % faster and ran 7 % slower. A tie keeps the engine writing
-#: outputs in place (ONNX Runtime), whose graphed call ran 3-10 % ahead of
+#: outputs in place (ONNX Runtime), whose graphed call ran 0-10 % ahead of
 #: a user's own ONNX Runtime session.
 MARGIN = 0.05
 
