@@ -2322,7 +2322,7 @@ static PyMemberDef head_members[] = {
 };
 
 static PyTypeObject CallHead_T = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "accel._speedups.CallHead",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "accel._speedups._CallHead",
     .tp_basicsize = sizeof(CallHead),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_call = head_call,
@@ -2480,7 +2480,7 @@ PyInit__speedups(void)
     Py_INCREF(&SteadyCall_T);
     Py_INCREF(&CallHead_T);
     if (PyModule_AddObject(m, "SteadyCall", (PyObject *)&SteadyCall_T) < 0
-        || PyModule_AddObject(m, "CallHead", (PyObject *)&CallHead_T) < 0) {
+        || PyModule_AddObject(m, "_CallHead", (PyObject *)&CallHead_T) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -80,7 +80,7 @@ class _CallHead:
     call's bound call (``_hot``, see :func:`accel.graph._compiled.bind_call`), which
     checks the arguments' shapes and dtypes itself and returns None for others:
     no key, no lookup, no reordering (its entry is the most recent already). Then
-    ``_call``, the lookup. accel._speedups has it in C (``CallHead``): the Python
+    ``_call``, the lookup. accel._speedups has it in C (``_CallHead``): the Python
     frame of this method cost a quarter of accel's time per call."""
 
     __slots__ = ("_hot", "hits")
@@ -111,7 +111,7 @@ class _CallHead:
 if TYPE_CHECKING or speedups is None:
     _Head = _CallHead
 else:
-    _Head = speedups.CallHead
+    _Head = speedups._CallHead
 
 
 class GraphedCallable(_Head):

@@ -218,7 +218,7 @@ def test_a_graphed_callable_counts_hits_and_refuses_as_the_python_head_does() ->
     # counted, an engine's RuntimeError refused as accel's, anything else to _call.
     from accel.graph import _graphed
 
-    class _Probe(speedups.CallHead):  # type: ignore[misc,name-defined]
+    class _Probe(speedups._CallHead):  # type: ignore[misc,name-defined]
         def __init__(self, hot: Any) -> None:
             self._hot, self.hits, self.slow = hot, 0, []
 
@@ -349,13 +349,13 @@ def test_calls_with_more_inputs_than_the_stack_array_holds(kind: str) -> None:
     _same(kind, [torch.zeros(3) for _ in range(10)], args, args, moved, moved, negated, args)
 
 
-@pytest.mark.xfail(strict=True, reason="CallHead keeps hits in a C Py_ssize_t: past sys.maxsize it wraps to "
+@pytest.mark.xfail(strict=True, reason="_CallHead (C) keeps hits in a C Py_ssize_t: past sys.maxsize it wraps to "
                    "negative (-fwrapv), and ints past it or other objects are refused on assignment, where "
                    "_CallHead's slot holds any int; matching it costs an int object per hit")
 def test_hits_count_past_the_largest_c_size_as_the_python_head_does() -> None:
     from accel.graph import _graphed
 
-    class _Probe(speedups.CallHead):  # type: ignore[misc,name-defined]
+    class _Probe(speedups._CallHead):  # type: ignore[misc,name-defined]
         def __init__(self) -> None:
             self._hot, self.hits = (lambda args: "hot"), 0
 
