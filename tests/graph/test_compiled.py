@@ -29,7 +29,7 @@ import accel  # noqa: E402
 from accel.graph import Graph, compile_graph, graph, make_graphed_callables  # noqa: E402
 from accel.graph import _compiled, _engines  # noqa: E402
 from accel.graph._compiled import BuildWarning  # noqa: E402
-from tests.fixtures import scripts  # noqa: E402
+from tests.fixtures import scripts
 
 
 class _Tiny(nn.Module):
