@@ -802,6 +802,17 @@ def _as_called(trial: Callable[[], Any], inputs: list[torch.Tensor]) -> Callable
     return copy_and_run
 
 
+#: Seconds the competition waits before each engine's block where torch runs on more
+#: than one thread: the engine timed before leaves worker threads spinning (OpenMP's
+#: for AOTInductor, a session's pool for ONNX Runtime) that take the cores from the
+#: next one. On 2 cores, ONNX Runtime on two threads then measured 335-500 us a run of
+#: the CNN at batch 8 (its loop: 215-265 us) and lost to its one-thread session, which
+#: a user's two-thread session beat by 1.27x-1.46x; waiting 15 ms it measured 201 us
+#: and was kept (the attention block at batch 8 likewise: 792 -> 554 us). 3 ms was not
+#: enough (one choice of two). It counts in the timing's ``limit``.
+SETTLE_S = 0.015
+
+
 def _time_interleaved(
     runs: list[Callable[[], Any]],
     allocates: list[bool],
@@ -811,6 +822,7 @@ def _time_interleaved(
     budget: float = 2e-3,
     least: int = 20,
     limit: float = 2.0,
+    settle: float | None = None,
 ) -> list[list[float]]:
     """Each of ``runs``' seconds per run in every round, for :func:`_choose`.
 
@@ -841,7 +853,11 @@ def _time_interleaved(
     ``budget / least`` a run (0.45 s for the attention block at batch 8 on
     one thread, against 0.1 s in blocks of ``budget``), and up to ``limit``
     plus a round while tied; only a program whose ``rounds`` rounds of two
-    runs (one untimed) take longer than ``limit`` takes longer."""
+    runs (one untimed) take longer than ``limit`` takes longer. Where torch
+    runs on more than one thread, each block starts ``settle`` seconds
+    (default :data:`SETTLE_S`) after the engine before it stopped, so that
+    its worker threads are no longer spinning on the cores the next engine
+    is timed on."""
     with torch.inference_mode():
         seconds = []
         for run in runs:
@@ -853,15 +869,22 @@ def _time_interleaved(
                 calls += 1
             seconds.append(max(time.perf_counter() - t0, 1e-9) / calls)
         counts = [max(least, min(400, int(budget / s))) for s in seconds]
-        # One round's time, untimed runs included; shortened alike to fit ``rounds`` rounds in ``limit``.
-        per_round = sum((c + max(1, c // 10)) * s for c, s in zip(counts, seconds))
-        if per_round * rounds > limit:
-            counts = [max(1, int(c * limit / (per_round * rounds))) for c in counts]
+        if settle is None:
+            settle = SETTLE_S if torch.get_num_threads() > 1 else 0.0
+        # One round's time, untimed runs and waits included; the blocks are shortened
+        # alike to fit ``rounds`` rounds in ``limit``.
+        running = sum((c + max(1, c // 10)) * s for c, s in zip(counts, seconds))
+        waiting = settle * len(runs)
+        if (running + waiting) * rounds > limit:
+            scale = max(0.0, limit / rounds - waiting) / running
+            counts = [max(1, int(c * scale)) for c in counts]
         samples: list[list[float]] = [[] for _ in runs]
         start = time.perf_counter()
         for r in range(most):
             for i in [(r + k) % len(runs) for k in range(len(runs))]:  # each round starts with another
                 run = runs[i]
+                if settle:
+                    time.sleep(settle)  # the other engines' pools go idle first (see SETTLE_S)
                 for _ in range(max(1, counts[i] // 10)):  # untimed: the first runs after another engine's refill caches
                     run()
                 t0 = time.perf_counter()

@@ -801,6 +801,9 @@ class _FakeClock:
     def perf_counter(self) -> float:
         return self.now
 
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
 
 def _fake_engines(clock: _FakeClock, *costs: Callable[[int], float]) -> tuple[list[Callable[[], None]], list[int]]:
     """Runs that advance ``clock`` by ``cost(k)`` seconds, k counting the
@@ -818,6 +821,40 @@ def _fake_engines(clock: _FakeClock, *costs: Callable[[int], float]) -> tuple[li
         return run
 
     return [make(i) for i in range(len(costs))], calls
+
+
+def test_with_several_threads_each_engine_is_timed_after_the_others_pools_went_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A two-thread engine (A) runs at 250 us in a loop, but at 500 us while the engine
+    # timed before it still has worker threads spinning (10 ms after its last run);
+    # B (one thread) runs at 300 us whatever ran before. Timed right after B, A lost
+    # (the CNN at batch 8 on two threads kept ONNX Runtime on one thread, 1.27x behind
+    # a user's two-thread session); after the wait, A is kept.
+    clock = _FakeClock()
+    monkeypatch.setattr(_compiled, "time", clock)
+    stopped = [-1.0, -1.0]  # when each engine's last run ended
+
+    def make(i: int, cost: Callable[[bool], float]) -> Callable[[], None]:
+        def run() -> None:
+            other = stopped[1 - i]
+            contended = other >= 0 and clock.now - other < 10e-3
+            clock.now += cost(contended)
+            stopped[i] = clock.now
+
+        return run
+
+    a = make(0, lambda contended: 500e-6 if contended else 250e-6)
+    b = make(1, lambda contended: 300e-6)
+    waited = _compiled._time_interleaved([a, b], [False, False], settle=_compiled.SETTLE_S)
+    assert _compiled._choose(waited, [False, False])[0] == 0
+    rushed = _compiled._time_interleaved([a, b], [False, False], settle=0.0)
+    assert _compiled._choose(rushed, [False, False])[0] == 1
+    # The waits count in the timing's limit: tied engines' rounds still end within one round of it.
+    clock.now = 0.0
+    runs, _ = _fake_engines(clock, *[lambda k: 5e-3] * 3)
+    samples = _compiled._time_interleaved(runs, [False, True, True], settle=_compiled.SETTLE_S)
+    assert len(samples[0]) >= 11 and clock.now <= 0.1 + 2.0 + 2.0 / 11
 
 
 def test_a_large_program_is_timed_in_blocks_of_many_runs_as_a_loop_runs_it(monkeypatch: pytest.MonkeyPatch) -> None:
