@@ -39,6 +39,15 @@ unboxed call, where a probe at the first replay shows the binding reaches the
 very overload recorded with the very arguments, and the overload's boxed
 ``_op`` otherwise. Module and autograd bookkeeping, allocation and the
 per-op Python of eager are gone; each op still pays one call from Python.
+
+An op with no ``out=`` kernel of its own (convolution, ``relu``: torch's
+generated ``out=`` overloads run the op, then copy) would cost a copy per
+replay. Where nothing but the plan can see such an op's static outputs (no
+Python reference, view, weak reference or later segment holds them; checked
+when the plan is built), the plan keeps its result in a local of the
+generated function, as eager does, and the later steps read that: the same
+kernel, no copy. Those static outputs are then never written
+(:attr:`Record.temporary`).
 :mod:`accel.graph._compiled` is the faster, not bitwise, tier.
 """
 
@@ -47,8 +56,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import sys
 import threading
 import weakref
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -91,21 +102,40 @@ class Record:
     """One op seen during capture. ``kind`` is "out" (replayed into static
     outputs), "fallback" (replayed functionally, result copied in), "mutate"
     (in-place or out= op, replayed as is), "view" (not replayed: it aliases
-    static storage) or "alloc" (``empty``: storage reserved, nothing replayed)."""
+    static storage) or "alloc" (``empty``: storage reserved, nothing replayed).
+    ``temporary``: replays keep the outputs in temporaries that only the
+    replay sees, so ``outputs`` stay as the capture left them."""
 
     func: Any  # torch OpOverload
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     outputs: list[torch.Tensor]
     kind: str
+    temporary: bool = False
+
+
+@dataclass
+class Made:
+    """A step that computes new tensors and copies them into static outputs:
+    an op replayed without an ``out=`` overload, or through one that torch
+    generates as "run the op, then copy". The plan may run the op alone."""
+
+    record: Record
+    outputs: dict[int, torch.Tensor]  # return index -> the step's alias of its static output
+    out_names: tuple[str, ...] = ()  # the step's out= arguments, which the op alone does not take
+
+
+_Step = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], str, "Made | None"]
 
 
 @dataclass
 class Segment:
     """Recorded ops that run back to back: one host-function node of the graph."""
 
-    steps: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], str]] = field(default_factory=list)
+    steps: list[_Step] = field(default_factory=list)
     errors: list[tuple[str, BaseException]] = field(default_factory=list)
+    # The program's records, to tell which static outputs something outside the plan holds.
+    records: list[Record] = field(default_factory=list, repr=False)
     stream: int = 0
     position: int | None = None  # capture length right after this segment's node
     runner: Callable[[], None] | None = None  # replaces the op loop (compiled tier)
@@ -140,20 +170,52 @@ class Segment:
     def _build_plan(self) -> Callable[[], None]:
         """The steps as straight-line Python: each a call of the fastest entry
         that reaches the recorded overload (see :func:`_fast_entry`), its
-        arguments bound once as globals of the generated function, no loop."""
+        arguments bound once as globals of the generated function, no loop;
+        results that only the plan sees held in its locals (:func:`_temporaries`)."""
+        calls = [_fast_entry(*step[:3]) for step in self.steps]
+        kept = _temporaries(self.steps, calls, self.records)
+        targets: dict[int, list[str]] = {}  # step -> the locals it returns into
+        local: dict[int, str] = {}  # id of an alias of a temporary's static output -> its local
+        for i, aliases in kept.items():
+            made = self.steps[i][4]
+            assert made is not None
+            returns = len(made.record.func._schema.returns)
+            targets[i] = [f"t{i}"] if returns == 1 else [f"t{i}_{k}" for k in range(returns)]
+            local.update((id(alias), targets[i][k]) for k, same in aliases.items() for alias in same)
+            _, args, kwargs = self.steps[i][:3]
+            kwargs = {name: value for name, value in kwargs.items() if name not in made.out_names}
+            _overloads[made.record.func._op] = made.record.func
+            calls[i] = _fast_entry(made.record.func._op, args, kwargs)
+            made.record.temporary = True
         env: dict[str, Any] = {}
-        lines = ["def replay():"]
-        for i, step in enumerate(self.steps):
-            env[f"f{i}"], args, kwargs = _fast_entry(*step[:3])
-            call = []
+        lines = []
+        last: dict[str, int] = {}  # a local -> the line that reads it last
+        for i, (fn, args, kwargs) in enumerate(calls):
+            env[f"f{i}"] = fn
+            call, read = [], []
             for j, value in enumerate(args):
-                env[f"a{i}_{j}"] = value
-                call.append(f"a{i}_{j}")
-            for j, (name, value) in enumerate(kwargs.items()):
-                env[f"k{i}_{j}"] = value
-                call.append(f"{name}=k{i}_{j}")
-            lines.append(f"    f{i}({', '.join(call)})")  # step i is on line i + 2
-        lines.append("    return None")
+                name = local.get(id(value))
+                if name is None:
+                    name = f"a{i}_{j}"
+                    env[name] = value
+                else:
+                    read.append(name)
+                call.append(name)
+            for j, (key, value) in enumerate(kwargs.items()):
+                name = local.get(id(value))
+                if name is None:
+                    name = f"k{i}_{j}"
+                    env[name] = value
+                else:
+                    read.append(name)
+                call.append(f"{key}={name}")
+            into = targets.get(i, [])
+            last.update((name, i) for name in (*into, *read))
+            lines.append(f"{', '.join(into)}{' = ' if into else ''}f{i}({', '.join(call)})")
+        # Each temporary goes as soon as it is read for the last time, as in eager.
+        for name, i in last.items():
+            lines[i] += f"; del {name}"
+        lines = ["def replay():", *(f"    {line}" for line in lines), "    return None"]  # step i on line i + 2
         exec(compile("\n".join(lines), "<accel replay>", "exec"), env)  # noqa: S102 - generated above
         # Out of its own globals: a cycle there would leave the static
         # outputs to the cyclic collector, whose finalizers may then run
@@ -274,7 +336,8 @@ class Program:
         ]
         for i, r in enumerate(self.records):
             shapes = ", ".join(f"{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for t in r.outputs)
-            lines.append(f"{i:6d}  {r.kind:8s} {r.func}  -> {shapes}")
+            kept = "  (kept in a temporary by replays)" if r.temporary else ""
+            lines.append(f"{i:6d}  {r.kind:8s} {r.func}  -> {shapes}{kept}")
         return "\n".join(lines) + "\n"
 
 
@@ -652,21 +715,25 @@ class Recorder(TorchDispatchMode):
             self._program.records.append(Record(func, args, kwargs, written, "mutate"))
             return tree_unflatten(new_leaves, spec)
         overload = None if written else _out_overload(func)
+        record = Record(func, args, kwargs, statics, "alloc")
         if func in _ALLOC_OPS:
-            kind = "alloc"
+            pass
         elif overload is not None and len(statics) == len(leaves):
             out_func, names = overload
             out_kwargs = dict(kwargs)
             out_kwargs.update(zip(names, statics))
             _overloads[out_func._op] = out_func
-            self._add_step(out_func._op, args, out_kwargs, f"{out_func}")
-            kind = "out"
+            made = Made(record, {}, names) if _copies_out(out_func) else None
+            _, step_kwargs = self._add_step(out_func._op, args, out_kwargs, f"{out_func}", made)
+            if made is not None:
+                made.outputs.update((k, step_kwargs[name]) for k, name in enumerate(names))
+            record.kind = "out"
         else:
             fresh = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and returned.get(i) is None]
-            replay = _copy_into(func, dict(zip(fresh, [_snapshot(t) for t in statics])))
-            self._add_step(replay, args, kwargs, f"{func} (no out= overload)")
-            kind = "fallback"
-        self._program.records.append(Record(func, args, kwargs, statics, kind))
+            made = Made(record, dict(zip(fresh, [_snapshot(t) for t in statics])))
+            self._add_step(_copy_into(func, made.outputs), args, kwargs, f"{func} (no out= overload)", made)
+            record.kind = "fallback"
+        self._program.records.append(record)
         return tree_unflatten(new_leaves, spec)
 
     def _record_host_value(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -706,19 +773,28 @@ class Recorder(TorchDispatchMode):
                 self._owned.add(_storage_ptr(static))
         return static
 
-    def _add_step(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], what: str) -> None:
+    def _add_step(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        what: str,
+        made: Made | None = None,
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Append a step to the open segment (or a new one); its arguments as the step binds them."""
         handle = self._stream_handle()
         segment = self._open
         if segment is None or segment.stream != handle or segment.position is None or (
             _capture_position(self._runtime, self._device, handle) != segment.position
         ):
-            segment = Segment(stream=handle, errors=self._errors)
+            segment = Segment(stream=handle, errors=self._errors, records=self._program.records)
             self._runtime.backend.launch_host_func(self._device, handle, segment.run)
             segment.position = _capture_position(self._runtime, self._device, handle)
             self._program.segments.append(segment)
             self._open = segment
         args, kwargs = tree_map(_snapshot, (args, kwargs))
-        segment.steps.append((fn, args, kwargs, what))
+        segment.steps.append((fn, args, kwargs, what, made))
+        return args, kwargs
 
     def _stream_handle(self) -> int:
         return self._runtime.current_stream(self._device).native_handle
@@ -815,6 +891,15 @@ def _snapshot(value: Any) -> Any:
     return value
 
 
+@functools.cache
+def _copies_out(out_func: Any) -> bool:
+    """Whether an ``out=`` overload has no CPU kernel of its own, only torch's
+    generated one, which runs the functional op and copies its result out."""
+    name = out_func.name()
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return not has(name, "CPU") and has(name, "CompositeExplicitAutograd")
+
+
 def _copy_into(func: Any, statics: dict[int, torch.Tensor]) -> Callable[..., None]:
     """Replay of an op without an out= overload: run it, copy its new outputs
     (by position among its returned tensors) into the static ones."""
@@ -826,6 +911,86 @@ def _copy_into(func: Any, statics: dict[int, torch.Tensor]) -> Callable[..., Non
 
     replay.__qualname__ = f"replay of {func}"
     return replay
+
+
+def _temporaries(
+    steps: list[_Step], calls: list[_Call], records: list[Record]
+) -> dict[int, dict[int, list[torch.Tensor]]]:
+    """The steps whose results the plan may keep in locals instead of copying
+    them into their static outputs: by step, each output's aliases in later steps.
+
+    A static output qualifies when nothing but this segment's plan can see it:
+    no Python reference but the capture's records, no weak reference, and no
+    tensor over its storage but itself, the step's alias and the later steps'
+    aliases, each a direct argument (not inside a list) with the very sizes,
+    strides and offset the op produced. A user's variable, a view made during
+    the capture, the graph's outputs or another segment's steps keep the copy.
+    """
+    held = Counter(
+        id(t)
+        for r in records
+        for t in (*tree_flatten((r.args, r.kwargs))[0], *r.outputs)
+        if isinstance(t, torch.Tensor)
+    )
+    uses: dict[int, list[tuple[int, torch.Tensor | None]]] = {}  # storage -> (step, alias; None inside a list)
+    for j, (_, args, kwargs) in enumerate(calls):
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                uses.setdefault(_storage_ptr(value), []).append((j, value))
+                continue
+            for t in tree_flatten(value)[0]:
+                if isinstance(t, torch.Tensor):
+                    uses.setdefault(_storage_ptr(t), []).append((j, None))
+    kept: dict[int, dict[int, list[torch.Tensor]]] = {}
+    for i, step in enumerate(steps):
+        made = step[4]
+        if made is None or not all(str(r.type) == "Tensor" for r in made.record.func._schema.returns):
+            continue
+        found: dict[int, list[torch.Tensor]] = {}
+        for pos, (k, produced) in enumerate(made.outputs.items()):
+            if produced is made.record.outputs[pos] or weakref.getweakrefcount(made.record.outputs[pos]):
+                break  # a 0-dim output is bound as itself, not an alias
+            if _references(made.record.outputs, pos) != held[id(made.record.outputs[pos])]:
+                break
+            later = [alias for j, alias in uses.get(_storage_ptr(produced), []) if j != i]
+            if not all(alias is not None and _same_layout(alias, produced) for alias in later):
+                break
+            aliases = [alias for alias in later if alias is not None]
+            distinct = len({id(produced), *map(id, aliases)})
+            # The storage's users: the static output, the aliases and its Python
+            # object, which nothing else may hold (it reads the memory too).
+            storage = produced.untyped_storage()
+            if torch._C._storage_Use_Count(storage._cdata) != 1 + distinct + 1:
+                break
+            if sys.getrefcount(storage) != _STORAGE_REFERENCES:
+                break
+            found[k] = aliases
+        else:
+            kept[i] = found
+    return kept
+
+
+def _storage_references(t: torch.Tensor) -> int:
+    storage = t.untyped_storage()
+    return sys.getrefcount(storage)
+
+
+# What sys.getrefcount says of a tensor's storage object that only a local holds.
+_STORAGE_REFERENCES = _storage_references(torch.empty(1))
+
+
+def _references(holder: list[Any], i: int) -> int:
+    """How many references ``holder[i]`` has, not counting this call's."""
+    return sys.getrefcount(holder[i]) - 1
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.size() == b.size()
+        and a.stride() == b.stride()
+        and a.storage_offset() == b.storage_offset()
+    )
 
 
 def _draws_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -465,6 +465,169 @@ def test_replay_in_place_state_on_registered_inputs_matches_eager_steps() -> Non
         assert torch.equal(cache, expected)
 
 
+# -- results kept in temporaries (ops without an out= kernel of their own) ---------
+
+
+def _conv_relu_pool() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)).eval()
+    return model, torch.randn(2, 3, 8, 8)
+
+
+def _temporary(g: Graph) -> list[str]:
+    return [str(r.func) for r in g.program.records if r.temporary]
+
+
+def _plan_source(g: Graph) -> str:
+    (segment,) = g.program.segments
+    assert segment._plan is not None
+    return repr([segment._plan.__globals__[f"f{i}"] for i in range(len(segment.steps))])
+
+
+def test_results_only_the_plan_reads_stay_in_temporaries_bitwise() -> None:
+    # convolution and relu have no out= kernel of their own (torch's generated
+    # one runs the op, then copies): the plan runs the op and passes its result on.
+    model, x = _conv_relu_pool()
+    g = Graph()
+    with graph(g):
+        y = model(x)
+    new = torch.randn_like(x)
+    x.copy_(new)
+    g.replay()
+    assert _temporary(g) == ["aten.convolution.default", "aten.relu.default"]
+    assert "convolution.out" not in _plan_source(g) and "relu.out" not in _plan_source(g)
+    assert "(kept in a temporary by replays)" in g.program.describe()
+    with torch.inference_mode():
+        assert torch.equal(y, model(new))
+
+
+def test_each_temporary_is_freed_after_its_last_read() -> None:
+    # As in eager: a deep network keeps one or two activations alive, not all.
+    import dis
+
+    model, x = _conv_relu_pool()
+    g = Graph()
+    with graph(g):
+        y = model(x)
+    g.replay()
+    (segment,) = g.program.segments
+    assert segment._plan is not None
+    ops = [(i.opname, i.argval) for i in dis.get_instructions(segment._plan)]
+    stored = {name for op, name in ops if op == "STORE_FAST"}
+    assert stored == {"t0", "t1"} and stored == {name for op, name in ops if op == "DELETE_FAST"}
+    # t0 (the convolution's) goes once relu has read it, before the pooling runs.
+    assert ops.index(("STORE_FAST", "t1")) < ops.index(("DELETE_FAST", "t0")) < ops.index(("LOAD_GLOBAL", "f2"))
+    with torch.inference_mode():
+        assert torch.equal(y, model(x))
+
+
+def test_an_intermediate_the_user_holds_is_written_by_each_replay() -> None:
+    # As under CUDA: a tensor made in the capture and kept by the user is
+    # the graph's memory, and each replay writes it.
+    model, x = _conv_relu_pool()
+    g = Graph()
+    with graph(g):
+        h = model[0](x)
+        y = model[2](model[1](h))
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    assert _temporary(g) == ["aten.relu.default"]
+    with torch.inference_mode():
+        assert torch.equal(h, model[0](x)) and torch.equal(y, model(x))
+
+
+def test_an_intermediate_held_by_a_view_a_weak_reference_or_a_hook_is_written() -> None:
+    model, x = _conv_relu_pool()
+    seen: dict[str, torch.Tensor] = {}
+    hook = model[0].register_forward_hook(lambda mod, args, out: seen.__setitem__("conv", out))
+    try:
+        f = accel.graph.make_graphed_callables(model, (x,))
+    finally:
+        hook.remove()
+    g = Graph()
+    with graph(g):
+        h = model[0](x)
+        flat = h.view(-1)  # a view kept by the user
+        r = model[1](h)
+        weak = __import__("weakref").ref(r)  # the only reference left to relu's result
+        y = model[2](r)
+    del h, r
+    new = torch.randn_like(x)
+    x.copy_(new)
+    g.replay()
+    out = f(new)
+    assert _temporary(g) == [] and weak() is not None
+    (entry,) = f._cache.values()
+    assert [str(r.func) for r in entry.graph.program.records if r.temporary] == ["aten.relu.default"]
+    with torch.inference_mode():
+        conv = model[0](new)
+        assert torch.equal(flat, conv.view(-1)) and torch.equal(weak(), torch.relu(conv))
+        assert torch.equal(y, model(new)) and torch.equal(out, model(new))
+        assert torch.equal(seen["conv"], conv)  # the hook's tensor, written by the graphed call
+
+
+def test_an_intermediate_whose_storage_object_is_held_is_written() -> None:
+    x = torch.randn(8)
+    g = Graph()
+    with graph(g):
+        h = torch.relu(x)
+        storage = h.untyped_storage()  # reads the memory as well as h would
+        y = h + 1
+    del h
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    assert _temporary(g) == []
+    assert torch.equal(torch.empty(0).set_(storage, 0, (8,), (1,)), torch.relu(x))
+    assert torch.equal(y, torch.relu(x) + 1)
+
+
+def test_an_intermediate_read_in_place_inside_a_list_or_by_a_later_segment() -> None:
+    x, src = torch.randn(4, 6), torch.randn(4, 6)
+    dst = torch.zeros(4, 6)
+    g = Graph()
+    g.register_inputs(dst)
+
+    def capture() -> tuple[torch.Tensor, ...]:
+        a = torch.relu(x)
+        a.mul_(2)  # written in place: the temporary takes the write
+        first = a + 1
+        b = torch.relu(x + 1)
+        joined = torch.cat([b, b])  # inside a list: b keeps its static output
+        c = torch.relu(x - 1)
+        accel.current_stream().copy(dst.data_ptr(), src.data_ptr(), dst.nbytes)  # a new segment
+        return first, joined, c * 3  # c is read by the second segment
+
+    with graph(g):
+        first, joined, third = capture()
+    assert len(g.program.segments) == 2
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    assert _temporary(g) == ["aten.relu.default"]  # a's
+    assert torch.equal(first, torch.relu(x) * 2 + 1)
+    assert torch.equal(joined, torch.cat([torch.relu(x + 1)] * 2))
+    assert torch.equal(third, torch.relu(x - 1) * 3) and torch.equal(dst, src)
+
+
+def test_a_graph_output_without_an_out_kernel_is_written() -> None:
+    x = torch.randn(8)
+    g = Graph()
+    with graph(g):
+        y = torch.relu(x)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    assert _temporary(g) == [] and torch.equal(y, torch.relu(x))
+
+
+def test_references_counts_what_holds_an_object_besides_the_call() -> None:
+    from accel.graph._torch_capture import _references
+
+    holder = [torch.empty(1)]
+    assert _references(holder, 0) == 1
+    kept = holder[0]
+    assert _references(holder, 0) == 2
+    del kept
+
+
 STATICS_COLLECTED_INSIDE_THE_ALLOCATOR = """
 import gc, sys, threading
 import torch
