@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from accel._device import Device, as_device
 from accel._errors import AccelError, DeviceError, HostFunctionError
+from accel._native import speedups
 from accel.backends import BACKEND_NAMES, initialized_backend_names, load_backend, select_backend
 from accel.backends.base import Backend
 
@@ -32,6 +33,11 @@ __all__ = [
     "install_default_stream_wrapper",
     "requested_backend_name",
 ]
+
+
+# Told after each change of a thread's current stream: the compiled graphed call
+# (accel._speedups) then asks the thread's state again, and need not ask it otherwise.
+_streams_changed: Callable[[], None] | None = speedups.streams_changed if speedups is not None else None
 
 
 class _ThreadState(threading.local):
@@ -252,6 +258,8 @@ class Runtime:
             )
         self._state.streams[stream.device_index] = stream
         self._state.device = stream.device_index
+        if _streams_changed is not None:
+            _streams_changed()
 
     def push_stream(self, stream: Stream) -> None:
         """Enter ``stream`` (``with stream:``): remember what to restore."""
@@ -266,6 +274,8 @@ class Runtime:
         else:
             self._state.streams[index] = previous
         self._state.device = device
+        if _streams_changed is not None:
+            _streams_changed()
 
 
 def _no_stream_layer(runtime: Runtime, index: int, handle: int) -> Stream:

@@ -1804,6 +1804,11 @@ static PyObject *s_shape, *s_dtype, *s_is_cpu, *s_is_contiguous, *s_is_neg, *s_i
 static PyTypeObject *Binding_T;  /* accel.graph._compiled._Binding */
 static Py_ssize_t BI_taken, BI_busy; /* its slots */
 static int graphs_installed = 0;
+/* Bumped by streams_changed() each time a thread's current stream changes (accel._runtime
+ * calls it after every change): a SteadyCall that found the default stream current on a
+ * thread at one count needs not ask that thread's state again until the count moves. */
+static unsigned long long streams_epoch = 1;
+
 /* Set in a forked child: every call goes to the fallback, which refuses it there (the
  * engines' thread pools have no threads in the child: a run waits for them forever). */
 static volatile int forked_child = 0;
@@ -1828,8 +1833,12 @@ typedef struct {
     int64_t *dims;    /* shim: each input's dimensions, sizes (at sizes + offsets[i]) and dtype */
     int64_t *offsets, *sizes;
     int32_t *dtype_codes;
+    PyObject *handed; /* direct: the list run() is handed, reused while only this holds it (n Nones between calls) */
     unsigned long long *checked;  /* direct: the addresses check_memory last passed (n) */
     int checked_set;              /* whether ``checked`` holds any (a freed tensor's address can be 0) */
+    /* The thread (its PyThreadState id, never reused) on which the default stream was last
+     * found current, and streams_epoch then; 0: none. */
+    unsigned long long default_on, default_at;
 } SteadyCall;
 
 static PyTypeObject SteadyCall_T;
@@ -1876,6 +1885,24 @@ impl_of(PyObject *a)
     return impl;
 }
 
+/* Where a torch.Tensor object keeps its at::Tensor (one TensorImpl pointer): right after
+ * the object's head in torch 2.13's THPVariable ({PyObject_HEAD; at::Tensor cdata; ...}),
+ * which samples confirm at install (find_cdata); 0 where they show another layout, and
+ * ``_cdata`` is asked, a property that costs 0.08 us (a Python int made, torch's warning
+ * handler and torch-function state set up and torn down) where this is a load. */
+static Py_ssize_t cdata_at = 0;
+
+/* An at::Tensor* for the torch.Tensor ``a``: the object's own, or ``*slot`` filled from
+ * ``a._cdata``; NULL (no error) where it gives none. */
+static inline void *
+tensor_of(PyObject *a, void **slot)
+{
+    if (cdata_at)
+        return (char *)a + cdata_at;
+    *slot = impl_of(a);
+    return *slot != NULL ? slot : NULL;
+}
+
 /* Whether argument ``i`` is a steady one (its address then in pointers[i]): of the
  * graph's signature, on the host, contiguous, strided, not negated or conjugated. */
 static int
@@ -1884,10 +1911,9 @@ steady_tensor(SteadyCall *c, Py_ssize_t i, PyObject *a, unsigned long long *poin
     if (!Py_IS_TYPE(a, Tensor_T))
         return 0; /* a subclass may answer anything: the Python call asks it */
     if (c->shim) {
-        void *impl = impl_of(a);
-        if (impl == NULL)
+        void *impl, *t = tensor_of(a, &impl); /* an at::Tensor* */
+        if (t == NULL)
             return 0;
-        void *t = &impl; /* an at::Tensor* */
         int64_t dim, *sizes;
         int32_t dtype, device_type, layout;
         bool contiguous;
@@ -1940,24 +1966,31 @@ steady_run(SteadyCall *c, PyObject *args, unsigned long long *pointers)
     for (Py_ssize_t i = 0; i < c->n; i++)
         if (!steady_tensor(c, i, items[i], pointers))
             goto fallback;
-    /* thread.streams.get(device, default) is default */
-    PyObject *streams = PyObject_GetAttr(c->thread, s_gstreams);
-    if (streams == NULL) {
-        PyErr_Clear();
-        goto fallback;
+    /* thread.streams.get(device, default) is default: asked again only where the thread or
+     * the epoch moved since it last was (the thread-local's lookup is most of this call's
+     * own time). The epoch is read first: a change made while this asks is seen next call. */
+    unsigned long long epoch = streams_epoch, on = PyThreadState_GetID(PyThreadState_Get());
+    if (c->default_at != epoch || c->default_on != on) {
+        PyObject *streams = PyObject_GetAttr(c->thread, s_gstreams);
+        if (streams == NULL) {
+            PyErr_Clear();
+            goto fallback;
+        }
+        if (!PyDict_CheckExact(streams)) {
+            Py_DECREF(streams);
+            goto fallback;
+        }
+        PyObject *current = PyDict_GetItemWithError(streams, c->device);
+        Py_DECREF(streams); /* current stays alive: this thread's state keeps that dict */
+        if (current == NULL && PyErr_Occurred()) {
+            PyErr_Clear();
+            goto fallback;
+        }
+        if (current != NULL && current != c->default_stream)
+            Py_RETURN_NONE; /* another stream: the caller replays the graph on it */
+        c->default_on = on;
+        c->default_at = epoch;
     }
-    if (!PyDict_CheckExact(streams)) {
-        Py_DECREF(streams);
-        goto fallback;
-    }
-    PyObject *current = PyDict_GetItemWithError(streams, c->device);
-    Py_DECREF(streams); /* current stays alive: this thread's state keeps that dict */
-    if (current == NULL && PyErr_Occurred()) {
-        PyErr_Clear();
-        goto fallback;
-    }
-    if (current != NULL && current != c->default_stream)
-        Py_RETURN_NONE; /* another stream: the caller replays the graph on it */
     if (c->taking) {
         /* The binding points at these addresses (_Binding.taken: one int, or a tuple of n)
          * and no run is under way: test and set ``busy`` with the GIL held throughout, as
@@ -2003,14 +2036,24 @@ steady_run(SteadyCall *c, PyObject *args, unsigned long long *pointers)
         memcpy(c->checked, pointers, c->n * sizeof(unsigned long long));
         c->checked_set = 1;
     }
-    PyObject *list = PyList_New(c->n);
-    if (list == NULL)
+    /* The list of the arguments: the reused one where nothing else holds it (no run under
+     * way on another thread or below this one, the runner kept no reference), else a new one. */
+    PyObject *list = c->handed;
+    int reused = Py_REFCNT(list) == 1;
+    if (reused)
+        Py_INCREF(list);
+    else if ((list = PyList_New(c->n)) == NULL)
         return NULL;
     for (Py_ssize_t i = 0; i < c->n; i++) {
         Py_INCREF(items[i]);
-        PyList_SET_ITEM(list, i, items[i]);
+        Py_XSETREF(PyList_GET_ITEM(list, i), items[i]); /* a new list holds NULLs */
     }
     PyObject *result = PyObject_CallOneArg(c->run, list);
+    if (reused && Py_REFCNT(list) == 2) /* between calls it keeps no caller's tensors alive */
+        for (Py_ssize_t i = 0; i < c->n; i++) {
+            Py_INCREF(Py_None);
+            Py_SETREF(PyList_GET_ITEM(list, i), Py_None);
+        }
     Py_DECREF(list);
     if (result == NULL)
         return NULL;
@@ -2068,6 +2111,7 @@ steady_traverse(PyObject *self, visitproc visit, void *arg)
     Py_VISIT(c->run);
     Py_VISIT(c->finish);
     Py_VISIT(c->binding);
+    Py_VISIT(c->handed);
     return 0;
 }
 
@@ -2084,6 +2128,7 @@ steady_clear(PyObject *self)
     Py_CLEAR(c->run);
     Py_CLEAR(c->finish);
     Py_CLEAR(c->binding);
+    Py_CLEAR(c->handed);
     return 0;
 }
 
@@ -2107,10 +2152,9 @@ steady_dealloc(PyObject *self)
 static int
 shim_signature(SteadyCall *c, Py_ssize_t i, PyObject *t, PyObject *shape, int64_t **sizes, Py_ssize_t *used)
 {
-    void *impl = Py_IS_TYPE(t, Tensor_T) ? impl_of(t) : NULL;
-    if (impl == NULL)
+    void *impl, *handle = Py_IS_TYPE(t, Tensor_T) ? tensor_of(t, &impl) : NULL;
+    if (handle == NULL)
         return 0;
-    void *handle = &impl;
     int64_t dim, *got;
     if (shim_dim(handle, &dim) || dim != PyTuple_GET_SIZE(shape) || shim_sizes(handle, &got)
         || shim_dtype(handle, &c->dtype_codes[i]))
@@ -2183,15 +2227,20 @@ steady_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     c->binding = binding;
     c->shapes = PyTuple_New(n);
     c->dtypes = PyTuple_New(n);
+    c->handed = PyList_New(n);
     c->checked = PyMem_Calloc(n, sizeof(unsigned long long));
     c->dims = PyMem_Calloc(n, sizeof(int64_t));
     c->offsets = PyMem_Calloc(n, sizeof(int64_t));
     c->dtype_codes = PyMem_Calloc(n, sizeof(int32_t));
-    if (c->shapes == NULL || c->dtypes == NULL || c->checked == NULL || c->dims == NULL
+    if (c->shapes == NULL || c->dtypes == NULL || c->handed == NULL || c->checked == NULL || c->dims == NULL
         || c->offsets == NULL || c->dtype_codes == NULL) {
         if (!PyErr_Occurred())
             PyErr_NoMemory();
         goto error;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_INCREF(Py_None);
+        PyList_SET_ITEM(c->handed, i, Py_None);
     }
     c->shim = shim_data_ptr != NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -2343,11 +2392,29 @@ native_bits_right(PyObject *samples)
         return 0;
     for (Py_ssize_t k = 0; k < 4; k++) {
         PyObject *t = PyTuple_GET_ITEM(samples, k);
-        void *impl = Py_IS_TYPE(t, Tensor_T) ? impl_of(t) : NULL;
-        if (impl == NULL)
+        void *impl, *handle = Py_IS_TYPE(t, Tensor_T) ? tensor_of(t, &impl) : NULL;
+        if (handle == NULL)
             return 0;
-        void *handle = &impl;
         if (native_is_neg(handle) != (k == 1) || native_is_conj(handle) != (k == 3))
+            return 0;
+    }
+    return 1;
+}
+
+/* Whether every sample (exact torch.Tensors: fresh, views, from other libraries' memory)
+ * holds the TensorImpl its ``_cdata`` gives right after its object head: 1, or 0 (the
+ * layout is another: ``_cdata`` is asked). Nothing else is trusted: a pointer anywhere
+ * else (torch's older MaybeOwned<at::Tensor>, a flag first) is not an at::Tensor. */
+static int
+find_cdata(PyObject *samples)
+{
+    if (!PyTuple_Check(samples) || PyTuple_GET_SIZE(samples) < 2
+        || Tensor_T->tp_basicsize < (Py_ssize_t)(sizeof(PyObject) + sizeof(void *)))
+        return 0;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(samples); k++) {
+        PyObject *t = PyTuple_GET_ITEM(samples, k);
+        void *impl = Py_IS_TYPE(t, Tensor_T) ? impl_of(t) : NULL;
+        if (impl == NULL || *(void **)((char *)t + sizeof(PyObject)) != impl)
             return 0;
     }
     return 1;
@@ -2380,6 +2447,12 @@ find_torch_functions(PyObject *ns)
             shim_data_ptr = NULL; /* one missing: none used */
         native_is_neg = (native_bit_t)dlsym(lib, "_ZN2at6native6is_negERKNS_6TensorE");
         native_is_conj = (native_bit_t)dlsym(lib, "_ZN2at6native7is_conjERKNS_6TensorE");
+    }
+    if (shim_data_ptr != NULL) {
+        if ((samples = PyMapping_GetItemString(ns, "cdata_samples")) == NULL)
+            goto error;
+        cdata_at = find_cdata(samples) ? (Py_ssize_t)sizeof(PyObject) : 0;
+        Py_CLEAR(samples);
     }
     if (shim_data_ptr == NULL || native_is_conj == NULL)
         native_is_neg = NULL;
@@ -2446,12 +2519,21 @@ install_graphs(PyObject *module, PyObject *ns)
     Py_RETURN_NONE;
 }
 
+/* streams_changed(): a thread's current stream changed (see streams_epoch). */
+static PyObject *
+streams_changed(PyObject *module, PyObject *unused)
+{
+    streams_epoch++;
+    Py_RETURN_NONE;
+}
+
 /* Which of torch's functions SteadyCall calls: for tests and reports. */
 static PyObject *
 graph_paths(PyObject *module, PyObject *unused)
 {
-    return Py_BuildValue("{s:O,s:O}", "tensor_c_interface", shim_data_ptr != NULL ? Py_True : Py_False,
-                         "native_bits", native_is_neg != NULL ? Py_True : Py_False);
+    return Py_BuildValue("{s:O,s:O,s:O}", "tensor_c_interface", shim_data_ptr != NULL ? Py_True : Py_False,
+                         "native_bits", native_is_neg != NULL ? Py_True : Py_False, "object_layout",
+                         cdata_at ? Py_True : Py_False);
 }
 
 static PyMethodDef module_methods[] = {
@@ -2461,6 +2543,7 @@ static PyMethodDef module_methods[] = {
      "Replace Buffer.free, Buffer.__del__ and the buffer module's allocate by compiled versions."},
     {"install_graphs", install_graphs, METH_O, "Give SteadyCall what it reads (torch.Tensor, check_memory, _Binding)."},
     {"graph_paths", graph_paths, METH_NOARGS, "Which of torch's C functions SteadyCall found and trusts."},
+    {"streams_changed", streams_changed, METH_NOARGS, "A thread's current stream changed: SteadyCalls ask again."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1103,4 +1103,6 @@ if speedups is not None:
         # on which torch's native is_neg and is_conj must answer right before they are trusted
         "bit_samples": (torch.zeros(1), torch.zeros(1)._neg_view(), torch.zeros(1, dtype=torch.complex64),
                         torch.zeros(1, dtype=torch.complex64).conj()),
+        # in which a torch.Tensor object must keep its TensorImpl where it is read directly
+        "cdata_samples": (torch.zeros(2), torch.zeros(2, 3).t(), torch.zeros(3)[1:], torch.frombuffer(bytearray(8), dtype=torch.float32)),
     })

@@ -187,11 +187,83 @@ def test_on_another_stream_the_call_steps_aside(kind: str) -> None:
     _same(kind, [torch.zeros(2, 4)], (x,))
 
 
+@pytest.mark.parametrize("kind", ["direct", "taking"])
+def test_a_stream_made_current_after_steady_calls_is_seen_by_the_next_call(kind: str) -> None:
+    # The compiled call remembers that the default stream was current on this thread
+    # until any thread's current stream changes: each change below must be seen.
+    x = torch.randn(2, 4)
+    compiled, engine = _calls(kind, [torch.zeros(2, 4)])
+    runtime = get_runtime()
+
+    def replays_here() -> bool:
+        engine.current = (x,)
+        return compiled((x,)) is not None
+
+    assert replays_here() and replays_here()
+    side = accel.Stream()
+    with side:
+        assert not replays_here()
+    assert replays_here()
+    runtime.set_current_stream(side)
+    try:
+        assert not replays_here()
+    finally:
+        runtime.set_current_stream(runtime.default_stream(0))
+    assert replays_here()
+    # Another thread on its own stream, and back here on the default one.
+    seen: list[bool] = []
+
+    def elsewhere() -> None:
+        with accel.Stream():
+            seen.append(replays_here())
+        seen.append(replays_here())
+
+    worker = threading.Thread(target=elsewhere)
+    worker.start()
+    worker.join()
+    assert seen == [False, True] and replays_here()
+
+
+def test_a_direct_call_keeps_no_argument_alive_and_reentrant_calls_get_their_own_list() -> None:
+    # The compiled call reuses the list it hands the engine where nothing else holds it.
+    # A call made while a run runs (a hook, another thread) once wrote into a new list's
+    # empty slots as into the reused one's: SIGSEGV. In a subprocess for that reason.
+    result = run("cpu", """
+        import weakref
+        import torch
+        from accel._runtime import get_runtime
+        from accel.graph import _compiled
+
+        handed, inner = [], []  # ids: keeping the lists would keep the tensors
+
+        def engine(tensors):
+            handed.append(id(tensors))
+            if len(handed) == 2:
+                inner.append(call((torch.full((2, 4), 3.0),)))
+            return [tensors[0].sum(0)]
+
+        runtime = get_runtime()
+        call = _compiled._direct_call(engine, [torch.zeros(2, 4)], torch.zeros(4), runtime._state, 0,
+                                      runtime.default_stream(0))
+        assert type(call).__name__ == "SteadyCall"
+        x = torch.ones(2, 4)
+        probe = weakref.ref(x)
+        assert torch.equal(call((x,)), torch.full((4,), 2.0))
+        del x
+        assert probe() is None  # the list handed to the engine let it go
+        assert torch.equal(call((torch.full((2, 4), 2.0),)), torch.full((4,), 4.0))
+        assert torch.equal(inner[0], torch.full((4,), 6.0))
+        assert handed[2] != handed[1] and handed[0] == handed[1]  # reused, but not while it runs
+        print("agreed")
+    """, timeout=120)
+    ok(result, "agreed")
+
+
 def test_the_steady_path_reads_tensors_through_torchs_c_functions() -> None:
     # On the torch CI installs, both are found and trusted: a torch that drops them
     # slows the steady path down to asking attributes (still right, tested below).
     assert speedups is not None
-    assert speedups.graph_paths() == {"tensor_c_interface": True, "native_bits": True}
+    assert speedups.graph_paths() == {"tensor_c_interface": True, "native_bits": True, "object_layout": True}
 
 
 def test_without_torchs_c_functions_the_attributes_are_asked_and_calls_agree() -> None:
@@ -201,7 +273,7 @@ def test_without_torchs_c_functions_the_attributes_are_asked_and_calls_agree() -
         torch.__file__ = "/nonexistent/torch/__init__.py"
         from accel._native import speedups
         from accel.graph import _compiled
-        assert speedups.graph_paths() == {"tensor_c_interface": False, "native_bits": False}
+        assert speedups.graph_paths() == {"tensor_c_interface": False, "native_bits": False, "object_layout": False}
         import tests.graph.test_steady_call as t
         for kind in ("direct", "taking"):
             for case in sorted(t.CASES):
