@@ -952,17 +952,26 @@ def _temporaries(
                 break  # a 0-dim output is bound as itself, not an alias
             if _references(made.record.outputs, pos) != held[id(made.record.outputs[pos])]:
                 break
+            storage = produced.untyped_storage()
             later = [alias for j, alias in uses.get(_storage_ptr(produced), []) if j != i]
-            if not all(alias is not None and _same_layout(alias, produced) for alias in later):
+            # At the same address may lie other storages (every zero-size
+            # tensor is at 0, DLPack makes a second storage over the memory):
+            # their tensors are no aliases, and the use count below misses them.
+            if not all(
+                alias is not None
+                and alias.untyped_storage()._cdata == storage._cdata
+                and _same_layout(alias, produced)
+                for alias in later
+            ):
                 break
             aliases = [alias for alias in later if alias is not None]
             distinct = len({id(produced), *map(id, aliases)})
             # The storage's users: the static output, the aliases and its Python
-            # object, which nothing else may hold (it reads the memory too).
-            storage = produced.untyped_storage()
+            # object, which nothing else may hold (it reads the memory too), nor
+            # reach by a weak reference (the object lives as long as the memory).
             if torch._C._storage_Use_Count(storage._cdata) != 1 + distinct + 1:
                 break
-            if sys.getrefcount(storage) != _STORAGE_REFERENCES:
+            if sys.getrefcount(storage) != _STORAGE_REFERENCES or weakref.getweakrefcount(storage):
                 break
             found[k] = aliases
         else:

@@ -628,6 +628,47 @@ def test_references_counts_what_holds_an_object_besides_the_call() -> None:
     del kept
 
 
+
+def test_an_intermediate_whose_storage_is_weakly_referenced_is_written() -> None:
+    # A storage keeps its Python object while its memory lives: the weak
+    # reference reaches the memory after the tensor is gone.
+    import weakref
+
+    x = torch.randn(8)
+    g = Graph()
+    with graph(g):
+        h = torch.relu(x)
+        weak = weakref.ref(h.untyped_storage())
+        y = h + 1
+    del h
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    storage = weak()
+    assert storage is not None and _temporary(g) == []
+    assert torch.equal(torch.empty(0).set_(storage, 0, (8,), (1,)), torch.relu(x))
+    assert torch.equal(y, torch.relu(x) + 1)
+
+
+def test_zero_size_results_over_other_storages_at_the_same_address_stay_apart() -> None:
+    # Zero-size tensors all have address 0. Five tensors over h's storage that
+    # no record holds (.data runs no op) balance the count of the other steps'
+    # zero-size tensors: those must not be taken for h's aliases (step 0 read
+    # h's temporary before it was made).
+    e = torch.randn(0, 4)
+
+    def capture() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        a = torch.relu(e)
+        b = a + 1
+        h = torch.relu(e)
+        return b, h * 2, [h.data for _ in range(5)]
+
+    g = Graph()
+    with graph(g):
+        b, y, kept = capture()
+    g.replay()
+    assert _temporary(g) == []
+    assert b.shape == y.shape == (0, 4) and len(kept) == 5
+
 STATICS_COLLECTED_INSIDE_THE_ALLOCATOR = """
 import gc, sys, threading
 import torch
