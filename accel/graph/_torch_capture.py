@@ -43,8 +43,9 @@ per-op Python of eager are gone; each op still pays one call from Python.
 An op with no ``out=`` kernel of its own (convolution, ``relu``: torch's
 generated ``out=`` overloads run the op, then copy) would cost a copy per
 replay. Where nothing but the plan can see such an op's static outputs (no
-Python reference, view, weak reference or later segment holds them; checked
-when the plan is built), the plan keeps its result in a local of the
+Python reference, view, weak reference or later segment holds them, and the
+graph holds no other work, which could read them by address; checked when
+the plan is built), the plan keeps its result in a local of the
 generated function, as eager does, and the later steps read that: the same
 kernel, no copy. Those static outputs are then never written
 (:attr:`Record.temporary`).
@@ -139,6 +140,10 @@ class Segment:
     stream: int = 0
     position: int | None = None  # capture length right after this segment's node
     runner: Callable[[], None] | None = None  # replaces the op loop (compiled tier)
+    # Whether the graph holds nothing but the program's segments (set when the
+    # capture ends): other work, a stream copy or a host function, may read a
+    # static output by its address, which no reference count shows.
+    alone: bool = False
     # The steps as one generated function (built at the first replay, when
     # no more steps can come), and its code object, to name a failing step.
     _plan: Callable[[], None] | None = field(default=None, repr=False)
@@ -173,7 +178,7 @@ class Segment:
         arguments bound once as globals of the generated function, no loop;
         results that only the plan sees held in its locals (:func:`_temporaries`)."""
         calls = [_fast_entry(*step[:3]) for step in self.steps]
-        kept = _temporaries(self.steps, calls, self.records)
+        kept = _temporaries(self.steps, calls, self.records) if self.alone else {}
         targets: dict[int, list[str]] = {}  # step -> the locals it returns into
         local: dict[int, str] = {}  # id of an alias of a temporary's static output -> its local
         for i, aliases in kept.items():
@@ -322,6 +327,13 @@ class Program:
     buffers: list[Any] = field(default_factory=list)  # the pool buffers behind static outputs
     static_bytes: int = 0
     compiled: Any = None  # the CompiledProgram replays run, if compile_graph was called
+
+    def mark_alone(self) -> None:
+        """The graph holds nothing but this program's segments: no other node
+        reads a static output by its address, so replays may keep results in
+        temporaries (:func:`_temporaries` checks the rest)."""
+        for segment in self.segments:
+            segment.alone = True
 
     @property
     def fallback_ops(self) -> list[str]:
