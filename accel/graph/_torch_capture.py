@@ -148,6 +148,7 @@ class Segment:
     # no more steps can come), and its code object, to name a failing step.
     _plan: Callable[[], None] | None = field(default=None, repr=False)
     _plan_code: Any = field(default=None, repr=False)
+    _plan_names: list[str] = field(default_factory=list, repr=False)  # what each line of the plan runs
 
     def run(self) -> None:
         # Static outputs are normal tensors, so inference mode may write into
@@ -179,6 +180,7 @@ class Segment:
         results that only the plan sees held in its locals (:func:`_temporaries`)."""
         calls = [_fast_entry(*step[:3]) for step in self.steps]
         kept = _temporaries(self.steps, calls, self.records) if self.alone else {}
+        names = [step[3] for step in self.steps]
         targets: dict[int, list[str]] = {}  # step -> the locals it returns into
         local: dict[int, str] = {}  # id of an alias of a temporary's static output -> its local
         for i, aliases in kept.items():
@@ -191,6 +193,7 @@ class Segment:
             kwargs = {name: value for name, value in kwargs.items() if name not in made.out_names}
             _overloads[made.record.func._op] = made.record.func
             calls[i] = _fast_entry(made.record.func._op, args, kwargs)
+            names[i] = f"{made.record.func}"  # the op that runs, not its out= overload
             made.record.temporary = True
         env: dict[str, Any] = {}
         lines = []
@@ -227,6 +230,7 @@ class Segment:
         # inside the allocator's locked sections.
         plan = env.pop("replay")
         self._plan_code = plan.__code__
+        self._plan_names = names
         return plan  # type: ignore[no-any-return]
 
     def _where(self, exc: BaseException) -> str:
@@ -236,8 +240,8 @@ class Segment:
         # The plan's frame says which step was running by its line.
         while tb is not None and tb.tb_frame.f_code is not self._plan_code:
             tb = tb.tb_next
-        if tb is not None and 0 <= tb.tb_lineno - 2 < len(self.steps):
-            return self.steps[tb.tb_lineno - 2][3]
+        if tb is not None and 0 <= tb.tb_lineno - 2 < len(self._plan_names):
+            return self._plan_names[tb.tb_lineno - 2]
         return "a recorded torch op"
 
 

@@ -706,6 +706,23 @@ def test_zero_size_results_over_other_storages_at_the_same_address_stay_apart() 
     assert _temporary(g) == []
     assert b.shape == y.shape == (0, 4) and len(kept) == 5
 
+
+def test_a_failing_temporary_step_is_named_by_the_op_it_ran() -> None:
+    # embedding.out is torch's generated "run embedding, copy": the plan runs
+    # embedding alone, and that is the op a failure names.
+    table, index = torch.randn(10, 4), torch.tensor([1, 2])
+    g = Graph()
+    with graph(g):
+        y = torch.nn.functional.embedding(index, table) * 2
+    g.replay()
+    assert _temporary(g) == ["aten.embedding.default"]
+    index[0] = 50
+    with pytest.raises(accel.HostFunctionError, match=r"failed in aten\.embedding\.default: IndexError"):
+        g.replay()
+    index[0] = 3
+    g.replay()
+    assert torch.equal(y, table[index] * 2)
+
 STATICS_COLLECTED_INSIDE_THE_ALLOCATOR = """
 import gc, sys, threading
 import torch
