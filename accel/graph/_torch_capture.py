@@ -969,13 +969,14 @@ def _temporaries(
             if _references(made.record.outputs, pos) != held[id(made.record.outputs[pos])]:
                 break
             storage = produced.untyped_storage()
+            own = storage._cdata  # not `storage` in the generator: a cell would change its refcount
             later = [alias for j, alias in uses.get(_storage_ptr(produced), []) if j != i]
             # At the same address may lie other storages (every zero-size
             # tensor is at 0, DLPack makes a second storage over the memory):
             # their tensors are no aliases, and the use count below misses them.
             if not all(
                 alias is not None
-                and alias.untyped_storage()._cdata == storage._cdata
+                and alias.untyped_storage()._cdata == own
                 and _same_layout(alias, produced)
                 for alias in later
             ):
