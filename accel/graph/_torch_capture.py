@@ -936,11 +936,13 @@ def _temporaries(
     them into their static outputs: by step, each output's aliases in later steps.
 
     A static output qualifies when nothing but this segment's plan can see it:
-    no Python reference but the capture's records, no weak reference, and no
-    tensor over its storage but itself, the step's alias and the later steps'
-    aliases, each a direct argument (not inside a list) with the very sizes,
-    strides and offset the op produced. A user's variable, a view made during
-    the capture, the graph's outputs or another segment's steps keep the copy.
+    no Python reference but the capture's records, no weak reference to it or
+    to its storage, and no tensor over its storage but itself, the step's alias
+    and the later steps' aliases, each a direct argument (not inside a list),
+    over that very storage, with the very sizes, strides and offset the op
+    produced. A user's variable, a view made during the capture, the graph's
+    outputs or another segment's steps keep the copy; so does any other work in
+    the graph (the caller checks :attr:`Segment.alone`).
     """
     held = Counter(
         id(t)
