@@ -731,6 +731,12 @@ class Recorder(TorchDispatchMode):
             self._program.records.append(Record(func, args, kwargs, written, "mutate"))
             return tree_unflatten(new_leaves, spec)
         overload = None if written else _out_overload(func)
+        if overload is not None and len(schema.returns) > 1 and _copies_out(overload[0]):
+            # torch's generated out= overload refuses a result the op leaves
+            # undefined though its meta kernel gives a tensor (mkldnn_rnn_layer's
+            # workspace in eval, _native_multi_head_attention's weights without
+            # need_weights): run the op, copy each result it defines (_copy_into).
+            overload = None
         record = Record(func, args, kwargs, statics, "alloc")
         if func in _ALLOC_OPS:
             pass
@@ -918,12 +924,27 @@ def _copies_out(out_func: Any) -> bool:
 
 def _copy_into(func: Any, statics: dict[int, torch.Tensor]) -> Callable[..., None]:
     """Replay of an op without an out= overload: run it, copy its new outputs
-    (by position among its returned tensors) into the static ones."""
+    (by position among its returned tensors) into the static ones. A result
+    the op leaves undefined (None) stays as the capture left it."""
 
-    def replay(*args: Any, **kwargs: Any) -> None:
-        outs = tree_flatten(func(*args, **kwargs))[0]
-        for i, static in statics.items():
-            static.copy_(outs[i])
+    op, pairs = func._op, tuple(statics.items())
+    returns = func._schema.returns
+    if len(returns) > 1 and all(str(r.type) == "Tensor" for r in returns):
+        # A tuple of tensors already: no tree_flatten on each replay (a few microseconds).
+
+        def replay(*args: Any, **kwargs: Any) -> None:
+            outs = op(*args, **kwargs)
+            for i, static in pairs:
+                if outs[i] is not None:
+                    static.copy_(outs[i])
+
+    else:
+
+        def replay(*args: Any, **kwargs: Any) -> None:
+            outs = tree_flatten(op(*args, **kwargs))[0]
+            for i, static in pairs:
+                if outs[i] is not None:
+                    static.copy_(outs[i])
 
     replay.__qualname__ = f"replay of {func}"
     return replay

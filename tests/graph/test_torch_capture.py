@@ -723,6 +723,41 @@ def test_a_failing_temporary_step_is_named_by_the_op_it_ran() -> None:
     g.replay()
     assert torch.equal(y, table[index] * 2)
 
+
+def _lstm() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    return nn.LSTM(8, 12, num_layers=2, batch_first=True).eval(), (torch.randn(3, 4, 8),)
+
+
+def _attention_fast_path() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+
+    class SelfAttention(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return attention(x, x, x, need_weights=False)[0]
+
+    return SelfAttention(), (torch.randn(2, 5, 16),)
+
+
+@pytest.mark.parametrize("make", [_lstm, _attention_fast_path], ids=["lstm", "attention_without_weights"])
+def test_ops_that_leave_a_result_undefined_replay_bitwise(make: Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...]]]) -> None:
+    # mkldnn_rnn_layer (eval: no workspace) and _native_multi_head_attention
+    # (need_weights=False: no weights) return an undefined tensor where their
+    # meta kernels give one; torch's generated out= overload then refuses it.
+    model, inputs = make()
+    g = Graph()
+    with graph(g):
+        out = model(*inputs)
+    for _ in range(2):
+        for t in inputs:
+            t.copy_(torch.randn_like(t))
+        g.replay()
+        with torch.inference_mode():
+            expected = model(*inputs)
+        got, want = tree_flatten(out)[0], tree_flatten(expected)[0]
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
 STATICS_COLLECTED_INSIDE_THE_ALLOCATOR = """
 import gc, sys, threading
 import torch
