@@ -9,7 +9,8 @@ stream capture, the capture *records* the program and runs none of it:
   copies of its inputs that nothing else sees), and gets *static* outputs:
   tensors over memory from the graph's private pool, at fixed addresses,
   zero until the first replay. Replay calls the op's ``out=`` overload into
-  them (or, where an op has none, runs it and copies the result in);
+  them (or, where an op has none, or several results and only torch's
+  generated one, runs it and copies each result it defines in);
 - an in-place or ``out=`` op is recorded and returns what it would write,
   after checking that it writes memory the graph owns (a static output or a
   registered input); the write happens at each replay, never at capture;
