@@ -255,6 +255,8 @@ class Graph:
         self._lease.stop_routing()
         self._capture_handle = stream.native_handle
         segments = len(self._program.segments) if self._program is not None else 0
+        if self._program is not None and length == segments:
+            self._program.mark_alone()
         # Work beyond the recorded torch ops (whose failures replay() raises)
         # may hold host functions, whose failures go to the capture stream.
         # Only then does a replay queue a forwarding host function: on CUDA one

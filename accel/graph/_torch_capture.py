@@ -9,7 +9,8 @@ stream capture, the capture *records* the program and runs none of it:
   copies of its inputs that nothing else sees), and gets *static* outputs:
   tensors over memory from the graph's private pool, at fixed addresses,
   zero until the first replay. Replay calls the op's ``out=`` overload into
-  them (or, where an op has none, runs it and copies the result in);
+  them (or, where an op has none, or several results and only torch's
+  generated one, runs it and copies each result it defines in);
 - an in-place or ``out=`` op is recorded and returns what it would write,
   after checking that it writes memory the graph owns (a static output or a
   registered input); the write happens at each replay, never at capture;
@@ -43,8 +44,9 @@ per-op Python of eager are gone; each op still pays one call from Python.
 An op with no ``out=`` kernel of its own (convolution, ``relu``: torch's
 generated ``out=`` overloads run the op, then copy) would cost a copy per
 replay. Where nothing but the plan can see such an op's static outputs (no
-Python reference, view, weak reference or later segment holds them; checked
-when the plan is built), the plan keeps its result in a local of the
+Python reference, view, weak reference or later segment holds them, and the
+graph holds no other work, which could read them by address; checked when
+the plan is built), the plan keeps its result in a local of the
 generated function, as eager does, and the later steps read that: the same
 kernel, no copy. Those static outputs are then never written
 (:attr:`Record.temporary`).
@@ -139,10 +141,15 @@ class Segment:
     stream: int = 0
     position: int | None = None  # capture length right after this segment's node
     runner: Callable[[], None] | None = None  # replaces the op loop (compiled tier)
+    # Whether the graph holds nothing but the program's segments (set when the
+    # capture ends): other work, a stream copy or a host function, may read a
+    # static output by its address, which no reference count shows.
+    alone: bool = False
     # The steps as one generated function (built at the first replay, when
     # no more steps can come), and its code object, to name a failing step.
     _plan: Callable[[], None] | None = field(default=None, repr=False)
     _plan_code: Any = field(default=None, repr=False)
+    _plan_names: list[str] = field(default_factory=list, repr=False)  # what each line of the plan runs
 
     def run(self) -> None:
         # Static outputs are normal tensors, so inference mode may write into
@@ -173,7 +180,8 @@ class Segment:
         arguments bound once as globals of the generated function, no loop;
         results that only the plan sees held in its locals (:func:`_temporaries`)."""
         calls = [_fast_entry(*step[:3]) for step in self.steps]
-        kept = _temporaries(self.steps, calls, self.records)
+        kept = _temporaries(self.steps, calls, self.records) if self.alone else {}
+        names = [step[3] for step in self.steps]
         targets: dict[int, list[str]] = {}  # step -> the locals it returns into
         local: dict[int, str] = {}  # id of an alias of a temporary's static output -> its local
         for i, aliases in kept.items():
@@ -186,6 +194,7 @@ class Segment:
             kwargs = {name: value for name, value in kwargs.items() if name not in made.out_names}
             _overloads[made.record.func._op] = made.record.func
             calls[i] = _fast_entry(made.record.func._op, args, kwargs)
+            names[i] = f"{made.record.func}"  # the op that runs, not its out= overload
             made.record.temporary = True
         env: dict[str, Any] = {}
         lines = []
@@ -222,6 +231,7 @@ class Segment:
         # inside the allocator's locked sections.
         plan = env.pop("replay")
         self._plan_code = plan.__code__
+        self._plan_names = names
         return plan  # type: ignore[no-any-return]
 
     def _where(self, exc: BaseException) -> str:
@@ -231,8 +241,8 @@ class Segment:
         # The plan's frame says which step was running by its line.
         while tb is not None and tb.tb_frame.f_code is not self._plan_code:
             tb = tb.tb_next
-        if tb is not None and 0 <= tb.tb_lineno - 2 < len(self.steps):
-            return self.steps[tb.tb_lineno - 2][3]
+        if tb is not None and 0 <= tb.tb_lineno - 2 < len(self._plan_names):
+            return self._plan_names[tb.tb_lineno - 2]
         return "a recorded torch op"
 
 
@@ -322,6 +332,13 @@ class Program:
     buffers: list[Any] = field(default_factory=list)  # the pool buffers behind static outputs
     static_bytes: int = 0
     compiled: Any = None  # the CompiledProgram replays run, if compile_graph was called
+
+    def mark_alone(self) -> None:
+        """The graph holds nothing but this program's segments: no other node
+        reads a static output by its address, so replays may keep results in
+        temporaries (:func:`_temporaries` checks the rest)."""
+        for segment in self.segments:
+            segment.alone = True
 
     @property
     def fallback_ops(self) -> list[str]:
@@ -715,6 +732,12 @@ class Recorder(TorchDispatchMode):
             self._program.records.append(Record(func, args, kwargs, written, "mutate"))
             return tree_unflatten(new_leaves, spec)
         overload = None if written else _out_overload(func)
+        if overload is not None and len(schema.returns) > 1 and _copies_out(overload[0]):
+            # torch's generated out= overload refuses a result the op leaves
+            # undefined though its meta kernel gives a tensor (mkldnn_rnn_layer's
+            # workspace in eval, _native_multi_head_attention's weights without
+            # need_weights): run the op, copy each result it defines (_copy_into).
+            overload = None
         record = Record(func, args, kwargs, statics, "alloc")
         if func in _ALLOC_OPS:
             pass
@@ -902,12 +925,27 @@ def _copies_out(out_func: Any) -> bool:
 
 def _copy_into(func: Any, statics: dict[int, torch.Tensor]) -> Callable[..., None]:
     """Replay of an op without an out= overload: run it, copy its new outputs
-    (by position among its returned tensors) into the static ones."""
+    (by position among its returned tensors) into the static ones. A result
+    the op leaves undefined (None) stays as the capture left it."""
 
-    def replay(*args: Any, **kwargs: Any) -> None:
-        outs = tree_flatten(func(*args, **kwargs))[0]
-        for i, static in statics.items():
-            static.copy_(outs[i])
+    op, pairs = func._op, tuple(statics.items())
+    returns = func._schema.returns
+    if len(returns) > 1 and all(str(r.type) == "Tensor" for r in returns):
+        # A tuple of tensors already: no tree_flatten on each replay (a few microseconds).
+
+        def replay(*args: Any, **kwargs: Any) -> None:
+            outs = op(*args, **kwargs)
+            for i, static in pairs:
+                if outs[i] is not None:
+                    static.copy_(outs[i])
+
+    else:
+
+        def replay(*args: Any, **kwargs: Any) -> None:
+            outs = tree_flatten(op(*args, **kwargs))[0]
+            for i, static in pairs:
+                if outs[i] is not None:
+                    static.copy_(outs[i])
 
     replay.__qualname__ = f"replay of {func}"
     return replay
@@ -920,11 +958,13 @@ def _temporaries(
     them into their static outputs: by step, each output's aliases in later steps.
 
     A static output qualifies when nothing but this segment's plan can see it:
-    no Python reference but the capture's records, no weak reference, and no
-    tensor over its storage but itself, the step's alias and the later steps'
-    aliases, each a direct argument (not inside a list) with the very sizes,
-    strides and offset the op produced. A user's variable, a view made during
-    the capture, the graph's outputs or another segment's steps keep the copy.
+    no Python reference but the capture's records, no weak reference to it or
+    to its storage, and no tensor over its storage but itself, the step's alias
+    and the later steps' aliases, each a direct argument (not inside a list),
+    over that very storage, with the very sizes, strides and offset the op
+    produced. A user's variable, a view made during the capture, the graph's
+    outputs or another segment's steps keep the copy; so does any other work in
+    the graph (the caller checks :attr:`Segment.alone`).
     """
     held = Counter(
         id(t)
@@ -952,17 +992,27 @@ def _temporaries(
                 break  # a 0-dim output is bound as itself, not an alias
             if _references(made.record.outputs, pos) != held[id(made.record.outputs[pos])]:
                 break
+            storage = produced.untyped_storage()
+            own = storage._cdata  # not `storage` in the generator: a cell would change its refcount
             later = [alias for j, alias in uses.get(_storage_ptr(produced), []) if j != i]
-            if not all(alias is not None and _same_layout(alias, produced) for alias in later):
+            # At the same address may lie other storages (every zero-size
+            # tensor is at 0, DLPack makes a second storage over the memory):
+            # their tensors are no aliases, and the use count below misses them.
+            if not all(
+                alias is not None
+                and alias.untyped_storage()._cdata == own
+                and _same_layout(alias, produced)
+                for alias in later
+            ):
                 break
             aliases = [alias for alias in later if alias is not None]
             distinct = len({id(produced), *map(id, aliases)})
             # The storage's users: the static output, the aliases and its Python
-            # object, which nothing else may hold (it reads the memory too).
-            storage = produced.untyped_storage()
+            # object, which nothing else may hold (it reads the memory too), nor
+            # reach by a weak reference (the object lives as long as the memory).
             if torch._C._storage_Use_Count(storage._cdata) != 1 + distinct + 1:
                 break
-            if sys.getrefcount(storage) != _STORAGE_REFERENCES:
+            if sys.getrefcount(storage) != _STORAGE_REFERENCES or weakref.getweakrefcount(storage):
                 break
             found[k] = aliases
         else:
