@@ -1833,7 +1833,7 @@ typedef struct {
     int64_t *dims;    /* shim: each input's dimensions, sizes (at sizes + offsets[i]) and dtype */
     int64_t *offsets, *sizes;
     int32_t *dtype_codes;
-    PyObject *handed; /* direct: the list run() is handed, reused while only this holds it (n Nones between calls) */
+    PyObject *handed; /* direct: a list of n Nones for the next run() (NULL: none; see steady_run) */
     unsigned long long *checked;  /* direct: the addresses check_memory last passed (n) */
     int checked_set;              /* whether ``checked`` holds any (a freed tensor's address can be 0) */
     /* The thread (its PyThreadState id, never reused) on which the default stream was last
@@ -2036,25 +2036,36 @@ steady_run(SteadyCall *c, PyObject *args, unsigned long long *pointers)
         memcpy(c->checked, pointers, c->n * sizeof(unsigned long long));
         c->checked_set = 1;
     }
-    /* The list of the arguments: the reused one where nothing else holds it (no run under
-     * way on another thread or below this one, the runner kept no reference), else a new one. */
+    /* The list of the arguments: the kept one, taken out of the SteadyCall while it runs
+     * (a call made meanwhile, on another thread or below this one, makes its own), else a
+     * new one. */
     PyObject *list = c->handed;
-    int reused = Py_REFCNT(list) == 1;
-    if (reused)
-        Py_INCREF(list);
+    if (list != NULL)
+        c->handed = NULL;
     else if ((list = PyList_New(c->n)) == NULL)
         return NULL;
     for (Py_ssize_t i = 0; i < c->n; i++) {
         Py_INCREF(items[i]);
-        Py_XSETREF(PyList_GET_ITEM(list, i), items[i]); /* a new list holds NULLs */
+        Py_XSETREF(PyList_GET_ITEM(list, i), items[i]); /* a new list holds NULLs, the kept one Nones */
     }
     PyObject *result = PyObject_CallOneArg(c->run, list);
-    if (reused && Py_REFCNT(list) == 2) /* between calls it keeps no caller's tensors alive */
+    /* Kept for the next call only where the runner neither kept it nor changed its length:
+     * a list the runner still holds would keep this call's tensors alive after the runner
+     * let it go, and one it emptied or grew was read past its end (an emptied one: SIGSEGV)
+     * or handed to the next run with more items than the Python call's. Between calls it
+     * holds Nones, no caller's tensors. */
+    if (Py_REFCNT(list) == 1 && PyList_GET_SIZE(list) == c->n) {
         for (Py_ssize_t i = 0; i < c->n; i++) {
             Py_INCREF(Py_None);
-            Py_SETREF(PyList_GET_ITEM(list, i), Py_None);
+            Py_SETREF(PyList_GET_ITEM(list, i), Py_None); /* may run a finalizer: only this holds list */
         }
-    Py_DECREF(list);
+        if (c->handed == NULL) /* a call made meanwhile may have kept its own */
+            c->handed = list;
+        else
+            Py_DECREF(list);
+    }
+    else
+        Py_DECREF(list);
     if (result == NULL)
         return NULL;
     PyObject *out;
@@ -2227,20 +2238,15 @@ steady_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     c->binding = binding;
     c->shapes = PyTuple_New(n);
     c->dtypes = PyTuple_New(n);
-    c->handed = PyList_New(n);
     c->checked = PyMem_Calloc(n, sizeof(unsigned long long));
     c->dims = PyMem_Calloc(n, sizeof(int64_t));
     c->offsets = PyMem_Calloc(n, sizeof(int64_t));
     c->dtype_codes = PyMem_Calloc(n, sizeof(int32_t));
-    if (c->shapes == NULL || c->dtypes == NULL || c->handed == NULL || c->checked == NULL || c->dims == NULL
+    if (c->shapes == NULL || c->dtypes == NULL || c->checked == NULL || c->dims == NULL
         || c->offsets == NULL || c->dtype_codes == NULL) {
         if (!PyErr_Occurred())
             PyErr_NoMemory();
         goto error;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_INCREF(Py_None);
-        PyList_SET_ITEM(c->handed, i, Py_None);
     }
     c->shim = shim_data_ptr != NULL;
     for (Py_ssize_t i = 0; i < n; i++) {

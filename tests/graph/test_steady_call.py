@@ -259,6 +259,70 @@ def test_a_direct_call_keeps_no_argument_alive_and_reentrant_calls_get_their_own
     ok(result, "agreed")
 
 
+def test_an_engine_that_empties_or_grows_the_list_it_was_handed_is_handed_the_python_calls_lists() -> None:
+    # The compiled call kept the list it handed the engine for the next call and reset
+    # its n slots to None after the run: a list the engine emptied was written past its
+    # end (SIGSEGV), one it grew was handed to the next run with the extra items. In a
+    # subprocess for that reason.
+    result = run("cpu", """
+        import torch
+        from accel._runtime import get_runtime
+        from accel.graph import _compiled
+
+        runtime = get_runtime()
+        for change in ("clear", "append", "pop"):
+            seen = {}
+            for which in ("compiled", "python"):
+                lengths = seen[which] = []
+
+                def engine(tensors):
+                    lengths.append(len(tensors))
+                    out = [tensors[0].sum(0)]
+                    if change == "clear":
+                        tensors.clear()
+                    elif change == "append":
+                        tensors.append(torch.zeros(1))
+                    else:
+                        tensors.pop()
+                    return out
+
+                call = _compiled._direct_call(engine, [torch.zeros(2, 4)], torch.zeros(4), runtime._state, 0,
+                                              runtime.default_stream(0))
+                if which == "python":
+                    call = call.__wrapped__
+                for k in range(3):
+                    assert torch.equal(call((torch.full((2, 4), float(k)),)), torch.full((4,), 2.0 * k))
+            assert seen["compiled"] == seen["python"] == [1, 1, 1], (change, seen)
+        print("agreed")
+    """, timeout=120)
+    ok(result, "agreed")
+
+
+def test_an_engine_that_kept_the_list_it_was_handed_and_let_it_go_leaves_no_argument_alive() -> None:
+    # An engine holding on to its last list (a recorder, a cache of the last inputs): the
+    # compiled call's kept list was that list, reset only where the engine held none, so
+    # once the engine let it go the SteadyCall alone kept the tensor of that call alive.
+    import weakref
+
+    kept: list[Any] = []
+
+    def engine(tensors: list[Any]) -> list[Any]:
+        kept[:] = [tensors]
+        return [tensors[0].sum(0)]
+
+    runtime = get_runtime()
+    compiled = _compiled._direct_call(engine, [torch.zeros(2, 4)], torch.zeros(4), runtime._state, 0,
+                                      runtime.default_stream(0))
+    for call in (compiled, compiled.__wrapped__):  # type: ignore[attr-defined]
+        x = torch.ones(2, 4)
+        probe = weakref.ref(x)
+        call((x,))
+        del x
+        call((torch.ones(2, 4),))
+        kept.clear()
+        assert probe() is None, call
+
+
 def test_the_steady_path_reads_tensors_through_torchs_c_functions() -> None:
     # On the torch CI installs, both are found and trusted: a torch that drops them
     # slows the steady path down to asking attributes (still right, tested below).
