@@ -1804,9 +1804,9 @@ static PyObject *s_shape, *s_dtype, *s_is_cpu, *s_is_contiguous, *s_is_neg, *s_i
 static PyTypeObject *Binding_T;  /* accel.graph._compiled._Binding */
 static Py_ssize_t BI_taken, BI_busy; /* its slots */
 static int graphs_installed = 0;
-/* Bumped by streams_changed() each time a thread's current stream changes (accel._runtime
- * calls it after every change): a SteadyCall that found the default stream current on a
- * thread at one count needs not ask that thread's state again until the count moves. */
+/* Bumped by set_current() each time a thread's current stream changes (accel._runtime makes
+ * every change through it): a SteadyCall that found the default stream current on a thread
+ * at one count needs not ask that thread's state again until the count moves. */
 static unsigned long long streams_epoch = 1;
 
 /* Set in a forked child: every call goes to the fallback, which refuses it there (the
@@ -2525,11 +2525,24 @@ install_graphs(PyObject *module, PyObject *ns)
     Py_RETURN_NONE;
 }
 
-/* streams_changed(): a thread's current stream changed (see streams_epoch). */
+/* set_current(streams, index, stream): ``streams[index] = stream`` (a thread's current
+ * streams, an exact dict; stream None: ``streams.pop(index, None)``), with streams_epoch
+ * bumped right before, no Python code between the two: a SteadyCall called before sees the
+ * old state at the old count, one called after (from the old stream's finalizer too, which
+ * the store may run) asks again and sees the new. Bumped after the store, a call made in
+ * between (a signal handler, a profile or trace hook) took the default stream it
+ * remembered for current. */
 static PyObject *
-streams_changed(PyObject *module, PyObject *unused)
+set_current(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
+    if (nargs != 3 || !PyDict_CheckExact(args[0]) || !PyLong_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "set_current(streams, index, stream): a dict, an int, a stream or None");
+        return NULL;
+    }
     streams_epoch++;
+    int has = args[2] != Py_None ? PyDict_SetItem(args[0], args[1], args[2]) : PyDict_Contains(args[0], args[1]);
+    if (has < 0 || (args[2] == Py_None && has && PyDict_DelItem(args[0], args[1]) < 0))
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -2549,7 +2562,8 @@ static PyMethodDef module_methods[] = {
      "Replace Buffer.free, Buffer.__del__ and the buffer module's allocate by compiled versions."},
     {"install_graphs", install_graphs, METH_O, "Give SteadyCall what it reads (torch.Tensor, check_memory, _Binding)."},
     {"graph_paths", graph_paths, METH_NOARGS, "Which of torch's C functions SteadyCall found and trusts."},
-    {"streams_changed", streams_changed, METH_NOARGS, "A thread's current stream changed: SteadyCalls ask again."},
+    {"set_current", (PyCFunction)(void (*)(void))set_current, METH_FASTCALL,
+     "streams[index] = stream (None: pop), SteadyCalls told first: a thread's current stream changed."},
     {NULL, NULL, 0, NULL},
 };
 

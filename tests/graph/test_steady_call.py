@@ -224,6 +224,50 @@ def test_a_stream_made_current_after_steady_calls_is_seen_by_the_next_call(kind:
     assert seen == [False, True] and replays_here()
 
 
+@pytest.mark.parametrize("kind", ["direct", "taking"])
+def test_a_call_made_while_the_current_stream_changes_sees_what_the_python_call_sees(kind: str) -> None:
+    # A call made from a profile or trace hook (a signal handler runs at the same points)
+    # while this thread's current stream changes. The runtime stored the new stream, then
+    # read stream.device_index (a property: Python code) and only then told the compiled
+    # call: a call made in between took the default stream for current, remembered from
+    # the calls before, and ran the engine where the Python call steps aside.
+    x = torch.randn(2, 4)
+    compiled, engine = _calls(kind, [torch.zeros(2, 4)])
+    runtime = get_runtime()
+    changes = {code.__code__ for code in (runtime.set_current_stream.__func__, runtime.push_stream.__func__,
+                                          runtime.pop_stream.__func__)}  # type: ignore[attr-defined]
+    disagreed: list[Any] = []
+    asked = [0]
+
+    def compare(frame: Any, event: str) -> None:
+        if frame.f_code in changes or (frame.f_back is not None and frame.f_back.f_code in changes):
+            asked[0] += 1
+            engine.current = (x,)
+            got, want = compiled((x,)) is None, compiled.__wrapped__((x,)) is None  # type: ignore[attr-defined]
+            if got != want:
+                disagreed.append((frame.f_code.co_name, frame.f_lineno, event, got, want))
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        compare(frame, event)
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        compare(frame, event)
+        return trace if frame.f_code in changes else None
+
+    side = accel.Stream()
+    for hook in (sys.setprofile, sys.settrace):
+        assert compiled((x,)) is not None and compiled((x,)) is not None  # the default one remembered
+        hook(profile if hook is sys.setprofile else trace)
+        try:
+            runtime.set_current_stream(side)
+            runtime.set_current_stream(runtime.default_stream(0))
+            with side:
+                pass
+        finally:
+            hook(None)
+    assert asked[0] > 10 and not disagreed, disagreed
+
+
 def test_a_direct_call_keeps_no_argument_alive_and_reentrant_calls_get_their_own_list() -> None:
     # The compiled call reuses the list it hands the engine where nothing else holds it.
     # A call made while a run runs (a hook, another thread) once wrote into a new list's
