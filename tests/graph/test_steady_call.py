@@ -268,6 +268,45 @@ def test_a_call_made_while_the_current_stream_changes_sees_what_the_python_call_
     assert asked[0] > 10 and not disagreed, disagreed
 
 
+@pytest.mark.parametrize("kind", ["direct", "taking"])
+def test_a_stream_change_interrupted_part_way_leaves_calls_agreeing(kind: str) -> None:
+    # A KeyboardInterrupt (here raised from a profile hook, as a signal handler would be
+    # run) at each point of set_current_stream in turn. Raised after the runtime stored
+    # the new stream and before it told the compiled call, the compiled call ran the
+    # engine on the default stream at every later call on this thread, until some thread
+    # changed its stream again, where the Python call steps aside.
+    x = torch.randn(2, 4)
+    compiled, engine = _calls(kind, [torch.zeros(2, 4)])
+    runtime = get_runtime()
+    default, side = runtime.default_stream(0), accel.Stream()
+    code = runtime.set_current_stream.__func__.__code__  # type: ignore[attr-defined]
+    disagreed: list[Any] = []
+    for stop in range(1, 12):
+        events = [0]
+
+        def hook(frame: Any, event: str, arg: Any) -> None:
+            if frame.f_code is code or (frame.f_back is not None and frame.f_back.f_code is code):
+                events[0] += 1
+                if events[0] == stop:
+                    raise KeyboardInterrupt
+
+        engine.current = (x,)
+        assert compiled((x,)) is not None  # the default stream remembered on this thread
+        sys.setprofile(hook)
+        try:
+            runtime.set_current_stream(side)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.setprofile(None)
+        engine.current = (x,)
+        got, want = compiled((x,)) is None, compiled.__wrapped__((x,)) is None  # type: ignore[attr-defined]
+        if got != want:
+            disagreed.append((stop, got, want))
+        runtime.set_current_stream(default)
+    assert not disagreed, disagreed
+
+
 def test_a_direct_call_keeps_no_argument_alive_and_reentrant_calls_get_their_own_list() -> None:
     # The compiled call reuses the list it hands the engine where nothing else holds it.
     # A call made while a run runs (a hook, another thread) once wrote into a new list's
