@@ -2535,8 +2535,10 @@ install_graphs(PyObject *module, PyObject *ns)
 static PyObject *
 set_current(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3 || !PyDict_CheckExact(args[0]) || !PyLong_CheckExact(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "set_current(streams, index, stream): a dict, an int, a stream or None");
+    /* index: any key the Python store takes (a device index, an int: hashed and compared
+     * in C) */
+    if (nargs != 3 || !PyDict_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "set_current(streams, index, stream): a dict, a key, a stream or None");
         return NULL;
     }
     streams_epoch++;
