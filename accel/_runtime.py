@@ -35,9 +35,16 @@ __all__ = [
 ]
 
 
-# Told after each change of a thread's current stream: the compiled graphed call
-# (accel._speedups) then asks the thread's state again, and need not ask it otherwise.
-_streams_changed: Callable[[], None] | None = speedups.streams_changed if speedups is not None else None
+# Where it was built, every change of a thread's current streams is made by
+# accel._speedups.set_current(streams, index, stream or None): the compiled graphed call
+# then asks the thread's state again, and need not ask it otherwise. One C call that tells
+# it and stores: told after the store, a call made in between (from a signal handler, a
+# profile or trace hook, run as the store's next Python code starts) took the default
+# stream, remembered from before, for current; told before, one made in between
+# remembered the old state as the new.
+_set_current: Callable[[dict[int, Stream], int, Stream | None], None] | None = (
+    speedups.set_current if speedups is not None else None
+)
 
 
 class _ThreadState(threading.local):
@@ -256,10 +263,12 @@ class Runtime:
                 f"{stream!r} belongs to the {stream._runtime.name} backend, not the current "
                 f"accelerator {self.name!r}"
             )
-        self._state.streams[stream.device_index] = stream
-        self._state.device = stream.device_index
-        if _streams_changed is not None:
-            _streams_changed()
+        index = stream.device_index
+        if _set_current is not None:
+            _set_current(self._state.streams, index, stream)
+        else:
+            self._state.streams[index] = stream
+        self._state.device = index
 
     def push_stream(self, stream: Stream) -> None:
         """Enter ``stream`` (``with stream:``): remember what to restore."""
@@ -269,13 +278,13 @@ class Runtime:
 
     def pop_stream(self) -> None:
         device, index, previous = self._state.stream_stack.pop()
-        if previous is None:
+        if _set_current is not None:
+            _set_current(self._state.streams, index, previous)
+        elif previous is None:
             self._state.streams.pop(index, None)
         else:
             self._state.streams[index] = previous
         self._state.device = device
-        if _streams_changed is not None:
-            _streams_changed()
 
 
 def _no_stream_layer(runtime: Runtime, index: int, handle: int) -> Stream:

@@ -1804,9 +1804,9 @@ static PyObject *s_shape, *s_dtype, *s_is_cpu, *s_is_contiguous, *s_is_neg, *s_i
 static PyTypeObject *Binding_T;  /* accel.graph._compiled._Binding */
 static Py_ssize_t BI_taken, BI_busy; /* its slots */
 static int graphs_installed = 0;
-/* Bumped by streams_changed() each time a thread's current stream changes (accel._runtime
- * calls it after every change): a SteadyCall that found the default stream current on a
- * thread at one count needs not ask that thread's state again until the count moves. */
+/* Bumped by set_current() each time a thread's current stream changes (accel._runtime makes
+ * every change through it): a SteadyCall that found the default stream current on a thread
+ * at one count needs not ask that thread's state again until the count moves. */
 static unsigned long long streams_epoch = 1;
 
 /* Set in a forked child: every call goes to the fallback, which refuses it there (the
@@ -1833,7 +1833,7 @@ typedef struct {
     int64_t *dims;    /* shim: each input's dimensions, sizes (at sizes + offsets[i]) and dtype */
     int64_t *offsets, *sizes;
     int32_t *dtype_codes;
-    PyObject *handed; /* direct: the list run() is handed, reused while only this holds it (n Nones between calls) */
+    PyObject *handed; /* direct: a list of n Nones for the next run() (NULL: none; see steady_run) */
     unsigned long long *checked;  /* direct: the addresses check_memory last passed (n) */
     int checked_set;              /* whether ``checked`` holds any (a freed tensor's address can be 0) */
     /* The thread (its PyThreadState id, never reused) on which the default stream was last
@@ -2036,25 +2036,36 @@ steady_run(SteadyCall *c, PyObject *args, unsigned long long *pointers)
         memcpy(c->checked, pointers, c->n * sizeof(unsigned long long));
         c->checked_set = 1;
     }
-    /* The list of the arguments: the reused one where nothing else holds it (no run under
-     * way on another thread or below this one, the runner kept no reference), else a new one. */
+    /* The list of the arguments: the kept one, taken out of the SteadyCall while it runs
+     * (a call made meanwhile, on another thread or below this one, makes its own), else a
+     * new one. */
     PyObject *list = c->handed;
-    int reused = Py_REFCNT(list) == 1;
-    if (reused)
-        Py_INCREF(list);
+    if (list != NULL)
+        c->handed = NULL;
     else if ((list = PyList_New(c->n)) == NULL)
         return NULL;
     for (Py_ssize_t i = 0; i < c->n; i++) {
         Py_INCREF(items[i]);
-        Py_XSETREF(PyList_GET_ITEM(list, i), items[i]); /* a new list holds NULLs */
+        Py_XSETREF(PyList_GET_ITEM(list, i), items[i]); /* a new list holds NULLs, the kept one Nones */
     }
     PyObject *result = PyObject_CallOneArg(c->run, list);
-    if (reused && Py_REFCNT(list) == 2) /* between calls it keeps no caller's tensors alive */
+    /* Kept for the next call only where the runner neither kept it nor changed its length:
+     * a list the runner still holds would keep this call's tensors alive after the runner
+     * let it go, and one it emptied or grew was read past its end (an emptied one: SIGSEGV)
+     * or handed to the next run with more items than the Python call's. Between calls it
+     * holds Nones, no caller's tensors. */
+    if (Py_REFCNT(list) == 1 && PyList_GET_SIZE(list) == c->n) {
         for (Py_ssize_t i = 0; i < c->n; i++) {
             Py_INCREF(Py_None);
-            Py_SETREF(PyList_GET_ITEM(list, i), Py_None);
+            Py_SETREF(PyList_GET_ITEM(list, i), Py_None); /* may run a finalizer: only this holds list */
         }
-    Py_DECREF(list);
+        if (c->handed == NULL) /* a call made meanwhile may have kept its own */
+            c->handed = list;
+        else
+            Py_DECREF(list);
+    }
+    else
+        Py_DECREF(list);
     if (result == NULL)
         return NULL;
     PyObject *out;
@@ -2227,20 +2238,15 @@ steady_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     c->binding = binding;
     c->shapes = PyTuple_New(n);
     c->dtypes = PyTuple_New(n);
-    c->handed = PyList_New(n);
     c->checked = PyMem_Calloc(n, sizeof(unsigned long long));
     c->dims = PyMem_Calloc(n, sizeof(int64_t));
     c->offsets = PyMem_Calloc(n, sizeof(int64_t));
     c->dtype_codes = PyMem_Calloc(n, sizeof(int32_t));
-    if (c->shapes == NULL || c->dtypes == NULL || c->handed == NULL || c->checked == NULL || c->dims == NULL
+    if (c->shapes == NULL || c->dtypes == NULL || c->checked == NULL || c->dims == NULL
         || c->offsets == NULL || c->dtype_codes == NULL) {
         if (!PyErr_Occurred())
             PyErr_NoMemory();
         goto error;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_INCREF(Py_None);
-        PyList_SET_ITEM(c->handed, i, Py_None);
     }
     c->shim = shim_data_ptr != NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -2519,11 +2525,26 @@ install_graphs(PyObject *module, PyObject *ns)
     Py_RETURN_NONE;
 }
 
-/* streams_changed(): a thread's current stream changed (see streams_epoch). */
+/* set_current(streams, index, stream): ``streams[index] = stream`` (a thread's current
+ * streams, an exact dict; stream None: ``streams.pop(index, None)``), with streams_epoch
+ * bumped right before, no Python code between the two: a SteadyCall called before sees the
+ * old state at the old count, one called after (from the old stream's finalizer too, which
+ * the store may run) asks again and sees the new. Bumped after the store, a call made in
+ * between (a signal handler, a profile or trace hook) took the default stream it
+ * remembered for current. */
 static PyObject *
-streams_changed(PyObject *module, PyObject *unused)
+set_current(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
+    /* index: any key the Python store takes (a device index, an int: hashed and compared
+     * in C) */
+    if (nargs != 3 || !PyDict_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "set_current(streams, index, stream): a dict, a key, a stream or None");
+        return NULL;
+    }
     streams_epoch++;
+    int has = args[2] != Py_None ? PyDict_SetItem(args[0], args[1], args[2]) : PyDict_Contains(args[0], args[1]);
+    if (has < 0 || (args[2] == Py_None && has && PyDict_DelItem(args[0], args[1]) < 0))
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -2543,7 +2564,8 @@ static PyMethodDef module_methods[] = {
      "Replace Buffer.free, Buffer.__del__ and the buffer module's allocate by compiled versions."},
     {"install_graphs", install_graphs, METH_O, "Give SteadyCall what it reads (torch.Tensor, check_memory, _Binding)."},
     {"graph_paths", graph_paths, METH_NOARGS, "Which of torch's C functions SteadyCall found and trusts."},
-    {"streams_changed", streams_changed, METH_NOARGS, "A thread's current stream changed: SteadyCalls ask again."},
+    {"set_current", (PyCFunction)(void (*)(void))set_current, METH_FASTCALL,
+     "streams[index] = stream (None: pop), SteadyCalls told first: a thread's current stream changed."},
     {NULL, NULL, 0, NULL},
 };
 

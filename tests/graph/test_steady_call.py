@@ -224,6 +224,89 @@ def test_a_stream_made_current_after_steady_calls_is_seen_by_the_next_call(kind:
     assert seen == [False, True] and replays_here()
 
 
+@pytest.mark.parametrize("kind", ["direct", "taking"])
+def test_a_call_made_while_the_current_stream_changes_sees_what_the_python_call_sees(kind: str) -> None:
+    # A call made from a profile or trace hook (a signal handler runs at the same points)
+    # while this thread's current stream changes. The runtime stored the new stream, then
+    # read stream.device_index (a property: Python code) and only then told the compiled
+    # call: a call made in between took the default stream for current, remembered from
+    # the calls before, and ran the engine where the Python call steps aside.
+    x = torch.randn(2, 4)
+    compiled, engine = _calls(kind, [torch.zeros(2, 4)])
+    runtime = get_runtime()
+    changes = {code.__code__ for code in (runtime.set_current_stream.__func__, runtime.push_stream.__func__,
+                                          runtime.pop_stream.__func__)}  # type: ignore[attr-defined]
+    disagreed: list[Any] = []
+    asked = [0]
+
+    def compare(frame: Any, event: str) -> None:
+        if frame.f_code in changes or (frame.f_back is not None and frame.f_back.f_code in changes):
+            asked[0] += 1
+            engine.current = (x,)
+            got, want = compiled((x,)) is None, compiled.__wrapped__((x,)) is None  # type: ignore[attr-defined]
+            if got != want:
+                disagreed.append((frame.f_code.co_name, frame.f_lineno, event, got, want))
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        compare(frame, event)
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        compare(frame, event)
+        return trace if frame.f_code in changes else None
+
+    side = accel.Stream()
+    for hook, before in ((sys.setprofile, sys.getprofile()), (sys.settrace, sys.gettrace())):
+        assert compiled((x,)) is not None and compiled((x,)) is not None  # the default one remembered
+        hook(profile if hook is sys.setprofile else trace)
+        try:
+            runtime.set_current_stream(side)
+            runtime.set_current_stream(runtime.default_stream(0))
+            with side:
+                pass
+        finally:
+            hook(before)  # a coverage tracer's, where one runs
+    assert asked[0] > 10 and not disagreed, disagreed
+
+
+@pytest.mark.parametrize("kind", ["direct", "taking"])
+def test_a_stream_change_interrupted_part_way_leaves_calls_agreeing(kind: str) -> None:
+    # A KeyboardInterrupt (here raised from a profile hook, as a signal handler would be
+    # run) at each point of set_current_stream in turn. Raised after the runtime stored
+    # the new stream and before it told the compiled call, the compiled call ran the
+    # engine on the default stream at every later call on this thread, until some thread
+    # changed its stream again, where the Python call steps aside.
+    x = torch.randn(2, 4)
+    compiled, engine = _calls(kind, [torch.zeros(2, 4)])
+    runtime = get_runtime()
+    default, side = runtime.default_stream(0), accel.Stream()
+    code = runtime.set_current_stream.__func__.__code__  # type: ignore[attr-defined]
+    disagreed: list[Any] = []
+    for stop in range(1, 12):
+        events = [0]
+
+        def hook(frame: Any, event: str, arg: Any) -> None:
+            if frame.f_code is code or (frame.f_back is not None and frame.f_back.f_code is code):
+                events[0] += 1
+                if events[0] == stop:
+                    raise KeyboardInterrupt
+
+        engine.current = (x,)
+        assert compiled((x,)) is not None  # the default stream remembered on this thread
+        sys.setprofile(hook)
+        try:
+            runtime.set_current_stream(side)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.setprofile(None)
+        engine.current = (x,)
+        got, want = compiled((x,)) is None, compiled.__wrapped__((x,)) is None  # type: ignore[attr-defined]
+        if got != want:
+            disagreed.append((stop, got, want))
+        runtime.set_current_stream(default)
+    assert not disagreed, disagreed
+
+
 def test_a_direct_call_keeps_no_argument_alive_and_reentrant_calls_get_their_own_list() -> None:
     # The compiled call reuses the list it hands the engine where nothing else holds it.
     # A call made while a run runs (a hook, another thread) once wrote into a new list's
@@ -257,6 +340,70 @@ def test_a_direct_call_keeps_no_argument_alive_and_reentrant_calls_get_their_own
         print("agreed")
     """, timeout=120)
     ok(result, "agreed")
+
+
+def test_an_engine_that_empties_or_grows_the_list_it_was_handed_is_handed_the_python_calls_lists() -> None:
+    # The compiled call kept the list it handed the engine for the next call and reset
+    # its n slots to None after the run: a list the engine emptied was written past its
+    # end (SIGSEGV), one it grew was handed to the next run with the extra items. In a
+    # subprocess for that reason.
+    result = run("cpu", """
+        import torch
+        from accel._runtime import get_runtime
+        from accel.graph import _compiled
+
+        runtime = get_runtime()
+        for change in ("clear", "append", "pop"):
+            seen = {}
+            for which in ("compiled", "python"):
+                lengths = seen[which] = []
+
+                def engine(tensors):
+                    lengths.append(len(tensors))
+                    out = [tensors[0].sum(0)]
+                    if change == "clear":
+                        tensors.clear()
+                    elif change == "append":
+                        tensors.append(torch.zeros(1))
+                    else:
+                        tensors.pop()
+                    return out
+
+                call = _compiled._direct_call(engine, [torch.zeros(2, 4)], torch.zeros(4), runtime._state, 0,
+                                              runtime.default_stream(0))
+                if which == "python":
+                    call = call.__wrapped__
+                for k in range(3):
+                    assert torch.equal(call((torch.full((2, 4), float(k)),)), torch.full((4,), 2.0 * k))
+            assert seen["compiled"] == seen["python"] == [1, 1, 1], (change, seen)
+        print("agreed")
+    """, timeout=120)
+    ok(result, "agreed")
+
+
+def test_an_engine_that_kept_the_list_it_was_handed_and_let_it_go_leaves_no_argument_alive() -> None:
+    # An engine holding on to its last list (a recorder, a cache of the last inputs): the
+    # compiled call's kept list was that list, reset only where the engine held none, so
+    # once the engine let it go the SteadyCall alone kept the tensor of that call alive.
+    import weakref
+
+    kept: list[Any] = []
+
+    def engine(tensors: list[Any]) -> list[Any]:
+        kept[:] = [tensors]
+        return [tensors[0].sum(0)]
+
+    runtime = get_runtime()
+    compiled = _compiled._direct_call(engine, [torch.zeros(2, 4)], torch.zeros(4), runtime._state, 0,
+                                      runtime.default_stream(0))
+    for call in (compiled, compiled.__wrapped__):  # type: ignore[attr-defined]
+        x = torch.ones(2, 4)
+        probe = weakref.ref(x)
+        call((x,))
+        del x
+        call((torch.ones(2, 4),))
+        kept.clear()
+        assert probe() is None, call
 
 
 def test_the_steady_path_reads_tensors_through_torchs_c_functions() -> None:
