@@ -202,22 +202,16 @@ class Segment:
         for i, (fn, args, kwargs) in enumerate(calls):
             env[f"f{i}"] = fn
             call, read = [], []
-            for j, value in enumerate(args):
+            bound = [(f"a{i}_{j}", "", value) for j, value in enumerate(args)]
+            bound += [(f"k{i}_{j}", f"{key}=", value) for j, (key, value) in enumerate(kwargs.items())]
+            for slot, keyword, value in bound:
                 name = local.get(id(value))
-                if name is None:
-                    name = f"a{i}_{j}"
+                if name is None:  # a global of the plan, bound once
+                    name = slot
                     env[name] = value
-                else:
+                else:  # a temporary of an earlier step
                     read.append(name)
-                call.append(name)
-            for j, (key, value) in enumerate(kwargs.items()):
-                name = local.get(id(value))
-                if name is None:
-                    name = f"k{i}_{j}"
-                    env[name] = value
-                else:
-                    read.append(name)
-                call.append(f"{key}={name}")
+                call.append(keyword + name)
             into = targets.get(i, [])
             last.update((name, i) for name in (*into, *read))
             lines.append(f"{', '.join(into)}{' = ' if into else ''}f{i}({', '.join(call)})")
