@@ -284,7 +284,7 @@ def test_a_stream_change_interrupted_part_way_leaves_calls_agreeing(kind: str) -
     for stop in range(1, 12):
         events = [0]
 
-        def hook(frame: Any, event: str, arg: Any) -> None:
+        def hook(frame: Any, event: str, arg: Any, events: list[int] = events, stop: int = stop) -> None:
             if frame.f_code is code or (frame.f_back is not None and frame.f_back.f_code is code):
                 events[0] += 1
                 if events[0] == stop:
@@ -292,13 +292,14 @@ def test_a_stream_change_interrupted_part_way_leaves_calls_agreeing(kind: str) -
 
         engine.current = (x,)
         assert compiled((x,)) is not None  # the default stream remembered on this thread
+        before = sys.getprofile()
         sys.setprofile(hook)
         try:
             runtime.set_current_stream(side)
         except KeyboardInterrupt:
             pass
         finally:
-            sys.setprofile(None)
+            sys.setprofile(before)
         engine.current = (x,)
         got, want = compiled((x,)) is None, compiled.__wrapped__((x,)) is None  # type: ignore[attr-defined]
         if got != want:
