@@ -106,7 +106,9 @@ class Record:
     (in-place or out= op, replayed as is), "view" (not replayed: it aliases
     static storage) or "alloc" (``empty``: storage reserved, nothing replayed).
     ``temporary``: replays keep the outputs in temporaries that only the
-    replay sees, so ``outputs`` stay as the capture left them."""
+    replay sees, so ``outputs`` stay as the capture left them (unless a
+    replay's result has other strides than the capture inferred: it is then
+    copied into them, and the later steps read that)."""
 
     func: Any  # torch OpOverload
     args: tuple[Any, ...]
@@ -184,19 +186,31 @@ class Segment:
         names = [step[3] for step in self.steps]
         targets: dict[int, list[str]] = {}  # step -> the locals it returns into
         local: dict[int, str] = {}  # id of an alias of a temporary's static output -> its local
+        env: dict[str, Any] = {}
+        checks: dict[int, str] = {}  # step -> the statements that check its temporaries' layout
         for i, aliases in kept.items():
             made = self.steps[i][4]
             assert made is not None
             returns = len(made.record.func._schema.returns)
             targets[i] = [f"t{i}"] if returns == 1 else [f"t{i}_{k}" for k in range(returns)]
             local.update((id(alias), targets[i][k]) for k, same in aliases.items() for alias in same)
+            # The later steps were recorded on the strides the capture inferred (on meta
+            # tensors), which a kernel may not give (a convolution with channels-last
+            # weights returns channels-last where its meta kernel says contiguous), and an
+            # out= kernel handed an input of other strides may compute garbage (batch
+            # norm's). A temporary of other strides goes into its static output, as
+            # without the temporary, and the later steps read that.
+            for k, produced in made.outputs.items():
+                t = targets[i][k]
+                env[f"e{i}_{k}"], env[f"s{i}_{k}"] = produced.stride(), produced
+                undefined = f"{t} is None or " if returns > 1 else ""  # a result the op may leave undefined
+                checks[i] = checks.get(i, "") + f"; {t} = {t} if {undefined}{t}.stride() == e{i}_{k} else s{i}_{k}.copy_({t})"
             _, args, kwargs = self.steps[i][:3]
             kwargs = {name: value for name, value in kwargs.items() if name not in made.out_names}
             _overloads[made.record.func._op] = made.record.func
             calls[i] = _fast_entry(made.record.func._op, args, kwargs)
             names[i] = f"{made.record.func}"  # the op that runs, not its out= overload
             made.record.temporary = True
-        env: dict[str, Any] = {}
         lines = []
         last: dict[str, int] = {}  # a local -> the line that reads it last
         for i, (fn, args, kwargs) in enumerate(calls):
@@ -214,7 +228,7 @@ class Segment:
                 call.append(keyword + name)
             into = targets.get(i, [])
             last.update((name, i) for name in (*into, *read))
-            lines.append(f"{', '.join(into)}{' = ' if into else ''}f{i}({', '.join(call)})")
+            lines.append(f"{', '.join(into)}{' = ' if into else ''}f{i}({', '.join(call)}){checks.get(i, '')}")
         # Each temporary goes as soon as it is read for the last time, as in eager.
         for name, i in last.items():
             lines[i] += f"; del {name}"

@@ -501,6 +501,28 @@ def test_results_only_the_plan_reads_stay_in_temporaries_bitwise() -> None:
         assert torch.equal(y, model(new))
 
 
+def test_a_temporary_with_other_strides_than_the_capture_inferred_is_copied_into_its_output() -> None:
+    # With channels-last weights the convolution returns channels-last where its meta
+    # kernel says contiguous; batch norm's out= kernel, handed that as its input and a
+    # contiguous output, computed garbage (max error 2.9) when the temporary went on.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)).eval()
+    model = model.to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2.0)
+    x = torch.randn(2, 3, 8, 8)
+    g = Graph()
+    with graph(g):
+        y = model(x)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        with torch.inference_mode():
+            assert torch.equal(y, model(x))
+    assert _temporary(g) == ["aten.convolution.default"]
+
+
 def test_each_temporary_is_freed_after_its_last_read() -> None:
     # As in eager: a deep network keeps one or two activations alive, not all.
     import dis
