@@ -931,29 +931,28 @@ def _copies_out(out_func: Any) -> bool:
     return not has(name, "CPU") and has(name, "CompositeExplicitAutograd")
 
 
+@functools.cache
+def _returns_plain_tensors(func: Any) -> bool:
+    """Whether every return of an op is a Tensor (no list, no optional, no scalar)."""
+    return all(str(r.type) == "Tensor" for r in func._schema.returns)
+
+
 def _copy_into(func: Any, statics: dict[int, torch.Tensor]) -> Callable[..., None]:
     """Replay of an op without an out= overload: run it, copy its new outputs
     (by position among its returned tensors) into the static ones. A result
     the op leaves undefined (None) stays as the capture left it."""
 
     op, pairs = func._op, tuple(statics.items())
-    returns = func._schema.returns
-    if len(returns) > 1 and all(str(r.type) == "Tensor" for r in returns):
-        # A tuple of tensors already: no tree_flatten on each replay (a few microseconds).
+    # A tuple of tensors already: no tree_flatten on each replay (a few microseconds).
+    flat = _returns_plain_tensors(func) and len(func._schema.returns) > 1
 
-        def replay(*args: Any, **kwargs: Any) -> None:
-            outs = op(*args, **kwargs)
-            for i, static in pairs:
-                if outs[i] is not None:
-                    static.copy_(outs[i])
-
-    else:
-
-        def replay(*args: Any, **kwargs: Any) -> None:
-            outs = tree_flatten(op(*args, **kwargs))[0]
-            for i, static in pairs:
-                if outs[i] is not None:
-                    static.copy_(outs[i])
+    def replay(*args: Any, **kwargs: Any) -> None:
+        outs = op(*args, **kwargs)
+        if not flat:
+            outs = tree_flatten(outs)[0]
+        for i, static in pairs:
+            if outs[i] is not None:
+                static.copy_(outs[i])
 
     replay.__qualname__ = f"replay of {func}"
     return replay
@@ -992,7 +991,7 @@ def _temporaries(
     kept: dict[int, dict[int, list[torch.Tensor]]] = {}
     for i, step in enumerate(steps):
         made = step[4]
-        if made is None or not all(str(r.type) == "Tensor" for r in made.record.func._schema.returns):
+        if made is None or not _returns_plain_tensors(made.record.func):
             continue
         found: dict[int, list[torch.Tensor]] = {}
         for pos, (k, produced) in enumerate(made.outputs.items()):
