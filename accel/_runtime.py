@@ -42,8 +42,16 @@ __all__ = [
 # profile or trace hook, run as the store's next Python code starts) took the default
 # stream, remembered from before, for current; told before, one made in between
 # remembered the old state as the new.
-_set_current: Callable[[dict[int, Stream], int, Stream | None], None] | None = (
-    speedups.set_current if speedups is not None else None
+def _store_current(streams: dict[int, Stream], index: int, stream: Stream | None) -> None:
+    """``set_current`` where accel._speedups is not in use: the store alone."""
+    if stream is None:
+        streams.pop(index, None)
+    else:
+        streams[index] = stream
+
+
+_set_current: Callable[[dict[int, Stream], int, Stream | None], None] = (
+    speedups.set_current if speedups is not None else _store_current
 )
 
 
@@ -264,10 +272,7 @@ class Runtime:
                 f"accelerator {self.name!r}"
             )
         index = stream.device_index
-        if _set_current is not None:
-            _set_current(self._state.streams, index, stream)
-        else:
-            self._state.streams[index] = stream
+        _set_current(self._state.streams, index, stream)
         self._state.device = index
 
     def push_stream(self, stream: Stream) -> None:
@@ -278,12 +283,7 @@ class Runtime:
 
     def pop_stream(self) -> None:
         device, index, previous = self._state.stream_stack.pop()
-        if _set_current is not None:
-            _set_current(self._state.streams, index, previous)
-        elif previous is None:
-            self._state.streams.pop(index, None)
-        else:
-            self._state.streams[index] = previous
+        _set_current(self._state.streams, index, previous)
         self._state.device = device
 
 
