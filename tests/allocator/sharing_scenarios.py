@@ -409,7 +409,8 @@ def scenario_fd_limit() -> dict[str, Any]:
     kept[1].record()
     pickle.dumps(kept)  # the broker and the backend's first-use descriptors
     limit = open_fds() + 16
-    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    # The hard limit too: the host backend raises a full soft limit to the hard one.
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
     failure = None
     try:
         for _ in range(64):

@@ -172,7 +172,7 @@ class CpuBackend(Backend):
         self._memory[device].unmap(addr, nbytes)
 
     # -- sharing with other processes ------------------------------------------------
-    # Memory: file ranges of the device's memfd (see DeviceMemory.export). Events:
+    # Memory: ranges of the sealed files behind a buffer (see DeviceMemory.export). Events:
     # a page of shared memory holding the record and completion counts.
 
     def supports_ipc(self, device: int) -> bool:

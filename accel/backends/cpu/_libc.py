@@ -3,14 +3,18 @@
 ctypes, not cffi: ``import accel`` already loads ctypes, so the host backend
 (the one every machine without a GPU selects) starts without importing cffi
 or parsing declarations; and ctypes takes no lock a finalizer could wait on.
-What ``os`` offers (memfd_create, ftruncate) comes from ``os``.
+What ``os`` offers (memfd_create, ftruncate) comes from ``os``, and file
+seals from ``fcntl``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
+import resource
+from collections.abc import Callable
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -81,29 +85,74 @@ def unmap(addr: int, nbytes: int) -> None:
         raise _os_error("munmap")
 
 
-def memfd() -> int:
-    """An empty anonymous file: physical memory that can be mapped anywhere (and passed on as an fd)."""
-    return os.memfd_create("accel-host-physical", os.MFD_CLOEXEC)
+def more_descriptors() -> bool:
+    """Raise the soft limit on open files to the hard limit; whether it rose.
 
-
-def shared_page() -> int:
-    """A one-page anonymous file, for state shared with other processes."""
-    fd = os.memfd_create("accel-host-shared", os.MFD_CLOEXEC)
+    Called only when a descriptor could not be had (EMFILE), not at start-up:
+    a process that never needs more keeps the soft limit (1024 by default,
+    which ``select()`` users rely on)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or (hard != resource.RLIM_INFINITY and soft >= hard):
+        return False
     try:
-        os.ftruncate(fd, PAGE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (OSError, ValueError):  # an infinite hard limit is more than the kernel allows (nr_open)
+        return False
+    return True
+
+
+def new_descriptor(make: Callable[[], int]) -> int:
+    """``make()``, which opens a file descriptor; when the process has none free
+    (EMFILE) and the soft limit can rise, it rises to the hard limit and ``make()``
+    runs once more. Raises OSError."""
+    try:
+        return make()
+    except OSError as exc:
+        if exc.errno != errno.EMFILE or not more_descriptors():
+            raise
+    return make()
+
+
+#: The seals of every file accel shares: its size is fixed for good, so a process
+#: it is shared with cannot shrink it under another's mappings (the next access
+#: there would be SIGBUS), grow it, or seal it further (against writes).
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def memfd(nbytes: int, name: str = "accel-host-physical") -> int:
+    """A new anonymous file of ``nbytes`` (holes: no memory until touched), sealed at
+    that size: physical memory that can be mapped anywhere and passed on as an fd."""
+    fd = new_descriptor(lambda: os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING))
+    try:
+        os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
     except OSError:
         os.close(fd)
         raise
     return fd
 
 
-def truncate(fd: int, nbytes: int) -> None:
-    """Set the file's length; growing it adds holes (no memory until touched)."""
-    os.ftruncate(fd, nbytes)
+def shared_page() -> int:
+    """A one-page anonymous file, sealed at that size, for state shared with other processes."""
+    return memfd(PAGE, "accel-host-shared")
+
+
+def sealed_size(fd: int) -> int | None:
+    """The size of file ``fd`` if it is sealed against shrinking, else None.
+
+    A file received from another process is mapped only then: that process could
+    otherwise shrink it under the mapping, and this one would die of SIGBUS."""
+    try:
+        sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
+        # After the seals: a file sealed against shrinking keeps at least this size.
+        return os.fstat(fd).st_size if sealed else None
+    except OSError:  # not a file that can be sealed (a pipe, a socket, a file on disk)
+        return None
 
 
 def punch_hole(fd: int, offset: int, nbytes: int) -> None:
-    """Give the file's pages in ``[offset, offset + nbytes)`` back to the system; they read as zeros."""
+    """Give the file's pages in ``[offset, offset + nbytes)`` back to the system; they read as zeros
+    (also in every other process that maps them)."""
     if _fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, nbytes) != 0:
         raise _os_error("fallocate")
 

@@ -1,13 +1,27 @@
-"""Host device memory: mmap'd allocations, memfd-backed virtual memory, accounting.
+"""Host device memory: memfd-backed allocations and virtual memory, accounting.
 
 Each host device keeps its own account of what it handed out, so that
 ``ACCEL_CPU_MEMORY_LIMIT`` gives a device a real capacity and the allocator's
 out-of-memory paths can be exercised on any machine.
+
+Every allocation (``malloc``) and every physical chunk (``create``, what
+expandable segments map) is an anonymous file of its own (memfd), sized once
+and sealed at that size, and mapped shared, so that another process can map
+the same memory. What another process is handed (see ``export``) is the files
+behind a buffer, never more: as in CUDA, it can reach at most the allocations
+that hold the buffer, and the seals keep it from resizing them under this
+process's mappings (SIGBUS). Freeing unmaps the file, gives its pages back
+(a punched hole: a forked child's inherited mapping does not keep them) and
+closes it.
+
+That is a file descriptor per allocation and per 2 MiB chunk: the soft
+limit on open files (often 1024, 2 GiB of chunks) is raised to the hard
+limit the first time it is reached, and only a full table at the hard limit
+is an error (an OutOfMemoryError saying so).
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import errno
 import os
@@ -17,7 +31,7 @@ from collections.abc import Iterator
 
 from accel._errors import AccelError, DriverError, InvalidHandleError, InvalidValueError, OutOfMemoryError
 from accel._units import format_size
-from accel.backends._sharing import check_extent, description, natural
+from accel.backends._sharing import check_extent, description, dup_for_export, natural
 from accel.backends.cpu import _libc
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -84,76 +98,27 @@ class _Reservation:
 
 
 class _Chunk:
-    """A physical memory handle: ``size`` bytes of ``file`` from ``offset``."""
+    """A physical memory handle: a sealed anonymous file (memfd) of ``size`` bytes."""
 
-    __slots__ = ("file", "live", "mappings", "offset", "size")
+    __slots__ = ("fd", "live", "mappings", "pid", "size")
 
-    def __init__(self, file: _PhysicalFile, offset: int, size: int) -> None:
-        self.file = file
-        self.offset = offset
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
         self.size = size
-        self.live = True  # False once released; the pages stay while ranges still map them
+        self.pid = os.getpid()  # the process that made it (see DeviceMemory._close_file)
+        self.live = True  # False once released; the file stays open while ranges still map it
         self.mappings = 0
 
 
-class _PhysicalFile:
-    """A device's physical memory: one anonymous file (memfd); each chunk is a range of it.
-
-    One file descriptor per device, however many chunks: a descriptor per 2 MiB
-    chunk ran processes out of files near 2 GiB under the common limit of 1024.
-    Growing the file adds holes, which cost no memory until touched; a chunk
-    given back has its pages returned to the system (a punched hole, or a
-    shorter file when it is the last range) and its range is reused. Another
-    process can map a chunk given this descriptor and the chunk's offset.
-
-    A forked child shares the file (and the parent's mappings of it) but
-    keeps its own copy of this bookkeeping, so only the process that created
-    the file may lay out or free its ranges: see ``owned``.
-    """
-
-    def __init__(self) -> None:
-        self.fd = -1
-        self.pid = os.getpid()
-        self.length = 0
-        self._holes: list[tuple[int, int]] = []  # (offset, size): sorted, coalesced, never at the end
-
-    @property
-    def owned(self) -> bool:
-        """Whether this process created the file (False in a forked child)."""
-        return self.pid == os.getpid()
-
-    def take(self, nbytes: int) -> int:
-        """The offset of ``nbytes`` of fresh (zero) pages; raises OSError."""
-        if self.fd < 0:
-            self.fd = _libc.memfd()
-            self.pid = os.getpid()
-        for i, (offset, size) in enumerate(self._holes):
-            if size >= nbytes:
-                if size == nbytes:
-                    del self._holes[i]
-                else:
-                    self._holes[i] = (offset + nbytes, size - nbytes)
-                return offset
-        offset = self.length
-        _libc.truncate(self.fd, offset + nbytes)
-        self.length = offset + nbytes
-        return offset
-
-    def give_back(self, offset: int, nbytes: int) -> None:
-        """Return the pages of ``[offset, offset + nbytes)`` to the system; raises OSError."""
-        i = bisect.bisect(self._holes, (offset, nbytes))
-        if i < len(self._holes) and self._holes[i][0] == offset + nbytes:
-            nbytes += self._holes.pop(i)[1]
-        if i and sum(self._holes[i - 1]) == offset:
-            i -= 1
-            offset, before = self._holes.pop(i)
-            nbytes += before
-        if offset + nbytes == self.length:
-            _libc.truncate(self.fd, offset)
-            self.length = offset
-        else:
-            _libc.punch_hole(self.fd, offset, nbytes)
-            self._holes.insert(i, (offset, nbytes))
+def export_dup(fd: int, device: int) -> int:
+    """A duplicate of ``fd`` for an export to own (see ``dup_for_export``); a full
+    descriptor table raises the soft limit first, as for new memory."""
+    try:
+        return dup_for_export(fd, "cpu", device)
+    except DriverError as exc:
+        if exc.code != errno.EMFILE or not _libc.more_descriptors():
+            raise
+    return dup_for_export(fd, "cpu", device)
 
 
 def _descriptor_limit() -> str:
@@ -197,10 +162,9 @@ class DeviceMemory(_Allocations):
         self.limit = limit
         self._held = 0
         self._reservations: dict[int, _Reservation] = {}
-        self._file = _PhysicalFile()
         self._physical: dict[int, _Chunk] = {}  # live handles, and released ones still mapped
         self._next_handle = 1
-        self._ranges: dict[int, tuple[_PhysicalFile, int]] = {}  # malloc'd ptr -> (file, offset)
+        self._files: dict[int, tuple[int, int]] = {}  # malloc'd ptr -> (its file, the pid that made it)
         self._imports: dict[int, tuple[int, int]] = {}  # imported ptr -> (mapping base, length)
 
     # -- accounting ---------------------------------------------------------
@@ -216,8 +180,10 @@ class DeviceMemory(_Allocations):
         # An OutOfMemoryError, so the caching allocator flushes its cache and retries.
         return OutOfMemoryError(
             f"cpu:{self.device}: {what} of {format_size(nbytes)} failed: the process has no free "
-            f"file descriptor ({exc}; the limit is {_descriptor_limit()}). accel needs one per "
-            "device for its physical memory: close files, or raise the limit (ulimit -n, or resource.setrlimit(resource.RLIMIT_NOFILE, ...))",
+            f"file descriptor ({exc}; the limit is {_descriptor_limit()}, and accel raises it to the hard "
+            "limit when it is reached). accel needs one per allocation and one per 2 MiB of expandable "
+            "segments: free memory (and empty the allocator's cache), close files, or raise the hard "
+            "limit (ulimit -n as root, or LimitNOFILE= of the service)",
             requested=nbytes,
             device=self.device,
         )
@@ -276,40 +242,45 @@ class DeviceMemory(_Allocations):
         return DriverError("cpu", what, code, errno.errorcode.get(code, "OSError"), str(exc), device=self.device)
 
     def malloc(self, nbytes: int) -> int:
-        # A range of the device's file, mapped shared, rather than anonymous
-        # pages: so that another process can map the same memory (ipc_export).
+        # A file of its own, mapped shared, rather than anonymous pages: so that
+        # another process can map the same memory (export), and only it.
         size = round_up(nbytes, PAGE)
         with self._lock, self._charged(size, "allocation"):
-            file = self._own_file()
-            offset = file.take(size)
+            fd = _libc.memfd(size)
             try:
-                ptr = _libc.map_fd(size, file.fd, offset)
+                ptr = _libc.map_fd(size, fd, 0)
             except OSError:
-                file.give_back(offset, size)
+                os.close(fd)
                 raise
             self._allocations[ptr] = size
-            self._ranges[ptr] = (file, offset)
+            self._files[ptr] = (fd, os.getpid())
         return ptr
 
     def free(self, ptr: int) -> None:
         with self._lock:
-            size = self._allocations.get(ptr)
+            size = self._allocations.get(ptr, 0)
             super().free(ptr)  # refuses a pointer that is not an allocation
-            file, offset = self._ranges.pop(ptr)
-            if file.owned:  # a forked child leaves the parent's file to the parent
-                try:
-                    file.give_back(offset, size or 0)
-                except OSError as exc:
-                    raise self._driver_error("freeing memory", exc) from exc
+            fd, pid = self._files.pop(ptr)
+            self._close_file(fd, size, pid, "freeing memory")
 
     def _released(self, nbytes: int) -> None:
         self._held -= nbytes
 
-    def _own_file(self) -> _PhysicalFile:
-        """The device's file, created by this process (caller holds the lock)."""
-        if not self._file.owned:  # forked: new memory goes to a file of this process's own
-            self._file = _PhysicalFile()
-        return self._file
+    def _close_file(self, fd: int, nbytes: int, pid: int, what: str) -> None:
+        """Close a file of this device's memory that this process no longer maps.
+
+        Its pages go back to the system at once, even while a forked child still
+        maps it (it inherits the mappings and the descriptors, and would otherwise
+        keep the memory until it exits); but only in the process ``pid`` that made
+        the file: a forked child that frees what it inherited leaves the parent's
+        pages alone."""
+        try:
+            if pid == os.getpid():
+                _libc.punch_hole(fd, 0, nbytes)
+        except OSError as exc:
+            raise self._driver_error(what, exc) from exc
+        finally:
+            os.close(fd)
 
     # -- virtual memory -------------------------------------------------------
 
@@ -354,11 +325,10 @@ class DeviceMemory(_Allocations):
     def create(self, nbytes: int) -> int:
         self._check_multiple("vm_create", nbytes)
         with self._lock, self._charged(nbytes, "physical memory creation"):
-            file = self._own_file()
-            offset = file.take(nbytes)
+            chunk = _Chunk(_libc.memfd(nbytes), nbytes)
             handle = self._next_handle
             self._next_handle += 1
-            self._physical[handle] = _Chunk(file, offset, nbytes)
+            self._physical[handle] = chunk
         return handle
 
     def _live_chunk(self, call: str, handle: int) -> _Chunk:
@@ -372,12 +342,7 @@ class DeviceMemory(_Allocations):
         if chunk.live or chunk.mappings:
             return
         del self._physical[handle]
-        if not chunk.file.owned:
-            return  # the parent's file: its pages go when both processes have unmapped them
-        try:
-            chunk.file.give_back(chunk.offset, chunk.size)
-        except OSError as exc:
-            raise self._driver_error("releasing physical memory", exc) from exc
+        self._close_file(chunk.fd, chunk.size, chunk.pid, "releasing physical memory")
 
     def release(self, handle: int) -> None:
         with self._lock:
@@ -410,7 +375,7 @@ class DeviceMemory(_Allocations):
                         f"mapped range at {start:#x}"
                     )
             with self._system_call(nbytes, "mapping physical memory"):
-                _libc.map_fd_fixed(addr, nbytes, chunk.file.fd, chunk.offset)
+                _libc.map_fd_fixed(addr, nbytes, chunk.fd, 0)
             chunk.mappings += 1
             res.mapped[addr] = (nbytes, handle)
 
@@ -433,18 +398,19 @@ class DeviceMemory(_Allocations):
 
     # -- sharing with other processes -------------------------------------------
     #
-    # Every byte of device memory is a range of a file (malloc'd ranges, and
-    # chunks mapped into reservations), so an export names file ranges: one
-    # descriptor per file (dup'd: the caller owns it) and, per piece,
-    # ``(file index, file offset, length)``, page aligned, in address order.
+    # Every byte of device memory is in a file of its own allocation or chunk,
+    # so an export names file ranges: one descriptor per file behind the buffer
+    # (dup'd: the caller owns it) and, per piece, ``(file index, file offset,
+    # length)``, page aligned, in address order. The importer can map those
+    # files whole, and nothing else.
 
-    def _pieces(self, ptr: int, nbytes: int) -> list[tuple[_PhysicalFile, int, int]]:
-        """The file ranges behind the pages of ``[ptr, ptr + nbytes)`` (caller holds the lock)."""
+    def _pieces(self, ptr: int, nbytes: int) -> list[tuple[int, int, int]]:
+        """The file ranges ``(fd, offset, length)`` behind the pages of ``[ptr, ptr + nbytes)``
+        (caller holds the lock)."""
         start, end = ptr - ptr % PAGE, round_up(ptr + nbytes, PAGE)
         for base, size in self._allocations.items():
             if base <= start and end <= base + size:
-                file, offset = self._ranges[base]
-                return [(file, offset + start - base, end - start)]
+                return [(self._files[base][0], start - base, end - start)]
         for res_start, res in self._reservations.items():
             if not (res_start <= start and end <= res_start + res.size):
                 continue
@@ -452,9 +418,8 @@ class DeviceMemory(_Allocations):
             for addr in sorted(res.mapped):
                 size, handle = res.mapped[addr]
                 if addr <= at < addr + size:
-                    chunk = self._physical[handle]
                     length = min(end, addr + size) - at
-                    pieces.append((chunk.file, chunk.offset + at - addr, length))
+                    pieces.append((self._physical[handle].fd, at - addr, length))
                     at += length
                     if at == end:
                         return pieces
@@ -469,19 +434,19 @@ class DeviceMemory(_Allocations):
 
         with self._lock:
             pieces = self._pieces(ptr, nbytes)
-            files: list[_PhysicalFile] = []
-            for file, _, _ in pieces:
-                if file not in files:
-                    files.append(file)
+            files: list[int] = []
+            for fd, _, _ in pieces:
+                if fd not in files:
+                    files.append(fd)
             fds: list[int] = []
             try:
-                for file in files:
-                    fds.append(os.dup(file.fd))
-            except OSError as exc:
+                for fd in files:
+                    fds.append(export_dup(fd, self.device))
+            except BaseException:
                 for fd in fds:
                     os.close(fd)
-                raise self._driver_error("exporting memory", exc) from exc
-        layout = {"lead": ptr % PAGE, "pieces": [(files.index(f), off, n) for f, off, n in pieces]}
+                raise
+        layout = {"lead": ptr % PAGE, "pieces": [(files.index(fd), off, n) for fd, off, n in pieces]}
         return json.dumps(layout).encode(), fds
 
     def import_(self, payload: bytes, fds: list[int], nbytes: int) -> int:
@@ -508,7 +473,8 @@ class DeviceMemory(_Allocations):
 
     def _check_description(self, payload: bytes, fds: list[int], nbytes: int) -> tuple[int, list[tuple[int, int, int]]]:
         """``(lead, pieces)`` of an export's description, checked against the descriptors:
-        mapping a range past the end of its file maps it, and the first read there is SIGBUS."""
+        mapping a range past the end of its file maps it, and the first read there is SIGBUS;
+        so is the first read of a range the exporter cut off the file later, unless sealed."""
         where = f"cpu:{self.device}: mapping memory of another process"
         layout = description(payload, where)
         lead = natural(layout, "lead", where)
@@ -523,10 +489,13 @@ class DeviceMemory(_Allocations):
                     f"{where}: the exporting process described its memory inconsistently (piece {piece!r} of "
                     f"{len(fds)} file(s), pages of {PAGE} bytes); pickle the buffer again in its process"
                 )
-            try:
-                size = os.fstat(fds[index]).st_size
-            except OSError:
-                size = 0
+            size = _libc.sealed_size(fds[index])
+            if size is None:
+                raise InvalidHandleError(
+                    f"{where}: the exporting process sent a descriptor that is not memory sealed against "
+                    "shrinking (F_SEAL_SHRINK), so it could shrink it under this process's mapping (the next "
+                    "access there is SIGBUS). Is it an accel process? Pickle the buffer again in its process"
+                )
             check_extent(where, offset, length, size)
             pieces.append((index, offset, length))
         if not pieces or lead >= PAGE:

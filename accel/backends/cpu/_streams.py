@@ -29,7 +29,6 @@ import itertools
 import os
 import queue
 import select
-import stat
 import threading
 import time
 import warnings
@@ -40,9 +39,9 @@ from dataclasses import dataclass
 from accel._errors import CaptureError, DriverError, InvalidHandleError, InvalidValueError, NotSupportedError
 from accel.backends import _capture
 from accel.backends._capture import Capture, Mark
-from accel.backends._sharing import dup_for_export
 from accel.backends.base import CaptureMode, CaptureStatus
 from accel.backends.cpu import _libc
+from accel.backends.cpu._memory import export_dup
 
 _handles = itertools.count(0x1000)
 
@@ -160,7 +159,9 @@ _PID_MAX = 1 << 22
 class SharedHostEvent(HostEvent):
     """An interprocess event: its counts live in a page of a memfd that the
     exporting process and its importers all map: the record count, the
-    completion count and the pid of the process that recorded last.
+    completion count and the pid of the process that recorded last. The memfd
+    is sealed at one page, so no process can cut it off under another's
+    mapping (SIGBUS there); an importer refuses one that is not.
 
     Every process records it, as in CUDA. A record and a completion change the
     counts under a POSIX record lock on the memfd (``lockf``: it excludes other
@@ -535,7 +536,16 @@ class StreamTable:
                     f"cpu:{device}: an interprocess event cannot measure time (as in CUDA); "
                     "create it with enable_timing=False"
                 )
-            event: HostEvent = SharedHostEvent(device, _libc.shared_page(), exporter_pid=None)
+            try:
+                page = _libc.shared_page()
+            except OSError as exc:
+                code = exc.errno or 0
+                raise DriverError(
+                    "cpu", "creating an interprocess event", code, errno.errorcode.get(code, "OSError"), str(exc),
+                    device=device, remedy="close events and files no longer needed, or raise the hard limit on "
+                    "open files (ulimit -n as root; accel raises the soft limit to it when it is reached)",
+                ) from None
+            event: HostEvent = SharedHostEvent(device, page, exporter_pid=None)
         else:
             event = HostEvent(device, timing)
         with self._lock:
@@ -554,20 +564,19 @@ class StreamTable:
                 f"cpu:{device}: event {handle:#x} was not created with interprocess=True in this "
                 "process; create it with accel.Event(interprocess=True) to share it"
             )
-        return str(os.getpid()).encode(), [dup_for_export(event.fd, "cpu", device)]
+        return str(os.getpid()).encode(), [export_dup(event.fd, device)]
 
     def import_event(self, device: int, payload: bytes, fds: list[int]) -> int:
         try:
             # Checked before mapping: the description comes from whatever process answered,
-            # and reading a page past the end of a shorter file is SIGBUS.
-            try:
-                size = os.fstat(fds[0]).st_size if len(fds) == 1 and stat.S_ISREG(os.fstat(fds[0]).st_mode) else 0
-            except OSError:
-                size = 0
-            if not (payload.isdigit() and 0 < int(payload) <= _PID_MAX and size >= _libc.PAGE):
+            # and reading a page past the end of a shorter file is SIGBUS (also once the
+            # exporter cut it shorter: it must be sealed against that).
+            size = _libc.sealed_size(fds[0]) if len(fds) == 1 else 0
+            if not (payload.isdigit() and 0 < int(payload) <= _PID_MAX and size is not None and size >= _libc.PAGE):
+                state = "not sealed against shrinking" if size is None else f"{size} bytes"
                 raise InvalidHandleError(
                     f"cpu:{device}: the exporting process described its event inconsistently ({payload[:20]!r}, "
-                    f"{len(fds)} descriptor(s), {size} bytes); is it an accel process? Pickle the event again there"
+                    f"{len(fds)} descriptor(s), {state}); is it an accel process? Pickle the event again there"
                 )
             try:
                 event = SharedHostEvent(device, fds[0], exporter_pid=int(payload))
