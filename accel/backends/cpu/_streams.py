@@ -237,10 +237,13 @@ class SharedHostEvent(HostEvent):
             pidfd = os.pidfd_open(recorder)
         except ProcessLookupError:
             pidfd = -1
+        exited = select.poll()  # not select(): it refuses descriptors past 1023, and accel may raise the limit
+        if pidfd >= 0:
+            exited.register(pidfd, select.POLLIN)
         try:
             delay = _POLL_FIRST_S
             while self.done_gen < gen:
-                if (pidfd < 0 or select.select([pidfd], [], [], 0)[0]) and self.done_gen < gen:
+                if (pidfd < 0 or exited.poll(0)) and self.done_gen < gen:
                     raise InvalidHandleError(
                         f"cpu:{self.device}: the process that recorded event {self.handle:#x} last "
                         f"(pid {recorder}) exited before the work it recorded completed"

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,45 @@ def test_what_accel_shares_cannot_be_resized_or_sealed_further() -> None:
             assert os.fstat(fd).st_size == size
         finally:
             os.close(fd)
+
+
+WAIT_PAST_SELECTS_RANGE = """
+import json, os, resource, threading
+from accel.backends.cpu import CpuBackend
+
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+held = [os.open("/dev/null", os.O_RDONLY)]
+while held[-1] < 1100:  # every descriptor below 1100 taken: the wait's pidfd gets a larger one
+    held.append(os.open("/dev/null", os.O_RDONLY))
+backend = CpuBackend(1, None)
+handle = backend.event_create(0, timing=False, blocking=False, interprocess=True)
+event = backend._streams.event(0, handle)
+# Recorded by another live process (the test's), whose completion this one polls for.
+event.next_gen()
+event._counts[2] = os.getppid()
+threading.Timer(0.2, event.complete, (1,)).start()
+try:
+    event.wait(1)
+    print(json.dumps("waited"))
+except Exception as exc:
+    print(json.dumps([type(exc).__name__, str(exc)]))
+"""
+
+
+def test_waiting_for_another_processs_record_works_with_descriptors_past_1023() -> None:
+    # The wait asked select() whether the recorder had exited: ValueError for a
+    # descriptor past 1023, which a process gets once accel raised the soft limit.
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 1200:
+        pytest.skip("the hard limit on open files is below 1200")
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(WAIT_PAST_SELECTS_RANGE)], capture_output=True, text=True,
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=120, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == "waited"
 
 
 EXPORT_WITH_A_FULL_TABLE = """
