@@ -424,6 +424,16 @@ def scenario_fd_limit() -> dict[str, Any]:
 
 
 
+def unsealed(fd: int) -> int:
+    """A copy of file ``fd`` (closed) that its maker could still shrink under an importer."""
+    size = os.fstat(fd).st_size
+    copy = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    os.ftruncate(copy, size)
+    os.pwrite(copy, os.pread(fd, size, 0), 0)
+    os.close(fd)
+    return copy
+
+
 def _open_each(opens: list[Any], replies: Any) -> None:
     """Open each forged export, read the whole buffer it claims, free it; report one by one
     (a crash shows as the first missing reply)."""
@@ -481,6 +491,7 @@ def scenario_forged_descriptions() -> dict[str, Any]:
         "no descriptors, no chunks": lambda: (json.dumps({**layout, "sizes": [], "pieces": []}).encode(), []),
         "pipes": lambda: (lambda p, f: (p, [pipe() for _ in f] or [pipe()]))(*real()),
         "an extra descriptor": lambda: (lambda p, f: (p, [*f, pipe()]))(*real()),
+        "unsealed copies": lambda: (lambda p, f: (p, [unsealed(fd) for fd in f]))(*real()),
         "larger than described": "larger",
     }
     for key, value in layout.items():
@@ -525,6 +536,105 @@ def scenario_forged_descriptions() -> dict[str, Any]:
     child.join(TIMEOUT_S)
     return {"results": results, "exitcode": child.exitcode, "holds": broker().stats()["holds"]}
 
+
+
+# -- what the descriptors an importer is handed reach -------------------------------------
+
+SECRET_BEFORE, SECRET_AFTER = 0xA5, 0x5A
+
+
+def _handed(kind: str, args: Any) -> list[int]:
+    """The descriptors an export of ``kind`` hands over, taken as any process of the user
+    could take them (the pickle's ticket; no accel backend call); the hold is let go."""
+    from accel.backends._sharing import export_origin, open_export
+
+    ticket, name, device, uuid = args[:4]
+    _, fds, held = open_export(ticket, kind, export_origin(name, device, uuid), f"the test's {kind}")
+    held.release()
+    return fds
+
+
+def _reach(args: Any, replies: Any) -> None:
+    import mmap
+
+    sizes, secrets = [], []
+    for fd in _handed("buffer", args):
+        size = os.fstat(fd).st_size
+        sizes.append(size)
+        with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) as whole:
+            secrets += [hex(b) for b in (SECRET_BEFORE, SECRET_AFTER) if whole.find(bytes([b])) >= 0]
+        os.close(fd)
+    replies.put({"sizes": sizes, "secrets": secrets})
+
+
+def scenario_reach() -> dict[str, Any]:
+    """A 4 KiB buffer exported between allocations made before and after its export: the
+    importer maps whole every file it is handed, looking for the others' bytes."""
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    stream = accel.current_stream()
+    before = [accel.memory.allocate(4 << 20) for _ in range(2)]
+    for buf in before:
+        stream.fill(buf, SECRET_BEFORE, buf.nbytes)
+    small = accel.memory.allocate(4096)
+    stream.fill(small, 0x11, small.nbytes)
+    _, args = small.__reduce__()  # the export
+    after = [accel.memory.allocate(4 << 20) for _ in range(2)]
+    for buf in after:
+        stream.fill(buf, SECRET_AFTER, buf.nbytes)
+    stream.synchronize()
+    child = ctx.Process(target=_reach, args=(args, replies))
+    child.start()
+    result = replies.get(timeout=TIMEOUT_S)
+    child.join(TIMEOUT_S)
+    return {**result, "exitcode": child.exitcode}
+
+
+def _resize(exports: list[Any], replies: Any) -> None:
+    """Try to grow (ftruncate, fallocate) then shrink to nothing every descriptor handed over."""
+    import errno
+
+    outcomes = []
+    for kind, args in exports:
+        for fd in _handed(kind, args):
+            size = os.fstat(fd).st_size
+            for name, attempt in (("ftruncate up", lambda: os.ftruncate(fd, size + (1 << 20))),
+                                  ("fallocate up", lambda: os.posix_fallocate(fd, size, 1 << 20)),
+                                  ("ftruncate to 0", lambda: os.ftruncate(fd, 0))):
+                try:
+                    attempt()
+                    outcome = "done"
+                except OSError as exc:
+                    outcome = errno.errorcode.get(exc.errno or 0, str(exc))
+                outcomes.append([kind, name, outcome])
+            os.close(fd)
+    replies.put(outcomes)
+
+
+def scenario_importer_resizes() -> dict[str, Any]:
+    """An importer resizes what it was handed of a buffer and an event; then the exporter
+    writes the whole buffer and records the event (SIGBUS here if the files shrank)."""
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    stream = accel.current_stream()
+    buf = accel.memory.allocate(SIZE)
+    stream.fill(buf, 0x11, SIZE)
+    event = accel.Event(interprocess=True)
+    event.record(stream)
+    stream.synchronize()
+    exports = [("buffer", buf.__reduce__()[1]), ("event", event.__reduce__()[1])]
+    child = ctx.Process(target=_resize, args=(exports, replies))
+    child.start()
+    outcomes = replies.get(timeout=TIMEOUT_S)
+    child.join(TIMEOUT_S)
+    stream.fill(buf, 0x22, SIZE)
+    event.record(stream)
+    event.synchronize()
+    with accel.memory.allocate_host(SIZE) as staging:
+        stream.copy(staging, buf, SIZE)
+        stream.synchronize()
+        seen = sorted(set(ctypes.string_at(staging.ptr, SIZE)))
+    return {"outcomes": outcomes, "seen": seen, "exitcode": child.exitcode}
 
 
 def _pickle_again(data: bytes, replies: Any) -> None:
@@ -591,6 +701,7 @@ def scenario_forged_event_descriptions() -> dict[str, Any]:
         "no descriptors": lambda: (real()[0], []),
         "a pipe": lambda: (lambda p, f: (p, [pipe() for _ in f] or [pipe()]))(*real()),
         "an extra descriptor": lambda: (lambda p, f: (p, [*f, pipe()]))(*real()),
+        "an unsealed copy": lambda: (lambda p, f: (p, [unsealed(fd) for fd in f]))(*real()),
         "zeros": lambda: (bytes(len(real()[0])), real()[1]),
     }
     if len(real()[0]) > 8:  # a binary handle (the host backend's is the exporter's pid in digits)

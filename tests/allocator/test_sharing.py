@@ -197,7 +197,41 @@ def test_damaged_descriptions_of_memory_are_clear_errors(backend: str, alloc_con
             continue
         assert outcome[0] == "accel._errors", (name, outcome)
         assert outcome[1] in ("InvalidHandleError", "DriverError"), (name, outcome)
+    # Memory its exporter could still shrink under the importer's mapping (SIGBUS there):
+    # the host backend mapped it; CUDA's legacy handle names the memory, the copies go unused.
+    if backend != "cuda" or alloc_conf:
+        assert result["results"]["unsealed copies"][0] != "opened", result["results"]["unsealed copies"]
     assert result["exitcode"] == 0 and result["holds"] == 0
+
+
+@segments
+@backends
+def test_an_importer_handed_a_small_buffer_reaches_only_its_allocation(backend: str, alloc_conf: str) -> None:
+    # The host backend handed over its device's one file, whole: an importer of a
+    # 4 KiB buffer read the 16 MiB of other allocations made before and after.
+    result = run_scenario(backend, "reach", alloc_conf=alloc_conf)
+    assert result["exitcode"] == 0
+    assert result["secrets"] == []
+    # At most the 2 MiB segment (or chunk) the buffer lies in; CUDA's legacy handles
+    # name the allocation without a descriptor.
+    assert sum(result["sizes"]) <= 2 << 20, result["sizes"]
+    if backend != "cuda" or alloc_conf:
+        assert result["sizes"], "no descriptor handed over: the test checks nothing"
+
+
+@segments
+@backends
+def test_an_importer_cannot_resize_what_it_was_handed(backend: str, alloc_conf: str) -> None:
+    # The host backend's files (device memory, an event's page) could be cut short by
+    # any importer: the exporter then died of SIGBUS writing its own buffer.
+    result = run_scenario(backend, "importer_resizes", alloc_conf=alloc_conf)
+    assert result["exitcode"] == 0
+    assert result["seen"] == [0x22]
+    assert all(outcome == "EPERM" for *_, outcome in result["outcomes"]), result["outcomes"]
+    kinds = {kind for kind, *_ in result["outcomes"]}
+    # CUDA's legacy IPC handles (memory from cuMemAlloc, events) carry no descriptor.
+    assert kinds == {"cpu": {"buffer", "event"}, "xpu": {"buffer", "event"},
+                     "cuda": {"buffer"} if alloc_conf else set()}[backend]
 
 
 @backends
@@ -223,7 +257,7 @@ def test_damaged_descriptions_of_events_are_clear_errors(backend: str) -> None:
         *outcome, fds_grown = answer
         assert fds_grown == 0, (name, outcome)
         if outcome[0] == "opened":  # CUDA's handle carries no descriptor: those sent are closed, unused
-            assert backend == "cuda" and name in ("no descriptors", "a pipe", "an extra descriptor"), name
+            assert backend == "cuda" and name in ("no descriptors", "a pipe", "an extra descriptor", "an unsealed copy"), name
             continue
         assert outcome[0] == "accel._errors", (name, outcome)
         assert outcome[1] in ("InvalidHandleError", "DriverError"), (name, outcome)
