@@ -637,6 +637,42 @@ def scenario_importer_resizes() -> dict[str, Any]:
     return {"outcomes": outcomes, "seen": seen, "exitcode": child.exitcode}
 
 
+LARGE = 600 << 20  # with expandable segments, some 300 chunks: one descriptor each
+
+
+def _read_ends(args: Any, replies: Any) -> None:
+    """Open a buffer and send back its first and last 16 bytes."""
+    from accel.allocator._sharing import open_buffer
+
+    buf = open_buffer(*args)
+    stream = accel.current_stream(buf.device)
+    with accel.memory.allocate_host(16) as staging:
+        stream.copy(staging, buf.ptr + buf.nbytes - 16, 16)
+        stream.synchronize()
+        last = ctypes.string_at(staging.ptr, 16)
+    replies.put([host_bytes(buf).hex(), last.hex()])
+    buf.free()
+
+
+def scenario_large_buffer() -> dict[str, Any]:
+    """A 600 MiB buffer: with expandable segments more descriptors than one message carries."""
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    stream = accel.current_stream()
+    buf = accel.memory.allocate(LARGE)
+    stream.fill(buf, 0x11, 16)
+    stream.fill(buf.ptr + LARGE - 16, 0x22, 16)
+    stream.synchronize()
+    child = ctx.Process(target=_read_ends, args=(buf.__reduce__()[1], replies))
+    child.start()
+    try:
+        result: Any = replies.get(timeout=TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - the child failed: its stderr says why
+        result = ["no answer"]
+    child.join(TIMEOUT_S)
+    return {"ends": result, "exitcode": child.exitcode}
+
+
 def _pickle_again(data: bytes, replies: Any) -> None:
     event = pickle.loads(data)
     try:
@@ -744,7 +780,7 @@ def _misbehaving_broker(mode: str, replies: Any) -> None:
         conn.recv(32)
         read_end, write_end = os.pipe()
         length = 0xFFFFFFF0 if mode == "huge" else 100
-        socket.send_fds(conn, [struct.pack("!cI", b"K", length) + b"abc"], [read_end])
+        socket.send_fds(conn, [struct.pack("!cII", b"K", length, 1) + b"abc"], [read_end])
         os.close(read_end)
         os.close(write_end)
         kept.append(conn)

@@ -267,6 +267,17 @@ def test_damaged_descriptions_of_events_are_clear_errors(backend: str) -> None:
     assert result["exitcode"] == 0
 
 
+@segments
+@backends
+def test_a_buffer_of_hundreds_of_chunks_shares(backend: str, alloc_conf: str) -> None:
+    # With expandable segments each chunk under the buffer is a descriptor, and an
+    # answer carried at most 64: a 200 MiB buffer failed with a false "too many open
+    # files" (simulated CUDA) and a 600 MiB one with "closed the connection" (more
+    # than the kernel takes in one message).
+    result = run_scenario(backend, "large_buffer", alloc_conf=alloc_conf)
+    assert result["ends"] == ["11" * 16, "22" * 16] and result["exitcode"] == 0, result
+
+
 def test_an_answer_that_stalls_or_announces_gigabytes_is_refused_closing_what_came_with_it() -> None:
     # The descriptors received with the first part of an answer stayed open when
     # the rest never came (one per timeout), and an announced length was passed
