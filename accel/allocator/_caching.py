@@ -212,6 +212,8 @@ class DeviceAllocator:
     accel :class:`~accel.Stream` objects of that device. ``malloc`` returns a
     :class:`Block` whose ``ptr`` and ``size`` the caller uses; ``free`` gives
     it back to the cache. Thread safe: one lock guards all state.
+    ``mempool``: the id of the :class:`~accel.memory.MemPool` it serves, if any
+    (an out-of-memory error of another allocator of the device counts the pool's).
 
     >>> from accel.allocator import DeviceAllocator
     >>> from accel.backends.cpu import CpuBackend
@@ -233,6 +235,7 @@ class DeviceAllocator:
         config: AllocatorConfig,
         *,
         upstream: MemoryResource | None = None,
+        mempool: PoolId | None = None,
     ) -> None:
         self.backend = backend
         self.device = device
@@ -271,6 +274,9 @@ class DeviceAllocator:
         # Set when the owner (a dropped MemPool) needs this allocator no more: every
         # segment goes back upstream once nothing is allocated from it.
         self._orphaned = False
+        # The MemPool this allocator serves (None: the device's own, or the caller's):
+        # an out-of-memory error elsewhere on the device says what the pool caches.
+        self._mempool = mempool
         self._fast = False  # see _update_fast
         self._growths = 0  # expandable segment growths: the clock of Segment.grown_at
         # Stream handles this allocator keys memory by (segments' streams, record_stream
@@ -1915,14 +1921,24 @@ class DeviceAllocator:
                                 if b.state != FREE:
                                     private_allocated += b.size
         cached_free = sum(t[0] for pool in self._all_pools() for lst in pool.free.values() for t in lst)
-        # What dropped pools of the device still hold (buffers of theirs still alive, or
-        # a release still under way on another thread): read without their locks, for
-        # the diagnosis only.
-        dropped = dropped_allocated = 0
+        # What the device's other allocators hold: dropped pools (buffers of theirs still
+        # alive, or a release still under way on another thread), MemPools in use, the
+        # device's own allocator when a MemPool's ran short. Read without their locks,
+        # for the diagnosis only.
+        dropped = dropped_allocated = mempools = mempools_allocated = others = others_allocated = 0
         for other in list(_allocators):
-            if other._orphaned and other is not self and other.backend is self.backend and other.device == self.device:
-                dropped += other._reserved()
-                dropped_allocated += other._stats.current(S.ALLOCATED_BYTES)
+            if other is self or other.backend is not self.backend or other.device != self.device:
+                continue
+            reserved, allocated = other._reserved(), other._stats.current(S.ALLOCATED_BYTES)
+            if other._orphaned:
+                dropped += reserved
+                dropped_allocated += allocated
+            elif other._mempool is not None:
+                mempools += reserved
+                mempools_allocated += allocated
+            else:
+                others += reserved
+                others_allocated += allocated
         details = OutOfMemoryDetails(
             device=self._name,
             requested=size,
@@ -1942,6 +1958,10 @@ class DeviceAllocator:
             refusal=self._refusal,
             dropped_pools=dropped,
             dropped_pools_allocated=dropped_allocated,
+            mempools=mempools,
+            mempools_allocated=mempools_allocated,
+            others=others,
+            others_allocated=others_allocated,
         )
         return out_of_memory(details, self.device)
 
