@@ -1052,6 +1052,10 @@ stream_ok(PyObject *self, PyObject *stream)
     r = PyObject_IsTrue(c);
     r = r < 0 ? -1 : !r;
 out:
+    if (r < 0 && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear(); /* not a Stream: the Python method says so */
+        r = 0;
+    }
     Py_XDECREF(a);
     Py_XDECREF(b);
     Py_XDECREF(rt);

@@ -386,7 +386,7 @@ class Graph:
             else:
                 runtime.backend.graph_launch(self._device, self._exec, stream._live())
         if self._forward_host_errors and stream.native_handle != self._capture_handle:
-            stream.launch_host_func(self._host_error_forwarder(runtime))
+            stream.launch_host_func(self._host_error_forwarder(runtime, stream))
         self._raise_replay_errors()
 
     def _hold_on(self, stream: Stream) -> None:
@@ -401,19 +401,17 @@ class Graph:
                 pass  # memory of another device (a peer copy): only its own streams order its reuse
         self._replayed_on.add(stream.native_handle)
 
-    def _host_error_forwarder(self, runtime: Runtime) -> Callable[[], None]:
-        """A host function, queued after a replay, that re-raises the replay's host-function
-        failures on the replay stream (they are reported to the stream captured on), so
-        that the replay stream's next synchronize raises them, as it would uncaptured."""
+    def _host_error_forwarder(self, runtime: Runtime, stream: Stream) -> Callable[[], None]:
+        """A host function, queued after a replay on ``stream``, that moves the replay's
+        host-function failures (reported to the stream captured on) to ``stream``'s, so
+        that its next synchronize raises them as it would uncaptured: wrapped once, in
+        that synchronize's HostFunctionError (raising them here wrapped them twice)."""
         device, handle, name = self._device, self._capture_handle, repr(self)
+        errors = stream._host_errors()
 
         def forward() -> None:
             failures = runtime.take_host_errors(device, handle)
-            if failures:
-                what, first = failures[0]
-                raise HostFunctionError(
-                    f"host function {what} in a replay of {name} raised {type(first).__name__}: {first}"
-                ) from first
+            errors.extend((f"{what} in a replay of {name}", exc) for what, exc in failures)
 
         forward.__qualname__ = f"replay of {name}"
         return forward

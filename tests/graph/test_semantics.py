@@ -271,6 +271,26 @@ def test_a_host_function_failing_in_a_replay_is_raised_by_the_next_synchronize(r
     assert calls == [1, 1]
 
 
+def test_a_host_function_failing_in_a_replay_on_another_stream_is_wrapped_once(rt) -> None:
+    # The failure was forwarded to the replay stream by a host function raising a
+    # HostFunctionError, which that stream's synchronize wrapped again: a
+    # HostFunctionError caused by a HostFunctionError caused by the error.
+    def boom() -> None:
+        raise ValueError("boom")
+
+    g = accel.Graph()
+    with accel.graph(g):  # on a side stream: the replays below go to another one
+        accel.current_stream().launch_host_func(boom)
+    other = accel.Stream()
+    with other:
+        g.replay()
+    once = r"^host function \S*boom in a replay of .* raised ValueError: boom$"
+    with pytest.raises(accel.HostFunctionError, match=once) as info:
+        other.synchronize()
+    assert type(info.value.__cause__) is ValueError
+    other.synchronize()  # reported once
+
+
 def test_replaying_stream_work_without_host_functions_queues_no_host_function(rt, monkeypatch) -> None:
     """A replay on another stream than the capture's forwards host-function
     failures only where the graph can run host functions: on CUDA a forwarder
