@@ -91,6 +91,7 @@ __all__ = [
     "current_stream",
     "device_count",
     "device_index",
+    "distributed",
     "empty",
     "empty_cache",
     "empty_host_cache",
@@ -119,7 +120,7 @@ __all__ = [
 if TYPE_CHECKING:
     # What __getattr__ below loads on first use, spelled out for type checkers so
     # that accel.Graph, accel.memory_stats() or accel.empty() have their real types.
-    from accel import allocator, backends, graph, memory, stream
+    from accel import allocator, backends, distributed, graph, memory, stream
     from accel._interop.torch import as_tensor, empty
     from accel.allocator.config import AllocatorConfigWarning
     from accel.graph import (
@@ -146,7 +147,7 @@ if TYPE_CHECKING:
 # Names that need torch (make_graphed_callables, compile_graph, GraphCacheWarning)
 # are reachable as attributes but left out of __all__, so `from accel import *`
 # never imports torch.
-_LAZY_MODULES = ("allocator", "backends", "graph", "memory", "stream")
+_LAZY_MODULES = ("allocator", "backends", "distributed", "graph", "memory", "stream")
 _LAZY_NAMES = {
     "AllocatorConfigWarning": "accel.allocator.config",
     "graph_pool_handle": "accel.graph",

@@ -30,6 +30,8 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("Memory", "accel.memory", "Buffers from the caching allocator, statistics, snapshots (PyTorch's layout)."),
     ("Allocator configuration", "accel.allocator", "`ACCEL_ALLOC_CONF` and friends: parse, check, explain, apply."),
     ("Graphs: capture and replay", "accel.graph", "Record stream work (and torch ops) once, replay it many times."),
+    ("Distributed", "accel.distributed",
+     "Under torch.distributed: collectives ordered on accel streams, comm pools, buffers exchanged between ranks."),
     ("Interop", "accel._interop",
      "DLPack, `__cuda_array_interface__` and torch: accel memory and streams seen by other libraries."),
     ("Backend discovery", "accel.backends", "Which backends exist here and which one this process uses."),

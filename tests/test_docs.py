@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-PAGES = ("index.md", "getting-started.md", "concepts.md", "graphs.md")
+PAGES = ("index.md", "getting-started.md", "concepts.md", "graphs.md", "distributed.md")
 
 
 

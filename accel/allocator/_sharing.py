@@ -27,6 +27,13 @@ Lifetime rules:
   process is gone (its work may still run until then).
 - Opening a buffer whose exporter has exited raises
   :class:`~accel.InvalidHandleError`.
+- Unpickling in the exporting process itself gives back the buffer that was
+  pickled (``torch.distributed.all_gather_object`` hands each rank its own
+  entry too); once that buffer was freed or garbage-collected, it raises
+  :class:`~accel.InvalidHandleError`.
+- Only memory accel allocated from its backend can be shared: a buffer of a
+  :class:`~accel.memory.MemPool` (or device) whose upstream resource is not the backend's
+  refuses export with :class:`~accel.NotSupportedError`.
 """
 
 from __future__ import annotations
@@ -45,12 +52,13 @@ from accel import _runtime
 from accel._errors import AccelError, InvalidHandleError, NotSupportedError
 from accel._runtime import Runtime, get_runtime
 from accel._units import format_size
+from accel.allocator._resources import BackendResource, ResourceAdaptor
 from accel.backends._sharing import ExportTicket, Held, broker, check_device, export_origin, open_export
-
 from accel.backends.base import CaptureStatus
 
 if TYPE_CHECKING:
     from accel.allocator._buffer import Buffer
+    from accel.backends.base import Backend
     from accel.stream import Event, Stream
 
 __all__ = ["export_buffer", "open_buffer"]
@@ -62,6 +70,8 @@ _SIZE = struct.Struct("!Q")
 # it every step): each export holds duplicated descriptors until the lease dies.
 _tickets: weakref.WeakKeyDictionary[object, ExportTicket] = weakref.WeakKeyDictionary()
 _tickets_lock = threading.Lock()
+# This process's exported buffers by their export's token, for unpickling here.
+_exported: weakref.WeakValueDictionary[str, Buffer] = weakref.WeakValueDictionary()
 
 
 class _ImportedBlock:
@@ -298,6 +308,7 @@ def export_buffer(buffer: Buffer) -> tuple[Any, ...]:
     runtime = buffer.stream._runtime
     backend = runtime.backend
     device = buffer.stream.device_index
+    _check_backend_memory(buffer, backend)
     if not backend.supports_ipc(device):
         raise NotSupportedError(
             f"{buffer.device} cannot share memory with other processes (the {backend.name} backend "
@@ -313,6 +324,7 @@ def export_buffer(buffer: Buffer) -> tuple[Any, ...]:
                 weakref.ref(lease), hold=True,
             )
             _tickets[lease] = ticket
+        _exported[ticket.token] = buffer
     return open_buffer, (ticket, backend.name, device, uuid, buffer.nbytes)
 
 
@@ -328,6 +340,10 @@ def open_buffer(ticket: ExportTicket, backend_name: str, device: int, uuid: str,
     what = f"a {format_size(nbytes)} buffer of {backend_name}:{device} from another process"
     runtime = get_runtime()
     check_device(runtime.backend, backend_name, device, uuid, what)
+    if isinstance(ticket, ExportTicket) and ticket.pid == os.getpid() and isinstance(ticket.token, str):
+        here = _exported.get(ticket.token)
+        if here is not None:
+            return _exported_here(here, device, nbytes)
     _unmapper.start()  # what unmaps the buffer once freed
     payload, fds, held = open_export(ticket, "buffer", export_origin(backend_name, device, uuid), what)
     try:
@@ -353,3 +369,37 @@ def open_buffer(ticket: ExportTicket, backend_name: str, device: int, uuid: str,
     stream = runtime.current_stream(device)
     memory = _ImportedMemory(runtime, device, stream, held)
     return Buffer(cast(Any, _ImportedBlock(ptr)), cast(Any, memory), stream, nbytes)
+
+
+def _exported_here(buffer: Buffer, device: int, nbytes: int) -> Buffer:
+    """``buffer``, pickled and now unpickled in this process (as ``nbytes`` on ``device``),
+    unless it was freed since.
+
+    (One garbage-collected is no longer known here: open_export refuses its ticket.)"""
+    what = f"a {format_size(nbytes)} buffer of {buffer.device.type}:{device} exported by this very process"
+    if buffer.stream.device_index != device or buffer.nbytes != nbytes:
+        raise InvalidHandleError(
+            f"cannot open {what}: it is {buffer!r} (the pickle is damaged or forged); pickle the buffer again"
+        )
+    if buffer.freed:
+        raise InvalidHandleError(
+            f"cannot open {what}: it was freed here before the pickle was opened (keep the buffer alive "
+            "until every importer has opened it)"
+        )
+    return buffer
+
+
+def _check_backend_memory(buffer: Buffer, backend: Backend) -> None:
+    """Refuse to export memory that did not come from ``backend`` (but from an upstream
+    resource of a MemPool or of the device): the backend cannot describe it to another process."""
+    upstream = getattr(buffer._allocator, "upstream", None)
+    resource = upstream
+    while isinstance(resource, ResourceAdaptor):
+        resource = resource.upstream
+    if upstream is not None and not (isinstance(resource, BackendResource) and resource.backend is backend):
+        raise NotSupportedError(
+            f"{buffer!r} cannot be shared with other processes: its memory comes from {upstream!r} "
+            f"(an upstream resource given to MemPool or set_upstream), not from the {backend.name} "
+            "backend, and accel shares only memory it allocated from its backend. Allocate the buffer "
+            "without that resource, or copy it into a buffer allocated so"
+        )

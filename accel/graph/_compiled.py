@@ -571,6 +571,12 @@ def _check(g: Graph, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Ten
             f"{g!r} interleaves its torch ops with other stream work ({len(program.segments)} pieces); "
             "the compiled tier needs them in one piece. Keep the interpreted tier for this graph."
         )
+    collectives = sorted({str(r.func) for r in program.records if r.func.namespace == "c10d"})
+    if collectives:
+        raise NotSupportedError(
+            f"{g!r} communicates ({', '.join(collectives)}); the compiled tier compiles computation only. "
+            "Keep the interpreted tier for this graph (its replays run the collectives)"
+        )
     for role, tensors in (("inputs", inputs), ("outputs", outputs)):
         if not all(isinstance(t, torch.Tensor) for t in tensors):
             raise InvalidValueError(f"compile_graph: {role} must be torch tensors")

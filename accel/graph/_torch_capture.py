@@ -16,6 +16,8 @@ stream capture, the capture *records* the program and runs none of it:
   registered input); the write happens at each replay, never at capture;
 - a view op runs (it reads no values, only sizes): its result aliases static
   storage, so it sees each replay's data, and it is not replayed.
+- a torch.distributed collective is recorded as a step that runs it and
+  waits for it (:mod:`accel.graph._collectives`): each replay communicates once.
 
 Reading a tensor's values during a capture is refused with a
 :class:`~accel.CaptureError` naming the op, by construction: the capture has
@@ -71,6 +73,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from accel._errors import CaptureError
+from accel.graph import _collectives
 
 if TYPE_CHECKING:
     from accel._runtime import Runtime
@@ -679,6 +682,8 @@ class Recorder(TorchDispatchMode):
                 f"it ran while the current stream {stream!r} is not part of the capture; run "
                 "captured torch code on the capturing stream",
             )
+        if func.namespace != "aten" and (_collectives.is_collective(func) or _collectives.refusal(func)):
+            return self._record_collective(func, args, kwargs)
         schema = func._schema
         if torch.Tag.inplace_view in tags or (
             schema.returns and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
@@ -697,14 +702,7 @@ class Recorder(TorchDispatchMode):
             for value in ([value] if isinstance(value, torch.Tensor) else list(value or ()))
             if isinstance(value, torch.Tensor)
         ]
-        for t in written:
-            if _storage_ptr(t) not in self._owned:
-                raise self._refuse(
-                    func,
-                    f"it writes in place to a tensor of shape {tuple(t.shape)} made outside the "
-                    "graph; each replay would write to it again. Register it with "
-                    "Graph.register_inputs() if that is intended, or write to a copy",
-                )
+        self._check_owned(func, written)
         if any(not _returns_tensors(r.type) for r in schema.returns) or torch.Tag.data_dependent_output in tags:
             return self._record_host_value(func, args, kwargs)
         inferred, aliases = _infer(func, args, kwargs)
@@ -766,6 +764,27 @@ class Recorder(TorchDispatchMode):
             record.kind = "fallback"
         self._program.records.append(record)
         return tree_unflatten(new_leaves, spec)
+
+    def _check_owned(self, func: Any, written: list[torch.Tensor]) -> None:
+        for t in written:
+            if _storage_ptr(t) not in self._owned:
+                raise self._refuse(
+                    func,
+                    f"it writes in place to a tensor of shape {tuple(t.shape)} made outside the "
+                    "graph; each replay would write to it again. Register it with "
+                    "Graph.register_inputs() if that is intended, or write to a copy",
+                )
+
+    def _record_collective(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A torch.distributed collective: a step that runs it and waits for it (see ``_collectives``)."""
+        why = _collectives.refusal(func)
+        if why is not None:
+            raise self._refuse(func, why)
+        written = _collectives.written(func, args)
+        self._check_owned(func, written)
+        self._add_step(_collectives.replay_step(func), args, kwargs, f"{func}")
+        self._program.records.append(Record(func, args, kwargs, written, "mutate"))
+        return _collectives.capture_result(func, args)
 
     def _record_host_value(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """An op returning a Python value: answered from sizes alone (``is_same_size``) or refused."""

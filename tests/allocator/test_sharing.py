@@ -8,7 +8,10 @@ starts its importers with multiprocessing's spawn start method.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
+import mmap
 import os
 import pickle
 import subprocess
@@ -19,6 +22,7 @@ from typing import Any
 import pytest
 
 import accel
+from accel.allocator import BackendResource, LimitingAdaptor, MemoryResource
 from tests.conftest import CONFORMANCE_BACKENDS, backend_skip_reason
 from tests.fixtures import xpu_driver
 
@@ -322,11 +326,62 @@ def test_a_freed_buffer_refuses_export() -> None:
         pickle.dumps(buf)
 
 
-def test_unpickling_in_the_exporting_process_is_refused() -> None:
-    with accel.memory.allocate(4096) as buf:
-        data = pickle.dumps(buf)
-        with pytest.raises(accel.InvalidHandleError, match="this very process"):
-            pickle.loads(data)
+def test_unpickling_in_the_exporting_process_gives_back_the_buffer() -> None:
+    # It was refused ("exported by this very process"), so torch.distributed's
+    # all_gather_object, which unpickles every rank's entry on every rank, failed.
+    from accel.allocator._sharing import open_buffer
+
+    buf = accel.memory.allocate(4096)
+    data = pickle.dumps(buf)
+    assert pickle.loads(data) is buf
+    _, (ticket, name, device, uuid, nbytes) = buf.__reduce__()
+    with pytest.raises(accel.InvalidHandleError, match="damaged or forged"):
+        open_buffer(ticket, name, device, uuid, 2 * nbytes)  # a pickle claiming another size
+    buf.free()
+    with pytest.raises(accel.InvalidHandleError, match="exported by this very process: it was freed here"):
+        pickle.loads(data)
+    collected = pickle.dumps(accel.memory.allocate(4096))
+    gc.collect()
+    with pytest.raises(accel.InvalidHandleError, match="exported by this very process; use the original object"):
+        pickle.loads(collected)
+
+
+class _ForeignMemory(MemoryResource):
+    """Memory accel's backend did not allocate (anonymous mappings of its own)."""
+
+    def __init__(self) -> None:
+        self.device = 0
+        self.maps: dict[int, mmap.mmap] = {}
+
+    def allocate(self, nbytes: int) -> int:
+        memory = mmap.mmap(-1, nbytes)
+        ptr = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+        self.maps[ptr] = memory
+        return ptr
+
+    def deallocate(self, ptr: int, nbytes: int) -> None:
+        self.maps.pop(ptr)  # the mapping goes with the last view (the address read above is none)
+
+    def memory_info(self) -> tuple[int, int]:
+        return 1 << 30, 1 << 30
+
+
+def test_a_buffer_of_memory_from_outside_the_backend_refuses_export_as_not_supported() -> None:
+    # The backend was asked to export an address it never allocated: InvalidValueError
+    # "is not memory allocated on this device (freed, or partly unmapped)".
+    from accel._runtime import get_runtime
+
+    foreign = accel.memory.MemPool("expandable_segments:False", upstream=_ForeignMemory())
+    with accel.memory.use_mem_pool(foreign):
+        buf = accel.memory.allocate(4096)
+    with pytest.raises(accel.NotSupportedError, match=r"its memory comes from .*_ForeignMemory.* not from the cpu backend"):
+        pickle.dumps(buf)
+    buf.free()
+    # accel's adaptors over the backend's own memory still share it.
+    adapted = accel.memory.MemPool(upstream=LimitingAdaptor(BackendResource(get_runtime().backend, 0), 1 << 30))
+    with accel.memory.use_mem_pool(adapted):
+        with accel.memory.allocate(4096) as kept:
+            assert pickle.loads(pickle.dumps(kept)) is kept
 
 
 def test_an_event_must_be_interprocess_and_open_to_be_shared() -> None:
