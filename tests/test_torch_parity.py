@@ -188,6 +188,20 @@ def test_all_of_torch_accelerator_is_here_with_compatible_signatures() -> None:
     assert not gaps
 
 
+def test_graph_has_the_attributes_torch_s_constructor_sets() -> None:
+    # torch.accelerator.Graph() needs an accelerator, so its attributes (graph_pool,
+    # capture_error_mode: what the next capture uses) are read from its __init__.
+    tree = ast.parse(inspect.getsource(torch.accelerator.Graph.__init__).strip())
+    names = {target.attr for node in ast.walk(tree) if isinstance(node, ast.Assign) for target in node.targets
+             if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"}
+    assert names >= {"graph_pool", "capture_error_mode"}
+    g = Graph()
+    for name in names:
+        value = getattr(g, name)
+        setattr(g, name, value)  # settable, as torch's, to change the next capture
+    assert (g.graph_pool, g.capture_error_mode) == (None, "default")
+
+
 def test_the_checker_catches_incompatible_signatures() -> None:
     def torch_style(a, b=1, /, c=2, *, d=3): ...  # noqa: ANN001, ANN202
 
