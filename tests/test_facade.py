@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import doctest
+import importlib
 import os
 import subprocess
 import sys
@@ -296,3 +298,10 @@ def test_deprecated_idx_aliases_warn_as_torch() -> None:
         assert accel.current_device_idx() == accel.current_device_index()
     with pytest.warns(DeprecationWarning, match="set_device_index"):
         accel.set_device_idx(0)
+
+
+@pytest.mark.parametrize("name", ["accel._facade", "accel._device", "accel.stream._event", "accel.allocator._buffer"])
+def test_docstring_examples_run(name: str) -> None:
+    pytest.importorskip("torch")  # some examples show torch objects
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0

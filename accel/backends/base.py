@@ -128,6 +128,15 @@ class Backend(abc.ABC):
     #: How a user presents more devices, for an out-of-range index's error ("" if they cannot).
     more_devices_hint: str = ""
 
+    @property
+    def torch_runs_inline(self) -> bool:
+        """Whether torch's work on this backend's devices runs inline in the calling
+        thread (done when the op returns: nothing queued to synchronize, host timers
+        time it), which follows from its ops being the host's own
+        (:attr:`TorchIntegration.RECORD_HOST_OPS`); False where they are queued on a
+        device, or where torch has no devices of this backend."""
+        return self.torch_integration is TorchIntegration.RECORD_HOST_OPS
+
     # -- devices ---------------------------------------------------------
 
     @abc.abstractmethod

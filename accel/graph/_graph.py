@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from accel._errors import CaptureError, DeviceError, HostFunctionError, InvalidHandleError, InvalidValueError
 from accel._runtime import Runtime, get_runtime
-from accel.allocator import empty_cache
+from accel.allocator import empty_cache, registry
 from accel.backends.base import CaptureMode
 from accel.graph import _integration
 from accel.graph._pool import PoolId, PoolLease, check_pool_id, new_private_pool_id
@@ -92,8 +92,8 @@ class Graph:
         capture_error_mode: str = "default",
     ) -> None:
         self._keep_graph = bool(keep_graph)
-        self._pool_arg = check_pool_id(pool, where="accel.Graph")
-        self._mode = _check_mode(capture_error_mode, "accel.Graph")
+        self._graph_pool = check_pool_id(pool, where="accel.Graph")
+        self._capture_error_mode = _check_mode(capture_error_mode, "accel.Graph")
         self._runtime: Runtime | None = None
         self._device = 0
         self._stream: Stream | None = None  # the capturing stream, while capturing
@@ -125,6 +125,35 @@ class Graph:
         state = "capturing" if self._stream is not None else ("captured" if self._captured else "empty")
         return f"accel.Graph({state}, pool={self._lease.pool_id if self._lease else None})"
 
+    # torch.accelerator.Graph's attributes: what the next capture uses, settable before it
+    # (after reset(), to capture again differently). Checked when set, not at the capture.
+
+    @property
+    def graph_pool(self) -> PoolId | None:
+        """The pool the next capture allocates from (None: a private pool), as
+        ``torch.accelerator.Graph.graph_pool``; the constructor's ``pool``.
+
+        >>> import accel
+        >>> g = accel.Graph()
+        >>> g.graph_pool = accel.graph_pool_handle()
+        """
+        return self._graph_pool
+
+    @graph_pool.setter
+    def graph_pool(self, pool: PoolId | None) -> None:
+        self._graph_pool = check_pool_id(pool, where="Graph.graph_pool")
+
+    @property
+    def capture_error_mode(self) -> str:
+        """How strictly the next capture refuses unsafe calls (``"default"``,
+        ``"global"``, ``"thread_local"``, ``"relaxed"``), as
+        ``torch.accelerator.Graph.capture_error_mode``; the constructor's."""
+        return self._capture_error_mode
+
+    @capture_error_mode.setter
+    def capture_error_mode(self, mode: str) -> None:
+        self._capture_error_mode = _check_mode(mode, "Graph.capture_error_mode")
+
     # -- capture -----------------------------------------------------------------
 
     def register_inputs(self, *tensors: Any) -> None:
@@ -148,8 +177,9 @@ class Graph:
         or when another capture is under way on the device.
         """
         _sweep()
-        pool_id = check_pool_id(pool, where="Graph.capture_begin") or self._pool_arg
-        mode = _check_mode(self._mode if capture_error_mode is None else capture_error_mode, "Graph.capture_begin")
+        pool_id = check_pool_id(pool, where="Graph.capture_begin") or self._graph_pool
+        mode = self._capture_error_mode if capture_error_mode is None else capture_error_mode
+        mode = _check_mode(mode, "Graph.capture_begin")
         if self._stream is not None:
             raise CaptureError(f"{self!r} is already capturing; call capture_end() first")
         if self._captured:
@@ -590,13 +620,17 @@ def _check_no_capture(runtime: Runtime, device: int) -> None:
 
 def _prepare_for_capture() -> None:
     """What ``torch.accelerator.Graph.__enter__`` does before a capture: wait for
-    the device, and give cached memory back so the capture starts lean."""
+    the device, and give cached device and page-locked memory back so the
+    capture starts lean."""
     runtime = get_runtime()
     # Synchronizing would invalidate a capture under way; say why instead.
     _drop_abandoned_capture(runtime, runtime.current_index)
     _check_no_capture(runtime, runtime.current_index)
     runtime.backend.device_synchronize(runtime.current_index)
     empty_cache()
+    host = registry(runtime).host
+    if host is not None:
+        host.empty_cache()
 
 
 _side_streams: dict[tuple[str, int], Stream] = {}

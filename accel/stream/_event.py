@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 import threading
 import weakref
@@ -194,6 +196,56 @@ class Event:
 
         Keep this event alive until every importer has unpickled it.
         """
+        return _open_event, self._export()
+
+    def ipc_handle(self) -> bytes:
+        """A handle to this event that another process opens with
+        :meth:`from_ipc_handle`, as ``torch.cuda.Event.ipc_handle``: bytes, to send
+        any way bytes go (a pipe, a queue, a file). The event must be created with
+        ``interprocess=True``; if never recorded, it is created on the current device.
+
+        Keep this event alive until every importer has opened it (the handle names
+        it in this process, and opens nothing once the event is closed or
+        collected); this process cannot open its own handle.
+
+        >>> import accel
+        >>> event = accel.Event(interprocess=True)
+        >>> event.record()
+        >>> handle = event.ipc_handle()
+        >>> isinstance(handle, bytes) and handle == event.ipc_handle()
+        True
+        """
+        ticket, backend_name, index, uuid = self._export()
+        fields = {
+            "address": ticket.address.hex(), "token": ticket.token, "pid": ticket.pid,
+            "backend": backend_name, "device": index, "uuid": uuid,
+        }  # fmt: skip
+        return _IPC_HANDLE_PREFIX + json.dumps(fields, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_ipc_handle(cls, device: DeviceLike, handle: bytes) -> Event:
+        """Open the event of another process that ``handle`` (from its
+        :meth:`ipc_handle`) names, as ``torch.cuda.Event.from_ipc_handle``.
+
+        ``device`` is the event's device (None: the one the handle names); the
+        processes must see it at the same index. Waiting for, querying and
+        synchronizing the opened event see the other process's records, and
+        records made here are seen there.
+        """
+        ticket, backend_name, index, uuid = _read_ipc_handle(handle)
+        if device is not None:
+            runtime = get_runtime()
+            wanted = runtime.index(device)
+            if wanted != index:
+                raise DeviceError(
+                    f"the IPC handle names an event of {backend_name}:{index}, not of "
+                    f"{runtime.device(wanted)}; pass that device, or None"
+                )
+        return _open_event(ticket, backend_name, index, uuid)
+
+    def _export(self) -> tuple[ExportTicket, str, int, str]:
+        """This event's export (one, however often it is shared): the broker's ticket, and
+        the backend, device index and device UUID an importer checks it against."""
         self._check_open()
         if not self._interprocess:
             raise InvalidValueError(
@@ -206,7 +258,7 @@ class Event:
             # "create it with interprocess=True"): say what to do, as for an opened buffer.
             raise NotSupportedError(
                 f"{self!r} was opened from process {self._opened_from}; pickle the event in the process "
-                "that created it instead (an opened event is not exported again)"
+                "that created it instead, or call ipc_handle() there (an opened event is not exported again)"
             )
         index = self._device if self._device is not None else self._runtime.current_index
         handle = self._ensure(index)
@@ -230,11 +282,47 @@ class Event:
                 ticket = self._ticket = broker().offer(
                     "event", export_origin(backend.name, index, uuid), payload, fds, target, hold=False
                 )
-        return _open_event, (ticket, backend.name, index, uuid)
+        return ticket, backend.name, index, uuid
 
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidHandleError(f"{self!r} was closed; create a new accel.Event")
+
+
+# What Event.ipc_handle() starts with: the format, versioned, so that bytes of another
+# kind (torch's 64-byte cudaIpcEventHandle_t, a damaged handle) are told apart.
+_IPC_HANDLE_PREFIX = b"accel-event-ipc-1:"
+_HEX = re.compile(r"(?:[0-9a-f]{2})+")
+
+
+def _read_ipc_handle(handle: object) -> tuple[ExportTicket, str, int, str]:
+    """The ticket, backend, device index and UUID an :meth:`Event.ipc_handle` holds."""
+    if not isinstance(handle, (bytes, bytearray, memoryview)):
+        raise InvalidValueError(
+            f"handle={handle!r} ({type(handle).__name__}) is not an IPC handle: pass the bytes "
+            "accel.Event.ipc_handle() returned in the exporting process"
+        )
+    data = bytes(handle)
+    fields: object = None
+    if data.startswith(_IPC_HANDLE_PREFIX):
+        try:
+            fields = json.loads(data[len(_IPC_HANDLE_PREFIX) :])
+        except ValueError:  # not UTF-8, not JSON
+            pass
+    if isinstance(fields, dict):
+        address, token, pid = fields.get("address"), fields.get("token"), fields.get("pid")
+        backend_name, index, uuid = fields.get("backend"), fields.get("device"), fields.get("uuid")
+        if (
+            isinstance(address, str) and _HEX.fullmatch(address) and isinstance(token, str)
+            and isinstance(pid, int) and not isinstance(pid, bool)
+            and isinstance(index, int) and not isinstance(index, bool)
+            and isinstance(backend_name, str) and isinstance(uuid, str)
+        ):  # what each names is checked when it is opened (open_export, check_device)
+            return ExportTicket(bytes.fromhex(address), token, pid), backend_name, index, uuid
+    raise InvalidHandleError(
+        f"{data[:40]!r}... is not an accel event IPC handle (damaged, or made by another library, "
+        "such as torch's): pass the bytes accel.Event.ipc_handle() returned in the exporting process"
+    )
 
 
 def _open_event(ticket: ExportTicket, backend_name: str, index: int, uuid: str) -> Event:

@@ -400,6 +400,25 @@ def test_staging_used_by_a_capture_and_freed_after_it_stays_the_graphs(rt) -> No
     assert allocate_host(n).ptr == used_by_g  # back in the cache once the graph is gone
 
 
+def test_staging_a_capture_copies_from_is_the_graphs_until_it_is_gone_without_record_stream(rt) -> None:
+    # As a device buffer the captured work uses: the graph holds it (before, a HostBuffer
+    # freed after the capture was reused at once, and the replays read the next owner's data).
+    n = 4096
+    dst = allocate(n)
+    staging = allocate_host(n)
+    g = accel.Graph()
+    with accel.graph(g):
+        accel.current_stream().copy(dst, staging)
+    used_by_g = staging.ptr
+    staging.free()
+    h = allocate_host(n)
+    assert h.ptr != used_by_g  # g's replays still read the block
+    h.free()
+    g.reset()
+    accel.synchronize()
+    assert allocate_host(n).ptr == used_by_g  # back in the cache once the graph let go
+
+
 def test_a_captured_copy_from_pageable_host_memory_is_refused_where_cuda_refuses_it(rt) -> None:
     if rt.name != "cuda":
         pytest.skip(f"the {rt.name} backend copies from any host memory, captured or not")
