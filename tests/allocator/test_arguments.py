@@ -4,7 +4,7 @@ are accel errors that name the argument, and leave the allocator as it was: comp
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -37,6 +37,8 @@ class _Things:
         host_freed = self.host.malloc(1000)
         self.host.free(host_freed)
         self.other = DeviceAllocator(self.allocator.backend, 0, AllocatorConfig())
+        self.other_block = self.other.malloc(1000, self.stream)
+        self.buffer = accel.memory.allocate(1000)
         self.named: dict[str, object] = {
             "a stream": self.stream,
             "a closed stream": closed,
@@ -44,23 +46,36 @@ class _Things:
             "a torch stream": torch.Stream("cpu"),
             "a block": self.block,
             "a freed block": freed,
-            "a block of another allocator": self.other.malloc(1000, self.stream),
+            "a block of another allocator": self.other_block,
             "a host block": self.host_block,
             "a freed host block": host_freed,
-            "a buffer": accel.memory.allocate(1000),
+            "a buffer": self.buffer,
             "an event": accel.Event(),
             "an AllocatorConfig": AllocatorConfig(),
         }
+
+    def free(self) -> None:
+        self.allocator.free(self.block)
+        self.host.free(self.host_block)
+        self.other.free(self.other_block)
+        self.buffer.free()
 
 
 _things: _Things | None = None
 
 
 def things() -> _Things:
-    global _things
-    if _things is None:
-        _things = _Things()
+    assert _things is not None, "made by the module's fixture"
     return _things
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _made() -> Iterator[None]:
+    global _things
+    _things = _Things()
+    yield
+    _things.free()  # the other tests count what is allocated
+    _things = None
 
 
 # What a caller may pass by mistake: plain values, and live accel objects of the wrong kind.
