@@ -7,6 +7,10 @@ to act on.
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
 __all__ = [
     "AccelError",
     "AllocatorConfigError",
@@ -19,6 +23,7 @@ __all__ = [
     "InvalidValueError",
     "NotSupportedError",
     "OutOfMemoryError",
+    "warn_at_caller",
 ]
 
 
@@ -119,3 +124,27 @@ class OutOfMemoryError(AccelError, MemoryError):
 
 class AllocatorConfigError(AccelError, ValueError):
     """An allocator configuration string or value is invalid."""
+
+
+# accel's own directory: a warning is attributed to the first frame outside it.
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_at_caller(message: str, category: type[Warning]) -> None:
+    """``warnings.warn``, attributed to the line outside accel that led here.
+
+    A fixed ``stacklevel`` names the right line from one call path only; the
+    allocator's configuration is read from many (``accel.memory_stats()``, the
+    first allocation, a ``set_settings()``), so the frames of accel are skipped
+    instead: the warning names the user's file and line, and a filter on
+    ``module=`` matches the user's module.
+    """
+    if sys.version_info >= (3, 12):
+        warnings.warn(message, category, skip_file_prefixes=(_PACKAGE,))
+        return
+    frame = sys._getframe(1)
+    level = 2  # stacklevel 1 is this function, 2 its caller
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, category, stacklevel=level)

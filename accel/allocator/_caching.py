@@ -37,14 +37,21 @@ from __future__ import annotations
 import sys
 import threading
 import time
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from accel._native import speedups
-from accel._errors import AccelError, CaptureError, DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
+from accel._errors import (
+    AccelError,
+    CaptureError,
+    DeviceError,
+    InvalidHandleError,
+    InvalidValueError,
+    OutOfMemoryError,
+    warn_at_caller,
+)
 from accel.allocator import _stats as S
 from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED, Block, Pool, PrivatePool, Segment
 from accel.allocator._fork import track_lock
@@ -303,11 +310,10 @@ class DeviceAllocator:
         self._expandable = bool(config.expandable_segments) and self._vm
         self._keep_free = config.expandable_keep_free
         if config.expandable_segments and not self._vm:
-            warnings.warn(
+            warn_at_caller(
                 f"expandable_segments:True has no effect on {self._name}: its memory resource has "
                 "no virtual memory, so segments stay plain allocations",
                 AllocatorConfigWarning,
-                stacklevel=3,
             )
         if not self._fraction_explicit:
             self._set_fraction(config.per_process_memory_fraction, explicit=False)
