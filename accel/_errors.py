@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from types import FrameType
 
 __all__ = [
     "AccelError",
@@ -142,9 +143,21 @@ def warn_at_caller(message: str, category: type[Warning]) -> None:
     if sys.version_info >= (3, 12):
         warnings.warn(message, category, skip_file_prefixes=(_PACKAGE,))
         return
-    frame = sys._getframe(1)
-    level = 2  # stacklevel 1 is this function, 2 its caller
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    # What skip_file_prefixes does: the stack level of the first frame outside accel,
+    # counted as warnings counts (the import system's own frames are not counted).
+    frame = sys._getframe(0)
+    level = 1
+    while frame.f_back is not None:
         frame = frame.f_back
+        if _is_import_system(frame):
+            continue
         level += 1
+        if not frame.f_code.co_filename.startswith(_PACKAGE):
+            break
     warnings.warn(message, category, stacklevel=level)
+
+
+def _is_import_system(frame: FrameType) -> bool:
+    """Whether warnings skips ``frame`` when it counts the stack level."""
+    filename = frame.f_code.co_filename
+    return "importlib" in filename and "_bootstrap" in filename
