@@ -4,6 +4,7 @@ code runs, links and the accel names the pages mention exist."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import re
 import subprocess
@@ -28,6 +29,54 @@ def test_api_reference_is_up_to_date(monkeypatch):
     spec.loader.exec_module(gen_api)
     monkeypatch.setenv("COLUMNS", "100")
     assert (DOCS / "api.md").read_text() == gen_api.render(), "docs/api.md is out of date: run `python docs/gen_api.py`"
+
+
+def _public_modules() -> list[str]:
+    """accel and each module under it that defines __all__ and has no part of its name
+    starting with ``_``: what the public API is made of."""
+    import pkgutil
+
+    import accel
+
+    names = ["accel"] + [
+        info.name for info in pkgutil.walk_packages(accel.__path__, "accel.")
+        if not any(part.startswith("_") for part in info.name.split("."))
+    ]
+    return [name for name in names if hasattr(importlib.import_module(name), "__all__")]
+
+
+def _public_names() -> dict[str, object]:
+    """Every name in __all__ of a public module (less submodules) and its object."""
+    found = {}
+    for module_name in _public_modules():
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            value = getattr(module, name)
+            if not inspect.ismodule(value):
+                found[f"{module_name}.{name}"] = value
+    return found
+
+
+def test_api_reference_lists_the_public_api_and_only_it():
+    headings = re.findall(r"^### `(accel\.[\w.]+)", (DOCS / "api.md").read_text(), flags=re.M)
+    assert len(headings) == len(set(headings)), "a name is documented twice"
+    public = _public_names()
+    assert not sorted(set(headings) - set(public)), "api.md documents names no public __all__ exports"
+    documented = [public[name] for name in headings]
+    missing = [name for name, value in public.items()
+               if name not in headings and not any(value is other for other in documented)]
+    assert not missing, "public names missing from api.md (add their module to SECTIONS in docs/gen_api.py)"
+
+
+def test_allocator_exports_no_machinery():
+    # What the allocator's layers above use is imported from its own module, not made public.
+    import accel.allocator
+
+    machinery = {"AllocatorRegistry", "registry", "allocators", "Block", "BufferExports", "install_exports",
+                 "check_pool_id", "new_private_pool_id", "current_allocator", "HostCachingAllocator",
+                 "full_snapshot", "summary"}
+    assert not machinery & set(accel.allocator.__all__)
+    assert not machinery & set(dir(accel.allocator))
 
 
 def test_getting_started_runs_on_the_host_backend(tmp_path):
