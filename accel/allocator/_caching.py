@@ -645,7 +645,7 @@ class DeviceAllocator:
         # uses 2 MiB pages (or the granularity, if larger) for both pools: the
         # last page of a segment is the waste expandable segments still have,
         # and 20 MiB of it per stream dominates models of a few hundred MiB
-        # (measured in docs/benchmarks.md); the price is more map calls.
+        # (measured in docs/archive/benchmarks-history.md); the price is more map calls.
         unit = self.upstream.vm_granularity()
         return -(-SMALL_BUFFER // unit) * unit
 
@@ -718,7 +718,7 @@ class DeviceAllocator:
         of the live block before (if any); at the end, that of the live block after.
         Only ``b``, the best fit, is looked at: trying the next larger free blocks
         as well gave no better peaks on the traces of bench_expandable.py
-        (docs/benchmarks.md) and costs a search per allocation.
+        (docs/archive/benchmarks-history.md) and costs a search per allocation.
         """
         rest = b.size - size
         if rest < KB_MIN:
