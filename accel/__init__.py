@@ -54,13 +54,19 @@ from accel._facade import (
     set_stream,
     synchronize,
 )
+from accel import _runtime
 from accel.backends.base import DeviceProperties
 from accel.stream import Event, ExternalStream, Stream
 
-# The interop layer gives buffers their exchange formats (DLPack, CUDA Array
-# Interface) when it loads; it imports neither torch nor numpy.
-from accel import _interop  # noqa: F401
-from accel._interop import from_dlpack
+
+def _load_interop() -> None:
+    # The interop layer gives buffers their exchange formats (DLPack, CUDA Array
+    # Interface) when it loads. It imports the allocator, so it is loaded on first
+    # need: a buffer's first export, or a name below that lives there.
+    from accel import _interop  # noqa: F401
+
+
+_runtime.install_interop_loader(_load_interop)
 
 __version__ = "0.1.0"
 
@@ -123,6 +129,7 @@ if TYPE_CHECKING:
     # What __getattr__ below loads on first use, spelled out for type checkers so
     # that accel.Graph, accel.memory_stats() or accel.empty() have their real types.
     from accel import allocator, backends, distributed, graph, memory, stream
+    from accel._interop import from_dlpack
     from accel._interop.torch import as_tensor, empty
     from accel.allocator.config import AllocatorConfigWarning
     from accel.graph import (
@@ -154,6 +161,7 @@ _LAZY_NAMES = {
     "AllocatorConfigWarning": "accel.allocator.config",
     "graph_pool_handle": "accel.graph",
     "as_tensor": "accel._interop.torch",
+    "from_dlpack": "accel._interop",
     "Graph": "accel.graph",
     "GraphCacheWarning": "accel.graph",
     "compile_graph": "accel.graph",
@@ -189,4 +197,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY_MODULES, *_LAZY_NAMES])
+    # The public names (what tab completion and help() offer), not this module's
+    # own imports and helpers; the module's dunders stay, as on any module.
+    dunders = (name for name in globals() if name.startswith("__") and name.endswith("__"))
+    return sorted({*__all__, *_LAZY_MODULES, *_LAZY_NAMES, *dunders})

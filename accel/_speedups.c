@@ -23,6 +23,14 @@
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 
+/* The CRC-32 of this file, passed by setup.py. accel/_native.py compares it with the
+ * source beside the package and refuses a module built from another version of it: an
+ * old build (in build/ or in the tree, kept when a later build had no compiler) reads
+ * slots and calls methods that the current Python code may no longer have. */
+#ifndef ACCEL_SPEEDUPS_SOURCE_CRC32
+#error "build accel/_speedups.c through setup.py: it defines ACCEL_SPEEDUPS_SOURCE_CRC32, checked by accel/_native.py"
+#endif
+
 /* -- what install_allocator() was given ------------------------------------------ */
 
 static PyTypeObject *Block_T, *Segment_T, *Pool_T, *FreeList_T, *Counts_T, *Every_T;
@@ -2589,7 +2597,8 @@ PyInit__speedups(void)
     Py_INCREF(&SteadyCall_T);
     Py_INCREF(&CallHead_T);
     if (PyModule_AddObject(m, "SteadyCall", (PyObject *)&SteadyCall_T) < 0
-        || PyModule_AddObject(m, "_CallHead", (PyObject *)&CallHead_T) < 0) {
+        || PyModule_AddObject(m, "_CallHead", (PyObject *)&CallHead_T) < 0
+        || PyModule_AddStringConstant(m, "SOURCE_CRC32", ACCEL_SPEEDUPS_SOURCE_CRC32) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -7,9 +7,10 @@
 - :mod:`accel._interop.torch`: ``accel.empty`` and ``accel.as_tensor``.
 
 This layer sits above the allocator and the streams: buffers reach their
-exchange formats through :func:`accel.allocator.install_exports`, which this
-package calls when ``accel`` is imported. Nothing here imports torch or numpy
-until a function that needs them is called.
+exchange formats through :func:`accel.allocator._buffer.install_exports`, which this
+package calls when it is imported: by a buffer's first export (through the loader
+``accel`` gives the runtime) or by a name of ``accel`` that lives here. Nothing here
+imports torch or numpy until a function that needs them is called.
 """
 
 from accel._interop._consume import ForeignBuffer, from_dlpack
@@ -19,7 +20,7 @@ from accel._interop._dlpack import (
 )
 from accel._interop._host import host_memoryview
 from accel._interop.torch import as_tensor, empty
-from accel.allocator import install_exports
+from accel.allocator._buffer import install_exports
 
 __all__ = [
     "DLDeviceType",
@@ -35,7 +36,7 @@ __all__ = [
 
 
 class _BufferExports:
-    """The exchange formats of accel buffers (see accel.allocator.BufferExports)."""
+    """The exchange formats of accel buffers (see accel.allocator._buffer.BufferExports)."""
 
     to_capsule = staticmethod(to_capsule)
     dlpack_device = staticmethod(dlpack_device)

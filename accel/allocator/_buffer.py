@@ -6,8 +6,9 @@ memory; a :class:`Buffer` or :class:`HostBuffer` goes back to its cache on
 
 A Buffer speaks DLPack (and the CUDA Array Interface on CUDA). Those exchange
 formats live in :mod:`accel._interop`, a layer above this one: it installs
-them here (:func:`install_exports`) when ``accel`` is imported, so this
-module never imports it.
+them here (:func:`install_exports`) when it is imported, which the first
+export asks for through the loader ``accel`` gave the runtime
+(:func:`accel._runtime.load_interop`), so this module never imports it.
 
 >>> from accel.allocator import allocate
 >>> with allocate(4096) as buf:
@@ -22,8 +23,6 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
-from typing_extensions import Self
-
 from accel import _runtime
 from accel._device import Device, DeviceLike
 from accel._native import speedups
@@ -37,6 +36,8 @@ from accel.allocator._sharing import export_buffer
 from accel.stream import Stream, as_stream
 
 if TYPE_CHECKING:
+    from typing_extensions import Self  # typing's own from Python 3.11; only annotations need it
+
     from accel.allocator._blocks import Block
     from accel.allocator._caching import DeviceAllocator
 
@@ -86,8 +87,10 @@ def install_exports(exports: BufferExports) -> None:
 
 
 def _installed() -> BufferExports:
-    if _exports is None:  # only when accel/__init__.py was bypassed
-        raise NotSupportedError("accel's buffer exports are not installed: import accel first")
+    if _exports is None:
+        _runtime.load_interop()  # imports accel._interop, which calls install_exports
+        if _exports is None:
+            raise NotSupportedError("accel's buffer exports are not installed: import accel first")
     return _exports
 
 

@@ -37,14 +37,21 @@ from __future__ import annotations
 import sys
 import threading
 import time
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from accel._native import speedups
-from accel._errors import AccelError, CaptureError, DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
+from accel._errors import (
+    AccelError,
+    CaptureError,
+    DeviceError,
+    InvalidHandleError,
+    InvalidValueError,
+    OutOfMemoryError,
+    warn_at_caller,
+)
 from accel.allocator import _stats as S
 from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED, Block, Pool, PrivatePool, Segment
 from accel.allocator._fork import track_lock
@@ -306,11 +313,10 @@ class DeviceAllocator:
         self._expandable = bool(config.expandable_segments) and self._vm
         self._keep_free = config.expandable_keep_free
         if config.expandable_segments and not self._vm:
-            warnings.warn(
+            warn_at_caller(
                 f"expandable_segments:True has no effect on {self._name}: its memory resource has "
                 "no virtual memory, so segments stay plain allocations",
                 AllocatorConfigWarning,
-                stacklevel=3,
             )
         if not self._fraction_explicit:
             self._set_fraction(config.per_process_memory_fraction, explicit=False)
@@ -661,7 +667,7 @@ class DeviceAllocator:
         # uses 2 MiB pages (or the granularity, if larger) for both pools: the
         # last page of a segment is the waste expandable segments still have,
         # and 20 MiB of it per stream dominates models of a few hundred MiB
-        # (measured in docs/benchmarks.md); the price is more map calls.
+        # (measured in docs/archive/benchmarks-history.md); the price is more map calls.
         unit = self.upstream.vm_granularity()
         return -(-SMALL_BUFFER // unit) * unit
 
@@ -734,7 +740,7 @@ class DeviceAllocator:
         of the live block before (if any); at the end, that of the live block after.
         Only ``b``, the best fit, is looked at: trying the next larger free blocks
         as well gave no better peaks on the traces of bench_expandable.py
-        (docs/benchmarks.md) and costs a search per allocation.
+        (docs/archive/benchmarks-history.md) and costs a search per allocation.
         """
         rest = b.size - size
         if rest < KB_MIN:

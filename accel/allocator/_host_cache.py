@@ -96,7 +96,7 @@ class HostBlock:
 class HostCachingAllocator:
     """Staging memory of one backend, cached by rounded size.
 
-    >>> from accel.allocator import HostCachingAllocator
+    >>> from accel.allocator._host_cache import HostCachingAllocator
     >>> from accel.backends.cpu import CpuBackend
     >>> from accel.allocator.config import AllocatorConfig
     >>> host = HostCachingAllocator(CpuBackend(1, None), AllocatorConfig())

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from accel._errors import CaptureError, DeviceError, HostFunctionError, InvalidHandleError, InvalidValueError
 from accel._runtime import Runtime, get_runtime
-from accel.allocator import empty_cache, registry
+from accel.allocator import empty_cache
+from accel.allocator._registry import registry
 from accel.backends.base import CaptureMode
 from accel.graph import _integration
 from accel.graph._pool import PoolId, PoolLease, check_pool_id, new_private_pool_id

@@ -7,13 +7,15 @@ import re
 import sys
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from accel._device import Device, DeviceLike
 from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, NotSupportedError
 from accel._runtime import Runtime, get_runtime
-from accel.backends._sharing import ExportTicket, broker, check_device, export_origin, open_export
 from accel.stream._stream import Stream, as_stream
+
+if TYPE_CHECKING:
+    from accel.backends._sharing import ExportTicket
 
 __all__ = ["Event"]
 
@@ -269,6 +271,9 @@ class Event:
                 "has no IPC support here)"
             )
         uuid = backend.device_properties(index).uuid
+        # Sharing loads sockets, secrets and JSON: not at `import accel`, at the first export.
+        from accel.backends._sharing import broker, export_origin
+
         with self._lock:
             ticket = self._ticket
             if ticket is None:
@@ -327,6 +332,8 @@ def _read_ipc_handle(handle: object) -> tuple[ExportTicket, str, int, str]:
 
 def _open_event(ticket: ExportTicket, backend_name: str, index: int, uuid: str) -> Event:
     """Open an event exported by another process (what unpickling an Event calls)."""
+    from accel.backends._sharing import check_device, export_origin, open_export
+
     what = f"an event of {backend_name}:{index} from another process"
     runtime = get_runtime()
     backend = runtime.backend
