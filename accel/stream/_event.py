@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import threading
@@ -222,6 +221,8 @@ class Event:
             "address": ticket.address.hex(), "token": ticket.token, "pid": ticket.pid,
             "backend": backend_name, "device": index, "uuid": uuid,
         }  # fmt: skip
+        import json  # here, not at import: `import accel` loads no JSON (tests/test_facade.py)
+
         return _IPC_HANDLE_PREFIX + json.dumps(fields, separators=(",", ":")).encode()
 
     @classmethod
@@ -307,6 +308,10 @@ def _read_ipc_handle(handle: object) -> tuple[ExportTicket, str, int, str]:
             f"handle={handle!r} ({type(handle).__name__}) is not an IPC handle: pass the bytes "
             "accel.Event.ipc_handle() returned in the exporting process"
         )
+    import json  # here, not at import: `import accel` loads no JSON
+
+    from accel.backends._sharing import ExportTicket
+
     data = bytes(handle)
     fields: object = None
     if data.startswith(_IPC_HANDLE_PREFIX):
