@@ -5,8 +5,9 @@ While a :class:`~accel.graph.Graph` captures on the host backend, a
 stream capture, the capture *records* the program and runs none of it:
 
 - an op that makes new tensors has its output sizes, strides and dtypes
-  inferred on meta tensors (where an op has no meta kernel, on scratch
-  copies of its inputs that nothing else sees), and gets *static* outputs:
+  inferred on fake CPU tensors (torch's meta kernels, told the device; where
+  an op has no meta kernel, on scratch copies of its inputs that nothing
+  else sees), and gets *static* outputs:
   tensors over memory from the graph's private pool, at fixed addresses,
   zero until the first replay. Replay calls the op's ``out=`` overload into
   them (or, where an op has none, or several results and only torch's
@@ -69,6 +70,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, UnsupportedOperatorException
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -799,7 +801,7 @@ class Recorder(TorchDispatchMode):
     def _static_like(self, t: torch.Tensor) -> torch.Tensor:
         """A tensor with ``t``'s size, strides and dtype over pool memory, zero until a replay writes it."""
         nbytes = t.untyped_storage().nbytes()
-        if t.device.type == "meta":
+        if isinstance(t, FakeTensor):
             nbytes = _storage_bytes(t)
         with torch.inference_mode(False):
             static = torch.empty((0,), dtype=t.dtype)
@@ -842,7 +844,7 @@ class Recorder(TorchDispatchMode):
             segment.position = _capture_position(self._runtime, self._device, handle)
             self._program.segments.append(segment)
             self._open = segment
-        args, kwargs = tree_map(_snapshot, (args, kwargs))
+        args, kwargs = _snapshots(args, kwargs)
         segment.steps.append((fn, args, kwargs, what, made))
         return args, kwargs
 
@@ -869,31 +871,41 @@ def _storage_bytes(t: torch.Tensor) -> int:
 def _infer(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, scratch: bool = True
 ) -> tuple[Any, bool]:
-    """Run ``func`` on meta stand-ins of its tensors: its outputs' sizes, strides and
-    dtypes without reading or writing any value; and whether an output aliases an input.
+    """Run ``func`` on fake CPU stand-ins of its tensors: its outputs' sizes, strides
+    and dtypes without reading or writing any value; and whether an output aliases
+    an input.
 
-    Ops without a meta kernel run on scratch copies of their inputs instead (with
-    ``scratch``): the result is thrown away, nothing the program sees is touched.
+    Fake tensors, not bare meta ones: a meta tensor has no device, and where a
+    kernel's layout depends on it, torch's meta kernels give another device's
+    (a convolution with channels-last weights: contiguous, where the CPU kernel
+    returns channels-last), so the later ops would replay on another layout than
+    eager. A fake tensor carries its device, which torch's fake kernels honour.
+
+    Ops that fake tensors cannot run (no meta kernel) run on scratch copies of
+    their inputs instead (with ``scratch``): the result is thrown away, nothing
+    the program sees is touched.
     """
-    metas: dict[int, torch.Tensor] = {}
+    mode = _fake_mode()
+    fakes: dict[int, torch.Tensor] = {}
 
-    def to_meta(v: Any) -> Any:
+    def to_fake(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
-            m = metas.get(id(v))
-            if m is None:
-                m = metas[id(v)] = torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device="meta")
-            return m
+            f = fakes.get(id(v))
+            if f is None:
+                f = fakes[id(v)] = torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=v.device)
+            return f
         return v
 
-    meta_args, meta_kwargs = tree_map(to_meta, (args, kwargs))
     try:
-        result = func(*meta_args, **meta_kwargs)
-        storages = {m.untyped_storage()._cdata for m in metas.values()}
+        with mode:
+            fake_args, fake_kwargs = tree_map(to_fake, (args, kwargs))
+            result = func(*fake_args, **fake_kwargs)
+        storages = {f.untyped_storage()._cdata for f in fakes.values()}
         aliases = any(
             isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in storages for t in tree_flatten(result)[0]
         )
         return result, aliases
-    except NotImplementedError:
+    except (NotImplementedError, UnsupportedOperatorException):
         if not scratch:
             raise
     copies: dict[int, torch.Tensor] = {}
@@ -911,6 +923,17 @@ def _infer(
     storages = {_storage_ptr(c) for c in copies.values()}
     aliases = any(isinstance(t, torch.Tensor) and _storage_ptr(t) in storages for t in tree_flatten(result)[0])
     return result, aliases
+
+
+_fake = threading.local()
+
+
+def _fake_mode() -> Any:
+    """This thread's mode for :func:`_infer` (one per thread: a mode is not shared)."""
+    mode = getattr(_fake, "mode", None)
+    if mode is None:
+        mode = _fake.mode = FakeTensorMode(allow_fallback_kernels=False)
+    return mode
 
 
 def _written_returns(schema: Any, bound: list[tuple[Any, Any]]) -> dict[int, torch.Tensor]:
@@ -939,6 +962,21 @@ def _snapshot(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.dim() > 0:
         return value.as_strided(value.size(), value.stride(), value.storage_offset())
     return value
+
+
+def _snapshots(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """:func:`_snapshot` of each argument, one alias per tensor object: a kernel may
+    check that two arguments are one tensor (``_native_multi_head_attention``
+    projects query, key and value in one matrix product when they are), and
+    aliases of one input would take another path than eager, with other rounding."""
+    aliases: dict[int, Any] = {}
+
+    def snapshot(value: Any) -> Any:
+        if id(value) not in aliases:
+            aliases[id(value)] = _snapshot(value)
+        return aliases[id(value)]
+
+    return tree_map(snapshot, (args, kwargs))  # type: ignore[no-any-return]
 
 
 @functools.cache
