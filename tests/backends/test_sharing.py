@@ -408,3 +408,37 @@ def test_an_answer_of_hundreds_of_descriptors_arrives_whole() -> None:
         cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
     )
     assert result.stdout.split() == ["payload", "300", "300"], result.stdout + result.stderr
+
+
+# -- SIGPIPE: a peer that hangs up must not kill the process that writes to it ----------
+
+HUNG_UP_ON = """
+import os, signal, socket, time, weakref
+from accel.backends._sharing import broker
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # as command-line tools piping into `head` do
+class Kept: pass
+kept = Kept()
+address = broker().offer("test", "here", b"payload", [], weakref.ref(kept), hold=True).address
+child = os.fork()
+if child == 0:
+    os.setuid(65534)
+    for _ in range(20):  # connect and hang up before the broker's refusal arrives
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(address)
+        s.close()
+    os._exit(0)
+os.waitpid(child, 0)
+time.sleep(0.5)
+print("alive", broker().stats()["exports"], flush=True)
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another user")
+def test_another_user_who_hangs_up_does_not_kill_the_exporter() -> None:
+    # The broker wrote its refusal without MSG_NOSIGNAL: another user that connects and
+    # closes at once killed an exporter whose SIGPIPE is the default (exit 141).
+    result = subprocess.run(
+        [sys.executable, "-c", HUNG_UP_ON], capture_output=True, text=True, cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
+    )
+    assert result.returncode == 0 and result.stdout.split() == ["alive", "1"], (result.returncode, result.stderr)
