@@ -270,8 +270,11 @@ def _send_answer(conn: socket.socket, export: _Export) -> None:
     """Send an export's payload and descriptors: the first batch of descriptors with
     the header and payload, each further batch with one byte."""
     fds = export.fds
-    head = _HEADER.pack(b"K", len(export.payload), len(fds))
-    socket.send_fds(conn, [head, export.payload], fds[:_FDS_PER_MESSAGE], _SEND)
+    first = _HEADER.pack(b"K", len(export.payload), len(fds)) + export.payload
+    # sendmsg sends what fits in the socket's buffer (the descriptors go with the
+    # first byte): the rest of a long answer follows as plain bytes.
+    sent = socket.send_fds(conn, [first], fds[:_FDS_PER_MESSAGE], _SEND)
+    conn.sendall(first[sent:], _SEND)
     for at in range(_FDS_PER_MESSAGE, len(fds), _FDS_PER_MESSAGE):
         socket.send_fds(conn, [_MORE], fds[at : at + _FDS_PER_MESSAGE], _SEND)
 
