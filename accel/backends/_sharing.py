@@ -373,7 +373,7 @@ def description(payload: bytes, where: str) -> dict[str, Any]:
     """The JSON object ``payload`` holds, or InvalidHandleError naming ``where``."""
     try:
         layout = json.loads(payload)
-    except ValueError:  # not UTF-8, not JSON
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, nested past the recursion limit
         layout = None
     if not isinstance(layout, dict):
         raise _damaged(where, f"{payload[:40]!r} is not a description")
