@@ -80,6 +80,10 @@ _MAX_ANSWER = 1 << 20
 # How long an importer waits for the exporter's broker to answer (it answers
 # from its own thread, so only a stopped or swapped-out exporter is this slow).
 _ANSWER_TIMEOUT_S = 60.0
+# Every send: a peer that hung up is EPIPE, never SIGPIPE (a process whose SIGPIPE is
+# the default, as command-line tools set it, would die of any connection closed early,
+# another user's included).
+_SEND = socket.MSG_NOSIGNAL
 
 
 @dataclass(frozen=True)
@@ -197,7 +201,7 @@ class Broker:
         if uid != os.getuid():
             message = b"only processes of the same user may open accel exports"
             try:
-                conn.sendall(_HEADER.pack(b"E", len(message), 0) + message)
+                conn.sendall(_HEADER.pack(b"E", len(message), 0) + message, _SEND)
             except OSError:
                 pass
             conn.close()
@@ -240,7 +244,7 @@ class Broker:
                 "before this process opened it (keep it alive in the exporting process until "
                 "every importer has opened it)"
             ).encode()
-            conn.sendall(_HEADER.pack(b"E", len(message), 0) + message)
+            conn.sendall(_HEADER.pack(b"E", len(message), 0) + message, _SEND)
             conn.close()
             return
         if not export.hold:
@@ -266,10 +270,13 @@ def _send_answer(conn: socket.socket, export: _Export) -> None:
     """Send an export's payload and descriptors: the first batch of descriptors with
     the header and payload, each further batch with one byte."""
     fds = export.fds
-    head = _HEADER.pack(b"K", len(export.payload), len(fds))
-    socket.send_fds(conn, [head, export.payload], fds[:_FDS_PER_MESSAGE])
+    first = _HEADER.pack(b"K", len(export.payload), len(fds)) + export.payload
+    # sendmsg sends what fits in the socket's buffer (the descriptors go with the
+    # first byte): the rest of a long answer follows as plain bytes.
+    sent = socket.send_fds(conn, [first], fds[:_FDS_PER_MESSAGE], _SEND)
+    conn.sendall(first[sent:], _SEND)
     for at in range(_FDS_PER_MESSAGE, len(fds), _FDS_PER_MESSAGE):
-        socket.send_fds(conn, [_MORE], fds[at : at + _FDS_PER_MESSAGE])
+        socket.send_fds(conn, [_MORE], fds[at : at + _FDS_PER_MESSAGE], _SEND)
 
 
 def _batches(count: int) -> int:
@@ -366,7 +373,7 @@ def description(payload: bytes, where: str) -> dict[str, Any]:
     """The JSON object ``payload`` holds, or InvalidHandleError naming ``where``."""
     try:
         layout = json.loads(payload)
-    except ValueError:  # not UTF-8, not JSON
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, nested past the recursion limit
         layout = None
     if not isinstance(layout, dict):
         raise _damaged(where, f"{payload[:40]!r} is not a description")
@@ -456,7 +463,7 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
                 "Keep the exporting process alive while others use what it shares."
             ) from None
         _check_peer(sock, ticket, what)
-        sock.sendall(ticket.token.encode("ascii"))
+        sock.sendall(ticket.token.encode("ascii"), _SEND)
         status, body = _receive_answer(sock, fds, ticket, what)
     except TimeoutError:
         _close_all(sock, fds)

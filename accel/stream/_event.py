@@ -310,14 +310,14 @@ def _read_ipc_handle(handle: object) -> tuple[ExportTicket, str, int, str]:
         )
     import json  # here, not at import: `import accel` loads no JSON
 
-    from accel.backends._sharing import ExportTicket
+    from accel.backends._sharing import ExportTicket  # loaded at the first use of sharing
 
     data = bytes(handle)
     fields: object = None
     if data.startswith(_IPC_HANDLE_PREFIX):
         try:
             fields = json.loads(data[len(_IPC_HANDLE_PREFIX) :])
-        except ValueError:  # not UTF-8, not JSON
+        except (ValueError, RecursionError):  # not UTF-8, not JSON, nested past the recursion limit
             pass
     if isinstance(fields, dict):
         address, token, pid = fields.get("address"), fields.get("token"), fields.get("pid")

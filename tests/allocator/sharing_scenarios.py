@@ -487,6 +487,7 @@ def scenario_forged_descriptions() -> dict[str, Any]:
     forged: dict[str, Any] = {
         "not json": lambda: (b"not json", real()[1]),
         "a list": lambda: (b"[1, 2]", real()[1]),
+        "nested past the recursion limit": lambda: (b"[" * 100_000, real()[1]),  # RecursionError escaped
         "no descriptors": lambda: (real()[0], []),
         "no descriptors, no chunks": lambda: (json.dumps({**layout, "sizes": [], "pieces": []}).encode(), []),
         "pipes": lambda: (lambda p, f: (p, [pipe() for _ in f] or [pipe()]))(*real()),

@@ -408,3 +408,64 @@ def test_an_answer_of_hundreds_of_descriptors_arrives_whole() -> None:
         cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
     )
     assert result.stdout.split() == ["payload", "300", "300"], result.stdout + result.stderr
+
+
+# -- SIGPIPE: a peer that hangs up must not kill the process that writes to it ----------
+
+HUNG_UP_ON = """
+import os, signal, socket, time, weakref
+from accel.backends._sharing import broker
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # as command-line tools piping into `head` do
+class Kept: pass
+kept = Kept()
+address = broker().offer("test", "here", b"payload", [], weakref.ref(kept), hold=True).address
+child = os.fork()
+if child == 0:
+    os.setuid(65534)
+    for _ in range(20):  # connect and hang up before the broker's refusal arrives
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(address)
+        s.close()
+    os._exit(0)
+os.waitpid(child, 0)
+time.sleep(0.5)
+print("alive", broker().stats()["exports"], flush=True)
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another user")
+def test_another_user_who_hangs_up_does_not_kill_the_exporter() -> None:
+    # The broker wrote its refusal without MSG_NOSIGNAL: another user that connects and
+    # closes at once killed an exporter whose SIGPIPE is the default (exit 141).
+    result = subprocess.run(
+        [sys.executable, "-c", HUNG_UP_ON], capture_output=True, text=True, cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
+    )
+    assert result.returncode == 0 and result.stdout.split() == ["alive", "1"], (result.returncode, result.stderr)
+
+
+LONG_ANSWER_IMPORTER = """
+import pickle, sys
+from accel.backends import _sharing
+_sharing._ANSWER_TIMEOUT_S = 20.0
+ticket = pickle.loads(bytes.fromhex(sys.stdin.read()))
+try:
+    payload, fds, held = _sharing.open_export(ticket, "test", "here", "the test's export")
+    print("payload", len(payload), set(payload), flush=True)
+except Exception as exc:
+    print(type(exc).__name__, exc, flush=True)
+"""
+
+
+def test_an_answer_longer_than_the_sockets_buffer_arrives_whole() -> None:
+    # send_fds sends what fits in the socket's buffer (about 200 KiB) and the broker
+    # dropped the rest: the importer waited the whole answer timeout, then blamed a
+    # stopped exporter. (A buffer of thousands of chunks is described at that length.)
+    kept = Kept()
+    ticket = broker().offer("test", "here", b"x" * 900_000, [], lambda: kept, hold=True)
+    result = subprocess.run(
+        [sys.executable, "-c", LONG_ANSWER_IMPORTER], input=pickle.dumps(ticket).hex(), capture_output=True,
+        text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
+    )
+    assert result.stdout.split() == ["payload", "900000", "{120}"], result.stdout + result.stderr
+    assert wait_for(lambda: broker().stats()["holds"] == 0)

@@ -108,7 +108,8 @@ def test_ipc_handles_refuse_what_they_cannot_open(runtime) -> None:
         accel.Event.from_ipc_handle(None, handle)
     with pytest.raises(accel.DeviceError):  # another device (or one out of range)
         accel.Event.from_ipc_handle(1, handle)
-    forged = [b"", bytes(64), b"accel-event-ipc-1:{", handle.replace(b'"pid":', b'"pid":"x","was":', 1), handle[:-1]]
+    forged = [b"", bytes(64), b"accel-event-ipc-1:{", handle.replace(b'"pid":', b'"pid":"x","was":', 1), handle[:-1],
+              b"accel-event-ipc-1:" + b"[" * 100_000]  # RecursionError escaped json.loads
     for damaged in forged:  # torch's 64-byte cudaIpcEventHandle_t among them
         with pytest.raises(accel.InvalidHandleError, match="not an accel event IPC handle"):
             accel.Event.from_ipc_handle(None, damaged)
