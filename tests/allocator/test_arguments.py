@@ -12,7 +12,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import accel
-from accel.allocator import DeviceAllocator, HostCachingAllocator, get_allocator, registry
+from accel.allocator import DeviceAllocator, get_allocator
+from accel.allocator._host_cache import HostCachingAllocator
+from accel.allocator._registry import registry
 from accel.allocator._pool_ids import check_pool_id
 from accel.allocator.config import AllocatorConfig
 from tests.allocator.test_caching import check_invariants
