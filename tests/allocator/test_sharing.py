@@ -316,6 +316,85 @@ def test_a_full_descriptor_table_while_exporting_is_a_driver_error(backend: str)
         assert kind == "DriverError" and "EMFILE" in message, message
 
 
+# -- who answers for an exporter that exited; fork helpers of either end -------------------
+
+
+@pytest.mark.parametrize(
+    "user",
+    [
+        pytest.param(None, id="same-user"),
+        pytest.param(65534, id="nobody", marks=pytest.mark.skipif(os.geteuid() != 0, reason="needs root to setuid")),
+    ],
+)
+@backends
+def test_an_importer_refuses_a_process_that_took_the_address_of_an_exited_exporter(backend: str, user: int | None) -> None:
+    # The importer never asked who answered at the address its pickle names: once the
+    # exporter had exited, a process of any user could bind it and hand the importer
+    # its own memory as the buffer (the importer read the squatter's 0xee bytes).
+    pickles = run_scenario(backend, "print_pickle")
+    result = run_scenario(backend, "squatted", json.dumps({**pickles, "user": user}))
+    kind, message = result["result"]
+    assert kind == "InvalidHandleError", message
+    assert f"is pid {result['squatter']} of user {os.geteuid() if user is None else user}, not its exporter" in message, message
+    assert "another process took its address" in message, message
+    assert not result["asked"], "the importer sent the squatter the pickle's token"
+
+
+@backends
+def test_a_forked_helper_of_an_importer_does_not_keep_the_exporters_memory(backend: str) -> None:
+    # The helper inherited the importer's hold (its connection to the broker): the
+    # exporter kept the memory allocated until the helper exited.
+    result = run_scenario(backend, "importer_forks_a_helper")
+    assert result["seen"] == "66" * 16
+    assert result["holds"] == 0 and result["allocated"] == 0, result
+    assert result["exitcode"] == 0
+
+
+@segments
+@backends
+def test_a_forked_child_of_an_exporter_leaves_the_importers_hold_to_the_exporter(backend: str, alloc_conf: str) -> None:
+    # The child closes its copies of the broker's connections at the fork: that must
+    # end nothing for the exporter (the importer still holds the same connection), and
+    # dropping them must not run the allocator's frees inside the child's fork handler.
+    result = run_scenario(backend, "exporter_forks_while_an_importer_holds", alloc_conf=alloc_conf)
+    assert result["helper_status"] == 0 and result["helper_stderr"] == "", result["helper_stderr"]
+    assert result["holds_after_fork"] == 1
+    assert not result["reused_while_held"]
+    assert result["seen"] == result["seen_again"] == "77" * 16
+    assert result["after"] == {"exports": 0, "holds": 0} and result["allocated_after"] == 0
+    assert result["exitcode"] == 0
+
+
+@backends
+def test_opening_exports_of_an_exited_process_whose_forked_helper_lives_on_fails_at_once(backend: str) -> None:
+    # The helper inherited the broker's listening socket: the importer's connection
+    # was accepted into its backlog and nobody answered, so unpickling waited for the
+    # answer timeout (60 s) instead of saying that the exporter has exited.
+    pickles = run_scenario(backend, "fork_a_helper_then_exit")
+    helper = pickles.pop("helper")
+    try:
+        result = run_scenario(backend, "open_pickles_impatiently", json.dumps(pickles))
+        links = [os.readlink(f"/proc/{helper}/fd/{fd}") for fd in os.listdir(f"/proc/{helper}/fd")]
+    finally:
+        os.kill(helper, 9)
+    for name in ("buffer", "event"):
+        kind, message = result[name]
+        assert kind == "InvalidHandleError" and "has exited" in message, (name, message)
+    assert not [link for link in links if link.startswith("socket:")], links
+
+
+@segments
+@backends
+def test_programs_either_end_starts_inherit_none_of_its_descriptors(backend: str, alloc_conf: str) -> None:
+    # The importer received descriptors without close-on-exec (socket.recv_fds drops
+    # its flags): a program it started (close_fds=False, os.exec*) had them, for good
+    # where the backend keeps one (the host backend, an opened event's page).
+    result = run_scenario(backend, "programs_inherit_nothing", alloc_conf=alloc_conf)
+    assert result["holds"] == 1 and result["exitcode"] == 0
+    assert result["importer"] == [], result["importer"]
+    assert result["exporter"] == [], result["exporter"]
+
+
 # -- refusals in one process (the host backend) -----------------------------------------
 
 

@@ -469,3 +469,58 @@ def test_an_answer_longer_than_the_sockets_buffer_arrives_whole() -> None:
     )
     assert result.stdout.split() == ["payload", "900000", "{120}"], result.stdout + result.stderr
     assert wait_for(lambda: broker().stats()["holds"] == 0)
+
+# -- answers whose descriptors do not match their header --------------------------------
+
+# Answers every connection with a header announcing argv[2] descriptors and sends
+# argv[3] of them, then keeps the connection open and sends nothing more.
+LIAR = """
+import os, socket, sys
+from accel.backends._sharing import _HEADER, _label
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(bytes.fromhex(sys.argv[1]))
+listener.listen(4)
+print("listening", flush=True)
+body = _label("test") + _label("here")
+kept = []
+while True:
+    conn, _ = listener.accept()
+    conn.recv(32)
+    pipes = [os.pipe() for _ in range(int(sys.argv[3]))]
+    socket.send_fds(conn, [_HEADER.pack(b"K", len(body), int(sys.argv[2])) + body], [r for r, _ in pipes])
+    kept.append(conn)
+"""
+
+
+@pytest.mark.parametrize(
+    ("announced", "sent", "expected"),
+    [
+        (1 << 31, 1, "announced a 10-byte answer with 2147483648 descriptors"),
+        (1, 2, "sent 2 descriptors where it announced 1"),
+        (2, 1, "sent 1 descriptors where it announced 2"),
+    ],
+    ids=["more-than-anyone-holds", "more-than-announced", "fewer-than-announced"],
+)
+def test_an_answer_whose_descriptors_do_not_match_its_header_is_refused_leaking_none(
+    monkeypatch: pytest.MonkeyPatch, announced: int, sent: int, expected: str
+) -> None:
+    # The header states how many descriptors follow: the importer refuses a count no
+    # process could hold before receiving any, and an answer that brings more or fewer
+    # than it stated, closing what did come.
+    from accel.backends import _sharing
+
+    monkeypatch.setattr(_sharing, "_ANSWER_TIMEOUT_S", 2.0)  # what waiting for a missing part costs
+    address = f"\0accel-test-liar-{os.getpid()}".encode()
+    liar = subprocess.Popen(
+        [sys.executable, "-c", LIAR, address.hex(), str(announced), str(sent)],
+        stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    try:
+        assert liar.stdout is not None and liar.stdout.readline().strip() == "listening"
+        before = len(os.listdir("/proc/self/fd"))
+        with pytest.raises(accel.InvalidHandleError, match=expected):
+            open_export(ExportTicket(address, "ab" * 16, liar.pid), "test", "here", "an export")
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        liar.kill()
+        liar.wait(30)
