@@ -238,6 +238,17 @@ class Broker:
             self._forget_dead()
             export = self._exports.get(token)
             target = None if export is None else export.target()
+            # Copies taken under the lock: once it is released, another thread may close
+            # the export (an event closed) and _forget_dead its descriptors, whose numbers
+            # the process may then give to other files, which would be sent instead.
+            fds = [] if export is None or target is None else _dup_all(export.fds)
+        try:
+            self._send(conn, token, export, target, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _send(self, conn: socket.socket, token: str, export: _Export | None, target: object | None, fds: list[int]) -> None:
         if export is None or target is None:
             message = (
                 f"process {self.pid} no longer exports that object: it was freed or closed there "
@@ -248,7 +259,7 @@ class Broker:
             conn.close()
             return
         if not export.hold:
-            _send_answer(conn, export)
+            _send_answer(conn, export.payload, fds)
             conn.close()
             return
         # The hold is taken before the importer can map anything: from the moment
@@ -256,7 +267,7 @@ class Broker:
         with self._lock:
             self._holds[conn] = target
         self._selector.register(conn, selectors.EVENT_READ)
-        _send_answer(conn, export)
+        _send_answer(conn, export.payload, fds)
 
     def _release(self, conn: socket.socket) -> None:
         self._selector.unregister(conn)
@@ -266,11 +277,23 @@ class Broker:
         del target  # outside the lock: dropping the last reference may free memory
 
 
-def _send_answer(conn: socket.socket, export: _Export) -> None:
+def _dup_all(fds: list[int]) -> list[int]:
+    """Duplicates of ``fds`` (none left open if one fails: OSError)."""
+    copies: list[int] = []
+    try:
+        for fd in fds:
+            copies.append(os.dup(fd))
+    except OSError:
+        for fd in copies:
+            os.close(fd)
+        raise
+    return copies
+
+
+def _send_answer(conn: socket.socket, payload: bytes, fds: list[int]) -> None:
     """Send an export's payload and descriptors: the first batch of descriptors with
     the header and payload, each further batch with one byte."""
-    fds = export.fds
-    first = _HEADER.pack(b"K", len(export.payload), len(fds)) + export.payload
+    first = _HEADER.pack(b"K", len(payload), len(fds)) + payload
     # sendmsg sends what fits in the socket's buffer (the descriptors go with the
     # first byte): the rest of a long answer follows as plain bytes.
     sent = socket.send_fds(conn, [first], fds[:_FDS_PER_MESSAGE], _SEND)

@@ -524,3 +524,37 @@ def test_an_answer_whose_descriptors_do_not_match_its_header_is_refused_leaking_
     finally:
         liar.kill()
         liar.wait(30)
+
+
+def test_an_export_closed_while_it_is_answered_sends_its_own_descriptors(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The broker looked an export up under its lock and sent its descriptors after
+    # releasing it: an event closed on another thread in between had them closed
+    # (_forget_dead), and the send used numbers the process had given to other files.
+    from accel.backends import _sharing
+
+    read, write = os.pipe()
+    os.write(write, b"mine")
+    os.close(write)
+    alive: list[object] = [Kept()]
+    ticket = broker().offer("test", "here", b"payload", [read], lambda: alive[0] if alive else None, hold=False)
+    original = _sharing._send_answer
+    decoys: list[int] = []
+
+    def closed_meanwhile(conn: object, payload: bytes, fds: list[int]) -> None:
+        alive.clear()  # the export is closed on another thread...
+        with broker()._lock:
+            broker()._forget_dead()  # ...which closes its descriptors
+        other, end = os.pipe()  # and the process opens other files
+        os.write(end, b"else")
+        os.close(end)
+        decoys.append(other)
+        original(conn, payload, fds)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_sharing, "_send_answer", closed_meanwhile)
+    importer = start_importer(ticket)
+    try:
+        out, _ = importer.communicate("\n\n", timeout=60)
+    finally:
+        for fd in decoys:
+            os.close(fd)
+    assert out.split()[:2] == ["payload", "mine"], out
