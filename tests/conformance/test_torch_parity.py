@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
 
-def test_default_stream_is_the_device_s_default_as_torch_cuda_default_stream(runtime) -> None:
+def test_default_stream_is_the_device_s_default_as_in_torch(runtime) -> None:
     default = accel.default_stream()
     assert default.native_handle == runtime.backend.default_stream(0)
     assert default == accel.current_stream() == accel.default_stream(0) == accel.default_stream(device=accel.Device(runtime.name, 0))
@@ -51,7 +51,7 @@ def _active_host_requests() -> int:
     return int(accel.memory.host_memory_stats()["active_requests.current"])
 
 
-def test_a_host_buffer_is_a_cpu_tensor_without_a_copy(runtime) -> None:
+def test_a_host_buffer_is_a_host_tensor_without_a_copy(runtime) -> None:
     hb = _written_host_buffer(7)
     tensor = accel.as_tensor(hb)
     assert tensor.device == torch.device("cpu") and tensor.dtype == torch.uint8
