@@ -52,7 +52,9 @@ def _compiler() -> bool:
 def test_this_run_uses_the_path_its_environment_asks_for() -> None:
     built = importlib.util.find_spec("accel._speedups") is not None
     pure = os.environ.get("ACCEL_PURE_PYTHON") == "1"
-    assert (speedups is not None) == (built and not pure)
+    from accel._native import describe
+
+    assert (speedups is not None) == (built and not pure), describe()["reason"]
     compiled = speedups is not None
     # One seam per module: the replaced functions are Python functions exactly when pure.
     assert inspect.isfunction(DeviceAllocator.__dict__["malloc"]) != compiled
