@@ -571,6 +571,14 @@ def _check(g: Graph, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Ten
             f"{g!r} interleaves its torch ops with other stream work ({len(program.segments)} pieces); "
             "the compiled tier needs them in one piece. Keep the interpreted tier for this graph."
         )
+    if program.outside:
+        first = program.outside[0]
+        raise NotSupportedError(
+            f"{g!r} writes in place to {len(program.outside)} tensor(s) made outside the capture ({first.op} "
+            f"writes one of shape {tuple(first.tensors[0].shape)}, a KV cache perhaps); the compiled tier "
+            "bakes the tensors it reads in as constants and replays pure programs only. Keep the "
+            "interpreted tier for this graph, or pass the state in and out as inputs and outputs."
+        )
     for role, tensors in (("inputs", inputs), ("outputs", outputs)):
         if not all(isinstance(t, torch.Tensor) for t in tensors):
             raise InvalidValueError(f"compile_graph: {role} must be torch tensors")
@@ -611,8 +619,9 @@ def compile_graph(
 
     Refused (:class:`~accel.NotSupportedError`) when the capture holds no
     torch program, interleaves torch ops with other stream work, writes to
-    registered inputs, or no engine is installed, builds it and agrees with
-    eager: use the interpreted tier (the default) for those.
+    registered inputs or to other tensors made outside the capture (a KV
+    cache), or no engine is installed, builds it and agrees with eager: use
+    the interpreted tier (the default) for those.
 
     >>> import torch, accel
     >>> x = torch.randn(4, 8); lin = torch.nn.Linear(8, 8).eval()

@@ -65,6 +65,8 @@ class _Entry:
     # Compiled tier: the CompiledProgram or BackgroundCompile, and the engine's
     # bound replay when the graph is that program alone (called directly).
     compiled: Any = None
+    # auto: why the compiled tier refused the program (it replays interpreted).
+    refused: str | None = None
     # The whole call (copy in, engine, result) when the graph is that program
     # alone; it returns None on a stream other than the default one.
     call: Callable[[Sequence[torch.Tensor]], Any] | None = None
@@ -305,6 +307,7 @@ class GraphedCallable(_Head):
                 if self._tier == "compiled" or not isinstance(exc, NotSupportedError):
                     g.reset()
                     raise
+                entry.refused = str(exc)
         self._cache[key] = entry
         return entry
 
@@ -316,7 +319,7 @@ class GraphedCallable(_Head):
         for key, entry in self._cache.items():
             c = entry.compiled
             if c is None:
-                status[key] = "interpreted"
+                status[key] = "interpreted" if entry.refused is None else f"interpreted (compile failed: {entry.refused})"
             elif hasattr(c, "engine"):
                 status[key] = f"compiled: {c.engine}"
             elif c.state == "ready":
