@@ -488,7 +488,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown models {sorted(set(models) - set(_models()))}; choose from {sorted(_models())}")
     batches = [int(b) for b in args.batches.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
-    results = _sweep(models, batches, threads, args.calls, args.repeats, variants)
+    # Inference, as eager runs it: graphed calls replay without autograd, and one in
+    # grad mode with parameters that require grad is refused.
+    with torch.no_grad():
+        results = _sweep(models, batches, threads, args.calls, args.repeats, variants)
     env = {
         "torch": torch.__version__,
         "python": platform.python_version(),

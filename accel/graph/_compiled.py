@@ -1107,6 +1107,8 @@ def _torch_library() -> str | None:
 if speedups is not None:
     speedups.install_graphs({
         "Tensor": torch.Tensor, "check_memory": check_memory, "Binding": _Binding,
+        # in grad mode a graphed call goes to GraphedCallable._call, which refuses what autograd would record
+        "is_grad_enabled": torch.is_grad_enabled,
         # torch's C interface for AOTInductor's code reads a tensor's layout faster than its attributes
         "torch_library": _torch_library(),
         # on which torch's native is_neg and is_conj must answer right before they are trusted
