@@ -437,6 +437,9 @@ def run(quick: bool, progress: Callable[[int, int, str], None] | None = None) ->
     return rows
 
 
+# Inference, as eager runs it: graphed calls replay without autograd, and one in
+# grad mode with parameters that require grad is refused.
+@torch.no_grad()
 def _sweep(
     models: list[str],
     batches: Sequence[int],
@@ -488,10 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown models {sorted(set(models) - set(_models()))}; choose from {sorted(_models())}")
     batches = [int(b) for b in args.batches.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
-    # Inference, as eager runs it: graphed calls replay without autograd, and one in
-    # grad mode with parameters that require grad is refused.
-    with torch.no_grad():
-        results = _sweep(models, batches, threads, args.calls, args.repeats, variants)
+    results = _sweep(models, batches, threads, args.calls, args.repeats, variants)
     env = {
         "torch": torch.__version__,
         "python": platform.python_version(),
