@@ -1811,6 +1811,7 @@ static native_bit_t native_is_neg, native_is_conj; /* at::native::is_neg/is_conj
 
 static PyTypeObject *Tensor_T;  /* torch.Tensor */
 static PyObject *py_check_memory; /* accel.graph._compiled.check_memory */
+static PyObject *py_is_grad_enabled; /* torch.is_grad_enabled */
 static PyObject *s_shape, *s_dtype, *s_is_cpu, *s_is_contiguous, *s_is_neg, *s_is_conj, *s_data_ptr, *s_call_,
     *s_refuse, *s_gstreams, *s_cdata;
 static PyTypeObject *Binding_T;  /* accel.graph._compiled._Binding */
@@ -2314,7 +2315,8 @@ static PyTypeObject SteadyCall_T = {
 };
 
 /* GraphedCallable's base: a call tries ``_hot`` first (the last compiled call's bound call,
- * see accel/graph/_graphed.py's _CallHead, which this does step by step), then self._call. */
+ * see accel/graph/_graphed.py's _CallHead, which this does step by step), then self._call.
+ * Not in grad mode: there self._call decides whether autograd would record (and refuses). */
 typedef struct {
     PyObject_HEAD
     PyObject *hot;
@@ -2326,6 +2328,14 @@ head_call(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     CallHead *h = (CallHead *)self;
     PyObject *hot = h->hot;
+    if (hot != NULL && hot != Py_None && (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0)) {
+        PyObject *grad = PyObject_CallNoArgs(py_is_grad_enabled); /* set: hot is only set once installed */
+        if (grad == NULL)
+            return NULL;
+        Py_DECREF(grad);
+        if (grad == Py_True)
+            hot = NULL;
+    }
     if (hot != NULL && hot != Py_None && (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0)) {
         Py_INCREF(hot);
         PyObject *r = Py_IS_TYPE(hot, &SteadyCall_T) ? steady_call((SteadyCall *)hot, args)
@@ -2500,7 +2510,7 @@ static PyObject *
 install_graphs(PyObject *module, PyObject *ns)
 {
     PyTypeObject *tensor, *binding = NULL;
-    PyObject *check;
+    PyObject *check, *grad_enabled;
     Py_ssize_t taken, busy;
     if (get_type(ns, "Tensor", &tensor) < 0)
         return NULL;
@@ -2508,15 +2518,22 @@ install_graphs(PyObject *module, PyObject *ns)
         Py_DECREF(tensor);
         return NULL;
     }
+    if (get_obj(ns, "is_grad_enabled", &grad_enabled) < 0) {
+        Py_DECREF(tensor);
+        Py_DECREF(check);
+        return NULL;
+    }
     if (get_type(ns, "Binding", &binding) < 0 || slot_offset(binding, "taken", &taken) < 0
         || slot_offset(binding, "busy", &busy) < 0) {
         Py_XDECREF(binding);
         Py_DECREF(tensor);
         Py_DECREF(check);
+        Py_DECREF(grad_enabled);
         return NULL;
     }
     Tensor_T = tensor;
     py_check_memory = check;
+    py_is_grad_enabled = grad_enabled;
     Binding_T = binding;
     BI_taken = taken;
     BI_busy = busy;

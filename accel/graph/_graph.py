@@ -158,12 +158,11 @@ class Graph:
     # -- capture -----------------------------------------------------------------
 
     def register_inputs(self, *tensors: Any) -> None:
-        """Declare torch tensors made outside the graph that captured ops may write in place.
+        """Declare torch tensors made outside the graph that captured ops write in place.
 
-        Captured in-place writes to any other tensor made outside the graph
-        are refused (a replay would repeat them on memory the graph does not
-        own). Static inputs that new data is copied into are read, not
-        written, by the graph and need no registration.
+        Optional: a captured in-place write to a tensor made outside the graph
+        (a KV cache) is recorded without it, as CUDA records it: each replay
+        writes that tensor again, and the graph keeps it alive.
         """
         self._inputs.extend(tensors)
         if self._torch is not None and self._stream is not None:

@@ -167,9 +167,29 @@ class Event:
         self._runtime.backend.event_synchronize(self._device, self._handle)
 
     def wait(self, stream: Stream | None = None) -> None:
-        """Make later work on ``stream`` (default: current) wait for this event."""
+        """Make later work on ``stream`` (default: current) wait for this event.
+
+        Inside a graph capture, a wait on an event recorded outside the capture
+        is refused, unless the event was created with ``external=True`` (as
+        ``torch.cuda.Event``): then the graph keeps the wait, and each replay
+        waits there for the event's last record as it stands when the replay
+        is queued (a record on another stream, or by another graph's replay):
+        CUDA's event-wait node.
+
+        >>> import accel
+        >>> ready = accel.Event(external=True)
+        >>> g = accel.Graph()
+        >>> with accel.graph(g):
+        ...     ready.wait(); accel.current_stream().launch_host_func(lambda: None)
+        >>> ready.record(); g.replay(); accel.synchronize()
+        """
         self._check_open()
         stream = as_stream(stream, self._device)
+        if self._external and (self._recorded or stream.is_capturing()):
+            # In a capture even before any record: a later one (another graph's) is what replays wait for.
+            handle = self._ensure(stream.device_index if self._device is None else self._device)
+            self._runtime.backend.stream_wait_event_external(stream.device_index, stream._live(), handle)
+            return
         if not self._recorded:
             return  # nothing recorded, nothing to wait for
         self._runtime.backend.stream_wait_event(stream.device_index, stream._live(), self._handle)

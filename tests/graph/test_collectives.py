@@ -52,11 +52,20 @@ def test_a_collective_is_recorded_and_runs_at_each_replay_not_at_capture(one_ran
     assert ["mutate", "c10d.allreduce_.default"] in kinds and ["mutate", "c10d.barrier.default"] in kinds
 
 
-def test_a_collective_writing_a_tensor_made_outside_the_graph_must_be_registered(one_rank: None) -> None:
-    x = torch.ones(4)
-    with pytest.raises(accel.CaptureError, match=r"c10d.allreduce_.* writes in place to a tensor of shape \(4,\) made outside"):
-        with graph(Graph(), stream=accel.Stream()):
-            dist.all_reduce(x)
+def test_a_collective_writing_a_tensor_made_outside_the_graph_is_recorded_as_cuda_records_it(one_rank: None) -> None:
+    # Like any in-place op on a tensor the capture did not make (a KV cache), a
+    # collective writing one is recorded, and each replay writes it again.
+    x, y = torch.ones(4), torch.ones(4)
+    g = Graph()
+    with graph(g, stream=accel.Stream()):
+        g.register_inputs(y)
+        dist.all_reduce(x)
+        x.add_(y)  # proves the replay writes x after the collective, in order
+    assert [o.op for o in g.program.outside] == ["c10d.allreduce_.default"]  # one entry per tensor
+    assert x.tolist() == [1.0] * 4  # nothing ran at capture
+    g.replay()
+    accel.synchronize()
+    assert x.tolist() == [2.0] * 4
 
 
 def test_collectives_a_replay_cannot_redo_are_refused_naming_them(one_rank: None) -> None:

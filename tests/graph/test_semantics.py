@@ -6,6 +6,8 @@ replay; what would make a replay differ from eager is refused."""
 from __future__ import annotations
 
 import ctypes
+import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -337,6 +339,107 @@ def test_events_recorded_in_a_capture_time_each_replay(rt) -> None:
         # A lower bound only: the replay slept at least 20 ms between the records.
         assert start.elapsed_time(end) >= 19.0
     assert end.query()
+
+
+def _gated_signal(stream: accel.Stream, gate: threading.Event, order: list[str], ready: accel.Event) -> None:
+    """Queue on ``stream`` work that waits for ``gate`` (the sleep of PyTorch's test), then record ``ready``."""
+    stream.launch_host_func(gate.wait)
+    stream.launch_host_func(lambda: order.append("signal"))
+    ready.record(stream)
+
+
+def _replays_after_the_signal(g: accel.Graph, signal: Callable[[], None], order: list[str], done: accel.Event) -> None:
+    gate_opened = signal()
+    try:
+        with accel.Stream():
+            g.replay()
+        # The replay's record of `done` counts from the launch: pending while the gate holds.
+        assert not done.query()
+        assert order.count("graph") == order.count("signal")  # the graph's work waits too
+    finally:
+        gate_opened()  # else the signalling stream waits forever
+    done.synchronize()
+    assert order[-2:] == ["signal", "graph"]
+
+
+@pytest.mark.parametrize("recorded_before_capture", [False, True], ids=["never_recorded", "recorded"])
+def test_a_capture_keeps_a_wait_on_an_external_event_recorded_outside_it(rt, recorded_before_capture: bool) -> None:
+    """PyTorch's test_graph_external_wait_and_record: inside a capture, a wait on an
+    ``external=True`` event recorded elsewhere is an event-wait node; each replay
+    waits for the event's last record as of its launch. Before, the wait was
+    refused (recorded before the capture) or silently left out (never recorded)."""
+    ready = accel.Event(external=True)
+    done = accel.Event(external=True)
+    signal, gate, order = accel.Stream(), threading.Event(), []
+    if recorded_before_capture:
+        ready.record(signal)
+    g = accel.Graph()
+    with accel.graph(g):
+        ready.wait()
+        accel.current_stream().launch_host_func(lambda: order.append("graph"))
+        done.record()
+
+    def gated() -> Callable[[], None]:
+        gate.clear()
+        _gated_signal(signal, gate, order, ready)
+        return gate.set
+
+    for _ in range(2):
+        _replays_after_the_signal(g, gated, order, done)
+    assert order == ["signal", "graph"] * 2
+
+
+def test_a_capture_waits_on_an_external_event_another_graph_records(rt) -> None:
+    ready = accel.Event(external=True)
+    done = accel.Event(external=True)
+    signal, gate, order = accel.Stream(), threading.Event(), []
+    signalling = accel.Graph()
+    with accel.graph(signalling):
+        accel.current_stream().launch_host_func(gate.wait)
+        accel.current_stream().launch_host_func(lambda: order.append("signal"))
+        ready.record()
+    waiting = accel.Graph()
+    with accel.graph(waiting):
+        ready.wait()
+        accel.current_stream().launch_host_func(lambda: order.append("graph"))
+        done.record()
+
+    def gated() -> Callable[[], None]:
+        gate.clear()
+        with signal:
+            signalling.replay()
+        return gate.set
+
+    for _ in range(2):
+        _replays_after_the_signal(waiting, gated, order, done)
+    assert order == ["signal", "graph"] * 2
+
+
+def test_a_capture_may_wait_on_an_external_event_it_records_itself(rt) -> None:
+    marker = accel.Event(external=True)
+    order: list[int] = []
+    g = accel.Graph()
+    with accel.graph(g):
+        s = accel.current_stream()
+        s.launch_host_func(lambda: order.append(1))
+        marker.record()
+        marker.wait()
+        s.launch_host_func(lambda: order.append(2))
+    for _ in range(2):
+        g.replay()
+    accel.synchronize()
+    assert order == [1, 2, 1, 2]
+
+
+def test_waiting_on_an_event_recorded_outside_the_capture_is_refused_unless_external(rt) -> None:
+    plain = accel.Event()
+    plain.record(accel.Stream())
+    g = accel.Graph()
+    with pytest.raises(accel.CaptureError, match="external=True"):
+        with accel.graph(g):
+            accel.current_stream().launch_host_func(lambda: None)
+            plain.wait()
+    assert not accel.graph.is_capturing()
 
 
 def test_an_external_event_recorded_outside_a_capture_is_an_ordinary_record(rt) -> None:
