@@ -40,6 +40,13 @@ def _process_group(group: Any, call: str) -> Any:
         )
     if not isinstance(group, dist.ProcessGroup):
         raise InvalidValueError(f"{call}: group={group!r} is not a torch.distributed ProcessGroup")
+    try:
+        dist.get_rank(group)
+    except ValueError as exc:  # torch forgets a group at destroy_process_group(group)
+        raise InvalidValueError(
+            f"{call}: group={group!r} is not one of this process's groups ({exc}); was it destroyed "
+            "with destroy_process_group? Pass a live group"
+        ) from None
     return group
 
 

@@ -318,6 +318,10 @@ def scenario_misuse(rank: int, world: int, store: Any) -> dict[str, Any]:
     own = accel.memory.allocate(4096)
     out["not_member_exchange"] = outcome(lambda: len(accel.distributed.exchange_buffers(own, group=only_first)))
     out["not_member_pool"] = outcome(lambda: type(accel.distributed.comm_pool(group=only_first)).__name__)
+    destroyed = dist.new_group()
+    dist.destroy_process_group(destroyed)
+    out["destroyed_exchange"] = outcome(lambda: accel.distributed.exchange_buffers(own, group=destroyed))
+    out["destroyed_pool"] = outcome(lambda: type(accel.distributed.comm_pool(group=destroyed)).__name__)
     dist.barrier()
 
     # Each rank's fill waits (on its stream) until the peer has read its buffer, or 3 s:

@@ -60,6 +60,13 @@ def test_exchange_in_a_group_without_this_rank_says_so(misuse_ranks: list[dict[s
         assert "not a member" in second[key][2] and "-100" not in second[key][2], second[key]
 
 
+def test_a_destroyed_group_is_refused_naming_the_destroy(misuse_ranks: list[dict[str, Any]]) -> None:
+    # exchange_buffers raised torch's bare ValueError; comm_pool returned a pool for it.
+    for r in misuse_ranks:
+        for key in ("destroyed_exchange", "destroyed_pool"):
+            assert r[key][1] == "InvalidValueError" and "destroy_process_group" in r[key][2], r[key]
+
+
 def test_exchange_waits_for_the_writes_queued_on_each_buffers_stream(misuse_ranks: list[dict[str, Any]]) -> None:
     # The peer's fill was queued before the exchange: it read zeros before the fix.
     for rank, r in enumerate(misuse_ranks):
