@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from accel._device import DeviceLike
 from accel._errors import AccelError, InvalidHandleError, InvalidValueError, NotSupportedError, OutOfMemoryError
-from accel._runtime import get_runtime
+from accel._runtime import check_not_forked, get_runtime
 from accel._torch import import_torch
 from accel.allocator import Buffer, MemoryResource, MemPool
 from accel.backends.base import TorchIntegration
@@ -33,8 +33,20 @@ def _process_group(group: Any, call: str) -> Any:
                 "torch.distributed.init_process_group first, or pass group="
             )
         return dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns on the ranks it left out
+        raise InvalidValueError(
+            f"{call}: this process (rank {dist.get_rank()}) is not a member of the group passed; "
+            "call it on the group's ranks only"
+        )
     if not isinstance(group, dist.ProcessGroup):
         raise InvalidValueError(f"{call}: group={group!r} is not a torch.distributed ProcessGroup")
+    try:
+        dist.get_rank(group)
+    except ValueError as exc:  # torch forgets a group at destroy_process_group(group)
+        raise InvalidValueError(
+            f"{call}: group={group!r} is not one of this process's groups ({exc}); was it destroyed "
+            "with destroy_process_group? Pass a live group"
+        ) from None
     return group
 
 
@@ -147,7 +159,9 @@ def exchange_buffers(buffer: Buffer, group: Any = None) -> list[Buffer]:
     A collective call: every rank of the group must make it. The ranks must
     run on one machine (pickling a buffer shares its memory with processes
     there, see docs/distributed.md); each entry is opened on this process's
-    current stream of the exporter's device. When it returns, every
+    current stream of the exporter's device. Each rank first waits for the
+    work queued on its buffer's stream and on its current stream, so the
+    others read what was written before the call. When it returns, every
     rank has opened every buffer, so each may free its own: its memory stays
     until the others free theirs. A rank that cannot export or open fails the
     call on every rank, naming the rank, instead of leaving the others waiting.
@@ -164,11 +178,13 @@ def exchange_buffers(buffer: Buffer, group: Any = None) -> list[Buffer]:
         raise InvalidValueError(f"exchange_buffers(buffer={buffer!r}): pass an accel.memory.Buffer")
     pg = _process_group(group, "exchange_buffers")
     dist = import_torch().distributed
+    # A fork child must fail here: taken for a failed export, its error would send it
+    # into the inherited group's gather, which hangs (Gloo's threads did not survive).
+    check_not_forked()
     rank, size = dist.get_rank(pg), dist.get_world_size(pg)
-    if rank < 0:
-        raise InvalidValueError("exchange_buffers: this process is not a member of the group")
     own: AccelError | None = None
     try:
+        _wait_for_queued_writes(buffer)
         mine: tuple[str, str, bytes] = (_node(), "", pickle.dumps(buffer))
     except AccelError as exc:  # freed, from foreign memory, a backend without IPC
         own = exc
@@ -206,6 +222,15 @@ def exchange_buffers(buffer: Buffer, group: Any = None) -> list[Buffer]:
                 peer.free()
         _raise_first(own, failed, "open the buffers")
     return opened
+
+
+def _wait_for_queued_writes(buffer: Buffer) -> None:
+    """Wait for the work queued so far on ``buffer``'s stream and on the current stream of
+    its device, so that the peers, which read it once the exchange returns, see those writes
+    (as torch's CUDA IPC makes an importer wait for the exporter's stream)."""
+    streams = {buffer.stream, get_runtime().current_stream(buffer.stream.device_index)}
+    for event in [stream.record_event() for stream in streams]:  # a closed stream's too
+        event.synchronize()
 
 
 def _raise_first(own: AccelError | None, failed: list[tuple[int, str]], what: str) -> None:

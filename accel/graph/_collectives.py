@@ -15,9 +15,11 @@ Refused, with a :class:`~accel.CaptureError` naming the collective:
   the ``_c10d_functional`` ops), whose result is only complete after a
   separate ``wait_tensor``, which a recorded program cannot tie to it;
 - ``recv`` from any source, whose result (which rank sent) is decided by the
-  run;
-- a collective that writes a tensor made outside the graph that was not
-  registered (:meth:`~accel.Graph.register_inputs`), as for any in-place op.
+  run.
+
+A collective that writes a tensor made outside the graph is recorded as any
+in-place op on one is (an outside write, as CUDA records it): each replay
+writes that tensor, which the graph keeps alive.
 """
 
 from __future__ import annotations

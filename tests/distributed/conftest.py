@@ -24,3 +24,10 @@ def kill_ranks() -> dict[str, Any]:
     survivor, _ = run_ranks("kill", dies=frozenset({1}))
     assert survivor is not None
     return survivor
+
+
+@pytest.fixture(scope="package")
+def misuse_ranks() -> list[dict[str, Any]]:
+    """Both ranks' results of ``scenario_misuse``: exchange_buffers misused."""
+    pytest.importorskip("torch.distributed")
+    return [r for r in run_ranks("misuse") if r is not None]

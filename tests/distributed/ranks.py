@@ -303,6 +303,65 @@ def scenario_kill(rank: int, world: int, store: Any) -> dict[str, Any]:
     return out
 
 
+def scenario_misuse(rank: int, world: int, store: Any) -> dict[str, Any]:
+    """exchange_buffers misused: a group this rank is not in, a buffer whose writes are still
+    queued, and a child forked after init (which must fail at once, never enter a collective)."""
+    import select
+
+    import torch.distributed as dist
+
+    import accel
+    import accel.distributed
+
+    out: dict[str, Any] = {}
+    only_first = dist.new_group([0])  # every rank creates it; rank 1 is not a member
+    own = accel.memory.allocate(4096)
+    out["not_member_exchange"] = outcome(lambda: len(accel.distributed.exchange_buffers(own, group=only_first)))
+    out["not_member_pool"] = outcome(lambda: type(accel.distributed.comm_pool(group=only_first)).__name__)
+    destroyed = dist.new_group()
+    dist.destroy_process_group(destroyed)
+    out["destroyed_exchange"] = outcome(lambda: accel.distributed.exchange_buffers(own, group=destroyed))
+    out["destroyed_pool"] = outcome(lambda: type(accel.distributed.comm_pool(group=destroyed)).__name__)
+    dist.barrier()
+
+    # Each rank's fill waits (on its stream) until the peer has read its buffer, or 3 s:
+    # an exchange that does not wait for the exporter's queued writes hands out zeros.
+    s = accel.Stream()
+    pending = accel.memory.allocate(4096, stream=s)
+    s.fill(pending, 0, 4096)
+    s.launch_host_func(lambda: until(lambda: store.check([f"accel-test/read-{rank}"]), timeout=3))
+    s.fill(pending, 0x70 + rank, 4096)
+    peers = accel.distributed.exchange_buffers(pending)
+    out["exchange_reads_queued_writes"] = ctypes.string_at(peers[1 - rank].ptr, 1).hex()
+    store.set(f"accel-test/read-{1 - rank}", "1")
+    s.synchronize()
+    dist.barrier()
+    peers[1 - rank].free()
+    del peers
+    dist.barrier()
+
+    # A child forked after init: exchange_buffers must refuse at once; entering the
+    # inherited group's collective would hang the child (Gloo's threads did not survive).
+    if rank == 0:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            os.write(write, json.dumps(outcome(lambda: accel.distributed.exchange_buffers(own))).encode())
+            os._exit(0)
+        os.close(write)
+        ready, _, _ = select.select([read], [], [], 15)
+        if ready:
+            out["fork_child_exchange"] = json.loads(os.read(read, 65536) or b'"no answer"')
+        else:
+            out["fork_child_exchange"] = "hung"
+            os.kill(pid, signal.SIGKILL)
+        os.close(read)
+        os.waitpid(pid, 0)
+    own.free()
+    return out
+
+
 def main() -> None:
     scenario, rank, world, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     import torch.distributed as dist

@@ -49,3 +49,32 @@ def test_a_killed_rank_leaks_nothing_in_the_survivor(kill_ranks: dict[str, Any])
     assert r["allocated_after"] == 0
     assert r["broker_after"] == {"exports": 0, "holds": 0}
     assert r["fds_leaked"] == 0
+
+
+def test_exchange_in_a_group_without_this_rank_says_so(misuse_ranks: list[dict[str, Any]]) -> None:
+    first, second = misuse_ranks
+    assert first["not_member_exchange"] == ["ok", 1] and first["not_member_pool"] == ["ok", "MemPool"]
+    # It said "group=-100 is not a torch.distributed ProcessGroup" (torch's non-member marker).
+    for key in ("not_member_exchange", "not_member_pool"):
+        assert second[key][1] == "InvalidValueError", second[key]
+        assert "not a member" in second[key][2] and "-100" not in second[key][2], second[key]
+
+
+def test_a_destroyed_group_is_refused_naming_the_destroy(misuse_ranks: list[dict[str, Any]]) -> None:
+    # exchange_buffers raised torch's bare ValueError; comm_pool returned a pool for it.
+    for r in misuse_ranks:
+        for key in ("destroyed_exchange", "destroyed_pool"):
+            assert r[key][1] == "InvalidValueError" and "destroy_process_group" in r[key][2], r[key]
+
+
+def test_exchange_waits_for_the_writes_queued_on_each_buffers_stream(misuse_ranks: list[dict[str, Any]]) -> None:
+    # The peer's fill was queued before the exchange: it read zeros before the fix.
+    for rank, r in enumerate(misuse_ranks):
+        assert r["exchange_reads_queued_writes"] == f"{0x70 + 1 - rank:02x}"
+
+
+def test_exchange_in_a_child_forked_after_init_fails_at_once(misuse_ranks: list[dict[str, Any]]) -> None:
+    # It took the fork error for a failed export and entered the inherited group's gather: a hang.
+    child = misuse_ranks[0]["fork_child_exchange"]
+    assert child != "hung"
+    assert child[1] == "AccelError" and "forked" in child[2], child

@@ -94,3 +94,28 @@ def test_the_compiled_tier_refuses_a_graph_that_communicates(one_rank: None) -> 
         z = y + 1
     with pytest.raises(accel.NotSupportedError, match=r"communicates \(c10d.allreduce_.default\).*interpreted tier"):
         compile_graph(g, inputs=[x], outputs=[z])
+
+
+def test_the_graph_keeps_a_tensor_a_collective_writes_alive_and_replays_into_it(one_rank: None) -> None:
+    import gc
+    import weakref
+
+    def capture() -> tuple[Graph, weakref.ref[torch.Tensor], int]:
+        kv = torch.full((4,), 3.0)  # made outside the capture, dropped by the caller
+        g = Graph()
+        with graph(g, stream=accel.Stream()):
+            dist.all_reduce(kv)
+            kv.mul_(2)
+        return g, weakref.ref(kv), kv.data_ptr()
+
+    g, kv, ptr = capture()
+    gc.collect()
+    alive = kv()
+    assert alive is not None and alive.data_ptr() == ptr
+    for expected in (6.0, 12.0):
+        g.replay()
+        accel.synchronize()
+        assert alive.tolist() == [expected] * 4
+    del alive, g
+    gc.collect()
+    assert kv() is None  # released with the graph
