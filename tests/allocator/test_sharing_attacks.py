@@ -1,0 +1,106 @@
+"""Sharing attacked as a hostile or careless user would (the second adversary round of #26).
+
+Each case runs an exporting interpreter with a timeout, on every backend that
+can be tested here, that starts its importer as a fresh interpreter; both
+print what they saw as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import CONFORMANCE_BACKENDS, backend_skip_reason
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+backends = pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+
+
+def run_exporter(backend: str, script: str) -> Any:
+    """Run ``script`` as the exporter on ``backend``; its last stdout line, as JSON."""
+    reason = backend_skip_reason(backend)
+    if reason:
+        pytest.skip(reason)
+    env = {**os.environ, "ACCEL_BACKEND": backend, "PYTHONPATH": str(REPO_ROOT), "ACCEL_ALLOC_CONF": ""}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, env=env,
+        cwd=REPO_ROOT, timeout=180, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+WAIT_WITH_DESCRIPTORS_PAST_1023 = '''
+import ctypes, json, os, pickle, resource, subprocess, sys, threading, time
+import accel
+
+IMPORTER = """
+import ctypes, json, os, pickle, resource, sys
+import accel
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+held = [os.open("/dev/null", os.O_RDONLY)]
+while held[-1] < 1100:  # every descriptor below 1100 taken: the wait watches the exporter through a larger one
+    held.append(os.open("/dev/null", os.O_RDONLY))
+buf, event = pickle.loads(bytes.fromhex(sys.stdin.readline()))
+stream = accel.Stream(buf.device)
+event.wait(stream)  # ordered after the exporter's fill, which waits behind a gate
+print("waiting", flush=True)
+seen = {}
+with accel.memory.allocate_host(16) as staging:
+    try:
+        stream.copy(staging, buf, 16)
+        stream.synchronize()
+        seen["stream"] = ctypes.string_at(staging.ptr, 16).hex()
+    except Exception as exc:
+        seen["stream"] = type(exc).__name__ + ": " + str(exc)
+try:
+    event.synchronize()
+    seen["event"] = "synchronized"
+except Exception as exc:
+    seen["event"] = type(exc).__name__ + ": " + str(exc)
+buf.free()
+print(json.dumps(seen), flush=True)
+"""
+
+stream = accel.Stream()
+buf = accel.memory.allocate(1 << 20, stream=stream)
+stream.fill(buf, 0, buf.nbytes)
+gate = threading.Event()
+stream.launch_host_func(lambda: gate.wait(60))
+stream.fill(buf, 0x77, buf.nbytes)
+event = accel.Event(interprocess=True)
+event.record(stream)
+importer = subprocess.Popen([sys.executable, "-c", IMPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+importer.stdin.write(pickle.dumps((buf, event)).hex() + "\\n")
+importer.stdin.flush()
+assert importer.stdout.readline().strip() == "waiting"
+time.sleep(0.5)  # the importer's wait watches the exporter meanwhile
+gate.set()
+out, err = importer.communicate(timeout=120)
+stream.synchronize()
+print(json.dumps({**json.loads(out.strip().splitlines()[-1]), "stderr": err, "exitcode": importer.returncode}))
+'''
+
+
+@backends
+def test_waiting_on_an_imported_event_with_descriptors_past_1023_waits(backend: str) -> None:
+    # Level Zero's wait watched the exporter with select(), which raises ValueError
+    # for a descriptor past 1023 (a process has them once accel raised its soft
+    # limit): the host function failed, its error was printed and lost, and the
+    # stream went on before the exporter's work, so the importer read stale memory.
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 1200:
+        pytest.skip("the hard limit on open files is below 1200")
+    result = run_exporter(backend, WAIT_WITH_DESCRIPTORS_PAST_1023)
+    assert result == {"stream": "77" * 16, "event": "synchronized", "stderr": "", "exitcode": 0}
