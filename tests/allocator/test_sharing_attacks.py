@@ -104,3 +104,47 @@ def test_waiting_on_an_imported_event_with_descriptors_past_1023_waits(backend: 
         pytest.skip("the hard limit on open files is below 1200")
     result = run_exporter(backend, WAIT_WITH_DESCRIPTORS_PAST_1023)
     assert result == {"stream": "77" * 16, "event": "synchronized", "stderr": "", "exitcode": 0}
+
+
+OPEN_AFTER_THE_EXPORTER_FREED = '''
+import json, pickle, subprocess, sys
+import accel
+
+IMPORTER = """
+import pickle, sys
+import accel
+try:
+    buf = pickle.loads(bytes.fromhex(sys.stdin.readline()))
+    print("opened", flush=True)
+except accel.InvalidHandleError as exc:
+    print("refused: " + str(exc), flush=True)
+sys.stdin.readline()
+"""
+
+
+def importer(pickled):
+    child = subprocess.Popen([sys.executable, "-c", IMPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child.stdin.write(pickled + "\\n")
+    child.stdin.flush()
+    return child, child.stdout.readline().strip()
+
+
+buf = accel.memory.allocate(1 << 20)
+pickled = pickle.dumps(buf).hex()
+first, opened = importer(pickled)  # holds the memory: it is not reused, though freed below
+buf.free()
+second, late = importer(pickled)
+for child in (first, second):
+    child.communicate("\\n", timeout=60)
+print(json.dumps({"first": opened, "late": late.split(":")[0], "why": late}))
+'''
+
+
+@backends
+def test_a_pickle_opened_after_its_exporter_freed_the_buffer_is_refused_while_another_importer_holds_it(backend: str) -> None:
+    # The export served its buffer's lease, which the first importer's hold keeps
+    # alive after the free: a late importer mapped memory its exporter had freed.
+    result = run_exporter(backend, OPEN_AFTER_THE_EXPORTER_FREED)
+    assert result["first"] == "opened"
+    assert result["late"] == "refused", result["why"]
+    assert "no longer exports" in result["why"]
