@@ -432,10 +432,17 @@ class Held:
     A forked child does not hold what its parent imported (see
     :func:`_after_fork_in_child`): its copy of the connection is closed at the fork."""
 
-    def __init__(self, sock: socket.socket | None) -> None:
+    def __init__(self, sock: socket.socket | None, receiving: list[int] | None = None) -> None:
         self._sock = sock
+        # While the answer comes in: the descriptors received so far (see opened()).
+        self._receiving = receiving
         if sock is not None:
             _holds.add(self)
+
+    def opened(self) -> Held:
+        """The answer is in, and its descriptors are the caller's: a fork no longer closes them."""
+        self._receiving = None
+        return self
 
     def release(self) -> None:
         sock, self._sock = self._sock, None
@@ -444,7 +451,12 @@ class Held:
 
     def drop_in_child(self) -> None:
         """Close a forked child's copy of the connection: the parent's hold goes on.
-        (Never ``shutdown()``: that would end the connection for the parent too.)"""
+        (Never ``shutdown()``: that would end the connection for the parent too.)
+        Forked by another thread while the answer came in, the child closes the
+        descriptors received so far too (its parent maps them; it never will)."""
+        receiving, self._receiving = self._receiving, None
+        for fd in receiving or ():
+            _close_quietly(fd)
         self.release()
 
 
@@ -477,6 +489,10 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(_ANSWER_TIMEOUT_S)
     fds: list[int] = []  # closed on every failure below: they came with the answer's first part
+    # Held from the start, not once the answer is in: a child that another thread forks
+    # meanwhile closes its copies (of the connection, which would otherwise hold the
+    # exporter's memory until the child exits, and of the descriptors received so far).
+    held = Held(sock, fds)
     try:
         try:
             sock.connect(ticket.address)
@@ -489,7 +505,7 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
         sock.sendall(ticket.token.encode("ascii"), _SEND)
         status, body = _receive_answer(sock, fds, ticket, what)
     except TimeoutError:
-        _close_all(sock, fds)
+        _close_all(held, fds)
         raise InvalidHandleError(
             f"cannot open {what}: the process that exported it (pid {ticket.pid}) did not answer "
             f"within {_ANSWER_TIMEOUT_S:g} s (is it stopped?)"
@@ -497,19 +513,19 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
     except OSError as exc:
         # An address no socket can have (empty, or longer than AF_UNIX allows:
         # a damaged pickle), or a connection the exporter broke off.
-        _close_all(sock, fds)
+        _close_all(held, fds)
         raise InvalidHandleError(
             f"cannot open {what}: no answer from the process that exported it (pid {ticket.pid}) at the "
             f"address its pickle names ({exc}); the pickle is damaged or the process is gone. Pickle "
             "the object again in its process"
         ) from None
     except BaseException:
-        _close_all(sock, fds)
+        _close_all(held, fds)
         raise
     exported, at = _read_label(body, 0) if status == b"K" else ("", 0)
     source, at = _read_label(body, at)
     if status != b"K" or exported != kind or source != origin:
-        sock.close()
+        held.opened().release()
         for fd in fds:
             os.close(fd)
         if status != b"K":
@@ -524,7 +540,7 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
                 "(it is damaged or forged); pickle the object again in its process"
             )
         raise InvalidHandleError(f"cannot open {what}: {reason}")
-    return body[at:], list(fds), Held(sock)
+    return body[at:], list(fds), held.opened()
 
 
 def _check_peer(sock: socket.socket, ticket: ExportTicket, what: str) -> None:
@@ -623,10 +639,10 @@ def _make_room(count: int, what: str) -> None:
         more_descriptors()
 
 
-def _close_all(sock: socket.socket, fds: list[int]) -> None:
+def _close_all(held: Held, fds: list[int]) -> None:
     """Close the connection and the descriptors received on it (an answer that failed
     part way: a stalled or broken-off sender kept them open in this process before)."""
-    sock.close()
+    held.opened().release()
     for fd in fds:
         os.close(fd)
 

@@ -148,3 +148,62 @@ def test_a_pickle_opened_after_its_exporter_freed_the_buffer_is_refused_while_an
     assert result["first"] == "opened"
     assert result["late"] == "refused", result["why"]
     assert "no longer exports" in result["why"]
+
+
+FORK_WHILE_AN_ANSWER_COMES_IN = '''
+import json, pickle, subprocess, sys, time
+import accel
+from accel.backends._sharing import broker
+
+IMPORTER = """
+import json, os, pickle, sys, threading, time
+import accel
+import accel.backends._sharing as sharing
+
+receive, forked, children = sharing._recv_fds, threading.Event(), []
+
+def fork_once():  # another thread of the importer forks while the answer comes in
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(600)  # a helper that lives on, and never uses what its parent opens
+        os._exit(0)
+    children.append(pid)
+    forked.set()
+
+def receive_and_fork_meanwhile(sock, fds):
+    result = receive(sock, fds)
+    if not children:
+        threading.Thread(target=fork_once).start()
+        forked.wait(30)
+    return result
+
+sharing._recv_fds = receive_and_fork_meanwhile
+buf = pickle.loads(bytes.fromhex(sys.stdin.readline()))
+buf.free()
+print(json.dumps(children), flush=True)
+sys.stdin.readline()
+os.kill(children[0], 9)
+os.waitpid(children[0], 0)
+"""
+
+buf = accel.memory.allocate(1 << 20)
+importer = subprocess.Popen([sys.executable, "-c", IMPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+importer.stdin.write(pickle.dumps(buf).hex() + "\\n")
+importer.stdin.flush()
+children = json.loads(importer.stdout.readline())
+deadline = time.monotonic() + 15
+while broker().stats()["holds"] and time.monotonic() < deadline:
+    time.sleep(0.05)
+holds = broker().stats()["holds"]
+importer.communicate("\\n", timeout=60)
+print(json.dumps({"children": len(children), "holds": holds, "exitcode": importer.returncode}))
+'''
+
+
+@backends
+def test_a_child_forked_while_an_answer_comes_in_does_not_keep_the_exporters_memory(backend: str) -> None:
+    # The connection became a hold that a fork drops only once the answer was in: a
+    # child forked by another thread meanwhile kept it open, and the exporter's memory
+    # stayed held after the importer freed the buffer, until that child exited.
+    result = run_exporter(backend, FORK_WHILE_AN_ANSWER_COMES_IN)
+    assert result == {"children": 1, "holds": 0, "exitcode": 0}
