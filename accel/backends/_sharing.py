@@ -47,6 +47,7 @@ import selectors
 import socket
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,6 +81,8 @@ _MAX_ANSWER = 1 << 20
 # How long an importer waits for the exporter's broker to answer (it answers
 # from its own thread, so only a stopped or swapped-out exporter is this slow).
 _ANSWER_TIMEOUT_S = 60.0
+# How soon an importer tries again to connect to a broker whose queue of connections is full.
+_CONNECT_RETRY_S = 0.001
 # Every send: a peer that hung up is EPIPE, never SIGPIPE (a process whose SIGPIPE is
 # the default, as command-line tools set it, would die of any connection closed early,
 # another user's included).
@@ -116,7 +119,9 @@ class Broker:
         self._holds: dict[socket.socket, object] = {}  # connection -> what it keeps alive
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.address)
-        self._listener.listen(64)
+        # As many waiting connections as the system allows: any user can connect (and is
+        # turned away at once), and a full queue refuses everyone, importers included.
+        self._listener.listen(socket.SOMAXCONN)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._thread = threading.Thread(target=self._serve, name="accel-ipc-broker", daemon=True)
@@ -495,7 +500,7 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
     held = Held(sock, fds)
     try:
         try:
-            sock.connect(ticket.address)
+            _connect(sock, ticket.address)
         except (ConnectionRefusedError, FileNotFoundError):
             raise InvalidHandleError(
                 f"cannot open {what}: the process that exported it (pid {ticket.pid}) has exited. "
@@ -541,6 +546,21 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
             )
         raise InvalidHandleError(f"cannot open {what}: {reason}")
     return body[at:], list(fds), held.opened()
+
+
+def _connect(sock: socket.socket, address: bytes) -> None:
+    """Connect to a broker, waiting while its queue of connections is full (EAGAIN, at
+    once, whatever the timeout): other processes, of any user, may flood it; each is
+    turned away at once, so room comes. TimeoutError past the answer's timeout."""
+    deadline = time.monotonic() + _ANSWER_TIMEOUT_S
+    while True:
+        try:
+            sock.connect(address)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError from None
+            time.sleep(_CONNECT_RETRY_S)
 
 
 def _check_peer(sock: socket.socket, ticket: ExportTicket, what: str) -> None:

@@ -207,3 +207,66 @@ def test_a_child_forked_while_an_answer_comes_in_does_not_keep_the_exporters_mem
     # stayed held after the importer freed the buffer, until that child exited.
     result = run_exporter(backend, FORK_WHILE_AN_ANSWER_COMES_IN)
     assert result == {"children": 1, "holds": 0, "exitcode": 0}
+
+
+FLOODED_BY_ANOTHER_USER = '''
+import json, os, pickle, socket, subprocess, sys, time
+import accel
+from accel.backends._sharing import broker
+
+FLOOD = """
+import os, socket, sys, time
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)  # another user: turned away at once, and it connects again, and again
+address, until = bytes.fromhex(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+for _ in range(3):
+    if os.fork() == 0:
+        break
+kept = []
+while time.monotonic() < until:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.setblocking(False)
+    try:
+        s.connect(address)
+        kept.append(s)
+    except OSError:
+        s.close()
+    if len(kept) > 500:
+        for s in kept:
+            s.close()
+        kept = []
+"""
+
+IMPORTER = """
+import pickle, sys
+import accel
+opened = 0
+pickled = bytes.fromhex(sys.stdin.readline())
+for _ in range(50):
+    try:
+        pickle.loads(pickled).free()
+        opened += 1
+    except accel.InvalidHandleError as exc:
+        print(exc, file=sys.stderr)
+print(opened)
+"""
+
+buf = accel.memory.allocate(1 << 20)
+flood = subprocess.Popen([sys.executable, "-c", FLOOD, broker().address.hex(), "20"], cwd="/")
+time.sleep(2)  # the flood is on
+importer = subprocess.run([sys.executable, "-c", IMPORTER], input=pickle.dumps(buf).hex() + "\\n",
+                          capture_output=True, text=True, timeout=120)
+flood.wait(60)
+print(json.dumps({"opened": importer.stdout.strip(), "errors": importer.stderr[-300:]}))
+'''
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="becoming another user (nobody) needs root")
+@backends
+def test_another_users_flood_of_connections_does_not_refuse_the_exporters_importers(backend: str) -> None:
+    # Other users are turned away at once, but their connections filled the broker's
+    # queue of 64, and connect() failed at once with EAGAIN: the importer of the same
+    # user was told that the pickle is damaged or the exporter gone.
+    result = run_exporter(backend, FLOODED_BY_ANOTHER_USER)
+    assert result == {"opened": "50", "errors": ""}
