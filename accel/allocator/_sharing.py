@@ -46,6 +46,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from accel import _runtime
@@ -321,11 +322,23 @@ def export_buffer(buffer: Buffer) -> tuple[Any, ...]:
             payload, fds = backend.ipc_memory_export(device, buffer.ptr, buffer.nbytes)
             ticket = broker().offer(
                 "buffer", export_origin(backend.name, device, uuid), _SIZE.pack(buffer.nbytes) + payload, fds,
-                weakref.ref(lease), hold=True,
+                _lease_of(weakref.ref(buffer)), hold=True,
             )
             _tickets[lease] = ticket
         _exported[ticket.token] = buffer
     return open_buffer, (ticket, backend.name, device, uuid, buffer.nbytes)
+
+
+def _lease_of(exported: weakref.ref[Buffer]) -> Callable[[], object | None]:
+    """What an export serves importers: the buffer's lease while the buffer holds it (neither
+    freed nor collected). Not the lease itself: importers' holds and DLPack views keep it
+    alive past the free, and a pickle opened then would map memory its exporter freed."""
+
+    def target() -> object | None:
+        buffer = exported()
+        return None if buffer is None else buffer._lease
+
+    return target
 
 
 def open_buffer(ticket: ExportTicket, backend_name: str, device: int, uuid: str, nbytes: int) -> Buffer:

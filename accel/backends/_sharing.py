@@ -47,6 +47,7 @@ import selectors
 import socket
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,6 +81,8 @@ _MAX_ANSWER = 1 << 20
 # How long an importer waits for the exporter's broker to answer (it answers
 # from its own thread, so only a stopped or swapped-out exporter is this slow).
 _ANSWER_TIMEOUT_S = 60.0
+# How soon an importer tries again to connect to a broker whose queue of connections is full.
+_CONNECT_RETRY_S = 0.001
 # Every send: a peer that hung up is EPIPE, never SIGPIPE (a process whose SIGPIPE is
 # the default, as command-line tools set it, would die of any connection closed early,
 # another user's included).
@@ -116,7 +119,9 @@ class Broker:
         self._holds: dict[socket.socket, object] = {}  # connection -> what it keeps alive
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.address)
-        self._listener.listen(64)
+        # As many waiting connections as the system allows: any user can connect (and is
+        # turned away at once), and a full queue refuses everyone, importers included.
+        self._listener.listen(socket.SOMAXCONN)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._thread = threading.Thread(target=self._serve, name="accel-ipc-broker", daemon=True)
@@ -432,10 +437,17 @@ class Held:
     A forked child does not hold what its parent imported (see
     :func:`_after_fork_in_child`): its copy of the connection is closed at the fork."""
 
-    def __init__(self, sock: socket.socket | None) -> None:
+    def __init__(self, sock: socket.socket | None, receiving: list[int] | None = None) -> None:
         self._sock = sock
+        # While the answer comes in: the descriptors received so far (see opened()).
+        self._receiving = receiving
         if sock is not None:
             _holds.add(self)
+
+    def opened(self) -> Held:
+        """The answer is in, and its descriptors are the caller's: a fork no longer closes them."""
+        self._receiving = None
+        return self
 
     def release(self) -> None:
         sock, self._sock = self._sock, None
@@ -444,7 +456,12 @@ class Held:
 
     def drop_in_child(self) -> None:
         """Close a forked child's copy of the connection: the parent's hold goes on.
-        (Never ``shutdown()``: that would end the connection for the parent too.)"""
+        (Never ``shutdown()``: that would end the connection for the parent too.)
+        Forked by another thread while the answer came in, the child closes the
+        descriptors received so far too (its parent maps them; it never will)."""
+        receiving, self._receiving = self._receiving, None
+        for fd in receiving or ():
+            _close_quietly(fd)
         self.release()
 
 
@@ -477,9 +494,13 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(_ANSWER_TIMEOUT_S)
     fds: list[int] = []  # closed on every failure below: they came with the answer's first part
+    # Held from the start, not once the answer is in: a child that another thread forks
+    # meanwhile closes its copies (of the connection, which would otherwise hold the
+    # exporter's memory until the child exits, and of the descriptors received so far).
+    held = Held(sock, fds)
     try:
         try:
-            sock.connect(ticket.address)
+            _connect(sock, ticket.address)
         except (ConnectionRefusedError, FileNotFoundError):
             raise InvalidHandleError(
                 f"cannot open {what}: the process that exported it (pid {ticket.pid}) has exited. "
@@ -489,7 +510,7 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
         sock.sendall(ticket.token.encode("ascii"), _SEND)
         status, body = _receive_answer(sock, fds, ticket, what)
     except TimeoutError:
-        _close_all(sock, fds)
+        _close_all(held, fds)
         raise InvalidHandleError(
             f"cannot open {what}: the process that exported it (pid {ticket.pid}) did not answer "
             f"within {_ANSWER_TIMEOUT_S:g} s (is it stopped?)"
@@ -497,19 +518,19 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
     except OSError as exc:
         # An address no socket can have (empty, or longer than AF_UNIX allows:
         # a damaged pickle), or a connection the exporter broke off.
-        _close_all(sock, fds)
+        _close_all(held, fds)
         raise InvalidHandleError(
             f"cannot open {what}: no answer from the process that exported it (pid {ticket.pid}) at the "
             f"address its pickle names ({exc}); the pickle is damaged or the process is gone. Pickle "
             "the object again in its process"
         ) from None
     except BaseException:
-        _close_all(sock, fds)
+        _close_all(held, fds)
         raise
     exported, at = _read_label(body, 0) if status == b"K" else ("", 0)
     source, at = _read_label(body, at)
     if status != b"K" or exported != kind or source != origin:
-        sock.close()
+        held.opened().release()
         for fd in fds:
             os.close(fd)
         if status != b"K":
@@ -524,7 +545,22 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
                 "(it is damaged or forged); pickle the object again in its process"
             )
         raise InvalidHandleError(f"cannot open {what}: {reason}")
-    return body[at:], list(fds), Held(sock)
+    return body[at:], list(fds), held.opened()
+
+
+def _connect(sock: socket.socket, address: bytes) -> None:
+    """Connect to a broker, waiting while its queue of connections is full (EAGAIN, at
+    once, whatever the timeout): other processes, of any user, may flood it; each is
+    turned away at once, so room comes. TimeoutError past the answer's timeout."""
+    deadline = time.monotonic() + _ANSWER_TIMEOUT_S
+    while True:
+        try:
+            sock.connect(address)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError from None
+            time.sleep(_CONNECT_RETRY_S)
 
 
 def _check_peer(sock: socket.socket, ticket: ExportTicket, what: str) -> None:
@@ -623,10 +659,10 @@ def _make_room(count: int, what: str) -> None:
         more_descriptors()
 
 
-def _close_all(sock: socket.socket, fds: list[int]) -> None:
+def _close_all(held: Held, fds: list[int]) -> None:
     """Close the connection and the descriptors received on it (an answer that failed
     part way: a stalled or broken-off sender kept them open in this process before)."""
-    sock.close()
+    held.opened().release()
     for fd in fds:
         os.close(fd)
 

@@ -992,13 +992,14 @@ class XpuBackend(Sharing, Backend):
     def _wait_imported(self, e: EventState, slot: EventSlot, pidfd: int) -> int:
         """Wait for an event opened from another process in slices, checking that the
         exporter (``pidfd``) still lives: once it exited, nothing will ever signal the event."""
+        exited = select.poll()  # not select(): it refuses descriptors past 1023, and accel may raise the limit
+        exited.register(pidfd, select.POLLIN)
         while True:
             code = int(self._ze.lib.zeEventHostSynchronize(slot.cdata, _WAIT_SLICE_NS))
             if code != _NOT_READY:
                 return code
             # Between slices: Ctrl-C is seen, and a dead exporter ends the wait.
-            exited, _, _ = select.select([pidfd], [], [], 0)
-            if exited:
+            if exited.poll(0):
                 code = int(self._ze.lib.zeEventQueryStatus(slot.cdata))
                 if code != _NOT_READY:
                     return code
