@@ -38,6 +38,7 @@ opened it. See docs/guarantees.md, "Sharing across processes".
 from __future__ import annotations
 
 import array
+import contextlib
 import errno
 import json
 import os
@@ -67,10 +68,15 @@ _TOKEN_BYTES = 16
 _HEADER = struct.Struct("!cII")
 # Descriptors go in batches of at most this many per message (the kernel's
 # SCM_MAX_FD is 253): the first with the header and payload, each further
-# batch with one byte (_MORE). A buffer of expandable segments has one
-# descriptor per physical chunk, so a large one needs many messages.
+# batch with one byte (_MORE), sent once the importer has acknowledged the
+# batch before (one byte, _ACK). A buffer of expandable segments has one
+# descriptor per physical chunk, so a large one needs many messages; queued
+# all at once they stayed in flight together, and the kernel counts
+# descriptors in flight against the sender's RLIMIT_NOFILE (ETOOMANYREFS):
+# paced, an answer has at most one batch in flight.
 _FDS_PER_MESSAGE = 128
 _MORE = b"F"
+_ACK = b"A"
 # The most descriptors an answer may state: more than an importer can hold
 # under any limit it can raise to (a forged answer is refused before receiving).
 _MAX_FDS = 1 << 20
@@ -88,11 +94,14 @@ _SEND = socket.MSG_NOSIGNAL
 
 @dataclass(frozen=True)
 class ExportTicket:
-    """What a pickle carries to name an export: where the broker listens and the token."""
+    """What a pickle carries to name an export: where the broker listens, the token,
+    the exporter's pid and how many descriptors the export has (an importer receives
+    no more, and raises no limit for more, than its pickle says)."""
 
     address: bytes
     token: str
     pid: int
+    fds: int
 
 
 class _Export:
@@ -103,6 +112,20 @@ class _Export:
         self.fds = fds
         self.target = target  # returns what importers hold, or None once it is gone
         self.hold = hold
+
+
+class _Pending:
+    """An answer whose further batches are not sent yet: one goes each time the importer
+    acknowledges the one before, duplicated then (an answer waiting for its importer
+    costs the exporter no descriptors)."""
+
+    __slots__ = ("token", "export", "sent", "hold")
+
+    def __init__(self, token: str, export: _Export, sent: int, hold: bool) -> None:
+        self.token = token
+        self.export = export
+        self.sent = sent  # how many of the export's descriptors went
+        self.hold = hold  # after the last batch: keep the connection as a hold, or close it
 
 
 class Broker:
@@ -161,7 +184,7 @@ class Broker:
         with self._lock:
             self._forget_dead()
             self._exports[token] = _Export(named, fds, target, hold)
-        return ExportTicket(self.address, token, self.pid)
+        return ExportTicket(self.address, token, self.pid, len(fds))
 
     def _forget_dead(self) -> None:
         """Drop exports whose target is gone, closing their descriptors (lock held)."""
@@ -182,8 +205,10 @@ class Broker:
                 assert isinstance(sock, socket.socket)
                 if sock is self._listener:
                     self._accept()
-                elif key.data is not None:
+                elif isinstance(key.data, bytearray):
                     self._read_token(sock, key.data)
+                elif isinstance(key.data, _Pending):
+                    self._next_batch(sock, key.data)
                 else:
                     self._release(sock)  # importers send nothing after the token: EOF or error
 
@@ -228,10 +253,7 @@ class Broker:
             conn.settimeout(_ANSWER_TIMEOUT_S)
             self._answer(conn, token.decode("ascii", "replace"))
         except OSError:
-            if conn in self._holds:
-                self._release(conn)
-            else:
-                conn.close()
+            self._release(conn)
 
     def _answer(self, conn: socket.socket, token: str) -> None:
         with self._lock:
@@ -241,14 +263,7 @@ class Broker:
             # Copies taken under the lock: once it is released, another thread may close
             # the export (an event closed) and _forget_dead its descriptors, whose numbers
             # the process may then give to other files, which would be sent instead.
-            fds = [] if export is None or target is None else _dup_all(export.fds)
-        try:
-            self._send(conn, token, export, target, fds)
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-    def _send(self, conn: socket.socket, token: str, export: _Export | None, target: object | None, fds: list[int]) -> None:
+            fds = [] if export is None or target is None else _dup_all(export.fds[:_FDS_PER_MESSAGE])
         if export is None or target is None:
             message = (
                 f"process {self.pid} no longer exports that object: it was freed or closed there "
@@ -258,19 +273,56 @@ class Broker:
             conn.sendall(_HEADER.pack(b"E", len(message), 0) + message, _SEND)
             conn.close()
             return
-        if not export.hold:
-            _send_answer(conn, export.payload, fds)
+        try:
+            # The hold is taken before the importer can map anything: from the moment
+            # it has the descriptors, the exporter's memory must not be reused.
+            if export.hold:
+                with self._lock:
+                    self._holds[conn] = target
+            rest = _Pending(token, export, len(fds), export.hold) if len(export.fds) > len(fds) else None
+            if export.hold or rest is not None:  # from here on, _release ends it
+                self._selector.register(conn, selectors.EVENT_READ, rest)
+            _send_first(conn, export.payload, fds, len(export.fds))
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if not export.hold and rest is None:
             conn.close()
-            return
-        # The hold is taken before the importer can map anything: from the moment
-        # it has the descriptors, the exporter's memory must not be reused.
+
+    def _next_batch(self, conn: socket.socket, rest: _Pending) -> None:
+        """Send the next batch of an answer once its importer acknowledged the one before
+        (anything else, or the connection's end, ends the answer)."""
+        try:
+            ack = conn.recv(1)
+        except OSError:
+            ack = b""
         with self._lock:
-            self._holds[conn] = target
-        self._selector.register(conn, selectors.EVENT_READ)
-        _send_answer(conn, export.payload, fds)
+            # Duplicated under the lock, as in _answer; an export closed meanwhile ends the answer.
+            live = ack == _ACK and self._exports.get(rest.token) is rest.export
+            batch = _dup_all(rest.export.fds[rest.sent : rest.sent + _FDS_PER_MESSAGE]) if live else []
+        if not live:
+            self._release(conn)
+            return
+        try:
+            socket.send_fds(conn, [_MORE], batch, _SEND)
+        except OSError:
+            self._release(conn)
+            return
+        finally:
+            for fd in batch:
+                os.close(fd)
+        rest.sent += len(batch)
+        if rest.sent < len(rest.export.fds):
+            return
+        if rest.hold:
+            self._selector.modify(conn, selectors.EVENT_READ, None)  # from now on, its end is the release
+        else:
+            self._release(conn)
 
     def _release(self, conn: socket.socket) -> None:
-        self._selector.unregister(conn)
+        """End a connection: what it holds, and the descriptors of an answer not sent yet."""
+        with contextlib.suppress(KeyError, ValueError):  # not registered: failed while answering
+            self._selector.unregister(conn)
         conn.close()
         with self._lock:
             target = self._holds.pop(conn, None)
@@ -290,21 +342,14 @@ def _dup_all(fds: list[int]) -> list[int]:
     return copies
 
 
-def _send_answer(conn: socket.socket, payload: bytes, fds: list[int]) -> None:
-    """Send an export's payload and descriptors: the first batch of descriptors with
-    the header and payload, each further batch with one byte."""
-    first = _HEADER.pack(b"K", len(payload), len(fds)) + payload
+def _send_first(conn: socket.socket, payload: bytes, first: list[int], count: int) -> None:
+    """Send the header (stating all ``count`` descriptors), the payload and the first
+    batch of descriptors; each further batch waits for the importer's acknowledgement."""
+    message = _HEADER.pack(b"K", len(payload), count) + payload
     # sendmsg sends what fits in the socket's buffer (the descriptors go with the
     # first byte): the rest of a long answer follows as plain bytes.
-    sent = socket.send_fds(conn, [first], fds[:_FDS_PER_MESSAGE], _SEND)
-    conn.sendall(first[sent:], _SEND)
-    for at in range(_FDS_PER_MESSAGE, len(fds), _FDS_PER_MESSAGE):
-        socket.send_fds(conn, [_MORE], fds[at : at + _FDS_PER_MESSAGE], _SEND)
-
-
-def _batches(count: int) -> int:
-    """How many messages carry ``count`` descriptors (one at least: the header's)."""
-    return max(1, -(-count // _FDS_PER_MESSAGE))
+    sent = socket.send_fds(conn, [message], first, _SEND)
+    conn.sendall(message[sent:], _SEND)
 
 
 def _close_quietly(fd: int) -> None:
@@ -462,6 +507,8 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
         and isinstance(ticket.address, bytes)
         and isinstance(ticket.pid, int)
         and isinstance(ticket.token, str)
+        and isinstance(ticket.fds, int)
+        and 0 <= ticket.fds <= _MAX_FDS
         and len(ticket.token) == 2 * _TOKEN_BYTES
         and all(c in "0123456789abcdef" for c in ticket.token)
     ):
@@ -477,6 +524,7 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(_ANSWER_TIMEOUT_S)
     fds: list[int] = []  # closed on every failure below: they came with the answer's first part
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)  # what a refused answer leaves as it was
     try:
         try:
             sock.connect(ticket.address)
@@ -489,7 +537,7 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
         sock.sendall(ticket.token.encode("ascii"), _SEND)
         status, body = _receive_answer(sock, fds, ticket, what)
     except TimeoutError:
-        _close_all(sock, fds)
+        _close_all(sock, fds, limit)
         raise InvalidHandleError(
             f"cannot open {what}: the process that exported it (pid {ticket.pid}) did not answer "
             f"within {_ANSWER_TIMEOUT_S:g} s (is it stopped?)"
@@ -497,21 +545,19 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
     except OSError as exc:
         # An address no socket can have (empty, or longer than AF_UNIX allows:
         # a damaged pickle), or a connection the exporter broke off.
-        _close_all(sock, fds)
+        _close_all(sock, fds, limit)
         raise InvalidHandleError(
             f"cannot open {what}: no answer from the process that exported it (pid {ticket.pid}) at the "
             f"address its pickle names ({exc}); the pickle is damaged or the process is gone. Pickle "
             "the object again in its process"
         ) from None
     except BaseException:
-        _close_all(sock, fds)
+        _close_all(sock, fds, limit)
         raise
     exported, at = _read_label(body, 0) if status == b"K" else ("", 0)
     source, at = _read_label(body, at)
     if status != b"K" or exported != kind or source != origin:
-        sock.close()
-        for fd in fds:
-            os.close(fd)
+        _close_all(sock, fds, limit)
         if status != b"K":
             reason = body.decode(errors="replace")
         elif exported != kind:
@@ -546,40 +592,56 @@ def _receive_answer(sock: socket.socket, fds: list[int], ticket: ExportTicket, w
     """``(status, body)`` of the broker's answer; its descriptors are appended to ``fds``
     as they arrive (so that the caller closes them on any failure)."""
     data = b""
-    length = count = 0
-    expected = -1  # bytes in all, once the header is in: header, body, a byte per further batch
-    while expected < 0 or len(data) < expected:
-        more, flags = _recv_fds(sock, fds)
-        if flags & socket.MSG_CTRUNC:
-            raise InvalidHandleError(
-                f"cannot open {what}: this process has too many open files to receive its descriptors; "
-                "close some, or raise the open-file limit (ulimit -n)"
-            )
-        if not more:
-            raise InvalidHandleError(
-                f"cannot open {what}: the process that exported it (pid {ticket.pid}) closed the "
-                "connection without answering (it is exiting?)"
-            )
-        data += more
-        if expected < 0 and len(data) >= _HEADER.size:
-            status, length, count = _HEADER.unpack_from(data)
-            # recv() would otherwise take what a forged header states, up to 4 GiB.
-            if length > _MAX_ANSWER or count > _MAX_FDS or (status != b"K" and count):
-                raise InvalidHandleError(
-                    f"cannot open {what}: the process at the address its pickle names (pid {ticket.pid}) "
-                    f"announced a {length}-byte answer with {count} descriptors (is it an accel process?); "
-                    "pickle the object again in its process"
-                )
-            _make_room(count, what)
-            expected = _HEADER.size + length + _batches(count) - 1
-        if len(fds) > count and expected >= 0:
-            break
-    if len(fds) != count:
+    while len(data) < _HEADER.size:
+        data += _receive(sock, fds, ticket, what)
+    status, length, count = _HEADER.unpack_from(data)
+    # recv() would otherwise take what a forged header states, up to 4 GiB; and the
+    # open-file limit is raised for no more descriptors than the pickle names.
+    if length > _MAX_ANSWER or (status == b"K" and count != ticket.fds) or (status != b"K" and count):
         raise InvalidHandleError(
-            f"cannot open {what}: the process that exported it (pid {ticket.pid}) sent {len(fds)} "
-            f"descriptors where it announced {count} (is it an accel process?); pickle the object again in its process"
+            f"cannot open {what}: the process at the address its pickle names (pid {ticket.pid}) "
+            f"announced a {length}-byte answer with {count} descriptors where its pickle names {ticket.fds} "
+            "(is it an accel process?); pickle the object again in its process"
         )
-    return data[:1], data[_HEADER.size : _HEADER.size + length]
+    _make_room(count, what)
+    while len(data) < _HEADER.size + length:
+        data += _receive(sock, fds, ticket, what)
+    # Each part brings a whole batch (what an accel broker sends), and a further one
+    # only its tag: anything else is refused, closing what came (the caller).
+    if len(data) > _HEADER.size + length or len(fds) != min(count, _FDS_PER_MESSAGE):
+        raise _not_announced(ticket, what, len(fds), count)
+    while len(fds) < count:
+        # Paced: the exporter sends each further batch once this one is in (see _ACK).
+        sock.sendall(_ACK, _SEND)
+        batch = min(count - len(fds), _FDS_PER_MESSAGE)
+        before = len(fds)
+        if _receive(sock, fds, ticket, what) != _MORE or len(fds) != before + batch:
+            raise _not_announced(ticket, what, len(fds), count)
+    return data[:1], data[_HEADER.size :]
+
+
+def _receive(sock: socket.socket, fds: list[int], ticket: ExportTicket, what: str) -> bytes:
+    """One part of an answer (its descriptors appended to ``fds``); never empty."""
+    more, flags = _recv_fds(sock, fds)
+    if flags & socket.MSG_CTRUNC:
+        raise InvalidHandleError(
+            f"cannot open {what}: this process has too many open files to receive its descriptors; "
+            "close some, or raise the open-file limit (ulimit -n)"
+        )
+    if not more:
+        raise InvalidHandleError(
+            f"cannot open {what}: the process that exported it (pid {ticket.pid}) closed the "
+            "connection without answering (it is exiting?)"
+        )
+    return more
+
+
+def _not_announced(ticket: ExportTicket, what: str, received: int, count: int) -> InvalidHandleError:
+    return InvalidHandleError(
+        f"cannot open {what}: the process that exported it (pid {ticket.pid}) sent {received} "
+        f"descriptors where it announced {count}, or parts the protocol has not (is it an accel "
+        "process?); pickle the object again in its process"
+    )
 
 
 def _recv_fds(sock: socket.socket, fds: list[int]) -> tuple[bytes, int]:
@@ -623,12 +685,17 @@ def _make_room(count: int, what: str) -> None:
         more_descriptors()
 
 
-def _close_all(sock: socket.socket, fds: list[int]) -> None:
+def _close_all(sock: socket.socket, fds: list[int], limit: tuple[int, int]) -> None:
     """Close the connection and the descriptors received on it (an answer that failed
-    part way: a stalled or broken-off sender kept them open in this process before)."""
+    part way: a stalled or broken-off sender kept them open in this process before),
+    and put back the open-file limit raised for them (a refused answer leaves none)."""
     sock.close()
     for fd in fds:
         os.close(fd)
+    fds.clear()
+    if resource.getrlimit(resource.RLIMIT_NOFILE) != limit:
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, limit)
 
 
 def check_device(backend: Backend, backend_name: str, device: int, uuid: str, what: str) -> None:

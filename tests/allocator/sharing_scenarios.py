@@ -806,7 +806,7 @@ def scenario_stalled_answers() -> dict[str, Any]:
         address = replies.get(timeout=TIMEOUT_S)
         before = open_fds()
         try:
-            open_buffer(sharing.ExportTicket(address, "ab" * 16, server.pid), backend.name, 0, uuid, 4096)
+            open_buffer(sharing.ExportTicket(address, "ab" * 16, server.pid, 1), backend.name, 0, uuid, 4096)
             results[mode] = ["opened"]
         except Exception as exc:  # noqa: BLE001 - what escapes is what the test checks
             results[mode] = [type(exc).__module__, type(exc).__name__, str(exc), open_fds() - before]

@@ -515,7 +515,7 @@ def test_damaged_pickles_are_clear_errors() -> None:
 
     with accel.memory.allocate(4096) as buf:
         _, (ticket, name, device, uuid, nbytes) = buf.__reduce__()
-        not_hex = ExportTicket(ticket.address, "\u00e9" * 32, ticket.pid)
+        not_hex = ExportTicket(ticket.address, "\u00e9" * 32, ticket.pid, ticket.fds)
         for args in [(("x",), name, device, uuid, nbytes), (not_hex, name, device, uuid, nbytes)]:
             with pytest.raises(accel.InvalidHandleError, match="does not name an accel export"):
                 open_buffer(*args)
@@ -535,7 +535,7 @@ def test_a_pickle_naming_an_address_no_socket_can_have_is_a_clear_error(address:
 
     runtime = get_runtime()
     uuid = runtime.backend.device_properties(0).uuid
-    ticket = ExportTicket(address, "ab" * 16, os.getpid() + 1)
+    ticket = ExportTicket(address, "ab" * 16, os.getpid() + 1, 1)
     with pytest.raises(accel.InvalidHandleError, match="the pickle is damaged"):
         open_buffer(ticket, runtime.name, 0, uuid, 4096)
     with pytest.raises(accel.InvalidHandleError, match="the pickle is damaged"):
