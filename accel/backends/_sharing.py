@@ -19,7 +19,9 @@ with :class:`~accel.InvalidHandleError`.
 
 Both ends check who is at the other end (``SO_PEERCRED``): the broker
 answers only processes of its own user, and an importer talks only to the
-process its pickle names (its pid) running as its own user, before it sends
+process its pickle names (its pid) running as its own user (the *effective*
+uid on both ends: what SO_PEERCRED states, and what the kernel checks
+access with), before it sends
 the token or trusts an answer. An abstract socket name is free once its
 exporter exits, and another user can bind it (the names are listed in
 /proc/net/unix): without the importer's check, that process would be handed
@@ -223,7 +225,7 @@ class Broker:
         except OSError:
             return
         _, uid, _ = struct.unpack("3i", creds)
-        if uid != os.getuid():
+        if uid != os.geteuid():  # SO_PEERCRED states the effective uid: compared with ours
             message = b"only processes of the same user may open accel exports"
             try:
                 conn.sendall(_HEADER.pack(b"E", len(message), 0) + message, _SEND)
@@ -579,10 +581,10 @@ def _check_peer(sock: socket.socket, ticket: ExportTicket, what: str) -> None:
     binds it next would otherwise get the token and choose the memory mapped here."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, _ = struct.unpack("3i", creds)
-    if pid != ticket.pid or uid != os.getuid():
+    if pid != ticket.pid or uid != os.geteuid():  # SO_PEERCRED states the effective uid
         raise InvalidHandleError(
             f"cannot open {what}: the process answering at the address its pickle names is pid {pid} "
-            f"of user {uid}, not its exporter (pid {ticket.pid} of user {os.getuid()}); the exporter has "
+            f"of user {uid}, not its exporter (pid {ticket.pid} of user {os.geteuid()}); the exporter has "
             "exited and another process took its address. Nothing was sent to it or taken from it; "
             "pickle the object again in a live exporting process"
         )

@@ -699,3 +699,47 @@ def test_a_refused_answer_leaves_the_open_file_limit_as_it_was(announced: int, n
     lines = result.stdout.splitlines()
     assert lines[0].startswith("InvalidHandleError") and lines[1:] == ["256"], result.stdout + result.stderr
 
+
+# -- which uid: the effective one, on both ends ------------------------------------------
+
+# A set-user-ID program as the kernel runs it: real uid nobody, effective uid root.
+SETUID = "import os\nos.setresuid(65534, 0, 0)\n"
+
+SETUID_EXPORTER = SETUID + """
+import pickle, sys, weakref
+from accel.backends._sharing import broker
+class Kept: pass
+kept = Kept()
+read, write = os.pipe()
+os.write(write, b"effective")
+os.close(write)
+print(pickle.dumps(broker().offer("test", "here", b"payload", [read], weakref.ref(kept), hold=True)).hex(), flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run as a set-user-ID program does")
+def test_both_ends_compare_effective_uids() -> None:
+    # SO_PEERCRED states the peer's effective uid, and each end compared it with its own
+    # real uid: a set-user-ID exporter turned its own user's importers away, and a
+    # set-user-ID importer refused its own user's exporter.
+    exporter = subprocess.Popen(
+        [sys.executable, "-c", SETUID_EXPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    try:
+        assert exporter.stdout is not None
+        payload, fds, held = open_export(pickle.loads(bytes.fromhex(exporter.stdout.readline())), "test", "here", "it")
+        assert (payload, os.read(fds[0], 100)) == (b"payload", b"effective")
+        os.close(fds[0])
+        held.release()
+    finally:
+        exporter.kill()
+        exporter.wait(30)
+    kept = Kept()
+    importer = subprocess.run(
+        [sys.executable, "-c", SETUID + IMPORTER, pickle.dumps(offer_pipe(kept, b"effective")).hex()], input="\n\n",
+        capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60,
+        check=False,
+    )
+    assert importer.stdout.split()[:2] == ["payload", "effective"], importer.stdout + importer.stderr
