@@ -74,6 +74,18 @@ _tickets_lock = threading.Lock()
 _exported: weakref.WeakValueDictionary[str, Buffer] = weakref.WeakValueDictionary()
 
 
+def _forget_exports_in_child() -> None:
+    """A forked child exports nothing of its parent's: its tickets name the parent's broker,
+    whose copy the child closes (see accel.backends._sharing)."""
+    global _tickets_lock
+    _tickets_lock = threading.Lock()  # another parent thread may have held it at the fork
+    _tickets.clear()
+    _exported.clear()
+
+
+os.register_at_fork(after_in_child=_forget_exports_in_child)
+
+
 class _ImportedBlock:
     """The part of a caching allocator's block an imported buffer needs: its address."""
 
@@ -299,6 +311,7 @@ class _ImportedMemory:
 
 def export_buffer(buffer: Buffer) -> tuple[Any, ...]:
     """The pickle of ``buffer``: ``(open_buffer, args)`` naming an export of its memory."""
+    _runtime.check_not_forked()  # a forked child's backend is a stand-in: it exports nothing
     lease = buffer._export_lease()  # refuses a freed buffer
     if isinstance(buffer._allocator, _ImportedMemory):
         raise NotSupportedError(

@@ -139,6 +139,12 @@ class Broker:
         self._lock = threading.Lock()
         self._exports: dict[str, _Export] = {}
         self._holds: dict[socket.socket, object] = {}  # connection -> what it keeps alive
+        # What the serving thread has in hand outside the selector and the holds (for a
+        # forked child to close): connections being accepted or answered, and duplicates
+        # of exports' descriptors being sent (each removed before it is closed, so that a
+        # child never closes a number the parent gave to another file meanwhile).
+        self._in_hand: set[socket.socket] = set()
+        self._copies: list[int] = []
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.address)
         self._listener.listen(64)
@@ -151,7 +157,9 @@ class Broker:
         """Close this process's copies of a forked parent's broker: the listening
         socket (or the parent's name stays bound after it exits, and importers wait
         for an answer that never comes), its connections (each an importer's hold)
-        and the descriptors of its exports. No thread serves them here."""
+        and the descriptors of its exports, and what the serving thread had in hand at
+        the fork (a connection it was answering, the copies it was sending). No thread
+        serves them here."""
         for export in self._exports.values():
             for fd in export.fds:
                 _close_quietly(fd)
@@ -159,6 +167,12 @@ class Broker:
         for conn in self._holds:
             conn.close()
         self._holds.clear()
+        for conn in list(self._in_hand):
+            conn.close()
+        self._in_hand.clear()
+        for fd in self._copies:
+            _close_quietly(fd)
+        self._copies.clear()
         for key in list(self._selector.get_map().values()):
             sock = key.fileobj
             if isinstance(sock, socket.socket):
@@ -221,8 +235,19 @@ class Broker:
         # them), so that they cannot pile up connections waiting for a token.
         try:
             conn, _ = self._listener.accept()
+        except OSError:
+            return
+        self._in_hand.add(conn)
+        try:
+            self._admit(conn)
+        finally:
+            self._in_hand.discard(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
+        try:
             creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         except OSError:
+            conn.close()
             return
         _, uid, _ = struct.unpack("3i", creds)
         if uid != os.geteuid():  # SO_PEERCRED states the effective uid: compared with ours
@@ -250,12 +275,15 @@ class Broker:
         token += more
         if len(token) < 2 * _TOKEN_BYTES:
             return
+        self._in_hand.add(conn)
         self._selector.unregister(conn)
         try:
             conn.settimeout(_ANSWER_TIMEOUT_S)
             self._answer(conn, token.decode("ascii", "replace"))
         except OSError:
             self._release(conn)
+        finally:
+            self._in_hand.discard(conn)
 
     def _answer(self, conn: socket.socket, token: str) -> None:
         with self._lock:
@@ -265,7 +293,7 @@ class Broker:
             # Copies taken under the lock: once it is released, another thread may close
             # the export (an event closed) and _forget_dead its descriptors, whose numbers
             # the process may then give to other files, which would be sent instead.
-            fds = [] if export is None or target is None else _dup_all(export.fds[:_FDS_PER_MESSAGE])
+            fds = [] if export is None or target is None else _dup_all(export.fds[:_FDS_PER_MESSAGE], self._copies)
         if export is None or target is None:
             message = (
                 f"process {self.pid} no longer exports that object: it was freed or closed there "
@@ -286,8 +314,7 @@ class Broker:
                 self._selector.register(conn, selectors.EVENT_READ, rest)
             _send_first(conn, export.payload, fds, len(export.fds))
         finally:
-            for fd in fds:
-                os.close(fd)
+            self._close_copies(fds)
         if not export.hold and rest is None:
             conn.close()
 
@@ -301,7 +328,7 @@ class Broker:
         with self._lock:
             # Duplicated under the lock, as in _answer; an export closed meanwhile ends the answer.
             live = ack == _ACK and self._exports.get(rest.token) is rest.export
-            batch = _dup_all(rest.export.fds[rest.sent : rest.sent + _FDS_PER_MESSAGE]) if live else []
+            batch = _dup_all(rest.export.fds[rest.sent : rest.sent + _FDS_PER_MESSAGE], self._copies) if live else []
         if not live:
             self._release(conn)
             return
@@ -311,8 +338,7 @@ class Broker:
             self._release(conn)
             return
         finally:
-            for fd in batch:
-                os.close(fd)
+            self._close_copies(batch)
         rest.sent += len(batch)
         if rest.sent < len(rest.export.fds):
             return
@@ -320,6 +346,11 @@ class Broker:
             self._selector.modify(conn, selectors.EVENT_READ, None)  # from now on, its end is the release
         else:
             self._release(conn)
+
+    def _close_copies(self, fds: list[int]) -> None:
+        for fd in fds:
+            self._copies.remove(fd)  # first: see _in_hand
+            os.close(fd)
 
     def _release(self, conn: socket.socket) -> None:
         """End a connection: what it holds, and the descriptors of an answer not sent yet."""
@@ -331,17 +362,21 @@ class Broker:
         del target  # outside the lock: dropping the last reference may free memory
 
 
-def _dup_all(fds: list[int]) -> list[int]:
-    """Duplicates of ``fds`` (none left open if one fails: OSError)."""
-    copies: list[int] = []
+def _dup_all(fds: list[int], copies: list[int]) -> list[int]:
+    """Duplicates of ``fds``, each also appended to ``copies`` as it is made (none left
+    open if one fails: OSError)."""
+    made: list[int] = []
     try:
         for fd in fds:
-            copies.append(os.dup(fd))
+            made.append(os.dup(fd))
+            copies.append(made[-1])
     except OSError:
-        for fd in copies:
+        for fd in made:
+            if fd in copies:
+                copies.remove(fd)
             os.close(fd)
         raise
-    return copies
+    return made
 
 
 def _send_first(conn: socket.socket, payload: bytes, first: list[int], count: int) -> None:

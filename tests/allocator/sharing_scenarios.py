@@ -1044,6 +1044,29 @@ def scenario_fork_a_helper_then_exit() -> dict[str, Any]:
     return {**pickles, "helper": helper}
 
 
+def scenario_forked_child_pickles_again() -> dict[str, Any]:
+    """Pickle a buffer (its export remembered for its lease), fork, and pickle it again in
+    the child: what the child raises, and whether it still knew the parent's export."""
+    from accel.allocator import _sharing
+
+    buf = accel.memory.allocate(SIZE)
+    pickle.dumps(buf)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            pickle.dumps(buf)
+            outcome = ["pickled"]
+        except Exception as exc:  # noqa: BLE001 - what escapes is what the test checks
+            outcome = [type(exc).__name__, str(exc)]
+        os.write(write, json.dumps([*outcome, len(_sharing._tickets), len(_sharing._exported)]).encode())
+        os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(child, 0)
+    with os.fdopen(read) as reply:
+        return {"child": json.loads(reply.read()), "status": status}
+
+
 def scenario_open_pickles_impatiently() -> dict[str, Any]:
     """scenario_open_pickles, waiting 5 s for an answer instead of 60 (what a failure costs)."""
     import accel.backends._sharing as sharing

@@ -383,6 +383,18 @@ def test_opening_exports_of_an_exited_process_whose_forked_helper_lives_on_fails
     assert not [link for link in links if link.startswith("socket:")], links
 
 
+@backends
+def test_a_forked_child_pickling_its_parents_buffer_is_told_it_was_forked(backend: str) -> None:
+    # The child kept the parent's record of exports by lease (a pickle naming the
+    # parent's broker) and, where it got further, blamed the buffer's memory
+    # ("comes from BackendResource... not from the backend") for the fork.
+    result = run_scenario(backend, "forked_child_pickles_again")
+    kind, message, tickets, exported = result["child"]
+    assert kind == "AccelError" and "before it forked" in message, message
+    assert (tickets, exported) == (0, 0)
+    assert result["status"] == 0
+
+
 @segments
 @backends
 def test_programs_either_end_starts_inherit_none_of_its_descriptors(backend: str, alloc_conf: str) -> None:

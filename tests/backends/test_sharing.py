@@ -743,3 +743,74 @@ def test_both_ends_compare_effective_uids() -> None:
         check=False,
     )
     assert importer.stdout.split()[:2] == ["payload", "effective"], importer.stdout + importer.stderr
+
+
+# -- fork while the broker answers ------------------------------------------------------
+
+# Forks (from the main thread) while the broker's thread is inside an answer: in the
+# first part of it (argv[1] == "first", one descriptor) or sending a further batch
+# ("further", 200 descriptors). The child reports which of what that thread had in
+# hand (the connection, its copies of the export's descriptors) it still has open.
+FORK_IN_ANSWER = """
+import os, pickle, socket, sys, threading, weakref
+from accel.backends import _sharing
+class Kept: pass
+kept = Kept()
+pipes = [os.pipe() for _ in range(1 if sys.argv[1] == "first" else 200)]
+for read, write in pipes:
+    os.write(write, b"x")
+    os.close(write)
+ticket = _sharing.broker().offer("test", "here", b"payload", [r for r, _ in pipes], weakref.ref(kept), hold=True)
+answering, forked = threading.Event(), threading.Event()
+in_hand = []
+calls = []
+original = socket.send_fds
+def paused(conn, buffers, fds, *args):
+    calls.append(1)
+    if len(calls) == (1 if sys.argv[1] == "first" else 2):
+        in_hand.extend([conn.fileno(), *fds])
+        answering.set()
+        forked.wait(30)
+    return original(conn, buffers, fds, *args)
+socket.send_fds = paused
+print(pickle.dumps(ticket).hex(), flush=True)
+answering.wait(60)
+r, w = os.pipe()
+child = os.fork()
+if child == 0:
+    def is_open(fd):
+        try:
+            os.fstat(fd)
+            return True
+        except OSError:
+            return False
+    os.write(w, repr([fd for fd in in_hand if is_open(fd)]).encode())
+    os._exit(0)
+forked.set()
+os.waitpid(child, 0)
+print("child kept", os.read(r, 10000).decode(), flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("part", ["first", "further"])
+def test_a_child_forked_while_the_broker_answers_keeps_nothing_of_the_answer(part: str) -> None:
+    # The child closed the broker's listener, holds and exports, but not the connection
+    # being answered nor the copies being sent: it kept the importer's connection (and
+    # the exporter's memory) open after the exporter exited.
+    exporter = subprocess.Popen(
+        [sys.executable, "-c", FORK_IN_ANSWER, part], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    importer = None
+    try:
+        assert exporter.stdout is not None and exporter.stdin is not None
+        importer = start_importer(pickle.loads(bytes.fromhex(exporter.stdout.readline())))
+        assert importer.stdout is not None
+        assert exporter.stdout.readline().strip() == "child kept []"
+        assert importer.stdout.readline().split() == ["payload", "x"]  # the parent's answer went on
+    finally:
+        for process in (importer, exporter):
+            if process is not None:
+                process.kill()
+                process.wait(30)
