@@ -55,14 +55,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from accel._errors import DeviceError, DriverError, InvalidHandleError
+from accel._errors import DeviceError, DriverError, InvalidHandleError, OutOfMemoryError
 
 if TYPE_CHECKING:
     from accel.backends.base import Backend
 
 __all__ = [
-    "ExportTicket", "Held", "broker", "check_device", "check_extent", "description", "dup_for_export",
-    "export_origin", "more_descriptors", "natural", "naturals", "open_export",
+    "ExportTicket", "Held", "broker", "check_device", "check_extent", "check_map_count", "description",
+    "dup_for_export", "export_origin", "more_descriptors", "natural", "naturals", "open_export",
 ]
 
 _TOKEN_BYTES = 16
@@ -506,6 +506,35 @@ def check_extent(where: str, lead: int, nbytes: int, total: int) -> None:
     """Refuse a buffer of ``nbytes`` at ``lead`` bytes into ``total`` mapped bytes that runs past them."""
     if lead + nbytes > total:
         raise _damaged(where, f"{nbytes} bytes from {lead} bytes in, past the {total} bytes it maps")
+
+
+# Imports of fewer pieces cost no look at the process's mappings.
+_MAP_CHECK_FROM = 16
+# Mappings left for what runs beside an import (other threads, the reservation's ends).
+_MAP_MARGIN = 64
+
+
+def check_map_count(pieces: int, where: str, device: int) -> None:
+    """Refuse to map ``pieces`` separate mappings (one per piece of an export) where they
+    would pass the kernel's limit on mappings per process (vm.max_map_count, 65530 by
+    default): mmap would fail part way with ENOMEM, as if memory had run out."""
+    if pieces < _MAP_CHECK_FROM:
+        return
+    try:
+        with open("/proc/sys/vm/max_map_count", "rb") as limit_file:
+            limit = int(limit_file.read())
+        with open("/proc/self/maps", "rb") as maps:
+            current = sum(1 for _ in maps)
+    except (OSError, ValueError):  # no procfs: mmap's own failure says it
+        return
+    if current + pieces + _MAP_MARGIN > limit:
+        raise OutOfMemoryError(
+            f"{where}: the export is {pieces} separate pieces of memory, each a mapping of its own, and this "
+            f"process has {current} mappings of the {limit} the kernel allows (vm.max_map_count); free buffers "
+            "opened from other processes, share smaller buffers (or without expandable segments), or raise "
+            "the limit (sysctl vm.max_map_count)",
+            device=device,
+        )
 
 
 class Held:

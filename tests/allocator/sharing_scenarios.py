@@ -675,6 +675,57 @@ def scenario_large_buffer() -> dict[str, Any]:
     return {"ends": result, "exitcode": child.exitcode}
 
 
+def _maps(memfd: bool = False) -> int:
+    """This process's mappings (only those of memory files, where every backend maps
+    imported memory, with ``memfd``)."""
+    with open("/proc/self/maps", "rb") as maps:
+        return sum(not memfd or b"memfd:" in line for line in maps)
+
+
+def _open_with_few_mappings_left(args: Any, replies: Any) -> None:
+    """Use up this process's mappings (vm.max_map_count) but a few, then open a buffer of
+    many chunks: what it raises, and the mappings and descriptors left after."""
+    from accel.allocator._sharing import open_buffer
+
+    accel.current_stream().synchronize()  # the backend and its threads are up
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    with open("/proc/sys/vm/max_map_count") as limit_file:
+        limit = int(limit_file.read())
+    pages = limit - _maps() - 80  # room for 80 more: fewer than the buffer's chunks and what runs beside
+    base = libc.mmap(None, pages * 4096, 3, 0x22 | 0x4000, -1, 0)  # read-write, private anonymous, no reserve
+    for page in range(1, pages, 2):  # every other page read-only: a mapping each
+        libc.mprotect(base + page * 4096, 4096, 1)
+    before = [_maps(memfd=True), open_fds()]
+    try:
+        open_buffer(*args)
+        outcome = ["opened"]
+    except Exception as exc:  # noqa: BLE001 - what escapes is what the test checks
+        outcome = [type(exc).__name__, str(exc)]
+    after = [_maps(memfd=True), open_fds()]
+    libc.munmap(base, pages * 4096)
+    replies.put([*outcome, before, after])
+
+
+def scenario_few_mappings_left() -> dict[str, Any]:
+    """A 600 MiB buffer (some 300 chunks with expandable segments) opened by a process
+    with 80 mappings left."""
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    buf = accel.memory.allocate(LARGE)
+    child = ctx.Process(target=_open_with_few_mappings_left, args=(buf.__reduce__()[1], replies))
+    child.start()
+    try:
+        result: Any = replies.get(timeout=TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - the child failed: its stderr says why
+        result = ["no answer"]
+    child.join(TIMEOUT_S)
+    return {"result": result, "exitcode": child.exitcode, "holds": broker().stats()["holds"]}
+
+
 def _pickle_again(data: bytes, replies: Any) -> None:
     event = pickle.loads(data)
     try:

@@ -282,6 +282,17 @@ def test_a_buffer_of_hundreds_of_chunks_shares(backend: str, alloc_conf: str) ->
     assert result["ends"] == ["11" * 16, "22" * 16] and result["exitcode"] == 0, result
 
 
+@backends
+def test_a_buffer_of_more_chunks_than_mappings_left_is_refused_before_mapping(backend: str) -> None:
+    # Every chunk is a mapping of its own, and the kernel allows vm.max_map_count per
+    # process: mmap failed part way with ENOMEM, reported as memory running out.
+    result = run_scenario(backend, "few_mappings_left", alloc_conf="expandable_segments:True")
+    kind, message, before, after = result["result"]
+    assert kind == "OutOfMemoryError" and "vm.max_map_count" in message, message
+    assert after == before, "mappings or descriptors left behind"
+    assert result["exitcode"] == 0
+
+
 def test_an_answer_that_stalls_or_announces_gigabytes_is_refused_closing_what_came_with_it() -> None:
     # The descriptors received with the first part of an answer stayed open when
     # the rest never came (one per timeout), and an announced length was passed
