@@ -726,6 +726,57 @@ def scenario_few_mappings_left() -> dict[str, Any]:
     return {"result": result, "exitcode": child.exitcode, "holds": broker().stats()["holds"]}
 
 
+def _drop_resource_capabilities() -> None:
+    """Drop CAP_SYS_ADMIN and CAP_SYS_RESOURCE from this process: root keeps its uid (and
+    its files) but, like any user, has its descriptors in flight counted against its
+    open-file limit (the kernel exempts those capabilities)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable; twice (64 bits)
+    if libc.capget(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    for bit in (21, 24):  # CAP_SYS_ADMIN, CAP_SYS_RESOURCE
+        data[0] &= ~(1 << bit)
+        data[1] &= ~(1 << bit)
+    if libc.capset(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+
+
+def scenario_in_flight_under_a_low_limit() -> dict[str, Any]:
+    """A 600 MiB buffer (some 300 chunks with expandable segments) exported under an
+    open-file limit of 1024, answered to four connections that read only once all four
+    were answered (importers slower than the broker): how many descriptors each got."""
+    import resource
+    import socket
+
+    from accel.backends import _sharing
+
+    _drop_resource_capabilities()  # capabilities are per thread: before the broker's starts
+    buf = accel.memory.allocate(LARGE)
+    ticket = buf.__reduce__()[1][0]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+    conns = []
+    for _ in range(4):
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(TIMEOUT_S)
+        conn.connect(ticket.address)
+        conn.sendall(ticket.token.encode())
+        conns.append(conn)
+    time.sleep(1)  # the broker answers all four before any reads
+    got: list[Any] = []
+    for conn in conns:
+        fds: list[int] = []
+        try:
+            _sharing._receive_answer(conn, fds, ticket, "it")
+            got.append(len(fds))
+        except accel.AccelError as exc:
+            got.append(str(exc))
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+    return {"got": got, "fds": ticket.fds}
+
+
 def _pickle_again(data: bytes, replies: Any) -> None:
     event = pickle.loads(data)
     try:

@@ -282,6 +282,16 @@ def test_a_buffer_of_hundreds_of_chunks_shares(backend: str, alloc_conf: str) ->
     assert result["ends"] == ["11" * 16, "22" * 16] and result["exitcode"] == 0, result
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="drops root's capabilities to have its descriptors in flight counted")
+@backends
+def test_a_large_expandable_buffer_shares_with_several_importers_under_a_low_open_file_limit(backend: str) -> None:
+    # The broker queued every batch of an answer at once; the kernel counts descriptors
+    # in flight against the sender's open-file limit, and the fourth importer's answer
+    # failed (ETOOMANYREFS): "closed the connection without answering".
+    result = run_scenario(backend, "in_flight_under_a_low_limit", alloc_conf="expandable_segments:True")
+    assert result["fds"] > 128 and result["got"] == [result["fds"]] * 4, result
+
+
 @backends
 def test_a_buffer_of_more_chunks_than_mappings_left_is_refused_before_mapping(backend: str) -> None:
     # Every chunk is a mapping of its own, and the kernel allows vm.max_map_count per
