@@ -167,6 +167,10 @@ class _Unmap:
         for stream in [s for s in self._later if not _capturing(s)]:
             self._later.remove(stream)
             self._after(stream)  # the capture ended (or the stream closed): record now
+        if self._later:
+            # Not a query while the capture goes on (as wait): the driver may take it for
+            # an unsafe call during the capture and invalidate it (CUDA's global mode).
+            return False
         for event in [e for e in self._events if backend.event_query(device, e)]:
             self._events.remove(event)
             with contextlib.suppress(AccelError):
