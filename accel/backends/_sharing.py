@@ -325,11 +325,14 @@ class Broker:
             ack = conn.recv(1)
         except OSError:
             ack = b""
+        batch: list[int] | None = None
         with self._lock:
-            # Duplicated under the lock, as in _answer; an export closed meanwhile ends the answer.
-            live = ack == _ACK and self._exports.get(rest.token) is rest.export
-            batch = _dup_all(rest.export.fds[rest.sent : rest.sent + _FDS_PER_MESSAGE], self._copies) if live else []
-        if not live:
+            # Duplicated under the lock, as in _answer; an export closed meanwhile ends the answer,
+            # and so does a full descriptor table here (the importer is told the connection closed).
+            if ack == _ACK and self._exports.get(rest.token) is rest.export:
+                with contextlib.suppress(OSError):
+                    batch = _dup_all(rest.export.fds[rest.sent : rest.sent + _FDS_PER_MESSAGE], self._copies)
+        if batch is None:
             self._release(conn)
             return
         try:

@@ -814,3 +814,50 @@ def test_a_child_forked_while_the_broker_answers_keeps_nothing_of_the_answer(par
             if process is not None:
                 process.kill()
                 process.wait(30)
+
+
+MANY_IMPORTER = """
+import os, pickle, sys
+from accel.backends import _sharing
+_sharing._ANSWER_TIMEOUT_S = 10.0
+try:
+    payload, fds, held = _sharing.open_export(pickle.loads(bytes.fromhex(sys.argv[1])), "test", "here", "it")
+    print(payload.decode(), len(fds), flush=True)
+except Exception as exc:
+    print(type(exc).__name__, exc, flush=True)
+"""
+
+
+def test_a_full_descriptor_table_while_sending_a_further_batch_ends_that_answer_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Duplicating a further batch failed (EMFILE) out of the broker's thread, which died:
+    # every later importer waited the whole answer timeout for an answer.
+    import errno
+
+    from accel.backends import _sharing
+
+    kept = Kept()
+    pipes = [os.pipe() for _ in range(200)]
+    for _, write in pipes:
+        os.close(write)
+    ticket = broker().offer("test", "here", b"payload", [read for read, _ in pipes], weakref.ref(kept), hold=False)
+    original = _sharing._dup_all
+    calls: list[int] = []
+
+    def full_once(fds: list[int], copies: list[int]) -> list[int]:
+        calls.append(len(fds))
+        if len(calls) == 2:  # the first answer's second batch
+            raise OSError(errno.EMFILE, "Too many open files")
+        return original(fds, copies)
+
+    monkeypatch.setattr(_sharing, "_dup_all", full_once)
+    outs = [
+        subprocess.run(
+            [sys.executable, "-c", MANY_IMPORTER, pickle.dumps(ticket).hex()], capture_output=True, text=True,
+            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
+        ).stdout
+        for _ in range(2)
+    ]
+    assert outs[0].startswith("InvalidHandleError") and "closed the connection" in outs[0], outs
+    assert outs[1].split() == ["payload", "200"], outs
