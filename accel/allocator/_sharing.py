@@ -75,6 +75,18 @@ _tickets_lock = threading.Lock()
 _exported: weakref.WeakValueDictionary[str, Buffer] = weakref.WeakValueDictionary()
 
 
+def _forget_exports_in_child() -> None:
+    """A forked child exports nothing of its parent's: its tickets name the parent's broker,
+    whose copy the child closes (see accel.backends._sharing)."""
+    global _tickets_lock
+    _tickets_lock = threading.Lock()  # another parent thread may have held it at the fork
+    _tickets.clear()
+    _exported.clear()
+
+
+os.register_at_fork(after_in_child=_forget_exports_in_child)
+
+
 class _ImportedBlock:
     """The part of a caching allocator's block an imported buffer needs: its address."""
 
@@ -148,6 +160,30 @@ class _Unmap:
         except AccelError:
             return False
 
+    def poll(self) -> bool:
+        """Whether that work has run as far as events tell (never waits), dropping what has;
+        a stream whose end no event marks is left to :meth:`wait` (the device's end). A
+        failed query raises AccelError."""
+        backend, device = self._runtime.backend, self._device
+        for stream in [s for s in self._later if not _capturing(s)]:
+            self._later.remove(stream)
+            self._after(stream)  # the capture ended (or the stream closed): record now
+        if self._later:
+            # Not a query while the capture goes on (as wait): the driver may take it for
+            # an unsafe call during the capture and invalidate it (CUDA's global mode).
+            return False
+        for event in [e for e in self._events if backend.event_query(device, e)]:
+            self._events.remove(event)
+            with contextlib.suppress(AccelError):
+                backend.event_destroy(device, event)
+        self._ends = [e for e in self._ends if not e.query()]
+        return not (self._later or self._events or self._ends or self._unordered)
+
+    @property
+    def unordered(self) -> bool:
+        """Whether only the device's end orders it (see :meth:`wait`)."""
+        return self._unordered
+
     def wait(self) -> None:
         """Wait for that work (never in a finalizer, nor where a host function of one of
         the streams may run); each wait done is dropped, so a failed one can be retried."""
@@ -198,33 +234,70 @@ def _capturing(stream: Stream) -> bool:
 _left_to_exit: list[_Unmap] = []
 
 
+# How long the unmapping thread sleeps between looks at the events it waits for, at
+# most (it starts at _CAPTURE_POLL_S and backs off while nothing completes).
+_UNMAP_POLL_MAX_S = 0.1
+
+
 class _Unmapper:
-    """The importing process's thread that unmaps the imported buffers freed by finalizers
+    """The importing process's threads that unmap the imported buffers freed by finalizers
     (and by frees that must wait for a capture to end) once their streams' work has run:
-    a finalizer never waits (it may run inside a host function of one of those streams)."""
+    a finalizer never waits (it may run inside a host function of one of those streams).
+
+    One thread polls every such buffer's events without waiting on any, so a buffer
+    whose stream never finishes keeps no other buffer mapped and held; only buffers
+    that the device's end alone orders (see :meth:`_Unmap.wait`) go to a second thread,
+    which waits for the device (that wait includes every stream's work anyway)."""
 
     def __init__(self) -> None:
         # put() is reentrant (a finalizer may run inside another put on this thread).
         self._queue: queue.SimpleQueue[_Unmap] = queue.SimpleQueue()
+        self._device_queue: queue.SimpleQueue[_Unmap] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._pid = 0  # the process whose thread runs (a forked child has none)
+        self._pid = 0  # the process whose threads run (a forked child has none)
 
     def start(self) -> None:
-        """Start the thread in this process if it is not running (at every import, so
+        """Start the threads in this process if they are not running (at every import, so
         never in a finalizer, where starting a thread could wait on a lock held below)."""
         pid = os.getpid()
         if self._pid != pid:
             with self._lock:
                 if self._pid != pid:
                     threading.Thread(target=self._run, name="accel-ipc-unmap", daemon=True).start()
+                    threading.Thread(target=self._run_device_waits, name="accel-ipc-unmap-device", daemon=True).start()
                     self._pid = pid
 
     def put(self, unmap: _Unmap) -> None:
         self._queue.put(unmap)
 
     def _run(self) -> None:
+        pending: list[_Unmap] = []
+        pause = _CAPTURE_POLL_S
         while True:
-            unmap = self._queue.get()
+            try:
+                pending.append(self._queue.get(timeout=pause if pending else None))
+                pause = _CAPTURE_POLL_S  # a new one: look again soon
+            except queue.Empty:
+                pause = min(2 * pause, _UNMAP_POLL_MAX_S)  # nothing new: look less often
+            waiting: list[_Unmap] = []
+            for unmap in pending:
+                try:
+                    done = unmap.poll()
+                except AccelError:
+                    _left_to_exit.append(unmap)
+                    continue
+                if done:
+                    with contextlib.suppress(AccelError):  # nobody to tell: the hold ends regardless
+                        unmap.close()
+                elif unmap.unordered and not unmap.capturing:
+                    self._device_queue.put(unmap)  # what events tell is done: the device's end is left
+                else:
+                    waiting.append(unmap)
+            pending = waiting
+
+    def _run_device_waits(self) -> None:
+        while True:
+            unmap = self._device_queue.get()
             try:
                 unmap.wait()
             except AccelError:
@@ -300,6 +373,7 @@ class _ImportedMemory:
 
 def export_buffer(buffer: Buffer) -> tuple[Any, ...]:
     """The pickle of ``buffer``: ``(open_buffer, args)`` naming an export of its memory."""
+    _runtime.check_not_forked()  # a forked child's backend is a stand-in: it exports nothing
     lease = buffer._export_lease()  # refuses a freed buffer
     if isinstance(buffer._allocator, _ImportedMemory):
         raise NotSupportedError(

@@ -19,7 +19,9 @@ with :class:`~accel.InvalidHandleError`.
 
 Both ends check who is at the other end (``SO_PEERCRED``): the broker
 answers only processes of its own user, and an importer talks only to the
-process its pickle names (its pid) running as its own user, before it sends
+process its pickle names (its pid) running as its own user (the *effective*
+uid on both ends: what SO_PEERCRED states, and what the kernel checks
+access with), before it sends
 the token or trusts an answer. An abstract socket name is free once its
 exporter exits, and another user can bind it (the names are listed in
 /proc/net/unix): without the importer's check, that process would be handed
@@ -38,6 +40,7 @@ opened it. See docs/guarantees.md, "Sharing across processes".
 from __future__ import annotations
 
 import array
+import contextlib
 import errno
 import json
 import os
@@ -53,14 +56,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from accel._errors import DeviceError, DriverError, InvalidHandleError
+from accel._errors import DeviceError, DriverError, InvalidHandleError, OutOfMemoryError
 
 if TYPE_CHECKING:
     from accel.backends.base import Backend
 
 __all__ = [
-    "ExportTicket", "Held", "broker", "check_device", "check_extent", "description", "dup_for_export",
-    "export_origin", "more_descriptors", "natural", "naturals", "open_export",
+    "ExportTicket", "Held", "broker", "check_device", "check_extent", "check_map_count", "description",
+    "dup_for_export", "export_origin", "more_descriptors", "natural", "naturals", "open_export",
 ]
 
 _TOKEN_BYTES = 16
@@ -68,10 +71,15 @@ _TOKEN_BYTES = 16
 _HEADER = struct.Struct("!cII")
 # Descriptors go in batches of at most this many per message (the kernel's
 # SCM_MAX_FD is 253): the first with the header and payload, each further
-# batch with one byte (_MORE). A buffer of expandable segments has one
-# descriptor per physical chunk, so a large one needs many messages.
+# batch with one byte (_MORE), sent once the importer has acknowledged the
+# batch before (one byte, _ACK). A buffer of expandable segments has one
+# descriptor per physical chunk, so a large one needs many messages; queued
+# all at once they stayed in flight together, and the kernel counts
+# descriptors in flight against the sender's RLIMIT_NOFILE (ETOOMANYREFS):
+# paced, an answer has at most one batch in flight.
 _FDS_PER_MESSAGE = 128
 _MORE = b"F"
+_ACK = b"A"
 # The most descriptors an answer may state: more than an importer can hold
 # under any limit it can raise to (a forged answer is refused before receiving).
 _MAX_FDS = 1 << 20
@@ -91,11 +99,14 @@ _SEND = socket.MSG_NOSIGNAL
 
 @dataclass(frozen=True)
 class ExportTicket:
-    """What a pickle carries to name an export: where the broker listens and the token."""
+    """What a pickle carries to name an export: where the broker listens, the token,
+    the exporter's pid and how many descriptors the export has (an importer receives
+    no more, and raises no limit for more, than its pickle says)."""
 
     address: bytes
     token: str
     pid: int
+    fds: int
 
 
 class _Export:
@@ -108,6 +119,20 @@ class _Export:
         self.hold = hold
 
 
+class _Pending:
+    """An answer whose further batches are not sent yet: one goes each time the importer
+    acknowledges the one before, duplicated then (an answer waiting for its importer
+    costs the exporter no descriptors)."""
+
+    __slots__ = ("token", "export", "sent", "hold")
+
+    def __init__(self, token: str, export: _Export, sent: int, hold: bool) -> None:
+        self.token = token
+        self.export = export
+        self.sent = sent  # how many of the export's descriptors went
+        self.hold = hold  # after the last batch: keep the connection as a hold, or close it
+
+
 class Broker:
     """The exporting side: a listening socket and the thread that serves it."""
 
@@ -117,6 +142,12 @@ class Broker:
         self._lock = threading.Lock()
         self._exports: dict[str, _Export] = {}
         self._holds: dict[socket.socket, object] = {}  # connection -> what it keeps alive
+        # What the serving thread has in hand outside the selector and the holds (for a
+        # forked child to close): connections being accepted or answered, and duplicates
+        # of exports' descriptors being sent (each removed before it is closed, so that a
+        # child never closes a number the parent gave to another file meanwhile).
+        self._in_hand: set[socket.socket] = set()
+        self._copies: list[int] = []
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.address)
         # As many waiting connections as the system allows: any user can connect (and is
@@ -131,7 +162,9 @@ class Broker:
         """Close this process's copies of a forked parent's broker: the listening
         socket (or the parent's name stays bound after it exits, and importers wait
         for an answer that never comes), its connections (each an importer's hold)
-        and the descriptors of its exports. No thread serves them here."""
+        and the descriptors of its exports, and what the serving thread had in hand at
+        the fork (a connection it was answering, the copies it was sending). No thread
+        serves them here."""
         for export in self._exports.values():
             for fd in export.fds:
                 _close_quietly(fd)
@@ -139,6 +172,12 @@ class Broker:
         for conn in self._holds:
             conn.close()
         self._holds.clear()
+        for conn in list(self._in_hand):
+            conn.close()
+        self._in_hand.clear()
+        for fd in self._copies:
+            _close_quietly(fd)
+        self._copies.clear()
         for key in list(self._selector.get_map().values()):
             sock = key.fileobj
             if isinstance(sock, socket.socket):
@@ -166,7 +205,7 @@ class Broker:
         with self._lock:
             self._forget_dead()
             self._exports[token] = _Export(named, fds, target, hold)
-        return ExportTicket(self.address, token, self.pid)
+        return ExportTicket(self.address, token, self.pid, len(fds))
 
     def _forget_dead(self) -> None:
         """Drop exports whose target is gone, closing their descriptors (lock held)."""
@@ -187,8 +226,10 @@ class Broker:
                 assert isinstance(sock, socket.socket)
                 if sock is self._listener:
                     self._accept()
-                elif key.data is not None:
+                elif isinstance(key.data, bytearray):
                     self._read_token(sock, key.data)
+                elif isinstance(key.data, _Pending):
+                    self._next_batch(sock, key.data)
                 else:
                     self._release(sock)  # importers send nothing after the token: EOF or error
 
@@ -199,11 +240,22 @@ class Broker:
         # them), so that they cannot pile up connections waiting for a token.
         try:
             conn, _ = self._listener.accept()
-            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         except OSError:
             return
+        self._in_hand.add(conn)
+        try:
+            self._admit(conn)
+        finally:
+            self._in_hand.discard(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
+        try:
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        except OSError:
+            conn.close()
+            return
         _, uid, _ = struct.unpack("3i", creds)
-        if uid != os.getuid():
+        if uid != os.geteuid():  # SO_PEERCRED states the effective uid: compared with ours
             message = b"only processes of the same user may open accel exports"
             try:
                 conn.sendall(_HEADER.pack(b"E", len(message), 0) + message, _SEND)
@@ -228,15 +280,15 @@ class Broker:
         token += more
         if len(token) < 2 * _TOKEN_BYTES:
             return
+        self._in_hand.add(conn)
         self._selector.unregister(conn)
         try:
             conn.settimeout(_ANSWER_TIMEOUT_S)
             self._answer(conn, token.decode("ascii", "replace"))
         except OSError:
-            if conn in self._holds:
-                self._release(conn)
-            else:
-                conn.close()
+            self._release(conn)
+        finally:
+            self._in_hand.discard(conn)
 
     def _answer(self, conn: socket.socket, token: str) -> None:
         with self._lock:
@@ -246,14 +298,7 @@ class Broker:
             # Copies taken under the lock: once it is released, another thread may close
             # the export (an event closed) and _forget_dead its descriptors, whose numbers
             # the process may then give to other files, which would be sent instead.
-            fds = [] if export is None or target is None else _dup_all(export.fds)
-        try:
-            self._send(conn, token, export, target, fds)
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-    def _send(self, conn: socket.socket, token: str, export: _Export | None, target: object | None, fds: list[int]) -> None:
+            fds = [] if export is None or target is None else _dup_all(export.fds[:_FDS_PER_MESSAGE], self._copies)
         if export is None or target is None:
             message = (
                 f"process {self.pid} no longer exports that object: it was freed or closed there "
@@ -263,53 +308,93 @@ class Broker:
             conn.sendall(_HEADER.pack(b"E", len(message), 0) + message, _SEND)
             conn.close()
             return
-        if not export.hold:
-            _send_answer(conn, export.payload, fds)
+        try:
+            # The hold is taken before the importer can map anything: from the moment
+            # it has the descriptors, the exporter's memory must not be reused.
+            if export.hold:
+                with self._lock:
+                    self._holds[conn] = target
+            rest = _Pending(token, export, len(fds), export.hold) if len(export.fds) > len(fds) else None
+            if export.hold or rest is not None:  # from here on, _release ends it
+                self._selector.register(conn, selectors.EVENT_READ, rest)
+            _send_first(conn, export.payload, fds, len(export.fds))
+        finally:
+            self._close_copies(fds)
+        if not export.hold and rest is None:
             conn.close()
-            return
-        # The hold is taken before the importer can map anything: from the moment
-        # it has the descriptors, the exporter's memory must not be reused.
+
+    def _next_batch(self, conn: socket.socket, rest: _Pending) -> None:
+        """Send the next batch of an answer once its importer acknowledged the one before
+        (anything else, or the connection's end, ends the answer)."""
+        try:
+            ack = conn.recv(1)
+        except OSError:
+            ack = b""
+        batch: list[int] | None = None
         with self._lock:
-            self._holds[conn] = target
-        self._selector.register(conn, selectors.EVENT_READ)
-        _send_answer(conn, export.payload, fds)
+            # Duplicated under the lock, as in _answer; an export closed meanwhile ends the answer,
+            # and so does a full descriptor table here (the importer is told the connection closed).
+            if ack == _ACK and self._exports.get(rest.token) is rest.export:
+                with contextlib.suppress(OSError):
+                    batch = _dup_all(rest.export.fds[rest.sent : rest.sent + _FDS_PER_MESSAGE], self._copies)
+        if batch is None:
+            self._release(conn)
+            return
+        try:
+            socket.send_fds(conn, [_MORE], batch, _SEND)
+        except OSError:
+            self._release(conn)
+            return
+        finally:
+            self._close_copies(batch)
+        rest.sent += len(batch)
+        if rest.sent < len(rest.export.fds):
+            return
+        if rest.hold:
+            self._selector.modify(conn, selectors.EVENT_READ, None)  # from now on, its end is the release
+        else:
+            self._release(conn)
+
+    def _close_copies(self, fds: list[int]) -> None:
+        for fd in fds:
+            self._copies.remove(fd)  # first: see _in_hand
+            os.close(fd)
 
     def _release(self, conn: socket.socket) -> None:
-        self._selector.unregister(conn)
+        """End a connection: what it holds, and the descriptors of an answer not sent yet."""
+        with contextlib.suppress(KeyError, ValueError):  # not registered: failed while answering
+            self._selector.unregister(conn)
         conn.close()
         with self._lock:
             target = self._holds.pop(conn, None)
         del target  # outside the lock: dropping the last reference may free memory
 
 
-def _dup_all(fds: list[int]) -> list[int]:
-    """Duplicates of ``fds`` (none left open if one fails: OSError)."""
-    copies: list[int] = []
+def _dup_all(fds: list[int], copies: list[int]) -> list[int]:
+    """Duplicates of ``fds``, each also appended to ``copies`` as it is made (none left
+    open if one fails: OSError)."""
+    made: list[int] = []
     try:
         for fd in fds:
-            copies.append(os.dup(fd))
+            made.append(os.dup(fd))
+            copies.append(made[-1])
     except OSError:
-        for fd in copies:
+        for fd in made:
+            if fd in copies:
+                copies.remove(fd)
             os.close(fd)
         raise
-    return copies
+    return made
 
 
-def _send_answer(conn: socket.socket, payload: bytes, fds: list[int]) -> None:
-    """Send an export's payload and descriptors: the first batch of descriptors with
-    the header and payload, each further batch with one byte."""
-    first = _HEADER.pack(b"K", len(payload), len(fds)) + payload
+def _send_first(conn: socket.socket, payload: bytes, first: list[int], count: int) -> None:
+    """Send the header (stating all ``count`` descriptors), the payload and the first
+    batch of descriptors; each further batch waits for the importer's acknowledgement."""
+    message = _HEADER.pack(b"K", len(payload), count) + payload
     # sendmsg sends what fits in the socket's buffer (the descriptors go with the
     # first byte): the rest of a long answer follows as plain bytes.
-    sent = socket.send_fds(conn, [first], fds[:_FDS_PER_MESSAGE], _SEND)
-    conn.sendall(first[sent:], _SEND)
-    for at in range(_FDS_PER_MESSAGE, len(fds), _FDS_PER_MESSAGE):
-        socket.send_fds(conn, [_MORE], fds[at : at + _FDS_PER_MESSAGE], _SEND)
-
-
-def _batches(count: int) -> int:
-    """How many messages carry ``count`` descriptors (one at least: the header's)."""
-    return max(1, -(-count // _FDS_PER_MESSAGE))
+    sent = socket.send_fds(conn, [message], first, _SEND)
+    conn.sendall(message[sent:], _SEND)
 
 
 def _close_quietly(fd: int) -> None:
@@ -431,6 +516,35 @@ def check_extent(where: str, lead: int, nbytes: int, total: int) -> None:
         raise _damaged(where, f"{nbytes} bytes from {lead} bytes in, past the {total} bytes it maps")
 
 
+# Imports of fewer pieces cost no look at the process's mappings.
+_MAP_CHECK_FROM = 16
+# Mappings left for what runs beside an import (other threads, the reservation's ends).
+_MAP_MARGIN = 64
+
+
+def check_map_count(pieces: int, where: str, device: int) -> None:
+    """Refuse to map ``pieces`` separate mappings (one per piece of an export) where they
+    would pass the kernel's limit on mappings per process (vm.max_map_count, 65530 by
+    default): mmap would fail part way with ENOMEM, as if memory had run out."""
+    if pieces < _MAP_CHECK_FROM:
+        return
+    try:
+        with open("/proc/sys/vm/max_map_count", "rb") as limit_file:
+            limit = int(limit_file.read())
+        with open("/proc/self/maps", "rb") as maps:
+            current = sum(1 for _ in maps)
+    except (OSError, ValueError):  # no procfs: mmap's own failure says it
+        return
+    if current + pieces + _MAP_MARGIN > limit:
+        raise OutOfMemoryError(
+            f"{where}: the export is {pieces} separate pieces of memory, each a mapping of its own, and this "
+            f"process has {current} mappings of the {limit} the kernel allows (vm.max_map_count); free buffers "
+            "opened from other processes, share smaller buffers (or without expandable segments), or raise "
+            "the limit (sysctl vm.max_map_count)",
+            device=device,
+        )
+
+
 class Held:
     """An importer's hold on an export: the open connection. :meth:`release` closes it.
 
@@ -479,6 +593,8 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
         and isinstance(ticket.address, bytes)
         and isinstance(ticket.pid, int)
         and isinstance(ticket.token, str)
+        and isinstance(ticket.fds, int)
+        and 0 <= ticket.fds <= _MAX_FDS
         and len(ticket.token) == 2 * _TOKEN_BYTES
         and all(c in "0123456789abcdef" for c in ticket.token)
     ):
@@ -498,6 +614,7 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
     # meanwhile closes its copies (of the connection, which would otherwise hold the
     # exporter's memory until the child exits, and of the descriptors received so far).
     held = Held(sock, fds)
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)  # what a refused answer leaves as it was
     try:
         try:
             _connect(sock, ticket.address)
@@ -510,7 +627,7 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
         sock.sendall(ticket.token.encode("ascii"), _SEND)
         status, body = _receive_answer(sock, fds, ticket, what)
     except TimeoutError:
-        _close_all(held, fds)
+        _close_all(held, fds, limit)
         raise InvalidHandleError(
             f"cannot open {what}: the process that exported it (pid {ticket.pid}) did not answer "
             f"within {_ANSWER_TIMEOUT_S:g} s (is it stopped?)"
@@ -518,21 +635,19 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
     except OSError as exc:
         # An address no socket can have (empty, or longer than AF_UNIX allows:
         # a damaged pickle), or a connection the exporter broke off.
-        _close_all(held, fds)
+        _close_all(held, fds, limit)
         raise InvalidHandleError(
             f"cannot open {what}: no answer from the process that exported it (pid {ticket.pid}) at the "
             f"address its pickle names ({exc}); the pickle is damaged or the process is gone. Pickle "
             "the object again in its process"
         ) from None
     except BaseException:
-        _close_all(held, fds)
+        _close_all(held, fds, limit)
         raise
     exported, at = _read_label(body, 0) if status == b"K" else ("", 0)
     source, at = _read_label(body, at)
     if status != b"K" or exported != kind or source != origin:
-        held.opened().release()
-        for fd in fds:
-            os.close(fd)
+        _close_all(held, fds, limit)
         if status != b"K":
             reason = body.decode(errors="replace")
         elif exported != kind:
@@ -569,10 +684,10 @@ def _check_peer(sock: socket.socket, ticket: ExportTicket, what: str) -> None:
     binds it next would otherwise get the token and choose the memory mapped here."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, _ = struct.unpack("3i", creds)
-    if pid != ticket.pid or uid != os.getuid():
+    if pid != ticket.pid or uid != os.geteuid():  # SO_PEERCRED states the effective uid
         raise InvalidHandleError(
             f"cannot open {what}: the process answering at the address its pickle names is pid {pid} "
-            f"of user {uid}, not its exporter (pid {ticket.pid} of user {os.getuid()}); the exporter has "
+            f"of user {uid}, not its exporter (pid {ticket.pid} of user {os.geteuid()}); the exporter has "
             "exited and another process took its address. Nothing was sent to it or taken from it; "
             "pickle the object again in a live exporting process"
         )
@@ -582,40 +697,56 @@ def _receive_answer(sock: socket.socket, fds: list[int], ticket: ExportTicket, w
     """``(status, body)`` of the broker's answer; its descriptors are appended to ``fds``
     as they arrive (so that the caller closes them on any failure)."""
     data = b""
-    length = count = 0
-    expected = -1  # bytes in all, once the header is in: header, body, a byte per further batch
-    while expected < 0 or len(data) < expected:
-        more, flags = _recv_fds(sock, fds)
-        if flags & socket.MSG_CTRUNC:
-            raise InvalidHandleError(
-                f"cannot open {what}: this process has too many open files to receive its descriptors; "
-                "close some, or raise the open-file limit (ulimit -n)"
-            )
-        if not more:
-            raise InvalidHandleError(
-                f"cannot open {what}: the process that exported it (pid {ticket.pid}) closed the "
-                "connection without answering (it is exiting?)"
-            )
-        data += more
-        if expected < 0 and len(data) >= _HEADER.size:
-            status, length, count = _HEADER.unpack_from(data)
-            # recv() would otherwise take what a forged header states, up to 4 GiB.
-            if length > _MAX_ANSWER or count > _MAX_FDS or (status != b"K" and count):
-                raise InvalidHandleError(
-                    f"cannot open {what}: the process at the address its pickle names (pid {ticket.pid}) "
-                    f"announced a {length}-byte answer with {count} descriptors (is it an accel process?); "
-                    "pickle the object again in its process"
-                )
-            _make_room(count, what)
-            expected = _HEADER.size + length + _batches(count) - 1
-        if len(fds) > count and expected >= 0:
-            break
-    if len(fds) != count:
+    while len(data) < _HEADER.size:
+        data += _receive(sock, fds, ticket, what)
+    status, length, count = _HEADER.unpack_from(data)
+    # recv() would otherwise take what a forged header states, up to 4 GiB; and the
+    # open-file limit is raised for no more descriptors than the pickle names.
+    if length > _MAX_ANSWER or (status == b"K" and count != ticket.fds) or (status != b"K" and count):
         raise InvalidHandleError(
-            f"cannot open {what}: the process that exported it (pid {ticket.pid}) sent {len(fds)} "
-            f"descriptors where it announced {count} (is it an accel process?); pickle the object again in its process"
+            f"cannot open {what}: the process at the address its pickle names (pid {ticket.pid}) "
+            f"announced a {length}-byte answer with {count} descriptors where its pickle names {ticket.fds} "
+            "(is it an accel process?); pickle the object again in its process"
         )
-    return data[:1], data[_HEADER.size : _HEADER.size + length]
+    _make_room(count, what)
+    while len(data) < _HEADER.size + length:
+        data += _receive(sock, fds, ticket, what)
+    # Each part brings a whole batch (what an accel broker sends), and a further one
+    # only its tag: anything else is refused, closing what came (the caller).
+    if len(data) > _HEADER.size + length or len(fds) != min(count, _FDS_PER_MESSAGE):
+        raise _not_announced(ticket, what, len(fds), count)
+    while len(fds) < count:
+        # Paced: the exporter sends each further batch once this one is in (see _ACK).
+        sock.sendall(_ACK, _SEND)
+        batch = min(count - len(fds), _FDS_PER_MESSAGE)
+        before = len(fds)
+        if _receive(sock, fds, ticket, what) != _MORE or len(fds) != before + batch:
+            raise _not_announced(ticket, what, len(fds), count)
+    return data[:1], data[_HEADER.size :]
+
+
+def _receive(sock: socket.socket, fds: list[int], ticket: ExportTicket, what: str) -> bytes:
+    """One part of an answer (its descriptors appended to ``fds``); never empty."""
+    more, flags = _recv_fds(sock, fds)
+    if flags & socket.MSG_CTRUNC:
+        raise InvalidHandleError(
+            f"cannot open {what}: this process has too many open files to receive its descriptors; "
+            "close some, or raise the open-file limit (ulimit -n)"
+        )
+    if not more:
+        raise InvalidHandleError(
+            f"cannot open {what}: the process that exported it (pid {ticket.pid}) closed the "
+            "connection without answering (it is exiting?)"
+        )
+    return more
+
+
+def _not_announced(ticket: ExportTicket, what: str, received: int, count: int) -> InvalidHandleError:
+    return InvalidHandleError(
+        f"cannot open {what}: the process that exported it (pid {ticket.pid}) sent {received} "
+        f"descriptors where it announced {count}, or parts the protocol has not (is it an accel "
+        "process?); pickle the object again in its process"
+    )
 
 
 def _recv_fds(sock: socket.socket, fds: list[int]) -> tuple[bytes, int]:
@@ -659,12 +790,17 @@ def _make_room(count: int, what: str) -> None:
         more_descriptors()
 
 
-def _close_all(held: Held, fds: list[int]) -> None:
+def _close_all(held: Held, fds: list[int], limit: tuple[int, int]) -> None:
     """Close the connection and the descriptors received on it (an answer that failed
-    part way: a stalled or broken-off sender kept them open in this process before)."""
+    part way: a stalled or broken-off sender kept them open in this process before),
+    and put back the open-file limit raised for them (a refused answer leaves none)."""
     held.opened().release()
     for fd in fds:
         os.close(fd)
+    fds.clear()
+    if resource.getrlimit(resource.RLIMIT_NOFILE) != limit:
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, limit)
 
 
 def check_device(backend: Backend, backend_name: str, device: int, uuid: str, what: str) -> None:

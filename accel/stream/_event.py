@@ -238,7 +238,7 @@ class Event:
         """
         ticket, backend_name, index, uuid = self._export()
         fields = {
-            "address": ticket.address.hex(), "token": ticket.token, "pid": ticket.pid,
+            "address": ticket.address.hex(), "token": ticket.token, "pid": ticket.pid, "fds": ticket.fds,
             "backend": backend_name, "device": index, "uuid": uuid,
         }  # fmt: skip
         import json  # here, not at import: `import accel` loads no JSON (tests/test_facade.py)
@@ -341,14 +341,16 @@ def _read_ipc_handle(handle: object) -> tuple[ExportTicket, str, int, str]:
             pass
     if isinstance(fields, dict):
         address, token, pid = fields.get("address"), fields.get("token"), fields.get("pid")
+        fds = fields.get("fds")
         backend_name, index, uuid = fields.get("backend"), fields.get("device"), fields.get("uuid")
         if (
             isinstance(address, str) and _HEX.fullmatch(address) and isinstance(token, str)
             and isinstance(pid, int) and not isinstance(pid, bool)
+            and isinstance(fds, int) and not isinstance(fds, bool)
             and isinstance(index, int) and not isinstance(index, bool)
             and isinstance(backend_name, str) and isinstance(uuid, str)
         ):  # what each names is checked when it is opened (open_export, check_device)
-            return ExportTicket(bytes.fromhex(address), token, pid), backend_name, index, uuid
+            return ExportTicket(bytes.fromhex(address), token, pid, fds), backend_name, index, uuid
     raise InvalidHandleError(
         f"{data[:40]!r}... is not an accel event IPC handle (damaged, or made by another library, "
         "such as torch's): pass the bytes accel.Event.ipc_handle() returned in the exporting process"

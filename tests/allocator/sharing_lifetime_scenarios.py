@@ -208,5 +208,47 @@ def scenario_exit_holding() -> dict[str, Any]:
     return {"reply": reply, "exitcode": child.exitcode, "holds": _holds_end(), "seen": _contents(buf)}
 
 
+# -- one collected buffer whose stream never finishes, another whose stream does ----------
+
+
+def _one_slow_unmap(data: list[bytes], replies: Any, go: Any) -> None:
+    """Two buffers, each filled behind a gate on a stream of its own, garbage collected
+    (the unmapping thread waits for their fills): the first gate opens only when the
+    exporter says so, the second at once."""
+    gates = [threading.Event(), threading.Event()]
+    for blob, gate in zip(data, gates):
+        stream = accel.Stream()
+        with stream:
+            buf = pickle.loads(blob)
+        stream.launch_host_func(lambda gate=gate: gate.wait(10 * TIMEOUT_S))
+        stream.fill(buf, 0x55, SIZE)
+        del buf
+        gc.collect()  # the finalizer: to the unmapping thread
+    gates[1].set()
+    replies.put("collected")
+    go.get(timeout=TIMEOUT_S)
+    gates[0].set()
+    accel.synchronize()
+    replies.put("done")
+
+
+def scenario_one_slow_unmap() -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    replies, go = ctx.Queue(), ctx.Queue()
+    bufs = _exported(2)
+    child = ctx.Process(target=_one_slow_unmap, args=([pickle.dumps(b) for b in bufs], replies, go))
+    child.start()
+    replies.get(timeout=TIMEOUT_S)
+    deadline = time.monotonic() + TIMEOUT_S / 3
+    while broker().stats()["holds"] > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    while_one_waits = broker().stats()["holds"]
+    go.put("go")
+    reply = replies.get(timeout=TIMEOUT_S)
+    child.join(TIMEOUT_S)
+    return {"while_one_waits": while_one_waits, "reply": reply, "exitcode": child.exitcode, "holds": _holds_end(),
+            "seen": [_contents(b) for b in bufs]}
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[f"scenario_{sys.argv[1]}"]()), flush=True)

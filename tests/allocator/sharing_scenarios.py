@@ -675,6 +675,108 @@ def scenario_large_buffer() -> dict[str, Any]:
     return {"ends": result, "exitcode": child.exitcode}
 
 
+def _maps(memfd: bool = False) -> int:
+    """This process's mappings (only those of memory files, where every backend maps
+    imported memory, with ``memfd``)."""
+    with open("/proc/self/maps", "rb") as maps:
+        return sum(not memfd or b"memfd:" in line for line in maps)
+
+
+def _open_with_few_mappings_left(args: Any, replies: Any) -> None:
+    """Use up this process's mappings (vm.max_map_count) but a few, then open a buffer of
+    many chunks: what it raises, and the mappings and descriptors left after."""
+    from accel.allocator._sharing import open_buffer
+
+    accel.current_stream().synchronize()  # the backend and its threads are up
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    with open("/proc/sys/vm/max_map_count") as limit_file:
+        limit = int(limit_file.read())
+    pages = limit - _maps() - 80  # room for 80 more: fewer than the buffer's chunks and what runs beside
+    base = libc.mmap(None, pages * 4096, 3, 0x22 | 0x4000, -1, 0)  # read-write, private anonymous, no reserve
+    for page in range(1, pages, 2):  # every other page read-only: a mapping each
+        libc.mprotect(base + page * 4096, 4096, 1)
+    before = [_maps(memfd=True), open_fds()]
+    try:
+        open_buffer(*args)
+        outcome = ["opened"]
+    except Exception as exc:  # noqa: BLE001 - what escapes is what the test checks
+        outcome = [type(exc).__name__, str(exc)]
+    after = [_maps(memfd=True), open_fds()]
+    libc.munmap(base, pages * 4096)
+    replies.put([*outcome, before, after])
+
+
+def scenario_few_mappings_left() -> dict[str, Any]:
+    """A 600 MiB buffer (some 300 chunks with expandable segments) opened by a process
+    with 80 mappings left."""
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    buf = accel.memory.allocate(LARGE)
+    child = ctx.Process(target=_open_with_few_mappings_left, args=(buf.__reduce__()[1], replies))
+    child.start()
+    try:
+        result: Any = replies.get(timeout=TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - the child failed: its stderr says why
+        result = ["no answer"]
+    child.join(TIMEOUT_S)
+    return {"result": result, "exitcode": child.exitcode, "holds": broker().stats()["holds"]}
+
+
+def _drop_resource_capabilities() -> None:
+    """Drop CAP_SYS_ADMIN and CAP_SYS_RESOURCE from this process: root keeps its uid (and
+    its files) but, like any user, has its descriptors in flight counted against its
+    open-file limit (the kernel exempts those capabilities)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable; twice (64 bits)
+    if libc.capget(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    for bit in (21, 24):  # CAP_SYS_ADMIN, CAP_SYS_RESOURCE
+        data[0] &= ~(1 << bit)
+        data[1] &= ~(1 << bit)
+    if libc.capset(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+
+
+def scenario_in_flight_under_a_low_limit() -> dict[str, Any]:
+    """A 600 MiB buffer (some 300 chunks with expandable segments) exported under an
+    open-file limit of 1024, answered to four connections that read only once all four
+    were answered (importers slower than the broker): how many descriptors each got."""
+    import resource
+    import socket
+
+    from accel.backends import _sharing
+
+    _drop_resource_capabilities()  # capabilities are per thread: before the broker's starts
+    buf = accel.memory.allocate(LARGE)
+    ticket = buf.__reduce__()[1][0]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+    conns = []
+    for _ in range(4):
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(TIMEOUT_S)
+        conn.connect(ticket.address)
+        conn.sendall(ticket.token.encode())
+        conns.append(conn)
+    time.sleep(1)  # the broker answers all four before any reads
+    got: list[Any] = []
+    for conn in conns:
+        fds: list[int] = []
+        try:
+            _sharing._receive_answer(conn, fds, ticket, "it")
+            got.append(len(fds))
+        except accel.AccelError as exc:
+            got.append(str(exc))
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+    return {"got": got, "fds": ticket.fds}
+
+
 def _pickle_again(data: bytes, replies: Any) -> None:
     event = pickle.loads(data)
     try:
@@ -806,7 +908,7 @@ def scenario_stalled_answers() -> dict[str, Any]:
         address = replies.get(timeout=TIMEOUT_S)
         before = open_fds()
         try:
-            open_buffer(sharing.ExportTicket(address, "ab" * 16, server.pid), backend.name, 0, uuid, 4096)
+            open_buffer(sharing.ExportTicket(address, "ab" * 16, server.pid, 1), backend.name, 0, uuid, 4096)
             results[mode] = ["opened"]
         except Exception as exc:  # noqa: BLE001 - what escapes is what the test checks
             results[mode] = [type(exc).__module__, type(exc).__name__, str(exc), open_fds() - before]
@@ -1042,6 +1144,29 @@ def scenario_fork_a_helper_then_exit() -> dict[str, Any]:
         time.sleep(10 * TIMEOUT_S)
         os._exit(0)
     return {**pickles, "helper": helper}
+
+
+def scenario_forked_child_pickles_again() -> dict[str, Any]:
+    """Pickle a buffer (its export remembered for its lease), fork, and pickle it again in
+    the child: what the child raises, and whether it still knew the parent's export."""
+    from accel.allocator import _sharing
+
+    buf = accel.memory.allocate(SIZE)
+    pickle.dumps(buf)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            pickle.dumps(buf)
+            outcome = ["pickled"]
+        except Exception as exc:  # noqa: BLE001 - what escapes is what the test checks
+            outcome = [type(exc).__name__, str(exc)]
+        os.write(write, json.dumps([*outcome, len(_sharing._tickets), len(_sharing._exported)]).encode())
+        os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(child, 0)
+    with os.fdopen(read) as reply:
+        return {"child": json.loads(reply.read()), "status": status}
 
 
 def scenario_open_pickles_impatiently() -> dict[str, Any]:

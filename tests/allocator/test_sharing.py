@@ -282,6 +282,27 @@ def test_a_buffer_of_hundreds_of_chunks_shares(backend: str, alloc_conf: str) ->
     assert result["ends"] == ["11" * 16, "22" * 16] and result["exitcode"] == 0, result
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="drops root's capabilities to have its descriptors in flight counted")
+@backends
+def test_a_large_expandable_buffer_shares_with_several_importers_under_a_low_open_file_limit(backend: str) -> None:
+    # The broker queued every batch of an answer at once; the kernel counts descriptors
+    # in flight against the sender's open-file limit, and the fourth importer's answer
+    # failed (ETOOMANYREFS): "closed the connection without answering".
+    result = run_scenario(backend, "in_flight_under_a_low_limit", alloc_conf="expandable_segments:True")
+    assert result["fds"] > 128 and result["got"] == [result["fds"]] * 4, result
+
+
+@backends
+def test_a_buffer_of_more_chunks_than_mappings_left_is_refused_before_mapping(backend: str) -> None:
+    # Every chunk is a mapping of its own, and the kernel allows vm.max_map_count per
+    # process: mmap failed part way with ENOMEM, reported as memory running out.
+    result = run_scenario(backend, "few_mappings_left", alloc_conf="expandable_segments:True")
+    kind, message, before, after = result["result"]
+    assert kind == "OutOfMemoryError" and "vm.max_map_count" in message, message
+    assert after == before, "mappings or descriptors left behind"
+    assert result["exitcode"] == 0
+
+
 def test_an_answer_that_stalls_or_announces_gigabytes_is_refused_closing_what_came_with_it() -> None:
     # The descriptors received with the first part of an answer stayed open when
     # the rest never came (one per timeout), and an announced length was passed
@@ -381,6 +402,18 @@ def test_opening_exports_of_an_exited_process_whose_forked_helper_lives_on_fails
         kind, message = result[name]
         assert kind == "InvalidHandleError" and "has exited" in message, (name, message)
     assert not [link for link in links if link.startswith("socket:")], links
+
+
+@backends
+def test_a_forked_child_pickling_its_parents_buffer_is_told_it_was_forked(backend: str) -> None:
+    # The child kept the parent's record of exports by lease (a pickle naming the
+    # parent's broker) and, where it got further, blamed the buffer's memory
+    # ("comes from BackendResource... not from the backend") for the fork.
+    result = run_scenario(backend, "forked_child_pickles_again")
+    kind, message, tickets, exported = result["child"]
+    assert kind == "AccelError" and "before it forked" in message, message
+    assert (tickets, exported) == (0, 0)
+    assert result["status"] == 0
 
 
 @segments
@@ -515,7 +548,7 @@ def test_damaged_pickles_are_clear_errors() -> None:
 
     with accel.memory.allocate(4096) as buf:
         _, (ticket, name, device, uuid, nbytes) = buf.__reduce__()
-        not_hex = ExportTicket(ticket.address, "\u00e9" * 32, ticket.pid)
+        not_hex = ExportTicket(ticket.address, "\u00e9" * 32, ticket.pid, ticket.fds)
         for args in [(("x",), name, device, uuid, nbytes), (not_hex, name, device, uuid, nbytes)]:
             with pytest.raises(accel.InvalidHandleError, match="does not name an accel export"):
                 open_buffer(*args)
@@ -535,7 +568,7 @@ def test_a_pickle_naming_an_address_no_socket_can_have_is_a_clear_error(address:
 
     runtime = get_runtime()
     uuid = runtime.backend.device_properties(0).uuid
-    ticket = ExportTicket(address, "ab" * 16, os.getpid() + 1)
+    ticket = ExportTicket(address, "ab" * 16, os.getpid() + 1, 1)
     with pytest.raises(accel.InvalidHandleError, match="the pickle is damaged"):
         open_buffer(ticket, runtime.name, 0, uuid, 4096)
     with pytest.raises(accel.InvalidHandleError, match="the pickle is damaged"):

@@ -85,3 +85,13 @@ def test_exiting_with_an_imported_buffer_alive_on_a_created_stream_is_silent(bac
     assert result["reply"] == "holding" and result["exitcode"] == 0, result
     assert result["holds"] == 0, "the importer's exit ended its hold"
     assert result["seen"] == [0x44]
+
+
+@backends
+def test_a_collected_buffer_whose_stream_never_finishes_keeps_no_other_buffer_held(backend: str) -> None:
+    # The unmapping thread waited for one buffer at a time: a buffer behind a stream
+    # that never finished kept every buffer collected after it mapped and held.
+    result = run_scenario(backend, "one_slow_unmap")
+    assert result["while_one_waits"] == 1, "the second buffer's hold lasted as long as the first's"
+    assert result["reply"] == "done" and result["exitcode"] == 0
+    assert result["holds"] == 0 and result["seen"] == [[0x55], [0x55]]

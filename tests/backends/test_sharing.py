@@ -117,10 +117,10 @@ def test_an_export_whose_target_is_gone_is_refused_with_the_rule() -> None:
 
 
 def test_an_exited_exporter_and_the_exporting_process_itself_are_refused() -> None:
-    gone = ExportTicket(b"\0accel-ipc-no-such-broker", "0" * 32, 999_999_999)
+    gone = ExportTicket(b"\0accel-ipc-no-such-broker", "0" * 32, 999_999_999, 0)
     with pytest.raises(accel.InvalidHandleError, match="has exited"):
         open_export(gone, "test", "here", "an export")
-    here = ExportTicket(broker().address, "0" * 32, os.getpid())
+    here = ExportTicket(broker().address, "0" * 32, os.getpid(), 0)
     with pytest.raises(accel.InvalidHandleError, match="this very process"):
         open_export(here, "test", "here", "an export")
 
@@ -519,7 +519,7 @@ def test_an_answer_whose_descriptors_do_not_match_its_header_is_refused_leaking_
         assert liar.stdout is not None and liar.stdout.readline().strip() == "listening"
         before = len(os.listdir("/proc/self/fd"))
         with pytest.raises(accel.InvalidHandleError, match=expected):
-            open_export(ExportTicket(address, "ab" * 16, liar.pid), "test", "here", "an export")
+            open_export(ExportTicket(address, "ab" * 16, liar.pid, min(announced, 1 << 20)), "test", "here", "an export")
         assert len(os.listdir("/proc/self/fd")) == before
     finally:
         liar.kill()
@@ -537,10 +537,10 @@ def test_an_export_closed_while_it_is_answered_sends_its_own_descriptors(monkeyp
     os.close(write)
     alive: list[object] = [Kept()]
     ticket = broker().offer("test", "here", b"payload", [read], lambda: alive[0] if alive else None, hold=False)
-    original = _sharing._send_answer
+    original = _sharing._send_first
     decoys: list[int] = []
 
-    def closed_meanwhile(conn: object, payload: bytes, fds: list[int]) -> None:
+    def closed_meanwhile(conn: object, payload: bytes, fds: list[int], count: int) -> None:
         alive.clear()  # the export is closed on another thread...
         with broker()._lock:
             broker()._forget_dead()  # ...which closes its descriptors
@@ -548,9 +548,9 @@ def test_an_export_closed_while_it_is_answered_sends_its_own_descriptors(monkeyp
         os.write(end, b"else")
         os.close(end)
         decoys.append(other)
-        original(conn, payload, fds)  # type: ignore[arg-type]
+        original(conn, payload, fds, count)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_sharing, "_send_answer", closed_meanwhile)
+    monkeypatch.setattr(_sharing, "_send_first", closed_meanwhile)
     importer = start_importer(ticket)
     try:
         out, _ = importer.communicate("\n\n", timeout=60)
@@ -558,3 +558,306 @@ def test_an_export_closed_while_it_is_answered_sends_its_own_descriptors(monkeyp
         for fd in decoys:
             os.close(fd)
     assert out.split()[:2] == ["payload", "mine"], out
+
+
+# -- descriptors in flight: the kernel counts them against the sender's open-file limit -----
+
+# As another user (root is exempt from the count), with a soft limit of 1024: one export
+# of 300 descriptors, answered to four importers that have not read yet (other processes
+# of the user, slower than the broker). Each then reads its whole answer.
+IN_FLIGHT = """
+import os, resource, socket, sys, time
+from accel.backends import _sharing
+os.setuid(65534)  # after the imports: this interpreter's files may be root's only
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+class Kept: pass
+kept = Kept()
+pipes = [os.pipe() for _ in range(300)]
+for read, write in pipes:
+    os.close(write)
+ticket = _sharing.broker().offer("test", "here", b"payload", [r for r, _ in pipes], lambda: kept, hold=False)
+conns = []
+for _ in range(4):
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(30)
+    conn.connect(ticket.address)
+    conn.sendall(ticket.token.encode())
+    conns.append(conn)
+time.sleep(1)  # the broker answers all four before any reads (it did in microseconds)
+for conn in conns:
+    fds = []
+    try:
+        _sharing._receive_answer(conn, fds, ticket, "it")
+        print(len(fds), flush=True)
+    except Exception as exc:
+        print(type(exc).__name__, exc, flush=True)
+    for fd in fds:
+        os.close(fd)
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to become another user (root is exempt from the count)")
+def test_answers_of_many_descriptors_stay_under_the_senders_limit_in_flight() -> None:
+    # The broker queued every batch of an answer at once: with several importers the
+    # descriptors in flight passed the exporter's RLIMIT_NOFILE, sendmsg failed with
+    # ETOOMANYREFS and the importer heard "closed the connection without answering".
+    result = subprocess.run(
+        [sys.executable, "-c", IN_FLIGHT], capture_output=True, text=True, cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=120, check=False,
+    )
+    assert result.stdout.split() == ["300"] * 4, result.stdout + result.stderr
+
+
+# Announces argv[2] descriptors, sends the first batch (128 pipes) with the header, then
+# at once a further part: argv[3] as its tag with argv[4] pipes (it never waits for the
+# importer's acknowledgement).
+TAGGED_LIAR = """
+import os, socket, sys
+from accel.backends._sharing import _HEADER, _label
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(bytes.fromhex(sys.argv[1]))
+listener.listen(4)
+print("listening", flush=True)
+body = _label("test") + _label("here")
+kept = []
+while True:
+    conn, _ = listener.accept()
+    conn.recv(32)
+    first = [os.pipe()[0] for _ in range(128)]
+    socket.send_fds(conn, [_HEADER.pack(b"K", len(body), int(sys.argv[2])) + body], first)
+    socket.send_fds(conn, [bytes.fromhex(sys.argv[3])], [os.pipe()[0] for _ in range(int(sys.argv[4]))])
+    kept.append(conn)
+"""
+
+
+@pytest.mark.parametrize(
+    ("tag", "further"), [("46", 10), ("47", 10), ("4646", 10), ("46", 20)], ids=["F", "G", "FF", "too-many"]
+)
+def test_a_further_part_of_an_answer_must_be_the_protocols_leaking_none(
+    monkeypatch: pytest.MonkeyPatch, tag: str, further: int
+) -> None:
+    # Further parts were counted, never read: any byte (or two) passed as the tag.
+    from accel.backends import _sharing
+
+    monkeypatch.setattr(_sharing, "_ANSWER_TIMEOUT_S", 10.0)
+    address = f"\0accel-test-tagged-{os.getpid()}-{tag}-{further}".encode()
+    liar = subprocess.Popen(
+        [sys.executable, "-c", TAGGED_LIAR, address.hex(), "138", tag, str(further)],
+        stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    try:
+        assert liar.stdout is not None and liar.stdout.readline().strip() == "listening"
+        before = len(os.listdir("/proc/self/fd"))
+        ticket = ExportTicket(address, "ab" * 16, liar.pid, 138)
+        if tag == "46" and further == 10:  # what a broker sends: accepted
+            payload, fds, held = open_export(ticket, "test", "here", "an export")
+            assert (payload, len(fds)) == (b"", 138)
+            for fd in fds:
+                os.close(fd)
+            held.release()
+        else:
+            with pytest.raises(accel.InvalidHandleError, match="sent 1.. descriptors where it announced 138, or parts"):
+                open_export(ticket, "test", "here", "an export")
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        liar.kill()
+        liar.wait(30)
+
+
+LIMIT_IMPORTER = """
+import os, pickle, resource, sys
+from accel.backends import _sharing
+from accel.backends._sharing import ExportTicket, open_export
+_sharing._ANSWER_TIMEOUT_S = 2.0
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+try:
+    open_export(ExportTicket(bytes.fromhex(sys.argv[1]), "ab" * 16, int(sys.argv[2]), int(sys.argv[3])), "test", "here", "it")
+except Exception as exc:
+    print(type(exc).__name__, exc, flush=True)
+print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], flush=True)
+"""
+
+
+@pytest.mark.parametrize(("announced", "named"), [(3000, 1), (3000, 3000)], ids=["more-than-the-pickle", "refused-later"])
+def test_a_refused_answer_leaves_the_open_file_limit_as_it_was(announced: int, named: int) -> None:
+    # A hostile answer announced up to 2**20 descriptors, and the importer raised its
+    # soft limit to the hard one for good before refusing it.
+    address = f"\0accel-test-limit-{os.getpid()}-{named}".encode()
+    liar = subprocess.Popen(
+        [sys.executable, "-c", LIAR, address.hex(), str(announced), "1"],
+        stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    try:
+        assert liar.stdout is not None and liar.stdout.readline().strip() == "listening"
+        result = subprocess.run(
+            [sys.executable, "-c", LIMIT_IMPORTER, address.hex(), str(liar.pid), str(named)], capture_output=True,
+            text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
+        )
+    finally:
+        liar.kill()
+        liar.wait(30)
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("InvalidHandleError") and lines[1:] == ["256"], result.stdout + result.stderr
+
+
+# -- which uid: the effective one, on both ends ------------------------------------------
+
+# A set-user-ID program as the kernel runs it: real uid nobody, effective uid root.
+SETUID = "import os\nos.setresuid(65534, 0, 0)\n"
+
+SETUID_EXPORTER = SETUID + """
+import pickle, sys, weakref
+from accel.backends._sharing import broker
+class Kept: pass
+kept = Kept()
+read, write = os.pipe()
+os.write(write, b"effective")
+os.close(write)
+print(pickle.dumps(broker().offer("test", "here", b"payload", [read], weakref.ref(kept), hold=True)).hex(), flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run as a set-user-ID program does")
+def test_both_ends_compare_effective_uids() -> None:
+    # SO_PEERCRED states the peer's effective uid, and each end compared it with its own
+    # real uid: a set-user-ID exporter turned its own user's importers away, and a
+    # set-user-ID importer refused its own user's exporter.
+    exporter = subprocess.Popen(
+        [sys.executable, "-c", SETUID_EXPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    try:
+        assert exporter.stdout is not None
+        payload, fds, held = open_export(pickle.loads(bytes.fromhex(exporter.stdout.readline())), "test", "here", "it")
+        assert (payload, os.read(fds[0], 100)) == (b"payload", b"effective")
+        os.close(fds[0])
+        held.release()
+    finally:
+        exporter.kill()
+        exporter.wait(30)
+    kept = Kept()
+    importer = subprocess.run(
+        [sys.executable, "-c", SETUID + IMPORTER, pickle.dumps(offer_pipe(kept, b"effective")).hex()], input="\n\n",
+        capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60,
+        check=False,
+    )
+    assert importer.stdout.split()[:2] == ["payload", "effective"], importer.stdout + importer.stderr
+
+
+# -- fork while the broker answers ------------------------------------------------------
+
+# Forks (from the main thread) while the broker's thread is inside an answer: in the
+# first part of it (argv[1] == "first", one descriptor) or sending a further batch
+# ("further", 200 descriptors). The child reports which of what that thread had in
+# hand (the connection, its copies of the export's descriptors) it still has open.
+FORK_IN_ANSWER = """
+import os, pickle, socket, sys, threading, weakref
+from accel.backends import _sharing
+class Kept: pass
+kept = Kept()
+pipes = [os.pipe() for _ in range(1 if sys.argv[1] == "first" else 200)]
+for read, write in pipes:
+    os.write(write, b"x")
+    os.close(write)
+ticket = _sharing.broker().offer("test", "here", b"payload", [r for r, _ in pipes], weakref.ref(kept), hold=True)
+answering, forked = threading.Event(), threading.Event()
+in_hand = []
+calls = []
+original = socket.send_fds
+def paused(conn, buffers, fds, *args):
+    calls.append(1)
+    if len(calls) == (1 if sys.argv[1] == "first" else 2):
+        in_hand.extend([conn.fileno(), *fds])
+        answering.set()
+        forked.wait(30)
+    return original(conn, buffers, fds, *args)
+socket.send_fds = paused
+print(pickle.dumps(ticket).hex(), flush=True)
+answering.wait(60)
+r, w = os.pipe()
+child = os.fork()
+if child == 0:
+    def is_open(fd):
+        try:
+            os.fstat(fd)
+            return True
+        except OSError:
+            return False
+    os.write(w, repr([fd for fd in in_hand if is_open(fd)]).encode())
+    os._exit(0)
+forked.set()
+os.waitpid(child, 0)
+print("child kept", os.read(r, 10000).decode(), flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("part", ["first", "further"])
+def test_a_child_forked_while_the_broker_answers_keeps_nothing_of_the_answer(part: str) -> None:
+    # The child closed the broker's listener, holds and exports, but not the connection
+    # being answered nor the copies being sent: it kept the importer's connection (and
+    # the exporter's memory) open after the exporter exited.
+    exporter = subprocess.Popen(
+        [sys.executable, "-c", FORK_IN_ANSWER, part], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    importer = None
+    try:
+        assert exporter.stdout is not None and exporter.stdin is not None
+        importer = start_importer(pickle.loads(bytes.fromhex(exporter.stdout.readline())))
+        assert importer.stdout is not None
+        assert exporter.stdout.readline().strip() == "child kept []"
+        assert importer.stdout.readline().split() == ["payload", "x"]  # the parent's answer went on
+    finally:
+        for process in (importer, exporter):
+            if process is not None:
+                process.kill()
+                process.wait(30)
+
+
+MANY_IMPORTER = """
+import os, pickle, sys
+from accel.backends import _sharing
+_sharing._ANSWER_TIMEOUT_S = 10.0
+try:
+    payload, fds, held = _sharing.open_export(pickle.loads(bytes.fromhex(sys.argv[1])), "test", "here", "it")
+    print(payload.decode(), len(fds), flush=True)
+except Exception as exc:
+    print(type(exc).__name__, exc, flush=True)
+"""
+
+
+def test_a_full_descriptor_table_while_sending_a_further_batch_ends_that_answer_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Duplicating a further batch failed (EMFILE) out of the broker's thread, which died:
+    # every later importer waited the whole answer timeout for an answer.
+    import errno
+
+    from accel.backends import _sharing
+
+    kept = Kept()
+    pipes = [os.pipe() for _ in range(200)]
+    for _, write in pipes:
+        os.close(write)
+    ticket = broker().offer("test", "here", b"payload", [read for read, _ in pipes], weakref.ref(kept), hold=False)
+    original = _sharing._dup_all
+    calls: list[int] = []
+
+    def full_once(fds: list[int], copies: list[int]) -> list[int]:
+        calls.append(len(fds))
+        if len(calls) == 2:  # the first answer's second batch
+            raise OSError(errno.EMFILE, "Too many open files")
+        return original(fds, copies)
+
+    monkeypatch.setattr(_sharing, "_dup_all", full_once)
+    outs = [
+        subprocess.run(
+            [sys.executable, "-c", MANY_IMPORTER, pickle.dumps(ticket).hex()], capture_output=True, text=True,
+            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
+        ).stdout
+        for _ in range(2)
+    ]
+    assert outs[0].startswith("InvalidHandleError") and "closed the connection" in outs[0], outs
+    assert outs[1].split() == ["payload", "200"], outs

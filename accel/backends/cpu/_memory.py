@@ -31,7 +31,7 @@ from collections.abc import Iterator
 
 from accel._errors import AccelError, DriverError, InvalidHandleError, InvalidValueError, OutOfMemoryError
 from accel._units import format_size
-from accel.backends._sharing import check_extent, description, dup_for_export, more_descriptors, natural
+from accel.backends._sharing import check_extent, check_map_count, description, dup_for_export, more_descriptors, natural
 from accel.backends.cpu import _libc
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -453,6 +453,7 @@ class DeviceMemory(_Allocations):
         try:
             lead, pieces = self._check_description(payload, fds, nbytes)
             total = sum(n for _, _, n in pieces)
+            check_map_count(len(pieces), f"cpu:{self.device}: mapping memory of another process", self.device)
             with self._system_call(total, "mapping memory of another process"):
                 base = _libc.reserve(total)
                 at = base

@@ -20,7 +20,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from accel._errors import InvalidHandleError, InvalidValueError, NotSupportedError
-from accel.backends._sharing import check_extent, description, natural, naturals
+from accel.backends._sharing import check_extent, check_map_count, description, natural, naturals
 from accel.backends.cuda._bindings import Driver
 from accel.backends.cuda._constants import (
     CUDA_SUCCESS,
@@ -173,6 +173,9 @@ class Sharing:
             sizes = naturals(layout, "sizes", where, len(fds))
             lead = natural(layout, "lead", where)
             check_extent(where, lead, nbytes, sum(sizes))
+            # Each chunk is a mapping of the process's own (the driver maps it into the
+            # address space: host memory under the simulated driver).
+            check_map_count(len(sizes), where, device)
             base = self._import_chunks(device, sizes, fds)
             ptr = base + lead
             self._imports[ptr] = ("vmm", base, sum(sizes))

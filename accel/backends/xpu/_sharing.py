@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from accel._errors import InvalidHandleError, InvalidValueError, NotSupportedError
-from accel.backends._sharing import check_extent, description, dup_for_export, natural, naturals
+from accel.backends._sharing import check_extent, check_map_count, description, dup_for_export, natural, naturals
 from accel.backends.xpu._library import describe_result
 from accel.backends.xpu._records import DeviceState, EventState, new_handle
 
@@ -210,6 +210,7 @@ class Sharing:
                         "pickle the buffer again in its process"
                     )
                 check_extent(where, lead, nbytes, sum(sizes))
+                check_map_count(len(sizes), where, device)  # each chunk a mapping of the process's own
                 mapped = self._import_chunks(device, sizes, fds)
                 ptr = mapped.base + lead
                 with self._lock:
