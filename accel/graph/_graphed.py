@@ -312,6 +312,17 @@ class GraphedCallable(_Head):
             raise InvalidValueError(
                 f"graphed {_name(self.fn)} must return tensors (or tuples, lists, dicts of tensors)"
             )
+        if any(t.requires_grad for t in tree_flatten(output)[0]):
+            # Autograd turned on inside the callable (torch.enable_grad) recorded the
+            # capture's history on the static output: every call would return it,
+            # differentiable, with gradients of the capture's inputs, not the call's.
+            g.reset()
+            raise NotSupportedError(
+                f"graphed {_name(self.fn)} returned an output that requires grad from its capture (autograd "
+                "turned on inside it, e.g. torch.enable_grad()): replays record no autograd history, so every "
+                "call would return the capture's, whose backward fails or differentiates the capture's "
+                "inputs. Graph the callable without enabling grad inside it, or train with the eager callable"
+            )
         entry = _Entry(g, get_runtime().current_index, inputs, output)
         program = g.program
         entry.grad_sources = _grad_sources(self.fn, program)

@@ -203,6 +203,20 @@ def test_a_call_autograd_would_record_is_refused() -> None:
             assert torch.equal(fast(x), model(x)) and torch.equal(closure(x), x @ weight)
 
 
+def test_a_callable_that_enables_grad_inside_is_refused_at_capture() -> None:
+    """torch.enable_grad() inside the callable recorded the capture's autograd history
+    on the static output: calls under no_grad returned it differentiable, and its
+    backward failed (or differentiated the capture's inputs)."""
+    weight = nn.Parameter(torch.ones(3))
+
+    def scale(x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            return x * weight
+
+    with pytest.raises(accel.NotSupportedError, match=r"graphed .*scale returned an output that requires grad"):
+        make_graphed_callables(scale, (torch.ones(3),), num_warmup_iters=0)
+
+
 def test_graphed_under_inference_mode_is_usable_outside_it() -> None:
     model = _mlp()
     with torch.inference_mode():
