@@ -478,6 +478,7 @@ def to_capsule(
     """
     kind, index = dlpack_device(obj)
     _check_dl_device(dl_device, kind, index)
+    _check_copy(copy)
     versioned = _wants_versioned(max_version)
     ptr, nbytes = getattr(obj, "ptr", None), getattr(obj, "nbytes", None)
     if isinstance(ptr, bool) or not isinstance(ptr, int) or isinstance(nbytes, bool) or not isinstance(nbytes, int):
@@ -500,6 +501,13 @@ def to_capsule(
     # memory); other producers are held themselves.
     owner = obj._export_lease() if isinstance(obj, Buffer) else obj
     return make_capsule(owner, ptr, (kind, index), code, bits, dims, versioned, flags)
+
+
+def _check_copy(copy: object) -> None:
+    """Refuse a ``copy`` other than the array API's True, False or None (a truthy string
+    asked for a copy nobody meant, a falsy 0 for none)."""
+    if copy is not None and not isinstance(copy, bool):
+        raise DLPackExportError(f"copy={copy!r} must be True, False or None")
 
 
 def _check_dl_device(dl_device: tuple[int, int] | None, kind: DLDeviceType, index: int) -> None:
@@ -538,6 +546,7 @@ def host_capsule(
         )
     kind, index = dlpack_device(obj)
     _check_dl_device(dl_device, kind, index)
+    _check_copy(copy)
     versioned = _wants_versioned(max_version)
     ptr, nbytes, flags = obj.ptr, obj.nbytes, 0
     if copy:

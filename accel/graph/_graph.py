@@ -16,6 +16,7 @@ declared capability (:mod:`accel.graph._integration`).
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import warnings
@@ -60,6 +61,19 @@ def _check_mode(mode: object, where: str) -> str:
         )
     return mode
 
+
+def _dump_path(path: object) -> str:
+    """``Graph.debug_dump``'s path, checked: a file name in a folder that exists.
+
+    An int would be opened as a file descriptor (writing into, then closing,
+    whatever file the process has under that number)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidValueError(f"debug_dump: path={path!r} must be a file name (str or os.PathLike)")
+    name = os.fsdecode(os.fspath(path))
+    folder = os.path.dirname(os.path.abspath(name))
+    if not os.path.isdir(folder):
+        raise InvalidValueError(f"debug_dump: the folder {folder!r} of {name!r} does not exist; create it first")
+    return name
 
 class Graph:
     """A captured graph of stream work (and, on the host, torch ops), replayable.
@@ -519,13 +533,14 @@ class Graph:
             raise CaptureError(f"enable_debug_mode() must come before the capture of {self!r}")
         self._keep_graph = True
 
-    def debug_dump(self, path: str) -> None:
+    def debug_dump(self, path: str | os.PathLike[str]) -> None:
         """Write a readable description of the captured graph to ``path``.
 
         Needs the raw graph: create the Graph with ``keep_graph=True``. On the
         host, the recorded torch ops are listed after the stream work.
         """
         runtime = self._require_captured("debug_dump")
+        path = _dump_path(path)
         carrier = self._carrier()
         if carrier is not None and self._keep_graph:
             carrier.graph.debug_dump(path)
@@ -535,10 +550,13 @@ class Graph:
                 f"debug_dump needs the raw graph, which {self!r} dropped at capture_end; "
                 "create the Graph with keep_graph=True"
             )
-        runtime.backend.graph_debug_dump(self._device, self._graph, path)
-        if self._program is not None:
-            with open(path, "a") as f:
-                f.write(self._program.describe())
+        try:
+            runtime.backend.graph_debug_dump(self._device, self._graph, path)
+            if self._program is not None:
+                with open(path, "a") as f:
+                    f.write(self._program.describe())
+        except OSError as exc:
+            raise InvalidValueError(f"debug_dump could not write {path!r}: {exc.strerror or exc}") from exc
 
     def _require_captured(self, what: str) -> Runtime:
         if self._stream is not None:

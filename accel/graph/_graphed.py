@@ -312,8 +312,28 @@ class GraphedCallable(_Head):
             raise InvalidValueError(
                 f"graphed {_name(self.fn)} must return tensors (or tuples, lists, dicts of tensors)"
             )
-        entry = _Entry(g, get_runtime().current_index, inputs, output)
+        if any(t.requires_grad for t in tree_flatten(output)[0]):
+            # Autograd turned on inside the callable (torch.enable_grad) recorded the
+            # capture's history on the static output: every call would return it,
+            # differentiable, with gradients of the capture's inputs, not the call's.
+            g.reset()
+            raise NotSupportedError(
+                f"graphed {_name(self.fn)} returned an output that requires grad from its capture (autograd "
+                "turned on inside it, e.g. torch.enable_grad()): replays record no autograd history, so every "
+                "call would return the capture's, whose backward fails or differentiates the capture's "
+                "inputs. Graph the callable without enabling grad inside it, or train with the eager callable"
+            )
         program = g.program
+        written = _written_argument(inputs, program)
+        if written is not None:
+            g.reset()
+            raise NotSupportedError(
+                f"graphed {_name(self.fn)} writes its argument {written} in place: a call copies its arguments "
+                "into the graph's own tensors, so the write would reach those, not the caller's tensor (eager "
+                "writes the caller's). Return the new value instead, or keep the tensor outside the arguments "
+                "(a closure's tensor made outside the capture is written by each replay, as a KV cache)"
+            )
+        entry = _Entry(g, get_runtime().current_index, inputs, output)
         entry.grad_sources = _grad_sources(self.fn, program)
         # One node in the whole graph, and it is the torch program: a replay
         # on the default stream (which the host runs inline) may run it alone.
@@ -374,6 +394,14 @@ class GraphedCallable(_Head):
             if wait is not None and not wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
                 return False
         return True
+
+
+def _written_argument(inputs: Sequence[torch.Tensor], program: Any) -> int | None:
+    """The index of an argument whose copy the captured program writes in place, if any."""
+    if program is None:
+        return None
+    written = {o.storage for o in program.outside}
+    return next((i for i, t in enumerate(inputs) if t.untyped_storage()._cdata in written), None)
 
 
 def _grad_sources(fn: Callable[..., Any], program: Any) -> tuple[torch.Tensor, ...]:

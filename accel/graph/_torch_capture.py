@@ -776,6 +776,19 @@ class Recorder(TorchDispatchMode):
             self._program.records.append(Record(func, args, kwargs, outs, "view"))
             return result
         returned = _written_returns(schema, bound)
+        for i, out in returned.items():
+            leaf = leaves[i] if i < len(leaves) else None
+            if isinstance(leaf, torch.Tensor) and leaf.shape != out.shape:
+                # Eager resizes the out= tensor to the result; the capture runs
+                # nothing, and replays write a snapshot of the tensor at its
+                # captured size, so the tensor would never get the result.
+                raise self._refuse(
+                    func,
+                    f"it would resize its out= tensor from shape {tuple(out.shape)} to the result's "
+                    f"{tuple(leaf.shape)}, and a capture records the op without running it: the tensor "
+                    "would keep its shape and never hold the result. Pass an out= tensor of the "
+                    "result's shape, or call the op without out=",
+                )
         new_leaves: list[Any] = []
         statics: list[torch.Tensor] = []
         for i, leaf in enumerate(leaves):

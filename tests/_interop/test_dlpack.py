@@ -238,6 +238,16 @@ def test_dl_device_is_honoured(host_buffer):
         buf.__dlpack__(dl_device="cpu")
 
 
+@pytest.mark.parametrize("copy", ["yes", 1, 0, [True]])
+@pytest.mark.parametrize("kind", ["device", "host"])
+def test_a_copy_argument_that_is_not_a_bool_or_none_is_refused(kind: str, copy: object) -> None:
+    """A truthy string exported a copy nobody meant (and a falsy 0 none): the array
+    API's copy is True, False or None."""
+    buf = accel.memory.allocate(16) if kind == "device" else accel.memory.allocate_host(16)
+    with pytest.raises(DLPackExportError, match=r"copy=.* must be True, False or None"):
+        buf.__dlpack__(copy=copy)
+
+
 @pytest.mark.parametrize("consumer", [np.from_dlpack, torch.from_dlpack])
 def test_copy_true_gives_the_consumer_its_own_memory(consumer):
     buf = accel.memory.allocate(16)

@@ -95,6 +95,25 @@ def test_debug_mode_keeps_the_graph_for_a_dump_and_explicit_instantiation(rt, tm
     accel.synchronize()
 
 
+def test_debug_dump_to_a_path_it_cannot_write_is_an_accel_error(rt, tmp_path) -> None:
+    """An int path was opened as a file descriptor: the dump went into (and then
+    closed) whatever file the process had under that number. A missing folder
+    was FileNotFoundError on the host and Level Zero, an OS DriverError on CUDA."""
+    g = accel.Graph()
+    g.enable_debug_mode()
+    _capture(g, accel.Stream())
+    other = tmp_path / "someone_elses.txt"
+    with open(other, "w") as f:
+        with pytest.raises(accel.InvalidValueError, match=r"debug_dump: path=\d+ must be a file name"):
+            g.debug_dump(f.fileno())  # type: ignore[arg-type]
+        f.write("intact")  # the descriptor is still open, and nothing was written into it
+    assert other.read_text() == "intact"
+    with pytest.raises(accel.InvalidValueError, match=r"debug_dump: the folder .*missing.* does not exist"):
+        g.debug_dump(str(tmp_path / "missing" / "graph.dot"))
+    g.debug_dump(tmp_path / "graph.dot")  # os.PathLike, as open() takes
+    assert (tmp_path / "graph.dot").read_text().strip()
+
+
 def test_entering_a_graph_gives_cached_page_locked_memory_back_as_torch(rt) -> None:
     # torch.accelerator.Graph.__enter__ calls empty_cache() and empty_host_cache().
     accel.memory.allocate_host(1 << 16).free()

@@ -203,6 +203,34 @@ def test_a_call_autograd_would_record_is_refused() -> None:
             assert torch.equal(fast(x), model(x)) and torch.equal(closure(x), x @ weight)
 
 
+def test_a_callable_that_enables_grad_inside_is_refused_at_capture() -> None:
+    """torch.enable_grad() inside the callable recorded the capture's autograd history
+    on the static output: calls under no_grad returned it differentiable, and its
+    backward failed (or differentiated the capture's inputs)."""
+    weight = nn.Parameter(torch.ones(3))
+
+    def scale(x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            return x * weight
+
+    with pytest.raises(accel.NotSupportedError, match=r"graphed .*scale returned an output that requires grad"):
+        make_graphed_callables(scale, (torch.ones(3),), num_warmup_iters=0)
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_callable_that_writes_an_argument_in_place_is_refused_at_capture(which: int) -> None:
+    """A call copies its arguments into the graph's static inputs, so an in-place
+    write reached the copy: eager's caller saw its cache written, the graphed
+    caller's stayed zero (and the output differed from eager's), silently."""
+
+    def step(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        (x, cache)[which].add_(1)
+        return x + cache
+
+    with pytest.raises(accel.NotSupportedError, match=rf"graphed .*step writes its argument {which} in place"):
+        make_graphed_callables(step, (torch.ones(3), torch.zeros(3)), num_warmup_iters=0)
+
+
 def test_graphed_under_inference_mode_is_usable_outside_it() -> None:
     model = _mlp()
     with torch.inference_mode():

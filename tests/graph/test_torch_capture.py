@@ -605,6 +605,22 @@ def test_a_written_outside_tensor_may_grow_after_the_capture() -> None:
     assert torch.equal(cache[:2], torch.tensor([[0.0] * 3, [2.0] * 3]))
 
 
+@pytest.mark.parametrize("made", ["outside", "inside"])
+@pytest.mark.parametrize("shape", [(0,), (2,)], ids=["empty", "other_size"])
+def test_an_out_tensor_eager_would_resize_is_refused(made: str, shape: tuple[int, ...]) -> None:
+    """Eager resizes an out= tensor to the result (``t.resize_(0)`` is torch's way to
+    reuse one); the capture recorded a snapshot of the tensor at its old size, so
+    replays left it empty (or short), silently."""
+    x = torch.ones(3)
+    out = torch.zeros(shape)
+    g = Graph()
+    with pytest.raises(accel.CaptureError, match=r"aten\.add\.out.*resize its out= tensor from shape"), graph(g):
+        if made == "inside":
+            out = torch.zeros(shape)
+        torch.add(x, x, out=out)
+    assert not is_capturing()
+
+
 def test_a_program_writing_an_outside_tensor_stays_interpreted_and_says_why() -> None:
     cache = torch.zeros(4, 3)
     graphed = accel.graph.make_graphed_callables(

@@ -470,6 +470,11 @@ class StreamTable:
         self._events: dict[int, HostEvent] = {}
         self._graphs: dict[int, list[Node]] = {}
         self._execs: dict[int, list[Node]] = {}
+        # One lock per executable graph, held while a launch runs: as cuGraphLaunch, a
+        # launch on one stream does not run while another of the same graph does (the
+        # two would write the same static memory at once). Reentrant: a host function
+        # run inline by a launch may launch its own graph again.
+        self._exec_locks: dict[int, threading.RLock] = {}
         # Destroyed streams whose queued work may still run: device synchronization
         # (and so every release of memory, which synchronizes first) waits for them too.
         self._closing: list[HostStream] = []
@@ -712,6 +717,7 @@ class StreamTable:
         graph_exec = new_handle()
         with self._lock:
             self._execs[graph_exec] = list(nodes)
+            self._exec_locks[graph_exec] = threading.RLock()
         return graph_exec
 
     def launch(self, device: int, graph_exec: int, stream_handle: int) -> None:
@@ -720,10 +726,13 @@ class StreamTable:
         if stream.capture is not None:
             raise CaptureError(f"cpu:{device}: launching a graph inside a capture is not supported")
         runs = [node.launched() for node in nodes]
+        with self._lock:
+            running = self._exec_locks[graph_exec]
 
         def replay() -> None:
-            for run in runs:
-                run()
+            with running:
+                for run in runs:
+                    run()
 
         stream.submit("graph launch", replay)
 
@@ -736,3 +745,4 @@ class StreamTable:
         with self._lock:
             self._live_nodes(self._execs, graph_exec, "executable graph")
             del self._execs[graph_exec]
+            del self._exec_locks[graph_exec]
