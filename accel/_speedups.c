@@ -1820,9 +1820,11 @@ install_buffers(PyObject *module, PyObject *ns)
  * A tensor is read through torch's public Python API only (its shape, dtype and is_cpu
  * attributes, its is_contiguous(), data_ptr(), is_neg() and is_conj() methods), each by an
  * interned name: no torch symbol is looked up and no object layout of torch or CPython is
- * read (issue 27). torch's C interface for AOTInductor (aoti_torch_*) took an at::Tensor*,
- * which only a private layout (THPVariable's, or ``_cdata``'s TensorImpl pointer taken for
- * one) gives; it saved about 0.4 us a call on the benchmark's MLP (docs/benchmarks.md). */
+ * read (issue 27). torch's C interface for AOTInductor (aoti_torch_*) was faster, but it
+ * takes an at::Tensor*, which only a private layout (THPVariable's, or the TensorImpl
+ * pointer ``_cdata`` gives, taken for one) provides: the public calls cost about 1.5 us
+ * more a call on a loaded machine, and still 0.5 us less than the Python call
+ * (docs/benchmarks.md, "The steady call on torch's public API"). */
 
 static PyTypeObject *Tensor_T;  /* torch.Tensor */
 static PyObject *py_check_memory; /* accel.graph._compiled.check_memory */
