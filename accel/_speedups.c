@@ -16,7 +16,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
-#include <dlfcn.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -1564,11 +1563,17 @@ install_allocator(PyObject *module, PyObject *ns)
 
 /* -- buffers (accel/allocator/_buffer.py) --------------------------------------------- */
 
+/* A Buffer's slots (_block, _allocator, _nbytes, _stream, _lease) and the runtime's
+ * attributes are read and written by name (PyObject_GetAttr, PyObject_SetAttr: a slot's
+ * member descriptor, an instance's __dict__), never at an offset: nothing here reads an
+ * object's layout (issue 27). Module globals are looked up in the module's dict, and a
+ * borrowed reference from it is used only before the next call that can run Python code. */
+
 static PyTypeObject *Buffer_T;
 static PyObject *runtime_globals, *buffer_globals, *mempool_globals, *EXTENSION;
-static Py_ssize_t U_block, U_allocator, U_nbytes, U_stream, U_lease;
 static PyObject *s_runtime_g, *s_forked_from, *s_collecting, *s_open, *s_state, *s_streams, *s_default_streams,
-    *s_extensions, *s_allocators, *s_free, *s_free_from_finalizer, *s_malloc, *s_device_kw, *s_stream_kw;
+    *s_extensions, *s_allocators, *s_free, *s_free_from_finalizer, *s_malloc, *s_device_kw, *s_stream_kw,
+    *s_block, *s_allocator, *s_nbytes, *s_stream, *s_lease, *s_buffer_device;
 
 /* A module global, borrowed (NULL without an error when it is missing). */
 static inline PyObject *
@@ -1577,22 +1582,35 @@ global(PyObject *globals, PyObject *name)
     return PyDict_GetItemWithError(globals, name);
 }
 
-/* What Buffer.free and Buffer.__del__ end with: the buffer lets go of ``block`` (borrowed
- * slots of ``self``), then ``allocator.<method>(block)`` takes it back. */
+/* What Buffer.free and Buffer.__del__ end with: the buffer lets go of ``block``, then
+ * ``allocator.<method>(block)`` takes it back (both references owned by the caller). */
 static PyObject *
 give_back(PyObject *self, PyObject *allocator, PyObject *block, PyObject *method)
 {
-    Py_INCREF(block);
-    Py_INCREF(allocator);
-    set(self, U_block, Py_None);
+    if (PyObject_SetAttr(self, s_block, Py_None) < 0)
+        return NULL;
     PyObject *fargs[2] = {allocator, block};
     PyObject *res = PyObject_VectorcallMethod(method, fargs, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-    Py_DECREF(block);
-    Py_DECREF(allocator);
     if (res == NULL)
         return NULL;
     Py_DECREF(res);
     Py_RETURN_NONE;
+}
+
+/* self._block, self._lease and self._allocator of an exact Buffer, new references: 0, or
+ * -1 with no error when one was never set (__init__ never ran: the Python method says so). */
+static int
+buffer_slots(PyObject *self, PyObject **block, PyObject **lease, PyObject **allocator)
+{
+    *lease = *allocator = NULL;
+    if ((*block = PyObject_GetAttr(self, s_block)) == NULL || (*lease = PyObject_GetAttr(self, s_lease)) == NULL
+        || (*allocator = PyObject_GetAttr(self, s_allocator)) == NULL) {
+        PyErr_Clear();
+        Py_XDECREF(*block);
+        Py_XDECREF(*lease);
+        return -1;
+    }
+    return 0;
 }
 
 /* Buffer.free() */
@@ -1601,20 +1619,31 @@ buffer_free(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject
 {
     if (nargs != 1 || kwnames != NULL || !Py_IS_TYPE(args[0], Buffer_T))
         return call_wrapped(wrapped, args, nargs, kwnames);
-    PyObject *self = args[0], *block = SLOT(self, U_block), *lease = SLOT(self, U_lease),
-             *forked = global(runtime_globals, s_forked_from), *allocator = SLOT(self, U_allocator);
-    if (block == Py_None)
-        Py_RETURN_NONE;
-    if (block == NULL || lease != Py_None || forked != Py_None || allocator == NULL)
-        return call_wrapped(wrapped, args, nargs, kwnames); /* a lease, a fork, or an error */
-    PyObject *collecting = global(buffer_globals, s_collecting);
-    int r = collecting == NULL ? -1 : PyObject_IsTrue(collecting);
-    if (r < 0) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_NameError, "_collecting");
-        return NULL;
+    PyObject *self = args[0], *block, *lease, *allocator, *result;
+    if (buffer_slots(self, &block, &lease, &allocator) < 0)
+        return call_wrapped(wrapped, args, nargs, kwnames);
+    PyObject *forked = global(runtime_globals, s_forked_from);
+    if (block == Py_None) {
+        Py_INCREF(Py_None);
+        result = Py_None;
     }
-    return give_back(self, allocator, block, r ? s_free_from_finalizer : s_free);
+    else if (lease != Py_None || forked != Py_None) /* a lease, a fork, or an error */
+        result = PyErr_Occurred() ? NULL : call_wrapped(wrapped, args, nargs, kwnames);
+    else {
+        PyObject *collecting = global(buffer_globals, s_collecting);
+        int r = collecting == NULL ? -1 : PyObject_IsTrue(collecting);
+        if (r < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_NameError, "_collecting");
+            result = NULL;
+        }
+        else
+            result = give_back(self, allocator, block, r ? s_free_from_finalizer : s_free);
+    }
+    Py_DECREF(block);
+    Py_DECREF(lease);
+    Py_DECREF(allocator);
+    return result;
 }
 
 /* Buffer.__del__() */
@@ -1623,13 +1652,21 @@ buffer_del(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject 
 {
     if (nargs != 1 || kwnames != NULL || !Py_IS_TYPE(args[0], Buffer_T))
         return call_wrapped(wrapped, args, nargs, kwnames);
-    PyObject *self = args[0], *block = SLOT(self, U_block), *lease = SLOT(self, U_lease),
-             *allocator = SLOT(self, U_allocator);
-    if (block == NULL || block == Py_None) /* __init__ never ran, or freed */
-        Py_RETURN_NONE;
-    if (lease != Py_None || allocator == NULL)
-        return call_wrapped(wrapped, args, nargs, kwnames);
-    return give_back(self, allocator, block, s_free_from_finalizer);
+    PyObject *self = args[0], *block, *lease, *allocator, *result;
+    if (buffer_slots(self, &block, &lease, &allocator) < 0)
+        return call_wrapped(wrapped, args, nargs, kwnames); /* __init__ never ran: the Python method */
+    if (block == Py_None) { /* freed */
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    else if (lease != Py_None)
+        result = call_wrapped(wrapped, args, nargs, kwnames);
+    else
+        result = give_back(self, allocator, block, s_free_from_finalizer);
+    Py_DECREF(block);
+    Py_DECREF(lease);
+    Py_DECREF(allocator);
+    return result;
 }
 
 /* dict.get(key) of an attribute that is a dict: borrowed, NULL without an error when absent
@@ -1637,7 +1674,7 @@ buffer_del(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject 
 static PyObject *
 dict_attr_get(PyObject *o, PyObject *name, PyObject *key, PyObject **hold)
 {
-    PyObject *d = attr(o, name);
+    PyObject *d = PyObject_GetAttr(o, name);
     if (d == NULL)
         return NULL;
     if (!PyDict_CheckExact(d)) {
@@ -1674,8 +1711,8 @@ buffer_allocate(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyOb
     Py_INCREF(runtime);
     PyObject *state = NULL, *index = NULL, *streams = NULL, *defaults = NULL, *exts = NULL, *allocators = NULL,
              *found, *stream, *allocator, *result = NULL;
-    /* state is a threading.local: its attributes are the thread's, read the generic way */
-    if ((state = attr(runtime, s_state)) == NULL || (index = PyObject_GetAttr(state, s_device)) == NULL)
+    /* state is a threading.local: its attributes are the thread's */
+    if ((state = PyObject_GetAttr(runtime, s_state)) == NULL || (index = PyObject_GetAttr(state, s_buffer_device)) == NULL)
         goto out;
     stream = dict_attr_get(state, s_streams, index, &streams);
     if (stream == NULL) {
@@ -1698,15 +1735,12 @@ buffer_allocate(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyOb
     if (block != NULL) {
         /* Buffer(block, allocator, stream, nbytes): what Buffer.__init__ sets */
         result = Buffer_T->tp_alloc(Buffer_T, 0);
-        if (result != NULL) {
-            SLOT(result, U_block) = block;
-            block = NULL;
-            set(result, U_allocator, allocator);
-            set(result, U_nbytes, args[0]);
-            set(result, U_stream, stream);
-            set(result, U_lease, Py_None);
-        }
-        Py_XDECREF(block);
+        if (result != NULL
+            && (PyObject_SetAttr(result, s_block, block) < 0 || PyObject_SetAttr(result, s_allocator, allocator) < 0
+                || PyObject_SetAttr(result, s_nbytes, args[0]) < 0 || PyObject_SetAttr(result, s_stream, stream) < 0
+                || PyObject_SetAttr(result, s_lease, Py_None) < 0))
+            Py_CLEAR(result); /* its __del__ gives back the block, when it was set */
+        Py_DECREF(block);
     }
     Py_DECREF(stream);
     Py_DECREF(allocator);
@@ -1745,16 +1779,14 @@ install_buffers(PyObject *module, PyObject *ns)
     Py_INCREF(runtime_globals);
     Py_INCREF(buffer_globals);
     Py_INCREF(mempool_globals);
-    if (slot_offset(Buffer_T, "_block", &U_block) < 0 || slot_offset(Buffer_T, "_allocator", &U_allocator) < 0
-        || slot_offset(Buffer_T, "_nbytes", &U_nbytes) < 0 || slot_offset(Buffer_T, "_stream", &U_stream) < 0
-        || slot_offset(Buffer_T, "_lease", &U_lease) < 0)
-        return NULL;
     if (intern(&s_runtime_g, "_runtime") || intern(&s_forked_from, "_forked_from")
         || intern(&s_collecting, "_collecting") || intern(&s_open, "_open") || intern(&s_state, "_state")
         || intern(&s_streams, "streams") || intern(&s_default_streams, "_default_streams")
         || intern(&s_extensions, "extensions") || intern(&s_allocators, "allocators") || intern(&s_free, "free")
         || intern(&s_free_from_finalizer, "free_from_finalizer") || intern(&s_malloc, "malloc")
-        || intern(&s_device_kw, "device") || intern(&s_stream_kw, "stream") || intern(&s_device, "device"))
+        || intern(&s_device_kw, "device") || intern(&s_stream_kw, "stream") || intern(&s_buffer_device, "device")
+        || intern(&s_block, "_block") || intern(&s_allocator, "_allocator") || intern(&s_nbytes, "_nbytes")
+        || intern(&s_stream, "_stream") || intern(&s_lease, "_lease"))
         return NULL;
     PyObject *py_allocate = PyDict_GetItemString(buffer_globals, "allocate");
     if (py_allocate == NULL || !PyFunction_Check(py_allocate)) {
@@ -1785,37 +1817,21 @@ install_buffers(PyObject *module, PyObject *ns)
  * whose arguments are not a tuple: this never refuses or copies anything itself, and it
  * returns None only where the Python call does (another stream: the caller replays there).
  *
- * A tensor is read through torch's stable C interface for AOTInductor's generated code
- * (the aoti_torch_* functions of libtorch_cpu, torch/csrc/inductor/aoti_torch/c/shim.h),
- * which takes an at::Tensor*: an at::Tensor is one TensorImpl pointer, which
- * ``tensor._cdata`` gives. That is 0.1 us where asking the tensor's Python attributes and
- * methods (shape, dtype, is_cpu, is_contiguous(), data_ptr()) is 0.5 us. Where those
- * functions are missing, or disagree with the attributes on the graph's own inputs, the
- * attributes are asked. Negation and conjugation have no such function: torch's own
- * at::native::is_neg and is_conj (bool f(const at::Tensor&), exported by libtorch_cpu)
- * are called where they are found and answer right on a negated and a conjugated view,
- * else the methods is_neg() and (complex inputs only) is_conj() are asked. */
-
-typedef int32_t (*shim_ptr_t)(void *, void **);
-typedef int32_t (*shim_i64p_t)(void *, int64_t **);
-typedef int32_t (*shim_i64_t)(void *, int64_t *);
-typedef int32_t (*shim_i32_t)(void *, int32_t *);
-typedef int32_t (*shim_bool_t)(void *, bool *);
-static shim_i64_t shim_dim;
-static shim_i64p_t shim_sizes;
-static shim_i32_t shim_dtype, shim_device_type, shim_layout;
-static shim_bool_t shim_contiguous;
-static shim_ptr_t shim_data_ptr;
-typedef bool (*native_bit_t)(const void *);
-static native_bit_t native_is_neg, native_is_conj; /* at::native::is_neg/is_conj(const at::Tensor&) */
+ * A tensor is read through torch's public Python API only (its shape, dtype and is_cpu
+ * attributes, its is_contiguous(), data_ptr(), is_neg() and is_conj() methods), each by an
+ * interned name: no torch symbol is looked up and no object layout of torch or CPython is
+ * read (issue 27). torch's C interface for AOTInductor (aoti_torch_*) was faster, but it
+ * takes an at::Tensor*, which only a private layout (THPVariable's, or the TensorImpl
+ * pointer ``_cdata`` gives, taken for one) provides: the public calls cost about 1.5 us
+ * more a call on a loaded machine, and still 0.5 us less than the Python call
+ * (docs/benchmarks.md, "The steady call on torch's public API"). */
 
 static PyTypeObject *Tensor_T;  /* torch.Tensor */
 static PyObject *py_check_memory; /* accel.graph._compiled.check_memory */
 static PyObject *py_is_grad_enabled; /* torch.is_grad_enabled */
 static PyObject *s_shape, *s_dtype, *s_is_cpu, *s_is_contiguous, *s_is_neg, *s_is_conj, *s_data_ptr, *s_call_,
-    *s_refuse, *s_gstreams, *s_cdata;
+    *s_refuse, *s_gstreams, *s_taken, *s_busy;
 static PyTypeObject *Binding_T;  /* accel.graph._compiled._Binding */
-static Py_ssize_t BI_taken, BI_busy; /* its slots */
 static int graphs_installed = 0;
 /* Bumped by set_current() each time a thread's current stream changes (accel._runtime makes
  * every change through it): a SteadyCall that found the default stream current on a thread
@@ -1837,15 +1853,10 @@ typedef struct {
     vectorcallfunc vectorcall;
     int taking;   /* 1: run() runs a binding pointed at the arguments (ONNX Runtime); 0: run(list) */
     int real;     /* no input is complex: the conjugate bit is not asked */
-    int shim;     /* tensors are read through the aoti_torch_* functions */
     Py_ssize_t n; /* the graph's inputs */
     PyObject *fallback, *shapes, *dtypes, *thread, *device, *default_stream, *run;
     PyObject *finish; /* taking: the outputs returned; direct: None (one output: result[0]) or finish(result) */
     PyObject *binding; /* taking: the _Binding the fallback shares */
-    Py_ssize_t taken_at, busy_at; /* its slots' offsets (its class's: see install_graphs) */
-    int64_t *dims;    /* shim: each input's dimensions, sizes (at sizes + offsets[i]) and dtype */
-    int64_t *offsets, *sizes;
-    int32_t *dtype_codes;
     PyObject *handed; /* direct: a list of n Nones for the next run() (NULL: none; see steady_run) */
     unsigned long long *checked;  /* direct: the addresses check_memory last passed (n) */
     int checked_set;              /* whether ``checked`` holds any (a freed tensor's address can be 0) */
@@ -1882,91 +1893,37 @@ attr_is(PyObject *o, PyObject *name, PyObject *want)
     return r == want;
 }
 
-/* The TensorImpl of a torch.Tensor (tensor._cdata), NULL (no error) where it gives none. */
-static inline void *
-impl_of(PyObject *a)
-{
-    PyObject *cdata = PyObject_GetAttr(a, s_cdata);
-    if (cdata == NULL) {
-        PyErr_Clear();
-        return NULL;
-    }
-    void *impl = PyLong_AsVoidPtr(cdata);
-    Py_DECREF(cdata);
-    if (impl == NULL)
-        PyErr_Clear();
-    return impl;
-}
-
-/* Where a torch.Tensor object keeps its at::Tensor (one TensorImpl pointer): right after
- * the object's head in torch 2.13's THPVariable ({PyObject_HEAD; at::Tensor cdata; ...}),
- * which samples confirm at install (find_cdata); 0 where they show another layout, and
- * ``_cdata`` is asked, a property that costs 0.08 us (a Python int made, torch's warning
- * handler and torch-function state set up and torn down) where this is a load. */
-static Py_ssize_t cdata_at = 0;
-
-/* An at::Tensor* for the torch.Tensor ``a``: the object's own, or ``*slot`` filled from
- * ``a._cdata``; NULL (no error) where it gives none. */
-static inline void *
-tensor_of(PyObject *a, void **slot)
-{
-    if (cdata_at)
-        return (char *)a + cdata_at;
-    *slot = impl_of(a);
-    return *slot != NULL ? slot : NULL;
-}
-
 /* Whether argument ``i`` is a steady one (its address then in pointers[i]): of the
- * graph's signature, on the host, contiguous, strided, not negated or conjugated. */
+ * graph's signature, on the host, contiguous, not negated or conjugated. */
 static int
 steady_tensor(SteadyCall *c, Py_ssize_t i, PyObject *a, unsigned long long *pointers)
 {
     if (!Py_IS_TYPE(a, Tensor_T))
         return 0; /* a subclass may answer anything: the Python call asks it */
-    if (c->shim) {
-        void *impl, *t = tensor_of(a, &impl); /* an at::Tensor* */
-        if (t == NULL)
-            return 0;
-        int64_t dim, *sizes;
-        int32_t dtype, device_type, layout;
-        bool contiguous;
-        void *data;
-        if (shim_dim(t, &dim) || dim != c->dims[i] || shim_sizes(t, &sizes)
-            || (dim && memcmp(sizes, c->sizes + c->offsets[i], dim * sizeof(int64_t)))
-            || shim_dtype(t, &dtype) || dtype != c->dtype_codes[i] || shim_device_type(t, &device_type)
-            || device_type != 0 /* CPU */ || shim_layout(t, &layout) || layout != 0 /* strided */
-            || shim_contiguous(t, &contiguous) || !contiguous || shim_data_ptr(t, &data))
-            return 0;
-        pointers[i] = (unsigned long long)(uintptr_t)data;
-        if (native_is_neg != NULL)
-            return !native_is_neg(t) && (c->real || !native_is_conj(t));
+    PyObject *shape = PyObject_GetAttr(a, s_shape);
+    if (shape == NULL) {
+        PyErr_Clear();
+        return 0;
     }
-    else {
-        PyObject *shape = PyObject_GetAttr(a, s_shape);
-        if (shape == NULL) {
-            PyErr_Clear();
-            return 0;
-        }
-        int same = PyObject_RichCompareBool(shape, PyTuple_GET_ITEM(c->shapes, i), Py_EQ);
-        Py_DECREF(shape);
-        if (same <= 0) {
-            PyErr_Clear();
-            return 0;
-        }
-        if (!attr_is(a, s_dtype, PyTuple_GET_ITEM(c->dtypes, i)) || !attr_is(a, s_is_cpu, Py_True)
-            || !method_true(a, s_is_contiguous))
-            return 0;
-        PyObject *p = PyObject_VectorcallMethod(s_data_ptr, &a, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-        if (p == NULL) {
-            PyErr_Clear();
-            return 0;
-        }
-        pointers[i] = PyLong_AsUnsignedLongLong(p);
-        Py_DECREF(p);
-        if (PyErr_Occurred()) {
-            PyErr_Clear();
-            return 0;
-        }
+    int same = PyObject_RichCompareBool(shape, PyTuple_GET_ITEM(c->shapes, i), Py_EQ);
+    Py_DECREF(shape);
+    if (same <= 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (!attr_is(a, s_dtype, PyTuple_GET_ITEM(c->dtypes, i)) || !attr_is(a, s_is_cpu, Py_True)
+        || !method_true(a, s_is_contiguous))
+        return 0;
+    PyObject *p = PyObject_VectorcallMethod(s_data_ptr, &a, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (p == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    pointers[i] = PyLong_AsUnsignedLongLong(p);
+    Py_DECREF(p);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
     }
     return !method_true(a, s_is_neg) && (c->real || !method_true(a, s_is_conj));
 }
@@ -2007,30 +1964,45 @@ steady_run(SteadyCall *c, PyObject *args, unsigned long long *pointers)
     if (c->taking) {
         /* The binding points at these addresses (_Binding.taken: one int, or a tuple of n)
          * and no run is under way: test and set ``busy`` with the GIL held throughout, as
-         * the Python call's steady path does (see _taking_call). */
-        PyObject *taken = SLOT(c->binding, c->taken_at), *busy = SLOT(c->binding, c->busy_at);
-        if (taken == NULL || busy != Py_False)
+         * the Python call's steady path does (see _taking_call). Its slots are read and
+         * written as attributes: member descriptors, which run no Python code. */
+        PyObject *taken = PyObject_GetAttr(c->binding, s_taken), *busy;
+        if (taken == NULL) {
+            PyErr_Clear();
             goto fallback;
-        if (c->n == 1 && !PyTuple_Check(taken)) {
-            if (!PyLong_CheckExact(taken) || PyLong_AsUnsignedLongLong(taken) != pointers[0]) {
-                PyErr_Clear();
-                goto fallback;
-            }
         }
-        else {
-            if (!PyTuple_CheckExact(taken) || PyTuple_GET_SIZE(taken) != c->n)
-                goto fallback;
-            for (Py_ssize_t i = 0; i < c->n; i++) {
+        int agree = 1;
+        if (c->n == 1 && !PyTuple_Check(taken))
+            agree = PyLong_CheckExact(taken) && PyLong_AsUnsignedLongLong(taken) == pointers[0];
+        else if (!PyTuple_CheckExact(taken) || PyTuple_GET_SIZE(taken) != c->n)
+            agree = 0;
+        else
+            for (Py_ssize_t i = 0; i < c->n && agree; i++) {
                 PyObject *t = PyTuple_GET_ITEM(taken, i);
-                if (!PyLong_CheckExact(t) || PyLong_AsUnsignedLongLong(t) != pointers[i]) {
-                    PyErr_Clear();
-                    goto fallback;
-                }
+                agree = PyLong_CheckExact(t) && PyLong_AsUnsignedLongLong(t) == pointers[i];
             }
+        Py_DECREF(taken);
+        if (!agree || (busy = PyObject_GetAttr(c->binding, s_busy)) == NULL) {
+            PyErr_Clear();
+            goto fallback;
         }
-        set(c->binding, c->busy_at, Py_True);
-        PyObject *r = PyObject_CallNoArgs(c->run);
-        set(c->binding, c->busy_at, Py_False);
+        Py_DECREF(busy); /* compared by identity only */
+        if (busy != Py_False || PyObject_SetAttr(c->binding, s_busy, Py_True) < 0) {
+            PyErr_Clear();
+            goto fallback;
+        }
+        PyObject *r = PyObject_CallNoArgs(c->run), *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb); /* the run's error, kept while busy is set back */
+        if (PyObject_SetAttr(c->binding, s_busy, Py_False) < 0) {
+            if (r == NULL) { /* the run's error is the one to raise */
+                PyErr_Clear();
+                PyErr_Restore(type, value, tb);
+                return NULL;
+            }
+            Py_DECREF(r);
+            return NULL;
+        }
+        PyErr_Restore(type, value, tb);
         if (r == NULL)
             return NULL;
         Py_DECREF(r);
@@ -2163,46 +2135,7 @@ steady_dealloc(PyObject *self)
     PyObject_GC_UnTrack(self);
     steady_clear(self);
     PyMem_Free(c->checked);
-    PyMem_Free(c->dims);
-    PyMem_Free(c->offsets);
-    PyMem_Free(c->sizes);
-    PyMem_Free(c->dtype_codes);
     Py_TYPE(self)->tp_free(self);
-}
-
-/* What the shim reads of the graph's input ``t`` (a torch.Tensor): its dimensions and
- * sizes, which must agree with ``shape`` (its torch.Size), and its dtype's code. 1 when
- * read and agreeing, 0 when not (the attributes are asked then), -1 on a memory error. */
-static int
-shim_signature(SteadyCall *c, Py_ssize_t i, PyObject *t, PyObject *shape, int64_t **sizes, Py_ssize_t *used)
-{
-    void *impl, *handle = Py_IS_TYPE(t, Tensor_T) ? tensor_of(t, &impl) : NULL;
-    if (handle == NULL)
-        return 0;
-    int64_t dim, *got;
-    if (shim_dim(handle, &dim) || dim != PyTuple_GET_SIZE(shape) || shim_sizes(handle, &got)
-        || shim_dtype(handle, &c->dtype_codes[i]))
-        return 0;
-    int64_t *grown = PyMem_Realloc(*sizes, (*used + dim + 1) * sizeof(int64_t));
-    if (grown == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    *sizes = grown;
-    for (int64_t d = 0; d < dim; d++) {
-        long long want = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d));
-        if (want == -1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            return 0;
-        }
-        if (got[d] != want)
-            return 0;
-        grown[*used + d] = got[d];
-    }
-    c->dims[i] = dim;
-    c->offsets[i] = *used;
-    *used += dim;
-    return 1;
 }
 
 static PyObject *
@@ -2225,14 +2158,12 @@ steady_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
                                          "binding a _Binding or None");
         return NULL;
     }
-    Py_ssize_t n = PyList_GET_SIZE(inputs), used = 0;
+    Py_ssize_t n = PyList_GET_SIZE(inputs);
     SteadyCall *c = (SteadyCall *)type->tp_alloc(type, 0);
     if (c == NULL)
         return NULL;
     c->vectorcall = steady_vectorcall;
     c->taking = binding != Py_None;
-    c->taken_at = BI_taken;
-    c->busy_at = BI_busy;
     c->real = real;
     c->n = n;
     Py_INCREF(fallback);
@@ -2252,16 +2183,11 @@ steady_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     c->shapes = PyTuple_New(n);
     c->dtypes = PyTuple_New(n);
     c->checked = PyMem_Calloc(n, sizeof(unsigned long long));
-    c->dims = PyMem_Calloc(n, sizeof(int64_t));
-    c->offsets = PyMem_Calloc(n, sizeof(int64_t));
-    c->dtype_codes = PyMem_Calloc(n, sizeof(int32_t));
-    if (c->shapes == NULL || c->dtypes == NULL || c->checked == NULL || c->dims == NULL
-        || c->offsets == NULL || c->dtype_codes == NULL) {
+    if (c->shapes == NULL || c->dtypes == NULL || c->checked == NULL) {
         if (!PyErr_Occurred())
             PyErr_NoMemory();
         goto error;
     }
-    c->shim = shim_data_ptr != NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *t = PyList_GET_ITEM(inputs, i), *shape = PyObject_GetAttr(t, s_shape), *dtype;
         if (shape == NULL || !PyTuple_Check(shape)) {
@@ -2274,12 +2200,6 @@ steady_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         if ((dtype = PyObject_GetAttr(t, s_dtype)) == NULL)
             goto error;
         PyTuple_SET_ITEM(c->dtypes, i, dtype);
-        if (c->shim) {
-            int r = shim_signature(c, i, t, shape, &c->sizes, &used);
-            if (r < 0)
-                goto error;
-            c->shim = r;
-        }
     }
     return (PyObject *)c;
 error:
@@ -2411,107 +2331,16 @@ static PyTypeObject CallHead_T = {
     .tp_doc = "GraphedCallable's compiled base: its __call__ (accel/graph/_graphed.py's _CallHead, in C).",
 };
 
-/* Whether the native is_neg and is_conj tell the four ``bit_samples`` apart as they must:
- * (plain, negated view, plain complex, conjugated view). */
-static int
-native_bits_right(PyObject *samples)
-{
-    if (!PyTuple_Check(samples) || PyTuple_GET_SIZE(samples) != 4)
-        return 0;
-    for (Py_ssize_t k = 0; k < 4; k++) {
-        PyObject *t = PyTuple_GET_ITEM(samples, k);
-        void *impl, *handle = Py_IS_TYPE(t, Tensor_T) ? tensor_of(t, &impl) : NULL;
-        if (handle == NULL)
-            return 0;
-        if (native_is_neg(handle) != (k == 1) || native_is_conj(handle) != (k == 3))
-            return 0;
-    }
-    return 1;
-}
-
-/* Whether every sample (exact torch.Tensors: fresh, views, from other libraries' memory)
- * holds the TensorImpl its ``_cdata`` gives right after its object head: 1, or 0 (the
- * layout is another: ``_cdata`` is asked). Nothing else is trusted: a pointer anywhere
- * else (torch's older MaybeOwned<at::Tensor>, a flag first) is not an at::Tensor. */
-static int
-find_cdata(PyObject *samples)
-{
-    if (!PyTuple_Check(samples) || PyTuple_GET_SIZE(samples) < 2
-        || Tensor_T->tp_basicsize < (Py_ssize_t)(sizeof(PyObject) + sizeof(void *)))
-        return 0;
-    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(samples); k++) {
-        PyObject *t = PyTuple_GET_ITEM(samples, k);
-        void *impl = Py_IS_TYPE(t, Tensor_T) ? impl_of(t) : NULL;
-        if (impl == NULL || *(void **)((char *)t + sizeof(PyObject)) != impl)
-            return 0;
-    }
-    return 1;
-}
-
-/* Look torch's C functions up in ``torch_library`` (the path of the libtorch_cpu torch
- * loaded, or None): the aoti_torch_* ones all or none, then the native bits. 0 or -1. */
-static int
-find_torch_functions(PyObject *ns)
-{
-    PyObject *library = PyMapping_GetItemString(ns, "torch_library"), *samples = NULL, *path = NULL;
-    if (library == NULL)
-        return -1;
-    void *lib = NULL;
-    if (library != Py_None) {
-        if ((path = PyUnicode_EncodeFSDefault(library)) == NULL)
-            goto error;
-        /* torch has it loaded (RTLD_NOLOAD: nothing else), and keeps it for the process */
-        lib = dlopen(PyBytes_AS_STRING(path), RTLD_NOW | RTLD_NOLOAD);
-    }
-    if (lib != NULL) {
-        shim_dim = (shim_i64_t)dlsym(lib, "aoti_torch_get_dim");
-        shim_sizes = (shim_i64p_t)dlsym(lib, "aoti_torch_get_sizes");
-        shim_dtype = (shim_i32_t)dlsym(lib, "aoti_torch_get_dtype");
-        shim_device_type = (shim_i32_t)dlsym(lib, "aoti_torch_get_device_type");
-        shim_layout = (shim_i32_t)dlsym(lib, "aoti_torch_get_layout");
-        shim_contiguous = (shim_bool_t)dlsym(lib, "aoti_torch_is_contiguous");
-        shim_data_ptr = (shim_ptr_t)dlsym(lib, "aoti_torch_get_data_ptr");
-        if (!shim_dim || !shim_sizes || !shim_dtype || !shim_device_type || !shim_layout || !shim_contiguous)
-            shim_data_ptr = NULL; /* one missing: none used */
-        native_is_neg = (native_bit_t)dlsym(lib, "_ZN2at6native6is_negERKNS_6TensorE");
-        native_is_conj = (native_bit_t)dlsym(lib, "_ZN2at6native7is_conjERKNS_6TensorE");
-    }
-    if (shim_data_ptr != NULL) {
-        if ((samples = PyMapping_GetItemString(ns, "cdata_samples")) == NULL)
-            goto error;
-        cdata_at = find_cdata(samples) ? (Py_ssize_t)sizeof(PyObject) : 0;
-        Py_CLEAR(samples);
-    }
-    if (shim_data_ptr == NULL || native_is_conj == NULL)
-        native_is_neg = NULL;
-    if (native_is_neg != NULL) {
-        if ((samples = PyMapping_GetItemString(ns, "bit_samples")) == NULL)
-            goto error;
-        if (!native_bits_right(samples))
-            native_is_neg = NULL;
-    }
-    Py_XDECREF(path);
-    Py_XDECREF(samples);
-    Py_DECREF(library);
-    return 0;
-error:
-    Py_XDECREF(path);
-    Py_DECREF(library);
-    return -1;
-}
-
-/* install_graphs(names): what SteadyCall reads (torch.Tensor, check_memory, _Binding, where
- * torch's library is, and tensors to try its functions on). Called again (importlib.reload
- * of accel.graph._compiled, as IPython's autoreload does), it takes the new module's
- * check_memory and _Binding class: SteadyCalls made from then on were refused for their new
- * _Binding (a TypeError for every ONNX Runtime graph). Those made before keep their
- * binding's slot offsets; the old objects are kept, as the first ones are, for the process. */
+/* install_graphs(names): what SteadyCall reads (torch.Tensor, check_memory, _Binding).
+ * Called again (importlib.reload of accel.graph._compiled, as IPython's autoreload does),
+ * it takes the new module's check_memory and _Binding class: SteadyCalls made from then on
+ * were refused for their new _Binding (a TypeError for every ONNX Runtime graph). The old
+ * objects are kept, as the first ones are, for the process. */
 static PyObject *
 install_graphs(PyObject *module, PyObject *ns)
 {
-    PyTypeObject *tensor, *binding = NULL;
+    PyTypeObject *tensor, *binding;
     PyObject *check, *grad_enabled;
-    Py_ssize_t taken, busy;
     if (get_type(ns, "Tensor", &tensor) < 0)
         return NULL;
     if (get_obj(ns, "check_memory", &check) < 0) {
@@ -2523,9 +2352,7 @@ install_graphs(PyObject *module, PyObject *ns)
         Py_DECREF(check);
         return NULL;
     }
-    if (get_type(ns, "Binding", &binding) < 0 || slot_offset(binding, "taken", &taken) < 0
-        || slot_offset(binding, "busy", &busy) < 0) {
-        Py_XDECREF(binding);
+    if (get_type(ns, "Binding", &binding) < 0) {
         Py_DECREF(tensor);
         Py_DECREF(check);
         Py_DECREF(grad_enabled);
@@ -2535,16 +2362,12 @@ install_graphs(PyObject *module, PyObject *ns)
     py_check_memory = check;
     py_is_grad_enabled = grad_enabled;
     Binding_T = binding;
-    BI_taken = taken;
-    BI_busy = busy;
     if (graphs_installed)
         Py_RETURN_NONE;
     if (intern(&s_shape, "shape") || intern(&s_dtype, "dtype") || intern(&s_is_cpu, "is_cpu")
         || intern(&s_is_contiguous, "is_contiguous") || intern(&s_is_neg, "is_neg") || intern(&s_is_conj, "is_conj")
         || intern(&s_data_ptr, "data_ptr") || intern(&s_call_, "_call") || intern(&s_refuse, "_refuse")
-        || intern(&s_gstreams, "streams") || intern(&s_cdata, "_cdata"))
-        return NULL;
-    if (find_torch_functions(ns) < 0)
+        || intern(&s_gstreams, "streams") || intern(&s_taken, "taken") || intern(&s_busy, "busy"))
         return NULL;
     if (pthread_atfork(NULL, NULL, note_fork_in_child) != 0) {
         PyErr_SetString(PyExc_OSError, "install_graphs: pthread_atfork failed");
@@ -2577,47 +2400,66 @@ set_current(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-/* Which of torch's functions SteadyCall calls: for tests and reports. */
-static PyObject *
-graph_paths(PyObject *module, PyObject *unused)
-{
-    return Py_BuildValue("{s:O,s:O,s:O}", "tensor_c_interface", shim_data_ptr != NULL ? Py_True : Py_False,
-                         "native_bits", native_is_neg != NULL ? Py_True : Py_False, "object_layout",
-                         cdata_at ? Py_True : Py_False);
-}
-
 static PyMethodDef module_methods[] = {
     {"install_allocator", install_allocator, METH_O,
      "Replace DeviceAllocator's malloc, free, _free_held and free_from_finalizer by compiled versions."},
     {"install_buffers", install_buffers, METH_O,
      "Replace Buffer.free, Buffer.__del__ and the buffer module's allocate by compiled versions."},
     {"install_graphs", install_graphs, METH_O, "Give SteadyCall what it reads (torch.Tensor, check_memory, _Binding)."},
-    {"graph_paths", graph_paths, METH_NOARGS, "Which of torch's C functions SteadyCall found and trusts."},
     {"set_current", (PyCFunction)(void (*)(void))set_current, METH_FASTCALL,
      "streams[index] = stream (None: pop), SteadyCalls told first: a thread's current stream changed."},
     {NULL, NULL, 0, NULL},
 };
 
+/* The module runs with the GIL, and says so (Py_mod_gil, Python 3.13+: a free-threaded
+ * interpreter turns the GIL back on when it imports it, with a RuntimeWarning, instead of
+ * running this code unlocked). What relies on it:
+ *  - the allocator's compiled paths (install_allocator) take and give back the allocator's
+ *    threading.Lock themselves and read and write its objects' fields between the Python
+ *    methods they call;
+ *  - a SteadyCall's caches (the list it hands the runner, the addresses check_memory last
+ *    passed, the thread and stream count on which the default stream was last found
+ *    current) and a taking call's test and set of its binding's ``busy`` are each made
+ *    with no other thread running Python in between, as the Python steady path's are
+ *    (accel/graph/_compiled.py gives a taking engine no SteadyCall where
+ *    sys._is_gil_enabled() is false); _CallHead's hit count and streams_epoch are plain
+ *    increments;
+ *  - references borrowed from dicts (module globals, a thread's current streams) are used
+ *    before the next call that can run Python code, which with the GIL no other thread
+ *    can run either;
+ *  - what install_* stores (the classes, interned names, module dicts) is written once, at
+ *    the import of the module that calls it, and kept for the process: one interpreter's
+ *    objects, so the module refuses other interpreters (Py_mod_multiple_interpreters). */
+static int
+module_exec(PyObject *m)
+{
+    if (PyType_Ready(&Compiled_T) < 0 || PyType_Ready(&SteadyCall_T) < 0 || PyType_Ready(&CallHead_T) < 0)
+        return -1;
+    if (PyModule_AddObjectRef(m, "SteadyCall", (PyObject *)&SteadyCall_T) < 0
+        || PyModule_AddObjectRef(m, "_CallHead", (PyObject *)&CallHead_T) < 0
+        || PyModule_AddStringConstant(m, "SOURCE_CRC32", ACCEL_SPEEDUPS_SOURCE_CRC32) < 0)
+        return -1;
+    return 0;
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+#if PY_VERSION_HEX >= 0x030C0000
+    {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
+#endif
+#if PY_VERSION_HEX >= 0x030D0000
+    {Py_mod_gil, Py_MOD_GIL_USED},
+#endif
+    {0, NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "accel._speedups",
-    "Optional C versions of accel's allocation hot paths (see accel/_native.py).", -1, module_methods,
+    "Optional C versions of accel's allocation hot paths (see accel/_native.py).", 0, module_methods, module_slots,
 };
 
 PyMODINIT_FUNC
 PyInit__speedups(void)
 {
-    if (PyType_Ready(&Compiled_T) < 0 || PyType_Ready(&SteadyCall_T) < 0 || PyType_Ready(&CallHead_T) < 0)
-        return NULL;
-    PyObject *m = PyModule_Create(&module);
-    if (m == NULL)
-        return NULL;
-    Py_INCREF(&SteadyCall_T);
-    Py_INCREF(&CallHead_T);
-    if (PyModule_AddObject(m, "SteadyCall", (PyObject *)&SteadyCall_T) < 0
-        || PyModule_AddObject(m, "_CallHead", (PyObject *)&CallHead_T) < 0
-        || PyModule_AddStringConstant(m, "SOURCE_CRC32", ACCEL_SPEEDUPS_SOURCE_CRC32) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    return PyModuleDef_Init(&module);
 }

@@ -188,3 +188,99 @@ def test_freed_holes_keep_the_free_lists_bucket_bound(monkeypatch: pytest.Monkey
     assert len(free) == 21
     assert max(len(keys) for keys in free._keys) <= 4
     assert [size for size, _, _ in free] == sorted(size for size, _, _ in free)
+
+
+# What accel/_speedups.c may not name outside the allocator's compiled paths (issue 27):
+# CPython's private API (``_Py...``), symbols looked up at run time (dlopen/dlsym, a
+# mangled C++ name ``_ZN...``), and reads of an object's fields at an offset (its member
+# descriptors', a slot at a computed address, torch's ``_cdata`` pointer): such code breaks
+# silently with another CPython or torch, and on a free-threaded one.
+_PRIVATE = {
+    "CPython's private API": r"\b_Py\w*",
+    "a symbol looked up at run time": r"\bdl(?:open|sym)\b",
+    "a mangled C++ symbol": r"_ZN\w*",
+    "torch's tensor pointer": r"_cdata\b",
+    "a member descriptor's offset": r"\bPyMemberDescr\w*|\bd_member\b",
+    "a field read at a computed address": r"\(\s*char\s*\*\s*\)|\bSLOT\s*\(|\bslot_offset\s*\(",
+}
+# The allocator's compiled paths, which the native allocator core replaces (issue 27):
+# their functions, their copy of CPython's _thread.lock and the slot accessor they share.
+# Names no longer in the source are fine.
+_ALLOCATOR = {
+    "slot_offset", "get", "set", "set_new", "add_ll", "slot_add", "slot_sub", "as_ll", "as_ull", "rise",
+    "counts_parts", "add_inactive_split", "add_allocation", "make_key", "bisect_left", "fl_lists", "set_index",
+    "fl_best_fit", "call3", "at_fit", "block_key", "fl_replace", "fl_remove", "fl_add", "new_block",
+    "is_block_or_none", "attr", "lock_acquire", "lock_release", "lock_call", "release", "truth", "kind_counts",
+    "malloc_fast", "stream_ok", "allocator_malloc", "free_held", "allocator_free_held",
+    "allocator_free_from_finalizer", "allocator_free", "get_ll", "install_allocator", "lockobject", "SLOT",
+}
+
+
+def _c_items(source: str) -> list[tuple[str, str]]:
+    """``source`` without comments, cut into (name, code): each function (its name at
+    the start of a line, its body up to the next ``}`` there), each ``typedef struct``
+    (its name), each ``#define`` (its macro's name); the rest is named ``""``."""
+    import re
+
+    code = re.sub(r"/\*.*?\*/", lambda m: "\n" * m.group().count("\n"), source, flags=re.S)
+    items: list[tuple[str, str]] = []
+    lines = code.splitlines()
+    i, rest = 0, []
+    while i < len(lines):
+        line = lines[i]
+        func = re.match(r"([A-Za-z_]\w*)\(", line)
+        macro = re.match(r"#\s*define\s+(\w+)", line)
+        if func and not line.rstrip().endswith(";"):
+            end = lines.index("}", i)
+            items.append((func.group(1), "\n".join(lines[i:end + 1])))
+            i = end + 1
+        elif line.startswith("typedef struct {"):
+            end = next(k for k in range(i, len(lines)) if lines[k].startswith("}"))
+            items.append((lines[end].strip("}; "), "\n".join(lines[i:end + 1])))
+            i = end + 1
+        elif macro:
+            items.append((macro.group(1), line))
+            i += 1
+        else:
+            rest.append(line)
+            i += 1
+    items.append(("", "\n".join(rest)))
+    return items
+
+
+def _private_uses(source: str) -> list[str]:
+    import re
+
+    return [
+        f"{name or 'file level'}: {what} ({found.group()!r})"
+        for name, code in _c_items(source) if name not in _ALLOCATOR
+        for what, pattern in _PRIVATE.items() for found in re.finditer(pattern, code)
+    ]
+
+
+def test_the_extension_names_no_private_layout_or_symbol_outside_the_allocator() -> None:
+    assert _private_uses((ROOT / "accel" / "_speedups.c").read_text()) == []
+
+
+def test_the_private_use_check_finds_each_kind() -> None:
+    # The check above cannot pass for want of finding: each kind, in a function of its own.
+    source = "\n".join(
+        f"static int\nf{k}(PyObject *o)\n{{\n    return {use};\n}}"
+        for k, use in enumerate((
+            "_PyObject_GetDictPtr(o) != NULL", "dlsym(lib, \"aoti_torch_get_dim\") != NULL",
+            "dlsym(lib, \"_ZN2at6native6is_negERKNS_6TensorE\") != NULL", "PyObject_GetAttrString(o, \"_cdata\") != NULL",
+            "((PyMemberDescrObject *)o)->d_member->offset", "*(void **)((char *)o + 16) != NULL",
+        ))
+    ) + "\nstatic int\nmalloc_fast(PyObject *o)\n{\n    return SLOT(o, 8) != NULL;\n}\n"
+    found = _private_uses(source)
+    assert [use.split(":")[0] for use in found] == ["f0", "f1", "f2", "f2", "f3", "f4", "f4", "f5"], found
+
+
+def test_the_extension_declares_that_it_needs_the_gil() -> None:
+    # Python 3.13+ reads Py_mod_gil from a multi-phase module: without it, a free-threaded
+    # interpreter would run the allocator's and SteadyCall's unlocked steps without the GIL.
+    source = (ROOT / "accel" / "_speedups.c").read_text()
+    assert "{Py_mod_gil, Py_MOD_GIL_USED}" in source
+    assert "PyModuleDef_Init(&module)" in source
+    if speedups is not None:
+        assert speedups.__spec__ is not None and speedups.SteadyCall.__module__ == "accel._speedups"

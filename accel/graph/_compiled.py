@@ -1102,12 +1102,6 @@ def _engine_key(base: str, engine: Engine, version: str, settings: dict[str, Any
     return f"{engine.artifact or engine.name}-{h.hexdigest()[:32]}"
 
 
-def _torch_library() -> str | None:
-    """The path of the libtorch_cpu that torch loaded (None where it is not one file beside torch)."""
-    path = Path(torch.__file__).parent / "lib" / ("libtorch_cpu.dylib" if sys.platform == "darwin" else "libtorch_cpu.so")
-    return str(path) if path.exists() else None
-
-
 # The compiled steady path of graphed calls (accel/_speedups.c) when it was built and
 # ACCEL_PURE_PYTHON is not 1: what it reads of torch and of this module.
 if speedups is not None:
@@ -1115,11 +1109,4 @@ if speedups is not None:
         "Tensor": torch.Tensor, "check_memory": check_memory, "Binding": _Binding,
         # in grad mode a graphed call goes to GraphedCallable._call, which refuses what autograd would record
         "is_grad_enabled": torch.is_grad_enabled,
-        # torch's C interface for AOTInductor's code reads a tensor's layout faster than its attributes
-        "torch_library": _torch_library(),
-        # on which torch's native is_neg and is_conj must answer right before they are trusted
-        "bit_samples": (torch.zeros(1), torch.zeros(1)._neg_view(), torch.zeros(1, dtype=torch.complex64),
-                        torch.zeros(1, dtype=torch.complex64).conj()),
-        # in which a torch.Tensor object must keep its TensorImpl where it is read directly
-        "cdata_samples": (torch.zeros(2), torch.zeros(2, 3).t(), torch.zeros(3)[1:], torch.frombuffer(bytearray(8), dtype=torch.float32)),
     })

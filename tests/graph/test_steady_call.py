@@ -407,32 +407,6 @@ def test_an_engine_that_kept_the_list_it_was_handed_and_let_it_go_leaves_no_argu
         assert probe() is None, call
 
 
-def test_the_steady_path_reads_tensors_through_torchs_c_functions() -> None:
-    # On the torch CI installs, both are found and trusted: a torch that drops them
-    # slows the steady path down to asking attributes (still right, tested below).
-    assert speedups is not None
-    assert speedups.graph_paths() == {"tensor_c_interface": True, "native_bits": True, "object_layout": True}
-
-
-def test_without_torchs_c_functions_the_attributes_are_asked_and_calls_agree() -> None:
-    # torch.__file__ pointed elsewhere: no library to look the functions up in.
-    result = run("cpu", """
-        import torch
-        torch.__file__ = "/nonexistent/torch/__init__.py"
-        from accel._native import speedups
-        from accel.graph import _compiled
-        assert speedups.graph_paths() == {"tensor_c_interface": False, "native_bits": False, "object_layout": False}
-        import tests.graph.test_steady_call as t
-        for kind in ("direct", "taking"):
-            for case in sorted(t.CASES):
-                t.test_a_compiled_call_does_what_the_python_call_does(kind, case)
-            t.test_several_inputs_one_of_them_moved_or_negated(kind)
-            t.test_complex_inputs_are_asked_for_their_conjugate_bit(kind)
-        print("agreed")
-    """, timeout=120)
-    ok(result, "agreed")
-
-
 def test_a_graphed_callable_counts_hits_and_refuses_as_the_python_head_does() -> None:
     # CallHead (C) and _CallHead (Python) take the same steps: hot call first, hits
     # counted, an engine's RuntimeError refused as accel's, anything else to _call.
