@@ -58,8 +58,8 @@ for _name in CONFORMANCE_BACKENDS:
 SPEEDUPS_TESTS: dict[str, tuple[str, ...]] = {
     # Which path runs, the switch, the build, the stand-ins' names.
     "accel/_native.py": ("tests/test_speedups.py",),
-    # The current stream's store (set_current).
-    "accel/_runtime.py": ("tests/stream/test_stream.py",),
+    # The current stream's store (set_current): set_stream, the stream context, threads.
+    "accel/_runtime.py": ("tests/test_facade.py", "tests/stream/test_arguments.py"),
     # DeviceAllocator.malloc, free and _free_held: the fast paths and the books they
     # keep, and what C must do as Python does: errors, interrupts, fork, threads, pools.
     "accel/allocator/_caching.py": (
