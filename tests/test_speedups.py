@@ -96,6 +96,21 @@ def test_accel_pure_python_switches_the_extension_off() -> None:
     assert _probe(ACCEL_PURE_PYTHON="1") == ["False", "True", "True"]
 
 
+def test_a_quiet_run_says_which_path_it_tested_in_its_last_lines() -> None:
+    # README runs pytest -q twice, and -q drops the report header.
+    environ = {k: v for k, v in os.environ.items() if k != "ACCEL_PURE_PYTHON"}
+    environ.update(ACCEL_PURE_PYTHON="1", PYTHONPATH=str(ROOT))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+         "tests/test_units.py::test_format_size"],
+        cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    *_, path, summary = result.stdout.splitlines()
+    assert path == "accel: pure Python (ACCEL_PURE_PYTHON=1), tests marked 'not slow'"
+    assert summary.startswith("1 passed")
+
+
 def test_compiled_stand_ins_keep_the_python_names_docs_and_signatures() -> None:
     # help(), inspect.signature and docs/gen_api.py see the Python functions either way.
     for fn, name in (
