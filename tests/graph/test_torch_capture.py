@@ -194,7 +194,6 @@ REFUSED: dict[str, tuple[Callable[[torch.Tensor], object], str]] = {
     "nonzero": (lambda x: torch.nonzero(x), "nonzero.*reads tensor values"),
     "rand": (lambda x: torch.rand(3), "random"),
     "dropout_train": (lambda x: nn.functional.dropout(x, 0.5, training=True), "random"),
-    "external_in_place": (lambda x: x.add_(1), "writes in place to a tensor.*register_inputs"),
 }
 
 
@@ -487,6 +486,136 @@ def test_replay_in_place_state_on_registered_inputs_matches_eager_steps() -> Non
         assert torch.equal(cache, expected)
 
 
+# -- writes into tensors made outside the capture (a KV cache) ----------------------
+
+B, T, D = 2, 6, 8
+
+
+def _decode_step(proj: nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """One decode step of attention over a KV cache made outside the capture: it
+    writes position ``pos`` of both caches in place (two ways) and reads them."""
+
+    def step(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        q, k, v = proj(x).chunk(3, -1)
+        k_cache.index_copy_(1, pos, k.unsqueeze(1))
+        v_cache[:, :].index_copy_(1, pos, v.unsqueeze(1))  # through a view made in the capture
+        scores = (q.unsqueeze(1) @ k_cache.transpose(1, 2)) / D**0.5
+        scores = scores.masked_fill(torch.arange(T) > pos, float("-inf"))
+        return (scores.softmax(-1) @ v_cache).squeeze(1)
+
+    return step
+
+
+def _caches() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(B, T, D), torch.zeros(B, T, D)
+
+
+def test_a_kv_cache_made_outside_the_capture_is_written_by_each_replay_bitwise_as_eager() -> None:
+    """CUDA records a kernel writing a tensor made outside the capture; the host
+    capture refused it unless the tensor was registered (DeepSpeed's decode
+    graph cache then ran eager, silently)."""
+    proj = nn.Linear(D, 3 * D).eval()
+    k_cache, v_cache = _caches()
+    eager_k, eager_v = _caches()
+    step, eager = _decode_step(proj, k_cache, v_cache), _decode_step(proj, eager_k, eager_v)
+    x, pos = torch.zeros(B, D), torch.zeros(1, dtype=torch.long)
+    g = Graph()
+    with torch.no_grad(), graph(g):
+        out = step(x, pos)
+    assert not k_cache.any() and not v_cache.any()  # the capture wrote nothing
+    with torch.no_grad():
+        for p in range(T):
+            x.copy_(torch.randn(B, D))
+            pos.fill_(p)
+            g.replay()
+            expected = eager(x, pos)
+            assert torch.equal(out, expected)
+            assert torch.equal(k_cache, eager_k) and torch.equal(v_cache, eager_v)
+
+
+def test_a_graphed_decode_step_writes_its_kv_cache_like_eager() -> None:
+    proj = nn.Linear(D, 3 * D).eval()
+    k_cache, v_cache = _caches()
+    eager_k, eager_v = _caches()
+    graphed = accel.graph.make_graphed_callables(
+        _decode_step(proj, k_cache, v_cache), (torch.zeros(B, D), torch.zeros(1, dtype=torch.long)), num_warmup_iters=0
+    )
+    eager = _decode_step(proj, eager_k, eager_v)
+    for p in range(T):
+        x, pos = torch.randn(B, D), torch.tensor([p])
+        with torch.no_grad():
+            assert torch.equal(graphed(x, pos), eager(x, pos))
+    assert torch.equal(k_cache, eager_k) and torch.equal(v_cache, eager_v)
+
+
+def test_a_tensor_made_outside_the_capture_lives_while_the_graph_writes_it() -> None:
+    import gc
+    import weakref
+
+    cache = torch.zeros(4, 3)
+    x = torch.ones(3)
+    g = Graph()
+    with graph(g):
+        cache[1].add_(x)
+        total = cache.sum(0)  # read after the write, in the same capture
+    alive = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert alive() is not None  # the graph holds it, as a CUDA graph holds its memory
+    for i in range(1, 3):
+        torch.ones(4, 3).mul_(7)  # a new tensor of the same size: not at the cache's memory
+        g.replay()
+        assert torch.equal(total, torch.full((3,), float(i)))
+    g.reset()
+    gc.collect()
+    assert alive() is None  # and lets it go with the graph
+
+
+MOVES: dict[str, Callable[[torch.Tensor], object]] = {
+    "set_": lambda t: t.set_(torch.zeros(4, 3)),
+    "storage_freed": lambda t: t.untyped_storage().resize_(0),
+    "storage_cut": lambda t: t.untyped_storage().resize_(16),
+}
+
+
+@pytest.mark.parametrize("move", sorted(MOVES))
+def test_a_replay_after_a_written_outside_tensor_moved_is_refused(move: str) -> None:
+    """A CUDA graph would write the address the tensor had (memory it may no longer
+    own); here the writes would be lost to the tensor, or overrun its storage."""
+    cache, x = torch.zeros(4, 3), torch.ones(3)
+    g = Graph()
+    with graph(g):
+        cache[1].add_(x)
+    g.replay()
+    MOVES[move](cache)
+    with pytest.raises(accel.HostFunctionError, match=r"InvalidValueError.*aten\.add_.*made outside the capture.*since the capture"):
+        g.replay()
+
+
+def test_a_written_outside_tensor_may_grow_after_the_capture() -> None:
+    """Its storage reallocated in place (resize_ to more elements): replays write the
+    same elements of the new memory, which the tensor sees."""
+    cache, x = torch.zeros(4, 3), torch.ones(3)
+    g = Graph()
+    with graph(g):
+        cache[1].add_(x)
+    g.replay()
+    cache.resize_(64, 3)
+    g.replay()
+    assert torch.equal(cache[:2], torch.tensor([[0.0] * 3, [2.0] * 3]))
+
+
+def test_a_program_writing_an_outside_tensor_stays_interpreted_and_says_why() -> None:
+    cache = torch.zeros(4, 3)
+    graphed = accel.graph.make_graphed_callables(
+        lambda x: cache.add_(x) * 2, (torch.ones(3),), tier="auto", num_warmup_iters=0
+    )
+    (status,) = graphed.compile_status().values()
+    assert status.startswith("interpreted (compile failed:") and "made outside the capture" in status
+    graphed(torch.ones(3))
+    assert torch.equal(cache, torch.ones(4, 3))
+
+
 # -- results kept in temporaries (ops without an out= kernel of their own) ---------
 
 
@@ -624,7 +753,8 @@ def test_an_intermediate_held_by_a_view_a_weak_reference_or_a_hook_is_written() 
     new = torch.randn_like(x)
     x.copy_(new)
     g.replay()
-    out = f(new)
+    with torch.no_grad():  # graphed calls are inference-only
+        out = f(new)
     assert _temporary(g) == [] and weak() is not None
     (entry,) = f._cache.values()
     assert [str(r.func) for r in entry.graph.program.records if r.temporary] == ["aten.relu.default"]
