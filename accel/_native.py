@@ -3,8 +3,9 @@
 
 Pure Python is accel's reference: a module with a compiled fast path asks here once,
 at import, and plugs the extension in at one place (``if speedups is not None:``).
-The extension does the same steps on the same objects, and the whole test suite
-runs both ways (``ACCEL_PURE_PYTHON=1`` forces the pure-Python path).
+The extension does the same steps on the same objects, and the tests of what it
+replaces run both ways (``ACCEL_PURE_PYTHON=1`` forces the pure-Python path; README's
+test command reruns the tests marked ``speedups``, tests/conftest.py).
 
 The extension reads the slots and calls the methods of accel's Python classes, so one
 built from another version of ``_speedups.c`` (an old ``.so`` left in ``build/`` or in

@@ -14,6 +14,10 @@
   backends' cases and prepares no other driver: ``accel verify`` selects a
   backend this way, by parameter, where ``-k cuda`` would also match (or miss)
   test names that merely contain the word.
+- The tests of code that ``accel._speedups`` replaces are marked ``speedups``
+  (:data:`SPEEDUPS_TESTS`): README's test command runs the suite compiled, then
+  those again in pure Python (``ACCEL_PURE_PYTHON=1 pytest -m speedups``). A
+  run's last line says which path it tested.
 """
 
 from __future__ import annotations
@@ -66,6 +70,46 @@ for _name in CONFORMANCE_BACKENDS:
     _prepare(_name)
 
 
+#: For each module that plugs in accel._speedups (accel/_native.py), the tests of what
+#: its compiled twin replaces: they run on each path, the differential ones on both at
+#: once (and skip without the extension). tests/test_speedups.py checks that every such
+#: module is here. Elsewhere the twins run only as they do under any caller: the C
+#: steps are the Python ones, and the C hands every case but its fast paths back to them.
+SPEEDUPS_TESTS: dict[str, tuple[str, ...]] = {
+    # Which path runs, the switch, the build, the stand-ins' names.
+    "accel/_native.py": ("tests/test_speedups.py",),
+    # The current stream's store (set_current): set_stream, the stream context, threads.
+    "accel/_runtime.py": ("tests/test_facade.py", "tests/stream/test_arguments.py"),
+    # DeviceAllocator.malloc, free and _free_held: the fast paths and the books they
+    # keep, and what C must do as Python does: errors, interrupts, fork, threads, pools.
+    "accel/allocator/_caching.py": (
+        "tests/allocator/test_caching.py",
+        "tests/allocator/test_allocator_stateful.py",
+        "tests/allocator/test_fast_path.py",
+        "tests/allocator/test_speedups_differential.py",
+        "tests/allocator/test_speedups_adversarial.py",
+        "tests/allocator/test_expandable_holes.py",
+        "tests/allocator/test_expandable_interrupts.py",
+        "tests/allocator/test_faults.py",
+        "tests/allocator/test_fork.py",
+        "tests/allocator/test_orphan_threads.py",
+    ),
+    # accel.memory.allocate, Buffer.free and Buffer.__del__ (a MemPool in use is one
+    # of the cases the C hands back).
+    "accel/allocator/_buffer.py": ("tests/allocator/test_memory.py", "tests/allocator/test_mempool.py"),
+    # The graphed call's lookup head (_CallHead) and the compiled steady call (SteadyCall).
+    "accel/graph/_graphed.py": ("tests/graph/test_graphed.py", "tests/graph/test_steady_call.py"),
+    "accel/graph/_compiled.py": ("tests/graph/test_steady_call.py",),
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    marked = {os.path.join(str(config.rootpath), path) for paths in SPEEDUPS_TESTS.values() for path in paths}
+    for item in items:
+        if str(item.path) in marked:
+            item.add_marker(pytest.mark.speedups)
+
+
 def backend_skip_reason(name: str) -> str | None:
     """Why ``name`` cannot be tested in this session, or None if it can."""
     if name not in CONFORMANCE_BACKENDS:
@@ -86,8 +130,25 @@ def backend(request: pytest.FixtureRequest):
     return load_backend(name)
 
 
-def pytest_report_header() -> str:
-    """Which fast paths this run tests (the suite runs both ways: see tests/test_speedups.py)."""
+def _path_tested(config: pytest.Config) -> str:
+    """Which of accel's paths this run tests, and which tests (the suite runs both
+    ways: see tests/test_speedups.py)."""
     from accel._native import speedups
 
-    return "accel: " + ("compiled fast paths (accel._speedups)" if speedups is not None else "pure Python")
+    if speedups is not None:
+        path = "the compiled fast paths (accel._speedups)"
+    elif os.environ.get("ACCEL_PURE_PYTHON") == "1":
+        path = "pure Python (ACCEL_PURE_PYTHON=1)"
+    else:
+        path = "pure Python (accel._speedups is not built)"
+    selected = config.getoption("markexpr", "")
+    return f"accel: {path}" + (f", tests marked {selected!r}" if selected else "")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return _path_tested(config)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    # Also under -q, which drops the header: the last lines of a run say what it tested.
+    terminalreporter.write_line(_path_tested(config))

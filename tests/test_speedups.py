@@ -1,12 +1,15 @@
 """The optional compiled fast paths (accel/_speedups.c, loaded by accel/_native.py).
 
-The whole suite runs both ways: as installed (compiled where a compiler built the
-extension) and with ``ACCEL_PURE_PYTHON=1``. These tests say which one this run
-is, and check the switch and the build in fresh processes.
+README's test command runs the suite as installed (compiled where a compiler built
+the extension), then the tests of what the extension replaces (marked ``speedups``:
+tests/conftest.py ``SPEEDUPS_TESTS``) with ``ACCEL_PURE_PYTHON=1``. These tests say
+which path this run is, check the switch and the build in fresh processes, and that
+every module with a compiled twin has tests in that second run.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import inspect
 import os
@@ -72,8 +75,42 @@ def test_a_compiler_builds_the_extension_and_accel_uses_it() -> None:
     assert _probe() == ["True", "False", "False"]
 
 
+def test_every_module_with_a_compiled_twin_has_tests_in_the_pure_python_run(request: pytest.FixtureRequest) -> None:
+    # A module that plugs in accel._speedups (it imports `speedups` from accel._native)
+    # without an entry would have its Python twin run by no test of README's second run.
+    from tests.conftest import SPEEDUPS_TESTS
+
+    plugged = {"accel/_native.py"}
+    for path in (ROOT / "accel").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "accel._native":
+                if any(alias.name == "speedups" for alias in node.names):
+                    plugged.add(path.relative_to(ROOT).as_posix())
+    assert set(SPEEDUPS_TESTS) == plugged
+    for module, tests in SPEEDUPS_TESTS.items():
+        assert tests, module
+        for test in tests:
+            assert (ROOT / test).is_file() and Path(test).name.startswith("test_"), (module, test)
+    assert request.node.get_closest_marker("speedups") is not None  # conftest marked this file
+
+
 def test_accel_pure_python_switches_the_extension_off() -> None:
     assert _probe(ACCEL_PURE_PYTHON="1") == ["False", "True", "True"]
+
+
+def test_a_quiet_run_says_which_path_it_tested_in_its_last_lines() -> None:
+    # README runs pytest -q twice, and -q drops the report header.
+    environ = {k: v for k, v in os.environ.items() if k != "ACCEL_PURE_PYTHON"}
+    environ.update(ACCEL_PURE_PYTHON="1", PYTHONPATH=str(ROOT))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+         "tests/test_units.py::test_format_size"],
+        cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    *_, path, summary = result.stdout.splitlines()
+    assert path == "accel: pure Python (ACCEL_PURE_PYTHON=1), tests marked 'not slow'"
+    assert summary.startswith("1 passed")
 
 
 _STALE_PROBE = """
