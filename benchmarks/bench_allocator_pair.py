@@ -239,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     for baseline in ("torch.empty", "numpy.empty"):
         ratio, lo, hi = _ratio(pairs["accel.memory.allocate"], pairs[baseline])
         print(f"accel.memory.allocate / {baseline}: {ratio:.2f}x [{lo:.2f}-{hi:.2f}]")
-    ratio, lo, hi = _ratio(pairs["accel.empty"], pairs["torch.empty"])
-    print(f"accel.empty / torch.empty: {ratio:.2f}x [{lo:.2f}-{hi:.2f}]")
+    for name in ("accel.empty", "NativeCore (cffi)"):
+        ratio, lo, hi = _ratio(pairs[name], pairs["torch.empty"])
+        print(f"{name} / torch.empty: {ratio:.2f}x [{lo:.2f}-{hi:.2f}]")
     for size in ("4 KiB", "1 MiB"):
         ratio, lo, hi = _ratio(by_holes[f"{size}, 100000 holes"], by_holes[f"{size}, 10 holes"])
         print(f"{size} pair, 100,000 holes / 10 holes: {ratio:.2f}x [{lo:.2f}-{hi:.2f}]")
