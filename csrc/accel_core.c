@@ -634,9 +634,22 @@ EXPORT int64_t accel_core_allocated_size(accel_core *c, uint64_t ptr) {
 
 static accel_core *_Atomic torch_cores[ACCEL_CORE_MAX_DEVICES];
 
+/* A child forked while another thread held a core's mutex would wait for it forever,
+ * and accel refuses to run in a child forked after it started: the child's torch
+ * allocations get NULL (torch's out-of-memory error) instead. */
+static void forget_cores_in_child(void) {
+    for (int i = 0; i < ACCEL_CORE_MAX_DEVICES; i++)
+        __atomic_store_n(&torch_cores[i], NULL, __ATOMIC_RELAXED);
+}
+
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+static void install_atfork(void) { pthread_atfork(NULL, NULL, forget_cores_in_child); }
+
 EXPORT accel_core *accel_core_register_torch(int device, accel_core *core) {
     if (device < 0 || device >= ACCEL_CORE_MAX_DEVICES)
         return NULL;
+    pthread_once(&atfork_once, install_atfork);
     return __atomic_exchange_n(&torch_cores[device], core, __ATOMIC_ACQ_REL);
 }
 

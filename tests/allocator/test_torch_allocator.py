@@ -211,3 +211,31 @@ def test_the_memory_fraction_caps_accel_and_torch_together() -> None:
             """,
         )
     )
+
+
+def test_a_forked_child_gets_null_not_a_hang() -> None:
+    """A child forked while a native thread held the core's mutex would wait forever:
+    in a child the ABI serves nothing (accel does not run in a child forked after it
+    started), so torch raises its out-of-memory error there instead."""
+    ok(
+        run(
+            "cpu",
+            """
+            import ctypes, os, sys
+            from accel.allocator import torch_allocator_spec
+
+            path, _, _ = torch_allocator_spec()
+            abi = ctypes.CDLL(path)
+            abi.accel_torch_alloc.restype = ctypes.c_void_p
+            abi.accel_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+            assert abi.accel_torch_alloc(4096, 0, None)
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0 if abi.accel_torch_alloc(4096, 0, None) is None else 3)
+            _, status = os.waitpid(pid, 0)
+            assert os.WEXITSTATUS(status) == 0, status
+            assert abi.accel_torch_alloc(4096, 0, None)  # the parent's still serves
+            print("ok")
+            """,
+        )
+    )
