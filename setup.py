@@ -2,7 +2,8 @@
 
 ``benchmarks/`` stays at the top of the source tree (run as scripts there) and is
 installed as the package ``accel._benchmarks``, so ``accel bench`` works from a wheel.
-The optional C extension ``accel._speedups`` is built when a compiler is there.
+The optional C extension ``accel._speedups`` is built when a compiler is there; the
+allocator's native core ``accel.allocator._core`` (csrc/, cffi API mode) always is.
 """
 
 import zlib
@@ -22,6 +23,8 @@ setup(
     package_data={"accel": ["py.typed", "_speedups.pyi", "_speedups.c"], "accel._benchmarks": ["*.md"]},
     # The compiled fast paths (accel/_native.py): optional, so that without a compiler
     # the build goes on and accel stays pure Python.
+    # The allocator's native core and torch's pluggable-allocator ABI (csrc/accel_core.c).
+    cffi_modules=["csrc/build_core.py:ffibuilder"],
     ext_modules=[
         Extension(
             "accel._speedups",

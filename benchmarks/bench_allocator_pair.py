@@ -7,9 +7,16 @@ per-round CPU time per pair, and each ratio is the median of the per-round
 ratios with their 10th-90th percentile (the spread). Cases:
 
 - ``accel.memory.allocate(4096).free()`` (cached) and the DeviceAllocator's own pair;
+- ``accel.empty(4096, dtype=torch.uint8)`` then ``del`` (a torch tensor on accel memory);
+- the native allocator core's pair through its cffi binding (``NativeCore.malloc/free``);
 - ``torch.empty(4096, dtype=torch.uint8)`` then ``del``; ``numpy.empty(4096, dtype=uint8)``;
 - the public pair with 10 and with 100,000 free 4 KiB blocks cached on the
   stream (every other block of twice as many), for 4 KiB and 1 MiB requests.
+
+Besides, the pair of torch's pluggable-allocator C ABI (``accel_torch_alloc`` +
+``accel_torch_free`` of :func:`accel.allocator.torch_allocator_spec`, 4096 bytes, cached)
+is timed in C, as torch calls it: a loop compiled at run time (needs a C compiler),
+in ns of thread CPU time per pair, beside libc's ``malloc`` + ``free`` in the same loop.
 
 Run: ``python benchmarks/bench_allocator_pair.py [--quick]`` from the repository root.
 """
@@ -19,8 +26,11 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -50,6 +60,81 @@ def _ratio(a: list[float], b: list[float]) -> tuple[float, float, float]:
     return statistics.median(ratios), ratios[k], ratios[-1 - k]
 
 
+# The C-ABI loop: dlopen + dlsym as torch does, then alloc/free pairs of one size on
+# the default stream; thread CPU ns per pair, the best of ``rounds`` batches.
+_ABI_LOOP = r"""
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <sys/types.h>
+#include <time.h>
+typedef void *(*alloc_fn)(ssize_t, int, void *);
+typedef void (*free_fn)(void *, ssize_t, int, void *);
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return t.tv_sec * 1e9 + t.tv_nsec;
+}
+double abi_pair_ns(const char *path, const char *an, const char *fn, long n, int rounds) {
+    void *lib = dlopen(path, RTLD_NOW);
+    if (!lib) return -1;
+    alloc_fn a = (alloc_fn)dlsym(lib, an);
+    free_fn f = (free_fn)dlsym(lib, fn);
+    if (!a || !f) return -1;
+    double best = 1e18;
+    for (int r = 0; r < rounds; r++) {
+        double t0 = now();
+        for (long i = 0; i < n; i++) {
+            void *p = a(4096, 0, NULL);
+            if (!p) return -1;
+            f(p, 4096, 0, NULL);
+        }
+        double per = (now() - t0) / n;
+        if (per < best) best = per;
+    }
+    return best;
+}
+double libc_pair_ns(long n, int rounds) {
+    double best = 1e18;
+    for (int r = 0; r < rounds; r++) {
+        double t0 = now();
+        for (long i = 0; i < n; i++) {
+            void *volatile p = malloc(4096);
+            free(p);
+        }
+        double per = (now() - t0) / n;
+        if (per < best) best = per;
+    }
+    return best;
+}
+"""
+
+
+def measure_abi(quick: bool) -> dict[str, float] | None:
+    """ns per pair of the C ABI and of libc in the same C loop; None without a compiler."""
+    import ctypes
+
+    from accel._runtime import activate
+    from accel.allocator import torch_allocator_spec
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src, lib = os.path.join(tmp, "abi_loop.c"), os.path.join(tmp, "abi_loop.so")
+        with open(src, "w") as f:
+            f.write(_ABI_LOOP)
+        subprocess.run([compiler, "-O2", "-shared", "-fPIC", src, "-o", lib, "-ldl"], check=True)
+        loop = ctypes.CDLL(lib)
+        loop.abi_pair_ns.restype = loop.libc_pair_ns.restype = ctypes.c_double
+        loop.abi_pair_ns.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_long, ctypes.c_int]
+        loop.libc_pair_ns.argtypes = [ctypes.c_long, ctypes.c_int]
+        n, rounds = (20_000, 5) if quick else (200_000, 21)
+        with activate("cpu"):
+            path, alloc_name, free_name = torch_allocator_spec()
+            abi = loop.abi_pair_ns(path.encode(), alloc_name.encode(), free_name.encode(), n, rounds)
+        return {"C ABI alloc+free": abi, "libc malloc+free": loop.libc_pair_ns(n, rounds)}
+
+
 def measure(quick: bool) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     import numpy as np
     import torch
@@ -69,6 +154,16 @@ def measure(quick: bool) -> tuple[dict[str, list[float]], dict[str, list[float]]
         def device_pair() -> None:
             alloc.free(alloc.malloc(SIZE, stream))
 
+        def accel_empty() -> None:
+            t = accel.empty(SIZE, dtype=torch.uint8)
+            del t
+
+        core = alloc.native_core()
+        handle = stream._handle
+
+        def core_pair() -> None:
+            core.free(core.malloc(SIZE, handle)[0])
+
         def torch_empty() -> None:
             t = torch.empty(SIZE, dtype=torch.uint8)
             del t
@@ -86,11 +181,11 @@ def measure(quick: bool) -> tuple[dict[str, list[float]], dict[str, list[float]]
                 alloc.free(b)
             return blocks[1::2]
 
-        for fn in (public, device_pair, torch_empty, numpy_empty, public_1mib):
+        for fn in (public, device_pair, accel_empty, core_pair, torch_empty, numpy_empty, public_1mib):
             fn()
         pairs = _rounds(
-            {"accel.memory.allocate": public, "DeviceAllocator": device_pair,
-             "torch.empty": torch_empty, "numpy.empty": numpy_empty},
+            {"accel.memory.allocate": public, "DeviceAllocator": device_pair, "accel.empty": accel_empty,
+             "NativeCore (cffi)": core_pair, "torch.empty": torch_empty, "numpy.empty": numpy_empty},
             rounds, number,
         )
         by_holes: dict[str, list[float]] = {}
@@ -144,9 +239,18 @@ def main(argv: list[str] | None = None) -> int:
     for baseline in ("torch.empty", "numpy.empty"):
         ratio, lo, hi = _ratio(pairs["accel.memory.allocate"], pairs[baseline])
         print(f"accel.memory.allocate / {baseline}: {ratio:.2f}x [{lo:.2f}-{hi:.2f}]")
+    for name in ("accel.empty", "NativeCore (cffi)"):
+        ratio, lo, hi = _ratio(pairs[name], pairs["torch.empty"])
+        print(f"{name} / torch.empty: {ratio:.2f}x [{lo:.2f}-{hi:.2f}]")
     for size in ("4 KiB", "1 MiB"):
         ratio, lo, hi = _ratio(by_holes[f"{size}, 100000 holes"], by_holes[f"{size}, 10 holes"])
         print(f"{size} pair, 100,000 holes / 10 holes: {ratio:.2f}x [{lo:.2f}-{hi:.2f}]")
+    abi = measure_abi(args.quick)
+    if abi is None:
+        print("C ABI pair: not measured (no C compiler)")
+    else:
+        print("ns of CPU per pair in a C loop, best of the batches: " + ", ".join(
+            f"{name} {ns:.0f}" for name, ns in abi.items()))
     return 0
 
 

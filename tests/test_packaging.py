@@ -45,7 +45,8 @@ def test_sdist_carries_its_tests_and_they_run(tmp_path) -> None:
         archive.extractall(tmp_path / "unpacked", filter="data")
     root = tmp_path / "unpacked" / sdist.name.removesuffix(".tar.gz")
     for needed in ("LICENSE", "tests/conftest.py", "tests/fixtures/simcuda/simcuda.c", "tests/fixtures/simze/simze.c",
-                   "benchmarks/README.md", "docs/api.md", "accel/_speedups.c"):
+                   "benchmarks/README.md", "docs/api.md", "accel/_speedups.c", "csrc/accel_core.c",
+                   "csrc/accel_core.h", "csrc/build_core.py"):
         assert f"{root.name}/{needed}" in names, needed
     assert not [n for n in names if "__pycache__" in n or n.endswith((".pyc", ".so"))]
     assert "License-Expression: Apache-2.0" in (root / "PKG-INFO").read_text()
@@ -73,6 +74,12 @@ def test_wheel_carries_the_extensions_source_and_loads_the_extension(tmp_path) -
     assert result.returncode == 0, result.stderr
     assert "RuntimeWarning" not in result.stderr
     assert json.loads(result.stdout)["compiled"] is bool(built)
+    # the allocator's native core (csrc/, cffi API mode) is always built, and loads
+    assert [n for n in names if n.startswith("accel/allocator/_core.") and n.endswith(".so")], names
+    probe = "from accel.allocator._native_core import library_path; print(library_path())"
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env={"PYTHONPATH": str(unpacked),
+                            "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith(str(unpacked)), result.stderr
 
 
 def test_version_is_the_same_everywhere() -> None:

@@ -16,6 +16,7 @@ from accel.allocator._mempool import MemPool, use_mem_pool
 from accel.allocator._oom import OutOfMemoryDetails
 from accel.allocator._pool_ids import PoolId, graph_pool_handle
 from accel.allocator._registry import empty_cache, get_allocator, set_upstream
+from accel.allocator._torch_allocator import torch_allocator, torch_allocator_spec
 from accel.allocator._resources import (
     BackendResource,
     LimitingAdaptor,
@@ -62,6 +63,8 @@ __all__ = [
     "get_allocator",
     "graph_pool_handle",
     "set_upstream",
+    "torch_allocator",
+    "torch_allocator_spec",
     "use_mem_pool",
     "BackendResource",
     "LimitingAdaptor",

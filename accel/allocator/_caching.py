@@ -58,6 +58,7 @@ from accel.allocator._fork import track_lock
 from accel.allocator._freelist import FreeList
 from accel.allocator._stats import OVERSIZE_ALLOCATIONS
 from accel.allocator._history import History
+from accel.allocator._native_core import NativeCore
 from accel.allocator._oom import OutOfMemoryDetails, out_of_memory
 from accel.allocator._pool_ids import PoolId, check_pool_id
 from accel.allocator._resources import BackendResource, MemoryResource
@@ -137,6 +138,18 @@ _UNORDERED = -1  # a _StreamRetired event that could not be recorded
 # Every allocator, so that a destroyed stream reaches those of its device: the
 # registry's and the MemPools' alike.
 _allocators: weakref.WeakSet[DeviceAllocator] = weakref.WeakSet()
+
+
+def _admitter(ref: weakref.ref[DeviceAllocator]) -> Callable[[int], None]:
+    """The native core's admission check of a new segment, holding its allocator weakly
+    (the core's callbacks live as long as the core's C side, which may outlive it)."""
+
+    def admit(size: int) -> None:
+        allocator = ref()
+        if allocator is not None:
+            allocator._admit_core(size)
+
+    return admit
 
 
 def stream_destroyed(backend: Backend, device: int, handle: int) -> None:
@@ -290,6 +303,9 @@ class DeviceAllocator:
         # destroyed stream's work (absent: nothing to wait for).
         self._retired: dict[int, int] = {}
         self._next_key = -1
+        # The native core that serves torch's pluggable allocator on this device (see
+        # native_core); its books count in stats, snapshots and OOM reports.
+        self._core: NativeCore | None = None
         self._apply_config(config)
         _allocators.add(self)
 
@@ -320,6 +336,41 @@ class DeviceAllocator:
             )
         if not self._fraction_explicit:
             self._set_fraction(config.per_process_memory_fraction, explicit=False)
+        self._configure_core()
+
+    def _configure_core(self) -> None:
+        if self._core is not None:
+            self._core.configure(self.config.max_split_size, self._nsr, self._large_segment)
+
+    def native_core(self) -> NativeCore:
+        """The native allocator core of this allocator's device and upstream (created on
+        first use): torch's pluggable allocator allocates from it
+        (:func:`accel.allocator.torch_allocator_spec`). What it holds counts in
+        :meth:`stats`, :meth:`snapshot`, out-of-memory reports and :meth:`empty_cache`.
+        """
+        with self._lock:
+            if self._core is None:
+                self._core = NativeCore(self.upstream, self.backend.device_synchronize, _admitter(weakref.ref(self)))
+                self._configure_core()
+            return self._core
+
+    def _core_reserved(self) -> int:
+        """Bytes the native core holds (0 without one)."""
+        return 0 if self._core is None else self._core.reserved()
+
+    def _admit_core(self, size: int) -> None:
+        """The memory fraction caps what the core reserves too: refuse a new segment of
+        ``size`` bytes past the cap (read without the lock, as a check before asking the
+        device; the core's callback runs on torch's threads too)."""
+        allowed = self._allowed
+        if allowed is not None and self._reserved() + self._core_reserved() + size > allowed:
+            raise OutOfMemoryError(
+                f"{self._name}: a new segment of {size} bytes for torch's allocator would pass the "
+                f"memory fraction's cap of {allowed} bytes; free memory, or raise the fraction "
+                "(set_per_process_memory_fraction)",
+                requested=size,
+                device=self.device,
+            )
 
     def _update_fast(self) -> None:
         """Whether malloc may take its fast path: no capture under way, no history
@@ -358,10 +409,12 @@ class DeviceAllocator:
         self._fraction_explicit = self._fraction_explicit or explicit
         if fraction >= 1.0 and not explicit:
             self._fraction, self._allowed = None, None
+            self._configure_core()
             return
         _, total = self.upstream.memory_info()
         self._fraction = fraction
         self._allowed = int(fraction * total)
+        self._configure_core()
 
     def set_memory_fraction(self, fraction: float) -> None:
         """Cap what this allocator reserves at ``fraction`` of the device's total memory.
@@ -612,6 +665,8 @@ class DeviceAllocator:
                 block = self._alloc_segment(pool, handle, size)
         if block is None and not capturing:
             self._release_cached_blocks()
+            if self._core is not None:
+                self._core.empty_cache()  # what torch's allocator cached on the device
             # Dropped pools' memory of this device, waiting for those other threads use.
             given = release_orphans(self.backend, self.device, busy=self) if _orphans else 0
             self._stats.s[S.NUM_ALLOC_RETRIES] += 1
@@ -630,7 +685,7 @@ class DeviceAllocator:
         if self._expandable:
             return self._alloc_expandable(pool, handle, size)
         alloc = allocation_size(size, self._large_segment)
-        if self._allowed is not None and self._reserved() + alloc > self._allowed:
+        if self._allowed is not None and self._reserved() + self._core_reserved() + alloc > self._allowed:
             self._fraction_refused = True
             return None
         try:
@@ -690,7 +745,7 @@ class DeviceAllocator:
             # Growing: give back the whole free pages of holes first.
             if self._give_back_holes(seg, nbytes, joined, start + size, spares) and pool.expandable.get(handle) is not seg:
                 return self._alloc_expandable(pool, handle, size)  # left wholly unmapped, it went
-            if self._allowed is not None and self._reserved() + nbytes > self._allowed:
+            if self._allowed is not None and self._reserved() + self._core_reserved() + nbytes > self._allowed:
                 self._fraction_refused = True
                 return None
             if not self._map_pages(seg, addr, nbytes, spares):
@@ -1606,6 +1661,8 @@ class DeviceAllocator:
             if self._gc_frees:
                 self._drain_gc_frees()
             self._release_cached_blocks()
+        if self._core is not None:
+            self._core.empty_cache()
         if _orphans:
             release_orphans(self.backend, self.device)
 
@@ -1842,15 +1899,26 @@ class DeviceAllocator:
         with self._lock:
             if self._gc_frees:
                 self._drain_gc_frees()
-            return self._stats.as_dict(-1 if self._ms == _UNLIMITED else self._ms)
+            out = self._stats.as_dict(-1 if self._ms == _UNLIMITED else self._ms)
+        if self._core is not None:
+            # what torch allocated through the core: its own counters, added (a peak of
+            # the sum is at most the sum of the peaks, which is what shows)
+            for key, value in self._core.stats().items():
+                if key != "max_split_size":
+                    out[key] += value
+        return out
 
     def reset_peak_stats(self) -> None:
         with self._lock:
             self._stats.reset_peak()
+        if self._core is not None:
+            self._core.reset_peak()
 
     def reset_accumulated_stats(self) -> None:
         with self._lock:
             self._stats.reset_accumulated()
+        if self._core is not None:
+            self._core.reset_accumulated()
 
     def record_history(self, history: History | None) -> None:
         """Start (or, with None, stop and clear) recording the trace."""
@@ -1890,7 +1958,33 @@ class DeviceAllocator:
             if self._history is not None:
                 active = sum(x["active_size"] for x in out)
                 self._history.record("snapshot", 0, active, 0, None)
-            return sorted(out, key=lambda x: x["address"])
+        if self._core is not None:
+            out += self._core_segments(self._core)
+        return sorted(out, key=lambda x: x["address"])
+
+    def _core_segments(self, core: NativeCore) -> list[dict[str, Any]]:
+        """The native core's segments in :meth:`snapshot`'s layout."""
+        segments: dict[int, dict[str, Any]] = {}
+        for b in core.blocks():
+            seg = segments.get(b["segment"])
+            if seg is None:
+                seg = segments[b["segment"]] = {
+                    "device": self.device, "address": b["segment"], "total_size": b["segment_size"],
+                    "allocated_size": 0, "active_size": 0, "requested_size": 0, "stream": b["stream"],
+                    "segment_type": "small" if b["small"] else "large", "segment_pool_id": (0, 0),
+                    "is_expandable": False, "frames": [], "blocks": [],
+                }  # fmt: skip
+            if b["allocated"]:
+                seg["allocated_size"] += b["size"]
+                seg["active_size"] += b["size"]
+                seg["requested_size"] += b["requested"]
+            seg["blocks"].append(
+                {
+                    "address": b["ptr"], "size": b["size"], "requested_size": b["requested"],
+                    "state": "active_allocated" if b["allocated"] else "inactive", "frames": [],
+                }  # fmt: skip
+            )
+        return list(segments.values())
 
     def _segment_dict(self, seg: Segment, run: list[Block], pool_id: PoolId) -> dict[str, Any]:
         blocks = []
@@ -1982,6 +2076,7 @@ class DeviceAllocator:
             else:
                 others += reserved
                 others_allocated += allocated
+        core = self._core.stats() if self._core is not None else None
         details = OutOfMemoryDetails(
             device=self._name,
             requested=size,
@@ -1989,8 +2084,8 @@ class DeviceAllocator:
             free=free,
             allowed=self._allowed,
             fraction=self._fraction,
-            allocated=self._stats.current(S.ALLOCATED_BYTES),
-            reserved=self._reserved(),
+            allocated=self._stats.current(S.ALLOCATED_BYTES) + (core["allocated_bytes.all.current"] if core else 0),
+            reserved=self._reserved() + (core["reserved_bytes.all.current"] if core else 0),
             private_pools=private_allocated,
             private_reserved=private_reserved,
             largest_free_block=self._largest_free(),

@@ -1,0 +1,306 @@
+"""The allocator's native core (csrc/accel_core.c), bound with cffi's API mode.
+
+The core keeps the books of a caching allocator in typed C structs under its own
+mutex: segments cut into blocks, best-fit free lists per (pool, stream), split and
+merge, the statistics. It includes no Python.h, so it needs no GIL and is correct
+without one; cffi's generated wrapper releases the GIL around every call into it.
+Its upstream (where new segments come from) is a :class:`MemoryResource`, reached
+through an ``extern "Python"`` callback that takes the GIL itself and runs with the
+core's mutex released.
+
+The same shared library exports torch's pluggable-allocator C ABI over the cores
+registered per device (see :mod:`accel.allocator._torch_allocator`).
+
+>>> from accel.allocator._native_core import NativeCore
+>>> from accel.allocator import BackendResource
+>>> from accel.backends.cpu import CpuBackend
+>>> core = NativeCore(BackendResource(CpuBackend(1, None), 0))
+>>> ptr, size = core.malloc(1000, stream=0)
+>>> size, core.stats()["allocated_bytes.all.current"]
+(1024, 1024)
+>>> core.free(ptr); core.empty_cache()
+2097152
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from accel._errors import InvalidValueError, OutOfMemoryError
+from accel.allocator._resources import MemoryResource
+from accel.allocator._stats import STAT_NAMES
+
+__all__ = ["GIL_MODE", "NativeCore", "core_module", "library_path"]
+
+#: The core never takes or needs the GIL (csrc/accel_core.c includes no Python.h);
+#: cffi releases it around each call and its callbacks take it themselves.
+GIL_MODE = "not used"
+
+_module: ModuleType | None = None
+
+
+def core_module() -> ModuleType:
+    """The compiled core (``accel.allocator._core``), imported on first use."""
+    global _module
+    if _module is None:
+        try:
+            # by name: the module is cffi's, built by setup.py from csrc/
+            _module = importlib.import_module("accel.allocator._core")
+        except ImportError as exc:
+            raise ImportError(
+                f"accel's native allocator core is not built ({exc}): build it with "
+                "`python setup.py build_ext --inplace` (needs a C compiler), or reinstall accel"
+            ) from exc
+    return _module
+
+
+def library_path() -> str:
+    """The path of the core's shared library (it exports torch's allocator ABI too)."""
+    path = core_module().__file__
+    assert path is not None
+    return path
+
+
+_SLOTS = 93
+_SCALARS = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+_POOLS = ("all", "small_pool", "large_pool")
+_METRICS = ("current", "peak", "allocated", "freed")
+
+# Upstream callbacks find their core by the handle cffi made for it.
+_installed = False
+_install_lock = threading.Lock()
+
+
+def _install_callbacks(ffi: Any) -> None:
+    """Define the ``extern "Python"`` upstream callbacks, once per process."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+
+        @ffi.def_extern(error=1)  # type: ignore[untyped-decorator]
+        def accel_py_upstream_alloc(ctx: Any, device: int, size: int, out: Any) -> int:
+            upstream: _Upstream = ffi.from_handle(ctx)
+            try:
+                if upstream.admit is not None:
+                    upstream.admit(size)
+                out[0] = upstream.resource.allocate(size)
+            except BaseException as exc:  # noqa: BLE001 - raised by the malloc that asked
+                upstream.refusals[threading.get_ident()] = exc
+                return 1
+            return 0
+
+        @ffi.def_extern()  # type: ignore[untyped-decorator]
+        def accel_py_upstream_free(ctx: Any, device: int, ptr: int, size: int) -> None:
+            upstream: _Upstream = ffi.from_handle(ctx)
+            # Upstream frees are not stream ordered on every backend (the host's, Level
+            # Zero's): queued work on the memory finishes first, as in DeviceAllocator.
+            try:
+                if upstream.synchronize is not None:
+                    upstream.synchronize(device)
+                upstream.resource.deallocate(ptr, size)
+            except BaseException as exc:  # noqa: BLE001 - raised by the next empty_cache
+                upstream.free_errors.append(exc)
+
+        _installed = True
+
+
+def _metrics(slots: list[int], offsets: list[int], i: int) -> tuple[int, int, int, int]:
+    """current, peak, allocated, freed of slot ``i`` (a statistic's base plus its pool);
+    ``offsets`` hold the allocated and freed totals at the last reset_accumulated."""
+    current, total = slots[i], slots[i + 4]
+    return current, slots[i + 2], total - offsets[i + 4], total - current - offsets[i]
+
+
+def stats_dict(slots: list[int], max_split_size: int, offsets: list[int] | None = None) -> OrderedDict[str, int]:
+    """The core's statistic slots as PyTorch's ``memory_stats`` keys, sorted."""
+    off = offsets if offsets is not None else [0] * _SLOTS
+    out: dict[str, int] = {}
+    for k, name in enumerate(STAT_NAMES):
+        base = 8 * k
+        small, large = _metrics(slots, off, base), _metrics(slots, off, base + 1)
+        every = (small[0] + large[0], slots[base + 6], small[2] + large[2], small[3] + large[3])
+        for pool, values in zip(_POOLS, (every, small, large)):
+            for metric, value in zip(_METRICS, values):
+                out[f"{name}.{pool}.{metric}"] = value
+    for name, base in (("oversize_allocations", 72), ("oversize_segments", 80)):
+        for metric, value in zip(_METRICS, _metrics(slots, off, base)):
+            out[f"{name}.{metric}"] = value
+    for i, name in enumerate(_SCALARS):
+        out[name] = slots[88 + i] - off[88 + i]
+    out["max_split_size"] = max_split_size
+    return OrderedDict(sorted(out.items()))
+
+
+class _Upstream:
+    """What a core's callbacks reach: its resource, and what the resource raised per
+    thread (a malloc that saw a refusal raises it). Not the NativeCore itself, so that
+    the core's finalizer can keep it alive while the core gives its cache back."""
+
+    __slots__ = ("resource", "refusals", "synchronize", "free_errors", "admit")
+
+    def __init__(
+        self, resource: MemoryResource, synchronize: Callable[[int], None] | None, admit: Callable[[int], None] | None
+    ) -> None:
+        self.resource = resource
+        self.admit = admit
+        self.refusals: dict[int, BaseException] = {}
+        self.synchronize = synchronize
+        # what giving memory back raised (the core gives back on any thread, torch's
+        # too): the next empty_cache raises the first
+        self.free_errors: list[BaseException] = []
+
+
+def _destroy(lib: Any, core: Any, handle: Any) -> None:
+    """Give a dropped core's cache back and free its books (``handle`` is kept alive
+    until then: the upstream callbacks need it)."""
+    lib.accel_core_destroy(core)
+    del handle
+
+
+class NativeCore:
+    """One native core: the books of a caching allocator of ``upstream``'s device.
+
+    ``synchronize(device)``, when given, runs before memory goes back upstream;
+    ``admit(size)`` before a new segment is asked of it (raising OutOfMemoryError refuses
+    it: a memory fraction's cap).
+    ``stream`` and ``pool`` are opaque keys (a stream's handle, a pool's number):
+    blocks are reused only under the keys they were freed with.
+    """
+
+    def __init__(
+        self,
+        upstream: MemoryResource,
+        synchronize: Callable[[int], None] | None = None,
+        admit: Callable[[int], None] | None = None,
+    ) -> None:
+        module = core_module()
+        self._ffi = module.ffi
+        self._lib = module.lib
+        _install_callbacks(self._ffi)
+        self.upstream = upstream
+        self.device = upstream.device
+        self._callbacks = _Upstream(upstream, synchronize, admit)
+        handle = self._ffi.new_handle(self._callbacks)
+        lib = self._lib
+        self._core = lib.accel_core_new(self.device, lib.accel_py_upstream_alloc, lib.accel_py_upstream_free, handle)
+        if self._core == self._ffi.NULL:
+            raise MemoryError("the host has no memory for the allocator core's books")
+        # not at exit: the process's memory goes with it, and the backend may be gone
+        weakref.finalize(self, _destroy, lib, self._core, handle).atexit = False
+        self._max_split_size = -1
+        self._offsets = [0] * _SLOTS  # see reset_accumulated
+        self._tls = threading.local()
+
+    @property
+    def address(self) -> int:
+        """The core's address, for :func:`accel_core_register_torch`."""
+        return int(self._ffi.cast("uintptr_t", self._core))
+
+    def configure(self, max_split_size: int | None, max_non_split_rounding: int, large_segment: int) -> None:
+        """The settings of :class:`AllocatorConfig` the core applies (None: unlimited)."""
+        self._max_split_size = -1 if max_split_size is None else max_split_size
+        self._lib.accel_core_configure(self._core, max_split_size or 0, max_non_split_rounding, large_segment)
+
+    def malloc(self, nbytes: int, stream: int, pool: int = 0) -> tuple[int, int]:
+        """``(ptr, size)`` of a block of at least ``nbytes`` for ``stream`` in ``pool``."""
+        ffi, lib = self._ffi, self._lib
+        # Out-parameters per thread (cffi lets the GIL go during the call, so threads
+        # cannot share them): two ffi.new per call cost as much as the call itself.
+        try:
+            out, size = self._tls.out
+        except AttributeError:
+            out, size = self._tls.out = (ffi.new("uint64_t *"), ffi.new("int64_t *"))
+        rc = lib.accel_core_malloc(self._core, nbytes, stream, pool, out, size)
+        if rc == 0:  # ACCEL_CORE_OK
+            return out[0], size[0]
+        refusal = self._callbacks.refusals.pop(threading.get_ident(), None)
+        if rc == lib.ACCEL_CORE_BAD_SIZE:
+            raise InvalidValueError(f"cannot allocate {nbytes} bytes: the size must be in [1, 2**60)")
+        if refusal is not None and not isinstance(refusal, OutOfMemoryError):
+            raise refusal
+        if rc == lib.ACCEL_CORE_NO_MEMORY:
+            raise MemoryError("the host has no memory for the allocator core's books")
+        raise OutOfMemoryError(
+            f"device {self.device} out of memory: {nbytes} bytes refused ({refusal}), after the "
+            "allocator core gave its cache back",
+            requested=nbytes,
+            device=self.device,
+        )
+
+    def free(self, ptr: int) -> None:
+        """Give back the block allocated at ``ptr``."""
+        if self._lib.accel_core_free(self._core, ptr):  # not ACCEL_CORE_OK
+            raise InvalidValueError(f"{ptr:#x} is not allocated by this allocator core (freed twice?)")
+
+    def empty_cache(self) -> int:
+        """Give the wholly free segments back upstream; the bytes given back. Raises
+        what the upstream raised giving memory back, here or since the last call."""
+        given = int(self._lib.accel_core_empty_cache(self._core))
+        errors = self._callbacks.free_errors
+        if errors:
+            first = errors[0]
+            errors.clear()
+            raise first
+        return given
+
+    def reserved(self) -> int:
+        """Bytes of the segments the core holds."""
+        slots = self.slots()
+        return slots[40] + slots[41]
+
+    def slots(self) -> list[int]:
+        """The raw statistic slots (the layout of accel/allocator/_stats.py)."""
+        out = self._ffi.new("int64_t[]", _SLOTS)
+        self._lib.accel_core_stats(self._core, out)
+        return list(out)
+
+    def stats(self) -> OrderedDict[str, int]:
+        """PyTorch's ``memory_stats`` keys for what the core holds."""
+        return stats_dict(self.slots(), self._max_split_size, self._offsets)
+
+    def reset_peak(self) -> None:
+        self._lib.accel_core_reset_peak(self._core)
+
+    def reset_accumulated(self) -> None:
+        """Zero the allocated and freed totals and the counters (retries, OOMs...), as
+        :class:`accel.allocator._stats.Stats` does: by offsets, the core's slots only grow."""
+        slots = self.slots()
+        off = [0] * _SLOTS
+        for base in range(0, 88, 8):
+            for pool in (0, 1):
+                i = base + pool
+                off[i + 4] = slots[i + 4]
+                off[i] = slots[i + 4] - slots[i]
+        off[88:] = slots[88:]
+        self._offsets = off
+
+    def blocks(self) -> list[dict[str, int]]:
+        """Every block of every segment: its segment, stream, pool, state and sizes."""
+        ffi, lib = self._ffi, self._lib
+        cap = 64
+        while True:
+            out = ffi.new("accel_core_block_info[]", cap)
+            n = lib.accel_core_blocks(self._core, out, cap)
+            if n <= cap:
+                break
+            cap = n + 64  # blocks added meanwhile: ask again, with room
+        return [
+            {
+                "segment": int(b.segment), "segment_size": int(b.segment_size), "stream": int(b.stream),
+                "pool": int(b.pool), "small": bool(b.small), "allocated": b.state == lib.ACCEL_CORE_ALLOCATED,
+                "ptr": int(b.ptr), "size": int(b.size), "requested": int(b.requested),
+            }  # fmt: skip
+            for b in out[0:n]
+        ]
+
+    def allocated_size(self, ptr: int) -> int | None:
+        """The size of the block allocated at ``ptr``; None when none is."""
+        size = int(self._lib.accel_core_allocated_size(self._core, ptr))
+        return None if size < 0 else size

@@ -1,0 +1,684 @@
+/* accel's native allocator core (see accel_core.h). No Python.h: nothing here needs
+ * or touches the GIL, and the core's mutex is never held across an upstream call. */
+
+#include "accel_core.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define EXPORT __attribute__((visibility("default")))
+
+#define KB_MIN 512
+#define SMALL_SIZE (1LL << 20)
+#define SMALL_BUFFER (2LL << 20)
+#define MIN_LARGE_ALLOC (10LL << 20)
+#define ROUND_LARGE (2LL << 20)
+#define MAX_REQUEST (1LL << 60)
+
+/* statistic bases (accel/allocator/_stats.py) */
+enum {
+    ST_ALLOCATION = 0, ST_SEGMENT = 8, ST_ACTIVE = 16, ST_INACTIVE_SPLIT = 24, ST_ALLOCATED_BYTES = 32,
+    ST_RESERVED_BYTES = 40, ST_ACTIVE_BYTES = 48, ST_INACTIVE_SPLIT_BYTES = 56, ST_REQUESTED_BYTES = 64,
+    ST_OVERSIZE_ALLOCATIONS = 72, ST_OVERSIZE_SEGMENTS = 80,
+    ST_NUM_ALLOC_RETRIES = 88, ST_NUM_OOMS = 89, ST_NUM_SYNC_ALL_STREAMS = 90, ST_NUM_DEVICE_ALLOC = 91,
+    ST_NUM_DEVICE_FREE = 92,
+};
+
+typedef struct segment segment;
+typedef struct freelist freelist;
+
+typedef struct block {
+    uint64_t ptr;
+    int64_t size;
+    int64_t requested;
+    segment *seg;
+    struct block *prev, *next; /* neighbours in the segment, by address */
+    int allocated;
+    /* free-list treap, keyed by (size, ptr) */
+    struct block *left, *right;
+    uint32_t priority;
+} block;
+
+struct freelist { /* the free blocks of one (pool, kind, stream) */
+    uint64_t pool;
+    uint64_t stream;
+    int small;
+    block *root;
+    int64_t count;
+};
+
+struct segment {
+    uint64_t base;
+    int64_t size;
+    uint64_t stream;
+    uint64_t pool;
+    int small;
+    block *head;
+    segment *prev, *next; /* every segment of the core */
+};
+
+/* allocated blocks by address: open addressing, linear probing, backward-shift deletion */
+typedef struct {
+    block **slots;
+    uint64_t mask;
+    uint64_t used;
+} ptrmap;
+
+struct accel_core {
+    pthread_mutex_t lock;
+    int device;
+    accel_upstream_alloc_fn upstream_alloc;
+    accel_upstream_free_fn upstream_free;
+    void *ctx;
+    int64_t max_split_size, max_non_split_rounding, large_segment;
+    freelist *lists;
+    int64_t nlists, caplists;
+    segment *segments;
+    ptrmap allocated;
+    uint32_t seed;
+    int64_t s[ACCEL_CORE_STAT_SLOTS];
+};
+
+/* -- statistics ------------------------------------------------------------------- */
+
+static void stat_add(int64_t *s, int base, int pool, int64_t n) {
+    int64_t c = s[base + pool] += n;
+    if (n > 0) {
+        s[base + 4 + pool] += n;
+        if (c > s[base + 2 + pool])
+            s[base + 2 + pool] = c;
+        if (c + s[base + 1 - pool] > s[base + 6])
+            s[base + 6] = c + s[base + 1 - pool];
+    }
+}
+
+/* -- the free lists: treaps ordered by (size, ptr) -------------------------------- */
+
+static int key_less(const block *a, const block *b) {
+    return a->size < b->size || (a->size == b->size && a->ptr < b->ptr);
+}
+
+static uint32_t next_priority(accel_core *c) {
+    uint32_t x = c->seed; /* xorshift32 */
+    x ^= x << 13;
+    x ^= x >> 17;
+    x ^= x << 5;
+    return c->seed = x;
+}
+
+/* Splits t into keys < k and keys >= k. */
+static void treap_split(block *t, const block *k, block **lo, block **hi) {
+    if (t == NULL) {
+        *lo = *hi = NULL;
+    } else if (key_less(t, k)) {
+        treap_split(t->right, k, &t->right, hi);
+        *lo = t;
+    } else {
+        treap_split(t->left, k, lo, &t->left);
+        *hi = t;
+    }
+}
+
+static block *treap_merge(block *a, block *b) {
+    if (a == NULL)
+        return b;
+    if (b == NULL)
+        return a;
+    if (a->priority > b->priority) {
+        a->right = treap_merge(a->right, b);
+        return a;
+    }
+    b->left = treap_merge(a, b->left);
+    return b;
+}
+
+static void list_insert(accel_core *c, freelist *l, block *b) {
+    b->priority = next_priority(c);
+    b->left = b->right = NULL;
+    block **at = &l->root;
+    while (*at != NULL && (*at)->priority > b->priority)
+        at = key_less(b, *at) ? &(*at)->left : &(*at)->right;
+    treap_split(*at, b, &b->left, &b->right);
+    *at = b;
+    l->count++;
+}
+
+static void list_remove(freelist *l, block *b) {
+    block **at = &l->root;
+    while (*at != b)
+        at = key_less(b, *at) ? &(*at)->left : &(*at)->right;
+    *at = treap_merge(b->left, b->right);
+    b->left = b->right = NULL;
+    l->count--;
+}
+
+/* The smallest block of at least size bytes (its key is the least (size, ptr) >= (size, 0)). */
+static block *list_best_fit(freelist *l, int64_t size) {
+    block *t = l->root, *best = NULL;
+    while (t != NULL) {
+        if (t->size >= size) {
+            best = t;
+            t = t->left;
+        } else {
+            t = t->right;
+        }
+    }
+    return best;
+}
+
+static freelist *find_list(accel_core *c, uint64_t pool, int small, uint64_t stream, int create) {
+    for (int64_t i = 0; i < c->nlists; i++) {
+        freelist *l = &c->lists[i];
+        if (l->stream == stream && l->small == small && l->pool == pool)
+            return l;
+    }
+    if (!create)
+        return NULL;
+    if (c->nlists == c->caplists) {
+        int64_t cap = c->caplists ? 2 * c->caplists : 8;
+        freelist *grown = realloc(c->lists, (size_t)cap * sizeof(freelist));
+        if (grown == NULL)
+            return NULL;
+        c->lists = grown;
+        c->caplists = cap;
+    }
+    freelist *l = &c->lists[c->nlists++];
+    l->pool = pool;
+    l->small = small;
+    l->stream = stream;
+    l->root = NULL;
+    l->count = 0;
+    return l;
+}
+
+/* -- allocated blocks by address --------------------------------------------------- */
+
+static uint64_t ptr_hash(uint64_t p) {
+    p ^= p >> 33;
+    p *= 0xff51afd7ed558ccdULL;
+    p ^= p >> 33;
+    return p;
+}
+
+static int map_grow(ptrmap *m) {
+    uint64_t cap = m->slots ? 2 * (m->mask + 1) : 64;
+    block **slots = calloc(cap, sizeof(block *));
+    if (slots == NULL)
+        return -1;
+    if (m->slots != NULL) {
+        for (uint64_t i = 0; i <= m->mask; i++) {
+            block *b = m->slots[i];
+            if (b != NULL) {
+                uint64_t j = ptr_hash(b->ptr) & (cap - 1);
+                while (slots[j] != NULL)
+                    j = (j + 1) & (cap - 1);
+                slots[j] = b;
+            }
+        }
+        free(m->slots);
+    }
+    m->slots = slots;
+    m->mask = cap - 1;
+    return 0;
+}
+
+/* Reserves room for one more entry (called before the books change, so that a failed
+ * malloc of the table leaves them as they were). */
+static int map_reserve(ptrmap *m) {
+    if (m->slots == NULL || 2 * (m->used + 1) > m->mask + 1)
+        return map_grow(m);
+    return 0;
+}
+
+static void map_put(ptrmap *m, block *b) {
+    uint64_t j = ptr_hash(b->ptr) & m->mask;
+    while (m->slots[j] != NULL)
+        j = (j + 1) & m->mask;
+    m->slots[j] = b;
+    m->used++;
+}
+
+static block *map_take(ptrmap *m, uint64_t ptr, int take) {
+    if (m->slots == NULL)
+        return NULL;
+    uint64_t j = ptr_hash(ptr) & m->mask;
+    while (m->slots[j] != NULL && m->slots[j]->ptr != ptr)
+        j = (j + 1) & m->mask;
+    block *found = m->slots[j];
+    if (found == NULL || !take)
+        return found;
+    /* backward-shift deletion: move later entries of the run into the hole */
+    uint64_t hole = j;
+    for (uint64_t k = (j + 1) & m->mask; m->slots[k] != NULL; k = (k + 1) & m->mask) {
+        uint64_t home = ptr_hash(m->slots[k]->ptr) & m->mask;
+        /* the entry at k may move to hole when its home is not in (hole, k] */
+        if ((k > hole && (home <= hole || home > k)) || (k < hole && home <= hole && home > k)) {
+            m->slots[hole] = m->slots[k];
+            hole = k;
+        }
+    }
+    m->slots[hole] = NULL;
+    m->used--;
+    return found;
+}
+
+/* -- the core ------------------------------------------------------------------------ */
+
+EXPORT accel_core *accel_core_new(int device, accel_upstream_alloc_fn alloc, accel_upstream_free_fn release,
+                                  void *ctx) {
+    accel_core *c = calloc(1, sizeof(accel_core));
+    if (c == NULL)
+        return NULL;
+    if (pthread_mutex_init(&c->lock, NULL) != 0) {
+        free(c);
+        return NULL;
+    }
+    c->device = device;
+    c->upstream_alloc = alloc;
+    c->upstream_free = release;
+    c->ctx = ctx;
+    c->max_split_size = 0;
+    c->max_non_split_rounding = 20LL << 20;
+    c->large_segment = 20LL << 20;
+    c->seed = 2463534242u;
+    return c;
+}
+
+EXPORT void accel_core_configure(accel_core *c, int64_t max_split_size, int64_t max_non_split_rounding,
+                                 int64_t large_segment) {
+    pthread_mutex_lock(&c->lock);
+    c->max_split_size = max_split_size;
+    c->max_non_split_rounding = max_non_split_rounding;
+    c->large_segment = large_segment;
+    pthread_mutex_unlock(&c->lock);
+}
+
+static int64_t round_request(int64_t n) { return n < KB_MIN ? KB_MIN : (n + KB_MIN - 1) & -(int64_t)KB_MIN; }
+
+static int64_t segment_size_for(const accel_core *c, int64_t size) {
+    if (size <= SMALL_SIZE)
+        return SMALL_BUFFER;
+    if (size < MIN_LARGE_ALLOC)
+        return c->large_segment;
+    return (size + ROUND_LARGE - 1) / ROUND_LARGE * ROUND_LARGE;
+}
+
+static int oversize(const accel_core *c, int64_t size) { return c->max_split_size > 0 && size >= c->max_split_size; }
+
+/* Whether a cached block of bsize bytes may serve a request of size (the oversize rules:
+ * an oversize block serves only requests close to its size). Larger blocks never may
+ * when this one may not, so the best fit decides. */
+static int usable(const accel_core *c, int64_t bsize, int64_t size) {
+    if (c->max_split_size <= 0)
+        return 1;
+    if (size < c->max_split_size && bsize >= c->max_split_size)
+        return 0;
+    if (size >= c->max_split_size && bsize >= size + c->max_non_split_rounding)
+        return 0;
+    return 1;
+}
+
+static int is_split(const block *b) { return b->prev != NULL || b->next != NULL; }
+
+/* Hands out free block b (on list l) for a request of nbytes rounded to size: cut off
+ * the rest when it is worth keeping (PyTorch's should_split), count it. The caller
+ * reserved a ptrmap slot and, when a rest may be cut, passed a spare block. */
+static void take_block(accel_core *c, freelist *l, block *b, int64_t size, int64_t nbytes, block **spare) {
+    int small = b->seg->small, kind = small ? 0 : 1;
+    int64_t *s = c->s;
+    int64_t remaining = b->size - size;
+    int was_split = is_split(b);
+    list_remove(l, b);
+    if (was_split)
+        stat_add(s, ST_INACTIVE_SPLIT, kind, -1), stat_add(s, ST_INACTIVE_SPLIT_BYTES, kind, -b->size);
+    if (remaining >= KB_MIN && (small || (!oversize(c, size) && remaining > SMALL_SIZE)) && *spare != NULL) {
+        block *rest = *spare;
+        *spare = NULL;
+        memset(rest, 0, sizeof(*rest));
+        rest->ptr = b->ptr + (uint64_t)size;
+        rest->size = remaining;
+        rest->seg = b->seg;
+        rest->prev = b;
+        rest->next = b->next;
+        if (b->next != NULL)
+            b->next->prev = rest;
+        b->next = rest;
+        b->size = size;
+        list_insert(c, l, rest);
+        stat_add(s, ST_INACTIVE_SPLIT, kind, 1);
+        stat_add(s, ST_INACTIVE_SPLIT_BYTES, kind, remaining);
+    }
+    b->allocated = 1;
+    b->requested = nbytes;
+    map_put(&c->allocated, b);
+    stat_add(s, ST_ALLOCATION, kind, 1);
+    stat_add(s, ST_ACTIVE, kind, 1);
+    stat_add(s, ST_ALLOCATED_BYTES, kind, b->size);
+    stat_add(s, ST_ACTIVE_BYTES, kind, b->size);
+    stat_add(s, ST_REQUESTED_BYTES, kind, nbytes);
+    if (oversize(c, b->size))
+        stat_add(s, ST_OVERSIZE_ALLOCATIONS, 0, 1);
+}
+
+/* Unlinks every wholly free segment (one unsplit free block) into *out; the caller
+ * gives them back upstream once the lock is released. */
+static int64_t detach_free_segments(accel_core *c, segment **out) {
+    int64_t bytes = 0;
+    segment *seg = c->segments;
+    while (seg != NULL) {
+        segment *next = seg->next;
+        block *b = seg->head;
+        if (!b->allocated && b->next == NULL) {
+            freelist *l = find_list(c, seg->pool, seg->small, seg->stream, 0);
+            list_remove(l, b);
+            if (seg->prev != NULL)
+                seg->prev->next = seg->next;
+            else
+                c->segments = seg->next;
+            if (seg->next != NULL)
+                seg->next->prev = seg->prev;
+            int kind = seg->small ? 0 : 1;
+            stat_add(c->s, ST_SEGMENT, kind, -1);
+            stat_add(c->s, ST_RESERVED_BYTES, kind, -seg->size);
+            if (oversize(c, seg->size))
+                stat_add(c->s, ST_OVERSIZE_SEGMENTS, 0, -1);
+            c->s[ST_NUM_DEVICE_FREE]++;
+            seg->prev = NULL;
+            seg->next = *out;
+            *out = seg;
+            bytes += seg->size;
+        }
+        seg = next;
+    }
+    return bytes;
+}
+
+static void give_back(accel_core *c, segment *list) {
+    while (list != NULL) {
+        segment *next = list->next;
+        c->upstream_free(c->ctx, c->device, list->base, list->size);
+        free(list->head);
+        free(list);
+        list = next;
+    }
+}
+
+EXPORT int accel_core_malloc(accel_core *c, int64_t nbytes, uint64_t stream, uint64_t pool, uint64_t *ptr,
+                             int64_t *size_out) {
+    if (nbytes < 1 || nbytes >= MAX_REQUEST)
+        return ACCEL_CORE_BAD_SIZE;
+    int64_t size = round_request(nbytes);
+    int small = size <= SMALL_SIZE;
+    /* allocated outside the lock: a cut needs a block for the rest, a miss a segment */
+    block *spare = malloc(sizeof(block));
+    if (spare == NULL)
+        return ACCEL_CORE_NO_MEMORY;
+    int retried = 0;
+    pthread_mutex_lock(&c->lock);
+    for (;;) {
+        freelist *l = find_list(c, pool, small, stream, 1);
+        if (l == NULL || map_reserve(&c->allocated) != 0) {
+            pthread_mutex_unlock(&c->lock);
+            free(spare);
+            return ACCEL_CORE_NO_MEMORY;
+        }
+        block *b = list_best_fit(l, size);
+        if (b != NULL && usable(c, b->size, size)) {
+            take_block(c, l, b, size, nbytes, &spare);
+            *ptr = b->ptr;
+            *size_out = b->size;
+            pthread_mutex_unlock(&c->lock);
+            free(spare);
+            return ACCEL_CORE_OK;
+        }
+        /* a miss: a new segment from upstream, asked without the lock */
+        int64_t want = segment_size_for(c, size);
+        pthread_mutex_unlock(&c->lock);
+        segment *seg = calloc(1, sizeof(segment));
+        block *head = calloc(1, sizeof(block));
+        uint64_t base = 0;
+        int refused = 1;
+        if (seg != NULL && head != NULL)
+            refused = c->upstream_alloc(c->ctx, c->device, want, &base) != 0;
+        if (seg == NULL || head == NULL) {
+            free(seg);
+            free(head);
+            free(spare);
+            return ACCEL_CORE_NO_MEMORY;
+        }
+        if (refused) {
+            free(seg);
+            free(head);
+            pthread_mutex_lock(&c->lock);
+            if (retried) {
+                c->s[ST_NUM_OOMS]++;
+                pthread_mutex_unlock(&c->lock);
+                free(spare);
+                return ACCEL_CORE_OOM;
+            }
+            /* give the cache back and try once more (another thread may have freed
+             * meanwhile, so the loop looks at the free list again first) */
+            segment *cached = NULL;
+            detach_free_segments(c, &cached);
+            c->s[ST_NUM_ALLOC_RETRIES]++;
+            pthread_mutex_unlock(&c->lock);
+            give_back(c, cached);
+            retried = 1;
+            pthread_mutex_lock(&c->lock);
+            continue;
+        }
+        seg->base = base;
+        seg->size = want;
+        seg->stream = stream;
+        seg->pool = pool;
+        seg->small = small;
+        seg->head = head;
+        head->ptr = base;
+        head->size = want;
+        head->seg = seg;
+        pthread_mutex_lock(&c->lock);
+        seg->next = c->segments;
+        if (c->segments != NULL)
+            c->segments->prev = seg;
+        c->segments = seg;
+        int kind = small ? 0 : 1;
+        stat_add(c->s, ST_SEGMENT, kind, 1);
+        stat_add(c->s, ST_RESERVED_BYTES, kind, want);
+        if (oversize(c, want))
+            stat_add(c->s, ST_OVERSIZE_SEGMENTS, 0, 1);
+        c->s[ST_NUM_DEVICE_ALLOC]++;
+        l = find_list(c, pool, small, stream, 1); /* lists may have moved while unlocked */
+        if (l == NULL || map_reserve(&c->allocated) != 0) {
+            /* no room in the books: the segment stays cached, free */
+            if (l != NULL)
+                list_insert(c, l, head);
+            pthread_mutex_unlock(&c->lock);
+            free(spare);
+            return ACCEL_CORE_NO_MEMORY;
+        }
+        list_insert(c, l, head);
+        take_block(c, l, head, size, nbytes, &spare);
+        *ptr = head->ptr;
+        *size_out = head->size;
+        pthread_mutex_unlock(&c->lock);
+        free(spare);
+        return ACCEL_CORE_OK;
+    }
+}
+
+EXPORT int accel_core_free(accel_core *c, uint64_t ptr) {
+    pthread_mutex_lock(&c->lock);
+    block *b = map_take(&c->allocated, ptr, 1);
+    if (b == NULL) {
+        pthread_mutex_unlock(&c->lock);
+        return ACCEL_CORE_NOT_ALLOCATED;
+    }
+    segment *seg = b->seg;
+    int kind = seg->small ? 0 : 1;
+    int64_t *s = c->s;
+    stat_add(s, ST_ALLOCATION, kind, -1);
+    stat_add(s, ST_ACTIVE, kind, -1);
+    stat_add(s, ST_ALLOCATED_BYTES, kind, -b->size);
+    stat_add(s, ST_ACTIVE_BYTES, kind, -b->size);
+    stat_add(s, ST_REQUESTED_BYTES, kind, -b->requested);
+    if (oversize(c, b->size))
+        stat_add(s, ST_OVERSIZE_ALLOCATIONS, 0, -1);
+    b->allocated = 0;
+    b->requested = 0;
+    freelist *l = find_list(c, seg->pool, seg->small, seg->stream, 0);
+    block *dead[2] = {NULL, NULL};
+    block *prev = b->prev, *next = b->next;
+    if (prev != NULL && !prev->allocated) { /* prev absorbs b */
+        list_remove(l, prev);
+        stat_add(s, ST_INACTIVE_SPLIT, kind, -1), stat_add(s, ST_INACTIVE_SPLIT_BYTES, kind, -prev->size);
+        prev->size += b->size;
+        prev->next = next;
+        if (next != NULL)
+            next->prev = prev;
+        dead[0] = b;
+        b = prev;
+    }
+    if (next != NULL && !next->allocated) { /* b absorbs next */
+        list_remove(l, next);
+        stat_add(s, ST_INACTIVE_SPLIT, kind, -1), stat_add(s, ST_INACTIVE_SPLIT_BYTES, kind, -next->size);
+        b->size += next->size;
+        b->next = next->next;
+        if (next->next != NULL)
+            next->next->prev = b;
+        dead[1] = next;
+    }
+    list_insert(c, l, b);
+    if (is_split(b))
+        stat_add(s, ST_INACTIVE_SPLIT, kind, 1), stat_add(s, ST_INACTIVE_SPLIT_BYTES, kind, b->size);
+    pthread_mutex_unlock(&c->lock);
+    free(dead[0]);
+    free(dead[1]);
+    return ACCEL_CORE_OK;
+}
+
+EXPORT int64_t accel_core_empty_cache(accel_core *c) {
+    segment *cached = NULL;
+    pthread_mutex_lock(&c->lock);
+    int64_t bytes = detach_free_segments(c, &cached);
+    pthread_mutex_unlock(&c->lock);
+    give_back(c, cached);
+    return bytes;
+}
+
+EXPORT void accel_core_destroy(accel_core *c) {
+    accel_core_empty_cache(c);
+    /* what is still allocated stays with its holders; only the books go */
+    for (segment *seg = c->segments, *next; seg != NULL; seg = next) {
+        next = seg->next;
+        for (block *b = seg->head, *bn; b != NULL; b = bn) {
+            bn = b->next;
+            free(b);
+        }
+        free(seg);
+    }
+    free(c->lists);
+    free(c->allocated.slots);
+    pthread_mutex_destroy(&c->lock);
+    free(c);
+}
+
+EXPORT void accel_core_stats(accel_core *c, int64_t *out) {
+    pthread_mutex_lock(&c->lock);
+    memcpy(out, c->s, sizeof(c->s));
+    pthread_mutex_unlock(&c->lock);
+}
+
+EXPORT void accel_core_reset_peak(accel_core *c) {
+    pthread_mutex_lock(&c->lock);
+    for (int base = 0; base < ST_NUM_ALLOC_RETRIES; base += 8) {
+        c->s[base + 2] = c->s[base];
+        c->s[base + 3] = c->s[base + 1];
+        c->s[base + 6] = c->s[base] + c->s[base + 1];
+    }
+    pthread_mutex_unlock(&c->lock);
+}
+
+EXPORT int64_t accel_core_blocks(accel_core *c, accel_core_block_info *out, int64_t cap) {
+    int64_t n = 0;
+    pthread_mutex_lock(&c->lock);
+    for (segment *seg = c->segments; seg != NULL; seg = seg->next) {
+        for (block *b = seg->head; b != NULL; b = b->next, n++) {
+            if (n < cap) {
+                accel_core_block_info *i = &out[n];
+                i->segment = seg->base;
+                i->segment_size = seg->size;
+                i->stream = seg->stream;
+                i->pool = seg->pool;
+                i->small = seg->small;
+                i->state = b->allocated ? ACCEL_CORE_ALLOCATED : ACCEL_CORE_FREE;
+                i->ptr = b->ptr;
+                i->size = b->size;
+                i->requested = b->requested;
+            }
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+    return n;
+}
+
+EXPORT int64_t accel_core_allocated_size(accel_core *c, uint64_t ptr) {
+    pthread_mutex_lock(&c->lock);
+    block *b = map_take(&c->allocated, ptr, 0);
+    int64_t size = b == NULL ? -1 : b->size;
+    pthread_mutex_unlock(&c->lock);
+    return size;
+}
+
+/* -- torch's pluggable allocator ----------------------------------------------------- */
+
+static accel_core *_Atomic torch_cores[ACCEL_CORE_MAX_DEVICES];
+
+/* A child forked while another thread held a core's mutex would wait for it forever,
+ * and accel refuses to run in a child forked after it started: the child's torch
+ * allocations get NULL (torch's out-of-memory error) instead. */
+static void forget_cores_in_child(void) {
+    for (int i = 0; i < ACCEL_CORE_MAX_DEVICES; i++)
+        __atomic_store_n(&torch_cores[i], NULL, __ATOMIC_RELAXED);
+}
+
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+static void install_atfork(void) { pthread_atfork(NULL, NULL, forget_cores_in_child); }
+
+EXPORT accel_core *accel_core_register_torch(int device, accel_core *core) {
+    if (device < 0 || device >= ACCEL_CORE_MAX_DEVICES)
+        return NULL;
+    pthread_once(&atfork_once, install_atfork);
+    return __atomic_exchange_n(&torch_cores[device], core, __ATOMIC_ACQ_REL);
+}
+
+/* void* alloc(ssize_t size, int device, cudaStream_t stream): NULL when out of memory
+ * (torch raises its OutOfMemoryError) or when accel serves no such device. torch asks
+ * for 0 bytes too; that gets the smallest block, so the pointer is unique. */
+EXPORT void *accel_torch_alloc(ssize_t size, int device, void *stream) {
+    if (device < 0 || device >= ACCEL_CORE_MAX_DEVICES || size < 0)
+        return NULL;
+    accel_core *c = __atomic_load_n(&torch_cores[device], __ATOMIC_ACQUIRE);
+    if (c == NULL)
+        return NULL;
+    uint64_t ptr = 0;
+    int64_t got = 0;
+    if (accel_core_malloc(c, size ? (int64_t)size : 1, (uint64_t)(uintptr_t)stream, 0, &ptr, &got) != ACCEL_CORE_OK)
+        return NULL;
+    return (void *)(uintptr_t)ptr;
+}
+
+/* void free(void* ptr, ssize_t size, int device, cudaStream_t stream). A pointer the
+ * core did not hand out is ignored: torch's free returns nothing to report it with. */
+EXPORT void accel_torch_free(void *ptr, ssize_t size, int device, void *stream) {
+    (void)size;
+    (void)stream;
+    if (ptr == NULL || device < 0 || device >= ACCEL_CORE_MAX_DEVICES)
+        return;
+    accel_core *c = __atomic_load_n(&torch_cores[device], __ATOMIC_ACQUIRE);
+    if (c != NULL)
+        accel_core_free(c, (uint64_t)(uintptr_t)ptr);
+}
+
+EXPORT int accel_core_gil_free(void) { return 1; }

@@ -1,0 +1,82 @@
+/* accel's native allocator core: the books of a caching allocator (segments cut into
+ * blocks, best-fit free lists per (pool, kind, stream), split and merge, statistics),
+ * in plain C with no Python.h: it touches no Python object, so it needs no GIL and
+ * is correct without one. Each core has its own mutex; an upstream (where new
+ * segments come from) is called with that mutex released.
+ *
+ * The same shared library exports torch's pluggable-allocator C ABI
+ * (accel_torch_alloc / accel_torch_free) over the cores registered per device.
+ *
+ * This header is read by cffi (csrc/build_core.py): plain declarations only. */
+
+#include <stdint.h>
+#include <sys/types.h>
+
+typedef struct accel_core accel_core;
+
+/* Results of accel_core_malloc / accel_core_free. */
+#define ACCEL_CORE_OK 0
+#define ACCEL_CORE_OOM 1           /* the upstream refused, after the cache was given back */
+#define ACCEL_CORE_BAD_SIZE 2      /* size < 1 or >= 2**60 */
+#define ACCEL_CORE_NOT_ALLOCATED 3 /* free of an address the core did not hand out */
+#define ACCEL_CORE_NO_MEMORY 4     /* the host's malloc failed for the core's own books */
+
+/* Block states in snapshots. */
+#define ACCEL_CORE_FREE 0
+#define ACCEL_CORE_ALLOCATED 1
+
+/* Statistic slots: the layout of accel/allocator/_stats.py's flat list. Each of the
+ * 11 statistics owns 8 slots from base = 8 * index: +0/+1 current (small/large pool),
+ * +2/+3 peak, +4/+5 total increase, +6 peak over both pools; then the scalars. */
+#define ACCEL_CORE_STAT_SLOTS 93
+
+/* Where a core gets memory: returns 0 and sets *ptr, or nonzero when refused.
+ * Called without the core's lock held, from whichever thread allocated. */
+typedef int (*accel_upstream_alloc_fn)(void *ctx, int device, int64_t size, uint64_t *ptr);
+typedef void (*accel_upstream_free_fn)(void *ctx, int device, uint64_t ptr, int64_t size);
+
+/* One block of a segment, as accel_core_blocks writes it. */
+typedef struct {
+    uint64_t segment;   /* the segment's base address */
+    int64_t segment_size;
+    uint64_t stream;
+    uint64_t pool;      /* 0: the device's default pool */
+    int32_t small;      /* 1: small pool, 0: large */
+    int32_t state;      /* ACCEL_CORE_FREE or ACCEL_CORE_ALLOCATED */
+    uint64_t ptr;
+    int64_t size;
+    int64_t requested;
+} accel_core_block_info;
+
+accel_core *accel_core_new(int device, accel_upstream_alloc_fn alloc, accel_upstream_free_fn release, void *ctx);
+/* Gives every cached segment back upstream (blocks still allocated are leaked to
+ * their holders: call it once nothing is allocated) and frees the books. */
+void accel_core_destroy(accel_core *core);
+/* max_split_size: blocks at least this large are not split (<= 0: unlimited);
+ * max_non_split_rounding: how much larger an oversize cached block may be than a
+ * request it serves; large_segment: the segment size for 1-10 MiB requests. (A cap on
+ * what the core reserves, such as a memory fraction, is the upstream's to apply.) */
+void accel_core_configure(accel_core *core, int64_t max_split_size, int64_t max_non_split_rounding,
+                          int64_t large_segment);
+int accel_core_malloc(accel_core *core, int64_t nbytes, uint64_t stream, uint64_t pool, uint64_t *ptr,
+                      int64_t *size);
+int accel_core_free(accel_core *core, uint64_t ptr);
+/* Gives the wholly free segments back upstream; returns the bytes given back. */
+int64_t accel_core_empty_cache(accel_core *core);
+void accel_core_stats(accel_core *core, int64_t *out);
+void accel_core_reset_peak(accel_core *core);
+/* Writes up to cap blocks (address order within each segment); returns how many the
+ * core has, which may be more than cap: call again with a larger buffer. */
+int64_t accel_core_blocks(accel_core *core, accel_core_block_info *out, int64_t cap);
+/* The size of the block allocated at ptr, or -1. */
+int64_t accel_core_allocated_size(accel_core *core, uint64_t ptr);
+
+/* torch's pluggable allocator over the core registered for each device (NULL: none). */
+#define ACCEL_CORE_MAX_DEVICES 64
+/* Returns the core registered before (NULL when none). */
+accel_core *accel_core_register_torch(int device, accel_core *core);
+void *accel_torch_alloc(ssize_t size, int device, void *stream);
+void accel_torch_free(void *ptr, ssize_t size, int device, void *stream);
+
+/* 1: this library never uses the GIL (it includes no Python.h). */
+int accel_core_gil_free(void);

@@ -1,0 +1,241 @@
+"""torch's pluggable-allocator ABI over accel's native allocator core.
+
+A C harness (torch_abi_harness.c, compiled here) calls the ABI as torch does: dlopen
+the spec's path, dlsym its two names, alloc/free from native threads. It runs while
+the main thread holds the GIL: first in a Python loop (cache misses reach the
+upstream, whose callback takes the GIL in its turns), then inside one call that
+never lets the GIL go (ctypes.PyDLL), where cache hits must still be served.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import accel
+from accel._errors import NotSupportedError
+from accel.allocator import torch_allocator, torch_allocator_spec
+from tests.fixtures.scripts import ok, run
+
+HARNESS = Path(__file__).with_name("torch_abi_harness.c")
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler for the harness")
+    out = tmp_path_factory.mktemp("harness") / "harness.so"
+    subprocess.run(
+        [compiler, "-O1", "-Wall", "-Werror", "-shared", "-fPIC", "-pthread", str(HARNESS), "-o", str(out), "-ldl"],
+        check=True,
+    )
+    return out
+
+
+SCRIPT = r"""
+import ctypes, sys, time
+import accel
+from accel.allocator import torch_allocator_spec
+
+path, alloc_name, free_name = torch_allocator_spec()
+CDLL = ctypes.CDLL(sys.argv[1])  # calls that let the GIL go
+HELD = ctypes.PyDLL(sys.argv[1])  # calls that keep it
+abi = ctypes.CDLL(path)
+abi.accel_torch_alloc.restype = ctypes.c_void_p
+abi.accel_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+abi.accel_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+args = (path.encode(), alloc_name.encode(), free_name.encode(), 0)
+
+# What the ABI hands out is in accel's books.
+before = accel.memory.memory_allocated()
+ptr = abi.accel_torch_alloc(3000, 0, None)
+assert ptr, "alloc returned NULL"
+assert accel.memory.memory_allocated() == before + 3072, accel.memory.memory_allocated()
+seg = [s for s in accel.memory.memory_snapshot() if s["address"] <= ptr < s["address"] + s["total_size"]]
+assert seg and seg[0]["allocated_size"] == 3072, seg
+abi.accel_torch_free(ptr, 3000, 0, None)
+assert accel.memory.memory_allocated() == before
+
+# 1. Native threads while this thread runs Python: misses take the GIL in turns.
+assert CDLL.harness_start(*args, 200, 48 << 10) == 0
+deadline = time.monotonic() + 60
+spins = 0
+while CDLL.harness_running() and time.monotonic() < deadline:
+    spins += 1  # holds the GIL but for the interpreter's switches
+assert CDLL.harness_join() == 0, "threads saw NULL or memory another thread wrote"
+stats = accel.memory.memory_stats()
+assert stats["num_device_alloc"] >= 2 and stats["allocation.all.allocated"] >= 8 * 200 * 16, stats
+assert stats["allocated_bytes.all.current"] == 0, stats["allocated_bytes.all.current"]
+
+# 2. The GIL held throughout (PyDLL): the cache warmed above serves every request
+# (3 whole small segments per stream, 6x what the threads hold at once), and no
+# call may wait for the GIL, or this never returns.
+reserved = stats["reserved_bytes.all.current"]
+assert HELD.harness_start(*args, 200, 32 << 10) == 0
+failures = HELD.harness_join()
+assert failures == 0, failures
+stats = accel.memory.memory_stats()
+assert stats["reserved_bytes.all.current"] == reserved, (stats["reserved_bytes.all.current"], reserved)
+assert stats["allocated_bytes.all.current"] == 0
+
+accel.memory.empty_cache()
+assert accel.memory.memory_reserved() == 0, accel.memory.memory_reserved()
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda", "xpu"])
+def test_c_harness_calls_the_abi_from_native_threads(name: str, harness: Path) -> None:
+    """Native threads alloc/free through the ABI as torch does, while the main thread
+    holds the GIL; the memory shows in memory_stats and snapshots. A call that waited
+    for the GIL on a cache hit hangs part 2 (the timeout fails the test)."""
+    ok(run(name, SCRIPT, str(harness), timeout=180))
+
+
+def test_spec_names_exported_functions() -> None:
+    path, alloc, free = torch_allocator_spec()
+    symbols = subprocess.run(["nm", "-D", "--defined-only", path], capture_output=True, text=True).stdout
+    assert f" T {alloc}" in symbols and f" T {free}" in symbols
+
+
+def test_abi_refuses_what_it_cannot_serve() -> None:
+    """alloc of a device with no core, a negative size, or more than the device has
+    returns NULL (torch raises its out-of-memory error); free of a foreign or NULL
+    pointer does nothing."""
+    import ctypes
+
+    path, _, _ = torch_allocator_spec()
+    abi = ctypes.CDLL(path)
+    abi.accel_torch_alloc.restype = ctypes.c_void_p
+    abi.accel_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    abi.accel_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    assert abi.accel_torch_alloc(512, 63, None) is None
+    assert abi.accel_torch_alloc(512, -1, None) is None
+    assert abi.accel_torch_alloc(-5, 0, None) is None
+    ooms = accel.memory.memory_stats()["num_ooms"]
+    assert abi.accel_torch_alloc(1 << 59, 0, None) is None
+    assert accel.memory.memory_stats()["num_ooms"] == ooms + 1
+    before = accel.memory.memory_allocated()
+    ptr = abi.accel_torch_alloc(0, 0, None)  # torch asks for 0 bytes too
+    assert ptr is not None and accel.memory.memory_allocated() == before + 512
+    abi.accel_torch_free(ptr + 512, 0, 0, None)  # not handed out: ignored
+    abi.accel_torch_free(None, 0, 0, None)
+    assert accel.memory.memory_allocated() == before + 512
+    abi.accel_torch_free(ptr, 0, 0, None)
+    assert accel.memory.memory_allocated() == before
+
+
+def test_torch_allocator_on_the_host_says_torch_has_none() -> None:
+    if accel.current_accelerator().type != "cpu":
+        pytest.skip("the host backend's answer")
+    with pytest.raises(NotSupportedError, match="torch has no pluggable allocator for cpu"):
+        torch_allocator()
+
+
+def test_torch_allocator_on_simulated_cuda_without_torch_cuda() -> None:
+    """torch built without CUDA cannot take the allocator: an accel error that says so."""
+    ok(
+        run(
+            "cuda",
+            """
+            import torch
+            import accel
+            from accel._errors import NotSupportedError
+            if torch.cuda.is_available():
+                print("ok")
+                raise SystemExit
+            try:
+                accel.allocator.torch_allocator()
+            except NotSupportedError as exc:
+                assert "cannot take a pluggable cuda allocator" in str(exc), exc
+                print("ok")
+            """,
+        )
+    )
+
+
+def test_resets_and_empty_cache_reach_what_torch_allocated() -> None:
+    """The device's resets and empty_cache act on the core's books too."""
+    import ctypes
+
+    path, _, _ = torch_allocator_spec()
+    abi = ctypes.CDLL(path)
+    abi.accel_torch_alloc.restype = ctypes.c_void_p
+    abi.accel_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    abi.accel_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    accel.memory.empty_cache()
+    ptr = abi.accel_torch_alloc(5 << 20, 0, None)
+    assert accel.memory.memory_reserved() >= 20 << 20  # a large segment of the core's
+    abi.accel_torch_free(ptr, 5 << 20, 0, None)
+    accel.memory.reset_peak_memory_stats()
+    assert accel.memory.max_memory_allocated() == accel.memory.memory_allocated()
+    accel.memory.reset_accumulated_memory_stats()
+    stats = accel.memory.memory_stats()
+    assert stats["allocation.all.allocated"] == stats["allocation.all.freed"] == 0
+    accel.memory.empty_cache()
+    assert accel.memory.memory_reserved() == 0
+
+
+def test_the_memory_fraction_caps_accel_and_torch_together() -> None:
+    """One cap for what accel's buffers and torch's tensors reserve on a device: the
+    ABI returns NULL past it, and accel's allocation counts torch's segments."""
+    ok(
+        run(
+            "cpu",
+            """
+            import ctypes
+            import accel
+            from accel._errors import OutOfMemoryError
+            from accel.allocator import torch_allocator_spec
+
+            path, _, _ = torch_allocator_spec()
+            abi = ctypes.CDLL(path)
+            abi.accel_torch_alloc.restype = ctypes.c_void_p
+            abi.accel_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+            total = accel.memory.get_allocator().upstream.memory_info()[1]
+            accel.memory.set_per_process_memory_fraction((5 << 20) / total)
+            held = [abi.accel_torch_alloc(1 << 20, 0, None) for _ in range(4)]  # two per 2 MiB segment
+            assert all(held) and accel.memory.memory_reserved() == 4 << 20, accel.memory.memory_reserved()
+            assert abi.accel_torch_alloc(1 << 20, 0, None) is None  # a third segment passes the cap
+            try:
+                accel.memory.allocate(1 << 20)
+            except OutOfMemoryError as exc:
+                assert "4.00 MiB is allocated by accel" in str(exc), exc  # torch's, counted
+            else:
+                raise AssertionError("accel's allocation passed the cap torch's segments filled")
+            print("ok")
+            """,
+        )
+    )
+
+
+def test_a_forked_child_gets_null_not_a_hang() -> None:
+    """A child forked while a native thread held the core's mutex would wait forever:
+    in a child the ABI serves nothing (accel does not run in a child forked after it
+    started), so torch raises its out-of-memory error there instead."""
+    ok(
+        run(
+            "cpu",
+            """
+            import ctypes, os, sys
+            from accel.allocator import torch_allocator_spec
+
+            path, _, _ = torch_allocator_spec()
+            abi = ctypes.CDLL(path)
+            abi.accel_torch_alloc.restype = ctypes.c_void_p
+            abi.accel_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+            assert abi.accel_torch_alloc(4096, 0, None)
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0 if abi.accel_torch_alloc(4096, 0, None) is None else 3)
+            _, status = os.waitpid(pid, 0)
+            assert os.WEXITSTATUS(status) == 0, status
+            assert abi.accel_torch_alloc(4096, 0, None)  # the parent's still serves
+            print("ok")
+            """,
+        )
+    )
