@@ -136,7 +136,7 @@ def bench(model_name: str, batch: int, calls: int, repeats: int, variants: list[
     if "compiled" in variants:
         t0 = time.perf_counter()
         try:
-            comp = make_graphed_callables(model, (x,), tier="compiled")
+            comp = make_graphed_callables(model, (x,), tier="compiled", wait=True)
         except accel.NotSupportedError as exc:
             notes["compiled"] = f"failed: {str(exc).splitlines()[0][:120]}"
         else:
