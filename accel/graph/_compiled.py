@@ -1120,7 +1120,9 @@ class BackgroundCompile:
         wait: bool = False,
         warn: bool = False,
     ) -> None:
-        self._build = _Build(_check(g, inputs, outputs), inputs, outputs, _engines(engines), tolerance)
+        self._build: _Build | None = _Build(_check(g, inputs, outputs), inputs, outputs, _engines(engines), tolerance)
+        #: What every engine measured, or why it was not kept; filled in as the build goes.
+        self.candidates = self._build.candidates
         self._on_ready = on_ready
         self._warn = warn
         self.state = "building"
@@ -1157,7 +1159,7 @@ class BackgroundCompile:
             last = "" if self.last_build_seconds is None else f" (last build took {self.last_build_seconds:.1f} s)"
             return f"building{last}"
         if self.state == "building":
-            others = [c.engine for c in self._build.candidates
+            others = [c.engine for c in self.candidates
                       if c.status in ("pending", "building", "ok") and c.engine != compiled.engine]
             if not others:
                 return f"compiled: {compiled.engine} (timing it)"
@@ -1167,6 +1169,7 @@ class BackgroundCompile:
     def _serve(self, compiled: CompiledProgram) -> None:
         # One attribute store each: a replay running on another thread sees
         # one engine (or the interpreted tier) whole, never a mix.
+        assert self._build is not None  # only while the build runs
         _attach(self._build.program, compiled, self._build.inputs)
         self.compiled = compiled
         if self._on_ready is not None:
@@ -1176,6 +1179,7 @@ class BackgroundCompile:
         self._served.set()
 
     def _run(self) -> None:
+        assert self._build is not None
         try:
             # In the caller's thread (wait=True) nothing replays meanwhile: no engine to serve early.
             final = self._build.run(serve=None if self._inline else self._serve, stop=self._stop.is_set)
@@ -1192,6 +1196,10 @@ class BackgroundCompile:
         else:
             self.state = "ready"
         finally:
+            # What only the build needed goes: the FX graph, the trial inputs, and
+            # on_ready, whose closure holds the graphed callable's entry, which
+            # holds this (a cycle that kept the graph's memory until a collection).
+            self._build = self._on_ready = None
             with _RUNNING_LOCK:
                 _RUNNING.discard(self)
             self._served.set()

@@ -820,16 +820,23 @@ def test_ties_keep_the_incumbent_whatever_the_noise_says() -> None:
     assert _compiled._choose(clear, [False, False], incumbent=0) == (1, [1])
 
 
-def test_a_call_that_raced_a_switch_does_not_keep_the_replaced_engine_hot(cache: Path, engines: Any) -> None:
+def test_a_call_that_raced_a_switch_does_not_keep_the_replaced_engine_hot(
+    engines: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     # A call reads the engine's call, then a background build replaces the engine
     # (new call, then the hot call reset) before the call stores its call as the
     # hot one: that must not keep the replaced engine for every later call.
-    engines(_engines.OnnxRuntime())
+    monkeypatch.setenv("ACCEL_GRAPH_CACHE", str(tmp_path))
+    late = _Gated("late")
+    engines(_engines.OnnxRuntime(), late)
+    _timed(monkeypatch, *[(1e-5, 1e-5)] * 11)
     model, x = _tiny(), torch.randn(2, 8)
-    fast = make_graphed_callables(model, (x,), tier="auto", wait=True)
+    fast = make_graphed_callables(model, (x,), tier="compiled")
     (entry,) = fast._cache.values()
-    build, old = entry.compiled, entry.call
-    assert build.state == "ready" and old is not None
+    build = entry.compiled
+    assert build.wait(timeout=120, first=True)
+    old = entry.call
+    assert old is not None
 
     def racing(args: Any) -> Any:
         build._on_ready(build.compiled)  # what the build's thread does when an engine replaces this one
@@ -841,6 +848,33 @@ def test_a_call_that_raced_a_switch_does_not_keep_the_replaced_engine_hot(cache:
     assert fast._hot is None and entry.call not in (racing, old)
     fast(x)
     assert fast._hot is entry.call
+    late.go.set()
+    assert fast.wait_compiled(timeout=120)
+
+
+def test_a_graphed_callable_dropped_after_its_build_lets_go_of_its_memory_at_once(
+    engines: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The build's callback holds the callable's entry, which holds the build: a
+    # cycle, kept until the build ends, not after (the graph's memory stayed
+    # allocated until a garbage collection).
+    import gc
+
+    monkeypatch.setenv("ACCEL_GRAPH_CACHE", str(tmp_path))
+    engines(_engines.OnnxRuntime())
+    accel.memory.empty_cache()
+    before = accel.memory.memory_allocated()
+    fast = make_graphed_callables(_tiny(), (torch.randn(2, 8),), tier="compiled")
+    assert fast.wait_compiled(timeout=120)
+    fast(torch.randn(2, 8))
+    assert accel.memory.memory_allocated() > before
+    gc.disable()
+    try:
+        del fast
+        accel.memory.empty_cache()
+        assert accel.memory.memory_allocated() == before
+    finally:
+        gc.enable()
 
 
 def test_switches_under_concurrent_calls_never_return_a_wrong_result(
@@ -957,7 +991,7 @@ def test_an_evicted_graphs_build_stops(engines: Any, monkeypatch: pytest.MonkeyP
     first.go.set()
     assert evicted.compiled.wait(timeout=120)
     assert isinstance(evicted.compiled.error, _compiled._Stopped)
-    assert {c.engine: c.status for c in evicted.compiled._build.candidates}["never"] == "pending"
+    assert {c.engine: c.status for c in evicted.compiled.candidates}["never"] == "pending"
     (kept,) = fast._cache.values()
     kept.compiled.stop()
     assert kept.compiled.wait(timeout=120)
