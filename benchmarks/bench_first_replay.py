@@ -26,6 +26,7 @@ load average with them.
 
     python benchmarks/bench_first_replay.py                    # Markdown table
     python benchmarks/bench_first_replay.py --models mlp --json
+    python benchmarks/bench_first_replay.py --first-only       # the first replay only: seconds, not minutes
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _child(model_name: str, batches: list[int], threads: int) -> list[dict[str, Any]]:
+def _child(model_name: str, batches: list[int], threads: int, first_only: bool) -> list[dict[str, Any]]:
     """In a fresh process: one compiled graphed callable per batch size, timed as the module docstring says."""
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -82,10 +83,14 @@ def _child(model_name: str, batches: list[int], threads: int) -> list[dict[str, 
             slowest = max(slowest, took)
             if serving is not None and first is None:
                 first, first_engine = c0 - captured, serving.engine
+                if first_only:
+                    build.stop()  # no final choice: the next step ends the build
             if build.state != "building":
                 break
             time.sleep(1e-3)
         final = time.perf_counter() - captured
+        if first is None and build.compiled is not None:  # it served during the last call, at once final
+            first, first_engine = final, build.compiled.engine
         error = float((fast(x) - expected).abs().max())
         rows.append({
             "model": model_name, "batch": batch, "threads": threads,
@@ -100,10 +105,10 @@ def _child(model_name: str, batches: list[int], threads: int) -> list[dict[str, 
     return rows
 
 
-def _run(model: str, batches: list[int], threads: int, cache: Path) -> list[dict[str, Any]]:
+def _run(model: str, batches: list[int], threads: int, cache: Path, first_only: bool) -> list[dict[str, Any]]:
     env = {**os.environ, "ACCEL_GRAPH_CACHE": str(cache), "ACCEL_BACKEND": "cpu", "PYTHONPATH": str(ROOT)}
     args = [sys.executable, __file__, "--child", model, "--batches", ",".join(map(str, batches)),
-            "--threads", str(threads)]
+            "--threads", str(threads), *(["--first-only"] if first_only else [])]
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"{model}: the child exited with {done.returncode}:\n{done.stderr[-3000:]}")
@@ -137,23 +142,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,8", help="batch sizes, each a graph of the same process")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print raw results as JSON")
+    parser.add_argument("--first-only", action="store_true",
+                        help="stop each build once an engine serves (minutes less; no final choice, no warm run)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",") if b]
     if args.child:
-        print(json.dumps(_child(args.child, batches, args.threads)))
+        print(json.dumps(_child(args.child, batches, args.threads, args.first_only)))
         return 0
     rows = []
     for model in [m for m in args.models.split(",") if m]:
         with tempfile.TemporaryDirectory(prefix="accel-first-replay-") as cache:
-            cold = _run(model, batches, args.threads, Path(cache))
-            warm = _run(model, batches, args.threads, Path(cache))
+            cold = _run(model, batches, args.threads, Path(cache), args.first_only)
+            warm = cold if args.first_only else _run(model, batches, args.threads, Path(cache), False)
         for c, w in zip(cold, warm):
             rows.append({"cold": c, "warm": w})
-            print(_markdown(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+            if not args.first_only:
+                print(_markdown(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     env = {"load average": os.getloadavg(), "cores": os.cpu_count()}
     if args.json:
         print(json.dumps({"environment": env, "results": rows}, indent=2))
+    elif args.first_only:
+        print(f"# {env}\n")
+        print("| model, batch, threads | capture | first compiled replay | slowest call while building "
+              "(interpreted median) |\n|---|---|---|---|")
+        for r in rows:
+            c = r["cold"]
+            first = "-" if c["first_s"] is None else f"{c['first_s']:.2f} s ({c['first_engine']})"
+            print(f"| {c['model']}, {c['batch']}, {c['threads']} | {c['capture_s']:.2f} s | {first} | "
+                  f"{c['slowest_call_ms']:.1f} ms ({c['interpreted_call_us'] or 0:.0f} µs) |")
     else:
         print(f"# {env}\n")
         print(_markdown(rows))

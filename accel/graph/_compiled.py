@@ -616,7 +616,11 @@ def compile_graph(
     ``"onnxruntime"``, ``"onnxruntime-1thread"``, ``"aotinductor"`` and ``"aotinductor-cpp-gemm"``); one is kept if all its outputs
     are within ``tolerance`` of eager (relative to the largest magnitude,
     at least 1). The result's ``engine`` and ``report()`` say which was
-    chosen and why.
+    chosen and why. The choice is kept in the disk cache: compiling the same
+    program again (in this process or another, with the same engines,
+    versions and threads) keeps that engine if it still agrees with eager,
+    without building or timing the others (delete its ``choice-*.json`` to
+    time them again).
 
     Refused (:class:`~accel.NotSupportedError`) when the capture holds no
     torch program, interleaves torch ops with other stream work, writes to
@@ -1206,9 +1210,13 @@ class BackgroundCompile:
             self._done.set()
 
     def stop(self) -> None:
-        """End the build at its next step (an engine's build, a round of timing);
-        what serves keeps serving."""
+        """End the build at its next step (after an engine's build or load, before
+        a round of timing; an AOTInductor build's process is killed); what serves
+        keeps serving."""
         self._stop.set()
+        thread = getattr(self, "_thread", None)  # none: it ran in the caller's thread (wait=True), done
+        if thread is not None and thread.ident is not None:
+            kill_builds(thread.ident)
 
     def wait(self, timeout: float | None = None, *, first: bool = False) -> bool:
         """Block until the final choice serves (or the build failed), or with
@@ -1221,8 +1229,8 @@ def _stop_at_exit() -> None:
     with _RUNNING_LOCK:
         builds = list(_RUNNING)
     for build in builds:
-        build.stop()
-    kill_builds()  # the C++ compiles: their threads then stop at once
+        build.stop()  # and its C++ compile: its thread then stops at once
+    kill_builds()  # any other thread's too (compile_graph on a daemon thread)
     deadline = time.monotonic() + EXIT_WAIT_S
     for build in builds:
         build._thread.join(max(0.0, deadline - time.monotonic()))

@@ -235,8 +235,8 @@ with torch.no_grad():
     torch._inductor.aoti_compile_and_package(exported, package_path=sys.argv[2], inductor_configs=json.loads(sys.argv[3]))
 """
 
-# Build processes running, killed by kill_builds().
-_CHILDREN: set[subprocess.Popen[str]] = set()
+# Build processes running, by the thread waiting for each; killed by kill_builds().
+_CHILDREN: dict[subprocess.Popen[str], int] = {}
 _CHILDREN_LOCK = threading.Lock()
 
 
@@ -255,7 +255,7 @@ def _build_in_child(code: str, *args: str) -> None:
         start_new_session=True,  # its own process group: the C++ compilers it runs go with it
     )
     with _CHILDREN_LOCK:
-        _CHILDREN.add(proc)
+        _CHILDREN[proc] = threading.get_ident()
     try:
         _, err = proc.communicate()
     except BaseException:  # interrupted: not left compiling
@@ -263,7 +263,7 @@ def _build_in_child(code: str, *args: str) -> None:
         raise
     finally:
         with _CHILDREN_LOCK:
-            _CHILDREN.discard(proc)
+            _CHILDREN.pop(proc, None)
     if proc.returncode != 0:
         lines = [line for line in err.splitlines() if line.strip()]
         last = lines[-1].strip() if lines else f"it was killed by signal {-proc.returncode}"
@@ -276,10 +276,11 @@ def _kill(proc: subprocess.Popen[str]) -> None:
     proc.wait()
 
 
-def kill_builds() -> None:
-    """Kill every build process running (at interpreter exit): their threads' waits end."""
+def kill_builds(thread: int | None = None) -> None:
+    """Kill the build processes that the thread ``thread`` (an ident; None: every
+    thread) waits for: its wait ends, and the build fails."""
     with _CHILDREN_LOCK:
-        children = list(_CHILDREN)
+        children = [proc for proc, waiter in _CHILDREN.items() if thread is None or waiter == thread]
     for proc in children:
         _kill(proc)
 
