@@ -5,13 +5,29 @@ installed as the package ``accel._benchmarks``, so ``accel bench`` works from a 
 The optional C extension ``accel._speedups`` is built when a compiler is there.
 """
 
+import zlib
+from pathlib import Path
+
 from setuptools import Extension, find_packages, setup
+
+SPEEDUPS = "accel/_speedups.c"
+# The source's CRC-32, compiled into the extension and checked by accel/_native.py against
+# the _speedups.c installed beside it: a build from another version of the source (an old
+# .so left in build/ or in the tree when this build found no compiler) is not loaded.
+SOURCE_CRC32 = f"{zlib.crc32((Path(__file__).resolve().parent / SPEEDUPS).read_bytes()):08x}"
 
 setup(
     packages=[*find_packages(include=["accel", "accel.*"]), "accel._benchmarks"],
     package_dir={"accel._benchmarks": "benchmarks"},
-    package_data={"accel": ["py.typed", "_speedups.pyi"], "accel._benchmarks": ["*.md"]},
+    package_data={"accel": ["py.typed", "_speedups.pyi", "_speedups.c"], "accel._benchmarks": ["*.md"]},
     # The compiled fast paths (accel/_native.py): optional, so that without a compiler
     # the build goes on and accel stays pure Python.
-    ext_modules=[Extension("accel._speedups", ["accel/_speedups.c"], optional=True)],
+    ext_modules=[
+        Extension(
+            "accel._speedups",
+            [SPEEDUPS],
+            define_macros=[("ACCEL_SPEEDUPS_SOURCE_CRC32", f'"{SOURCE_CRC32}"')],
+            optional=True,
+        )
+    ],
 )

@@ -42,6 +42,7 @@ from accel._facade import (
     current_device_idx,
     current_device_index,
     current_stream,
+    default_stream,
     device_count,
     device_index,
     get_device_capability,
@@ -53,13 +54,19 @@ from accel._facade import (
     set_stream,
     synchronize,
 )
+from accel import _runtime
 from accel.backends.base import DeviceProperties
 from accel.stream import Event, ExternalStream, Stream
 
-# The interop layer gives buffers their exchange formats (DLPack, CUDA Array
-# Interface) when it loads; it imports neither torch nor numpy.
-from accel import _interop  # noqa: F401
-from accel._interop import from_dlpack
+
+def _load_interop() -> None:
+    # The interop layer gives buffers their exchange formats (DLPack, CUDA Array
+    # Interface) when it loads. It imports the allocator, so it is loaded on first
+    # need: a buffer's first export, or a name below that lives there.
+    from accel import _interop  # noqa: F401
+
+
+_runtime.install_interop_loader(_load_interop)
 
 __version__ = "0.1.0"
 
@@ -89,8 +96,10 @@ __all__ = [
     "current_device_idx",
     "current_device_index",
     "current_stream",
+    "default_stream",
     "device_count",
     "device_index",
+    "distributed",
     "empty",
     "empty_cache",
     "empty_host_cache",
@@ -119,7 +128,8 @@ __all__ = [
 if TYPE_CHECKING:
     # What __getattr__ below loads on first use, spelled out for type checkers so
     # that accel.Graph, accel.memory_stats() or accel.empty() have their real types.
-    from accel import allocator, backends, graph, memory, stream
+    from accel import allocator, backends, distributed, graph, memory, stream
+    from accel._interop import from_dlpack
     from accel._interop.torch import as_tensor, empty
     from accel.allocator.config import AllocatorConfigWarning
     from accel.graph import (
@@ -146,11 +156,12 @@ if TYPE_CHECKING:
 # Names that need torch (make_graphed_callables, compile_graph, GraphCacheWarning)
 # are reachable as attributes but left out of __all__, so `from accel import *`
 # never imports torch.
-_LAZY_MODULES = ("allocator", "backends", "graph", "memory", "stream")
+_LAZY_MODULES = ("allocator", "backends", "distributed", "graph", "memory", "stream")
 _LAZY_NAMES = {
     "AllocatorConfigWarning": "accel.allocator.config",
     "graph_pool_handle": "accel.graph",
     "as_tensor": "accel._interop.torch",
+    "from_dlpack": "accel._interop",
     "Graph": "accel.graph",
     "GraphCacheWarning": "accel.graph",
     "compile_graph": "accel.graph",
@@ -186,4 +197,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY_MODULES, *_LAZY_NAMES])
+    # The public names (what tab completion and help() offer), not this module's
+    # own imports and helpers; the module's dunders stay, as on any module.
+    dunders = (name for name in globals() if name.startswith("__") and name.endswith("__"))
+    return sorted({*__all__, *_LAZY_MODULES, *_LAZY_NAMES, *dunders})

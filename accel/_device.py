@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import re
+import sys
 from typing import Any, Union
 
 from accel._errors import DeviceError
@@ -20,9 +21,18 @@ class Device(str):
     ``torch.device("cuda")``. A Device *is* its device string (a ``str``
     subclass), because torch takes no other foreign object as a device: it
     works wherever torch takes a device, ``tensor.to(dev)``, ``device=dev``
-    and ``torch.device(dev)``, and compares equal to its string.
+    and ``torch.device(dev)``, and compares equal to its string and, both
+    ways round, to the ``torch.device`` of the same type and index.
 
+    It hashes as its string (it is one), which ``torch.device`` does not: do
+    not mix the two as keys of one dict or set.
+
+    >>> import torch
     >>> from accel import Device
+    >>> Device("cpu", 0) == torch.device("cpu:0") and torch.device("cpu:0") == Device("cpu", 0)
+    True
+    >>> Device("cpu") == torch.device("cpu:0")  # no index is not index 0, as in torch
+    False
     >>> Device.parse("cpu:0")
     Device(type='cpu', index=0)
     >>> str(Device("xpu"))
@@ -65,6 +75,21 @@ class Device(str):
 
     def __str__(self) -> str:
         return str.__str__(self)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            return str.__eq__(self, other)
+        # A torch.device exists only once torch is imported: no import here (accel stays cheap).
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(other, torch.device):
+            return bool(self._type == other.type and self._index == other.index)
+        return NotImplemented
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = str.__hash__  # defining __eq__ would otherwise make Device unhashable
 
     def __reduce__(self) -> tuple[builtins.type[Device], tuple[str, int | None]]:  # `type` is the property
         return (Device, (self._type, self._index))

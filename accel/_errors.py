@@ -7,6 +7,11 @@ to act on.
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+from types import FrameType
+
 __all__ = [
     "AccelError",
     "AllocatorConfigError",
@@ -19,6 +24,7 @@ __all__ = [
     "InvalidValueError",
     "NotSupportedError",
     "OutOfMemoryError",
+    "warn_at_caller",
 ]
 
 
@@ -119,3 +125,39 @@ class OutOfMemoryError(AccelError, MemoryError):
 
 class AllocatorConfigError(AccelError, ValueError):
     """An allocator configuration string or value is invalid."""
+
+
+# accel's own directory: a warning is attributed to the first frame outside it.
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_at_caller(message: str, category: type[Warning]) -> None:
+    """``warnings.warn``, attributed to the line outside accel that led here.
+
+    A fixed ``stacklevel`` names the right line from one call path only; the
+    allocator's configuration is read from many (``accel.memory_stats()``, the
+    first allocation, a ``set_settings()``), so the frames of accel are skipped
+    instead: the warning names the user's file and line, and a filter on
+    ``module=`` matches the user's module.
+    """
+    if sys.version_info >= (3, 12):
+        warnings.warn(message, category, skip_file_prefixes=(_PACKAGE,))
+        return
+    # What skip_file_prefixes does: the stack level of the first frame outside accel,
+    # counted as warnings counts (the import system's own frames are not counted).
+    frame = sys._getframe(0)
+    level = 1
+    while frame.f_back is not None:
+        frame = frame.f_back
+        if _is_import_system(frame):
+            continue
+        level += 1
+        if not frame.f_code.co_filename.startswith(_PACKAGE):
+            break
+    warnings.warn(message, category, stacklevel=level)
+
+
+def _is_import_system(frame: FrameType) -> bool:
+    """Whether warnings skips ``frame`` when it counts the stack level."""
+    filename = frame.f_code.co_filename
+    return "importlib" in filename and "_bootstrap" in filename

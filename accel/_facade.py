@@ -24,6 +24,7 @@ __all__ = [
     "current_device_idx",
     "current_device_index",
     "current_stream",
+    "default_stream",
     "device_count",
     "device_index",
     "get_device_capability",
@@ -153,6 +154,24 @@ def current_stream(device: DeviceLike = None, /) -> Stream:
     return runtime.current_stream(runtime.index(device))
 
 
+def default_stream(device: DeviceLike = None) -> Stream:
+    """The default stream of ``device``, as ``torch.cuda.default_stream`` (CUDA's
+    legacy NULL stream; on the host, work on it runs inline in the calling thread).
+
+    It is the current stream until another is set; streams accel creates never
+    wait for it implicitly (they are non-blocking, as torch's).
+
+    >>> import accel
+    >>> accel.default_stream() == accel.current_stream()  # until a stream is made current
+    True
+    >>> with accel.Stream() as s:
+    ...     accel.default_stream() == s
+    False
+    """
+    runtime = get_runtime()
+    return runtime.default_stream(runtime.index(device))
+
+
 def set_stream(stream: Stream) -> None:
     """Make ``stream`` current on its device, and its device current.
 
@@ -197,13 +216,20 @@ def get_device_properties(device: DeviceLike = None, /) -> DeviceProperties:
 
 
 def get_device_capability(device: DeviceLike = None, /) -> dict[str, Any]:
-    """What ``device`` can do: ``{"supported_dtypes": {...}, ...}``.
+    """What ``device`` can do: ``{"supported_dtypes": {...}, "torch_runs_inline": bool, ...}``.
 
     dtypes are named as strings (``getattr(torch, name)`` maps them to torch's),
     so that asking does not import torch. CUDA adds ``compute_capability``.
 
+    ``torch_runs_inline`` says whether torch's work on the device runs inline in
+    the calling thread (done when each op returns, so host timers time it and
+    there is nothing to synchronize), as on the host, rather than queued on the
+    device: ask it instead of testing ``device.type == "cpu"``.
+
     >>> import accel
     >>> "uint16" in accel.get_device_capability()["supported_dtypes"]
+    True
+    >>> accel.get_device_capability()["torch_runs_inline"]  # the host backend
     True
     """
     props = get_device_properties(device)
@@ -219,6 +245,7 @@ def get_device_capability(device: DeviceLike = None, /) -> dict[str, Any]:
     else:
         dtypes.add("bfloat16")
     capability["supported_dtypes"] = dtypes  # a set, as torch's
+    capability["torch_runs_inline"] = get_runtime().backend.torch_runs_inline
     return capability
 
 

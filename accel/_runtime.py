@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from accel._device import Device, as_device
-from accel._errors import AccelError, DeviceError, HostFunctionError
+from accel._errors import AccelError, DeviceError, HostFunctionError, NotSupportedError
 from accel._native import speedups
 from accel.backends import BACKEND_NAMES, initialized_backend_names, load_backend, select_backend
 from accel.backends.base import Backend
@@ -31,6 +31,8 @@ __all__ = [
     "current_backend_name",
     "get_runtime",
     "install_default_stream_wrapper",
+    "install_interop_loader",
+    "load_interop",
     "requested_backend_name",
 ]
 
@@ -301,6 +303,28 @@ def install_default_stream_wrapper(wrap: Callable[[Runtime, int, int], Stream]) 
     """Set how default-stream handles become accel Streams (called once, by accel.stream)."""
     global _wrap_default_stream
     _wrap_default_stream = wrap
+
+
+def _no_interop_layer() -> None:
+    raise NotSupportedError("accel's buffer exports are not installed: import accel first")
+
+
+# Loads accel._interop, which gives buffers their exchange formats (DLPack, the CUDA Array
+# Interface) when it is imported. That layer sits above the allocator, and importing it
+# imports the allocator: accel/__init__.py installs the loader instead of importing it, so
+# that `import accel` loads neither, and the allocator calls it before a buffer's first export.
+_load_interop: Callable[[], None] = _no_interop_layer
+
+
+def install_interop_loader(load: Callable[[], None]) -> None:
+    """Set how the interop layer is loaded on first need (called once, by accel/__init__.py)."""
+    global _load_interop
+    _load_interop = load
+
+
+def load_interop() -> None:
+    """Load the interop layer (it installs the buffer exports as it loads)."""
+    _load_interop()
 
 
 _runtime_lock = threading.Lock()

@@ -23,6 +23,14 @@
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 
+/* The CRC-32 of this file, passed by setup.py. accel/_native.py compares it with the
+ * source beside the package and refuses a module built from another version of it: an
+ * old build (in build/ or in the tree, kept when a later build had no compiler) reads
+ * slots and calls methods that the current Python code may no longer have. */
+#ifndef ACCEL_SPEEDUPS_SOURCE_CRC32
+#error "build accel/_speedups.c through setup.py: it defines ACCEL_SPEEDUPS_SOURCE_CRC32, checked by accel/_native.py"
+#endif
+
 /* -- what install_allocator() was given ------------------------------------------ */
 
 static PyTypeObject *Block_T, *Segment_T, *Pool_T, *FreeList_T, *Counts_T, *Every_T;
@@ -1052,6 +1060,10 @@ stream_ok(PyObject *self, PyObject *stream)
     r = PyObject_IsTrue(c);
     r = r < 0 ? -1 : !r;
 out:
+    if (r < 0 && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear(); /* not a Stream: the Python method says so */
+        r = 0;
+    }
     Py_XDECREF(a);
     Py_XDECREF(b);
     Py_XDECREF(rt);
@@ -1799,6 +1811,7 @@ static native_bit_t native_is_neg, native_is_conj; /* at::native::is_neg/is_conj
 
 static PyTypeObject *Tensor_T;  /* torch.Tensor */
 static PyObject *py_check_memory; /* accel.graph._compiled.check_memory */
+static PyObject *py_is_grad_enabled; /* torch.is_grad_enabled */
 static PyObject *s_shape, *s_dtype, *s_is_cpu, *s_is_contiguous, *s_is_neg, *s_is_conj, *s_data_ptr, *s_call_,
     *s_refuse, *s_gstreams, *s_cdata;
 static PyTypeObject *Binding_T;  /* accel.graph._compiled._Binding */
@@ -2302,7 +2315,8 @@ static PyTypeObject SteadyCall_T = {
 };
 
 /* GraphedCallable's base: a call tries ``_hot`` first (the last compiled call's bound call,
- * see accel/graph/_graphed.py's _CallHead, which this does step by step), then self._call. */
+ * see accel/graph/_graphed.py's _CallHead, which this does step by step), then self._call.
+ * Not in grad mode: there self._call decides whether autograd would record (and refuses). */
 typedef struct {
     PyObject_HEAD
     PyObject *hot;
@@ -2314,6 +2328,14 @@ head_call(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     CallHead *h = (CallHead *)self;
     PyObject *hot = h->hot;
+    if (hot != NULL && hot != Py_None && (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0)) {
+        PyObject *grad = PyObject_CallNoArgs(py_is_grad_enabled); /* set: hot is only set once installed */
+        if (grad == NULL)
+            return NULL;
+        Py_DECREF(grad);
+        if (grad == Py_True)
+            hot = NULL;
+    }
     if (hot != NULL && hot != Py_None && (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0)) {
         Py_INCREF(hot);
         PyObject *r = Py_IS_TYPE(hot, &SteadyCall_T) ? steady_call((SteadyCall *)hot, args)
@@ -2488,7 +2510,7 @@ static PyObject *
 install_graphs(PyObject *module, PyObject *ns)
 {
     PyTypeObject *tensor, *binding = NULL;
-    PyObject *check;
+    PyObject *check, *grad_enabled;
     Py_ssize_t taken, busy;
     if (get_type(ns, "Tensor", &tensor) < 0)
         return NULL;
@@ -2496,15 +2518,22 @@ install_graphs(PyObject *module, PyObject *ns)
         Py_DECREF(tensor);
         return NULL;
     }
+    if (get_obj(ns, "is_grad_enabled", &grad_enabled) < 0) {
+        Py_DECREF(tensor);
+        Py_DECREF(check);
+        return NULL;
+    }
     if (get_type(ns, "Binding", &binding) < 0 || slot_offset(binding, "taken", &taken) < 0
         || slot_offset(binding, "busy", &busy) < 0) {
         Py_XDECREF(binding);
         Py_DECREF(tensor);
         Py_DECREF(check);
+        Py_DECREF(grad_enabled);
         return NULL;
     }
     Tensor_T = tensor;
     py_check_memory = check;
+    py_is_grad_enabled = grad_enabled;
     Binding_T = binding;
     BI_taken = taken;
     BI_busy = busy;
@@ -2585,7 +2614,8 @@ PyInit__speedups(void)
     Py_INCREF(&SteadyCall_T);
     Py_INCREF(&CallHead_T);
     if (PyModule_AddObject(m, "SteadyCall", (PyObject *)&SteadyCall_T) < 0
-        || PyModule_AddObject(m, "_CallHead", (PyObject *)&CallHead_T) < 0) {
+        || PyModule_AddObject(m, "_CallHead", (PyObject *)&CallHead_T) < 0
+        || PyModule_AddStringConstant(m, "SOURCE_CRC32", ACCEL_SPEEDUPS_SOURCE_CRC32) < 0) {
         Py_DECREF(m);
         return NULL;
     }

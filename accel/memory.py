@@ -25,6 +25,10 @@ from typing import Any
 from accel._device import DeviceLike
 from accel._runtime import get_runtime
 from accel import allocator as _allocator
+from accel.allocator._registry import allocators as _allocators
+from accel.allocator._registry import registry as _registry
+from accel.allocator._snapshot import dump_snapshot as _dump_snapshot
+from accel.allocator._snapshot import summary as _summary
 from accel.allocator import (
     Buffer,
     DeviceAllocator,
@@ -75,7 +79,7 @@ __all__ = [
 
 def empty_host_cache() -> None:
     """Free the cached staging memory whose copies completed."""
-    host = _allocator.registry().host
+    host = _registry().host
     if host is not None:
         host.empty_cache()
 
@@ -111,17 +115,17 @@ def host_memory_stats() -> OrderedDict[str, int | float]:
     ...     accel.memory.host_memory_stats()["active_requests.current"]
     1
     """
-    return OrderedDict(_allocator.registry().host_allocator().memory_stats())
+    return OrderedDict(_registry().host_allocator().memory_stats())
 
 
 def reset_peak_host_memory_stats() -> None:
     """Set the peaks of :func:`host_memory_stats` to the current values."""
-    _allocator.registry().host_allocator().reset_peak_stats()
+    _registry().host_allocator().reset_peak_stats()
 
 
 def reset_accumulated_host_memory_stats() -> None:
     """Zero the totals of :func:`host_memory_stats` (``.allocated``, ``.freed``, call counts and times)."""
-    _allocator.registry().host_allocator().reset_accumulated_stats()
+    _registry().host_allocator().reset_accumulated_stats()
 
 
 def memory_stats(device: DeviceLike = None) -> OrderedDict[str, int]:
@@ -201,7 +205,7 @@ def reset_accumulated_memory_stats(device: DeviceLike = None) -> None:
 
 def memory_snapshot(device: DeviceLike = None) -> list[dict[str, Any]]:
     """Segments and blocks (PyTorch's ``memory_snapshot()`` layout); None: every device."""
-    return [segment for a in _allocator.allocators(device) for segment in a.snapshot()]
+    return [segment for a in _allocators(device) for segment in a.snapshot()]
 
 
 def record_memory_history(
@@ -228,7 +232,7 @@ def record_memory_history(
     if device is not None:
         get_runtime().index(device)  # a bad device is an error, as in torch
     settings = None if enabled is None else (enabled, context, stacks, max_entries)
-    _allocator.registry().set_history(settings)
+    _registry().set_history(settings)
 
 
 def dump_snapshot(filename: str | os.PathLike[str] = "dump_snapshot.pickle") -> None:
@@ -237,9 +241,9 @@ def dump_snapshot(filename: str | os.PathLike[str] = "dump_snapshot.pickle") -> 
 
     ``filename`` is torch's name for the argument (``_dump_snapshot(filename=...)``).
     """
-    _allocator.dump_snapshot(filename)
+    _dump_snapshot(filename)
 
 
 def memory_summary(device: DeviceLike = None) -> str:
     """A table of the allocator's statistics for ``device``, like PyTorch's."""
-    return _allocator.summary(get_allocator(device))
+    return _summary(get_allocator(device))

@@ -437,6 +437,9 @@ def run(quick: bool, progress: Callable[[int, int, str], None] | None = None) ->
     return rows
 
 
+# Inference, as eager runs it: graphed calls replay without autograd, and one in
+# grad mode with parameters that require grad is refused.
+@torch.no_grad()
 def _sweep(
     models: list[str],
     batches: Sequence[int],

@@ -4,9 +4,14 @@ Run ``python docs/gen_api.py`` from the repository root after changing a
 public name or its docstring; ``--check`` exits 1 (and says so) when
 docs/api.md is out of date, which the test suite checks.
 
-Public names are each module's ``__all__``; class members are the public
-methods and properties defined in accel (plus the interop protocols such as
-``__dlpack__``). Nothing here loads a backend.
+The public API is the ``__all__`` of ``accel`` and of its public modules (no
+part of the dotted name starts with ``_``), and nothing else: tests/test_docs.py
+checks that every name in ``__all__`` of every such module has its heading here
+and that every heading is such a name. A name a module re-exports (the same
+object) is documented once, where it first appears, and named where else it
+can be imported. Class members are the public methods and properties defined in
+accel (plus the interop protocols such as ``__dlpack__``); those a documented
+base class defines are documented on that class. Nothing here loads a backend.
 """
 
 from __future__ import annotations
@@ -23,17 +28,25 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT = ROOT / "docs" / "api.md"
 
-#: (title, module, introduction). Names come from the module's __all__.
+#: (title, module, introduction). Names come from the module's __all__. Public modules
+#: whose names all appear here under another module (accel.allocator.config's are
+#: accel.allocator's) need no section of their own.
 SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("Devices, streams, events", "accel",
      "The facade: torch.accelerator's names, on every backend. `import accel` loads nothing until a device is needed."),
     ("Memory", "accel.memory", "Buffers from the caching allocator, statistics, snapshots (PyTorch's layout)."),
-    ("Allocator configuration", "accel.allocator", "`ACCEL_ALLOC_CONF` and friends: parse, check, explain, apply."),
+    ("Allocator", "accel.allocator",
+     "`ACCEL_ALLOC_CONF` and friends (parse, check, explain, apply), the memory resources an allocator takes "
+     "its memory from, and memory pools."),
     ("Graphs: capture and replay", "accel.graph", "Record stream work (and torch ops) once, replay it many times."),
-    ("Interop", "accel._interop",
-     "DLPack, `__cuda_array_interface__` and torch: accel memory and streams seen by other libraries."),
+    ("Streams and events", "accel.stream", "The stream layer; `accel` re-exports its classes."),
+    ("Distributed", "accel.distributed",
+     "Under torch.distributed: collectives ordered on accel streams, comm pools, buffers exchanged between ranks."),
     ("Backend discovery", "accel.backends", "Which backends exist here and which one this process uses."),
     ("The Backend protocol", "accel.backends.base", "For backend authors: the one seam between accel and a vendor runtime."),
+    ("The host backend", "accel.backends.cpu", "Host memory and worker-thread streams: the default without a GPU."),
+    ("The CUDA backend", "accel.backends.cuda", "NVIDIA GPUs through the CUDA driver API (docs/backends/cuda.md)."),
+    ("The XPU backend", "accel.backends.xpu", "Intel GPUs through Level Zero (docs/backends/xpu.md)."),
 )
 
 #: Dunder members worth documenting: the protocols other libraries speak.
@@ -131,14 +144,18 @@ def _own_doc(obj: Any) -> str | None:
     return _rst_to_md(inspect.cleandoc(doc)) if doc else None
 
 
-def _members(cls: type) -> list[tuple[str, Any]]:
-    """Public members defined in accel classes along the MRO (first definition wins)."""
+def _members(cls: type, documented: dict[int, str]) -> list[tuple[str, Any]]:
+    """Public members defined in accel classes along the MRO (first definition wins),
+    less those a documented base class has: they are documented there."""
     seen: dict[str, Any] = {}
+    documented_bases = [k for k in cls.__mro__[1:] if id(k) in documented]
     for klass in cls.__mro__:
-        if not klass.__module__.startswith("accel"):
+        if not klass.__module__.startswith("accel") or klass in documented_bases:
             continue
         for name, value in vars(klass).items():
             if name in seen or (name.startswith("_") and name not in PROTOCOLS):
+                continue
+            if any(name in vars(base) for base in documented_bases):
                 continue
             if isinstance(value, (staticmethod, classmethod)):
                 value = value.__func__
@@ -147,7 +164,7 @@ def _members(cls: type) -> list[tuple[str, Any]]:
     return sorted(seen.items(), key=lambda item: (item[0].startswith("_"), item[0]))
 
 
-def _render_class(qualname: str, cls: type) -> list[str]:
+def _render_class(qualname: str, cls: type, documented: dict[int, str]) -> list[str]:
     out = []
     if issubclass(cls, enum.Enum):
         out += [f"### `{qualname}`", "", f"*enum* ({', '.join(m.name + ' = ' + repr(m.value) for m in cls)})", ""]
@@ -164,7 +181,10 @@ def _render_class(qualname: str, cls: type) -> list[str]:
     out += [_own_doc(cls) or "*(no docstring)*", ""]
     if kind == "exception":
         return out
-    for name, value in _members(cls):
+    inherited = [documented[id(k)] for k in cls.__mro__[1:] if id(k) in documented]
+    if inherited:
+        out += [f"Also has the members of {', '.join(f'`{name}`' for name in inherited)}.", ""]
+    for name, value in _members(cls, documented):
         if isinstance(value, property):
             out += [f"#### `{name}`", "", "*property*" + (f" — {_doc(value)}" if value.__doc__ else ""), ""]
         else:
@@ -182,21 +202,49 @@ def _render_value(qualname: str, value: Any) -> list[str]:
     return [f"### `{qualname}`", "", _doc(value), ""]
 
 
-def render_module(title: str, module_name: str, intro: str) -> list[str]:
+def _documented_value(module: Any, name: str) -> Any:
+    value = getattr(module, name)
+    if type(value).__module__ == "accel._speedups":
+        value = value.__wrapped__  # a compiled stand-in (accel/_native.py) documents its Python function
+    return value
+
+
+def _is_shared(value: Any) -> bool:
+    """Whether ``value`` is one object wherever it is imported from (not an int or a string)."""
+    return inspect.isclass(value) or inspect.isroutine(value) or isinstance(value, enum.Enum)
+
+
+def where_documented() -> dict[int, str]:
+    """The id of each public class, function and enum member, to the name it is documented
+    under: its first appearance in SECTIONS' order."""
+    documented: dict[int, str] = {}
+    for _, module_name, _ in SECTIONS:
+        module = importlib.import_module(module_name)
+        for name in getattr(module, "__all__", ()):
+            value = _documented_value(module, name)
+            if _is_shared(value):
+                documented.setdefault(id(value), f"{module_name}.{name}")
+    return documented
+
+
+def render_module(title: str, module_name: str, intro: str, documented: dict[int, str] | None = None) -> list[str]:
+    """One section; ``documented`` is :func:`where_documented`'s answer."""
+    documented = where_documented() if documented is None else documented
     module = importlib.import_module(module_name)
     names = list(getattr(module, "__all__", ()))
     out = [f"## {title}: `{module_name}`", "", intro, ""]
     for name in names:
-        value = getattr(module, name)
-        if type(value).__module__ == "accel._speedups":
-            value = value.__wrapped__  # a compiled stand-in (accel/_native.py) documents its Python function
+        value = _documented_value(module, name)
         qualname = f"{module_name}.{name}"
+        if inspect.ismodule(value):
+            continue
+        if _is_shared(value) and documented[id(value)] != qualname:
+            out += [f"### `{qualname}`", "", f"The same object as `{documented[id(value)]}`.", ""]
+            continue
         if inspect.isclass(value):
-            out += _render_class(qualname, value)
+            out += _render_class(qualname, value, documented)
         elif inspect.isfunction(value) or inspect.isbuiltin(value):
             out += [f"### `{qualname}{_signature(value)}`", "", _doc(value), ""]
-        elif inspect.ismodule(value):
-            continue
         else:
             out += _render_value(qualname, value)
     return out
@@ -235,8 +283,9 @@ def render() -> str:
         "- [Command line](#command-line-python--m-accel-also-the-accel-script)",
         "",
     ]
+    documented = where_documented()
     for title, module, intro in SECTIONS:
-        out += render_module(title, module, intro)
+        out += render_module(title, module, intro, documented)
     out += render_cli()
     text = "\n".join(out)
     return re.sub(r"\n{3,}", "\n\n", text).rstrip() + "\n"

@@ -10,7 +10,10 @@
   None, or a reason the backend cannot be tested here.
 - The ``backend`` fixture runs a test once per backend (the conformance
   suite): cpu always, cuda and xpu where their driver (simulated or real) is
-  prepared.
+  prepared. ``ACCEL_TEST_BACKENDS=cuda`` (a comma list) keeps only those
+  backends' cases and prepares no other driver: ``accel verify`` selects a
+  backend this way, by parameter, where ``-k cuda`` would also match (or miss)
+  test names that merely contain the word.
 """
 
 from __future__ import annotations
@@ -24,7 +27,24 @@ os.environ.setdefault("ACCEL_BACKEND", "cpu")
 # Two host devices, so that multi-device paths (guards, per-device state) run everywhere.
 os.environ.setdefault("ACCEL_CPU_DEVICES", "2")
 
-CONFORMANCE_BACKENDS = ("cpu", "cuda", "xpu")
+ALL_BACKENDS = ("cpu", "cuda", "xpu")
+
+
+def _selected_backends() -> tuple[str, ...]:
+    chosen = os.environ.get("ACCEL_TEST_BACKENDS", "").strip()
+    if not chosen:
+        return ALL_BACKENDS
+    names = tuple(dict.fromkeys(n.strip() for n in chosen.split(",") if n.strip()))
+    unknown = [n for n in names if n not in ALL_BACKENDS]
+    if unknown or not names:
+        raise pytest.UsageError(
+            f"ACCEL_TEST_BACKENDS={chosen!r} names no backend or unknown ones ({', '.join(unknown)}); "
+            f"use a comma list of {', '.join(ALL_BACKENDS)}, or unset it to test all"
+        )
+    return names
+
+
+CONFORMANCE_BACKENDS = _selected_backends()
 
 _skip_reasons: dict[str, str] = {}
 
@@ -48,6 +68,8 @@ for _name in CONFORMANCE_BACKENDS:
 
 def backend_skip_reason(name: str) -> str | None:
     """Why ``name`` cannot be tested in this session, or None if it can."""
+    if name not in CONFORMANCE_BACKENDS:
+        return f"{name} is not among ACCEL_TEST_BACKENDS={os.environ.get('ACCEL_TEST_BACKENDS')}"
     return _skip_reasons.get(name)
 
 

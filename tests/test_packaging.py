@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
 import tarfile
 import tomllib
+import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,6 +55,24 @@ def test_sdist_carries_its_tests_and_they_run(tmp_path) -> None:
     )
     assert result.returncode == 0, result.stdout[-3000:]
     assert " passed" in result.stdout
+
+
+def test_wheel_carries_the_extensions_source_and_loads_the_extension(tmp_path) -> None:
+    # accel/_native.py loads the extension only when it was built from the _speedups.c
+    # installed beside it: the wheel ships that source, and a fresh build matches it.
+    wheel = build_distribution(REPO, tmp_path, "wheel")
+    unpacked = tmp_path / "installed"
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        archive.extractall(unpacked)
+    assert "accel/_speedups.c" in names
+    built = [n for n in names if n.startswith("accel/_speedups.") and n.endswith(".so")]
+    probe = "from accel._native import describe; import json; print(json.dumps(describe()))"
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env={"PYTHONPATH": str(unpacked),
+                            "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "RuntimeWarning" not in result.stderr
+    assert json.loads(result.stdout)["compiled"] is bool(built)
 
 
 def test_version_is_the_same_everywhere() -> None:

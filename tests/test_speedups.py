@@ -52,7 +52,9 @@ def _compiler() -> bool:
 def test_this_run_uses_the_path_its_environment_asks_for() -> None:
     built = importlib.util.find_spec("accel._speedups") is not None
     pure = os.environ.get("ACCEL_PURE_PYTHON") == "1"
-    assert (speedups is not None) == (built and not pure)
+    from accel._native import describe
+
+    assert (speedups is not None) == (built and not pure), describe()["reason"]
     compiled = speedups is not None
     # One seam per module: the replaced functions are Python functions exactly when pure.
     assert inspect.isfunction(DeviceAllocator.__dict__["malloc"]) != compiled
@@ -72,6 +74,79 @@ def test_a_compiler_builds_the_extension_and_accel_uses_it() -> None:
 
 def test_accel_pure_python_switches_the_extension_off() -> None:
     assert _probe(ACCEL_PURE_PYTHON="1") == ["False", "True", "True"]
+
+
+_STALE_PROBE = """
+import warnings
+warnings.simplefilter("always")
+import accel  # line 4
+from accel._native import describe, speedups
+from accel.allocator._caching import DeviceAllocator
+import types
+accel.memory.allocate(64).free()
+print(speedups is None, isinstance(DeviceAllocator.__dict__["malloc"], types.FunctionType), describe()["compiled"])
+"""
+
+
+def _tree_with_the_extension(tmp_path: Path) -> Path:
+    """A copy of the accel package with this tree's built extension."""
+    built = sorted((ROOT / "accel").glob("_speedups.*.so"))
+    if not built:
+        pytest.skip("accel._speedups is not built in this tree")
+    shutil.copytree(ROOT / "accel", tmp_path / "accel", ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
+
+
+def _run_stale_probe(tree: Path) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if k != "ACCEL_PURE_PYTHON"}
+    environ["PYTHONPATH"] = str(tree)
+    return subprocess.run([sys.executable, "-c", _STALE_PROBE], env=environ, cwd=tree, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_an_extension_built_from_this_source_is_used(tmp_path: Path) -> None:
+    tree = _tree_with_the_extension(tmp_path)
+    result = _run_stale_probe(tree)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "False", "True"]
+    assert "RuntimeWarning" not in result.stderr
+
+
+def test_an_extension_built_from_another_source_is_refused(tmp_path: Path) -> None:
+    # An old .so reused when a later build had no compiler: its source changed since.
+    tree = _tree_with_the_extension(tmp_path)
+    with open(tree / "accel" / "_speedups.c", "a") as source:
+        source.write("/* a later edit */\n")
+    result = _run_stale_probe(tree)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "True", "False"]  # pure Python, and it works
+    assert "<string>:4: RuntimeWarning:" in result.stderr  # the user's import, not accel's line
+    assert "was built from another version of accel/_speedups.c" in result.stderr
+    assert "the source's is" in result.stderr and "Rebuild it" in result.stderr
+
+
+def test_an_extension_that_records_no_source_is_refused(tmp_path: Path) -> None:
+    # Built before extensions recorded their source: nothing says it matches.
+    tree = _tree_with_the_extension(tmp_path)
+    for built in (tree / "accel").glob("_speedups.*.so"):
+        built.unlink()
+    (tree / "accel" / "_speedups.py").write_text("def install_allocator(names): raise AssertionError('used')\n")
+    result = _run_stale_probe(tree)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "True", "False"]
+    assert "(CRC-32 not recorded, the source's is" in result.stderr
+
+
+def test_info_says_which_path_runs() -> None:
+    from accel._native import describe, source_crc32
+
+    report = describe()
+    assert report["compiled"] == (speedups is not None)
+    if speedups is not None:
+        assert report["file"] == speedups.__file__ and report["reason"] is None
+        assert speedups.SOURCE_CRC32 == source_crc32() == report["source_crc32"]
+    else:
+        assert report["file"] is None and report["reason"]
 
 
 def test_compiled_stand_ins_keep_the_python_names_docs_and_signatures() -> None:

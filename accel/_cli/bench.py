@@ -33,7 +33,15 @@ HELP = "run the benchmarks (benchmarks/bench_*.py) and print accel's ratios agai
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to run, e.g. 'alloc' for bench_alloc.py (default: all)")
+    found = _names_found()
+    example = found[0] if found else "graph"
+    parser.add_argument(
+        "names",
+        nargs="*",
+        metavar="NAME",
+        help=f"benchmarks to run, e.g. '{example}' for bench_{example}.py (default: all); found here: "
+        + (", ".join(found) if found else "none, pass --dir"),
+    )
     parser.add_argument("--quick", action="store_true", help="fewer repetitions: a smoke run, not a measurement")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--list", action="store_true", help="list the benchmarks found and exit")
@@ -55,6 +63,15 @@ def find_benchmarks_dir(explicit: Path | None) -> Path:
         "no benchmarks directory found: this accel was installed without its benchmarks; "
         "pass --dir DIR (a directory of bench_*.py modules, e.g. benchmarks/ of the accel source tree)"
     )
+
+
+def _names_found() -> list[str]:
+    """The names of the benchmarks ``accel bench`` finds without ``--dir``, for its help."""
+    try:
+        directory = find_benchmarks_dir(None)
+    except InvalidValueError:
+        return []
+    return [path.stem.removeprefix("bench_") for path in sorted(directory.glob("bench_*.py"))]
 
 
 def select(directory: Path, names: Sequence[str]) -> list[Path]:

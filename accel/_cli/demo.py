@@ -215,7 +215,11 @@ def collect(calls: int, compiled: bool) -> dict[str, Any]:
         if compiled and not host_ops:
             report["note"] = "--compiled compiles host programs; ignored on a GPU backend"
             compiled = False
-        report.update(_torch_demo(calls, compiled, device_type))
+        import torch
+
+        # Inference: graphed calls run with autograd off (in grad mode they are refused).
+        with torch.no_grad():
+            report.update(_torch_demo(calls, compiled, device_type))
     else:
         if compiled:
             report["note"] = "--compiled needs torch on the host backend; timing stream work instead"

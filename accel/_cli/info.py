@@ -18,6 +18,7 @@ def collect() -> dict[str, Any]:
     """The report as plain data; raises BackendUnavailableError when the
     selected backend cannot be used."""
     import accel
+    from accel._native import describe
     from accel._runtime import get_runtime, requested_backend_name
     from accel.backends import BACKEND_NAMES, probe_backend
 
@@ -50,8 +51,11 @@ def collect() -> dict[str, Any]:
             field: config.sources[field] for field in sorted(config.sources) if config.sources[field] != "default"
         },
     }
+    speedups = describe()
     return {
         "accel_version": accel.__version__,
+        "compiled": speedups["compiled"],
+        "speedups": speedups,
         "allocator_settings": settings,
         "backend": runtime.name,
         "selected_by": f"ACCEL_BACKEND={requested}" if requested else "first available of cuda, xpu, cpu",
@@ -72,6 +76,11 @@ def run(args: argparse.Namespace) -> int:
     for b in report["backends"]:
         state = "available" if b["available"] else f"unavailable: {b['reason']}"
         print(f"  {b['name']:<5} {state}")
+    speedups = report["speedups"]
+    if speedups["compiled"]:
+        print(f"  compiled paths: in use ({speedups['file']})")
+    else:
+        print(f"  compiled paths: not in use, pure Python ({speedups['reason']})")
     settings = report["allocator_settings"]
     print(f"  allocator settings: {settings['string'] or '(all defaults)'}")
     for field, source in settings["non_default"].items():

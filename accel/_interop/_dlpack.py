@@ -47,7 +47,7 @@ from collections.abc import Callable
 from typing import Any
 
 from accel._errors import InvalidValueError
-from accel.allocator import Buffer, allocate
+from accel.allocator import Buffer, HostBuffer, allocate, allocate_host
 from accel.stream import ExternalStream, Stream, as_stream
 # The C structures (dlpack.h, v1.0) live in the stream layer, which reads
 # DLPack operands of copies and fills.
@@ -59,6 +59,7 @@ __all__ = [
     "DLPackExportError",
     "dlpack_device",
     "dtype_from_name",
+    "host_capsule",
     "make_capsule",
     "live_exports",
     "to_capsule",
@@ -306,6 +307,10 @@ def dlpack_device(obj: Any) -> tuple[DLDeviceType, int]:
         # ``buffer.device`` returns costs most of a microsecond, on every export.
         stream = obj._stream
         return DEVICE_TYPES[stream._runtime.name], stream._device
+    if isinstance(obj, HostBuffer):
+        # Page-locked memory is host memory to consumers: torch refuses kDLCUDAHost
+        # ("Unsupported device_type: 3"), numpy and torch read kDLCPU.
+        return DLDeviceType.kDLCPU, 0
     device = getattr(obj, "device", None)
     kind = getattr(device, "type", None)
     index = getattr(device, "index", None)
@@ -472,16 +477,7 @@ def to_capsule(
     complete producer.
     """
     kind, index = dlpack_device(obj)
-    if dl_device is not None:
-        try:
-            wanted = (int(dl_device[0]), int(dl_device[1]))
-        except (TypeError, ValueError, IndexError):
-            raise DLPackExportError(f"dl_device={dl_device!r} must be a (device type, index) pair") from None
-        if wanted != (int(kind), index):
-            raise DLPackExportError(
-                f"the buffer lives on DLPack device {(int(kind), index)}, not {wanted}; "
-                "accel exports without copying, so copy it to that device first"
-            )
+    _check_dl_device(dl_device, kind, index)
     versioned = _wants_versioned(max_version)
     ptr, nbytes = getattr(obj, "ptr", None), getattr(obj, "nbytes", None)
     if isinstance(ptr, bool) or not isinstance(ptr, int) or isinstance(nbytes, bool) or not isinstance(nbytes, int):
@@ -504,6 +500,52 @@ def to_capsule(
     # memory); other producers are held themselves.
     owner = obj._export_lease() if isinstance(obj, Buffer) else obj
     return make_capsule(owner, ptr, (kind, index), code, bits, dims, versioned, flags)
+
+
+def _check_dl_device(dl_device: tuple[int, int] | None, kind: DLDeviceType, index: int) -> None:
+    """Refuse a ``dl_device`` the consumer asks for other than where the memory lives."""
+    if dl_device is None:
+        return
+    try:
+        wanted = (int(dl_device[0]), int(dl_device[1]))
+    except (TypeError, ValueError, IndexError):
+        raise DLPackExportError(f"dl_device={dl_device!r} must be a (device type, index) pair") from None
+    if wanted != (int(kind), index):
+        raise DLPackExportError(
+            f"the buffer lives on DLPack device {(int(kind), index)}, not {wanted}; "
+            "accel exports without copying, so copy it to that device first"
+        )
+
+
+def host_capsule(
+    obj: HostBuffer,
+    *,
+    stream: object = None,
+    max_version: tuple[int, int] | None = None,
+    dl_device: tuple[int, int] | None = None,
+    copy: bool | None = None,
+) -> Any:
+    """``HostBuffer.__dlpack__``: its bytes as a 1-D uint8 host tensor, held past
+    ``obj.free()`` until the consumer lets go.
+
+    A HostBuffer has no stream, so nothing is ordered: ``stream`` may be None,
+    -1 or an accel Stream; an int handle names a device stream and is refused.
+    """
+    if not (stream is None or isinstance(stream, Stream) or (type(stream) is int and stream == -1)):
+        raise DLPackExportError(
+            f"__dlpack__(stream={stream!r}): host buffers take stream=None (or -1, or an accel.Stream); "
+            "an int handle names a device stream"
+        )
+    kind, index = dlpack_device(obj)
+    _check_dl_device(dl_device, kind, index)
+    versioned = _wants_versioned(max_version)
+    ptr, nbytes, flags = obj.ptr, obj.nbytes, 0
+    if copy:
+        copied = allocate_host(nbytes)  # page-locked too; freed when the consumer lets go
+        ctypes.memmove(copied.ptr, ptr, nbytes)
+        obj, ptr, flags = copied, copied.ptr, _FLAG_IS_COPIED
+    code, bits = _DTYPES["uint8"]
+    return make_capsule(obj._export_lease(), ptr, (kind, index), code, bits, (nbytes,), versioned, flags)
 
 
 # DLPack 1.0's DLPACK_FLAG_BITMASK_IS_COPIED.

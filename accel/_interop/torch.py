@@ -18,16 +18,16 @@ Streams map both ways through :meth:`accel.Stream.from_torch` and
 
 from __future__ import annotations
 
-import ctypes
 import math
 from typing import TYPE_CHECKING, Any
 
 from accel._device import DeviceLike
 from accel._errors import InvalidValueError, NotSupportedError
 from accel._interop import _dlpack
+from accel._interop._host import view_type as _view_type, view_types as _view_types
 from accel._runtime import Runtime, get_runtime
 from accel._torch import import_torch
-from accel.allocator import Buffer, allocate
+from accel.allocator import Buffer, HostBuffer, allocate
 from accel.stream import Stream
 
 if TYPE_CHECKING:
@@ -111,23 +111,11 @@ def _consumer_stream(device_type: str, index: int) -> object:
 
 # Host memory reaches torch through the buffer protocol (torch.frombuffer),
 # several times cheaper than a DLPack capsule built with ctypes (and than
-# torch's own ``_from_blob``, which cannot hold an owner). The ctypes array
-# carries the object that must outlive the tensor; torch keeps the array
-# (through the Py_buffer it took) until the tensor's storage dies, whatever
-# views, slices or further exports of it exist. Array types are made per
-# power of two (each type lives forever); torch reads only ``count`` items
-# of it.
-_view_types: dict[int, Any] = {}
-
-
-def _view_type(size: int) -> Any:
-    """The ctypes array type of ``size`` bytes (a power of two) with an ``owner`` slot."""
-    view_type = _view_types.get(size)
-    if view_type is None:
-        view_type = _view_types.setdefault(
-            size, type(f"accel_host_view_{size}", (ctypes.c_char * size,), {"__slots__": ("owner",)})
-        )
-    return view_type
+# torch's own ``_from_blob``, which cannot hold an owner): a ctypes view that
+# carries the object that must outlive the tensor (see accel._interop._host);
+# torch keeps the view (through the Py_buffer it took) until the tensor's
+# storage dies, whatever views, slices or further exports of it exist, and
+# reads only ``count`` items of it.
 
 
 # torch.frombuffer, looked up once: the per-call import and attribute
@@ -232,15 +220,25 @@ def as_tensor(buffer: Any, dtype: torch.dtype | str = "uint8", shape: int | tupl
     ordered after the buffer's stream (on the host: the data is ready when
     this returns). The tensor keeps the memory alive: after
     ``buffer.free()`` it goes back to the cache only once the tensor and its
-    views are gone.
+    views are gone. A page-locked :class:`~accel.memory.HostBuffer` is a CPU
+    tensor, as torch's pinned memory; it has no stream, so synchronize the
+    copies that write it before reading.
 
     >>> import accel
     >>> buf = accel.memory.allocate(16)
     >>> accel.as_tensor(buf, "int32", (2, 2)).shape
     torch.Size([2, 2])
+    >>> accel.as_tensor(accel.memory.allocate_host(8), "float32").device
+    device(type='cpu')
     """
     torch_dtype, name, itemsize = _dtype_name(dtype)
     dims = None if shape is None else _dlpack.as_shape(shape)
+    if isinstance(buffer, HostBuffer):
+        # Page-locked host memory is a CPU tensor, as torch's pinned memory; it has no
+        # stream to wait for (its copies are the caller's to synchronize).
+        ptr, nbytes = buffer.ptr, buffer.nbytes
+        dims = _dlpack.read_shape(dims, itemsize, nbytes)
+        return _host_tensor(ptr, nbytes, buffer._export_lease(), torch_dtype, itemsize, dims)
     if isinstance(buffer, Buffer):
         device_type = _torch_type(buffer.stream._runtime)
         if device_type == "cpu":

@@ -10,21 +10,12 @@ True
 
 from __future__ import annotations
 
-from accel.allocator._blocks import Block
-from accel.allocator._buffer import Buffer, BufferExports, HostBuffer, allocate, allocate_host, install_exports
+from accel.allocator._buffer import Buffer, HostBuffer, allocate, allocate_host
 from accel.allocator._caching import DeviceAllocator
-from accel.allocator._host_cache import HostCachingAllocator
-from accel.allocator._mempool import MemPool, current_allocator, use_mem_pool
+from accel.allocator._mempool import MemPool, use_mem_pool
 from accel.allocator._oom import OutOfMemoryDetails
-from accel.allocator._pool_ids import PoolId, check_pool_id, graph_pool_handle, new_private_pool_id
-from accel.allocator._registry import (
-    AllocatorRegistry,
-    allocators,
-    empty_cache,
-    get_allocator,
-    registry,
-    set_upstream,
-)
+from accel.allocator._pool_ids import PoolId, graph_pool_handle
+from accel.allocator._registry import empty_cache, get_allocator, set_upstream
 from accel.allocator._resources import (
     BackendResource,
     LimitingAdaptor,
@@ -34,7 +25,6 @@ from accel.allocator._resources import (
     ResourceCounts,
     StatisticsAdaptor,
 )
-from accel.allocator._snapshot import dump_snapshot, full_snapshot, summary
 from accel.allocator.config import (
     ACCEL_BACKEND_VARIABLES,
     ACCEL_VARIABLE,
@@ -57,33 +47,23 @@ from accel.allocator.config import (
     set_settings,
 )
 
+# The public names (docs/api.md lists exactly these). The machinery behind them (the
+# per-runtime registry, blocks, pool-id checks, the buffer exports' installation,
+# snapshots' assembly) is imported from its own module by the layers that use it.
 __all__ = [
-    "AllocatorRegistry",
-    "BackendResource",
-    "Block",
     "Buffer",
-    "BufferExports",
     "DeviceAllocator",
     "HostBuffer",
-    "HostCachingAllocator",
     "MemPool",
     "PoolId",
     "allocate",
     "allocate_host",
-    "allocators",
-    "check_pool_id",
-    "current_allocator",
-    "dump_snapshot",
     "empty_cache",
-    "full_snapshot",
     "get_allocator",
     "graph_pool_handle",
-    "install_exports",
-    "new_private_pool_id",
-    "registry",
     "set_upstream",
-    "summary",
     "use_mem_pool",
+    "BackendResource",
     "LimitingAdaptor",
     "LoggingAdaptor",
     "MemoryResource",

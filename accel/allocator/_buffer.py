@@ -6,8 +6,9 @@ memory; a :class:`Buffer` or :class:`HostBuffer` goes back to its cache on
 
 A Buffer speaks DLPack (and the CUDA Array Interface on CUDA). Those exchange
 formats live in :mod:`accel._interop`, a layer above this one: it installs
-them here (:func:`install_exports`) when ``accel`` is imported, so this
-module never imports it.
+them here (:func:`install_exports`) when it is imported, which the first
+export asks for through the loader ``accel`` gave the runtime
+(:func:`accel._runtime.load_interop`), so this module never imports it.
 
 >>> from accel.allocator import allocate
 >>> with allocate(4096) as buf:
@@ -22,8 +23,6 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
-from typing_extensions import Self
-
 from accel import _runtime
 from accel._device import Device, DeviceLike
 from accel._native import speedups
@@ -37,6 +36,8 @@ from accel.allocator._sharing import export_buffer
 from accel.stream import Stream, as_stream
 
 if TYPE_CHECKING:
+    from typing_extensions import Self  # typing's own from Python 3.11; only annotations need it
+
     from accel.allocator._blocks import Block
     from accel.allocator._caching import DeviceAllocator
 
@@ -56,7 +57,19 @@ class BufferExports(Protocol):
         copy: bool | None,
     ) -> Any: ...
 
-    def dlpack_device(self, buffer: Buffer) -> tuple[int, int]: ...
+    def dlpack_device(self, buffer: Buffer | HostBuffer) -> tuple[int, int]: ...
+
+    def host_capsule(
+        self,
+        buffer: HostBuffer,
+        *,
+        stream: Any,
+        max_version: tuple[int, int] | None,
+        dl_device: tuple[int, int] | None,
+        copy: bool | None,
+    ) -> Any: ...
+
+    def host_memoryview(self, buffer: HostBuffer) -> memoryview: ...
 
     def cuda_array_interface(self, buffer: Buffer) -> dict[str, Any]: ...
 
@@ -74,8 +87,10 @@ def install_exports(exports: BufferExports) -> None:
 
 
 def _installed() -> BufferExports:
-    if _exports is None:  # only when accel/__init__.py was bypassed
-        raise NotSupportedError("accel's buffer exports are not installed: import accel first")
+    if _exports is None:
+        _runtime.load_interop()  # imports accel._interop, which calls install_exports
+        if _exports is None:
+            raise NotSupportedError("accel's buffer exports are not installed: import accel first")
     return _exports
 
 
@@ -96,21 +111,30 @@ def _note_collection(phase: str, info: dict[str, int]) -> None:
 gc.callbacks.append(_note_collection)
 
 
+# Creating a buffer's lease is rare (its first export) and never happens in
+# a finalizer, so a plain lock is safe here.
+_lease_lock = threading.Lock()
+track_lock(sys.modules[__name__], "_lease_lock")
+
+
 class _CachedMemory:
     """What device buffers and staging buffers share: a block of a caching
     allocator that goes back to it on free(), at the end of a ``with`` block,
-    or when the object is garbage collected."""
+    or when the object is garbage collected, or, once exported (a DLPack
+    consumer, a tensor, a memoryview, a graph's capture), when the last of
+    the object and its exports lets go of it."""
 
     # Streams do not keep buffers alive for queued work: the allocator's
     # stream-ordered reuse already makes freeing early safe.
     __accel_buffer__ = True
-    __slots__ = ("_block", "_allocator", "_nbytes", "__weakref__")
+    __slots__ = ("_block", "_allocator", "_nbytes", "_lease", "__weakref__")
     _kind = "buffer"
 
     def __init__(self, block: Any, allocator: Any, nbytes: int) -> None:
         self._block = block
         self._allocator = allocator
         self._nbytes = nbytes
+        self._lease: _Lease | None = None
 
     @property
     def nbytes(self) -> int:
@@ -129,15 +153,41 @@ class _CachedMemory:
         return self._block is None
 
     def free(self) -> None:
-        """Return the memory to the cache now (a second call does nothing)."""
+        """Return the memory to the cache now (a second call does nothing).
+
+        While an export (a tensor, a DLPack consumer, a memoryview) still
+        views the memory, it goes back only when the last view is gone;
+        ``ptr`` is invalid at once either way.
+        """
         if self._block is not None:
             check_not_forked()
         block, self._block = self._block, None
-        if block is not None:
-            if _collecting:
-                self._allocator.free_from_finalizer(block)
-            else:
-                self._allocator.free(block)
+        if block is None:
+            return
+        if self._lease is not None:
+            # Dropping the lease frees the block, now or with the last export;
+            # exports a consumer refused let go of it first.
+            self._lease = None
+            _installed().release_unconsumed()
+        elif _collecting:
+            self._allocator.free_from_finalizer(block)
+        else:
+            self._allocator.free(block)
+
+    def _export_lease(self) -> object:
+        """What an export holds so that the memory outlives :meth:`free` while exported."""
+        lease = self._lease
+        if lease is not None:
+            return lease
+        check_not_forked()  # the lock may have been held by another parent thread at the fork
+        with _lease_lock:
+            lease = self._lease
+            if lease is None:
+                block = self._block
+                if block is None:
+                    raise InvalidHandleError(f"{self!r} was freed; allocate a new {self._kind}")
+                lease = self._lease = _Lease(block, self._allocator)
+            return lease
 
     def record_stream(self, stream: Stream) -> None:
         """Declare that work queued on ``stream`` uses this memory: after a free,
@@ -155,22 +205,35 @@ class _CachedMemory:
         self.free()
 
     def __del__(self) -> None:
-        # getattr: __init__ may have failed before setting the slot.
+        # getattr: __init__ may have failed before setting the slots.
         block = getattr(self, "_block", None)
         if block is not None:
             self._block = None
-            self._allocator.free_from_finalizer(block)
+            if getattr(self, "_lease", None) is None:
+                self._allocator.free_from_finalizer(block)
+            else:
+                self._lease = None  # the lease frees the block with the last export
+                if _exports is not None:
+                    _exports.release_unconsumed()
+
+
+class _TakesBlocksBack(Protocol):
+    """A caching allocator, of device memory (a Buffer's) or of page-locked memory (a HostBuffer's)."""
+
+    def free_from_finalizer(self, block: Any) -> None: ...
+
+    def record_stream(self, block: Any, stream: Stream) -> None: ...
 
 
 class _Lease:
-    """A Buffer's block while exports of it may be read: it goes back to the
+    """A buffer's block while exports of it may be read: it goes back to the
     cache when the last of the buffer and its exports lets go of it."""
 
     # Weakly referenced by exports to other processes, which serve importers
     # only while the buffer (or a view of it) still holds the lease.
     __slots__ = ("_block", "_allocator", "__weakref__")
 
-    def __init__(self, block: Block, allocator: DeviceAllocator) -> None:
+    def __init__(self, block: object, allocator: _TakesBlocksBack) -> None:
         self._block = block
         self._allocator = allocator
 
@@ -183,12 +246,6 @@ class _Lease:
         """Work queued on ``stream`` uses the memory (a graph's replays): once the
         lease is gone, it is reused only after ``stream`` passed that point."""
         self._allocator.record_stream(self._block, stream)
-
-
-# Creating a buffer's lease is rare (its first export) and never happens in
-# a finalizer, so a plain lock is safe here.
-_lease_lock = threading.Lock()
-track_lock(sys.modules[__name__], "_lease_lock")
 
 
 class Buffer(_CachedMemory):
@@ -207,7 +264,7 @@ class Buffer(_CachedMemory):
     True
     """
 
-    __slots__ = ("_stream", "_lease")
+    __slots__ = ("_stream",)
 
     def __init__(self, block: Block, allocator: DeviceAllocator, stream: Stream, nbytes: int) -> None:
         # Assigned here rather than through super().__init__: this is on the
@@ -216,7 +273,7 @@ class Buffer(_CachedMemory):
         self._allocator = allocator
         self._nbytes = nbytes
         self._stream = stream
-        self._lease: _Lease | None = None
+        self._lease = None
 
     def free(self) -> None:
         """Return the memory to the cache now (a second call does nothing).
@@ -255,21 +312,6 @@ class Buffer(_CachedMemory):
                 self._lease = None  # the lease frees the block with the last export
                 if _exports is not None:
                     _exports.release_unconsumed()
-
-    def _export_lease(self) -> object:
-        """What an export holds so that the memory outlives :meth:`free` while exported."""
-        lease = self._lease
-        if lease is not None:
-            return lease
-        check_not_forked()  # the lock may have been held by another parent thread at the fork
-        with _lease_lock:
-            lease = self._lease
-            if lease is None:
-                block = self._block
-                if block is None:
-                    raise InvalidHandleError(f"{self!r} was freed; allocate a new buffer")
-                lease = self._lease = _Lease(block, self._allocator)
-            return lease
 
     @property
     def device(self) -> Device:
@@ -367,14 +409,48 @@ class HostBuffer(_CachedMemory):
     After :meth:`free` the memory is reused only once the streams named with
     :meth:`record_stream` have finished the copies queued before the free.
 
-    >>> import accel
+    It is host memory to torch and numpy, as torch's pinned tensors are:
+    ``accel.as_tensor(hb)``, ``torch.from_dlpack(hb)`` and ``np.from_dlpack(hb)``
+    view its bytes without a copy, and so does ``memoryview(hb)`` where Python
+    has the buffer protocol for classes (3.12). A view keeps the memory alive
+    past :meth:`free`. A HostBuffer has no stream: read it after the copies
+    that write it are done (synchronize their stream or an event), as with
+    ``non_blocking`` copies into pinned tensors.
+
+    >>> import accel, torch
     >>> with accel.memory.allocate_host(4096) as staging:
     ...     staging.nbytes
     4096
+    >>> staging = accel.memory.allocate_host(8)
+    >>> accel.current_stream().fill(staging, 1); accel.current_stream().synchronize()
+    >>> torch.from_dlpack(staging)
+    tensor([1, 1, 1, 1, 1, 1, 1, 1], dtype=torch.uint8)
     """
 
     __slots__ = ()
     _kind = "host buffer"
+
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
+        """Export as DLPack, host memory of bytes (``torch.from_dlpack(hb)``): a view,
+        or with ``copy=True`` a copy in new page-locked memory. ``stream`` is None,
+        -1 or an accel.Stream: there is nothing to order (see the class)."""
+        return _installed().host_capsule(self, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(1, 0)``: DLPack's host device (torch refuses page-locked ``kDLCUDAHost``)."""
+        return _installed().dlpack_device(self)
+
+    def __buffer__(self, flags: int, /) -> memoryview:
+        """The buffer protocol (PEP 688; ``memoryview(hb)`` from Python 3.12, a call
+        before): a writable memoryview of the bytes that keeps the memory alive."""
+        return _installed().host_memoryview(self)
 
     def __repr__(self) -> str:
         where = "freed" if self._block is None else f"ptr={self._block.ptr:#x}"

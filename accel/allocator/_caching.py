@@ -37,14 +37,21 @@ from __future__ import annotations
 import sys
 import threading
 import time
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from accel._native import speedups
-from accel._errors import AccelError, CaptureError, DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
+from accel._errors import (
+    AccelError,
+    CaptureError,
+    DeviceError,
+    InvalidHandleError,
+    InvalidValueError,
+    OutOfMemoryError,
+    warn_at_caller,
+)
 from accel.allocator import _stats as S
 from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED, Block, Pool, PrivatePool, Segment
 from accel.allocator._fork import track_lock
@@ -54,12 +61,9 @@ from accel.allocator._history import History
 from accel.allocator._oom import OutOfMemoryDetails, out_of_memory
 from accel.allocator._pool_ids import PoolId, check_pool_id
 from accel.allocator._resources import BackendResource, MemoryResource
-from accel.allocator.config import AllocatorConfigWarning
+from accel.allocator.config import AllocatorConfig, AllocatorConfigWarning
 from accel.backends.base import Backend, CaptureStatus
-
-if TYPE_CHECKING:
-    from accel.allocator.config import AllocatorConfig
-    from accel.stream import Stream
+from accel.stream import Stream
 
 __all__ = ["DeviceAllocator", "release_orphans", "stream_destroyed"]
 
@@ -212,6 +216,8 @@ class DeviceAllocator:
     accel :class:`~accel.Stream` objects of that device. ``malloc`` returns a
     :class:`Block` whose ``ptr`` and ``size`` the caller uses; ``free`` gives
     it back to the cache. Thread safe: one lock guards all state.
+    ``mempool``: the id of the :class:`~accel.memory.MemPool` it serves, if any
+    (an out-of-memory error of another allocator of the device counts the pool's).
 
     >>> from accel.allocator import DeviceAllocator
     >>> from accel.backends.cpu import CpuBackend
@@ -233,6 +239,7 @@ class DeviceAllocator:
         config: AllocatorConfig,
         *,
         upstream: MemoryResource | None = None,
+        mempool: PoolId | None = None,
     ) -> None:
         self.backend = backend
         self.device = device
@@ -271,6 +278,9 @@ class DeviceAllocator:
         # Set when the owner (a dropped MemPool) needs this allocator no more: every
         # segment goes back upstream once nothing is allocated from it.
         self._orphaned = False
+        # The MemPool this allocator serves (None: the device's own, or the caller's):
+        # an out-of-memory error elsewhere on the device says what the pool caches.
+        self._mempool = mempool
         self._fast = False  # see _update_fast
         self._growths = 0  # expandable segment growths: the clock of Segment.grown_at
         # Stream handles this allocator keys memory by (segments' streams, record_stream
@@ -303,11 +313,10 @@ class DeviceAllocator:
         self._expandable = bool(config.expandable_segments) and self._vm
         self._keep_free = config.expandable_keep_free
         if config.expandable_segments and not self._vm:
-            warnings.warn(
+            warn_at_caller(
                 f"expandable_segments:True has no effect on {self._name}: its memory resource has "
                 "no virtual memory, so segments stay plain allocations",
                 AllocatorConfigWarning,
-                stacklevel=3,
             )
         if not self._fraction_explicit:
             self._set_fraction(config.per_process_memory_fraction, explicit=False)
@@ -336,6 +345,11 @@ class DeviceAllocator:
 
     def update_config(self, config: AllocatorConfig) -> None:
         """Take new settings (the config module's change listener calls this)."""
+        if not isinstance(config, AllocatorConfig):
+            raise InvalidValueError(
+                f"update_config: config={config!r} is not an AllocatorConfig; pass one, such as "
+                "accel.allocator.parse('expandable_segments:True')"
+            )
         with self._lock:
             self._apply_config(config)
 
@@ -373,9 +387,12 @@ class DeviceAllocator:
         """
         if nbytes.__class__ is not int or not 0 < nbytes < MAX_REQUEST:
             self._bad_size(nbytes)
-        if stream._device != self.device or stream._runtime.backend is not self.backend or stream._closed:
+        try:
+            if stream._device != self.device or stream._runtime.backend is not self.backend or stream._closed:
+                self._bad_stream(stream, "an allocation")
+            handle = stream._handle
+        except AttributeError:  # not a Stream (costs nothing until raised)
             self._bad_stream(stream, "an allocation")
-        handle = stream._handle
         # acquire/release rather than ``with``: half the cost on this hot path.
         lock = self._lock
         lock.acquire()
@@ -537,7 +554,12 @@ class DeviceAllocator:
             )
         raise InvalidValueError(f"nbytes={nbytes!r} must be an int number of bytes")
 
-    def _bad_stream(self, stream: Stream, call: str) -> None:
+    def _bad_stream(self, stream: object, call: str) -> NoReturn:
+        if not isinstance(stream, Stream):
+            raise InvalidValueError(
+                f"stream={stream!r} ({type(stream).__name__}) is not an accel.Stream; {call} needs a "
+                f"stream of {self._name}, such as accel.current_stream({self._name!r})"
+            ) from None
         # A closed stream's handle may be the backend's for a new stream: memory
         # cached under it would be ordered on the wrong stream.
         stream._live()  # raises, saying the stream was closed
@@ -545,6 +567,12 @@ class DeviceAllocator:
             f"{stream!r} is not a stream of {self._name}; {call} needs a stream of "
             "the device the memory lives on"
         )
+
+    def _bad_block(self, block: object, call: str) -> NoReturn:
+        raise InvalidValueError(
+            f"{call}: block={block!r} ({type(block).__name__}) is not a Block; pass a Block that "
+            f"malloc() of {self!r} returned"
+        ) from None
 
     def _capture_pool(self, size: int, stream: Stream) -> Pool:
         for private, accepts in reversed(self._captures):
@@ -639,7 +667,7 @@ class DeviceAllocator:
         # uses 2 MiB pages (or the granularity, if larger) for both pools: the
         # last page of a segment is the waste expandable segments still have,
         # and 20 MiB of it per stream dominates models of a few hundred MiB
-        # (measured in docs/benchmarks.md); the price is more map calls.
+        # (measured in docs/archive/benchmarks-history.md); the price is more map calls.
         unit = self.upstream.vm_granularity()
         return -(-SMALL_BUFFER // unit) * unit
 
@@ -712,7 +740,7 @@ class DeviceAllocator:
         of the live block before (if any); at the end, that of the live block after.
         Only ``b``, the best fit, is looked at: trying the next larger free blocks
         as well gave no better peaks on the traces of bench_expandable.py
-        (docs/benchmarks.md) and costs a search per allocation.
+        (docs/archive/benchmarks-history.md) and costs a search per allocation.
         """
         rest = b.size - size
         if rest < KB_MIN:
@@ -1064,10 +1092,13 @@ class DeviceAllocator:
         lock = self._lock
         lock.acquire()  # not ``with``: see malloc
         try:
-            if block.state != ALLOCATED or block.segment.owner is not self:
-                raise InvalidHandleError(
-                    f"{block!r} is not allocated by {self!r} (freed twice, or from another allocator)"
-                )
+            try:
+                if block.state != ALLOCATED or block.segment.owner is not self:
+                    raise InvalidHandleError(
+                        f"{block!r} is not allocated by {self!r} (freed twice, or from another allocator)"
+                    )
+            except AttributeError:  # not a Block
+                self._bad_block(block, "free")
             self._free_held(block)
         finally:
             lock.release()
@@ -1165,7 +1196,11 @@ class DeviceAllocator:
     def free_from_finalizer(self, block: Block) -> None:
         """Free from a garbage-collection finalizer, which may run while this
         thread already holds the lock: then the free waits for the next call."""
-        if block.segment.owner is not self:
+        try:
+            owner = block.segment.owner
+        except AttributeError:  # not a Block
+            self._bad_block(block, "free_from_finalizer")
+        if owner is not self:
             # as free() does: freed here, another allocator's block would drive this
             # one's counts below zero and put that allocator's memory on its free list.
             # The owner never changes, so the check needs no lock.
@@ -1432,14 +1467,20 @@ class DeviceAllocator:
     def record_stream(self, block: Block, stream: Stream) -> None:
         """Mark ``block`` as used on ``stream`` too: after a free it is reused only
         once ``stream`` passed an event recorded at free time."""
-        if stream._device != self.device or stream._runtime.backend is not self.backend:
+        try:
+            if stream._device != self.device or stream._runtime.backend is not self.backend:
+                self._bad_stream(stream, "record_stream")
+        except AttributeError:  # not a Stream
             self._bad_stream(stream, "record_stream")
         handle = stream._live()
         with self._lock:
             if self._gc_frees:  # a retirement of this handle queued before must go first
                 self._drain_gc_frees()
-            if block.state != ALLOCATED or block.segment.owner is not self:
-                raise InvalidHandleError(f"record_stream on {block!r}, which is not allocated here")
+            try:
+                if block.state != ALLOCATED or block.segment.owner is not self:
+                    raise InvalidHandleError(f"record_stream on {block!r}, which is not allocated here")
+            except AttributeError:  # not a Block
+                self._bad_block(block, "record_stream")
             if handle == block.stream:
                 return
             self._known.add(handle)
@@ -1732,6 +1773,7 @@ class DeviceAllocator:
 
     def end_allocate_to_pool(self, pool_id: PoolId) -> None:
         """Stop routing allocations to ``pool_id``; the pool stays until :meth:`release_pool`."""
+        pool_id = check_pool_id(pool_id, where="end_allocate_to_pool")
         with self._lock:
             for i, (private, _) in enumerate(self._captures):
                 if private.id == pool_id:
@@ -1753,6 +1795,7 @@ class DeviceAllocator:
         make deleting a graph wait for unrelated work). A pool that holds no
         memory goes at once.
         """
+        pool_id = check_pool_id(pool_id, where="release_pool")
         with self._lock:
             if self._gc_frees:
                 self._drain_gc_frees()
@@ -1764,6 +1807,7 @@ class DeviceAllocator:
         collected), which may run while this thread holds the lock. When the
         lock is taken (by this thread or another), the release waits for the
         allocator's next call that takes it."""
+        pool_id = check_pool_id(pool_id, where="release_pool_from_finalizer")
         if self._lock.acquire(blocking=False):
             try:
                 self._release_pool_locked(pool_id)
@@ -1810,6 +1854,11 @@ class DeviceAllocator:
 
     def record_history(self, history: History | None) -> None:
         """Start (or, with None, stop and clear) recording the trace."""
+        if history is not None and not isinstance(history, History):
+            raise InvalidValueError(
+                f"record_history: history={history!r} is not a History; pass None to stop, or turn "
+                "recording on with accel.memory.record_memory_history()"
+            )
         with self._lock:
             self._history = history
             self._update_fast()
@@ -1915,14 +1964,24 @@ class DeviceAllocator:
                                 if b.state != FREE:
                                     private_allocated += b.size
         cached_free = sum(t[0] for pool in self._all_pools() for lst in pool.free.values() for t in lst)
-        # What dropped pools of the device still hold (buffers of theirs still alive, or
-        # a release still under way on another thread): read without their locks, for
-        # the diagnosis only.
-        dropped = dropped_allocated = 0
+        # What the device's other allocators hold: dropped pools (buffers of theirs still
+        # alive, or a release still under way on another thread), MemPools in use, the
+        # device's own allocator when a MemPool's ran short. Read without their locks,
+        # for the diagnosis only.
+        dropped = dropped_allocated = mempools = mempools_allocated = others = others_allocated = 0
         for other in list(_allocators):
-            if other._orphaned and other is not self and other.backend is self.backend and other.device == self.device:
-                dropped += other._reserved()
-                dropped_allocated += other._stats.current(S.ALLOCATED_BYTES)
+            if other is self or other.backend is not self.backend or other.device != self.device:
+                continue
+            reserved, allocated = other._reserved(), other._stats.current(S.ALLOCATED_BYTES)
+            if other._orphaned:
+                dropped += reserved
+                dropped_allocated += allocated
+            elif other._mempool is not None:
+                mempools += reserved
+                mempools_allocated += allocated
+            else:
+                others += reserved
+                others_allocated += allocated
         details = OutOfMemoryDetails(
             device=self._name,
             requested=size,
@@ -1942,6 +2001,10 @@ class DeviceAllocator:
             refusal=self._refusal,
             dropped_pools=dropped,
             dropped_pools_allocated=dropped_allocated,
+            mempools=mempools,
+            mempools_allocated=mempools_allocated,
+            others=others,
+            others_allocated=others_allocated,
         )
         return out_of_memory(details, self.device)
 

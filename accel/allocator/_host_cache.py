@@ -24,18 +24,17 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
 from accel.allocator._fork import track_lock
-from accel.allocator._pool_ids import PoolId
+from accel.allocator._pool_ids import PoolId, check_pool_id
+from accel.allocator.config import AllocatorConfig
 from accel.backends.base import Backend, CaptureStatus
+from accel.stream import Stream
 
 _MAX_REQUEST = 1 << 60  # 1 EiB, the device allocators' limit too
 
-if TYPE_CHECKING:
-    from accel.allocator.config import AllocatorConfig
-    from accel.stream import Stream
 
 __all__ = ["HostBlock", "HostCachingAllocator"]
 
@@ -97,7 +96,7 @@ class HostBlock:
 class HostCachingAllocator:
     """Staging memory of one backend, cached by rounded size.
 
-    >>> from accel.allocator import HostCachingAllocator
+    >>> from accel.allocator._host_cache import HostCachingAllocator
     >>> from accel.backends.cpu import CpuBackend
     >>> from accel.allocator.config import AllocatorConfig
     >>> host = HostCachingAllocator(CpuBackend(1, None), AllocatorConfig())
@@ -137,6 +136,11 @@ class HostCachingAllocator:
         self.update_config(config)
 
     def update_config(self, config: AllocatorConfig) -> None:
+        if not isinstance(config, AllocatorConfig):
+            raise InvalidValueError(
+                f"update_config: config={config!r} is not an AllocatorConfig; pass one, such as "
+                "accel.allocator.parse('pinned_max_cached_size:1GB')"
+            )
         self._round_threshold = config.pinned_max_round_threshold
         self._max_cached = config.pinned_max_cached_size
 
@@ -189,8 +193,14 @@ class HostCachingAllocator:
 
     def record_stream(self, block: HostBlock, stream: Stream) -> None:
         """Mark ``block`` as used by work queued on ``stream``."""
+        if not isinstance(stream, Stream):
+            raise InvalidValueError(
+                f"record_stream: stream={stream!r} ({type(stream).__name__}) is not an accel.Stream; "
+                "pass the stream whose work uses the block, such as accel.current_stream()"
+            )
         if stream._runtime.backend is not self.backend:
             raise DeviceError(f"{stream!r} belongs to another backend than this staging memory")
+        self._check_block(block, "record_stream")
         handle = stream._live()
         device = stream.device_index
         pool = self._capturing.get(device)
@@ -205,6 +215,7 @@ class HostCachingAllocator:
 
     def free(self, block: HostBlock) -> None:
         """Give ``block`` back; it is reused after the streams that used it pass this point."""
+        self._check_block(block, "free")
         with self._lock:
             if not block.allocated or self._live.get(block.ptr) is not block:
                 raise InvalidHandleError(f"{block!r} is not allocated (freed twice?)")
@@ -213,6 +224,7 @@ class HostCachingAllocator:
     def free_from_finalizer(self, block: HostBlock) -> None:
         """Free from a garbage-collection finalizer, which may run while this
         thread holds the lock: then the free waits for the next call."""
+        self._check_block(block, "free_from_finalizer")  # a deferred one would be taken for a pool id
         if self._lock.acquire(blocking=False):
             try:
                 if block.allocated:
@@ -221,6 +233,16 @@ class HostCachingAllocator:
                 self._lock.release()
         else:
             self._gc_frees.append(block)
+
+    def _check_block(self, block: object, call: str) -> None:
+        if not isinstance(block, HostBlock):
+            self._bad_block(block, call)
+
+    def _bad_block(self, block: object, call: str) -> NoReturn:
+        raise InvalidValueError(
+            f"{call}: block={block!r} ({type(block).__name__}) is not a HostBlock; pass a HostBlock that "
+            "malloc() of this staging cache returned"
+        )
 
     def _drain_gc_frees(self) -> None:
         while self._gc_frees:
@@ -308,12 +330,15 @@ class HostCachingAllocator:
     def begin_capture(self, device: int, pool_id: PoolId) -> None:
         """A capture into the graph pool ``pool_id`` begins on ``device``: no event
         queries until it ends, and blocks its work uses become the pool's graphs'."""
+        pool_id = check_pool_id(pool_id, where="begin_capture")
+        device = self._device_index(device, "begin_capture")
         with self._lock:
             self._capturing[device] = pool_id
             self._pool_uses[pool_id] = self._pool_uses.get(pool_id, 0) + 1
 
     def end_capture(self, device: int) -> None:
         """The capture on ``device`` ended (its graph, if any, lives on)."""
+        device = self._device_index(device, "end_capture")
         with self._lock:
             self._capturing.pop(device, None)
 
@@ -321,6 +346,7 @@ class HostCachingAllocator:
         """One graph of ``pool_id`` is gone; at the last, the blocks its replays used
         are reused once their devices passed the last replay (a finalizer's
         release waits for the next call when the lock is taken)."""
+        pool_id = check_pool_id(pool_id, where="release_pool")
         if from_finalizer and not self._lock.acquire(blocking=False):
             self._gc_frees.append(pool_id)
             return
@@ -368,6 +394,15 @@ class HostCachingAllocator:
                 else:
                     still.append(entry)
             self._retired = still
+
+    def _device_index(self, device: object, call: str) -> int:
+        count = self.backend.device_count()
+        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < count:
+            raise DeviceError(
+                f"{call}: device={device!r} is not a device index of the {self.backend.name} backend "
+                f"(0 to {count - 1})"
+            )
+        return device
 
     def _is_capturing(self, device: int, stream: int) -> bool:
         return self.backend.stream_capture_status(device, stream) != CaptureStatus.NONE

@@ -134,7 +134,9 @@ class MemPool:
                     else base if self._settings is None
                     else parse(self._settings, origin="MemPool()", base=base)
                 )
-                allocator = DeviceAllocator(runtime.backend, index, config, upstream=self._upstream)
+                allocator = DeviceAllocator(
+                    runtime.backend, index, config, upstream=self._upstream, mempool=self._id
+                )
                 self._runtime = runtime
                 self._allocators[index] = allocator
         return allocator

@@ -39,10 +39,27 @@ class OutOfMemoryDetails:
     # numbers above (this allocator's) leave out.
     dropped_pools: int = 0
     dropped_pools_allocated: int = 0
+    # Reserved (and of it, allocated) by the device's live MemPools other than the one
+    # allocating, and by its other allocators (the device's own, when a MemPool's ran
+    # short): accel's memory too, which the numbers of this allocator leave out.
+    mempools: int = 0
+    mempools_allocated: int = 0
+    others: int = 0
+    others_allocated: int = 0
 
     @property
     def reserved_unallocated(self) -> int:
         return self.reserved - self.allocated
+
+    @property
+    def mempools_cached(self) -> int:
+        """What the live MemPools cache unallocated (their ``empty_cache()`` gives it back)."""
+        return self.mempools - self.mempools_allocated
+
+    @property
+    def others_cached(self) -> int:
+        """What the device's other allocators cache unallocated (``accel.memory.empty_cache()``)."""
+        return self.others - self.others_allocated
 
     @property
     def fragmentation(self) -> float:
@@ -74,6 +91,16 @@ def _advice(d: OutOfMemoryDetails) -> str:
             f"Buffers of dropped MemPools hold {format_size(d.dropped_pools_allocated)}: free those "
             "you no longer need, and their pools' memory goes back."
         )
+    if d.mempools_cached and d.mempools_cached + d.free >= d.requested:
+        tips.append(
+            f"MemPools of this device cache {format_size(d.mempools_cached)} they do not use: call "
+            "empty_cache() on those you can spare (pool.empty_cache()), or drop pools you no longer use."
+        )
+    if d.others_cached and d.others_cached + d.free >= d.requested:
+        tips.append(
+            f"The device's allocator caches {format_size(d.others_cached)} outside this MemPool: "
+            "call accel.memory.empty_cache()."
+        )
     # Fragmentation is the cause when the request would fit in the cached free
     # memory plus what the device still has, had the cache been one piece.
     large_waste = d.reserved_unallocated > 0 and d.reserved_unallocated + d.free >= d.requested
@@ -102,11 +129,23 @@ def out_of_memory(d: OutOfMemoryDetails, device: int) -> OutOfMemoryError:
     )
     if d.allowed is not None:
         text += f"{format_size(d.allowed)} allowed; "
-    text += f"Of the allocated memory {format_size(d.allocated)} is allocated by accel, "
+    allocated = d.allocated + d.mempools_allocated + d.others_allocated
+    unallocated = d.reserved_unallocated + d.mempools_cached + d.others_cached
+    text += f"Of the allocated memory {format_size(allocated)} is allocated by accel, "
     if d.private_pools:
         text += f"with {format_size(d.private_pools)} allocated in private pools (graph capture), "
+    text += f"and {format_size(unallocated)} is reserved by accel but unallocated. "
+    if d.mempools:
+        text += (
+            f"Of accel's memory, MemPools of this device in use reserve {format_size(d.mempools)} "
+            f"({format_size(d.mempools_allocated)} allocated). "
+        )
+    if d.others:
+        text += (
+            f"Of accel's memory, the device's allocator outside this MemPool reserves {format_size(d.others)} "
+            f"({format_size(d.others_allocated)} allocated). "
+        )
     text += (
-        f"and {format_size(d.reserved_unallocated)} is reserved by accel but unallocated. "
         f"The largest free cached block is {format_size(d.largest_free_block)}; fragmentation "
         f"{d.fragmentation:.2f}. "
     )

@@ -5,7 +5,8 @@ Ids follow PyTorch's scheme: ``(N, 0)`` is a pool a graph made for itself,
 the default pool, never a private one. Both kinds draw N from one counter,
 so no two pools a process makes ever share an id.
 
->>> from accel.allocator import check_pool_id, graph_pool_handle
+>>> from accel.allocator import graph_pool_handle
+>>> from accel.allocator._pool_ids import check_pool_id
 >>> handle = graph_pool_handle()
 >>> check_pool_id(handle, where="example") == handle
 True

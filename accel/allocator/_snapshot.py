@@ -1,6 +1,6 @@
 """Snapshots and summaries of the allocators: PyTorch's pickle layout and its summary table.
 
->>> from accel.allocator import full_snapshot
+>>> from accel.allocator._snapshot import full_snapshot
 >>> sorted(full_snapshot())
 ['allocator_settings', 'device_traces', 'external_annotations', 'segments']
 """

@@ -24,12 +24,11 @@ import dataclasses
 import os
 import sys
 import threading
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from accel._errors import AllocatorConfigError, DeviceError
+from accel._errors import AllocatorConfigError, DeviceError, warn_at_caller
 from accel.allocator._config_keys import (
     BACKENDS,
     KEYS,
@@ -544,7 +543,7 @@ def _emit(configs: Iterable[AllocatorConfig]) -> None:
         for message in config.warnings:
             if message not in _state.emitted:
                 _state.emitted.add(message)
-                warnings.warn(message, AllocatorConfigWarning, stacklevel=4)
+                warn_at_caller(message, AllocatorConfigWarning)
 
 
 def _configs() -> Mapping[str, AllocatorConfig]:
@@ -576,7 +575,7 @@ def _check_environment_unchanged() -> None:
         )
         if message not in _state.emitted:
             _state.emitted.add(message)
-            warnings.warn(message, AllocatorConfigWarning, stacklevel=4)
+            warn_at_caller(message, AllocatorConfigWarning)
 
 
 def _check_backend(name: str) -> str:

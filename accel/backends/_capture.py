@@ -247,8 +247,9 @@ def wait_event(stream: CaptureStream, mark: Mark | None, event: int) -> bool:
             "a capturing stream waited on an event recorded outside the capture", stream.device,
             f"stream {stream.handle:#x} is capturing and cannot wait on event {event:#x}, which was "
             "recorded outside the capture (the dependency would cross the capture boundary); the "
-            "capture is now invalidated. Record the event before beginning the capture and "
-            "synchronize instead.",
+            "capture is now invalidated. Create the event with external=True to make the wait a "
+            "node of the graph (each replay waits for its last record), or record it before "
+            "beginning the capture and synchronize instead.",
         )
     return False
 

@@ -17,20 +17,37 @@ sockets: an importer killed mid-use leaks nothing in the exporter. An
 exporter that has exited leaves no socket, and opening its exports fails
 with :class:`~accel.InvalidHandleError`.
 
-Only processes of the same user may connect (``SO_PEERCRED``), and only with
-a token from a pickle (128 random bits).
+Both ends check who is at the other end (``SO_PEERCRED``): the broker
+answers only processes of its own user, and an importer talks only to the
+process its pickle names (its pid) running as its own user, before it sends
+the token or trusts an answer. An abstract socket name is free once its
+exporter exits, and another user can bind it (the names are listed in
+/proc/net/unix): without the importer's check, that process would be handed
+the token and could hand back memory of its own choosing. An export is named
+by a token from a pickle (128 random bits).
+
+Descriptors and sockets are close-on-exec (received ones too:
+``MSG_CMSG_CLOEXEC``). A forked child inherits the broker's listening socket
+and connections and every hold of its parent: it closes its copies at once
+(closing a copy ends nothing for the parent, which keeps the same
+connection), so an exited exporter's name is not kept bound by a child that
+cannot answer, and an exporter's memory is not held by a child that never
+opened it. See docs/guarantees.md, "Sharing across processes".
 """
 
 from __future__ import annotations
 
+import array
 import errno
 import json
 import os
+import resource
 import secrets
 import selectors
 import socket
 import struct
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -42,18 +59,31 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ExportTicket", "Held", "broker", "check_device", "check_extent", "description", "dup_for_export",
-    "export_origin", "natural", "naturals", "open_export",
+    "export_origin", "more_descriptors", "natural", "naturals", "open_export",
 ]
 
 _TOKEN_BYTES = 16
-_HEADER = struct.Struct("!cI")  # b"K" + payload length, or b"E" + message length
-_MAX_FDS = 64
+# b"K" + payload length + descriptor count, or b"E" + message length + 0.
+_HEADER = struct.Struct("!cII")
+# Descriptors go in batches of at most this many per message (the kernel's
+# SCM_MAX_FD is 253): the first with the header and payload, each further
+# batch with one byte (_MORE). A buffer of expandable segments has one
+# descriptor per physical chunk, so a large one needs many messages.
+_FDS_PER_MESSAGE = 128
+_MORE = b"F"
+# The most descriptors an answer may state: more than an importer can hold
+# under any limit it can raise to (a forged answer is refused before receiving).
+_MAX_FDS = 1 << 20
 # The longest answer an accel broker sends is a few hundred bytes (the description
 # of a buffer's chunks): a longer stated length is not an accel process.
 _MAX_ANSWER = 1 << 20
 # How long an importer waits for the exporter's broker to answer (it answers
 # from its own thread, so only a stopped or swapped-out exporter is this slow).
 _ANSWER_TIMEOUT_S = 60.0
+# Every send: a peer that hung up is EPIPE, never SIGPIPE (a process whose SIGPIPE is
+# the default, as command-line tools set it, would die of any connection closed early,
+# another user's included).
+_SEND = socket.MSG_NOSIGNAL
 
 
 @dataclass(frozen=True)
@@ -91,6 +121,25 @@ class Broker:
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._thread = threading.Thread(target=self._serve, name="accel-ipc-broker", daemon=True)
         self._thread.start()
+
+    def close_in_child(self) -> None:
+        """Close this process's copies of a forked parent's broker: the listening
+        socket (or the parent's name stays bound after it exits, and importers wait
+        for an answer that never comes), its connections (each an importer's hold)
+        and the descriptors of its exports. No thread serves them here."""
+        for export in self._exports.values():
+            for fd in export.fds:
+                _close_quietly(fd)
+        self._exports.clear()
+        for conn in self._holds:
+            conn.close()
+        self._holds.clear()
+        for key in list(self._selector.get_map().values()):
+            sock = key.fileobj
+            if isinstance(sock, socket.socket):
+                sock.close()
+        self._selector.close()
+        self._listener.close()
 
     def offer(
         self,
@@ -152,7 +201,7 @@ class Broker:
         if uid != os.getuid():
             message = b"only processes of the same user may open accel exports"
             try:
-                conn.sendall(_HEADER.pack(b"E", len(message)) + message)
+                conn.sendall(_HEADER.pack(b"E", len(message), 0) + message, _SEND)
             except OSError:
                 pass
             conn.close()
@@ -189,17 +238,28 @@ class Broker:
             self._forget_dead()
             export = self._exports.get(token)
             target = None if export is None else export.target()
+            # Copies taken under the lock: once it is released, another thread may close
+            # the export (an event closed) and _forget_dead its descriptors, whose numbers
+            # the process may then give to other files, which would be sent instead.
+            fds = [] if export is None or target is None else _dup_all(export.fds)
+        try:
+            self._send(conn, token, export, target, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _send(self, conn: socket.socket, token: str, export: _Export | None, target: object | None, fds: list[int]) -> None:
         if export is None or target is None:
             message = (
                 f"process {self.pid} no longer exports that object: it was freed or closed there "
                 "before this process opened it (keep it alive in the exporting process until "
                 "every importer has opened it)"
             ).encode()
-            conn.sendall(_HEADER.pack(b"E", len(message)) + message)
+            conn.sendall(_HEADER.pack(b"E", len(message), 0) + message, _SEND)
             conn.close()
             return
         if not export.hold:
-            socket.send_fds(conn, [_HEADER.pack(b"K", len(export.payload)), export.payload], export.fds)
+            _send_answer(conn, export.payload, fds)
             conn.close()
             return
         # The hold is taken before the importer can map anything: from the moment
@@ -207,7 +267,7 @@ class Broker:
         with self._lock:
             self._holds[conn] = target
         self._selector.register(conn, selectors.EVENT_READ)
-        socket.send_fds(conn, [_HEADER.pack(b"K", len(export.payload)), export.payload], export.fds)
+        _send_answer(conn, export.payload, fds)
 
     def _release(self, conn: socket.socket) -> None:
         self._selector.unregister(conn)
@@ -215,6 +275,43 @@ class Broker:
         with self._lock:
             target = self._holds.pop(conn, None)
         del target  # outside the lock: dropping the last reference may free memory
+
+
+def _dup_all(fds: list[int]) -> list[int]:
+    """Duplicates of ``fds`` (none left open if one fails: OSError)."""
+    copies: list[int] = []
+    try:
+        for fd in fds:
+            copies.append(os.dup(fd))
+    except OSError:
+        for fd in copies:
+            os.close(fd)
+        raise
+    return copies
+
+
+def _send_answer(conn: socket.socket, payload: bytes, fds: list[int]) -> None:
+    """Send an export's payload and descriptors: the first batch of descriptors with
+    the header and payload, each further batch with one byte."""
+    first = _HEADER.pack(b"K", len(payload), len(fds)) + payload
+    # sendmsg sends what fits in the socket's buffer (the descriptors go with the
+    # first byte): the rest of a long answer follows as plain bytes.
+    sent = socket.send_fds(conn, [first], fds[:_FDS_PER_MESSAGE], _SEND)
+    conn.sendall(first[sent:], _SEND)
+    for at in range(_FDS_PER_MESSAGE, len(fds), _FDS_PER_MESSAGE):
+        socket.send_fds(conn, [_MORE], fds[at : at + _FDS_PER_MESSAGE], _SEND)
+
+
+def _batches(count: int) -> int:
+    """How many messages carry ``count`` descriptors (one at least: the header's)."""
+    return max(1, -(-count // _FDS_PER_MESSAGE))
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def _label(text: str) -> bytes:
@@ -250,6 +347,22 @@ def broker() -> Broker:
         return _broker
 
 
+def _after_fork_in_child() -> None:
+    """Drop what a forked child inherits of its parent's sharing: the broker (its
+    socket, connections and exports' descriptors) and the parent's holds. The child
+    has none of the threads that served or used them."""
+    global _broker, _broker_lock
+    _broker_lock = threading.Lock()  # another parent thread may have held it at the fork
+    inherited, _broker = _broker, None
+    if inherited is not None:
+        inherited.close_in_child()
+    for held in list(_holds):
+        held.drop_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def dup_for_export(fd: int, backend: str, device: int) -> int:
     """A duplicate of ``fd`` for an export to own; a full descriptor table is a DriverError."""
     try:
@@ -283,7 +396,7 @@ def description(payload: bytes, where: str) -> dict[str, Any]:
     """The JSON object ``payload`` holds, or InvalidHandleError naming ``where``."""
     try:
         layout = json.loads(payload)
-    except ValueError:  # not UTF-8, not JSON
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, nested past the recursion limit
         layout = None
     if not isinstance(layout, dict):
         raise _damaged(where, f"{payload[:40]!r} is not a description")
@@ -314,15 +427,29 @@ def check_extent(where: str, lead: int, nbytes: int, total: int) -> None:
 
 
 class Held:
-    """An importer's hold on an export: the open connection. :meth:`release` closes it."""
+    """An importer's hold on an export: the open connection. :meth:`release` closes it.
+
+    A forked child does not hold what its parent imported (see
+    :func:`_after_fork_in_child`): its copy of the connection is closed at the fork."""
 
     def __init__(self, sock: socket.socket | None) -> None:
         self._sock = sock
+        if sock is not None:
+            _holds.add(self)
 
     def release(self) -> None:
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
+
+    def drop_in_child(self) -> None:
+        """Close a forked child's copy of the connection: the parent's hold goes on.
+        (Never ``shutdown()``: that would end the connection for the parent too.)"""
+        self.release()
+
+
+# Every hold still open in this process, for a forked child to drop.
+_holds: weakref.WeakSet[Held] = weakref.WeakSet()
 
 
 def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tuple[bytes, list[int], Held]:
@@ -358,30 +485,9 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
                 f"cannot open {what}: the process that exported it (pid {ticket.pid}) has exited. "
                 "Keep the exporting process alive while others use what it shares."
             ) from None
-        sock.sendall(ticket.token.encode("ascii"))
-        data, fds, flags, _ = socket.recv_fds(sock, 1 << 16, _MAX_FDS)
-        if flags & socket.MSG_CTRUNC:
-            raise InvalidHandleError(
-                f"cannot open {what}: this process has too many open files to receive its descriptors; "
-                "close some, or raise the open-file limit (ulimit -n)"
-            )
-        if len(data) < _HEADER.size:
-            raise InvalidHandleError(
-                f"cannot open {what}: the process that exported it (pid {ticket.pid}) closed the "
-                "connection without answering (it is exiting?)"
-            )
-        status, length = _HEADER.unpack_from(data)
-        if length > _MAX_ANSWER:  # recv() below would allocate what it states, up to 4 GiB
-            raise InvalidHandleError(
-                f"cannot open {what}: the process at the address its pickle names (pid {ticket.pid}) "
-                f"announced a {length}-byte answer (is it an accel process?); pickle the object again in its process"
-            )
-        body = data[_HEADER.size :]
-        while len(body) < length:
-            more = sock.recv(length - len(body))
-            if not more:
-                break
-            body += more
+        _check_peer(sock, ticket, what)
+        sock.sendall(ticket.token.encode("ascii"), _SEND)
+        status, body = _receive_answer(sock, fds, ticket, what)
     except TimeoutError:
         _close_all(sock, fds)
         raise InvalidHandleError(
@@ -419,6 +525,102 @@ def open_export(ticket: ExportTicket, kind: str, origin: str, what: str) -> tupl
             )
         raise InvalidHandleError(f"cannot open {what}: {reason}")
     return body[at:], list(fds), Held(sock)
+
+
+def _check_peer(sock: socket.socket, ticket: ExportTicket, what: str) -> None:
+    """Refuse to talk to anyone but the exporter the pickle names: its pid, and this
+    process's user. After the exporter exits its abstract name is free, and whoever
+    binds it next would otherwise get the token and choose the memory mapped here."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    if pid != ticket.pid or uid != os.getuid():
+        raise InvalidHandleError(
+            f"cannot open {what}: the process answering at the address its pickle names is pid {pid} "
+            f"of user {uid}, not its exporter (pid {ticket.pid} of user {os.getuid()}); the exporter has "
+            "exited and another process took its address. Nothing was sent to it or taken from it; "
+            "pickle the object again in a live exporting process"
+        )
+
+
+def _receive_answer(sock: socket.socket, fds: list[int], ticket: ExportTicket, what: str) -> tuple[bytes, bytes]:
+    """``(status, body)`` of the broker's answer; its descriptors are appended to ``fds``
+    as they arrive (so that the caller closes them on any failure)."""
+    data = b""
+    length = count = 0
+    expected = -1  # bytes in all, once the header is in: header, body, a byte per further batch
+    while expected < 0 or len(data) < expected:
+        more, flags = _recv_fds(sock, fds)
+        if flags & socket.MSG_CTRUNC:
+            raise InvalidHandleError(
+                f"cannot open {what}: this process has too many open files to receive its descriptors; "
+                "close some, or raise the open-file limit (ulimit -n)"
+            )
+        if not more:
+            raise InvalidHandleError(
+                f"cannot open {what}: the process that exported it (pid {ticket.pid}) closed the "
+                "connection without answering (it is exiting?)"
+            )
+        data += more
+        if expected < 0 and len(data) >= _HEADER.size:
+            status, length, count = _HEADER.unpack_from(data)
+            # recv() would otherwise take what a forged header states, up to 4 GiB.
+            if length > _MAX_ANSWER or count > _MAX_FDS or (status != b"K" and count):
+                raise InvalidHandleError(
+                    f"cannot open {what}: the process at the address its pickle names (pid {ticket.pid}) "
+                    f"announced a {length}-byte answer with {count} descriptors (is it an accel process?); "
+                    "pickle the object again in its process"
+                )
+            _make_room(count, what)
+            expected = _HEADER.size + length + _batches(count) - 1
+        if len(fds) > count and expected >= 0:
+            break
+    if len(fds) != count:
+        raise InvalidHandleError(
+            f"cannot open {what}: the process that exported it (pid {ticket.pid}) sent {len(fds)} "
+            f"descriptors where it announced {count} (is it an accel process?); pickle the object again in its process"
+        )
+    return data[:1], data[_HEADER.size : _HEADER.size + length]
+
+
+def _recv_fds(sock: socket.socket, fds: list[int]) -> tuple[bytes, int]:
+    """``(data, flags)`` of one receive, appending the descriptors it carried to ``fds``.
+
+    ``socket.recv_fds`` drops its ``flags`` argument (CPython 3.11), and without
+    MSG_CMSG_CLOEXEC the descriptors would be inheritable: a subprocess started with
+    ``close_fds=False``, or an ``os.exec``, would keep the exporter's memory."""
+    size = array.array("i").itemsize
+    data, ancillary, flags, _ = sock.recvmsg(1 << 16, socket.CMSG_LEN(_FDS_PER_MESSAGE * size), socket.MSG_CMSG_CLOEXEC)
+    for level, kind, cmsg in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.extend(array.array("i", cmsg[: len(cmsg) - len(cmsg) % size]))
+    return data, flags
+
+
+def more_descriptors() -> bool:
+    """Raise the soft limit on open files to the hard limit; whether it rose.
+
+    Called only when descriptors are short, never at start-up: a process that
+    never needs more keeps its soft limit (1024 by default, which ``select()``
+    users rely on)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or (hard != resource.RLIM_INFINITY and soft >= hard):
+        return False
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (OSError, ValueError):  # an infinite hard limit is more than the kernel allows (nr_open)
+        return False
+    return True
+
+
+def _make_room(count: int, what: str) -> None:
+    """Raise the soft limit on open files when ``count`` descriptors would not fit
+    (the kernel drops descriptors it cannot install, and they cannot be asked for
+    again). Few descriptors, the common case, cost no look at the table."""
+    if count <= _FDS_PER_MESSAGE:
+        return
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and len(os.listdir("/proc/self/fd")) + count > soft:
+        more_descriptors()
 
 
 def _close_all(sock: socket.socket, fds: list[int]) -> None:

@@ -128,6 +128,15 @@ class Backend(abc.ABC):
     #: How a user presents more devices, for an out-of-range index's error ("" if they cannot).
     more_devices_hint: str = ""
 
+    @property
+    def torch_runs_inline(self) -> bool:
+        """Whether torch's work on this backend's devices runs inline in the calling
+        thread (done when the op returns: nothing queued to synchronize, host timers
+        time it), which follows from its ops being the host's own
+        (:attr:`TorchIntegration.RECORD_HOST_OPS`); False where they are queued on a
+        device, or where torch has no devices of this backend."""
+        return self.torch_integration is TorchIntegration.RECORD_HOST_OPS
+
     # -- devices ---------------------------------------------------------
 
     @abc.abstractmethod
@@ -305,6 +314,19 @@ class Backend(abc.ABC):
         can time replays (CUDA's ``CU_EVENT_RECORD_EXTERNAL``, torch's
         ``Event(external=True)``). Such an event is not a capture position."""
         raise self._unsupported("event records kept by a capture")
+
+    def stream_wait_event_external(self, device: int, stream: int, event: int) -> None:
+        """Make ``stream`` wait for ``event`` so that a capture keeps the wait.
+
+        Outside a capture it is :meth:`stream_wait_event`. On a capturing
+        stream, where :meth:`stream_wait_event` refuses an event recorded
+        outside the capture, the wait becomes a node of the graph (CUDA's
+        ``CU_EVENT_WAIT_EXTERNAL``, torch's ``Event(external=True)``): each
+        replay waits, from that node on, for the event's last record as it
+        stands when the replay is queued (a record made outside, or by
+        another graph's replay queued before). It neither forks ``stream``
+        into a capture nor joins one."""
+        raise self._unsupported("event waits kept by a capture")
 
     @abc.abstractmethod
     def event_query(self, device: int, event: int) -> bool:

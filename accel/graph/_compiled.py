@@ -580,6 +580,20 @@ def _check(g: Graph, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Ten
             f"{g!r} interleaves its torch ops with other stream work ({len(program.segments)} pieces); "
             "the compiled tier needs them in one piece. Keep the interpreted tier for this graph."
         )
+    collectives = sorted({str(r.func) for r in program.records if r.func.namespace == "c10d"})
+    if collectives:
+        raise NotSupportedError(
+            f"{g!r} communicates ({', '.join(collectives)}); the compiled tier compiles computation only. "
+            "Keep the interpreted tier for this graph (its replays run the collectives)"
+        )
+    if program.outside:
+        first = program.outside[0]
+        raise NotSupportedError(
+            f"{g!r} writes in place to {len(program.outside)} tensor(s) made outside the capture ({first.op} "
+            f"writes one of shape {tuple(first.tensors[0].shape)}, a KV cache perhaps); the compiled tier "
+            "bakes the tensors it reads in as constants and replays pure programs only. Keep the "
+            "interpreted tier for this graph, or pass the state in and out as inputs and outputs."
+        )
     for role, tensors in (("inputs", inputs), ("outputs", outputs)):
         if not all(isinstance(t, torch.Tensor) for t in tensors):
             raise InvalidValueError(f"compile_graph: {role} must be torch tensors")
@@ -624,8 +638,9 @@ def compile_graph(
 
     Refused (:class:`~accel.NotSupportedError`) when the capture holds no
     torch program, interleaves torch ops with other stream work, writes to
-    registered inputs, or no engine is installed, builds it and agrees with
-    eager: use the interpreted tier (the default) for those.
+    registered inputs or to other tensors made outside the capture (a KV
+    cache), or no engine is installed, builds it and agrees with eager: use
+    the interpreted tier (the default) for those.
 
     >>> import torch, accel
     >>> x = torch.randn(4, 8); lin = torch.nn.Linear(8, 8).eval()
@@ -1351,6 +1366,8 @@ def _torch_library() -> str | None:
 if speedups is not None:
     speedups.install_graphs({
         "Tensor": torch.Tensor, "check_memory": check_memory, "Binding": _Binding,
+        # in grad mode a graphed call goes to GraphedCallable._call, which refuses what autograd would record
+        "is_grad_enabled": torch.is_grad_enabled,
         # torch's C interface for AOTInductor's code reads a tensor's layout faster than its attributes
         "torch_library": _torch_library(),
         # on which torch's native is_neg and is_conj must answer right before they are trusted

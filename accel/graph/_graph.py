@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from accel._errors import CaptureError, DeviceError, HostFunctionError, InvalidHandleError, InvalidValueError
 from accel._runtime import Runtime, get_runtime
 from accel.allocator import empty_cache
+from accel.allocator._registry import registry
 from accel.backends.base import CaptureMode
 from accel.graph import _integration
 from accel.graph._pool import PoolId, PoolLease, check_pool_id, new_private_pool_id
@@ -92,8 +93,8 @@ class Graph:
         capture_error_mode: str = "default",
     ) -> None:
         self._keep_graph = bool(keep_graph)
-        self._pool_arg = check_pool_id(pool, where="accel.Graph")
-        self._mode = _check_mode(capture_error_mode, "accel.Graph")
+        self._graph_pool = check_pool_id(pool, where="accel.Graph")
+        self._capture_error_mode = _check_mode(capture_error_mode, "accel.Graph")
         self._runtime: Runtime | None = None
         self._device = 0
         self._stream: Stream | None = None  # the capturing stream, while capturing
@@ -125,15 +126,43 @@ class Graph:
         state = "capturing" if self._stream is not None else ("captured" if self._captured else "empty")
         return f"accel.Graph({state}, pool={self._lease.pool_id if self._lease else None})"
 
+    # torch.accelerator.Graph's attributes: what the next capture uses, settable before it
+    # (after reset(), to capture again differently). Checked when set, not at the capture.
+
+    @property
+    def graph_pool(self) -> PoolId | None:
+        """The pool the next capture allocates from (None: a private pool), as
+        ``torch.accelerator.Graph.graph_pool``; the constructor's ``pool``.
+
+        >>> import accel
+        >>> g = accel.Graph()
+        >>> g.graph_pool = accel.graph_pool_handle()
+        """
+        return self._graph_pool
+
+    @graph_pool.setter
+    def graph_pool(self, pool: PoolId | None) -> None:
+        self._graph_pool = check_pool_id(pool, where="Graph.graph_pool")
+
+    @property
+    def capture_error_mode(self) -> str:
+        """How strictly the next capture refuses unsafe calls (``"default"``,
+        ``"global"``, ``"thread_local"``, ``"relaxed"``), as
+        ``torch.accelerator.Graph.capture_error_mode``; the constructor's."""
+        return self._capture_error_mode
+
+    @capture_error_mode.setter
+    def capture_error_mode(self, mode: str) -> None:
+        self._capture_error_mode = _check_mode(mode, "Graph.capture_error_mode")
+
     # -- capture -----------------------------------------------------------------
 
     def register_inputs(self, *tensors: Any) -> None:
-        """Declare torch tensors made outside the graph that captured ops may write in place.
+        """Declare torch tensors made outside the graph that captured ops write in place.
 
-        Captured in-place writes to any other tensor made outside the graph
-        are refused (a replay would repeat them on memory the graph does not
-        own). Static inputs that new data is copied into are read, not
-        written, by the graph and need no registration.
+        Optional: a captured in-place write to a tensor made outside the graph
+        (a KV cache) is recorded without it, as CUDA records it: each replay
+        writes that tensor again, and the graph keeps it alive.
         """
         self._inputs.extend(tensors)
         if self._torch is not None and self._stream is not None:
@@ -148,8 +177,9 @@ class Graph:
         or when another capture is under way on the device.
         """
         _sweep()
-        pool_id = check_pool_id(pool, where="Graph.capture_begin") or self._pool_arg
-        mode = _check_mode(self._mode if capture_error_mode is None else capture_error_mode, "Graph.capture_begin")
+        pool_id = check_pool_id(pool, where="Graph.capture_begin") or self._graph_pool
+        mode = self._capture_error_mode if capture_error_mode is None else capture_error_mode
+        mode = _check_mode(mode, "Graph.capture_begin")
         if self._stream is not None:
             raise CaptureError(f"{self!r} is already capturing; call capture_end() first")
         if self._captured:
@@ -386,7 +416,7 @@ class Graph:
             else:
                 runtime.backend.graph_launch(self._device, self._exec, stream._live())
         if self._forward_host_errors and stream.native_handle != self._capture_handle:
-            stream.launch_host_func(self._host_error_forwarder(runtime))
+            stream.launch_host_func(self._host_error_forwarder(runtime, stream))
         self._raise_replay_errors()
 
     def _hold_on(self, stream: Stream) -> None:
@@ -401,19 +431,17 @@ class Graph:
                 pass  # memory of another device (a peer copy): only its own streams order its reuse
         self._replayed_on.add(stream.native_handle)
 
-    def _host_error_forwarder(self, runtime: Runtime) -> Callable[[], None]:
-        """A host function, queued after a replay, that re-raises the replay's host-function
-        failures on the replay stream (they are reported to the stream captured on), so
-        that the replay stream's next synchronize raises them, as it would uncaptured."""
+    def _host_error_forwarder(self, runtime: Runtime, stream: Stream) -> Callable[[], None]:
+        """A host function, queued after a replay on ``stream``, that moves the replay's
+        host-function failures (reported to the stream captured on) to ``stream``'s, so
+        that its next synchronize raises them as it would uncaptured: wrapped once, in
+        that synchronize's HostFunctionError (raising them here wrapped them twice)."""
         device, handle, name = self._device, self._capture_handle, repr(self)
+        errors = stream._host_errors()
 
         def forward() -> None:
             failures = runtime.take_host_errors(device, handle)
-            if failures:
-                what, first = failures[0]
-                raise HostFunctionError(
-                    f"host function {what} in a replay of {name} raised {type(first).__name__}: {first}"
-                ) from first
+            errors.extend((f"{what} in a replay of {name}", exc) for what, exc in failures)
 
         forward.__qualname__ = f"replay of {name}"
         return forward
@@ -592,13 +620,17 @@ def _check_no_capture(runtime: Runtime, device: int) -> None:
 
 def _prepare_for_capture() -> None:
     """What ``torch.accelerator.Graph.__enter__`` does before a capture: wait for
-    the device, and give cached memory back so the capture starts lean."""
+    the device, and give cached device and page-locked memory back so the
+    capture starts lean."""
     runtime = get_runtime()
     # Synchronizing would invalidate a capture under way; say why instead.
     _drop_abandoned_capture(runtime, runtime.current_index)
     _check_no_capture(runtime, runtime.current_index)
     runtime.backend.device_synchronize(runtime.current_index)
     empty_cache()
+    host = registry(runtime).host
+    if host is not None:
+        host.empty_cache()
 
 
 _side_streams: dict[tuple[str, int], Stream] = {}

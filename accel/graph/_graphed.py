@@ -6,6 +6,10 @@ tensors themselves), replays the graph and returns the static outputs. A new
 shape signature (shapes and dtypes of the arguments) captures a new graph; a
 bounded LRU cache of graphs keeps dynamic batch sizes from recapturing
 forever, and a warning says when the cache keeps missing.
+
+Replays record no autograd history. Where eager would (grad mode on, and an
+argument or a tensor the graph reads requires grad), a call is refused
+rather than returning an output that silently carries no gradient.
 """
 
 from __future__ import annotations
@@ -66,6 +70,11 @@ class _Entry:
     # Compiled tier: the CompiledProgram or BackgroundCompile, and the engine's
     # bound replay when the graph is that program alone (called directly).
     compiled: Any = None
+    # auto: why the compiled tier refused the program (it replays interpreted).
+    refused: str | None = None
+    # Tensors the graph reads that may require grad (a module's parameters, a
+    # closure's weights): a call in grad mode while one does is refused.
+    grad_sources: tuple[torch.Tensor, ...] = ()
     # The whole call (copy in, engine, result) when the graph is that program
     # alone; it returns None on a stream other than the default one.
     call: Callable[[Sequence[torch.Tensor]], Any] | None = None
@@ -90,7 +99,8 @@ class _CallHead:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         hot = self._hot
-        if hot is not None and not kwargs:
+        # In grad mode the lookup decides whether autograd would record (and refuses).
+        if hot is not None and not kwargs and not torch.is_grad_enabled():
             try:
                 result = hot(args)
             except (RuntimeError, NotImplementedError) as exc:
@@ -124,7 +134,8 @@ class GraphedCallable(_Head):
 
     >>> import torch, accel
     >>> f = accel.graph.make_graphed_callables(torch.nn.Linear(4, 2).eval(), (torch.randn(3, 4),))
-    >>> f(torch.randn(3, 4)).shape
+    >>> with torch.inference_mode():
+    ...     f(torch.randn(3, 4)).shape
     torch.Size([3, 2])
     """
 
@@ -196,7 +207,11 @@ class GraphedCallable(_Head):
         entry = self._cache.get(key)
         if entry is None:
             entry = self._capture(args, _signature(args, "call", self._device_type))
+            if torch.is_grad_enabled():
+                self._refuse_autograd(args, entry.grad_sources)
         else:
+            if torch.is_grad_enabled():
+                self._refuse_autograd(args, entry.grad_sources)
             self.hits += 1
             self._cache.move_to_end(key)
             call = entry.call
@@ -240,9 +255,30 @@ class GraphedCallable(_Head):
         _torch_graphs.order_after(api, torch_current, replay_stream)
         return entry.output
 
+    def _refuse_autograd(self, args: Sequence[Any], sources: Sequence[torch.Tensor] = ()) -> None:
+        """In grad mode: refuse a call that eager would differentiate, for an argument
+        or one of the tensors the graph reads (``sources``) that requires grad (the
+        replay's output would carry no gradient, silently)."""
+        what = next((f"argument {i}" for i, a in enumerate(args) if a.requires_grad), None)
+        if what is None:
+            source = next((t for t in sources if t.requires_grad), None)
+            if source is None:
+                return
+            kind = "a parameter" if isinstance(source, torch.nn.Parameter) else "a tensor"
+            what = f"{kind} of shape {tuple(source.shape)} that the graph reads"
+        raise NotSupportedError(
+            f"graphed {_name(self.fn)} is inference-only: its replays record no autograd history, and with "
+            f"grad mode on, {what} requires grad, so eager would return a differentiable output where the "
+            "replay returns none. Call it under torch.no_grad() or torch.inference_mode() (or turn "
+            "requires_grad off on what needs no gradient); train with the eager callable (on CUDA, "
+            "torch.cuda.make_graphed_callables also captures the backward pass)"
+        )
+
     def capture(self, *sample_args: torch.Tensor) -> None:
         """Capture the graph for the signature of ``sample_args`` now, if not cached."""
         key = _signature(sample_args, "sample_args", self._device_type)
+        if torch.is_grad_enabled():  # sample arguments that require grad ask for training: say so now
+            self._refuse_autograd(sample_args)
         if key not in self._cache:
             self._capture(sample_args, key)
 
@@ -286,6 +322,7 @@ class GraphedCallable(_Head):
             )
         entry = _Entry(g, get_runtime().current_index, inputs, output)
         program = g.program
+        entry.grad_sources = _grad_sources(self.fn, program)
         # One node in the whole graph, and it is the torch program: a replay
         # on the default stream (which the host runs inline) may run it alone.
         alone = nodes == 1 and program is not None and len(program.segments) == 1
@@ -321,6 +358,7 @@ class GraphedCallable(_Head):
                 if self._tier == "compiled" or not isinstance(exc, NotSupportedError):
                     g.reset()
                     raise
+                entry.refused = str(exc)
         self._cache[key] = entry
         return entry
 
@@ -333,7 +371,7 @@ class GraphedCallable(_Head):
         for key, entry in self._cache.items():
             c = entry.compiled
             if c is None:
-                status[key] = "interpreted"
+                status[key] = "interpreted" if entry.refused is None else f"interpreted (compile failed: {entry.refused})"
             elif hasattr(c, "engine"):
                 status[key] = f"compiled: {c.engine}"
             else:
@@ -350,6 +388,20 @@ class GraphedCallable(_Head):
             if wait is not None and not wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
                 return False
         return True
+
+
+def _grad_sources(fn: Callable[..., Any], program: Any) -> tuple[torch.Tensor, ...]:
+    """Tensors the captured program reads that require grad (a module's parameters,
+    a closure's weights); where the program is not recorded op by op (torch's CUDA
+    graphs carry the capture), a module's parameters."""
+    if program is None:
+        return tuple(fn.parameters()) if isinstance(fn, torch.nn.Module) else ()
+    found: dict[int, torch.Tensor] = {}
+    for record in program.records:
+        for t in tree_flatten((record.args, record.kwargs))[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                found.setdefault(id(t), t)
+    return tuple(found.values())
 
 
 def _run_alone(g: Graph, segment: Any) -> Callable[[], None]:
@@ -474,12 +526,19 @@ def make_graphed_callables(
 
     Unlike torch's, the result is inference-only and modules are not
     modified: a :class:`GraphedCallable` is returned in their place.
+    Replays record no autograd history, so where eager would (grad mode on,
+    and an argument, or a parameter or other tensor the graph reads,
+    requires grad) a call raises :class:`~accel.NotSupportedError` instead
+    of returning an output without gradient: call it under
+    ``torch.no_grad()`` or ``torch.inference_mode()``, and train with the
+    eager callable.
 
     >>> import torch, accel
     >>> mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
     >>> fast = accel.graph.make_graphed_callables(mlp, (torch.randn(2, 8),))
     >>> x = torch.randn(2, 8)
-    >>> torch.equal(fast(x), mlp(x).detach())
+    >>> with torch.no_grad():
+    ...     torch.equal(fast(x), mlp(x))
     True
     """
     runtime = get_runtime()

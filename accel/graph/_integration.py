@@ -46,7 +46,7 @@ class CaptureIntegration:
         """The backend's capture began: take part from now on."""
 
     def register_inputs(self, tensors: Sequence[Any]) -> None:
-        """Tensors made outside the graph that captured ops may write (see Graph.register_inputs)."""
+        """Tensors made outside the graph that captured ops write (see Graph.register_inputs)."""
 
     def stop(self) -> Program | None:
         """Stop taking part, before the capture ends; the torch program recorded, if any.

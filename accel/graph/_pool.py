@@ -13,8 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from accel.allocator import PoolId, allocate, current_allocator, graph_pool_handle, new_private_pool_id, registry
-from accel.allocator import check_pool_id as _check_allocator_pool_id
+from accel.allocator import PoolId, allocate, graph_pool_handle
+from accel.allocator._mempool import current_allocator
+from accel.allocator._pool_ids import check_pool_id as _check_allocator_pool_id
+from accel.allocator._pool_ids import new_private_pool_id
+from accel.allocator._registry import registry
 
 if TYPE_CHECKING:
     from accel.stream import Stream

@@ -5,17 +5,23 @@ While a :class:`~accel.graph.Graph` captures on the host backend, a
 stream capture, the capture *records* the program and runs none of it:
 
 - an op that makes new tensors has its output sizes, strides and dtypes
-  inferred on meta tensors (where an op has no meta kernel, on scratch
-  copies of its inputs that nothing else sees), and gets *static* outputs:
+  inferred on fake CPU tensors (torch's meta kernels, told the device; where
+  an op has no meta kernel, on scratch copies of its inputs that nothing
+  else sees), and gets *static* outputs:
   tensors over memory from the graph's private pool, at fixed addresses,
   zero until the first replay. Replay calls the op's ``out=`` overload into
   them (or, where an op has none, or several results and only torch's
   generated one, runs it and copies each result it defines in);
-- an in-place or ``out=`` op is recorded and returns what it would write,
-  after checking that it writes memory the graph owns (a static output or a
-  registered input); the write happens at each replay, never at capture;
+- an in-place or ``out=`` op is recorded and returns what it would write;
+  the write happens at each replay, never at capture. Where it writes a
+  tensor made outside the capture (a KV cache), the replay writes that
+  tensor's storage, as a CUDA graph writes the memory its kernel was captured
+  on, and the program holds the tensor, so its storage lives as long as the
+  graph (:class:`Outside`);
 - a view op runs (it reads no values, only sizes): its result aliases static
   storage, so it sees each replay's data, and it is not replayed.
+- a torch.distributed collective is recorded as a step that runs it and
+  waits for it (:mod:`accel.graph._collectives`): each replay communicates once.
 
 Reading a tensor's values during a capture is refused with a
 :class:`~accel.CaptureError` naming the op, by construction: the capture has
@@ -24,9 +30,8 @@ no values to give. Ops that return a Python value or a data-dependent shape
 answered on meta tensors; the exports that read memory without an aten op
 (``.tolist()``, ``.numpy()``, ``__array__``, ``__dlpack__``, ``print``) are
 refused while a capture runs on the thread, and invalidate the capture, as a device
-synchronization invalidates a CUDA capture. Random ops, ops that exist for
-a host-side effect and writes to memory the graph does not own are refused
-too. Capture-time memory comes from accel's pool only, so running out of it
+synchronization invalidates a CUDA capture. Random ops and ops that exist
+for a host-side effect are refused too. Capture-time memory comes from accel's pool only, so running out of it
 raises accel's ``OutOfMemoryError``.
 
 Only the capturing thread's ops are recorded (modes are thread-local), and
@@ -67,17 +72,19 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, UnsupportedOperatorException
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from accel._errors import CaptureError
+from accel._errors import CaptureError, InvalidValueError
+from accel.graph import _collectives
 
 if TYPE_CHECKING:
     from accel._runtime import Runtime
     from accel.graph._pool import PoolLease
     from accel.stream import Stream
 
-__all__ = ["Program", "Record", "Recorder", "sweep"]
+__all__ = ["Outside", "Program", "Record", "Recorder", "sweep"]
 
 aten = torch.ops.aten
 
@@ -133,6 +140,47 @@ _Step = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], str, "Made | 
 
 
 @dataclass
+class Outside:
+    """A tensor made outside the capture that the program writes in place (a KV
+    cache: ``cache.index_copy_(...)``, ``cache[:, pos].copy_(k)``).
+
+    Replays write its storage, as a CUDA graph's kernel writes the memory it was
+    captured on; the program's steps hold the storage (and its records the
+    tensor), so it lives as long as the graph, as CUDA's graph keeps its
+    memory. Where CUDA would write to an address the tensor no longer uses
+    after ``set_``, ``resize_`` or a resize of its storage, a replay refuses
+    (:meth:`check`): the writes would be lost to the tensor (or, for a storage
+    cut short, overrun it)."""
+
+    tensors: tuple[torch.Tensor, ...]  # the tensor written and the base it is a view of
+    storage: int  # the StorageImpl the steps write (untyped_storage()._cdata)
+    nbytes: int  # its size at capture
+    op: str  # the first op that writes it, for the message
+
+    @staticmethod
+    def of(t: torch.Tensor, op: str) -> Outside:
+        base = t._base
+        storage = t.untyped_storage()
+        return Outside((t,) if base is None else (t, base), storage._cdata, storage.nbytes(), op)
+
+    def check(self) -> None:
+        """Refuse a replay if the tensor's memory is no longer the storage captured."""
+        for t in self.tensors:
+            storage = t.untyped_storage()
+            if storage._cdata == self.storage and storage.nbytes() >= self.nbytes:
+                continue
+            moved = "has other storage (set_)" if storage._cdata != self.storage else (
+                f"storage was cut from {self.nbytes} to {storage.nbytes()} bytes"
+            )
+            raise InvalidValueError(
+                f"{self.op} writes in place to a tensor of shape {tuple(t.shape)} made outside the capture, "
+                f"which {moved} since the capture; the graph writes the storage it was captured on (under "
+                "CUDA, the memory at the captured address). Copy new data into the tensor instead of "
+                "moving it, or capture the graph again"
+            )
+
+
+@dataclass
 class Segment:
     """Recorded ops that run back to back: one host-function node of the graph."""
 
@@ -140,6 +188,8 @@ class Segment:
     errors: list[tuple[str, BaseException]] = field(default_factory=list)
     # The program's records, to tell which static outputs something outside the plan holds.
     records: list[Record] = field(default_factory=list, repr=False)
+    # The program's tensors made outside the capture that it writes, checked before each run.
+    outside: list[Outside] = field(default_factory=list, repr=False)
     stream: int = 0
     position: int | None = None  # capture length right after this segment's node
     runner: Callable[[], None] | None = None  # replaces the op loop (compiled tier)
@@ -163,6 +213,8 @@ class Segment:
         no_function_modes = torch._C.DisableTorchFunction()
         no_function_modes.__enter__()
         try:
+            for written in self.outside:
+                written.check()
             if self.runner is not None:
                 self.runner()
                 return
@@ -337,6 +389,7 @@ class Program:
     records: list[Record] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     inputs: list[torch.Tensor] = field(default_factory=list)  # registered inputs
+    outside: list[Outside] = field(default_factory=list)  # tensors made outside the capture that it writes
     buffers: list[Any] = field(default_factory=list)  # the pool buffers behind static outputs
     static_bytes: int = 0
     compiled: Any = None  # the CompiledProgram replays run, if compile_graph was called
@@ -359,6 +412,10 @@ class Program:
             f"torch program: {len(self.records)} ops in {len(self.segments)} segment(s), "
             f"{self.static_bytes} bytes of static outputs in the graph's pool"
         ]
+        lines.extend(
+            f"        writes in place a tensor of shape {tuple(o.tensors[0].shape)} made outside the capture ({o.op})"
+            for o in self.outside
+        )
         for i, r in enumerate(self.records):
             shapes = ", ".join(f"{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for t in r.outputs)
             kept = "  (kept in a temporary by replays)" if r.temporary else ""
@@ -540,8 +597,9 @@ class Recorder(TorchDispatchMode):
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 raise CaptureError(f"register_inputs expects torch tensors, got {type(t).__name__}")
+            # Written like any tensor made outside the capture (checked at replay, see
+            # Outside); the compiled tier refuses to write them by name.
             self._program.inputs.append(t)
-            self._owned.add(_storage_ptr(t))
 
     def start(self) -> None:
         # Captures record inference: with autograd on, the returned static
@@ -679,6 +737,8 @@ class Recorder(TorchDispatchMode):
                 f"it ran while the current stream {stream!r} is not part of the capture; run "
                 "captured torch code on the capturing stream",
             )
+        if func.namespace != "aten" and (_collectives.is_collective(func) or _collectives.refusal(func)):
+            return self._record_collective(func, args, kwargs)
         schema = func._schema
         if torch.Tag.inplace_view in tags or (
             schema.returns and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
@@ -697,14 +757,7 @@ class Recorder(TorchDispatchMode):
             for value in ([value] if isinstance(value, torch.Tensor) else list(value or ()))
             if isinstance(value, torch.Tensor)
         ]
-        for t in written:
-            if _storage_ptr(t) not in self._owned:
-                raise self._refuse(
-                    func,
-                    f"it writes in place to a tensor of shape {tuple(t.shape)} made outside the "
-                    "graph; each replay would write to it again. Register it with "
-                    "Graph.register_inputs() if that is intended, or write to a copy",
-                )
+        self._note_writes(func, written)
         if any(not _returns_tensors(r.type) for r in schema.returns) or torch.Tag.data_dependent_output in tags:
             return self._record_host_value(func, args, kwargs)
         inferred, aliases = _infer(func, args, kwargs)
@@ -767,6 +820,31 @@ class Recorder(TorchDispatchMode):
         self._program.records.append(record)
         return tree_unflatten(new_leaves, spec)
 
+    def _note_writes(self, func: Any, written: list[torch.Tensor]) -> None:
+        """Tensors ``func`` writes in place that the capture did not make are outside writes."""
+        for t in written:
+            if _storage_ptr(t) not in self._owned:
+                self._write_outside(func, t)
+
+    def _record_collective(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A torch.distributed collective: a step that runs it and waits for it (see ``_collectives``)."""
+        why = _collectives.refusal(func)
+        if why is not None:
+            raise self._refuse(func, why)
+        written = _collectives.written(func, args)
+        self._note_writes(func, written)
+        self._add_step(_collectives.replay_step(func), args, kwargs, f"{func}")
+        self._program.records.append(Record(func, args, kwargs, written, "mutate"))
+        return _collectives.capture_result(func, args)
+
+    def _write_outside(self, func: Any, t: torch.Tensor) -> None:
+        """``func`` writes in place to ``t``, made outside the capture: recorded as any
+        write (each replay writes it, as under CUDA), and checked at each replay to
+        be where it was (:class:`Outside`)."""
+        self._owned.add(_storage_ptr(t))
+        if t.untyped_storage().nbytes():  # no bytes: nothing a replay could write out of place
+            self._program.outside.append(Outside.of(t, f"{func}"))
+
     def _record_host_value(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """An op returning a Python value: answered from sizes alone (``is_same_size``) or refused."""
         try:
@@ -780,7 +858,7 @@ class Recorder(TorchDispatchMode):
     def _static_like(self, t: torch.Tensor) -> torch.Tensor:
         """A tensor with ``t``'s size, strides and dtype over pool memory, zero until a replay writes it."""
         nbytes = t.untyped_storage().nbytes()
-        if t.device.type == "meta":
+        if isinstance(t, FakeTensor):
             nbytes = _storage_bytes(t)
         with torch.inference_mode(False):
             static = torch.empty((0,), dtype=t.dtype)
@@ -818,12 +896,14 @@ class Recorder(TorchDispatchMode):
         if segment is None or segment.stream != handle or segment.position is None or (
             _capture_position(self._runtime, self._device, handle) != segment.position
         ):
-            segment = Segment(stream=handle, errors=self._errors, records=self._program.records)
+            segment = Segment(
+                stream=handle, errors=self._errors, records=self._program.records, outside=self._program.outside
+            )
             self._runtime.backend.launch_host_func(self._device, handle, segment.run)
             segment.position = _capture_position(self._runtime, self._device, handle)
             self._program.segments.append(segment)
             self._open = segment
-        args, kwargs = tree_map(_snapshot, (args, kwargs))
+        args, kwargs = _snapshots(args, kwargs)
         segment.steps.append((fn, args, kwargs, what, made))
         return args, kwargs
 
@@ -850,31 +930,41 @@ def _storage_bytes(t: torch.Tensor) -> int:
 def _infer(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, scratch: bool = True
 ) -> tuple[Any, bool]:
-    """Run ``func`` on meta stand-ins of its tensors: its outputs' sizes, strides and
-    dtypes without reading or writing any value; and whether an output aliases an input.
+    """Run ``func`` on fake CPU stand-ins of its tensors: its outputs' sizes, strides
+    and dtypes without reading or writing any value; and whether an output aliases
+    an input.
 
-    Ops without a meta kernel run on scratch copies of their inputs instead (with
-    ``scratch``): the result is thrown away, nothing the program sees is touched.
+    Fake tensors, not bare meta ones: a meta tensor has no device, and where a
+    kernel's layout depends on it, torch's meta kernels give another device's
+    (a convolution with channels-last weights: contiguous, where the CPU kernel
+    returns channels-last), so the later ops would replay on another layout than
+    eager. A fake tensor carries its device, which torch's fake kernels honour.
+
+    Ops that fake tensors cannot run (no meta kernel) run on scratch copies of
+    their inputs instead (with ``scratch``): the result is thrown away, nothing
+    the program sees is touched.
     """
-    metas: dict[int, torch.Tensor] = {}
+    mode = _fake_mode()
+    fakes: dict[int, torch.Tensor] = {}
 
-    def to_meta(v: Any) -> Any:
+    def to_fake(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
-            m = metas.get(id(v))
-            if m is None:
-                m = metas[id(v)] = torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device="meta")
-            return m
+            f = fakes.get(id(v))
+            if f is None:
+                f = fakes[id(v)] = torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=v.device)
+            return f
         return v
 
-    meta_args, meta_kwargs = tree_map(to_meta, (args, kwargs))
     try:
-        result = func(*meta_args, **meta_kwargs)
-        storages = {m.untyped_storage()._cdata for m in metas.values()}
+        with mode:
+            fake_args, fake_kwargs = tree_map(to_fake, (args, kwargs))
+            result = func(*fake_args, **fake_kwargs)
+        storages = {f.untyped_storage()._cdata for f in fakes.values()}
         aliases = any(
             isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in storages for t in tree_flatten(result)[0]
         )
         return result, aliases
-    except NotImplementedError:
+    except (NotImplementedError, UnsupportedOperatorException):
         if not scratch:
             raise
     copies: dict[int, torch.Tensor] = {}
@@ -892,6 +982,17 @@ def _infer(
     storages = {_storage_ptr(c) for c in copies.values()}
     aliases = any(isinstance(t, torch.Tensor) and _storage_ptr(t) in storages for t in tree_flatten(result)[0])
     return result, aliases
+
+
+_fake = threading.local()
+
+
+def _fake_mode() -> Any:
+    """This thread's mode for :func:`_infer` (one per thread: a mode is not shared)."""
+    mode = getattr(_fake, "mode", None)
+    if mode is None:
+        mode = _fake.mode = FakeTensorMode(allow_fallback_kernels=False)
+    return mode
 
 
 def _written_returns(schema: Any, bound: list[tuple[Any, Any]]) -> dict[int, torch.Tensor]:
@@ -920,6 +1021,21 @@ def _snapshot(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.dim() > 0:
         return value.as_strided(value.size(), value.stride(), value.storage_offset())
     return value
+
+
+def _snapshots(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """:func:`_snapshot` of each argument, one alias per tensor object: a kernel may
+    check that two arguments are one tensor (``_native_multi_head_attention``
+    projects query, key and value in one matrix product when they are), and
+    aliases of one input would take another path than eager, with other rounding."""
+    aliases: dict[int, Any] = {}
+
+    def snapshot(value: Any) -> Any:
+        if id(value) not in aliases:
+            aliases[id(value)] = _snapshot(value)
+        return aliases[id(value)]
+
+    return tree_map(snapshot, (args, kwargs))  # type: ignore[no-any-return]
 
 
 @functools.cache

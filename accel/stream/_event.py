@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from accel._device import Device, DeviceLike
 from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, NotSupportedError
 from accel._runtime import Runtime, get_runtime
-from accel.backends._sharing import ExportTicket, broker, check_device, export_origin, open_export
 from accel.stream._stream import Stream, as_stream
+
+if TYPE_CHECKING:
+    from accel.backends._sharing import ExportTicket
 
 __all__ = ["Event"]
 
@@ -164,9 +167,29 @@ class Event:
         self._runtime.backend.event_synchronize(self._device, self._handle)
 
     def wait(self, stream: Stream | None = None) -> None:
-        """Make later work on ``stream`` (default: current) wait for this event."""
+        """Make later work on ``stream`` (default: current) wait for this event.
+
+        Inside a graph capture, a wait on an event recorded outside the capture
+        is refused, unless the event was created with ``external=True`` (as
+        ``torch.cuda.Event``): then the graph keeps the wait, and each replay
+        waits there for the event's last record as it stands when the replay
+        is queued (a record on another stream, or by another graph's replay):
+        CUDA's event-wait node.
+
+        >>> import accel
+        >>> ready = accel.Event(external=True)
+        >>> g = accel.Graph()
+        >>> with accel.graph(g):
+        ...     ready.wait(); accel.current_stream().launch_host_func(lambda: None)
+        >>> ready.record(); g.replay(); accel.synchronize()
+        """
         self._check_open()
         stream = as_stream(stream, self._device)
+        if self._external and (self._recorded or stream.is_capturing()):
+            # In a capture even before any record: a later one (another graph's) is what replays wait for.
+            handle = self._ensure(stream.device_index if self._device is None else self._device)
+            self._runtime.backend.stream_wait_event_external(stream.device_index, stream._live(), handle)
+            return
         if not self._recorded:
             return  # nothing recorded, nothing to wait for
         self._runtime.backend.stream_wait_event(stream.device_index, stream._live(), self._handle)
@@ -194,6 +217,58 @@ class Event:
 
         Keep this event alive until every importer has unpickled it.
         """
+        return _open_event, self._export()
+
+    def ipc_handle(self) -> bytes:
+        """A handle to this event that another process opens with
+        :meth:`from_ipc_handle`, as ``torch.cuda.Event.ipc_handle``: bytes, to send
+        any way bytes go (a pipe, a queue, a file). The event must be created with
+        ``interprocess=True``; if never recorded, it is created on the current device.
+
+        Keep this event alive until every importer has opened it (the handle names
+        it in this process, and opens nothing once the event is closed or
+        collected); this process cannot open its own handle.
+
+        >>> import accel
+        >>> event = accel.Event(interprocess=True)
+        >>> event.record()
+        >>> handle = event.ipc_handle()
+        >>> isinstance(handle, bytes) and handle == event.ipc_handle()
+        True
+        """
+        ticket, backend_name, index, uuid = self._export()
+        fields = {
+            "address": ticket.address.hex(), "token": ticket.token, "pid": ticket.pid,
+            "backend": backend_name, "device": index, "uuid": uuid,
+        }  # fmt: skip
+        import json  # here, not at import: `import accel` loads no JSON (tests/test_facade.py)
+
+        return _IPC_HANDLE_PREFIX + json.dumps(fields, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_ipc_handle(cls, device: DeviceLike, handle: bytes) -> Event:
+        """Open the event of another process that ``handle`` (from its
+        :meth:`ipc_handle`) names, as ``torch.cuda.Event.from_ipc_handle``.
+
+        ``device`` is the event's device (None: the one the handle names); the
+        processes must see it at the same index. Waiting for, querying and
+        synchronizing the opened event see the other process's records, and
+        records made here are seen there.
+        """
+        ticket, backend_name, index, uuid = _read_ipc_handle(handle)
+        if device is not None:
+            runtime = get_runtime()
+            wanted = runtime.index(device)
+            if wanted != index:
+                raise DeviceError(
+                    f"the IPC handle names an event of {backend_name}:{index}, not of "
+                    f"{runtime.device(wanted)}; pass that device, or None"
+                )
+        return _open_event(ticket, backend_name, index, uuid)
+
+    def _export(self) -> tuple[ExportTicket, str, int, str]:
+        """This event's export (one, however often it is shared): the broker's ticket, and
+        the backend, device index and device UUID an importer checks it against."""
         self._check_open()
         if not self._interprocess:
             raise InvalidValueError(
@@ -206,7 +281,7 @@ class Event:
             # "create it with interprocess=True"): say what to do, as for an opened buffer.
             raise NotSupportedError(
                 f"{self!r} was opened from process {self._opened_from}; pickle the event in the process "
-                "that created it instead (an opened event is not exported again)"
+                "that created it instead, or call ipc_handle() there (an opened event is not exported again)"
             )
         index = self._device if self._device is not None else self._runtime.current_index
         handle = self._ensure(index)
@@ -217,6 +292,9 @@ class Event:
                 "has no IPC support here)"
             )
         uuid = backend.device_properties(index).uuid
+        # Sharing loads sockets, secrets and JSON: not at `import accel`, at the first export.
+        from accel.backends._sharing import broker, export_origin
+
         with self._lock:
             ticket = self._ticket
             if ticket is None:
@@ -230,15 +308,57 @@ class Event:
                 ticket = self._ticket = broker().offer(
                     "event", export_origin(backend.name, index, uuid), payload, fds, target, hold=False
                 )
-        return _open_event, (ticket, backend.name, index, uuid)
+        return ticket, backend.name, index, uuid
 
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidHandleError(f"{self!r} was closed; create a new accel.Event")
 
 
+# What Event.ipc_handle() starts with: the format, versioned, so that bytes of another
+# kind (torch's 64-byte cudaIpcEventHandle_t, a damaged handle) are told apart.
+_IPC_HANDLE_PREFIX = b"accel-event-ipc-1:"
+_HEX = re.compile(r"(?:[0-9a-f]{2})+")
+
+
+def _read_ipc_handle(handle: object) -> tuple[ExportTicket, str, int, str]:
+    """The ticket, backend, device index and UUID an :meth:`Event.ipc_handle` holds."""
+    if not isinstance(handle, (bytes, bytearray, memoryview)):
+        raise InvalidValueError(
+            f"handle={handle!r} ({type(handle).__name__}) is not an IPC handle: pass the bytes "
+            "accel.Event.ipc_handle() returned in the exporting process"
+        )
+    import json  # here, not at import: `import accel` loads no JSON
+
+    from accel.backends._sharing import ExportTicket  # loaded at the first use of sharing
+
+    data = bytes(handle)
+    fields: object = None
+    if data.startswith(_IPC_HANDLE_PREFIX):
+        try:
+            fields = json.loads(data[len(_IPC_HANDLE_PREFIX) :])
+        except (ValueError, RecursionError):  # not UTF-8, not JSON, nested past the recursion limit
+            pass
+    if isinstance(fields, dict):
+        address, token, pid = fields.get("address"), fields.get("token"), fields.get("pid")
+        backend_name, index, uuid = fields.get("backend"), fields.get("device"), fields.get("uuid")
+        if (
+            isinstance(address, str) and _HEX.fullmatch(address) and isinstance(token, str)
+            and isinstance(pid, int) and not isinstance(pid, bool)
+            and isinstance(index, int) and not isinstance(index, bool)
+            and isinstance(backend_name, str) and isinstance(uuid, str)
+        ):  # what each names is checked when it is opened (open_export, check_device)
+            return ExportTicket(bytes.fromhex(address), token, pid), backend_name, index, uuid
+    raise InvalidHandleError(
+        f"{data[:40]!r}... is not an accel event IPC handle (damaged, or made by another library, "
+        "such as torch's): pass the bytes accel.Event.ipc_handle() returned in the exporting process"
+    )
+
+
 def _open_event(ticket: ExportTicket, backend_name: str, index: int, uuid: str) -> Event:
     """Open an event exported by another process (what unpickling an Event calls)."""
+    from accel.backends._sharing import check_device, export_origin, open_export
+
     what = f"an event of {backend_name}:{index} from another process"
     runtime = get_runtime()
     backend = runtime.backend

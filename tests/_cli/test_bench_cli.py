@@ -238,3 +238,17 @@ def test_bench_works_from_an_installed_wheel(tmp_path):
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == sorted(p.stem for p in (repo / "benchmarks").glob("bench_*.py"))
 
+
+def test_help_offers_the_benchmarks_that_exist(tmp_path, capsys, monkeypatch):
+    # The names come from the benchmarks found (./benchmarks first), not from a list
+    # written in the help that can name one that is gone.
+    monkeypatch.chdir(tmp_path)
+    _bench_dir(tmp_path, pair="", startup="")
+    code, out, _ = _run(["bench", "--help"], capsys)
+    assert code == 0
+    text = " ".join(out.split())
+    assert "e.g. 'pair' for bench_pair.py (default: all); found here: pair, startup" in text
+    shipped = sorted(path.stem.removeprefix("bench_") for path in (Path(__file__).resolve().parents[2] / "benchmarks").glob("bench_*.py"))
+    monkeypatch.chdir(tmp_path / "benchmarks")  # no ./benchmarks: the ones beside the package
+    code, out, _ = _run(["bench", "--help"], capsys)
+    assert f"found here: {', '.join(shipped)}" in " ".join(out.split())

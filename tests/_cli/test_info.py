@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +44,27 @@ def test_json_report_is_complete(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(report["devices"]) == int(os.environ["ACCEL_CPU_DEVICES"])
     device = report["devices"][0]
     assert {"name", "uuid", "total_memory", "memory_free", "memory_total", "driver_version"} <= device.keys()
+
+
+@pytest.mark.parametrize("pure", ["0", "1"])
+def test_report_says_whether_the_compiled_paths_are_in_use(pure: str) -> None:
+    from accel._native import source_crc32
+
+    result = accel_cli("info", "--json", ACCEL_PURE_PYTHON=pure)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    built = sorted((Path(__file__).resolve().parents[2] / "accel").glob("_speedups.*.so"))
+    compiled = pure == "0" and bool(built)
+    assert report["compiled"] is compiled and report["speedups"]["compiled"] is compiled
+    assert report["speedups"]["source_crc32"] == source_crc32()
+    if compiled:
+        assert report["speedups"]["file"] == str(built[0]) and report["speedups"]["reason"] is None
+    else:
+        assert report["speedups"]["file"] is None
+        assert report["speedups"]["reason"] == "ACCEL_PURE_PYTHON=1" if pure == "1" else report["speedups"]["reason"]
+    text = accel_cli("info", ACCEL_PURE_PYTHON=pure).stdout
+    assert ("compiled paths: in use" in text) is compiled
+    assert ("compiled paths: not in use, pure Python" in text) is not compiled
 
 
 def test_unavailable_backend_is_one_line_and_non_zero() -> None:

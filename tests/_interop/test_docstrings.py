@@ -6,12 +6,12 @@ import doctest
 
 import pytest
 
-from accel._interop import _cuda_array_interface, _dlpack
+from accel._interop import _cuda_array_interface, _dlpack, _host
 from accel._interop import torch as interop_torch
 from accel.stream._stream import Stream
 
 
-@pytest.mark.parametrize("module", [_dlpack, _cuda_array_interface, interop_torch], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [_dlpack, _cuda_array_interface, _host, interop_torch], ids=lambda m: m.__name__)
 def test_module_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0

@@ -250,11 +250,12 @@ def scenario_importer_on_the_default_loader() -> dict[str, Any]:
 
 
 def scenario_print_pickle() -> dict[str, Any]:
-    """Print a pickled buffer and event, then exit: their exporter is gone once read."""
+    """Print a pickled buffer and event and the address of their broker, then exit:
+    their exporter is gone once read."""
     buf = accel.memory.allocate(SIZE)
     event = accel.Event(interprocess=True)
     event.record()
-    return {"buffer": pickle.dumps(buf).hex(), "event": pickle.dumps(event).hex()}
+    return {"buffer": pickle.dumps(buf).hex(), "event": pickle.dumps(event).hex(), "address": broker().address.hex()}
 
 
 def scenario_open_pickles() -> dict[str, Any]:
@@ -487,6 +488,7 @@ def scenario_forged_descriptions() -> dict[str, Any]:
     forged: dict[str, Any] = {
         "not json": lambda: (b"not json", real()[1]),
         "a list": lambda: (b"[1, 2]", real()[1]),
+        "nested past the recursion limit": lambda: (b"[" * 100_000, real()[1]),  # RecursionError escaped
         "no descriptors": lambda: (real()[0], []),
         "no descriptors, no chunks": lambda: (json.dumps({**layout, "sizes": [], "pieces": []}).encode(), []),
         "pipes": lambda: (lambda p, f: (p, [pipe() for _ in f] or [pipe()]))(*real()),
@@ -637,6 +639,42 @@ def scenario_importer_resizes() -> dict[str, Any]:
     return {"outcomes": outcomes, "seen": seen, "exitcode": child.exitcode}
 
 
+LARGE = 600 << 20  # with expandable segments, some 300 chunks: one descriptor each
+
+
+def _read_ends(args: Any, replies: Any) -> None:
+    """Open a buffer and send back its first and last 16 bytes."""
+    from accel.allocator._sharing import open_buffer
+
+    buf = open_buffer(*args)
+    stream = accel.current_stream(buf.device)
+    with accel.memory.allocate_host(16) as staging:
+        stream.copy(staging, buf.ptr + buf.nbytes - 16, 16)
+        stream.synchronize()
+        last = ctypes.string_at(staging.ptr, 16)
+    replies.put([host_bytes(buf).hex(), last.hex()])
+    buf.free()
+
+
+def scenario_large_buffer() -> dict[str, Any]:
+    """A 600 MiB buffer: with expandable segments more descriptors than one message carries."""
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    stream = accel.current_stream()
+    buf = accel.memory.allocate(LARGE)
+    stream.fill(buf, 0x11, 16)
+    stream.fill(buf.ptr + LARGE - 16, 0x22, 16)
+    stream.synchronize()
+    child = ctx.Process(target=_read_ends, args=(buf.__reduce__()[1], replies))
+    child.start()
+    try:
+        result: Any = replies.get(timeout=TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - the child failed: its stderr says why
+        result = ["no answer"]
+    child.join(TIMEOUT_S)
+    return {"ends": result, "exitcode": child.exitcode}
+
+
 def _pickle_again(data: bytes, replies: Any) -> None:
     event = pickle.loads(data)
     try:
@@ -744,7 +782,7 @@ def _misbehaving_broker(mode: str, replies: Any) -> None:
         conn.recv(32)
         read_end, write_end = os.pipe()
         length = 0xFFFFFFF0 if mode == "huge" else 100
-        socket.send_fds(conn, [struct.pack("!cI", b"K", length) + b"abc"], [read_end])
+        socket.send_fds(conn, [struct.pack("!cII", b"K", length, 1) + b"abc"], [read_end])
         os.close(read_end)
         os.close(write_end)
         kept.append(conn)
@@ -820,6 +858,255 @@ def scenario_exporter_dies_while_a_stream_waits() -> dict[str, Any]:
     waiter.join(10)
     print(json.dumps({"outcome": outcome}), flush=True)
     os._exit(0)  # a hung waiter holds the stream: do not wait for it at exit
+
+
+# -- after the exporter exits: a process that took its address --------------------------
+
+SQUATTER_BYTE = 0xEE
+
+
+def _squat(address: bytes, user: int, replies: Any) -> None:
+    """Bind the address of an exporter that has exited (as ``user``) and answer every
+    connection as an accel broker would, with a buffer of this process's own."""
+    import socket
+    import struct
+
+    from accel._runtime import get_runtime
+    from accel.backends._sharing import _HEADER, _label, export_origin
+
+    backend = get_runtime().backend
+    buf = accel.memory.allocate(SIZE)
+    accel.current_stream().fill(buf, SQUATTER_BYTE, SIZE)
+    accel.current_stream().synchronize()
+    payload, fds = backend.ipc_memory_export(0, buf.ptr, SIZE)
+    origin = export_origin(backend.name, 0, backend.device_properties(0).uuid)
+    body = _label("buffer") + _label(origin) + struct.pack("!Q", SIZE) + payload
+    if user != os.geteuid():
+        os.setgid(user)
+        os.setuid(user)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(4)
+    replies.put("listening")
+    kept = []
+    while True:
+        conn, _ = listener.accept()
+        conn.settimeout(10)
+        try:
+            if conn.recv(32):  # empty: the importer hung up without asking
+                replies.put("asked")
+            socket.send_fds(conn, [_HEADER.pack(b"K", len(body), len(fds)) + body], fds)
+        except OSError:
+            pass
+        kept.append(conn)
+
+
+def scenario_squatted() -> dict[str, Any]:
+    """Open a buffer (pickled by scenario_print_pickle, whose process has exited) while
+    another process listens at its exporter's address (as the user stdin names)."""
+    import queue
+
+    given = json.loads(sys.stdin.read())
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    user = os.geteuid() if given["user"] is None else given["user"]
+    squatter = ctx.Process(target=_squat, args=(bytes.fromhex(given["address"]), user, replies), daemon=True)
+    squatter.start()
+    assert replies.get(timeout=TIMEOUT_S) == "listening"
+    try:
+        result = ["opened", host_bytes(pickle.loads(bytes.fromhex(given["buffer"]))).hex()]
+    except accel.AccelError as exc:
+        result = [type(exc).__name__, str(exc)]
+    try:
+        asked = replies.get(timeout=5) == "asked"  # put before it answered, if it was asked
+    except queue.Empty:
+        asked = False
+    squatter.kill()
+    squatter.join(TIMEOUT_S)
+    return {"result": result, "squatter": squatter.pid, "asked": asked}
+
+
+# -- fork: helpers of either end ------------------------------------------------------
+
+
+def _forking_holder(queue: Any, replies: Any) -> None:
+    """Open the buffer, fork a helper that lives until told, then free the buffer."""
+    buf = queue.get(timeout=TIMEOUT_S)
+    told, tell = os.pipe()
+    helper = os.fork()
+    if helper == 0:
+        os.close(tell)
+        os.read(told, 1)
+        os._exit(0)
+    os.close(told)
+    replies.put(host_bytes(buf).hex())
+    buf.free()
+    replies.put("freed")
+    queue.get(timeout=TIMEOUT_S)  # the exporter has looked
+    os.close(tell)
+    os.waitpid(helper, 0)
+
+
+def scenario_importer_forks_a_helper() -> dict[str, Any]:
+    """Both ends free the buffer while a helper the importer forked lives on: the
+    exporter's memory must go back to its cache all the same."""
+    ctx = mp.get_context("spawn")
+    queue, replies = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_forking_holder, args=(queue, replies))
+    child.start()
+    buf = accel.memory.allocate(SIZE)
+    accel.current_stream().fill(buf, 0x66, SIZE)
+    accel.current_stream().synchronize()
+    queue.put(buf)
+    seen = replies.get(timeout=TIMEOUT_S)
+    replies.get(timeout=TIMEOUT_S)
+    buf.free()
+    deadline = time.monotonic() + TIMEOUT_S / 2
+    while (broker().stats()["holds"] or allocated()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    result = {"seen": seen, "holds": broker().stats()["holds"], "allocated": allocated()}
+    queue.put("looked")
+    child.join(TIMEOUT_S)
+    return {**result, "exitcode": child.exitcode}
+
+
+def _holder_until_told(queue: Any, replies: Any) -> None:
+    buf = queue.get(timeout=TIMEOUT_S)
+    replies.put(host_bytes(buf).hex())
+    queue.get(timeout=TIMEOUT_S)  # the exporter forked and allocated again
+    replies.put(host_bytes(buf).hex())
+    buf.free()
+    replies.put("freed")
+
+
+def scenario_exporter_forks_while_an_importer_holds() -> dict[str, Any]:
+    """The exporter frees its buffer (the importer's hold alone keeps the memory) and
+    forks a child that exits at once: the child's copy of the hold closes, and what it
+    held must stay held in the exporter, without a word on the child's stderr."""
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    queue, replies = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_holder_until_told, args=(queue, replies))
+    child.start()
+    buf = accel.memory.allocate(SIZE)
+    accel.current_stream().fill(buf, 0x77, SIZE)
+    accel.current_stream().synchronize()
+    queue.put(buf)
+    seen = replies.get(timeout=TIMEOUT_S)
+    ptr = buf.ptr
+    buf.free()
+    with tempfile.TemporaryFile() as err:
+        saved = os.dup(2)
+        os.dup2(err.fileno(), 2)  # what the fork handlers print in the helper
+        helper = os.fork()
+        if helper == 0:
+            os._exit(0)
+        os.dup2(saved, 2)
+        os.close(saved)
+        _, status = os.waitpid(helper, 0)
+        err.seek(0)
+        helper_stderr = err.read().decode(errors="replace")
+    holds = broker().stats()["holds"]
+    again = accel.memory.allocate(SIZE)
+    accel.current_stream().fill(again, 0x55, SIZE)
+    accel.current_stream().synchronize()
+    queue.put("look again")
+    seen_again = replies.get(timeout=TIMEOUT_S)
+    replies.get(timeout=TIMEOUT_S)
+    reused = again.ptr == ptr
+    again.free()
+    child.join(TIMEOUT_S)
+    deadline = time.monotonic() + TIMEOUT_S
+    while (broker().stats()["holds"] or allocated()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return {
+        "seen": seen, "seen_again": seen_again, "reused_while_held": reused, "holds_after_fork": holds,
+        "helper_status": os.waitstatus_to_exitcode(status), "helper_stderr": helper_stderr,
+        "after": broker().stats(), "allocated_after": allocated(), "exitcode": child.exitcode,
+    }
+
+
+def scenario_fork_a_helper_then_exit() -> dict[str, Any]:
+    """Print a pickled buffer and event, fork a helper that outlives this process (its pid
+    printed too), and exit."""
+    buf = accel.memory.allocate(SIZE)
+    event = accel.Event(interprocess=True)
+    event.record()
+    pickles = {"buffer": pickle.dumps(buf).hex(), "event": pickle.dumps(event).hex()}
+    helper = os.fork()
+    if helper == 0:
+        quiet = os.open(os.devnull, os.O_RDWR)
+        for stdio in (0, 1, 2):  # the test reads this process's output to its end
+            os.dup2(quiet, stdio)
+        time.sleep(10 * TIMEOUT_S)
+        os._exit(0)
+    return {**pickles, "helper": helper}
+
+
+def scenario_open_pickles_impatiently() -> dict[str, Any]:
+    """scenario_open_pickles, waiting 5 s for an answer instead of 60 (what a failure costs)."""
+    import accel.backends._sharing as sharing
+
+    sharing._ANSWER_TIMEOUT_S = 5.0
+    return scenario_open_pickles()
+
+
+# -- close-on-exec: programs either end starts inherit none of accel's descriptors -------
+
+
+def inherited_by_a_program() -> list[str]:
+    """What a program started with ``close_fds=False`` has past stdio: ``"fd target"``
+    (the descriptor listing opens is closed by the time it is read)."""
+    import subprocess
+
+    code = (
+        "import os\n"
+        "for fd in os.listdir('/proc/self/fd'):\n"
+        "    try:\n"
+        "        print(fd, os.readlink(f'/proc/self/fd/{fd}'))\n"
+        "    except OSError:\n"
+        "        pass\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", code], capture_output=True, text=True, close_fds=False, timeout=TIMEOUT_S, check=True
+    )
+    return [line for line in result.stdout.splitlines() if int(line.split()[0]) > 2]
+
+
+def open_and_start_a_program() -> None:
+    """The importer of scenario_programs_inherit_nothing: opens the buffer and the event
+    of the pickles on stdin, and takes the buffer's descriptors as any process could;
+    prints what a program it starts inherits, and holds until stdin says."""
+    given = json.loads(sys.stdin.readline())
+    kept = [pickle.loads(bytes.fromhex(given["buffer"])), pickle.loads(bytes.fromhex(given["event"]))]
+    kept.append(_handed("buffer", pickle.loads(bytes.fromhex(given["args"]))))
+    print(json.dumps(inherited_by_a_program()), flush=True)
+    sys.stdin.readline()
+
+
+def scenario_programs_inherit_nothing() -> dict[str, Any]:
+    """This process (it started with stdio only) exports a buffer and an event to an
+    importer (likewise); each starts a program while the importer holds both."""
+    import subprocess
+
+    buf = accel.memory.allocate(SIZE)
+    event = accel.Event(interprocess=True)
+    event.record()
+    given = {"buffer": pickle.dumps(buf).hex(), "event": pickle.dumps(event).hex(),
+             "args": pickle.dumps(buf.__reduce__()[1]).hex()}
+    importer = subprocess.Popen(
+        [sys.executable, "-c", "from tests.allocator.sharing_scenarios import open_and_start_a_program as f; f()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    assert importer.stdin is not None and importer.stdout is not None
+    importer.stdin.write(json.dumps(given) + "\n")
+    importer.stdin.flush()
+    imported = json.loads(importer.stdout.readline())
+    exported = inherited_by_a_program()
+    holds = broker().stats()["holds"]
+    importer.communicate("\n", timeout=TIMEOUT_S)
+    return {"importer": imported, "exporter": exported, "holds": holds, "exitcode": importer.returncode}
 
 
 if __name__ == "__main__":

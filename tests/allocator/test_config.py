@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 import threading
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -412,6 +416,43 @@ def test_warnings_are_emitted_once(fresh: pytest.MonkeyPatch) -> None:
     assert len(record) == 1
     assert "not used by accel" in str(record[0].message)
     assert config_for_backend("xpu").warnings == (str(record[0].message),)
+
+
+_WARNING_PATHS = """\
+import os, warnings
+import accel
+from accel.allocator import BackendResource, get_config
+
+class NoVirtualMemory(BackendResource):
+    def supports_virtual_memory(self):
+        return False
+
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    backend = accel.memory.get_allocator(0).backend  # warns: the environment read
+    accel.memory.set_upstream(NoVirtualMemory(backend, 1), device=1)
+    accel.memory.memory_stats(1)  # warns: an allocator made without virtual memory
+    os.environ["ACCEL_ALLOC_CONF"] = "expandable_segments:False"
+    get_config()  # warns: the change noticed
+for w in caught:
+    print(w.category.__name__, os.path.basename(w.filename), w.lineno)
+"""
+
+
+def test_configuration_warnings_name_the_callers_line(tmp_path: Path) -> None:
+    # Each warning is reached through several of accel's frames, a different number on
+    # each path: it must name the user's line, not one of accel's.
+    script = tmp_path / "user_code.py"
+    script.write_text(_WARNING_PATHS)
+    env = {k: v for k, v in os.environ.items() if k not in config_module._WATCHED}
+    env.update(ACCEL_BACKEND="cpu", ACCEL_CPU_DEVICES="2", PYTHONPATH=str(Path(__file__).resolve().parents[2]),
+               ACCEL_ALLOC_CONF="expandable_segments:True,pinned_free_catch_all:True")
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    expected = [f"AllocatorConfigWarning user_code.py {number}"
+                for number, line in enumerate(_WARNING_PATHS.splitlines(), 1) if "# warns" in line]
+    assert len(expected) == 3
+    assert sorted(result.stdout.splitlines()) == sorted(expected), result.stdout
 
 
 def test_set_settings_changes_only_named_keys(fresh: pytest.MonkeyPatch) -> None:

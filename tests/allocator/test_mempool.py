@@ -13,6 +13,7 @@ import accel
 from accel.allocator import BackendResource, ConfigStringError, StatisticsAdaptor
 from accel.graph import Graph, graph
 from tests.conftest import CONFORMANCE_BACKENDS
+from tests.fixtures import scripts
 from tests.graph.test_graph import run_script_on
 
 MiB = 1 << 20
@@ -262,3 +263,52 @@ def test_a_pool_dropped_inside_a_host_function_does_not_wait_for_the_device(back
     to give the memory back; on the thread running a host function (or in a collection
     there) that waits for the host function itself: a deadlock."""
     run_script_on(backend, DROP_IN_A_HOST_FUNCTION, how, timeout=60)
+
+
+OUT_OF_MEMORY_WITH_ANOTHER_ALLOCATORS_CACHE = """
+import sys, accel
+pool = accel.memory.MemPool()
+mine, theirs = (pool, None) if sys.argv[1] == "pool caches" else (None, pool)
+if mine is not None:
+    with accel.memory.use_mem_pool(mine):
+        accel.memory.allocate(200 << 20).free()
+else:
+    accel.memory.allocate(200 << 20).free()
+try:
+    if theirs is not None:
+        with accel.memory.use_mem_pool(theirs):
+            accel.memory.allocate(100 << 20)
+    else:
+        accel.memory.allocate(100 << 20)
+except accel.OutOfMemoryError as exc:
+    d = exc.details
+    print(d.mempools, d.mempools_allocated, d.others, d.others_allocated)
+    print(exc)
+"""
+
+# Each simulated device has 256 MiB; the cache of one allocator leaves too little for the other.
+_SMALL_DEVICE = {"ACCEL_CPU_MEMORY_LIMIT": "256MiB", "ACCEL_SIMCUDA_TOTAL_MEM": "256MiB", "ACCEL_SIMZE_MEMORY": "256MiB"}
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_out_of_memory_counts_what_a_pool_in_use_caches_and_says_how_to_free_it(backend: str) -> None:
+    # The device allocator's error said "0 bytes is reserved by accel" while a MemPool
+    # cached 200 MiB of the device, and did not say to empty the pool's cache.
+    result = scripts.run(backend, OUT_OF_MEMORY_WITH_ANOTHER_ALLOCATORS_CACHE, "pool caches", env=_SMALL_DEVICE)
+    assert result.returncode == 0, result.stderr
+    numbers, message = result.stdout.split("\n", 1)
+    assert numbers.split() == [str(200 << 20), "0", "0", "0"]
+    assert "200.00 MiB is reserved by accel but unallocated" in message, message
+    assert "MemPools of this device in use reserve 200.00 MiB (0 bytes allocated)" in message, message
+    assert "MemPools of this device cache 200.00 MiB" in message and "pool.empty_cache()" in message, message
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_out_of_memory_in_a_pool_counts_what_the_device_allocator_caches(backend: str) -> None:
+    result = scripts.run(backend, OUT_OF_MEMORY_WITH_ANOTHER_ALLOCATORS_CACHE, "device caches", env=_SMALL_DEVICE)
+    assert result.returncode == 0, result.stderr
+    numbers, message = result.stdout.split("\n", 1)
+    assert numbers.split() == ["0", "0", str(200 << 20), "0"]
+    assert "200.00 MiB is reserved by accel but unallocated" in message, message
+    assert "the device's allocator outside this MemPool reserves 200.00 MiB" in message, message
+    assert "caches 200.00 MiB outside this MemPool: call accel.memory.empty_cache()" in message, message

@@ -8,7 +8,10 @@ starts its importers with multiprocessing's spawn start method.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
+import mmap
 import os
 import pickle
 import subprocess
@@ -19,6 +22,7 @@ from typing import Any
 import pytest
 
 import accel
+from accel.allocator import BackendResource, LimitingAdaptor, MemoryResource
 from tests.conftest import CONFORMANCE_BACKENDS, backend_skip_reason
 from tests.fixtures import xpu_driver
 
@@ -267,6 +271,17 @@ def test_damaged_descriptions_of_events_are_clear_errors(backend: str) -> None:
     assert result["exitcode"] == 0
 
 
+@segments
+@backends
+def test_a_buffer_of_hundreds_of_chunks_shares(backend: str, alloc_conf: str) -> None:
+    # With expandable segments each chunk under the buffer is a descriptor, and an
+    # answer carried at most 64: a 200 MiB buffer failed with a false "too many open
+    # files" (simulated CUDA) and a 600 MiB one with "closed the connection" (more
+    # than the kernel takes in one message).
+    result = run_scenario(backend, "large_buffer", alloc_conf=alloc_conf)
+    assert result["ends"] == ["11" * 16, "22" * 16] and result["exitcode"] == 0, result
+
+
 def test_an_answer_that_stalls_or_announces_gigabytes_is_refused_closing_what_came_with_it() -> None:
     # The descriptors received with the first part of an answer stayed open when
     # the rest never came (one per timeout), and an announced length was passed
@@ -301,6 +316,85 @@ def test_a_full_descriptor_table_while_exporting_is_a_driver_error(backend: str)
         assert kind == "DriverError" and "EMFILE" in message, message
 
 
+# -- who answers for an exporter that exited; fork helpers of either end -------------------
+
+
+@pytest.mark.parametrize(
+    "user",
+    [
+        pytest.param(None, id="same-user"),
+        pytest.param(65534, id="nobody", marks=pytest.mark.skipif(os.geteuid() != 0, reason="needs root to setuid")),
+    ],
+)
+@backends
+def test_an_importer_refuses_a_process_that_took_the_address_of_an_exited_exporter(backend: str, user: int | None) -> None:
+    # The importer never asked who answered at the address its pickle names: once the
+    # exporter had exited, a process of any user could bind it and hand the importer
+    # its own memory as the buffer (the importer read the squatter's 0xee bytes).
+    pickles = run_scenario(backend, "print_pickle")
+    result = run_scenario(backend, "squatted", json.dumps({**pickles, "user": user}))
+    kind, message = result["result"]
+    assert kind == "InvalidHandleError", message
+    assert f"is pid {result['squatter']} of user {os.geteuid() if user is None else user}, not its exporter" in message, message
+    assert "another process took its address" in message, message
+    assert not result["asked"], "the importer sent the squatter the pickle's token"
+
+
+@backends
+def test_a_forked_helper_of_an_importer_does_not_keep_the_exporters_memory(backend: str) -> None:
+    # The helper inherited the importer's hold (its connection to the broker): the
+    # exporter kept the memory allocated until the helper exited.
+    result = run_scenario(backend, "importer_forks_a_helper")
+    assert result["seen"] == "66" * 16
+    assert result["holds"] == 0 and result["allocated"] == 0, result
+    assert result["exitcode"] == 0
+
+
+@segments
+@backends
+def test_a_forked_child_of_an_exporter_leaves_the_importers_hold_to_the_exporter(backend: str, alloc_conf: str) -> None:
+    # The child closes its copies of the broker's connections at the fork: that must
+    # end nothing for the exporter (the importer still holds the same connection), and
+    # dropping them must not run the allocator's frees inside the child's fork handler.
+    result = run_scenario(backend, "exporter_forks_while_an_importer_holds", alloc_conf=alloc_conf)
+    assert result["helper_status"] == 0 and result["helper_stderr"] == "", result["helper_stderr"]
+    assert result["holds_after_fork"] == 1
+    assert not result["reused_while_held"]
+    assert result["seen"] == result["seen_again"] == "77" * 16
+    assert result["after"] == {"exports": 0, "holds": 0} and result["allocated_after"] == 0
+    assert result["exitcode"] == 0
+
+
+@backends
+def test_opening_exports_of_an_exited_process_whose_forked_helper_lives_on_fails_at_once(backend: str) -> None:
+    # The helper inherited the broker's listening socket: the importer's connection
+    # was accepted into its backlog and nobody answered, so unpickling waited for the
+    # answer timeout (60 s) instead of saying that the exporter has exited.
+    pickles = run_scenario(backend, "fork_a_helper_then_exit")
+    helper = pickles.pop("helper")
+    try:
+        result = run_scenario(backend, "open_pickles_impatiently", json.dumps(pickles))
+        links = [os.readlink(f"/proc/{helper}/fd/{fd}") for fd in os.listdir(f"/proc/{helper}/fd")]
+    finally:
+        os.kill(helper, 9)
+    for name in ("buffer", "event"):
+        kind, message = result[name]
+        assert kind == "InvalidHandleError" and "has exited" in message, (name, message)
+    assert not [link for link in links if link.startswith("socket:")], links
+
+
+@segments
+@backends
+def test_programs_either_end_starts_inherit_none_of_its_descriptors(backend: str, alloc_conf: str) -> None:
+    # The importer received descriptors without close-on-exec (socket.recv_fds drops
+    # its flags): a program it started (close_fds=False, os.exec*) had them, for good
+    # where the backend keeps one (the host backend, an opened event's page).
+    result = run_scenario(backend, "programs_inherit_nothing", alloc_conf=alloc_conf)
+    assert result["holds"] == 1 and result["exitcode"] == 0
+    assert result["importer"] == [], result["importer"]
+    assert result["exporter"] == [], result["exporter"]
+
+
 # -- refusals in one process (the host backend) -----------------------------------------
 
 
@@ -311,11 +405,62 @@ def test_a_freed_buffer_refuses_export() -> None:
         pickle.dumps(buf)
 
 
-def test_unpickling_in_the_exporting_process_is_refused() -> None:
-    with accel.memory.allocate(4096) as buf:
-        data = pickle.dumps(buf)
-        with pytest.raises(accel.InvalidHandleError, match="this very process"):
-            pickle.loads(data)
+def test_unpickling_in_the_exporting_process_gives_back_the_buffer() -> None:
+    # It was refused ("exported by this very process"), so torch.distributed's
+    # all_gather_object, which unpickles every rank's entry on every rank, failed.
+    from accel.allocator._sharing import open_buffer
+
+    buf = accel.memory.allocate(4096)
+    data = pickle.dumps(buf)
+    assert pickle.loads(data) is buf
+    _, (ticket, name, device, uuid, nbytes) = buf.__reduce__()
+    with pytest.raises(accel.InvalidHandleError, match="damaged or forged"):
+        open_buffer(ticket, name, device, uuid, 2 * nbytes)  # a pickle claiming another size
+    buf.free()
+    with pytest.raises(accel.InvalidHandleError, match="exported by this very process: it was freed here"):
+        pickle.loads(data)
+    collected = pickle.dumps(accel.memory.allocate(4096))
+    gc.collect()
+    with pytest.raises(accel.InvalidHandleError, match="exported by this very process; use the original object"):
+        pickle.loads(collected)
+
+
+class _ForeignMemory(MemoryResource):
+    """Memory accel's backend did not allocate (anonymous mappings of its own)."""
+
+    def __init__(self) -> None:
+        self.device = 0
+        self.maps: dict[int, mmap.mmap] = {}
+
+    def allocate(self, nbytes: int) -> int:
+        memory = mmap.mmap(-1, nbytes)
+        ptr = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+        self.maps[ptr] = memory
+        return ptr
+
+    def deallocate(self, ptr: int, nbytes: int) -> None:
+        self.maps.pop(ptr)  # the mapping goes with the last view (the address read above is none)
+
+    def memory_info(self) -> tuple[int, int]:
+        return 1 << 30, 1 << 30
+
+
+def test_a_buffer_of_memory_from_outside_the_backend_refuses_export_as_not_supported() -> None:
+    # The backend was asked to export an address it never allocated: InvalidValueError
+    # "is not memory allocated on this device (freed, or partly unmapped)".
+    from accel._runtime import get_runtime
+
+    foreign = accel.memory.MemPool("expandable_segments:False", upstream=_ForeignMemory())
+    with accel.memory.use_mem_pool(foreign):
+        buf = accel.memory.allocate(4096)
+    with pytest.raises(accel.NotSupportedError, match=r"its memory comes from .*_ForeignMemory.* not from the cpu backend"):
+        pickle.dumps(buf)
+    buf.free()
+    # accel's adaptors over the backend's own memory still share it.
+    adapted = accel.memory.MemPool(upstream=LimitingAdaptor(BackendResource(get_runtime().backend, 0), 1 << 30))
+    with accel.memory.use_mem_pool(adapted):
+        with accel.memory.allocate(4096) as kept:
+            assert pickle.loads(pickle.dumps(kept)) is kept
 
 
 def test_an_event_must_be_interprocess_and_open_to_be_shared() -> None:

@@ -7,18 +7,22 @@ export keeps alive. The importers here are fresh interpreters with timeouts.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
 
 import accel
-from accel.backends._sharing import ExportTicket, broker, open_export
+from accel.backends._sharing import _HEADER, ExportTicket, broker, open_export
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -154,10 +158,10 @@ def test_another_user_is_turned_away_without_sending_anything() -> None:
         "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
         "s.settimeout(30)\n"
         "s.connect(bytes.fromhex(sys.argv[1]))\n"
-        "print(s.recv(200)[5:].decode())\n"
+        "print(s.recv(200)[int(sys.argv[2]):].decode())\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code, address.hex()], capture_output=True, text=True, timeout=60, check=False
+        [sys.executable, "-c", code, address.hex(), str(_HEADER.size)], capture_output=True, text=True, timeout=60, check=False
     )
     assert result.stdout.strip() == "only processes of the same user may open accel exports", result.stderr
 
@@ -190,3 +194,367 @@ def test_an_importer_with_a_full_descriptor_table_gets_a_clear_error() -> None:
         result.stdout + result.stderr
     )
     assert wait_for(lambda: broker().stats()["holds"] == 0)
+
+
+# -- who answers: an exited exporter's address taken by another process ---------------
+
+EXITING_EXPORTER = """
+import pickle, weakref
+from accel.backends._sharing import broker
+class Kept: pass
+kept = Kept()
+print(pickle.dumps(broker().offer("test", "here", b"payload", [], weakref.ref(kept), hold=True)).hex(), flush=True)
+"""
+
+SQUATTER = """
+import os, socket, sys
+if sys.argv[2] != "same":
+    os.setuid(int(sys.argv[2]))
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(bytes.fromhex(sys.argv[1]))
+s.listen(1)
+print("bound", flush=True)
+s.settimeout(30)
+conn, _ = s.accept()
+conn.settimeout(30)
+got = b""
+try:
+    while True:
+        more = conn.recv(100)
+        if not more:
+            break
+        got += more
+except OSError:
+    pass
+print("received", got.hex(), flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "user",
+    ["same", pytest.param("65534", marks=pytest.mark.skipif(os.getuid() != 0, reason="needs root to become another user"))],
+    ids=["same-user-other-pid", "other-user"],
+)
+def test_an_importer_talks_only_to_the_exporter_its_pickle_names(user: str) -> None:
+    # After the exporter exits its abstract name is free; the importer sent the token
+    # to whoever bound it next and mapped what that process chose to send.
+    made = subprocess.run(
+        [sys.executable, "-c", EXITING_EXPORTER], capture_output=True, text=True, cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=True,
+    )
+    ticket = pickle.loads(bytes.fromhex(made.stdout.strip()))
+    squatter = subprocess.Popen(
+        [sys.executable, "-c", SQUATTER, ticket.address.hex(), user], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline().strip() == "bound"
+        with pytest.raises(accel.InvalidHandleError, match=f"is pid {squatter.pid} .*not its exporter"):
+            open_export(ticket, "test", "here", "an export")
+        out, _ = squatter.communicate(timeout=60)
+    finally:
+        squatter.kill()
+        squatter.wait(30)
+    assert out.split() == ["received"], out  # not even the token
+
+
+# -- fork: a child drops what it inherited and never used ------------------------------
+
+HOLDING_EXPORTER = """
+import json, pickle, sys, weakref
+from accel.backends._sharing import broker
+class Kept: pass
+kept = Kept()
+print(pickle.dumps(broker().offer("test", "here", b"payload", [], weakref.ref(kept), hold=True)).hex(), flush=True)
+for _ in sys.stdin:
+    print(json.dumps(broker().stats()), flush=True)
+"""
+
+FORKING_IMPORTER = """
+import os, pickle, sys, time
+from accel.backends._sharing import open_export
+payload, fds, held = open_export(pickle.loads(bytes.fromhex(sys.argv[1])), "test", "here", "an export")
+child = os.fork()
+if child == 0:
+    quiet = os.open(os.devnull, os.O_RDWR)
+    os.dup2(quiet, 1)
+    os.dup2(quiet, 2)
+    time.sleep(60)  # a helper that never touches the import
+    os._exit(0)
+print(child, flush=True)
+sys.stdin.readline()
+held.release()
+print("released", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_forked_child_of_an_importer_does_not_keep_the_exporters_memory() -> None:
+    exporter = subprocess.Popen(
+        [sys.executable, "-c", HOLDING_EXPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    importer = None
+    child = 0
+    try:
+        assert exporter.stdout is not None and exporter.stdin is not None
+        ticket_hex = exporter.stdout.readline().strip()
+        importer = subprocess.Popen(
+            [sys.executable, "-c", FORKING_IMPORTER, ticket_hex], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        )
+        assert importer.stdout is not None and importer.stdin is not None
+        child = int(importer.stdout.readline())
+        importer.stdin.write("\n")
+        importer.stdin.flush()
+        assert importer.stdout.readline().strip() == "released"
+
+        def holds() -> int:
+            exporter.stdin.write("\n")  # type: ignore[union-attr]
+            exporter.stdin.flush()  # type: ignore[union-attr]
+            return int(json.loads(exporter.stdout.readline())["holds"])  # type: ignore[union-attr]
+
+        assert wait_for(lambda: holds() == 0, timeout=20)  # while the forked child lives on
+    finally:
+        for process in (importer, exporter):
+            if process is not None:
+                process.kill()
+                process.wait(30)
+        if child:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+
+
+FORKING_EXPORTER = """
+import os, pickle, time, weakref
+from accel.backends._sharing import broker
+class Kept: pass
+kept = Kept()
+ticket = broker().offer("test", "here", b"payload", [], weakref.ref(kept), hold=True)
+child = os.fork()
+if child == 0:
+    quiet = os.open(os.devnull, os.O_RDWR)
+    os.dup2(quiet, 1)  # or the test would wait for this child's end of the pipe
+    os.dup2(quiet, 2)
+    time.sleep(60)  # a helper that lives on after the exporter
+    os._exit(0)
+print(pickle.dumps(ticket).hex(), child, flush=True)
+"""
+
+
+def test_an_exporter_that_exited_is_reported_at_once_though_its_forked_child_lives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The child kept the listening socket open: importers connected, sent the token
+    # and waited the whole answer timeout (60 s) for a broker thread that is not there.
+    from accel.backends import _sharing
+
+    monkeypatch.setattr(_sharing, "_ANSWER_TIMEOUT_S", 30.0)
+    made = subprocess.run(
+        [sys.executable, "-c", FORKING_EXPORTER], capture_output=True, text=True, cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=True,
+    )
+    ticket_hex, child = made.stdout.split()
+    try:
+        with pytest.raises(accel.InvalidHandleError, match="has exited"):
+            open_export(pickle.loads(bytes.fromhex(ticket_hex)), "test", "here", "an export")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(child), signal.SIGKILL)
+
+
+# -- exec: nothing of the sharing crosses it --------------------------------------------
+
+EXECING_IMPORTER = """
+import os, pickle, subprocess, sys
+from accel.backends._sharing import open_export
+payload, fds, held = open_export(pickle.loads(bytes.fromhex(sys.argv[1])), "test", "here", "an export")
+ours = [*fds, held._sock.fileno()]
+print([os.get_inheritable(fd) for fd in ours], flush=True)
+files = "import os, sys\\nfor fd in map(int, sys.argv[1:]):\\n    try: print(fd, os.fstat(fd).st_ino)\\n    except OSError: pass"
+child = subprocess.run([sys.executable, "-c", files, *map(str, ours)], close_fds=False, capture_output=True, text=True)
+mine = {f"{fd} {os.fstat(fd).st_ino}" for fd in ours}
+print(sorted(mine & set(child.stdout.splitlines())), flush=True)
+"""
+
+
+def test_received_descriptors_and_the_hold_do_not_cross_exec() -> None:
+    # Descriptors received over SCM_RIGHTS were inheritable: a subprocess started with
+    # close_fds=False (or after os.exec) kept the exporter's memory and its hold.
+    kept = Kept()
+    ticket = offer_pipe(kept, b"x")
+    result = subprocess.run(
+        [sys.executable, "-c", EXECING_IMPORTER, pickle.dumps(ticket).hex()], capture_output=True, text=True,
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
+    )
+    assert result.stdout.splitlines() == ["[False, False]", "[]"], result.stdout + result.stderr
+
+
+def test_an_answer_of_hundreds_of_descriptors_arrives_whole() -> None:
+    # One message carried at most 64 descriptors (the kernel takes 253 at most).
+    kept = Kept()
+    pipes = [os.pipe() for _ in range(300)]
+    for read, write in pipes:
+        os.write(write, b"y")
+        os.close(write)
+    ticket = broker().offer("test", "here", b"payload", [read for read, _ in pipes], weakref.ref(kept), hold=False)
+    code = (
+        "import os, pickle, sys\n"
+        "from accel.backends._sharing import open_export\n"
+        "payload, fds, held = open_export(pickle.loads(bytes.fromhex(sys.argv[1])), 'test', 'here', 'it')\n"
+        "print(payload.decode(), len(fds), b''.join(os.read(fd, 1) for fd in fds).decode().count('y'))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, pickle.dumps(ticket).hex()], capture_output=True, text=True,
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
+    )
+    assert result.stdout.split() == ["payload", "300", "300"], result.stdout + result.stderr
+
+
+# -- SIGPIPE: a peer that hangs up must not kill the process that writes to it ----------
+
+HUNG_UP_ON = """
+import os, signal, socket, time, weakref
+from accel.backends._sharing import broker
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # as command-line tools piping into `head` do
+class Kept: pass
+kept = Kept()
+address = broker().offer("test", "here", b"payload", [], weakref.ref(kept), hold=True).address
+child = os.fork()
+if child == 0:
+    os.setuid(65534)
+    for _ in range(20):  # connect and hang up before the broker's refusal arrives
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(address)
+        s.close()
+    os._exit(0)
+os.waitpid(child, 0)
+time.sleep(0.5)
+print("alive", broker().stats()["exports"], flush=True)
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another user")
+def test_another_user_who_hangs_up_does_not_kill_the_exporter() -> None:
+    # The broker wrote its refusal without MSG_NOSIGNAL: another user that connects and
+    # closes at once killed an exporter whose SIGPIPE is the default (exit 141).
+    result = subprocess.run(
+        [sys.executable, "-c", HUNG_UP_ON], capture_output=True, text=True, cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
+    )
+    assert result.returncode == 0 and result.stdout.split() == ["alive", "1"], (result.returncode, result.stderr)
+
+
+LONG_ANSWER_IMPORTER = """
+import pickle, sys
+from accel.backends import _sharing
+_sharing._ANSWER_TIMEOUT_S = 20.0
+ticket = pickle.loads(bytes.fromhex(sys.stdin.read()))
+try:
+    payload, fds, held = _sharing.open_export(ticket, "test", "here", "the test's export")
+    print("payload", len(payload), set(payload), flush=True)
+except Exception as exc:
+    print(type(exc).__name__, exc, flush=True)
+"""
+
+
+def test_an_answer_longer_than_the_sockets_buffer_arrives_whole() -> None:
+    # send_fds sends what fits in the socket's buffer (about 200 KiB) and the broker
+    # dropped the rest: the importer waited the whole answer timeout, then blamed a
+    # stopped exporter. (A buffer of thousands of chunks is described at that length.)
+    kept = Kept()
+    ticket = broker().offer("test", "here", b"x" * 900_000, [], lambda: kept, hold=True)
+    result = subprocess.run(
+        [sys.executable, "-c", LONG_ANSWER_IMPORTER], input=pickle.dumps(ticket).hex(), capture_output=True,
+        text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
+    )
+    assert result.stdout.split() == ["payload", "900000", "{120}"], result.stdout + result.stderr
+    assert wait_for(lambda: broker().stats()["holds"] == 0)
+
+# -- answers whose descriptors do not match their header --------------------------------
+
+# Answers every connection with a header announcing argv[2] descriptors and sends
+# argv[3] of them, then keeps the connection open and sends nothing more.
+LIAR = """
+import os, socket, sys
+from accel.backends._sharing import _HEADER, _label
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(bytes.fromhex(sys.argv[1]))
+listener.listen(4)
+print("listening", flush=True)
+body = _label("test") + _label("here")
+kept = []
+while True:
+    conn, _ = listener.accept()
+    conn.recv(32)
+    pipes = [os.pipe() for _ in range(int(sys.argv[3]))]
+    socket.send_fds(conn, [_HEADER.pack(b"K", len(body), int(sys.argv[2])) + body], [r for r, _ in pipes])
+    kept.append(conn)
+"""
+
+
+@pytest.mark.parametrize(
+    ("announced", "sent", "expected"),
+    [
+        (1 << 31, 1, "announced a 10-byte answer with 2147483648 descriptors"),
+        (1, 2, "sent 2 descriptors where it announced 1"),
+        (2, 1, "sent 1 descriptors where it announced 2"),
+    ],
+    ids=["more-than-anyone-holds", "more-than-announced", "fewer-than-announced"],
+)
+def test_an_answer_whose_descriptors_do_not_match_its_header_is_refused_leaking_none(
+    monkeypatch: pytest.MonkeyPatch, announced: int, sent: int, expected: str
+) -> None:
+    # The header states how many descriptors follow: the importer refuses a count no
+    # process could hold before receiving any, and an answer that brings more or fewer
+    # than it stated, closing what did come.
+    from accel.backends import _sharing
+
+    monkeypatch.setattr(_sharing, "_ANSWER_TIMEOUT_S", 2.0)  # what waiting for a missing part costs
+    address = f"\0accel-test-liar-{os.getpid()}".encode()
+    liar = subprocess.Popen(
+        [sys.executable, "-c", LIAR, address.hex(), str(announced), str(sent)],
+        stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    try:
+        assert liar.stdout is not None and liar.stdout.readline().strip() == "listening"
+        before = len(os.listdir("/proc/self/fd"))
+        with pytest.raises(accel.InvalidHandleError, match=expected):
+            open_export(ExportTicket(address, "ab" * 16, liar.pid), "test", "here", "an export")
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        liar.kill()
+        liar.wait(30)
+
+
+def test_an_export_closed_while_it_is_answered_sends_its_own_descriptors(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The broker looked an export up under its lock and sent its descriptors after
+    # releasing it: an event closed on another thread in between had them closed
+    # (_forget_dead), and the send used numbers the process had given to other files.
+    from accel.backends import _sharing
+
+    read, write = os.pipe()
+    os.write(write, b"mine")
+    os.close(write)
+    alive: list[object] = [Kept()]
+    ticket = broker().offer("test", "here", b"payload", [read], lambda: alive[0] if alive else None, hold=False)
+    original = _sharing._send_answer
+    decoys: list[int] = []
+
+    def closed_meanwhile(conn: object, payload: bytes, fds: list[int]) -> None:
+        alive.clear()  # the export is closed on another thread...
+        with broker()._lock:
+            broker()._forget_dead()  # ...which closes its descriptors
+        other, end = os.pipe()  # and the process opens other files
+        os.write(end, b"else")
+        os.close(end)
+        decoys.append(other)
+        original(conn, payload, fds)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_sharing, "_send_answer", closed_meanwhile)
+    importer = start_importer(ticket)
+    try:
+        out, _ = importer.communicate("\n\n", timeout=60)
+    finally:
+        for fd in decoys:
+            os.close(fd)
+    assert out.split()[:2] == ["payload", "mine"], out

@@ -293,6 +293,38 @@ def test_capture_records_instead_of_running_and_replays(backend: Backend, stream
         host.free()
 
 
+def test_an_external_event_wait_is_a_graph_node_that_waits_as_of_each_launch(backend: Backend, stream: int) -> None:
+    """CUDA's CU_EVENT_WAIT_EXTERNAL: a wait on an event recorded outside the
+    capture, kept as a node; each launch waits for the record it finds."""
+    if not backend.supports_graphs(0):
+        pytest.skip(f"{backend.name} has no graphs")
+    other = backend.stream_create(0, 0)
+    e = backend.event_create(0, timing=False, blocking=False, interprocess=False)
+    calls: list[str] = []
+    try:
+        backend.event_record(0, e, other)
+        backend.stream_begin_capture(0, stream, CaptureMode.GLOBAL)
+        backend.stream_wait_event_external(0, stream, e)
+        backend.launch_host_func(0, stream, lambda: calls.append("graph"))
+        graph = backend.stream_end_capture(0, stream)  # no fork of `other` to join back
+        assert backend.graph_node_count(0, graph) in (None, 2)
+        graph_exec = backend.graph_instantiate(0, graph)
+        backend.graph_destroy(0, graph)
+        for _ in range(2):
+            opened = gate(backend, other)
+            backend.launch_host_func(0, other, lambda: calls.append("other"))
+            backend.event_record(0, e, other)
+            backend.graph_launch(0, graph_exec, stream)
+            opened.set()
+            backend.stream_synchronize(0, stream)
+            assert calls[-2:] == ["other", "graph"]
+        backend.graph_exec_destroy(0, graph_exec)
+    finally:
+        backend.stream_synchronize(0, other)
+        backend.stream_destroy(0, other)
+        backend.event_destroy(0, e)
+
+
 def test_capture_on_default_stream_is_refused(backend: Backend) -> None:
     if not backend.supports_graphs(0):
         pytest.skip(f"{backend.name} has no graphs")

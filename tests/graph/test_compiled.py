@@ -50,6 +50,14 @@ def _tiny() -> nn.Module:
     return _Tiny().eval()
 
 
+@pytest.fixture(autouse=True)
+def _inference() -> Iterator[None]:
+    """Graphed callables are for inference: their calls run with autograd off (one
+    autograd would record is refused, see tests/graph/test_graphed.py)."""
+    with torch.no_grad():
+        yield
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     path = tmp_path_factory.mktemp("graph-cache")
@@ -350,6 +358,7 @@ def test_a_compiled_call_with_a_meta_tensor_is_refused_not_read_at_address_zero(
         import warnings, torch, accel
         from accel.graph import _compiled, _engines, make_graphed_callables
         warnings.simplefilter("ignore")
+        torch.set_grad_enabled(False)
         _compiled.ENGINES = {"onnxruntime": _engines.ENGINES["onnxruntime"]}
         lin = torch.nn.Linear(256, 256).eval()
         x = torch.randn(64, 256)  # 64 KiB: the engine reads the caller's tensor in place
@@ -478,6 +487,7 @@ def test_aotinductor_calls_refuse_a_tensor_whose_storage_was_freed(cache: Path) 
         from accel.graph import _compiled, _engines, make_graphed_callables
         from tests.graph.test_compiled import _tiny
         warnings.simplefilter("ignore")
+        torch.set_grad_enabled(False)
         _compiled.ENGINES = {"aotinductor": _engines.ENGINES["aotinductor"]}
         f = make_graphed_callables(_tiny(), (torch.randn(2, 8),), tier="compiled", wait=True)
         for make in (lambda: torch.randn(2, 8), lambda: torch.randn(3, 8)[1:]):
@@ -666,11 +676,13 @@ def test_a_call_with_a_tensor_without_storage_is_refused_as_accels(cache: Path, 
     model = _tiny()
     fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled", wait=True)
     fast(torch.randn(2, 8))  # steady: the hot call first
+    if how == "grad":  # differentiating a graphed call: refused for that first
+        with pytest.raises(accel.NotSupportedError, match=r"inference-only.*argument 0 requires grad"):
+            torch.func.grad(lambda x: fast(x).sum())(torch.randn(2, 8))
+        return
     with pytest.raises(accel.InvalidValueError, match=r"call\[0\] has no storage of its own"):
         if how == "vmap":
             torch.func.vmap(fast)(torch.randn(3, 2, 8))
-        elif how == "grad":
-            torch.func.grad(lambda x: fast(x).sum())(torch.randn(2, 8))
         else:
             fast((_functional if how == "functional" else _functional_tensor)(torch.randn(2, 8)))
 
@@ -1075,6 +1087,20 @@ def test_make_graphed_callables_compiled_tier(cache: Path, engines: Any) -> None
     assert fast.compile_status() == {(((2, 8), torch.float32),): "compiled: onnxruntime"}
 
 
+def test_a_compiled_call_autograd_would_record_is_refused_after_steady_calls(cache: Path, engines: Any) -> None:
+    """The steady call (in C where accel._speedups is built) ran the engine in grad mode
+    too, and returned an output without gradient where eager's has one."""
+    engines(_engines.OnnxRuntime())
+    model, x = _tiny(), torch.randn(2, 8)
+    fast = make_graphed_callables(model, (x,), tier="compiled")
+    for _ in range(3):
+        fast(x)  # out of grad mode (this module's fixture): the steady call serves them
+    assert fast._hot is not None
+    with torch.enable_grad(), pytest.raises(accel.NotSupportedError, match=r"inference-only.*a parameter"):
+        fast(x)
+    torch.testing.assert_close(fast(x), _eager(model, x))
+
+
 def test_changed_weights_change_the_cache_key(cache: Path) -> None:
     model, x = _tiny(), torch.randn(2, 8)
     with torch.no_grad():
@@ -1110,7 +1136,7 @@ def test_graphs_the_compiled_tier_cannot_take_are_refused(cache: Path) -> None:
     writes.register_inputs(state)
     with graph(writes):
         state.add_(x)
-    with pytest.raises(accel.NotSupportedError, match="writes to an input"):
+    with pytest.raises(accel.NotSupportedError, match="writes in place to 1 tensor.*made outside the capture"):
         compile_graph(writes, inputs=[x], outputs=[state])
 
     g, y = _capture(_tiny(), torch.randn(2, 8))
@@ -1615,6 +1641,7 @@ def test_a_compiled_call_with_a_tensor_whose_storage_was_freed_is_refused_not_re
         import warnings, torch, accel
         from accel.graph import _compiled, _engines, make_graphed_callables
         warnings.simplefilter("ignore")
+        torch.set_grad_enabled(False)
         _compiled.ENGINES = {"onnxruntime": _engines.ENGINES["onnxruntime"]}
         lin = torch.nn.Linear(8, 8).eval()
         for n in (1, 2):

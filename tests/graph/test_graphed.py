@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 
 import pytest
 
@@ -12,6 +13,14 @@ from torch import nn  # noqa: E402
 import accel  # noqa: E402
 from accel.graph import GraphCacheWarning, make_graphed_callables  # noqa: E402
 from tests.graph.test_graph import run_script_on  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _inference() -> Iterator[None]:
+    """Graphed callables are for inference: these calls run with autograd off (one
+    autograd would record is refused, see test_a_call_autograd_would_record_is_refused)."""
+    with torch.no_grad():
+        yield
 
 
 def _mlp() -> nn.Module:
@@ -155,12 +164,43 @@ def test_outputs_carry_no_autograd_graph() -> None:
         grad_enabled.append(torch.is_grad_enabled())
         return model(x)
 
-    fast = make_graphed_callables(forward, (torch.randn(2, 8),), num_warmup_iters=1)
+    with torch.enable_grad():
+        fast = make_graphed_callables(forward, (torch.randn(2, 8),), num_warmup_iters=1)
     out = fast(torch.randn(2, 8))
     assert grad_enabled == [False, False], "warm-up and capture run without autograd"
     assert out.grad_fn is None and not out.requires_grad
-    model(torch.randn(2, 8)).sum().backward()  # eager training still works
+    with torch.enable_grad():
+        model(torch.randn(2, 8)).sum().backward()  # eager training still works
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_call_autograd_would_record_is_refused() -> None:
+    """A replay records no autograd history: in grad mode, a call whose argument, or a
+    parameter or closed-over tensor the graph reads, requires grad gave an output
+    without gradient, silently (eager's has one)."""
+    model = _mlp()
+    weight = torch.randn(8, 3, requires_grad=True)
+    with torch.enable_grad():
+        fast = make_graphed_callables(model, (torch.randn(2, 8),))
+        closure = make_graphed_callables(lambda x: x @ weight, (torch.randn(2, 8),))
+        with pytest.raises(accel.NotSupportedError, match=r"inference-only.*a parameter of shape \(16, 8\) that the graph reads requires grad.*torch\.no_grad\(\)"):
+            fast(torch.randn(2, 8))
+        with pytest.raises(accel.NotSupportedError, match=r"a tensor of shape \(8, 3\) that the graph reads"):
+            closure(torch.randn(2, 8))
+        model.requires_grad_(False)  # frozen: nothing to differentiate but the argument
+        x = torch.randn(2, 8, requires_grad=True)
+        with pytest.raises(accel.NotSupportedError, match="argument 0 requires grad"):
+            fast(x)
+        with pytest.raises(accel.NotSupportedError, match="argument 0 requires grad"):
+            make_graphed_callables(model, (x,))  # sample arguments that ask for training
+        out = fast(x.detach())  # nothing requires grad: as eager, an output without gradient
+        assert not out.requires_grad
+        assert torch.equal(out, model(x.detach()))
+    model.requires_grad_(True)
+    for off in (torch.no_grad, torch.inference_mode):
+        with off():
+            x = torch.randn(2, 8, requires_grad=True)
+            assert torch.equal(fast(x), model(x)) and torch.equal(closure(x), x @ weight)
 
 
 def test_graphed_under_inference_mode_is_usable_outside_it() -> None:
@@ -256,6 +296,7 @@ def test_a_call_with_a_tensor_whose_storage_was_freed_is_refused_not_a_crash() -
     script = """
 import torch, accel
 from accel.graph import make_graphed_callables
+torch.set_grad_enabled(False)
 lin = torch.nn.Linear(8, 8).eval()
 f = make_graphed_callables(lambda x, y: lin(x + y), (torch.randn(4, 8), torch.randn(4, 8)))
 refused = 0

@@ -6,6 +6,8 @@ replay; what would make a replay differ from eager is refused."""
 from __future__ import annotations
 
 import ctypes
+import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -271,6 +273,26 @@ def test_a_host_function_failing_in_a_replay_is_raised_by_the_next_synchronize(r
     assert calls == [1, 1]
 
 
+def test_a_host_function_failing_in_a_replay_on_another_stream_is_wrapped_once(rt) -> None:
+    # The failure was forwarded to the replay stream by a host function raising a
+    # HostFunctionError, which that stream's synchronize wrapped again: a
+    # HostFunctionError caused by a HostFunctionError caused by the error.
+    def boom() -> None:
+        raise ValueError("boom")
+
+    g = accel.Graph()
+    with accel.graph(g):  # on a side stream: the replays below go to another one
+        accel.current_stream().launch_host_func(boom)
+    other = accel.Stream()
+    with other:
+        g.replay()
+    once = r"^host function \S*boom in a replay of .* raised ValueError: boom$"
+    with pytest.raises(accel.HostFunctionError, match=once) as info:
+        other.synchronize()
+    assert type(info.value.__cause__) is ValueError
+    other.synchronize()  # reported once
+
+
 def test_replaying_stream_work_without_host_functions_queues_no_host_function(rt, monkeypatch) -> None:
     """A replay on another stream than the capture's forwards host-function
     failures only where the graph can run host functions: on CUDA a forwarder
@@ -317,6 +339,107 @@ def test_events_recorded_in_a_capture_time_each_replay(rt) -> None:
         # A lower bound only: the replay slept at least 20 ms between the records.
         assert start.elapsed_time(end) >= 19.0
     assert end.query()
+
+
+def _gated_signal(stream: accel.Stream, gate: threading.Event, order: list[str], ready: accel.Event) -> None:
+    """Queue on ``stream`` work that waits for ``gate`` (the sleep of PyTorch's test), then record ``ready``."""
+    stream.launch_host_func(gate.wait)
+    stream.launch_host_func(lambda: order.append("signal"))
+    ready.record(stream)
+
+
+def _replays_after_the_signal(g: accel.Graph, signal: Callable[[], None], order: list[str], done: accel.Event) -> None:
+    gate_opened = signal()
+    try:
+        with accel.Stream():
+            g.replay()
+        # The replay's record of `done` counts from the launch: pending while the gate holds.
+        assert not done.query()
+        assert order.count("graph") == order.count("signal")  # the graph's work waits too
+    finally:
+        gate_opened()  # else the signalling stream waits forever
+    done.synchronize()
+    assert order[-2:] == ["signal", "graph"]
+
+
+@pytest.mark.parametrize("recorded_before_capture", [False, True], ids=["never_recorded", "recorded"])
+def test_a_capture_keeps_a_wait_on_an_external_event_recorded_outside_it(rt, recorded_before_capture: bool) -> None:
+    """PyTorch's test_graph_external_wait_and_record: inside a capture, a wait on an
+    ``external=True`` event recorded elsewhere is an event-wait node; each replay
+    waits for the event's last record as of its launch. Before, the wait was
+    refused (recorded before the capture) or silently left out (never recorded)."""
+    ready = accel.Event(external=True)
+    done = accel.Event(external=True)
+    signal, gate, order = accel.Stream(), threading.Event(), []
+    if recorded_before_capture:
+        ready.record(signal)
+    g = accel.Graph()
+    with accel.graph(g):
+        ready.wait()
+        accel.current_stream().launch_host_func(lambda: order.append("graph"))
+        done.record()
+
+    def gated() -> Callable[[], None]:
+        gate.clear()
+        _gated_signal(signal, gate, order, ready)
+        return gate.set
+
+    for _ in range(2):
+        _replays_after_the_signal(g, gated, order, done)
+    assert order == ["signal", "graph"] * 2
+
+
+def test_a_capture_waits_on_an_external_event_another_graph_records(rt) -> None:
+    ready = accel.Event(external=True)
+    done = accel.Event(external=True)
+    signal, gate, order = accel.Stream(), threading.Event(), []
+    signalling = accel.Graph()
+    with accel.graph(signalling):
+        accel.current_stream().launch_host_func(gate.wait)
+        accel.current_stream().launch_host_func(lambda: order.append("signal"))
+        ready.record()
+    waiting = accel.Graph()
+    with accel.graph(waiting):
+        ready.wait()
+        accel.current_stream().launch_host_func(lambda: order.append("graph"))
+        done.record()
+
+    def gated() -> Callable[[], None]:
+        gate.clear()
+        with signal:
+            signalling.replay()
+        return gate.set
+
+    for _ in range(2):
+        _replays_after_the_signal(waiting, gated, order, done)
+    assert order == ["signal", "graph"] * 2
+
+
+def test_a_capture_may_wait_on_an_external_event_it_records_itself(rt) -> None:
+    marker = accel.Event(external=True)
+    order: list[int] = []
+    g = accel.Graph()
+    with accel.graph(g):
+        s = accel.current_stream()
+        s.launch_host_func(lambda: order.append(1))
+        marker.record()
+        marker.wait()
+        s.launch_host_func(lambda: order.append(2))
+    for _ in range(2):
+        g.replay()
+    accel.synchronize()
+    assert order == [1, 2, 1, 2]
+
+
+def test_waiting_on_an_event_recorded_outside_the_capture_is_refused_unless_external(rt) -> None:
+    plain = accel.Event()
+    plain.record(accel.Stream())
+    g = accel.Graph()
+    with pytest.raises(accel.CaptureError, match="external=True"):
+        with accel.graph(g):
+            accel.current_stream().launch_host_func(lambda: None)
+            plain.wait()
+    assert not accel.graph.is_capturing()
 
 
 def test_an_external_event_recorded_outside_a_capture_is_an_ordinary_record(rt) -> None:
@@ -378,6 +501,25 @@ def test_staging_used_by_a_capture_and_freed_after_it_stays_the_graphs(rt) -> No
     gc.collect()
     accel.synchronize()
     assert allocate_host(n).ptr == used_by_g  # back in the cache once the graph is gone
+
+
+def test_staging_a_capture_copies_from_is_the_graphs_until_it_is_gone_without_record_stream(rt) -> None:
+    # As a device buffer the captured work uses: the graph holds it (before, a HostBuffer
+    # freed after the capture was reused at once, and the replays read the next owner's data).
+    n = 4096
+    dst = allocate(n)
+    staging = allocate_host(n)
+    g = accel.Graph()
+    with accel.graph(g):
+        accel.current_stream().copy(dst, staging)
+    used_by_g = staging.ptr
+    staging.free()
+    h = allocate_host(n)
+    assert h.ptr != used_by_g  # g's replays still read the block
+    h.free()
+    g.reset()
+    accel.synchronize()
+    assert allocate_host(n).ptr == used_by_g  # back in the cache once the graph let go
 
 
 def test_a_captured_copy_from_pageable_host_memory_is_refused_where_cuda_refuses_it(rt) -> None:

@@ -462,16 +462,19 @@ def test_a_graphed_callable_counts_hits_and_refuses_as_the_python_head_does() ->
         return None if args == ("miss",) else ("hot", args)
 
     for probe in (_Probe(hot), _PyProbe(hot)):
-        assert probe(1) == ("hot", (1,)) and probe.hits == 1
-        assert probe("miss") == "slow" and probe.hits == 1
-        assert probe(1, k=2) == "slow" and probe.slow[-1] == ((1,), {"k": 2})
-        with pytest.raises(accel.InvalidValueError, match="refused") as info:
-            probe("boom")
-        assert isinstance(info.value.__cause__, NotImplementedError)
-        with pytest.raises(ValueError, match="not refused"):
-            probe("other")
-        probe._hot = None
-        assert probe(1) == "slow" and probe.slow[-1] == ((1,), {} if isinstance(probe, _PyProbe) else None)
+        with torch.enable_grad():  # _call decides whether autograd would record: not the hot call
+            assert probe(1) == "slow" and probe.hits == 0 and probe.slow.pop() == ((1,), None if isinstance(probe, _Probe) else {})
+        with torch.no_grad():
+            assert probe(1) == ("hot", (1,)) and probe.hits == 1
+            assert probe("miss") == "slow" and probe.hits == 1
+            assert probe(1, k=2) == "slow" and probe.slow[-1] == ((1,), {"k": 2})
+            with pytest.raises(accel.InvalidValueError, match="refused") as info:
+                probe("boom")
+            assert isinstance(info.value.__cause__, NotImplementedError)
+            with pytest.raises(ValueError, match="not refused"):
+                probe("other")
+            probe._hot = None
+            assert probe(1) == "slow" and probe.slow[-1] == ((1,), {} if isinstance(probe, _PyProbe) else None)
 
 
 def test_a_call_made_while_another_checks_memory_does_not_pass_for_checked() -> None:

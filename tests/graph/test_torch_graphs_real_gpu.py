@@ -82,8 +82,9 @@ with torch.no_grad():
 queued = []
 launch = backend.launch_host_func
 backend.launch_host_func = lambda *args: (queued.append(args), launch(*args))
-for _ in range(3):
-    fast(torch.randn(8, 64, device="cuda"))
+with torch.no_grad():  # graphed calls are inference-only: in grad mode they are refused
+    for _ in range(3):
+        fast(torch.randn(8, 64, device="cuda"))
 torch.cuda.synchronize()
 del backend.launch_host_func
 assert queued == [], queued
@@ -103,7 +104,8 @@ mlp = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Li
                           torch.nn.Linear(128, 10)).eval().cuda()
 x = torch.randn(1, 64, device="cuda")
 fast = make_graphed_callables(mlp, (x,))
-fast(x)
+with torch.no_grad():
+    fast(x)
 torch.cuda.synchronize()
 # torch's own graphed callables of the same model, after accel's: their warm-up
 # backward must not record gradients on accel's capture stream. (An autograd

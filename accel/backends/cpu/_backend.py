@@ -230,6 +230,9 @@ class CpuBackend(Backend):
     def event_record_external(self, device: int, event: int, stream: int) -> None:
         self._streams.record(device, event, stream, external=True)
 
+    def stream_wait_event_external(self, device: int, stream: int, event: int) -> None:
+        self._streams.wait_event_external(device, stream, event)
+
     def event_query(self, device: int, event: int) -> bool:
         return self._streams.event_query(device, event)
 

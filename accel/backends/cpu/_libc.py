@@ -13,8 +13,9 @@ import ctypes
 import errno
 import fcntl
 import os
-import resource
 from collections.abc import Callable
+
+from accel.backends._sharing import more_descriptors
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -83,22 +84,6 @@ def reserve(nbytes: int, addr: int = 0) -> int:
 def unmap(addr: int, nbytes: int) -> None:
     if _munmap(addr, nbytes) != 0:
         raise _os_error("munmap")
-
-
-def more_descriptors() -> bool:
-    """Raise the soft limit on open files to the hard limit; whether it rose.
-
-    Called only when a descriptor could not be had (EMFILE), not at start-up:
-    a process that never needs more keeps the soft limit (1024 by default,
-    which ``select()`` users rely on)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or (hard != resource.RLIM_INFINITY and soft >= hard):
-        return False
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (OSError, ValueError):  # an infinite hard limit is more than the kernel allows (nr_open)
-        return False
-    return True
 
 
 def new_descriptor(make: Callable[[], int]) -> int:

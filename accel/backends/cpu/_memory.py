@@ -31,7 +31,7 @@ from collections.abc import Iterator
 
 from accel._errors import AccelError, DriverError, InvalidHandleError, InvalidValueError, OutOfMemoryError
 from accel._units import format_size
-from accel.backends._sharing import check_extent, description, dup_for_export, natural
+from accel.backends._sharing import check_extent, description, dup_for_export, more_descriptors, natural
 from accel.backends.cpu import _libc
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -116,7 +116,7 @@ def export_dup(fd: int, device: int) -> int:
     try:
         return dup_for_export(fd, "cpu", device)
     except DriverError as exc:
-        if exc.code != errno.EMFILE or not _libc.more_descriptors():
+        if exc.code != errno.EMFILE or not more_descriptors():
             raise
     return dup_for_export(fd, "cpu", device)
 

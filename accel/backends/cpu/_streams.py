@@ -83,10 +83,21 @@ def new_handle() -> int:
 
 @dataclass
 class Node:
-    """One recorded operation of a captured graph."""
+    """One recorded operation of a captured graph: ``run`` runs it, or, for
+    nodes that read an event when a replay is queued (event records and
+    external waits, as CUDA's ``cuGraphLaunch`` issues them), ``issue`` is
+    called at each launch and returns what that replay runs."""
 
     description: str
-    run: Callable[[], None]
+    run: Callable[[], None] | None
+    issue: Callable[[], Callable[[], None]] | None = None
+
+    def launched(self) -> Callable[[], None]:
+        """What one replay runs for this node, issued now."""
+        if self.issue is not None:
+            return self.issue()
+        assert self.run is not None
+        return self.run
 
 
 class HostEvent:
@@ -142,9 +153,23 @@ class HostEvent:
                 self._waiting -= 1
 
 
-def _record_now(event: HostEvent) -> None:
-    """Record ``event`` and complete it at once (run where the stream has reached the record)."""
-    event.complete(event.next_gen())
+def _issue_record(event: HostEvent) -> Callable[[], None]:
+    """An event record node, issued by a launch: the record counts from the launch
+    on (a query, synchronize or wait after it waits for this replay's record), and
+    completes where the replay reaches the node."""
+    gen = event.next_gen()
+    return lambda: event.complete(gen)
+
+
+def _issue_wait(event: HostEvent) -> Callable[[], None]:
+    """An external event wait node, issued by a launch: the replay waits there for
+    the event's last record as of the launch (none: nothing to wait for)."""
+    target = event.record_gen
+    return (lambda: event.wait(target)) if target else _nothing
+
+
+def _nothing() -> None:
+    """A node with nothing to do in this replay."""
 
 
 # How often a process polls an event that another process completes (it cannot
@@ -608,7 +633,7 @@ class StreamTable:
         if capture is not None and external:
             # A node of the graph: each replay records the event when it gets there.
             event.captured = None
-            stream.submit(f"event record {event.handle:#x}", lambda: _record_now(event))
+            capture.add(stream, Node(f"event record {event.handle:#x}", None, functools.partial(_issue_record, event)))
             return
         if capture is not None:
             event.captured = capture.mark(stream)
@@ -641,6 +666,17 @@ class StreamTable:
         if target == 0:
             return  # never recorded: waiting on it is a no-op, as in CUDA
         stream.submit("wait event", lambda: event.wait(target))
+
+    def wait_event_external(self, device: int, stream_handle: int, event_handle: int) -> None:
+        """A wait a capture keeps (``Event(external=True)``): on a capturing stream, a
+        node that each replay issues (see _issue_wait); elsewhere an ordinary wait."""
+        stream = self.stream(device, stream_handle)
+        event = self.event(None, event_handle)
+        capture = stream.capture
+        if capture is None:
+            self.wait_event(device, stream_handle, event_handle)
+            return
+        capture.add(stream, Node(f"wait event {event.handle:#x}", None, functools.partial(_issue_wait, event)))
 
     # -- capture and graphs -------------------------------------------------
 
@@ -683,7 +719,7 @@ class StreamTable:
         stream = self.stream(device, stream_handle)
         if stream.capture is not None:
             raise CaptureError(f"cpu:{device}: launching a graph inside a capture is not supported")
-        runs = [node.run for node in nodes]
+        runs = [node.launched() for node in nodes]
 
         def replay() -> None:
             for run in runs:

@@ -241,8 +241,8 @@ class CudaBackend(GraphsAndHostFunctions, Sharing, Backend):
         if code in _CAPTURE_ERRORS:
             return CaptureError(
                 f"{where}: {call} failed: {detail}. Synchronizing, querying or allocating while a stream "
-                "captures, waiting on work recorded outside the capture, and ending a capture with unjoined "
-                "forked streams all invalidate it"
+                "captures, waiting on work recorded outside the capture (unless the event was created with "
+                "external=True), and ending a capture with unjoined forked streams all invalidate it"
             )
         if code == CUDA_ERROR_NOT_SUPPORTED:
             return NotSupportedError(f"{where}: {call} is not supported here: {detail}")

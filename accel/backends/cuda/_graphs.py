@@ -32,6 +32,7 @@ from accel.backends.cuda._constants import (
     CUDA_SUCCESS,
     CU_EVENT_DISABLE_TIMING,
     CU_EVENT_RECORD_EXTERNAL,
+    CU_EVENT_WAIT_EXTERNAL,
     CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE,
 )
 from accel.backends.cuda._host_functions import HostFunctions
@@ -277,6 +278,17 @@ class GraphsAndHostFunctions:
         finally:
             self._leave(device, pushed)
         self._check("cuEventRecordWithFlags", code, device, handle=f"event {event:#x} or stream {stream:#x}")
+
+    def stream_wait_event_external(self, device: int, stream: int, event: int) -> None:
+        pushed = self._enter(device)
+        try:
+            # The external flag is an error outside a capture (as torch's CUDAEvent notes);
+            # inside one it makes an event-wait node instead of a fork or a refusal.
+            flags = CU_EVENT_WAIT_EXTERNAL if self._capture_id(device, stream) else 0
+            code = self._fn["cuStreamWaitEvent"](self._stream(stream), self._event(event), flags)
+        finally:
+            self._leave(device, pushed)
+        self._check("cuStreamWaitEvent", code, device, handle=f"stream {stream:#x} or event {event:#x}")
 
     def stream_capture_id(self, device: int, stream: int) -> int:
         pushed = self._enter(device)

@@ -794,9 +794,17 @@ class XpuBackend(Sharing, Backend):
         e = self._event(device, event, any_device=True)
         if _capture.wait_event(s, e.captured, e.handle):
             return
+        self._wait_for_last_record(s, e)
+
+    def _wait_for_last_record(self, s: StreamState, e: EventState, own: list[EventSlot] | None = None) -> None:
+        """Order ``s`` after ``e``'s last record; nothing when it is one that a record command
+        in ``own`` (a graph's list) signals, which that list's own order already covers."""
         slot = self._slots.hold_current(e)  # not recycled by a concurrent re-record before the wait is queued
         if slot is None:
             return  # never recorded: a no-op, as in CUDA
+        if own is not None and any(slot is mine for mine in own):
+            self._slots.drop(slot)
+            return
         if e.exporter >= 0:
             self._wait_imported_on(s, e, slot)
             return
@@ -887,6 +895,24 @@ class XpuBackend(Sharing, Backend):
         self._slots.hold(slot)
         self._slots.set_current(e, slot)
         e.captured = None
+
+    def stream_wait_event_external(self, device: int, stream: int, event: int) -> None:
+        s = self._stream(device, stream)
+        e = self._event(device, event, any_device=True)
+        capture = s.xpu_capture()
+        if capture is None:
+            self.stream_wait_event(device, stream, event)
+            return
+        # A recorded command list waits on fixed Level Zero events, and each record
+        # gives the event a new one: the slot to wait for is known only at launch.
+        # So each launch makes its stream wait for it before the replay starts
+        # (graph_launch), which orders the whole replay after the record, not only
+        # the commands after this node.
+        with capture.lock:
+            if capture.invalid_reason:
+                return  # the capture will fail at its end; recording more is pointless
+            capture.add(s, f"wait event {e.handle:#x} (before the replay, as of each launch)")
+            capture.waits.append(e)
 
     def _record_ipc(self, s: StreamState, e: EventState) -> None:
         """Re-arm an interprocess event's one Level Zero event: reset now (so that it reads
@@ -1180,6 +1206,7 @@ class XpuBackend(Sharing, Backend):
         graph = GraphState(
             device, self._addr(capture.cdata), capture.cdata, capture.start, capture.done,
             list(capture.nodes), list(capture.host_nodes), capture.keep, signals=list(capture.signals),
+            waits=list(capture.waits),
         )
         with self._lock:
             self._graphs[graph.handle] = graph
@@ -1203,6 +1230,8 @@ class XpuBackend(Sharing, Backend):
         if s.capture is not None:
             raise CaptureError(f"xpu:{device}: launching a graph inside a capture is not supported")
         ffi, lib = self._ze.ffi, self._ze.lib
+        for e in g.waits:
+            self._wait_for_last_record(s, e, own=g.signals)
         with g.lock, s.lock:
             self._check_open(s)
             queue = self._graph_queue(g)
@@ -1214,8 +1243,16 @@ class XpuBackend(Sharing, Backend):
                     # must be consumed, on whichever stream ran it, before this one starts.
                     self._wait(s, s.cdata, previous)
                 self._barrier(s, s.cdata, g.start)
+                # The replay's event records count from its launch on, as CUDA issues
+                # them at cuGraphLaunch: a query, synchronize or wait after the launch
+                # sees this replay's record pending, not the last replay's done.
+                for slot in g.signals:
+                    self._check("zeEventHostReset", lib.zeEventHostReset(slot.cdata), device)
                 lists = ffi.new("ze_command_list_handle_t[1]", [g.cdata])
                 code = lib.zeCommandQueueExecuteCommandLists(queue, 1, lists, ffi.NULL)
+                if code != lib.ZE_RESULT_SUCCESS:
+                    for slot in g.signals:  # nothing will signal them: complete, as before the launch
+                        lib.zeEventHostSignal(slot.cdata)
                 self._check("zeCommandQueueExecuteCommandLists", code, device)
                 self._wait(s, s.cdata, g.done)
                 self._reset(s, s.cdata, g.done)

@@ -105,6 +105,7 @@ class CaptureState(Capture[str]):
         self.host_nodes: list[tuple[EventSlot, EventSlot, Callable[[], None]]] = []
         self.keep: list[object] = []  # memory the recorded commands point at
         self.signals: list[EventSlot] = []  # event slots recorded commands signal (event records)
+        self.waits: list[EventState] = []  # events external waits wait for, as of each launch
 
 
 @dataclass(eq=False)
@@ -126,6 +127,7 @@ class GraphState:
     queue: object | None = None
     worker: HostWorker | None = None
     signals: list[EventSlot] = field(default_factory=list)  # one hold each, dropped with the graph
+    waits: list[EventState] = field(default_factory=list)  # see CaptureState.waits
 
 
 @dataclass(eq=False)
