@@ -42,6 +42,7 @@ Trade-offs, stated where users choose the tier:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import hashlib
 import json
@@ -860,20 +861,31 @@ class _Build:
         t0 = time.perf_counter()
         candidate.cached = path.exists()
         candidate.status = "building"
-        try:
-            if not candidate.cached:
-                engine.build(self.gm, self.trial_inputs, path, plan.settings)
-            loaded = engine.load(path, self.threads)
-            trial_outputs = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for t in self.outputs]
-            trial = engine.bind(loaded, self.trial_inputs, trial_outputs)
-            with torch.inference_mode():
-                trial()
-        except Exception as exc:  # noqa: BLE001 - engines raise many types; report which and why
-            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-            candidate.status, candidate.detail = "failed", f"{type(exc).__name__}: {first}"
-            return None
-        finally:
-            candidate.build_seconds = time.perf_counter() - t0
+        # A file from the disk cache that does not load or run (truncated by a full
+        # disk, damaged) is removed and built once anew: left there, it would refuse its
+        # engine in every later run. One that runs and disagrees is rejected as built.
+        for build in [not candidate.cached, True]:
+            try:
+                if build:
+                    engine.build(self.gm, self.trial_inputs, path, plan.settings)
+                loaded = engine.load(path, self.threads)
+                trial_outputs = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for t in self.outputs]
+                trial = engine.bind(loaded, self.trial_inputs, trial_outputs)
+                with torch.inference_mode():
+                    trial()
+                break
+            except Exception as exc:  # noqa: BLE001 - engines raise many types; report which and why
+                if not build:
+                    candidate.cached = False
+                    self.missing.add(path)
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+                    continue
+                first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+                candidate.status, candidate.detail = "failed", f"{type(exc).__name__}: {first}"
+                return None
+            finally:
+                candidate.build_seconds = time.perf_counter() - t0
         candidate.max_error = error = _max_error(trial_outputs, reference)
         if error > self.tolerance:
             candidate.status = "rejected"
@@ -1205,7 +1217,10 @@ class BackgroundCompile:
             if final is not self.compiled:
                 self._serve(final)
         except BaseException as exc:  # noqa: BLE001 - kept for the caller; the graph keeps what serves
-            self.error = exc
+            # Without its traceback, whose frames hold the build (the FX graph, the
+            # trial inputs) and this (a cycle): kept, the graph's memory stayed
+            # allocated until a garbage collection.
+            self.error = exc.with_traceback(None)
             self.state = "failed" if self.compiled is None else "ready"
             if self._warn and self.compiled is None and not self._stop.is_set():
                 warnings.warn_explicit(  # from the build's thread: no user frame to point at

@@ -285,6 +285,17 @@ def kill_builds(thread: int | None = None) -> None:
         _kill(proc)
 
 
+def _forked() -> None:
+    """A forked child has none of its parent's build threads or processes: it must
+    not kill the parent's builds at its exit, nor wait for a lock a build held."""
+    global _CHILDREN_LOCK, _EXPORTING, _INDUCTOR, _ONNX
+    _CHILDREN.clear()
+    _CHILDREN_LOCK, _EXPORTING, _INDUCTOR, _ONNX = (threading.Lock() for _ in range(4))
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 class AOTInductorCppGemm(AOTInductor):
     """AOTInductor with inductor's C++ GEMM micro-kernel templates for every GEMM
     they can take. They win at batch 1 (tiny MLP: 1.7 us per run against 10 us

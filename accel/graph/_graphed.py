@@ -125,6 +125,12 @@ else:
     _Head = speedups._CallHead
 
 
+def _stop_builds(builds: weakref.WeakSet[Any]) -> None:
+    """A collected :class:`GraphedCallable`'s builds end at their next step."""
+    for build in list(builds):
+        build.stop()
+
+
 class GraphedCallable(_Head):
     """A callable replaying captured graphs of ``fn``, one per input-shape signature.
 
@@ -161,6 +167,10 @@ class GraphedCallable(_Head):
         # The bound call (see _compiled.bind_call) of the last call that ran a
         # compiled program, tried first by the next; reset by every call that does not.
         self._hot = None
+        # Its graphs' background builds, stopped when it is collected: nothing replays
+        # those graphs any more, and a build holds its graph's memory until it ends.
+        self._builds: weakref.WeakSet[Any] = weakref.WeakSet()
+        weakref.finalize(self, _stop_builds, self._builds)
         backend = get_runtime().backend
         self._device_type = backend.torch_device_type or ""
         # Where torch's graphs carry the capture, torch reads the outputs in
@@ -353,6 +363,7 @@ class GraphedCallable(_Head):
                         g, inputs, tree_flatten(output)[0], on_ready=ready, wait=self._wait,
                         warn=self._tier == "compiled",
                     )
+                    self._builds.add(entry.compiled)
             except BaseException as exc:
                 # auto: a program the compiled tier cannot take replays interpreted.
                 if self._tier == "compiled" or not isinstance(exc, NotSupportedError):

@@ -287,6 +287,69 @@ def test_a_choice_whose_engine_no_longer_agrees_is_made_again(
     assert _compile(model, x).engine == "onnxruntime"
 
 
+def test_the_choice_is_the_same_in_another_process_whatever_its_timings_say(tmp_path: Path) -> None:
+    # The choice is kept under keys a new process computes alike (the program,
+    # its weights, the engines, versions, CPU and threads; no address or id):
+    # a second process keeps the first one's choice without timing, although
+    # its own timings would choose the other engine.
+    code = """
+        import sys, torch
+        from torch import nn
+        from accel.graph import Graph, graph, compile_graph, _compiled, _engines
+
+        class Slow(_engines.OnnxRuntime):
+            name = "slow"
+
+        faster = int(sys.argv[1])  # the engine this process's timings put ahead
+        timed = []
+
+        def fake(runs, allocates, **options):
+            timed.append(len(runs))
+            return [[1e-5 if i == faster else 2e-5] * 11 for i in range(len(runs))]
+
+        _compiled.ENGINES = {"onnxruntime": _engines.OnnxRuntime(), "slow": Slow()}
+        _compiled._time_interleaved = fake
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).eval()
+        x = torch.randn(2, 8)
+        g = Graph()
+        with torch.no_grad(), graph(g):
+            y = model(x)
+        print(compile_graph(g, inputs=[x], outputs=[y]).engine, len(timed))
+    """
+    env = {"ACCEL_GRAPH_CACHE": str(tmp_path)}
+    first = scripts.run("cpu", code, "1", timeout=300, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stdout.split() == ["slow", "1"]
+    second = scripts.run("cpu", code, "0", timeout=300, env=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stdout.split() == ["slow", "0"]  # kept, not timed
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
+def test_a_damaged_engine_file_in_the_cache_is_built_anew(
+    cache: Path, engines: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, damage: str
+) -> None:
+    # A cached build that no longer loads (a full disk, a crash while copying
+    # the cache) is removed and built again, not a refusal in every later run.
+    # A choice file that is not a choice is ignored likewise.
+    monkeypatch.setenv("ACCEL_GRAPH_CACHE", str(tmp_path))
+    engines(_engines.OnnxRuntime())
+    model, x = _tiny(), torch.randn(2, 8)
+    first = _compile(model, x)
+    (built,) = tmp_path.glob("*.onnx")
+    good = built.read_bytes()
+    built.write_bytes({"truncated": good[: len(good) // 2], "garbage": b"\x00not an onnx model" * 64, "empty": b""}[damage])
+    (choice,) = tmp_path.glob("choice-*.json")
+    choice.write_text('["onnxruntime"]')
+    again = _compile(model, x)
+    assert again.engine == "onnxruntime" and again.path == first.path
+    (candidate,) = again.candidates
+    assert candidate.status == "chosen" and not candidate.cached  # built anew
+    (loaded,) = _compile(model, x).candidates
+    assert loaded.status == "chosen" and loaded.cached  # the new file serves later runs
+
+
 def _compile(model: nn.Module, x: torch.Tensor) -> Any:
     """compile_graph on a new capture of ``model(x)``."""
     g, y = _capture(model, x)
@@ -554,6 +617,26 @@ def test_a_call_with_a_tensor_whose_storage_was_resized_smaller_is_refused(kind:
         with pytest.raises(accel.InvalidValueError, match="resized smaller"):
             call((base,))
     assert handed == [] and torch.equal(static, torch.zeros(4, 4))
+
+
+def test_a_forked_child_exiting_does_not_kill_its_parents_build_processes() -> None:
+    # At exit a process kills its own build processes (AOTInductor's): a forked
+    # child inherited the parent's list of them, and killed the parent's builds.
+    result = scripts.run("cpu", """
+        import os, subprocess, sys
+        from accel.graph import _compiled, _engines
+
+        build = subprocess.Popen(["sleep", "60"], start_new_session=True)  # as a build process runs
+        _engines._CHILDREN[build] = 0
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # the child's interpreter exits as any does: its exit handlers run
+        os.waitpid(pid, 0)
+        print("alive" if build.poll() is None else "killed")
+        build.kill()
+    """, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["alive"]
 
 
 def test_a_compiled_call_in_a_forked_child_is_refused_not_run() -> None:
@@ -883,6 +966,35 @@ def test_a_graphed_callable_dropped_after_its_build_lets_go_of_its_memory_at_onc
     gc.disable()
     try:
         del fast
+        accel.memory.empty_cache()
+        assert accel.memory.memory_allocated() == before
+    finally:
+        gc.enable()
+
+
+def test_a_graphed_callable_collected_while_building_stops_its_build_and_lets_go_of_its_memory(
+    engines: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Nothing can replay the graphs of a callable that is gone: its build stops
+    # at its next step (the second engine is never built, nor timed) and lets go
+    # of the graph, whose memory the build held until it ended.
+    import gc
+
+    monkeypatch.setenv("ACCEL_GRAPH_CACHE", str(tmp_path))
+    first = _Gated("first")
+    engines(first, _engines.OnnxRuntime())
+    accel.memory.empty_cache()
+    before = accel.memory.memory_allocated()
+    fast = make_graphed_callables(_tiny(), (torch.randn(2, 8),), tier="compiled")
+    (entry,) = fast._cache.values()
+    candidates, thread = entry.compiled.candidates, entry.compiled._thread
+    gc.disable()  # no cycle keeps any of it: let go as soon as the build ends
+    try:
+        del fast, entry
+        first.go.set()  # the build's step under way ends; the next is not taken
+        thread.join(timeout=120)
+        assert not thread.is_alive()
+        assert {c.engine: c.status for c in candidates}["onnxruntime"] == "pending"
         accel.memory.empty_cache()
         assert accel.memory.memory_allocated() == before
     finally:
