@@ -55,6 +55,7 @@ def _child(model_name: str, batches: list[int], threads: int, first_only: bool) 
     from bench_graph import _models
 
     torch.set_num_threads(threads)
+    torch.set_grad_enabled(False)  # graphed callables are inference-only
     make, shape = _models()[model_name]
     rows = []
     for batch in batches:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import functools
 import hashlib
 import json
@@ -1254,12 +1255,25 @@ class BackgroundCompile:
         return (self._served if first else self._done).wait(timeout)
 
 
+class _Exiting(BaseException):
+    """Raised in a build's thread at interpreter exit. A BaseException: the
+    exporters' own ``except Exception`` fallbacks must not swallow it."""
+
+
 def _stop_at_exit() -> None:
     """Tell every background build to stop, and wait up to :data:`EXIT_WAIT_S` for them."""
     with _RUNNING_LOCK:
         builds = list(_RUNNING)
     for build in builds:
         build.stop()  # and its C++ compile: its thread then stops at once
+        # An export in the thread (ONNX's first takes seconds, more on a busy
+        # machine) has no step to stop at: it is interrupted at its next Python
+        # bytecode. Left running past the wait, the interpreter ended the thread
+        # inside a torch call and the process aborted. What it leaves half done
+        # (torch.export's patched builtins) no later code of this process sees.
+        ident = build._thread.ident
+        if ident is not None and build._thread.is_alive():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(_Exiting))
     kill_builds()  # any other thread's too (compile_graph on a daemon thread)
     deadline = time.monotonic() + EXIT_WAIT_S
     for build in builds:

@@ -1121,13 +1121,15 @@ def test_an_evicted_graphs_build_stops(engines: Any, monkeypatch: pytest.MonkeyP
     assert kept.compiled.wait(timeout=120)
 
 
-@pytest.mark.parametrize("phase", ["torch", "held", "aotinductor"])
+@pytest.mark.parametrize("phase", ["torch", "long", "held", "aotinductor"])
 def test_interpreter_exit_with_a_build_in_flight_neither_hangs_nor_prints(tmp_path: Path, phase: str) -> None:
     # torch: an engine's build runs torch code (as an export does) when the
     # interpreter exits. The interpreter ends a daemon thread at its next GIL
     # take, there inside a torch call, and that aborted the process ("terminate
     # called without an active exception"); exit now stops the build and waits
-    # for its step to end. held: a build that never returns is waited for
+    # for its step to end. long: a step that outlasts that wait (an ONNX export
+    # on a busy machine) aborted the process as well; it is interrupted at its
+    # next Python bytecode. held: a build that never returns is waited for
     # EXIT_WAIT_S (here 0.5 s), then left.
     # aotinductor: its C++ build runs in a process of its own, killed with the
     # compilers it started.
@@ -1141,7 +1143,7 @@ def test_interpreter_exit_with_a_build_in_flight_neither_hangs_nor_prints(tmp_pa
 
             def build(self, *args):
                 started.set()
-                end = time.monotonic() + 1.5
+                end = time.monotonic() + (600 if phase == "long" else 1.5)
                 while time.monotonic() < end:
                     torch.empty_strided((4, 4), (4, 1)).add_(1)
                 raise RuntimeError("done")
@@ -1156,12 +1158,13 @@ def test_interpreter_exit_with_a_build_in_flight_neither_hangs_nor_prints(tmp_pa
         phase, started = sys.argv[1], threading.Event()
         ort = _engines.OnnxRuntime()
         _compiled.ENGINES = {
-            "torch": {"busy": Busy()}, "held": {"held": Held()},
+            "torch": {"busy": Busy()}, "long": {"busy": Busy()}, "held": {"held": Held()},
             "aotinductor": {"onnxruntime": _engines.OnnxRuntime(), "aotinductor": _engines.AOTInductor()},
         }[phase]
         if phase == "held":
             _compiled.EXIT_WAIT_S = 0.5
         torch.manual_seed(0)
+        torch.set_grad_enabled(False)  # graphed callables are inference-only
         model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64)).eval()
         x = torch.randn(8, 64)
         fast = make_graphed_callables(model, (x,), tier="compiled")
