@@ -1021,7 +1021,7 @@ def test_switches_under_concurrent_calls_never_return_a_wrong_result(
     def calls(i: int) -> None:
         try:
             while not stop.is_set():
-                with one:
+                with one, torch.no_grad():  # grad mode is per thread: on in a new one
                     torch.testing.assert_close(fast(x.clone()), expected, rtol=1e-4, atol=1e-5)
                 counts[i] += 1
         except BaseException as exc:  # noqa: BLE001 - reported by the test
@@ -1208,6 +1208,7 @@ def test_a_compiled_call_autograd_would_record_is_refused_after_steady_calls(cac
     engines(_engines.OnnxRuntime())
     model, x = _tiny(), torch.randn(2, 8)
     fast = make_graphed_callables(model, (x,), tier="compiled")
+    assert fast.wait_compiled(timeout=120)  # the engine serves (the interpreted tier has no steady call)
     for _ in range(3):
         fast(x)  # out of grad mode (this module's fixture): the steady call serves them
     assert fast._hot is not None
