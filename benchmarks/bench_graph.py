@@ -6,8 +6,8 @@ One run measures, for each model and batch size, the latency of one call of:
 - ``accel interpreted``: ``accel.graph.make_graphed_callables`` (copy the input into
   the static input, replay the recorded aten ops, return the static output);
   bitwise identical to eager;
-- ``accel compiled``: the same with ``tier="compiled"`` (the captured program
-  built by every engine installed, validated against eager, the fastest kept;
+- ``accel compiled``: the same with ``tier="compiled", wait=True`` (the captured
+  program built by every engine installed, validated against eager, the fastest kept;
   close to eager, not bitwise); ``compiled engine raw`` is that engine's own
   runner called directly on the graph's buffers (ONNX Runtime's
   ``run_with_iobinding``, AOTInductor's loaded runner), to show what accel
@@ -136,7 +136,7 @@ def bench(model_name: str, batch: int, calls: int, repeats: int, variants: list[
     if "compiled" in variants:
         t0 = time.perf_counter()
         try:
-            comp = make_graphed_callables(model, (x,), tier="compiled")
+            comp = make_graphed_callables(model, (x,), tier="compiled", wait=True)
         except accel.NotSupportedError as exc:
             notes["compiled"] = f"failed: {str(exc).splitlines()[0][:120]}"
         else:

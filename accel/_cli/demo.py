@@ -112,7 +112,7 @@ def _torch_demo(calls: int, compiled: bool, device_type: str) -> dict[str, Any]:
     default_tier = "interpreted" if device_type == "cpu" else "torch_graph"
     variants = {default_tier: make_graphed_callables(model, (x,))}
     if compiled:
-        variants["compiled"] = make_graphed_callables(model, (x,), tier="compiled")
+        variants["compiled"] = make_graphed_callables(model, (x,), tier="compiled", wait=True)
     reference = eager()
     outputs = {}
     calls_of: dict[str, Callable[[], object]] = {"eager": eager}

@@ -17,15 +17,21 @@ Trade-offs, stated where users choose the tier:
   each engine measured and why one was rejected. The interpreted tier stays
   the exact one.
 - **Build time**: a second (ONNX export) to a minute (AOTInductor runs the C++
-  compiler) per graph and engine. Builds are cached on disk
-  (``ACCEL_GRAPH_CACHE``, default ``~/.cache/accel/graphs``) under a hash of
-  the program, the input layouts, the values of the tensors it bakes in, the
-  engine and its version, torch's version, the CPU, torch's intra-op thread
-  count and every build setting; a process that captures the same model
-  again loads it. A build that cannot come from the cache is announced with a
-  :class:`BuildWarning` saying how long the last one took.
-  ``make_graphed_callables(..., tier="auto")`` builds in a background thread
-  while replays use the interpreted tier.
+  compiler, in a process of its own) per graph and engine. Builds are cached
+  on disk (``ACCEL_GRAPH_CACHE``, default ``~/.cache/accel/graphs``) under a
+  hash of the program, the input layouts, the values of the tensors it bakes
+  in, the engine and its version, torch's version, the CPU, torch's intra-op
+  thread count and every build setting; a process that captures the same
+  model again loads it. :func:`compile_graph` announces a build that cannot
+  come from the cache with a :class:`BuildWarning` saying how long the last
+  one took. :class:`BackgroundCompile` (``make_graphed_callables(...,
+  tier="compiled")``) builds in a thread instead: replays run the
+  interpreted tier, then the first engine that agrees with eager, then the
+  one chosen.
+- **A stable choice**: the engine chosen is kept in the cache
+  (``choice-<hash>.json``) for the same program, engines and machine; a
+  later run loads it without building or timing the others (delete the file
+  to time them again). Ties keep the engine already serving.
 - **Weights are baked in**: tensors the program reads that are not inputs
   (parameters, buffers) are compiled in as constants. Change them, and the
   compiled graph does not see it: capture and compile again.
@@ -35,8 +41,12 @@ Trade-offs, stated where users choose the tier:
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import ctypes
 import functools
 import hashlib
+import json
 import operator
 import os
 import statistics
@@ -56,7 +66,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from accel._errors import InvalidValueError, NotSupportedError
 from accel._native import speedups
 from accel._runtime import check_not_forked
-from accel.graph._engines import ENGINES, Engine, Facts
+from accel.graph._engines import ENGINES, Engine, Facts, _atomic, kill_builds
 
 if TYPE_CHECKING:
     from accel.graph._graph import Graph
@@ -90,7 +100,8 @@ class Candidate:
     """What the compiled tier found out about one engine for one program."""
 
     engine: str
-    #: "chosen", "ok" (agreed with eager, slower), "rejected", "failed", "not installed" or "not tried".
+    #: "chosen", "ok" (agreed with eager, slower), "rejected", "failed", "not installed" or "not tried";
+    #: while a build runs also "pending", "building" and "serving" (replays run it while the others build).
     status: str
     detail: str = ""
     #: Seconds of one run (its median round), measured in rounds interleaved with the other engines.
@@ -621,7 +632,11 @@ def compile_graph(
     ``"onnxruntime"``, ``"onnxruntime-1thread"``, ``"aotinductor"`` and ``"aotinductor-cpp-gemm"``); one is kept if all its outputs
     are within ``tolerance`` of eager (relative to the largest magnitude,
     at least 1). The result's ``engine`` and ``report()`` say which was
-    chosen and why.
+    chosen and why. The choice is kept in the disk cache: compiling the same
+    program again (in this process or another, with the same engines,
+    versions and threads) keeps that engine if it still agrees with eager,
+    without building or timing the others (delete its ``choice-*.json`` to
+    time them again).
 
     Refused (:class:`~accel.NotSupportedError`) when the capture holds no
     torch program, interleaves torch ops with other stream work, writes to
@@ -638,9 +653,10 @@ def compile_graph(
     >>> fast.engine  # doctest: +SKIP
     'onnxruntime'
     """
-    program = _check(g, inputs, outputs)
-    chosen = _compile(program, list(inputs), list(outputs), _engines(engines), tolerance, announce=True)
-    _attach(program, chosen, inputs)
+    build = _Build(_check(g, inputs, outputs), inputs, outputs, _engines(engines), tolerance)
+    build.announce(stacklevel=2)
+    chosen = build.run()
+    _attach(build.program, chosen, inputs)
     return chosen
 
 
@@ -668,115 +684,248 @@ def _attach(program: Program, compiled: CompiledProgram, inputs: Sequence[torch.
     program.compiled = compiled
 
 
-def _compile(
-    program: Program,
-    inputs: list[torch.Tensor],
-    outputs: list[torch.Tensor],
-    engines: list[Engine],
-    tolerance: float,
-    *,
-    announce: bool,
-) -> CompiledProgram:
-    global last_build_seconds
-    if not (isinstance(tolerance, (int, float)) and tolerance >= 0):
-        raise InvalidValueError(f"tolerance={tolerance!r} must be a number >= 0")
-    start = time.perf_counter()
-    gm = _to_fx(program, inputs, outputs)
-    threads = torch.get_num_threads()
-    facts = Facts(
-        work=sum(t.numel() for r in program.records if r.kind in ("out", "fallback") for t in r.outputs),
-        ops=frozenset(r.func.overloadpacket.__name__ for r in program.records),
-        threads=threads,
-    )
-    base = _program_key(gm, inputs)
-    candidates: list[Candidate] = []
-    plans: list[tuple[Engine, Path, str, dict[str, Any]]] = []
-    for engine in engines:
-        if not engine.applies(facts):
-            candidates.append(Candidate(engine.name, "not tried", "it does not apply to this program"))
-            continue
-        version = engine.version()
-        if version is None:
-            candidates.append(Candidate(engine.name, "not installed", f"install: {engine.install}"))
-            continue
-        settings = engine.settings(facts)
-        key = _engine_key(base, engine, version, settings, threads)
-        plans.append((engine, cache_dir() / f"{key}{engine.suffix}", key, settings))
-    if not plans:
-        raise NotSupportedError(
-            "no engine of the compiled tier is installed for this program: "
-            + "; ".join(str(c) for c in candidates)
-            + ". Keep the interpreted tier, or install one"
+class _Stopped(Exception):
+    """A background build was told to stop (at interpreter exit)."""
+
+
+@dataclass
+class _Plan:
+    """One engine to try on a program: where its file is cached, and how it fared."""
+
+    engine: Engine
+    path: Path
+    key: str
+    settings: dict[str, Any]
+    candidate: Candidate
+
+
+class _Build:
+    """One program's build by the compiled tier: what :func:`compile_graph` runs
+    in the caller's thread and :class:`BackgroundCompile` in a thread of its own.
+
+    Made in the caller's thread, which it refuses what no engine can take
+    (the FX graph, the cache keys, what is installed: milliseconds), then
+    :meth:`run`."""
+
+    def __init__(
+        self,
+        program: Program,
+        inputs: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor],
+        engines: list[Engine],
+        tolerance: float,
+    ) -> None:
+        if not (isinstance(tolerance, (int, float)) and tolerance >= 0):
+            raise InvalidValueError(f"tolerance={tolerance!r} must be a number >= 0")
+        self.start = time.perf_counter()
+        self.program, self.inputs, self.outputs, self.tolerance = program, list(inputs), list(outputs), tolerance
+        self.gm = _to_fx(program, self.inputs, self.outputs)
+        # The capture's input values, copied now: a build in the background runs while
+        # calls copy their arguments into the graph's inputs. Each engine's trial run
+        # reads these, and the reference results are computed from them.
+        with torch.inference_mode(False), torch.no_grad():
+            self.trial_inputs = [t.detach().clone() for t in self.inputs]
+        self.threads = torch.get_num_threads()
+        facts = Facts(
+            work=sum(t.numel() for r in program.records if r.kind in ("out", "fallback") for t in r.outputs),
+            ops=frozenset(r.func.overloadpacket.__name__ for r in program.records),
+            threads=self.threads,
         )
-    missing = [p for p in plans if not p[1].exists()]
-    if missing and announce:
-        last = "" if last_build_seconds is None else f"; the last build took {last_build_seconds:.1f} s"
-        warnings.warn(
-            f"building the compiled tier with {', '.join(p[0].name for p in missing)} "
-            f"(not in the disk cache {cache_dir()}){last}",
-            BuildWarning,
-            stacklevel=3,
+        base = _program_key(self.gm, self.inputs)
+        self.candidates: list[Candidate] = []
+        self.plans: list[_Plan] = []
+        for engine in engines:
+            if not engine.applies(facts):
+                self.candidates.append(Candidate(engine.name, "not tried", "it does not apply to this program"))
+                continue
+            version = engine.version()
+            if version is None:
+                self.candidates.append(Candidate(engine.name, "not installed", f"install: {engine.install}"))
+                continue
+            settings = engine.settings(facts)
+            key = _engine_key(base, engine, version, settings, self.threads)
+            candidate = Candidate(engine.name, "pending")
+            self.candidates.append(candidate)
+            self.plans.append(_Plan(engine, cache_dir() / f"{key}{engine.suffix}", key, settings, candidate))
+        if not self.plans:
+            raise NotSupportedError(
+                "no engine of the compiled tier is installed for this program: "
+                + "; ".join(str(c) for c in self.candidates)
+                + ". Keep the interpreted tier, or install one"
+            )
+        self.missing = {p.path for p in self.plans if not p.path.exists()}
+        # The choice among these engines, kept from the run that made it: the same
+        # program, engines, versions, settings, CPU and threads (every plan's key).
+        keys = "\n".join(sorted(p.key for p in self.plans))
+        self.choice_path = cache_dir() / f"choice-{hashlib.sha256(keys.encode()).hexdigest()[:32]}.json"
+
+    def announce(self, stacklevel: int) -> None:
+        """Warn (:class:`BuildWarning`) when an engine's file is not in the disk cache."""
+        missing = [p.engine.name for p in self.plans if p.path in self.missing]
+        if missing:
+            last = "" if last_build_seconds is None else f"; the last build took {last_build_seconds:.1f} s"
+            warnings.warn(
+                f"building the compiled tier with {', '.join(missing)} (not in the disk cache {cache_dir()}){last}",
+                BuildWarning,
+                stacklevel=stacklevel + 1,
+            )
+
+    def run(
+        self, serve: Callable[[CompiledProgram], None] | None = None, stop: Callable[[], bool] | None = None
+    ) -> CompiledProgram:
+        """The engine to keep, bound to the graph's tensors.
+
+        Engines are built (or loaded from the disk cache: those first) and
+        validated one by one; ``serve``, where given, gets the first that
+        agrees with eager, bound, at once (a graph replays it while the
+        others build). The engine chosen in an earlier run (the choice file)
+        is tried first and, if it still agrees with eager, kept without
+        building or timing the others. Otherwise every engine that agrees is
+        timed (:func:`_time_interleaved`) and :func:`_choose` picks one, the
+        engine serving being the incumbent of ties; the choice is written
+        for the next run. ``stop()`` true ends the build (:class:`_Stopped`)
+        before its next step."""
+        global last_build_seconds
+        with torch.inference_mode(False), torch.no_grad():
+            reference = [t.detach().clone() for t in self.gm(*self.trial_inputs)]
+        earlier = _read_choice(self.choice_path)
+        # Stable: the choice of an earlier run, then what is in the disk cache
+        # (0.1 s to load), then the table's order (ONNX Runtime's builds are the fastest).
+        plans = sorted(self.plans, key=lambda p: (p.engine.name != earlier, p.path in self.missing))
+        loaded: list[tuple[_Plan, Any, Callable[[], Any]]] = []
+        served: CompiledProgram | None = None
+        for plan in plans:
+            if stop is not None and stop():
+                raise _Stopped("the build was stopped")
+            tried = self._try(plan, reference)
+            if tried is None:
+                continue
+            loaded.append((plan, *tried))
+            if plan.engine.name == earlier:
+                plan.candidate.status = "chosen"
+                plan.candidate.detail = (
+                    f"the choice of an earlier run, kept ({self.choice_path.name} in the cache: delete it to "
+                    "time the engines again)"
+                )
+                for other in plans:
+                    if other.candidate.status == "pending":
+                        other.candidate.status = "not tried"
+                        other.candidate.detail = f"an earlier run chose {earlier}"
+                return self._bound(plan, tried[0])
+            if serve is not None and served is None:
+                plan.candidate.status = "serving"
+                served = self._bound(plan, tried[0])
+                serve(served)
+        if self.missing:
+            last_build_seconds = time.perf_counter() - self.start
+        if stop is not None and stop():
+            raise _Stopped("the build was stopped")
+        if not loaded:
+            raise NotSupportedError(
+                "no engine of the compiled tier could run this program and agree with eager: "
+                + "; ".join(str(c) for c in self.candidates)
+                + ". Keep the interpreted tier for this graph"
+            )
+        allocates = [plan.engine.allocates_outputs for plan, _, _ in loaded]
+        runs = [_as_called(trial, self.trial_inputs) for _, _, trial in loaded]
+        samples = _time_interleaved(runs, allocates, stop=stop)
+        incumbent = next((i for i, (plan, _, _) in enumerate(loaded) if plan.candidate.status == "serving"), None)
+        index, tied = _choose(samples, allocates, incumbent=incumbent)
+        for (plan, _, _), times in zip(loaded, samples):
+            ordered = sorted(times)
+            c = plan.candidate
+            c.status = "ok"
+            c.seconds = statistics.median(ordered)
+            c.spread = (ordered[len(ordered) // 4], ordered[(3 * len(ordered)) // 4])
+            c.rounds = len(ordered)
+        plan, program_, _ = loaded[index]
+        plan.candidate.status = "chosen"
+        if len(tied) > 1:
+            engine = plan.engine
+            plan.candidate.detail = "tied with " + ", ".join(loaded[i][0].engine.name for i in tied if i != index) + (
+                "; kept for writing the graph's outputs in place" if not engine.allocates_outputs
+                and any(loaded[i][0].engine.allocates_outputs for i in tied)
+                else "; kept as the engine already serving" if index == incumbent
+                else "; kept for its faster median round"
+            )
+        _write_choice(self.choice_path, plan.engine.name, self.candidates)
+        if served is not None and index == incumbent:
+            served.seconds = time.perf_counter() - self.start
+            return served
+        return self._bound(plan, program_)
+
+    def _try(self, plan: _Plan, reference: list[torch.Tensor]) -> tuple[Any, Callable[[], Any]] | None:
+        """Build (or load) ``plan``'s engine and run it once on the trial inputs: the
+        loaded program and its trial replay if it agrees with ``reference``, else
+        None (its candidate says why)."""
+        engine, path, candidate = plan.engine, plan.path, plan.candidate
+        t0 = time.perf_counter()
+        candidate.cached = path.exists()
+        candidate.status = "building"
+        # A file from the disk cache that does not load or run (truncated by a full
+        # disk, damaged) is removed and built once anew: left there, it would refuse its
+        # engine in every later run. One that runs and disagrees is rejected as built.
+        for build in [not candidate.cached, True]:
+            try:
+                if build:
+                    engine.build(self.gm, self.trial_inputs, path, plan.settings)
+                loaded = engine.load(path, self.threads)
+                trial_outputs = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for t in self.outputs]
+                trial = engine.bind(loaded, self.trial_inputs, trial_outputs)
+                with torch.inference_mode():
+                    trial()
+                break
+            except Exception as exc:  # noqa: BLE001 - engines raise many types; report which and why
+                if not build:
+                    candidate.cached = False
+                    self.missing.add(path)
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+                    continue
+                first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+                candidate.status, candidate.detail = "failed", f"{type(exc).__name__}: {first}"
+                return None
+            finally:
+                candidate.build_seconds = time.perf_counter() - t0
+        candidate.max_error = error = _max_error(trial_outputs, reference)
+        if error > self.tolerance:
+            candidate.status = "rejected"
+            candidate.detail = f"differs from eager by more than the tolerance {self.tolerance:g}"
+            return None
+        candidate.status = "ok"
+        return loaded, trial
+
+    def _bound(self, plan: _Plan, loaded: Any) -> CompiledProgram:
+        """``loaded`` (``plan``'s engine) bound to the graph's own tensors."""
+        return CompiledProgram(
+            plan.engine.name, plan.path, plan.key, plan.engine.bind(loaded, self.inputs, self.outputs),
+            self.candidates, built=plan.path in self.missing, seconds=time.perf_counter() - self.start,
+            tolerance=self.tolerance,
         )
 
-    # Reference results and each engine's trial run use copies: the graph's
-    # own tensors may be replaying meanwhile (background builds).
-    with torch.inference_mode(False), torch.no_grad():
-        trial_inputs = [t.detach().clone() for t in inputs]
-        reference = [t.detach().clone() for t in gm(*trial_inputs)]
-    loaded: list[tuple[Engine, Path, str, Candidate, Any]] = []
-    for engine, path, key, settings in plans:
-        t0 = time.perf_counter()
-        cached = path.exists()
-        candidate = Candidate(engine.name, "failed", cached=cached)
-        candidates.append(candidate)
-        try:
-            if not cached:
-                engine.build(gm, inputs, path, settings)
-            program_ = engine.load(path, threads)
-            trial_outputs = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for t in outputs]
-            trial = engine.bind(program_, trial_inputs, trial_outputs)
-            with torch.inference_mode():
-                trial()
-        except Exception as exc:  # noqa: BLE001 - engines raise many types; report which and why
-            candidate.detail = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
-            continue
-        finally:
-            candidate.build_seconds = time.perf_counter() - t0
-        candidate.max_error = error = _max_error(trial_outputs, reference)
-        if error > tolerance:
-            candidate.status = "rejected"
-            candidate.detail = f"differs from eager by more than the tolerance {tolerance:g}"
-            continue
-        candidate.status = "ok"
-        loaded.append((engine, path, key, candidate, (program_, trial)))
-    if missing:
-        last_build_seconds = time.perf_counter() - start
-    if not loaded:
-        raise NotSupportedError(
-            "no engine of the compiled tier could run this program and agree with eager: "
-            + "; ".join(str(c) for c in candidates)
-            + ". Keep the interpreted tier for this graph"
-        )
-    allocates = [engine.allocates_outputs for engine, *_ in loaded]
-    samples = _time_interleaved([_as_called(run, trial_inputs) for _, _, _, _, (_, run) in loaded], allocates)
-    index, tied = _choose(samples, allocates)
-    for (_, _, _, c, _), times in zip(loaded, samples):
-        ordered = sorted(times)
-        c.seconds = statistics.median(ordered)
-        c.spread = (ordered[len(ordered) // 4], ordered[(3 * len(ordered)) // 4])
-        c.rounds = len(ordered)
-    engine, path, key, candidate, (program_, _) = loaded[index]
-    candidate.status = "chosen"
-    if len(tied) > 1:
-        candidate.detail = "tied with " + ", ".join(loaded[i][0].name for i in tied if i != index) + (
-            "; kept for writing the graph's outputs in place" if not engine.allocates_outputs
-            and any(loaded[i][0].allocates_outputs for i in tied) else "; kept for its faster median round"
-        )
-    replay = engine.bind(program_, inputs, outputs)
-    return CompiledProgram(
-        engine.name, path, key, replay, candidates,
-        built=path in {p[1] for p in missing}, seconds=time.perf_counter() - start, tolerance=tolerance,
-    )
+
+def _read_choice(path: Path) -> str | None:
+    """The engine an earlier run chose (:meth:`_Build.run`), or None."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: choose again
+        return None
+    engine = data.get("engine") if isinstance(data, dict) else None
+    return engine if isinstance(engine, str) else None
+
+
+def _write_choice(path: Path, engine: str, candidates: list[Candidate]) -> None:
+    """Keep the choice of ``engine`` for later runs, with what every engine measured."""
+    record = {
+        "engine": engine,
+        "chosen": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "report": [str(c) for c in candidates],
+    }
+    try:
+        with _atomic(path) as tmp:
+            Path(tmp).write_text(json.dumps(record, indent=1) + "\n")
+    except OSError:  # a cache it cannot write: the next run chooses again
+        pass
 
 
 def _max_error(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
@@ -838,6 +987,7 @@ def _time_interleaved(
     least: int = 20,
     limit: float = 2.0,
     settle: float | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> list[list[float]]:
     """Each of ``runs``' seconds per run in every round, for :func:`_choose`.
 
@@ -872,7 +1022,8 @@ def _time_interleaved(
     runs on more than one thread, each block starts ``settle`` seconds
     (default :data:`SETTLE_S`) after the engine before it stopped, so that
     its worker threads are no longer spinning on the cores the next engine
-    is timed on."""
+    is timed on. ``stop()`` true ends the timing (:class:`_Stopped`) at the
+    next round."""
     with torch.inference_mode():
         seconds = []
         for run in runs:
@@ -896,6 +1047,8 @@ def _time_interleaved(
         samples: list[list[float]] = [[] for _ in runs]
         start = time.perf_counter()
         for r in range(most):
+            if stop is not None and stop():
+                raise _Stopped("the build was stopped")
             for i in [(r + k) % len(runs) for k in range(len(runs))]:  # each round starts with another
                 run = runs[i]
                 if settle:
@@ -922,7 +1075,9 @@ def _time_interleaved(
 MARGIN = 0.05
 
 
-def _choose(samples: list[list[float]], allocates: list[bool], margin: float = MARGIN) -> tuple[int, list[int]]:
+def _choose(
+    samples: list[list[float]], allocates: list[bool], margin: float = MARGIN, incumbent: int | None = None
+) -> tuple[int, list[int]]:
     """The engine to keep (an index), and those it is tied with, from each
     engine's seconds per run in the same rounds.
 
@@ -937,7 +1092,10 @@ def _choose(samples: list[list[float]], allocates: list[bool], margin: float = M
     outputs; then the fastest median round. An engine that allocates thus
     replaces ONNX Runtime only when faster by ``margin`` in three rounds of
     four. A single round decides nothing: a lucky one (or an unlucky one)
-    is a quarter of no ratio list."""
+    is a quarter of no ratio list. Among engines tied and alike in that,
+    ``incumbent`` (the engine already serving the graph's replays) is kept
+    before the faster median round, which within a tie is noise: a tie
+    decided by it may be decided the other way in the next run."""
     medians = [statistics.median(times) for times in samples]
     best = min(range(len(samples)), key=lambda i: medians[i])
     tied = [best]
@@ -947,16 +1105,39 @@ def _choose(samples: list[list[float]], allocates: list[bool], margin: float = M
         ratios = sorted(t / b for t, b in zip(times, samples[best]))
         if ratios[len(ratios) // 4] <= 1.0 + margin:
             tied.append(i)
-    chosen = min(tied, key=lambda i: (allocates[i], medians[i]))
+    chosen = min(tied, key=lambda i: (allocates[i], i != incumbent, medians[i]))
     return chosen, sorted(tied)
 
 
-class BackgroundCompile:
-    """A compiled-tier build running in a thread, attached to its graph when done.
+#: How long interpreter exit waits for background builds to stop. A build stops
+#: at its next step: after an engine's build or load, before a round of timing.
+#: AOTInductor's builds run in processes of their own, killed at exit, so the
+#: longest step left is an ONNX export (1-4 s on the 2-core VM). The wait is
+#: needed: the interpreter ends a daemon thread that is still running when it
+#: finalizes at the thread's next GIL take, and where that is inside a torch call
+#: (which lets the GIL go) the process aborted ("terminate called without an
+#: active exception"). A step still running after the wait is left to that.
+EXIT_WAIT_S = 5.0
 
-    Until then the graph replays its interpreted tier. ``state`` is
-    "building", "ready" or "failed"; ``wait()`` blocks until it is not
-    building; ``compiled`` and ``error`` hold the outcome.
+# Background builds under way, stopped at interpreter exit.
+_RUNNING: set[BackgroundCompile] = set()
+_RUNNING_LOCK = threading.Lock()
+
+
+class BackgroundCompile:
+    """A compiled-tier build running in a thread, serving its graph as it goes.
+
+    Until an engine agrees with eager the graph replays its interpreted tier;
+    then the first engine that does serves its replays (ONNX Runtime's
+    export takes a second or two, AOTInductor's C++ compile tens of), while
+    the others build; then the one chosen among them (see :meth:`_Build.run`).
+    ``compiled`` is the program serving now (None: the interpreted tier),
+    ``state`` "building", "ready" (the final choice serves) or "failed"
+    (``error`` says why; the graph keeps what served before). ``wait()``
+    blocks until the final choice, ``wait(first=True)`` until an engine
+    serves. With ``wait=True`` the build runs in the caller's thread instead,
+    done when this returns. ``warn``: a build that ends with no engine says
+    so with a :class:`BuildWarning`.
     """
 
     def __init__(
@@ -968,51 +1149,152 @@ class BackgroundCompile:
         engines: Sequence[str] | None = None,
         tolerance: float = TOLERANCE,
         on_ready: Callable[[CompiledProgram], None] | None = None,
+        wait: bool = False,
+        warn: bool = False,
     ) -> None:
-        self._program = _check(g, inputs, outputs)
-        self._inputs, self._outputs = list(inputs), list(outputs)
-        self._engines = _engines(engines)
-        self._tolerance = tolerance
+        self._build: _Build | None = _Build(_check(g, inputs, outputs), inputs, outputs, _engines(engines), tolerance)
+        #: What every engine measured, or why it was not kept; filled in as the build goes.
+        self.candidates = self._build.candidates
         self._on_ready = on_ready
+        self._warn = warn
         self.state = "building"
         self.compiled: CompiledProgram | None = None
         self.error: BaseException | None = None
+        #: Seconds from the start of the build to its first engine serving (None: none yet).
+        self.first_seconds: float | None = None
         #: Seconds the last build in this process took when this one started (None: the first).
         self.last_build_seconds = last_build_seconds
+        self._served = threading.Event()  # an engine serves, or the build ended
         self._done = threading.Event()
+        self._stop = threading.Event()
+        self._inline = wait
+        if wait:
+            self._run()
+            return
         self._thread = threading.Thread(target=self._run, name="accel-graph-compile", daemon=True)
+        with _RUNNING_LOCK:
+            _RUNNING.add(self)
         self._thread.start()
 
     def __repr__(self) -> str:
+        return f"BackgroundCompile({self.status()})"
+
+    def status(self) -> str:
+        """What the graph's replays run: "building (last build took N s)",
+        "compiled: <engine> (choosing among <engines>)" (or "(timing it)",
+        the only engine), "compiled: <engine>" or "interpreted (compile
+        failed: why)"."""
+        compiled = self.compiled
+        if compiled is None:
+            if self.state == "failed":
+                return f"interpreted (compile failed: {self.error})"
+            last = "" if self.last_build_seconds is None else f" (last build took {self.last_build_seconds:.1f} s)"
+            return f"building{last}"
         if self.state == "building":
-            last = "" if self.last_build_seconds is None else f", last build took {self.last_build_seconds:.1f} s"
-            return f"BackgroundCompile(building{last})"
-        if self.compiled is not None:
-            return f"BackgroundCompile(ready: {self.compiled.engine})"
-        return f"BackgroundCompile(failed: {self.error})"
+            others = [c.engine for c in self.candidates
+                      if c.status in ("pending", "building", "ok") and c.engine != compiled.engine]
+            if not others:
+                return f"compiled: {compiled.engine} (timing it)"
+            return f"compiled: {compiled.engine} (choosing among {', '.join([compiled.engine, *others])})"
+        return f"compiled: {compiled.engine}"
+
+    def _serve(self, compiled: CompiledProgram) -> None:
+        # One attribute store each: a replay running on another thread sees
+        # one engine (or the interpreted tier) whole, never a mix.
+        assert self._build is not None  # only while the build runs
+        _attach(self._build.program, compiled, self._build.inputs)
+        self.compiled = compiled
+        if self._on_ready is not None:
+            self._on_ready(compiled)
+        if self.first_seconds is None:
+            self.first_seconds = time.perf_counter() - self._build.start
+        self._served.set()
 
     def _run(self) -> None:
+        assert self._build is not None
         try:
-            compiled = _compile(
-                self._program, self._inputs, self._outputs, self._engines, self._tolerance, announce=False
-            )
-        except BaseException as exc:  # noqa: BLE001 - kept for the caller, who keeps the interpreted tier
-            self.error = exc
-            self.state = "failed"
+            # In the caller's thread (wait=True) nothing replays meanwhile: no engine to serve early.
+            final = self._build.run(serve=None if self._inline else self._serve, stop=self._stop.is_set)
+            if final is not self.compiled:
+                self._serve(final)
+        except BaseException as exc:  # noqa: BLE001 - kept for the caller; the graph keeps what serves
+            # Without its traceback, whose frames hold the build (the FX graph, the
+            # trial inputs) and this (a cycle): kept, the graph's memory stayed
+            # allocated until a garbage collection.
+            self.error = exc.with_traceback(None)
+            self.state = "failed" if self.compiled is None else "ready"
+            if self._warn and self.compiled is None and not self._stop.is_set():
+                warnings.warn_explicit(  # from the build's thread: no user frame to point at
+                    f"the compiled tier's build failed; replays stay on the interpreted tier: {exc}",
+                    BuildWarning, "accel", 0,
+                )
         else:
-            # One attribute store each: a replay running on another thread
-            # sees either the interpreted tier or the compiled one, whole.
-            self.compiled = compiled
-            _attach(self._program, compiled, self._inputs)
-            if self._on_ready is not None:
-                self._on_ready(compiled)
             self.state = "ready"
         finally:
+            # What only the build needed goes: the FX graph, the trial inputs, and
+            # on_ready, whose closure holds the graphed callable's entry, which
+            # holds this (a cycle that kept the graph's memory until a collection).
+            self._build = self._on_ready = None
+            with _RUNNING_LOCK:
+                _RUNNING.discard(self)
+            self._served.set()
             self._done.set()
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until the build is done (or ``timeout`` seconds); True if done."""
-        return self._done.wait(timeout)
+    def stop(self) -> None:
+        """End the build at its next step (after an engine's build or load, before
+        a round of timing; an AOTInductor build's process is killed); what serves
+        keeps serving."""
+        self._stop.set()
+        thread = getattr(self, "_thread", None)  # none: it ran in the caller's thread (wait=True), done
+        if thread is not None and thread.ident is not None:
+            kill_builds(thread.ident)
+
+    def wait(self, timeout: float | None = None, *, first: bool = False) -> bool:
+        """Block until the final choice serves (or the build failed), or with
+        ``first`` until any engine serves; at most ``timeout`` seconds. True if so."""
+        return (self._served if first else self._done).wait(timeout)
+
+
+class _Exiting(BaseException):
+    """Raised in a build's thread at interpreter exit. A BaseException: the
+    exporters' own ``except Exception`` fallbacks must not swallow it."""
+
+
+def _stop_at_exit() -> None:
+    """Tell every background build to stop, and wait up to :data:`EXIT_WAIT_S` for them."""
+    with _RUNNING_LOCK:
+        builds = list(_RUNNING)
+    for build in builds:
+        build.stop()  # and its C++ compile: its thread then stops at once
+        # An export in the thread (ONNX's first takes seconds, more on a busy
+        # machine) has no step to stop at: it is interrupted at its next Python
+        # bytecode. Left running past the wait, the interpreter ended the thread
+        # inside a torch call and the process aborted. What it leaves half done
+        # (torch.export's patched builtins) no later code of this process sees.
+        ident = build._thread.ident
+        if ident is not None and build._thread.is_alive():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(_Exiting))
+    kill_builds()  # any other thread's too (compile_graph on a daemon thread)
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for build in builds:
+        build._thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _forked() -> None:
+    """In a forked child the builds' threads do not exist: they never end there."""
+    global _RUNNING_LOCK
+    _RUNNING_LOCK = threading.Lock()  # another thread may have held it at the fork
+    builds = list(_RUNNING)
+    _RUNNING.clear()
+    for build in builds:
+        build.error = NotSupportedError("the process forked while the build ran in its parent")
+        build.state = "failed" if build.compiled is None else "ready"
+        build._served.set()
+        build._done.set()
+
+
+atexit.register(_stop_at_exit)
+os.register_at_fork(after_in_child=_forked)
 
 
 def _to_fx(program: Program, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> fx.GraphModule:

@@ -28,8 +28,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import json
 import os
+import signal
+import subprocess
+import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +47,7 @@ from accel._errors import NotSupportedError
 
 __all__ = [
     "ENGINES", "AOTInductor", "AOTInductorCppGemm", "Engine", "Facts", "OnnxRuntime", "OnnxRuntimeOneThread",
+    "kill_builds",
 ]
 
 Replay = Callable[[], Any]
@@ -127,8 +133,19 @@ def _atomic(path: Path) -> Iterator[str]:
             os.unlink(tmp)
 
 
+# Builds run on background threads (the compiled tier serves a first engine while
+# others build), and the tools they call change process-wide state while they run:
+# torch.export replaces builtins.max, builtins.min and math.pow, inductor patches its
+# global config, the ONNX exporter sets a module flag. Two such builds at once left
+# each other's state behind when they ended out of order. One build per tool at a
+# time, then; an ONNX export need not wait for a C++ compile of another graph.
+_EXPORTING = threading.Lock()
+_INDUCTOR = threading.Lock()
+_ONNX = threading.Lock()
+
+
 def _export(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
-    with torch.inference_mode(False), torch.no_grad():
+    with _EXPORTING, torch.inference_mode(False), torch.no_grad():
         return torch.export.export(gm, tuple(t.detach() for t in inputs), strict=False)
 
 
@@ -166,12 +183,16 @@ class AOTInductor(Engine):
         }
 
     def build(self, gm: fx.GraphModule, inputs: list[torch.Tensor], path: Path, settings: dict[str, Any]) -> None:
-        import torch._inductor
-
-        exported = _export(gm, inputs)
-        with _atomic(path) as tmp, torch.inference_mode(False), torch.no_grad():
-            # A copy: inductor adds keys to the dict it is given.
-            torch._inductor.aoti_compile_and_package(exported, package_path=tmp, inductor_configs=dict(settings))
+        # In a process of its own (see _build_in_child): inductor's code generation
+        # holds the GIL for seconds and patches its global config, and its C++
+        # compiler runs for tens of seconds, which interpreter exit cannot wait for.
+        with _INDUCTOR:
+            exported = _export(gm, inputs)
+            with tempfile.TemporaryDirectory(prefix="accel-aoti-") as scratch:
+                program = os.path.join(scratch, "program.pt2")
+                torch.export.save(exported, program)
+                with _atomic(path) as tmp:
+                    _build_in_child(_AOTI_BUILD, program, tmp, json.dumps(settings), str(torch.get_num_threads()))
 
     def load(self, path: Path, threads: int) -> Any:
         import torch._inductor
@@ -200,6 +221,79 @@ class AOTInductor(Engine):
         replay.raw = functools.partial(run, inputs)  # type: ignore[attr-defined]
         replay.direct = run  # type: ignore[attr-defined]
         return replay
+
+
+# AOTInductor's build, in a new interpreter: argv is the saved ExportedProgram, the
+# package to write, inductor's settings (JSON), torch's threads, and the parent's sys.path.
+_AOTI_BUILD = """
+import json, sys
+sys.path[:0] = json.loads(sys.argv[5])
+import torch, torch._inductor
+torch.set_num_threads(int(sys.argv[4]))
+exported = torch.export.load(sys.argv[1])
+with torch.no_grad():
+    torch._inductor.aoti_compile_and_package(exported, package_path=sys.argv[2], inductor_configs=json.loads(sys.argv[3]))
+"""
+
+# Build processes running, by the thread waiting for each; killed by kill_builds().
+_CHILDREN: dict[subprocess.Popen[str], int] = {}
+_CHILDREN_LOCK = threading.Lock()
+
+
+def _build_in_child(code: str, *args: str) -> None:
+    """Run ``code`` with ``args`` (then this process's sys.path, as JSON) in a new
+    interpreter; raise its error, if it fails, as a RuntimeError naming its last line.
+
+    A build in a thread of this process could not be stopped: at interpreter exit
+    a thread that is still in torch's code is ended there by the interpreter,
+    inside a torch call, and that aborted the process ("terminate called without
+    an active exception"). A child is killed with the compilers it started
+    (:func:`kill_builds`), its thread waiting for it in no torch code."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *args, json.dumps(sys.path)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # its own process group: the C++ compilers it runs go with it
+    )
+    with _CHILDREN_LOCK:
+        _CHILDREN[proc] = threading.get_ident()
+    try:
+        _, err = proc.communicate()
+    except BaseException:  # interrupted: not left compiling
+        _kill(proc)
+        raise
+    finally:
+        with _CHILDREN_LOCK:
+            _CHILDREN.pop(proc, None)
+    if proc.returncode != 0:
+        lines = [line for line in err.splitlines() if line.strip()]
+        last = lines[-1].strip() if lines else f"it was killed by signal {-proc.returncode}"
+        raise RuntimeError(f"the build process exited with {proc.returncode}: {last}")
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def kill_builds(thread: int | None = None) -> None:
+    """Kill the build processes that the thread ``thread`` (an ident; None: every
+    thread) waits for: its wait ends, and the build fails."""
+    with _CHILDREN_LOCK:
+        children = [proc for proc, waiter in _CHILDREN.items() if thread is None or waiter == thread]
+    for proc in children:
+        _kill(proc)
+
+
+def _forked() -> None:
+    """A forked child has none of its parent's build threads or processes: it must
+    not kill the parent's builds at its exit, nor wait for a lock a build held."""
+    global _CHILDREN_LOCK, _EXPORTING, _INDUCTOR, _ONNX
+    _CHILDREN.clear()
+    _CHILDREN_LOCK, _EXPORTING, _INDUCTOR, _ONNX = (threading.Lock() for _ in range(4))
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 class AOTInductorCppGemm(AOTInductor):
@@ -239,6 +333,39 @@ _ORT_TYPES = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _onnx_registry(opset: int) -> Any:
+    """The ONNX exporter's table of aten ops and their ONNX functions, made once a process.
+
+    ``torch.onnx.export`` makes it anew at every call: 1.1-1.7 s on the 2-core
+    VM (it parses the source of some 500 functions), of a 2 s export of the
+    benchmark's MLP; the table is only read by an export."""
+    from torch.onnx._internal.exporter import _registration
+
+    return _registration.ONNXRegistry.from_torchlib(opset_version=opset)
+
+
+def _onnx_export(exported: Any, inputs: list[torch.Tensor], opset: int, optimize: bool) -> Any:
+    """``torch.onnx.export(exported, inputs, dynamo=True, ...)``, with the op table
+    made once a process (:func:`_onnx_registry`) where the exporter takes one
+    (torch 2.5 and later have ``_core.export(..., registry=)``, which the public
+    call calls with a new table)."""
+    try:
+        from torch.onnx._internal.exporter import _core, _registration
+
+        usable = hasattr(_registration, "ONNXRegistry") and hasattr(_core, "export")
+    except ImportError:  # pragma: no cover - another torch layout
+        usable = False
+    if not usable:  # pragma: no cover - another torch layout
+        return torch.onnx.export(
+            exported, tuple(inputs), dynamo=True, opset_version=opset, optimize=optimize, verbose=False
+        )
+    return _core.export(
+        exported, tuple(inputs), None, registry=_onnx_registry(opset), optimize=optimize,
+        opset_version=opset, verbose=False,
+    )
+
+
 class OnnxRuntime(Engine):
     """ONNX Runtime over the program exported to ONNX, with IO binding."""
 
@@ -264,18 +391,16 @@ class OnnxRuntime(Engine):
     def build(self, gm: fx.GraphModule, inputs: list[torch.Tensor], path: Path, settings: dict[str, Any]) -> None:
         import logging
 
-        exported = _export(gm, inputs)
         exporter = logging.getLogger("torch.onnx")
-        level = exporter.level
-        exporter.setLevel(logging.ERROR)  # it logs about optional packages (torchvision) it does not need
-        try:
-            with torch.inference_mode(False), torch.no_grad():
-                onnx_program = torch.onnx.export(
-                    exported, tuple(inputs), dynamo=True, opset_version=settings["opset"],
-                    optimize=settings["optimize"], verbose=False,
-                )
-        finally:
-            exporter.setLevel(level)
+        with _ONNX:
+            exported = _export(gm, inputs)
+            level = exporter.level
+            exporter.setLevel(logging.ERROR)  # it logs about optional packages (torchvision) it does not need
+            try:
+                with torch.inference_mode(False), torch.no_grad():
+                    onnx_program = _onnx_export(exported, inputs, settings["opset"], settings["optimize"])
+            finally:
+                exporter.setLevel(level)
         if onnx_program is None:  # pragma: no cover - only without dynamo=True
             raise NotSupportedError("torch.onnx.export returned no program")
         with _atomic(path) as tmp:

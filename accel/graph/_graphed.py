@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -124,6 +125,12 @@ else:
     _Head = speedups._CallHead
 
 
+def _stop_builds(builds: weakref.WeakSet[Any]) -> None:
+    """A collected :class:`GraphedCallable`'s builds end at their next step."""
+    for build in list(builds):
+        build.stop()
+
+
 class GraphedCallable(_Head):
     """A callable replaying captured graphs of ``fn``, one per input-shape signature.
 
@@ -146,18 +153,24 @@ class GraphedCallable(_Head):
         pool: PoolId,
         cache_size: int,
         tier: str,
+        wait: bool = False,
     ) -> None:
         self.fn = fn
         self._warmup = num_warmup_iters
         self._pool = pool
         self._cache_size = cache_size
         self._tier = tier
+        self._wait = wait
         self._cache: OrderedDict[Signature, _Entry] = OrderedDict()
         self.hits = self.misses = self.evictions = 0
         self._warned = False
         # The bound call (see _compiled.bind_call) of the last call that ran a
         # compiled program, tried first by the next; reset by every call that does not.
         self._hot = None
+        # Its graphs' background builds, stopped when it is collected: nothing replays
+        # those graphs any more, and a build holds its graph's memory until it ends.
+        self._builds: weakref.WeakSet[Any] = weakref.WeakSet()
+        weakref.finalize(self, _stop_builds, self._builds)
         backend = get_runtime().backend
         self._device_type = backend.torch_device_type or ""
         # Where torch's graphs carry the capture, torch reads the outputs in
@@ -217,6 +230,8 @@ class GraphedCallable(_Head):
                     result = call(args)  # the compiled program alone, without the graph around it
                     if result is not None:
                         self._hot = call
+                        if entry.call is not call:  # a background build replaced the engine meanwhile
+                            self._hot = None  # (it stores entry.call, then resets _hot: see _capture)
                         return result
                 for i, (static, arg) in enumerate(zip(entry.inputs, args)):
                     # Not a comparison of addresses: a transposed or negated view of
@@ -282,6 +297,9 @@ class GraphedCallable(_Head):
         self.misses += 1
         if len(self._cache) >= self._cache_size:
             _, old = self._cache.popitem(last=False)
+            stop = getattr(old.compiled, "stop", None)
+            if stop is not None:
+                stop()  # its build, if still running: nothing replays that graph any more
             old.graph.reset()
             self.evictions += 1
             if self.evictions >= self._cache_size and not self._warned:
@@ -345,18 +363,27 @@ class GraphedCallable(_Head):
         if self._tier != "interpreted":
             from accel.graph import _compiled
 
+            owner = weakref.ref(self)  # a build's thread must not keep the callable alive
+
             def ready(compiled: _compiled.CompiledProgram) -> None:
+                # Called again by a background build for each engine that replaces the
+                # one serving: the new call first, then _hot, which may hold the old one.
                 if alone:
                     entry.call = _compiled.bind_call(compiled, inputs, output, runtime, entry.device)
+                    graphed = owner()
+                    if graphed is not None:
+                        graphed._hot = None
 
             try:
-                if self._tier == "compiled":
+                if self._tier == "compiled" and self._wait:
                     entry.compiled = _compiled.compile_graph(g, inputs=inputs, outputs=tree_flatten(output)[0])
                     ready(entry.compiled)
-                else:  # auto: build in the background, replay the interpreted tier meanwhile
+                else:  # replay the interpreted tier, then each better engine as it is ready
                     entry.compiled = _compiled.BackgroundCompile(
-                        g, inputs, tree_flatten(output)[0], on_ready=ready
+                        g, inputs, tree_flatten(output)[0], on_ready=ready, wait=self._wait,
+                        warn=self._tier == "compiled",
                     )
+                    self._builds.add(entry.compiled)
             except BaseException as exc:
                 # auto: a program the compiled tier cannot take replays interpreted.
                 if self._tier == "compiled" or not isinstance(exc, NotSupportedError):
@@ -368,8 +395,9 @@ class GraphedCallable(_Head):
 
     def compile_status(self) -> dict[Signature, str]:
         """Per captured signature, how its replays run: "interpreted", "building
-        (last build took N s)", "compiled: <engine>" or "interpreted (compile
-        failed: why)"."""
+        (last build took N s)", "compiled: <engine> (choosing among <engines>)"
+        while the other engines build, "compiled: <engine>" once chosen, or
+        "interpreted (compile failed: why)"."""
         status = {}
         for key, entry in self._cache.items():
             c = entry.compiled
@@ -377,17 +405,14 @@ class GraphedCallable(_Head):
                 status[key] = "interpreted" if entry.refused is None else f"interpreted (compile failed: {entry.refused})"
             elif hasattr(c, "engine"):
                 status[key] = f"compiled: {c.engine}"
-            elif c.state == "ready":
-                status[key] = f"compiled: {c.compiled.engine}"
-            elif c.state == "failed":
-                status[key] = f"interpreted (compile failed: {c.error})"
             else:
-                last = "" if c.last_build_seconds is None else f" (last build took {c.last_build_seconds:.1f} s)"
-                status[key] = f"building{last}"
+                status[key] = c.status()
         return status
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
-        """With ``tier="auto"``: wait until no build is running; True if none is."""
+        """Wait until every graph's build has made its final choice (or failed),
+        at most ``timeout`` seconds; True if none is running. Replays need not
+        wait: they run the interpreted tier, then each engine as it is ready."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for entry in list(self._cache.values()):
             wait = getattr(entry.compiled, "wait", None)
@@ -501,6 +526,7 @@ def make_graphed_callables(
     pool: PoolId | None = None,
     cache_size: int = 8,
     tier: str = "interpreted",
+    wait: bool = False,
 ) -> Any:
     """Graphed versions of ``callables`` for inference (``torch.cuda.make_graphed_callables``).
 
@@ -516,11 +542,19 @@ def make_graphed_callables(
     deterministic ops, always available); ``"compiled"`` runs the captured
     program with the fastest engine installed that agrees with eager
     (AOTInductor, ONNX Runtime; numerically close but not bitwise identical;
-    the first build of a graph takes seconds, is announced by a
-    ``BuildWarning`` and cached on disk; see
-    :func:`accel.graph.compile_graph`); ``"auto"`` replays the interpreted
-    tier while the compiled one builds in a background thread, then switches
-    (``compile_status()`` says which runs, ``wait_compiled()`` waits). Where
+    see :func:`accel.graph.compile_graph`). Its builds run in a background
+    thread: calls replay the interpreted tier at first, then the first
+    engine that agrees with eager (ONNX Runtime: a second or two; from the
+    disk cache, a tenth of one), then the fastest once every engine is
+    built and timed, or at once the one an earlier run chose.
+    ``compile_status()`` says what runs, ``wait_compiled()`` waits for the
+    final choice. A program no engine can take is refused at capture
+    (``NotSupportedError``); a build that fails later warns
+    (``BuildWarning``) and leaves the interpreted tier. ``wait=True`` builds
+    in the calling thread instead, before the capture returns, announcing a
+    build not in the disk cache with a ``BuildWarning`` and raising if no
+    engine agrees. ``"auto"`` is ``"compiled"`` that keeps the interpreted
+    tier, without a word, for programs the compiled tier cannot take. Where
     the engine chosen returns new tensors (AOTInductor), a compiled call on
     the default stream passes it the caller's tensors and returns its new
     outputs, without copies. On CUDA, with a
@@ -576,6 +610,8 @@ def make_graphed_callables(
             f"tier={tier!r} compiles host programs; on the {runtime.name} backend torch's graph replays "
             "the captured kernels already: use the default tier"
         )
+    if not isinstance(wait, bool):
+        raise InvalidValueError(f"wait={wait!r} must be True or False")
     for name, value, low in (("num_warmup_iters", num_warmup_iters, 0), ("cache_size", cache_size, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise InvalidValueError(f"{name}={value!r} must be an int >= {low}")
@@ -586,7 +622,9 @@ def make_graphed_callables(
             raise InvalidValueError(
                 f"sample_args for {_name(fn)} must be a tuple of tensors, got {type(sample).__name__}"
             )
-        g = GraphedCallable(fn, num_warmup_iters=num_warmup_iters, pool=shared, cache_size=cache_size, tier=tier)
+        g = GraphedCallable(
+            fn, num_warmup_iters=num_warmup_iters, pool=shared, cache_size=cache_size, tier=tier, wait=wait
+        )
         g.capture(*sample)
         graphed.append(g)
     return graphed[0] if single else tuple(graphed)

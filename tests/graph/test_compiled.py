@@ -14,6 +14,7 @@ import textwrap
 import threading
 import time
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -208,9 +209,11 @@ def test_the_compiled_tier_keeps_the_engine_its_rounds_choose(
     engines(_engines.OnnxRuntime(), _Slow())
     model, x = _tiny(), torch.randn(2, 8)
     timed: list[list[float]] = []
+    timings = []
 
-    def fake(runs: list[Any], allocates: list[bool]) -> list[list[float]]:
+    def fake(runs: list[Any], allocates: list[bool], **options: Any) -> list[list[float]]:
         assert allocates == [False, False] and len(runs) == 2
+        timings.append(timed[:])
         return timed
 
     monkeypatch.setattr(_compiled, "_time_interleaved", fake)
@@ -220,10 +223,137 @@ def test_the_compiled_tier_keeps_the_engine_its_rounds_choose(
     by_name = {c.engine: c for c in compiled.candidates}
     assert compiled.engine == "slow" and by_name["slow"].seconds == 1e-5 and by_name["slow"].rounds == 11
     assert "20.0 us/run (20.0-20.0) in 11 rounds" in str(by_name["onnxruntime"])
+    for choice in cache.glob("choice-*.json"):
+        choice.unlink()  # else the next build keeps "slow" untimed (see the test below)
     timed[:] = _rounds(*[(1e-5, 1.1e-5), (1.1e-5, 1e-5)] * 6)
     g, y = _capture(model, x)
     compiled = compile_graph(g, inputs=[x], outputs=[y])
     assert "tied with" in {c.engine: c for c in compiled.candidates}[compiled.engine].detail
+    assert len(timings) == 2
+
+
+def test_the_choice_is_kept_for_later_runs_whatever_their_timings_say(
+    cache: Path, engines: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Run 1 times "slow" clearly ahead and keeps it. A later run of the same
+    # program (another capture, as a new process makes) keeps it without timing,
+    # although its timings would now choose ONNX Runtime: a choice that timing
+    # noise could flip between runs is made once. Deleting the choice makes it again.
+    monkeypatch.setenv("ACCEL_GRAPH_CACHE", str(tmp_path))  # a cache of this test's own
+    engines(_engines.OnnxRuntime(), _Slow())
+    model, x = _tiny(), torch.randn(2, 8)
+    timed: list[list[float]] = []
+    timings = []
+
+    def fake(runs: list[Any], allocates: list[bool], **options: Any) -> list[list[float]]:
+        timings.append(timed[:])
+        return timed
+
+    monkeypatch.setattr(_compiled, "_time_interleaved", fake)
+    timed[:] = _rounds(*[(2e-5, 1e-5)] * 11)
+    first = _compile(model, x)
+    assert first.engine == "slow" and len(timings) == 1
+    (choice,) = tmp_path.glob("choice-*.json")
+    timed[:] = _rounds(*[(1e-5, 2e-5)] * 11)  # now ONNX Runtime would win
+    again = _compile(model, x)
+    assert again.engine == "slow" and len(timings) == 1  # kept, not timed
+    by_name = {c.engine: c for c in again.candidates}
+    assert by_name["slow"].status == "chosen" and choice.name in by_name["slow"].detail
+    assert by_name["onnxruntime"].status == "not tried" and "an earlier run chose slow" in str(by_name["onnxruntime"])
+    # Another engine table is another choice: timed anew.
+    engines(_engines.OnnxRuntime(), _Slow(), _Wrong())
+    assert _compile(model, x).engine == "onnxruntime" and len(timings) == 2
+    engines(_engines.OnnxRuntime(), _Slow())
+    choice.unlink()
+    assert _compile(model, x).engine == "onnxruntime" and len(timings) == 3
+
+
+def test_a_choice_whose_engine_no_longer_agrees_is_made_again(
+    cache: Path, engines: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The kept engine is validated like any other: one that now differs from
+    # eager (here the choice file names "wrong") is rejected, and the others compete.
+    monkeypatch.setenv("ACCEL_GRAPH_CACHE", str(tmp_path))
+    engines(_engines.OnnxRuntime(), _Wrong())
+    model, x = _tiny(), torch.randn(2, 8)
+    _compile(model, x)
+    (choice,) = tmp_path.glob("choice-*.json")
+    choice.write_text('{"engine": "wrong"}')
+    compiled = _compile(model, x)
+    assert compiled.engine == "onnxruntime"
+    assert {c.engine: c.status for c in compiled.candidates} == {"onnxruntime": "chosen", "wrong": "rejected"}
+    assert '"engine": "onnxruntime"' in choice.read_text()
+    choice.write_text("not json")  # unreadable: made again, not an error
+    assert _compile(model, x).engine == "onnxruntime"
+
+
+def test_the_choice_is_the_same_in_another_process_whatever_its_timings_say(tmp_path: Path) -> None:
+    # The choice is kept under keys a new process computes alike (the program,
+    # its weights, the engines, versions, CPU and threads; no address or id):
+    # a second process keeps the first one's choice without timing, although
+    # its own timings would choose the other engine.
+    code = """
+        import sys, torch
+        from torch import nn
+        from accel.graph import Graph, graph, compile_graph, _compiled, _engines
+
+        class Slow(_engines.OnnxRuntime):
+            name = "slow"
+
+        faster = int(sys.argv[1])  # the engine this process's timings put ahead
+        timed = []
+
+        def fake(runs, allocates, **options):
+            timed.append(len(runs))
+            return [[1e-5 if i == faster else 2e-5] * 11 for i in range(len(runs))]
+
+        _compiled.ENGINES = {"onnxruntime": _engines.OnnxRuntime(), "slow": Slow()}
+        _compiled._time_interleaved = fake
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).eval()
+        x = torch.randn(2, 8)
+        g = Graph()
+        with torch.no_grad(), graph(g):
+            y = model(x)
+        print(compile_graph(g, inputs=[x], outputs=[y]).engine, len(timed))
+    """
+    env = {"ACCEL_GRAPH_CACHE": str(tmp_path)}
+    first = scripts.run("cpu", code, "1", timeout=300, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stdout.split() == ["slow", "1"]
+    second = scripts.run("cpu", code, "0", timeout=300, env=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stdout.split() == ["slow", "0"]  # kept, not timed
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
+def test_a_damaged_engine_file_in_the_cache_is_built_anew(
+    cache: Path, engines: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, damage: str
+) -> None:
+    # A cached build that no longer loads (a full disk, a crash while copying
+    # the cache) is removed and built again, not a refusal in every later run.
+    # A choice file that is not a choice is ignored likewise.
+    monkeypatch.setenv("ACCEL_GRAPH_CACHE", str(tmp_path))
+    engines(_engines.OnnxRuntime())
+    model, x = _tiny(), torch.randn(2, 8)
+    first = _compile(model, x)
+    (built,) = tmp_path.glob("*.onnx")
+    good = built.read_bytes()
+    built.write_bytes({"truncated": good[: len(good) // 2], "garbage": b"\x00not an onnx model" * 64, "empty": b""}[damage])
+    (choice,) = tmp_path.glob("choice-*.json")
+    choice.write_text('["onnxruntime"]')
+    again = _compile(model, x)
+    assert again.engine == "onnxruntime" and again.path == first.path
+    (candidate,) = again.candidates
+    assert candidate.status == "chosen" and not candidate.cached  # built anew
+    (loaded,) = _compile(model, x).candidates
+    assert loaded.status == "chosen" and loaded.cached  # the new file serves later runs
+
+
+def _compile(model: nn.Module, x: torch.Tensor) -> Any:
+    """compile_graph on a new capture of ``model(x)``."""
+    g, y = _capture(model, x)
+    return compile_graph(g, inputs=[x], outputs=[y])
 
 
 def test_dropping_a_compiled_onnx_program_does_not_crash(cache: Path) -> None:
@@ -295,7 +425,7 @@ def test_a_compiled_call_with_a_meta_tensor_is_refused_not_read_at_address_zero(
         _compiled.ENGINES = {"onnxruntime": _engines.ENGINES["onnxruntime"]}
         lin = torch.nn.Linear(256, 256).eval()
         x = torch.randn(64, 256)  # 64 KiB: the engine reads the caller's tensor in place
-        f = make_graphed_callables(lin, (x,), tier="compiled")
+        f = make_graphed_callables(lin, (x,), tier="compiled", wait=True)
         f(x)
         for bad in (torch.randn(64, 256, device="meta"), x.to_sparse()):
             try:
@@ -372,7 +502,7 @@ def test_a_missing_engine_is_reported_and_the_others_are_used(
 def test_graphed_callables_call_aotinductor_on_the_callers_tensors(cache: Path, engines: Any) -> None:
     engines(_engines.AOTInductor())
     model = _tiny()  # the program the missing-engine test built: loaded from the cache
-    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
+    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled", wait=True)
     (entry,) = fast._cache.values()
     assert entry.compiled.engine == "aotinductor" and entry.call is not None
     new = torch.randn(2, 8)
@@ -422,7 +552,7 @@ def test_aotinductor_calls_refuse_a_tensor_whose_storage_was_freed(cache: Path) 
         warnings.simplefilter("ignore")
         torch.set_grad_enabled(False)
         _compiled.ENGINES = {"aotinductor": _engines.ENGINES["aotinductor"]}
-        f = make_graphed_callables(_tiny(), (torch.randn(2, 8),), tier="compiled")
+        f = make_graphed_callables(_tiny(), (torch.randn(2, 8),), tier="compiled", wait=True)
         for make in (lambda: torch.randn(2, 8), lambda: torch.randn(3, 8)[1:]):
             x = make()
             f(x)
@@ -489,6 +619,26 @@ def test_a_call_with_a_tensor_whose_storage_was_resized_smaller_is_refused(kind:
     assert handed == [] and torch.equal(static, torch.zeros(4, 4))
 
 
+def test_a_forked_child_exiting_does_not_kill_its_parents_build_processes() -> None:
+    # At exit a process kills its own build processes (AOTInductor's): a forked
+    # child inherited the parent's list of them, and killed the parent's builds.
+    result = scripts.run("cpu", """
+        import os, subprocess, sys
+        from accel.graph import _compiled, _engines
+
+        build = subprocess.Popen(["sleep", "60"], start_new_session=True)  # as a build process runs
+        _engines._CHILDREN[build] = 0
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # the child's interpreter exits as any does: its exit handlers run
+        os.waitpid(pid, 0)
+        print("alive" if build.poll() is None else "killed")
+        build.kill()
+    """, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["alive"]
+
+
 def test_a_compiled_call_in_a_forked_child_is_refused_not_run() -> None:
     # A child forked after accel was initialized refuses accel at once; the compiled
     # call, which reads no runtime state but the thread's streams, ran its engine
@@ -544,7 +694,7 @@ def test_an_onnx_call_with_the_last_calls_result_reads_its_values(cache: Path, e
     torch.manual_seed(0)
     model = nn.Linear(16, 16).eval() if inputs == 1 else _Add()
     args = tuple(torch.randn(8, 16) for _ in range(inputs))
-    fast = make_graphed_callables(model, args, tier="compiled")
+    fast = make_graphed_callables(model, args, tier="compiled", wait=True)
     # which arguments are the last call's result
     for uses in [[True]] if inputs == 1 else [[True, False], [False, True], [True, True]]:
         y = fast(*args)
@@ -607,7 +757,7 @@ def test_a_call_with_a_tensor_without_storage_is_refused_as_accels(cache: Path, 
     # no argument, compiled and ACCEL_PURE_PYTHON=1 alike.
     engines(_engines.OnnxRuntime())
     model = _tiny()
-    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
+    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled", wait=True)
     fast(torch.randn(2, 8))  # steady: the hot call first
     if how == "grad":  # differentiating a graphed call: refused for that first
         with pytest.raises(accel.NotSupportedError, match=r"inference-only.*argument 0 requires grad"):
@@ -625,7 +775,7 @@ def test_calls_that_copy_into_the_graphs_input_copy_a_negated_view_of_it(cache: 
     # unless it lay at the input's address, which a negated view of it does.
     engines(_Slow())
     model = _tiny()
-    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
+    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled", wait=True)
     (entry,) = fast._cache.values()
     assert entry.call is not None and getattr(entry.compiled.replay, "take", None) is None
     (static,) = entry.inputs
@@ -638,9 +788,8 @@ def test_calls_that_copy_into_the_graphs_input_copy_a_negated_view_of_it(cache: 
 class _Gated(_engines.OnnxRuntime):
     """ONNX Runtime whose build waits for the test to let it go."""
 
-    name = "gated"
-
-    def __init__(self) -> None:
+    def __init__(self, name: str = "gated") -> None:
+        self.name = name
         self.go = threading.Event()
 
     def build(self, *args: Any) -> None:
@@ -648,11 +797,39 @@ class _Gated(_engines.OnnxRuntime):
         super().build(*args)
 
 
-def test_auto_tier_replays_interpreted_while_building_then_switches(cache: Path, engines: Any) -> None:
+class _Broken(_engines.OnnxRuntime):
+    """An engine whose build fails."""
+
+    name = "broken"
+
+    def build(self, *args: Any) -> None:
+        raise RuntimeError("the compiler crashed")
+
+
+def _timed(monkeypatch: pytest.MonkeyPatch, *per_round: tuple[float, ...]) -> list[int]:
+    """Make the compiled tier's timing return ``per_round`` (see _rounds); how many engines each timing had."""
+    ran: list[int] = []
+
+    def fake(runs: list[Any], allocates: list[bool], **options: Any) -> list[list[float]]:
+        assert len(runs) == len(per_round[0])
+        ran.append(len(runs))
+        return _rounds(*per_round)
+
+    monkeypatch.setattr(_compiled, "_time_interleaved", fake)
+    return ran
+
+
+@pytest.mark.parametrize("tier", ["compiled", "auto"])
+def test_calls_replay_the_interpreted_tier_while_the_engines_build_then_switch(
+    engines: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tier: str
+) -> None:
+    # The first call returns at once, bitwise eager, without waiting for any
+    # build (the only engine's build is held until the test lets it go).
+    monkeypatch.setenv("ACCEL_GRAPH_CACHE", str(tmp_path))
     gated = _Gated()
     engines(gated)
     model = _tiny()
-    fast = make_graphed_callables(model, (torch.randn(4, 8),), tier="auto")
+    fast = make_graphed_callables(model, (torch.randn(4, 8),), tier=tier)
     ((signature, status),) = fast.compile_status().items()
     assert status.startswith("building")
     new = torch.randn(4, 8)
@@ -666,21 +843,358 @@ def test_auto_tier_replays_interpreted_while_building_then_switches(cache: Path,
     torch.testing.assert_close(fast(new), _eager(model, new))
 
 
+def test_the_first_engine_that_agrees_serves_while_a_better_one_builds(
+    engines: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("ACCEL_GRAPH_CACHE", str(tmp_path))
+    late = _Gated("late")
+    engines(_engines.OnnxRuntime(), late)
+    timings = _timed(monkeypatch, *[(2e-5, 1e-5)] * 11)  # "late" clearly faster
+    model, x = _tiny(), torch.randn(2, 8)
+    fast = make_graphed_callables(model, (x,), tier="compiled")
+    (entry,) = fast._cache.values()
+    assert entry.compiled.wait(timeout=120, first=True)
+    ((signature, status),) = fast.compile_status().items()
+    assert status == "compiled: onnxruntime (choosing among onnxruntime, late)"
+    first = entry.call
+    assert first is not None and entry.graph.program.compiled.engine == "onnxruntime"
+    torch.testing.assert_close(fast(x), _eager(model, x))
+    assert fast._hot is first and not timings
+    late.go.set()
+    assert fast.wait_compiled(timeout=120)
+    assert fast.compile_status() == {signature: "compiled: late"} and timings == [2]
+    assert entry.call is not first and entry.graph.program.compiled.engine == "late"
+    assert fast._hot is None  # the switch let go of the last engine's call
+    torch.testing.assert_close(fast(x), _eager(model, x))
+    assert fast._hot is entry.call
+    report = {c.engine: c.status for c in entry.compiled.compiled.candidates}
+    assert report == {"onnxruntime": "ok", "late": "chosen"}
+    new = torch.randn(2, 8)
+    entry.inputs[0].copy_(new)
+    entry.graph.replay()  # the graph's own replay runs the final engine too
+    torch.testing.assert_close(entry.output, _eager(model, new))
+
+
+def test_an_engine_tied_with_the_one_serving_does_not_replace_it(
+    engines: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # "late" has the faster median round, but within the margin: a tie, which
+    # keeps the engine serving rather than switch on what may be noise.
+    monkeypatch.setenv("ACCEL_GRAPH_CACHE", str(tmp_path))
+    late = _Gated("late")
+    late.go.set()
+    engines(_engines.OnnxRuntime(), late)
+    _timed(monkeypatch, *[(1.0e-5, 0.98e-5), (1.01e-5, 1.02e-5)] * 6)
+    model = _tiny()
+    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
+    (entry,) = fast._cache.values()
+    assert entry.compiled.wait(timeout=120, first=True)
+    first = entry.call
+    assert fast.wait_compiled(timeout=120)
+    assert entry.compiled.compiled.engine == "onnxruntime" and entry.call is first
+    chosen = {c.engine: c for c in entry.compiled.compiled.candidates}["onnxruntime"]
+    assert chosen.detail == "tied with late; kept as the engine already serving"
+
+
+def test_ties_keep_the_incumbent_whatever_the_noise_says() -> None:
+    # Two engines alike (the two ONNX Runtime sessions of a 2-thread process on a
+    # small program): their medians differ by noise. Without an incumbent the
+    # faster median decides, one way or the other; with one, always the incumbent.
+    import random
+
+    rng = random.Random(0)
+    picked = set()
+    for _ in range(50):
+        samples = [[1e-5 * rng.uniform(0.98, 1.02) for _ in range(11)] for _ in range(2)]
+        assert _compiled._choose(samples, [False, False], incumbent=1)[0] == 1
+        assert _compiled._choose(samples, [False, False], incumbent=0)[0] == 0
+        picked.add(_compiled._choose(samples, [False, False])[0])
+    assert picked == {0, 1}
+    # A challenger clearly faster still replaces the incumbent.
+    clear = _rounds(*[(100.0, 90.0)] * 11)
+    assert _compiled._choose(clear, [False, False], incumbent=0) == (1, [1])
+
+
+def test_a_call_that_raced_a_switch_does_not_keep_the_replaced_engine_hot(
+    engines: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A call reads the engine's call, then a background build replaces the engine
+    # (new call, then the hot call reset) before the call stores its call as the
+    # hot one: that must not keep the replaced engine for every later call.
+    monkeypatch.setenv("ACCEL_GRAPH_CACHE", str(tmp_path))
+    late = _Gated("late")
+    engines(_engines.OnnxRuntime(), late)
+    _timed(monkeypatch, *[(1e-5, 1e-5)] * 11)
+    model, x = _tiny(), torch.randn(2, 8)
+    fast = make_graphed_callables(model, (x,), tier="compiled")
+    (entry,) = fast._cache.values()
+    build = entry.compiled
+    assert build.wait(timeout=120, first=True)
+    old = entry.call
+    assert old is not None
+
+    def racing(args: Any) -> Any:
+        build._on_ready(build.compiled)  # what the build's thread does when an engine replaces this one
+        return old(args)
+
+    entry.call = racing
+    fast._hot = None
+    torch.testing.assert_close(fast(x), _eager(model, x))
+    assert fast._hot is None and entry.call not in (racing, old)
+    fast(x)
+    assert fast._hot is entry.call
+    late.go.set()
+    assert fast.wait_compiled(timeout=120)
+
+
+def test_a_graphed_callable_dropped_after_its_build_lets_go_of_its_memory_at_once(
+    engines: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The build's callback holds the callable's entry, which holds the build: a
+    # cycle, kept until the build ends, not after (the graph's memory stayed
+    # allocated until a garbage collection).
+    import gc
+
+    monkeypatch.setenv("ACCEL_GRAPH_CACHE", str(tmp_path))
+    engines(_engines.OnnxRuntime())
+    accel.memory.empty_cache()
+    before = accel.memory.memory_allocated()
+    fast = make_graphed_callables(_tiny(), (torch.randn(2, 8),), tier="compiled")
+    assert fast.wait_compiled(timeout=120)
+    fast(torch.randn(2, 8))
+    assert accel.memory.memory_allocated() > before
+    gc.disable()
+    try:
+        del fast
+        accel.memory.empty_cache()
+        assert accel.memory.memory_allocated() == before
+    finally:
+        gc.enable()
+
+
+def test_a_graphed_callable_collected_while_building_stops_its_build_and_lets_go_of_its_memory(
+    engines: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Nothing can replay the graphs of a callable that is gone: its build stops
+    # at its next step (the second engine is never built, nor timed) and lets go
+    # of the graph, whose memory the build held until it ended.
+    import gc
+
+    monkeypatch.setenv("ACCEL_GRAPH_CACHE", str(tmp_path))
+    first = _Gated("first")
+    engines(first, _engines.OnnxRuntime())
+    accel.memory.empty_cache()
+    before = accel.memory.memory_allocated()
+    fast = make_graphed_callables(_tiny(), (torch.randn(2, 8),), tier="compiled")
+    (entry,) = fast._cache.values()
+    candidates, thread = entry.compiled.candidates, entry.compiled._thread
+    gc.disable()  # no cycle keeps any of it: let go as soon as the build ends
+    try:
+        del fast, entry
+        first.go.set()  # the build's step under way ends; the next is not taken
+        thread.join(timeout=120)
+        assert not thread.is_alive()
+        assert {c.engine: c.status for c in candidates}["onnxruntime"] == "pending"
+        accel.memory.empty_cache()
+        assert accel.memory.memory_allocated() == before
+    finally:
+        gc.enable()
+
+
+def test_switches_under_concurrent_calls_never_return_a_wrong_result(
+    engines: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Threads call the graphed callable throughout: interpreted tier, first
+    # engine, final engine, while the build's thread switches. One call at a
+    # time: calls that overlap share the graph's tensors (a linear layer's out=
+    # writes its bias, then adds the product), as replays of one CUDA graph do.
+    monkeypatch.setenv("ACCEL_GRAPH_CACHE", str(tmp_path))
+    first, late = _Gated("first"), _Gated("late")
+    engines(first, late)
+    _timed(monkeypatch, *[(2e-5, 1e-5)] * 11)
+    model, x = _tiny(), torch.randn(2, 8)
+    expected = _eager(model, x)
+    fast = make_graphed_callables(model, (x,), tier="compiled")
+    (entry,) = fast._cache.values()
+    counts, errors, stop, one = [0, 0, 0], [], threading.Event(), threading.Lock()
+
+    def calls(i: int) -> None:
+        try:
+            while not stop.is_set():
+                with one, torch.no_grad():  # grad mode is per thread: on in a new one
+                    torch.testing.assert_close(fast(x.clone()), expected, rtol=1e-4, atol=1e-5)
+                counts[i] += 1
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    def progress() -> None:
+        """Until every thread made a few more calls (or one failed)."""
+        seen = counts[:]
+        deadline = time.monotonic() + 60
+        while not errors and any(c <= s + 5 for c, s in zip(counts, seen)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=calls, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        progress()
+        assert entry.compiled.compiled is None  # interpreted so far
+        first.go.set()
+        assert entry.compiled.wait(timeout=120, first=True)
+        progress()
+        assert entry.compiled.compiled.engine == "first"
+        late.go.set()
+        assert fast.wait_compiled(timeout=120)
+        progress()
+        assert entry.compiled.compiled.engine == "late"
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors[0]
+    assert all(c > 15 for c in counts)
+    torch.testing.assert_close(fast(x), expected)
+    assert fast._hot is entry.call
+
+
+def test_a_build_that_fails_in_the_background_leaves_the_interpreted_tier_and_says_why(
+    engines: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("ACCEL_GRAPH_CACHE", str(tmp_path))
+    engines(_Broken(), _Wrong())
+    model, x = _tiny(), torch.randn(2, 8)
+    with pytest.warns(BuildWarning, match="build failed; replays stay on the interpreted tier: no engine") as seen:
+        fast = make_graphed_callables(model, (x,), tier="compiled")  # refused only when it cannot start
+        assert fast.wait_compiled(timeout=120)
+    assert len([w for w in seen if w.category is BuildWarning]) == 1
+    ((status),) = fast.compile_status().values()
+    assert status.startswith("interpreted (compile failed: no engine")
+    assert "broken: failed" in status and "RuntimeError: the compiler crashed" in status and "wrong: rejected" in status
+    assert torch.equal(fast(x), _eager(model, x))
+    # An engine that fails after another serves: reported, and the other kept.
+    engines(_engines.OnnxRuntime(), _Broken())
+    fast = make_graphed_callables(model, (x,), tier="compiled")
+    assert fast.wait_compiled(timeout=120)
+    (entry,) = fast._cache.values()
+    assert fast.compile_status() == {(((2, 8), torch.float32),): "compiled: onnxruntime"}
+    assert "RuntimeError: the compiler crashed" in entry.compiled.compiled.report()
+
+
 def test_auto_tier_keeps_the_interpreted_tier_when_no_engine_can_build(cache: Path, engines: Any) -> None:
     engines(_Wrong())
     model = _tiny()
-    fast = make_graphed_callables(model, (torch.randn(6, 8),), tier="auto")
-    assert fast.wait_compiled(timeout=120)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BuildWarning)  # "auto" says nothing
+        fast = make_graphed_callables(model, (torch.randn(6, 8),), tier="auto")
+        assert fast.wait_compiled(timeout=120)
     ((status),) = fast.compile_status().values()
     assert status.startswith("interpreted (compile failed: no engine")
     new = torch.randn(6, 8)
     assert torch.equal(fast(new), _eager(model, new))
 
 
+def test_with_wait_a_build_that_fails_is_raised_at_the_capture(cache: Path, engines: Any) -> None:
+    engines(_Broken())
+    with pytest.raises(accel.NotSupportedError, match="broken: failed, .*RuntimeError: the compiler crashed"):
+        make_graphed_callables(_tiny(), (torch.randn(2, 8),), tier="compiled", wait=True)
+    with pytest.raises(accel.InvalidValueError, match="wait=1 must be True or False"):
+        make_graphed_callables(_tiny(), (torch.randn(2, 8),), tier="compiled", wait=1)
+
+
+def test_an_evicted_graphs_build_stops(engines: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # Nothing replays an evicted graph: its build stops at its next step
+    # rather than build the other engines (the second is never let go).
+    monkeypatch.setenv("ACCEL_GRAPH_CACHE", str(tmp_path))
+    first, never = _Gated("first"), _Gated("never")
+    engines(first, never)
+    model = _tiny()
+    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled", cache_size=1)
+    (evicted,) = fast._cache.values()
+    fast(torch.randn(3, 8))  # another shape: the first graph goes
+    first.go.set()
+    assert evicted.compiled.wait(timeout=120)
+    assert isinstance(evicted.compiled.error, _compiled._Stopped)
+    assert {c.engine: c.status for c in evicted.compiled.candidates}["never"] == "pending"
+    (kept,) = fast._cache.values()
+    kept.compiled.stop()
+    assert kept.compiled.wait(timeout=120)
+
+
+@pytest.mark.parametrize("phase", ["torch", "long", "held", "aotinductor"])
+def test_interpreter_exit_with_a_build_in_flight_neither_hangs_nor_prints(tmp_path: Path, phase: str) -> None:
+    # torch: an engine's build runs torch code (as an export does) when the
+    # interpreter exits. The interpreter ends a daemon thread at its next GIL
+    # take, there inside a torch call, and that aborted the process ("terminate
+    # called without an active exception"); exit now stops the build and waits
+    # for its step to end. long: a step that outlasts that wait (an ONNX export
+    # on a busy machine) aborted the process as well; it is interrupted at its
+    # next Python bytecode. held: a build that never returns is waited for
+    # EXIT_WAIT_S (here 0.5 s), then left.
+    # aotinductor: its C++ build runs in a process of its own, killed with the
+    # compilers it started.
+    result = scripts.run("cpu", """
+        import sys, threading, time, torch
+        from torch import nn
+        from accel.graph import make_graphed_callables, _compiled, _engines
+
+        class Busy(_engines.OnnxRuntime):
+            name = "busy"
+
+            def build(self, *args):
+                started.set()
+                end = time.monotonic() + (600 if phase == "long" else 1.5)
+                while time.monotonic() < end:
+                    torch.empty_strided((4, 4), (4, 1)).add_(1)
+                raise RuntimeError("done")
+
+        class Held(_engines.OnnxRuntime):
+            name = "held"
+
+            def build(self, *args):
+                started.set()
+                threading.Event().wait()
+
+        phase, started = sys.argv[1], threading.Event()
+        ort = _engines.OnnxRuntime()
+        _compiled.ENGINES = {
+            "torch": {"busy": Busy()}, "long": {"busy": Busy()}, "held": {"held": Held()},
+            "aotinductor": {"onnxruntime": _engines.OnnxRuntime(), "aotinductor": _engines.AOTInductor()},
+        }[phase]
+        if phase == "held":
+            _compiled.EXIT_WAIT_S = 0.5
+        torch.manual_seed(0)
+        torch.set_grad_enabled(False)  # graphed callables are inference-only
+        model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64)).eval()
+        x = torch.randn(8, 64)
+        fast = make_graphed_callables(model, (x,), tier="compiled")
+        fast(x)
+        (entry,) = fast._cache.values()
+        if phase == "aotinductor":
+            assert entry.compiled.wait(timeout=120, first=True)
+            while not _engines._CHILDREN:
+                time.sleep(0.05)
+            (child,) = _engines._CHILDREN
+            print("child", child.pid, file=sys.stderr)
+        else:
+            assert started.wait(120)
+        time.sleep(0.3)
+        print("exiting:", entry.compiled.state, file=sys.stderr, flush=True)
+    """, phase, timeout=120, env={"ACCEL_GRAPH_CACHE": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "exiting: building\n" in result.stderr, result.stderr[-3000:]
+    after = result.stderr.split("exiting: building\n", 1)[1]
+    assert after == "", after[-3000:]
+    if phase == "aotinductor":  # killed, with its process group (the C++ compilers)
+        pid = int(result.stderr.split("child ", 1)[1].split()[0])
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)
+
+
 def test_make_graphed_callables_compiled_tier(cache: Path, engines: Any) -> None:
     engines(_engines.OnnxRuntime())
     model = _tiny()
-    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
+    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled", wait=True)
     new = torch.randn(2, 8)
     torch.testing.assert_close(fast(new), _eager(model, new))
     (entry,) = fast._cache.values()
@@ -694,6 +1208,7 @@ def test_a_compiled_call_autograd_would_record_is_refused_after_steady_calls(cac
     engines(_engines.OnnxRuntime())
     model, x = _tiny(), torch.randn(2, 8)
     fast = make_graphed_callables(model, (x,), tier="compiled")
+    assert fast.wait_compiled(timeout=120)  # the engine serves (the interpreted tier has no steady call)
     for _ in range(3):
         fast(x)  # out of grad mode (this module's fixture): the steady call serves them
     assert fast._hot is not None
@@ -943,7 +1458,7 @@ def test_onnx_calls_read_the_callers_tensor_in_place_and_repoint_only_for_new_me
     engines(_CountingPoints())
     _CountingPoints.points = 0
     model = _tiny()
-    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
+    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled", wait=True)
     (entry,) = fast._cache.values()
     static, out, address = entry.inputs[0], entry.output, entry.output.data_ptr()
     kept = static.clone()
@@ -965,7 +1480,7 @@ def test_onnx_calls_read_the_callers_tensor_in_place_and_repoint_only_for_new_me
     torch.testing.assert_close(out, _eager(model, kept))
     # At the address last pointed at but laid out otherwise (a transposed view of
     # the same memory): copied into the graph's input, not read as laid out before.
-    square = make_graphed_callables(nn.Linear(4, 4).eval(), (torch.randn(4, 4),), tier="compiled")
+    square = make_graphed_callables(nn.Linear(4, 4).eval(), (torch.randn(4, 4),), tier="compiled", wait=True)
     m = torch.randn(4, 4)
     square(m)
     torch.testing.assert_close(square(m.t()), _eager(square.fn, m.t()))
@@ -983,7 +1498,7 @@ def test_onnx_calls_with_several_inputs_repoint_when_any_of_them_moved(cache: Pa
         with torch.inference_mode():
             return model(*args)
 
-    fast = make_graphed_callables(model, (torch.randn(2, 8), torch.randn(2, 8)), tier="compiled")
+    fast = make_graphed_callables(model, (torch.randn(2, 8), torch.randn(2, 8)), tier="compiled", wait=True)
     a, b, c = torch.randn(2, 8), torch.randn(2, 8), torch.randn(2, 8)
     for args, points in (((a, b), 1), ((a, b), 1), ((a, c), 2), ((c, c), 3), ((c, c), 3), ((a, b.t().t()), 4)):
         torch.testing.assert_close(fast(*args), eager(*args))
@@ -1119,7 +1634,7 @@ def test_compiled_calls_read_the_callers_input_and_replay_as_a_graph_on_a_side_s
 ) -> None:
     engines(_engines.OnnxRuntime())
     model = _tiny()
-    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
+    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled", wait=True)
     (entry,) = fast._cache.values()
     assert entry.call is not None
     static = entry.inputs[0]
@@ -1150,7 +1665,7 @@ def test_compiled_calls_read_the_callers_input_and_replay_as_a_graph_on_a_side_s
 def test_repeated_compiled_calls_skip_the_lookup_until_the_shape_changes(cache: Path, engines: Any) -> None:
     engines(_engines.OnnxRuntime())
     model = _tiny()
-    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
+    fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled", wait=True)
     fast.capture(torch.randn(3, 8))
     two, three = torch.randn(2, 8), torch.randn(3, 8)
     for x in (two, two, three, three, two, three):
@@ -1177,8 +1692,8 @@ def test_onnx_calls_copy_negated_views_rather_than_read_their_memory(cache: Path
         with torch.inference_mode():
             return model(*xs)
 
-    one = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled")
-    two = make_graphed_callables(model, (torch.randn(2, 8), torch.randn(2, 8)), tier="compiled")
+    one = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled", wait=True)
+    two = make_graphed_callables(model, (torch.randn(2, 8), torch.randn(2, 8)), tier="compiled", wait=True)
     a, b = torch.randn(2, 8), torch.randn(2, 8)
     neg_a, neg_b = torch._neg_view(a), torch._neg_view(b)
     assert neg_a.is_contiguous() and neg_a.data_ptr() == a.data_ptr()
@@ -1218,7 +1733,7 @@ def test_an_interrupt_right_after_pointing_the_binding_does_not_leave_it_on_othe
     def model(*xs: torch.Tensor) -> torch.Tensor:
         return lin(sum(xs[1:], xs[0]))
 
-    fast = make_graphed_callables(model, tuple(torch.randn(2, 8) for _ in range(inputs)), tier="compiled")
+    fast = make_graphed_callables(model, tuple(torch.randn(2, 8) for _ in range(inputs)), tier="compiled", wait=True)
     a, b = [torch.randn(2, 8) for _ in range(inputs)], [torch.randn(2, 8) for _ in range(inputs)]
     with torch.inference_mode():
         expected = model(*a)
@@ -1247,7 +1762,7 @@ def test_a_compiled_call_with_a_tensor_whose_storage_was_freed_is_refused_not_re
         lin = torch.nn.Linear(8, 8).eval()
         for n in (1, 2):
             f = make_graphed_callables(lambda *xs: lin(sum(xs)), tuple(torch.randn(4, 8) for _ in range(n)),
-                                       tier="compiled")
+                                       tier="compiled", wait=True)
             # At address 0, at its offset from 0, and not contiguous (copied, not read in place).
             for make in (lambda: torch.randn(4, 8), lambda: torch.randn(5, 8)[1:], lambda: torch.randn(8, 4).t()):
                 xs = [make() for _ in range(n)]
