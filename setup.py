@@ -9,6 +9,10 @@ allocator's native core ``accel.allocator._core`` (csrc/, cffi API mode) always 
 import zlib
 from pathlib import Path
 
+# cffi_modules needs cffi in the build environment (pyproject's build-system requires);
+# without it setuptools only warns of an unknown option and builds no allocator core.
+import cffi  # noqa: F401
+
 from setuptools import Extension, find_packages, setup
 
 SPEEDUPS = "accel/_speedups.c"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -88,3 +90,21 @@ def test_version_is_the_same_everywhere() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     result = subprocess.run([sys.executable, "-m", "accel", "--version"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout == f"accel {project['version']}\n" == f"accel {accel.__version__}\n"
+
+
+def test_the_build_environment_has_what_the_build_scripts_import() -> None:
+    # pip builds in an isolated environment holding only build-system.requires: without
+    # cffi there, setuptools ignored `cffi_modules` with a warning, and a fresh
+    # `pip install -e .` had no allocator core (every test of it failed in CI).
+    requires = tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]["requires"]
+    provided = {re.split(r"[<>=!~ \[;]", r, maxsplit=1)[0].lower() for r in requires}
+    imported = set()
+    for script in (REPO / "setup.py", REPO / "csrc" / "build_core.py"):
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported.add(node.module.split(".")[0])
+    third_party = {m for m in imported if m not in sys.stdlib_module_names}
+    assert "cffi" in third_party  # (the import this check is about)
+    assert third_party <= provided, f"build-system.requires {requires} lacks {sorted(third_party - provided)}"
