@@ -210,7 +210,7 @@ def test_a_child_forked_while_an_answer_comes_in_does_not_keep_the_exporters_mem
 
 
 FLOODED_BY_ANOTHER_USER = '''
-import json, os, pickle, socket, subprocess, sys, time
+import json, os, pickle, signal, socket, subprocess, sys, time
 import accel
 from accel.backends._sharing import broker
 
@@ -253,18 +253,21 @@ print(opened)
 """
 
 buf = accel.memory.allocate(1 << 20)
-flood = subprocess.Popen([sys.executable, "-c", FLOOD, broker().address.hex(), "20"], cwd="/")
+flood = subprocess.Popen([sys.executable, "-c", FLOOD, broker().address.hex(), "8"], cwd="/",
+                         start_new_session=True)
 time.sleep(2)  # the flood is on
 importer = subprocess.run([sys.executable, "-c", IMPORTER], input=pickle.dumps(buf).hex() + "\\n",
                           capture_output=True, text=True, timeout=120)
+os.killpg(flood.pid, signal.SIGKILL)  # the flood's four processes: they busy the machine until killed
 flood.wait(60)
 print(json.dumps({"opened": importer.stdout.strip(), "errors": importer.stderr[-300:]}))
 '''
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="becoming another user (nobody) needs root")
-@backends
-def test_another_users_flood_of_connections_does_not_refuse_the_exporters_importers(backend: str) -> None:
+def test_another_users_flood_of_connections_does_not_refuse_the_exporters_importers() -> None:
+    # One backend: the broker and its queue are the same whatever memory it serves.
+    backend = "cpu"
     # Other users are turned away at once, but their connections filled the broker's
     # queue of 64, and connect() failed at once with EAGAIN: the importer of the same
     # user was told that the pickle is damaged or the exporter gone.
