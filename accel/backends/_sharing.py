@@ -42,6 +42,7 @@ from __future__ import annotations
 import array
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import resource
@@ -49,6 +50,7 @@ import secrets
 import selectors
 import socket
 import struct
+import termios
 import threading
 import time
 import weakref
@@ -328,6 +330,10 @@ class Broker:
         (anything else, or the connection's end, ends the answer)."""
         try:
             ack = conn.recv(1)
+            # An importer acknowledges once it has read all that came: one that acknowledges
+            # ahead (b"AA") would otherwise have every batch in flight at once, unpaced.
+            if ack == _ACK and _unread(conn):
+                ack = b""
         except OSError:
             ack = b""
         batch: list[int] | None = None
@@ -368,6 +374,13 @@ class Broker:
         with self._lock:
             target = self._holds.pop(conn, None)
         del target  # outside the lock: dropping the last reference may free memory
+
+
+def _unread(conn: socket.socket) -> int:
+    """How many bytes sent on ``conn`` its peer has not read yet (SIOCOUTQ: a Unix
+    socket's sent data stays charged to the sender until the receiver reads it)."""
+    unread: int = struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+    return unread
 
 
 def _dup_all(fds: list[int], copies: list[int]) -> list[int]:

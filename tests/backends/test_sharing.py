@@ -861,3 +861,60 @@ def test_a_full_descriptor_table_while_sending_a_further_batch_ends_that_answer_
     ]
     assert outs[0].startswith("InvalidHandleError") and "closed the connection" in outs[0], outs
     assert outs[1].split() == ["payload", "200"], outs
+
+
+# -- hostile importers: acknowledgements the protocol has not ---------------------------
+
+
+def raw_answer_part(sock, fds: list[int]) -> bytes:
+    """One receive of an answer as a hand-written importer makes it (descriptors appended)."""
+    import array
+    import socket
+
+    data, ancillary, _, _ = sock.recvmsg(1 << 20, socket.CMSG_LEN(256 * 4))
+    for _, _, cmsg in ancillary:
+        fds.extend(array.array("i", cmsg[: len(cmsg) - len(cmsg) % 4]))
+    return data
+
+
+def test_an_importer_that_acknowledges_ahead_gets_no_second_batch_in_flight() -> None:
+    # Each acknowledgement sent a further batch, received or not: an importer that sent
+    # b"AA" (or a stream of them) and read nothing had every batch in flight at once,
+    # against the pacing (the kernel counts them against the exporter's RLIMIT_NOFILE,
+    # and the broker blocked on a full socket buffer). The broker now ends an answer
+    # acknowledged while what it sent before is unread.
+    import select
+    import socket
+
+    kept = Kept()
+    pipes = [os.pipe() for _ in range(300)]
+    for _, write in pipes:
+        os.close(write)
+    # No hold: the broker closes the connection once it is done with the answer, so that
+    # the test reads what it sent only then (reading earlier would be acknowledging in time).
+    ticket = broker().offer("test", "here", b"payload", [read for read, _ in pipes], weakref.ref(kept), hold=False)
+    received: list[int] = []
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    try:
+        sock.connect(ticket.address)
+        sock.sendall(ticket.token.encode())
+        data = b""
+        while len(data) < _HEADER.size + len(b"\x04test\x04here") + len(b"payload"):
+            data += raw_answer_part(sock, received)
+        assert len(received) == 128
+        sock.sendall(b"AA")  # one for the batch just received, one ahead of the next
+        poll = select.poll()
+        poll.register(sock, select.POLLRDHUP)
+        assert poll.poll(30_000), "the broker neither ended the answer nor finished it"
+        parts = []
+        while True:
+            part = raw_answer_part(sock, received)
+            if not part:
+                break
+            parts.append(part)
+        assert parts == [b"F"] and len(received) == 256, (parts, len(received))
+    finally:
+        sock.close()
+        for fd in received:
+            os.close(fd)
