@@ -122,17 +122,19 @@ class _Export:
 
 
 class _Pending:
-    """An answer whose further batches are not sent yet: one goes each time the importer
-    acknowledges the one before, duplicated then (an answer waiting for its importer
-    costs the exporter no descriptors)."""
+    """An answer not all sent yet: the rest of its first part goes as the importer reads
+    (never waited for: one importer that reads nothing must not stall the others), and
+    each further batch once the importer acknowledges the one before, duplicated then
+    (an answer waiting for its importer costs the exporter no descriptors)."""
 
-    __slots__ = ("token", "export", "sent", "hold")
+    __slots__ = ("token", "export", "sent", "hold", "unsent")
 
-    def __init__(self, token: str, export: _Export, sent: int, hold: bool) -> None:
+    def __init__(self, token: str, export: _Export, sent: int, hold: bool, unsent: bytes) -> None:
         self.token = token
         self.export = export
         self.sent = sent  # how many of the export's descriptors went
         self.hold = hold  # after the last batch: keep the connection as a hold, or close it
+        self.unsent = unsent  # the first part's bytes the socket's buffer had no room for yet
 
 
 class Broker:
@@ -230,6 +232,8 @@ class Broker:
                     self._accept()
                 elif isinstance(key.data, bytearray):
                     self._read_token(sock, key.data)
+                elif isinstance(key.data, _Pending) and key.data.unsent:
+                    self._send_unsent(sock, key.data)
                 elif isinstance(key.data, _Pending):
                     self._next_batch(sock, key.data)
                 else:
@@ -316,14 +320,44 @@ class Broker:
             if export.hold:
                 with self._lock:
                     self._holds[conn] = target
-            rest = _Pending(token, export, len(fds), export.hold) if len(export.fds) > len(fds) else None
-            if export.hold or rest is not None:  # from here on, _release ends it
-                self._selector.register(conn, selectors.EVENT_READ, rest)
-            _send_first(conn, export.payload, fds, len(export.fds))
+            message = _HEADER.pack(b"K", len(export.payload), len(export.fds)) + export.payload
+            # sendmsg sends what fits in the socket's buffer (the descriptors go with the
+            # first byte): the rest of a long answer follows as the importer reads it.
+            conn.setblocking(False)
+            sent = socket.send_fds(conn, [message], fds, _SEND)
         finally:
             self._close_copies(fds)
-        if not export.hold and rest is None:
-            conn.close()
+        self._go_on(conn, _Pending(token, export, len(fds), export.hold, message[sent:]))
+
+    def _send_unsent(self, conn: socket.socket, rest: _Pending) -> None:
+        """Send what the socket's buffer has room for of the rest of an answer's first part."""
+        try:
+            sent = conn.send(rest.unsent, _SEND)
+        except BlockingIOError:
+            return
+        except OSError:
+            self._release(conn)
+            return
+        rest.unsent = rest.unsent[sent:]
+        self._go_on(conn, rest)
+
+    def _go_on(self, conn: socket.socket, rest: _Pending) -> None:
+        """Wait for what comes next on an answer's connection: room for the rest of its first
+        part, the importer's acknowledgement of a batch, or the end of its hold (the
+        release); or end it, answered."""
+        if rest.unsent:
+            events, data = selectors.EVENT_WRITE, rest
+        elif rest.sent < len(rest.export.fds):
+            events, data = selectors.EVENT_READ, rest
+        elif rest.hold:
+            events, data = selectors.EVENT_READ, None
+        else:
+            self._release(conn)
+            return
+        if conn in self._selector.get_map():
+            self._selector.modify(conn, events, data)
+        else:
+            self._selector.register(conn, events, data)
 
     def _next_batch(self, conn: socket.socket, rest: _Pending) -> None:
         """Send the next batch of an answer once its importer acknowledged the one before
@@ -354,12 +388,7 @@ class Broker:
         finally:
             self._close_copies(batch)
         rest.sent += len(batch)
-        if rest.sent < len(rest.export.fds):
-            return
-        if rest.hold:
-            self._selector.modify(conn, selectors.EVENT_READ, None)  # from now on, its end is the release
-        else:
-            self._release(conn)
+        self._go_on(conn, rest)
 
     def _close_copies(self, fds: list[int]) -> None:
         for fd in fds:
@@ -398,16 +427,6 @@ def _dup_all(fds: list[int], copies: list[int]) -> list[int]:
             os.close(fd)
         raise
     return made
-
-
-def _send_first(conn: socket.socket, payload: bytes, first: list[int], count: int) -> None:
-    """Send the header (stating all ``count`` descriptors), the payload and the first
-    batch of descriptors; each further batch waits for the importer's acknowledgement."""
-    message = _HEADER.pack(b"K", len(payload), count) + payload
-    # sendmsg sends what fits in the socket's buffer (the descriptors go with the
-    # first byte): the rest of a long answer follows as plain bytes.
-    sent = socket.send_fds(conn, [message], first, _SEND)
-    conn.sendall(message[sent:], _SEND)
 
 
 def _close_quietly(fd: int) -> None:

@@ -530,17 +530,17 @@ def test_an_export_closed_while_it_is_answered_sends_its_own_descriptors(monkeyp
     # The broker looked an export up under its lock and sent its descriptors after
     # releasing it: an event closed on another thread in between had them closed
     # (_forget_dead), and the send used numbers the process had given to other files.
-    from accel.backends import _sharing
+    import socket
 
     read, write = os.pipe()
     os.write(write, b"mine")
     os.close(write)
     alive: list[object] = [Kept()]
     ticket = broker().offer("test", "here", b"payload", [read], lambda: alive[0] if alive else None, hold=False)
-    original = _sharing._send_first
+    original = socket.send_fds
     decoys: list[int] = []
 
-    def closed_meanwhile(conn: object, payload: bytes, fds: list[int], count: int) -> None:
+    def closed_meanwhile(conn: socket.socket, buffers: list[bytes], fds: list[int], *args: int) -> int:
         alive.clear()  # the export is closed on another thread...
         with broker()._lock:
             broker()._forget_dead()  # ...which closes its descriptors
@@ -548,9 +548,9 @@ def test_an_export_closed_while_it_is_answered_sends_its_own_descriptors(monkeyp
         os.write(end, b"else")
         os.close(end)
         decoys.append(other)
-        original(conn, payload, fds, count)  # type: ignore[arg-type]
+        return original(conn, buffers, fds, *args)
 
-    monkeypatch.setattr(_sharing, "_send_first", closed_meanwhile)
+    monkeypatch.setattr(socket, "send_fds", closed_meanwhile)
     importer = start_importer(ticket)
     try:
         out, _ = importer.communicate("\n\n", timeout=60)
@@ -918,3 +918,34 @@ def test_an_importer_that_acknowledges_ahead_gets_no_second_batch_in_flight() ->
         sock.close()
         for fd in received:
             os.close(fd)
+
+
+def test_an_importer_that_never_reads_a_long_answer_does_not_stall_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The broker's thread sent the first part of an answer with a blocking sendall: an
+    # answer longer than the socket's buffer (a buffer of thousands of chunks) to an
+    # importer that sent its token and read nothing stalled every other importer for
+    # the whole answer timeout (and a stream of such importers, for good).
+    import socket
+
+    from accel.backends import _sharing
+
+    monkeypatch.setattr(_sharing, "_ANSWER_TIMEOUT_S", 600.0)
+    kept = Kept()
+    read, write = os.pipe()
+    os.write(write, b"x")
+    os.close(write)
+    ticket = broker().offer("test", "here", b"p" * 900_000, [read], weakref.ref(kept), hold=True)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.connect(ticket.address)
+    silent.sendall(ticket.token.encode())  # and reads nothing
+    importer = start_importer(ticket)
+    try:
+        out, _ = importer.communicate("\n\n", timeout=45)
+        assert out.split()[1:] == ["x", "released"], out[-200:]
+    finally:
+        silent.close()
+        importer.kill()
+        importer.wait(30)
+    assert wait_for(lambda: broker().stats()["holds"] == 0)
