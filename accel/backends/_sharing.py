@@ -93,6 +93,9 @@ _MAX_ANSWER = 1 << 20
 _ANSWER_TIMEOUT_S = 60.0
 # How soon an importer tries again to connect to a broker whose queue of connections is full.
 _CONNECT_RETRY_S = 0.001
+# How long the broker leaves its queue of connections alone after its process had no
+# descriptor free to accept one (the queue stays readable: trying again at once spins).
+_ACCEPT_RETRY_S = 0.05
 # Every send: a peer that hung up is EPIPE, never SIGPIPE (a process whose SIGPIPE is
 # the default, as command-line tools set it, would die of any connection closed early,
 # another user's included).
@@ -159,6 +162,7 @@ class Broker:
         self._listener.listen(socket.SOMAXCONN)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
+        self._accept_again_at: float | None = None  # while the listener is left alone (see _accept)
         self._thread = threading.Thread(target=self._serve, name="accel-ipc-broker", daemon=True)
         self._thread.start()
 
@@ -225,7 +229,8 @@ class Broker:
 
     def _serve(self) -> None:
         while True:
-            for key, _ in self._selector.select():
+            wait = None if self._accept_again_at is None else max(0.0, self._accept_again_at - time.monotonic())
+            for key, _ in self._selector.select(wait):
                 sock = key.fileobj
                 assert isinstance(sock, socket.socket)
                 if sock is self._listener:
@@ -238,6 +243,9 @@ class Broker:
                     self._next_batch(sock, key.data)
                 else:
                     self._release(sock)  # importers send nothing after the token: EOF or error
+            if self._accept_again_at is not None and time.monotonic() >= self._accept_again_at:
+                self._accept_again_at = None
+                self._selector.register(self._listener, selectors.EVENT_READ)
 
     def _accept(self) -> None:
         # The token is read as it arrives, never waited for: one importer that
@@ -246,7 +254,12 @@ class Broker:
         # them), so that they cannot pile up connections waiting for a token.
         try:
             conn, _ = self._listener.accept()
-        except OSError:
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                # The connection stays queued and the listener readable: trying again at
+                # once spun this thread (a core, and the GIL) while the table was full.
+                self._selector.unregister(self._listener)
+                self._accept_again_at = time.monotonic() + _ACCEPT_RETRY_S
             return
         self._in_hand.add(conn)
         try:

@@ -949,3 +949,51 @@ def test_an_importer_that_never_reads_a_long_answer_does_not_stall_the_others(
         importer.kill()
         importer.wait(30)
     assert wait_for(lambda: broker().stats()["holds"] == 0)
+
+
+# Fills its own descriptor table, has one importer connect (its connection waits in the
+# queue: the broker cannot accept it), counts the broker's tries to accept meanwhile,
+# then frees the table: the importer is answered.
+FULL_TABLE_EXPORTER = """
+import os, resource, socket, sys, threading, time, weakref
+from accel.backends import _sharing
+tries = [0]
+accept = socket.socket.accept
+def counted(self):
+    tries[0] += 1
+    return accept(self)
+socket.socket.accept = counted
+class Kept: pass
+kept = Kept()
+read, write = os.pipe()
+os.write(write, b"x")
+os.close(write)
+ticket = _sharing.broker().offer("test", "here", b"payload", [read], weakref.ref(kept), hold=False)
+importer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+importer.settimeout(30)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+fill = []
+with __import__("contextlib").suppress(OSError):
+    while True:
+        fill.append(os.open("/dev/null", os.O_RDONLY))
+importer.connect(ticket.address)
+importer.sendall(ticket.token.encode())
+time.sleep(1)  # the broker's thread tries to accept meanwhile
+print(tries[0], flush=True)
+for fd in fill:
+    os.close(fd)
+print(len(importer.recv(1000)) > 0, flush=True)
+"""
+
+
+def test_a_full_descriptor_table_does_not_spin_the_brokers_thread() -> None:
+    # accept() failed (EMFILE) and the broker went back to select(), where the queued
+    # connection was readable at once: tens of thousands of tries a second, a core and the
+    # GIL taken from the exporter while its table was full. The broker now leaves the
+    # queue alone a moment after such a failure (and answers once a descriptor is free).
+    result = subprocess.run(
+        [sys.executable, "-c", FULL_TABLE_EXPORTER], capture_output=True, text=True, cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
+    )
+    tries, answered = result.stdout.split()
+    assert int(tries) < 1000 and answered == "True", result.stdout + result.stderr
