@@ -740,10 +740,14 @@ def _check_peer(sock: socket.socket, ticket: ExportTicket, what: str) -> None:
 
 def _receive_answer(sock: socket.socket, fds: list[int], ticket: ExportTicket, what: str) -> tuple[bytes, bytes]:
     """``(status, body)`` of the broker's answer; its descriptors are appended to ``fds``
-    as they arrive (so that the caller closes them on any failure)."""
+    as they arrive (so that the caller closes them on any failure). TimeoutError once
+    the whole answer took longer than the answer's timeout."""
+    # One deadline for the whole answer, not each receive: an exporter that sent a byte
+    # a little within each timeout held the importer for as long as it liked.
+    deadline = time.monotonic() + _ANSWER_TIMEOUT_S
     data = b""
     while len(data) < _HEADER.size:
-        data += _receive(sock, fds, ticket, what)
+        data += _receive(sock, fds, ticket, what, deadline)
     status, length, count = _HEADER.unpack_from(data)
     # recv() would otherwise take what a forged header states, up to 4 GiB; and the
     # open-file limit is raised for no more descriptors than the pickle names.
@@ -755,7 +759,7 @@ def _receive_answer(sock: socket.socket, fds: list[int], ticket: ExportTicket, w
         )
     _make_room(count, what)
     while len(data) < _HEADER.size + length:
-        data += _receive(sock, fds, ticket, what)
+        data += _receive(sock, fds, ticket, what, deadline)
     # Each part brings a whole batch (what an accel broker sends), and a further one
     # only its tag: anything else is refused, closing what came (the caller).
     if len(data) > _HEADER.size + length or len(fds) != min(count, _FDS_PER_MESSAGE):
@@ -765,13 +769,17 @@ def _receive_answer(sock: socket.socket, fds: list[int], ticket: ExportTicket, w
         sock.sendall(_ACK, _SEND)
         batch = min(count - len(fds), _FDS_PER_MESSAGE)
         before = len(fds)
-        if _receive(sock, fds, ticket, what) != _MORE or len(fds) != before + batch:
+        if _receive(sock, fds, ticket, what, deadline) != _MORE or len(fds) != before + batch:
             raise _not_announced(ticket, what, len(fds), count)
     return data[:1], data[_HEADER.size :]
 
 
-def _receive(sock: socket.socket, fds: list[int], ticket: ExportTicket, what: str) -> bytes:
-    """One part of an answer (its descriptors appended to ``fds``); never empty."""
+def _receive(sock: socket.socket, fds: list[int], ticket: ExportTicket, what: str, deadline: float) -> bytes:
+    """One part of an answer (its descriptors appended to ``fds``) by ``deadline``; never empty."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    sock.settimeout(left)
     more, flags = _recv_fds(sock, fds)
     if flags & socket.MSG_CTRUNC:
         raise InvalidHandleError(

@@ -997,3 +997,43 @@ def test_a_full_descriptor_table_does_not_spin_the_brokers_thread() -> None:
     )
     tries, answered = result.stdout.split()
     assert int(tries) < 1000 and answered == "True", result.stdout + result.stderr
+
+
+# Answers every connection with a header announcing a 100-byte payload, then sends it
+# one byte at a time, argv[2] seconds apart (each within the importer's timeout).
+SLOW_LORIS = """
+import socket, sys, time
+from accel.backends._sharing import _HEADER
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(bytes.fromhex(sys.argv[1]))
+listener.listen(4)
+print("listening", flush=True)
+conn, _ = listener.accept()
+conn.recv(32)
+conn.sendall(_HEADER.pack(b"K", 100, 0))
+for _ in range(100):
+    time.sleep(float(sys.argv[2]))
+    conn.sendall(b"x")
+"""
+
+
+def test_an_exporter_that_answers_a_byte_at_a_time_is_timed_out_as_a_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The timeout bounded each receive, not the answer: an exporter sending one byte a
+    # little within it held the importer for as long as it liked (a 1 MiB answer: weeks).
+    from accel.backends import _sharing
+
+    monkeypatch.setattr(_sharing, "_ANSWER_TIMEOUT_S", 1.0)
+    address = f"\0accel-test-loris-{os.getpid()}".encode()
+    loris = subprocess.Popen(
+        [sys.executable, "-c", SLOW_LORIS, address.hex(), "0.2"],
+        stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    try:
+        assert loris.stdout is not None and loris.stdout.readline().strip() == "listening"
+        before = len(os.listdir("/proc/self/fd"))
+        with pytest.raises(accel.InvalidHandleError, match="did not answer within 1 s"):
+            open_export(ExportTicket(address, "ab" * 16, loris.pid, 0), "test", "here", "an export")
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        loris.kill()
+        loris.wait(30)
