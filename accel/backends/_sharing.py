@@ -780,7 +780,16 @@ def _receive(sock: socket.socket, fds: list[int], ticket: ExportTicket, what: st
     if left <= 0:
         raise TimeoutError
     sock.settimeout(left)
+    before = len(fds)
     more, flags = _recv_fds(sock, fds)
+    # Truncated with room for a whole batch filled: the part brought more than the protocol's
+    # batch (a forged answer; the kernel closes the rest), not a full table here.
+    if flags & socket.MSG_CTRUNC and len(fds) - before == _FDS_PER_MESSAGE:
+        raise InvalidHandleError(
+            f"cannot open {what}: the process that exported it (pid {ticket.pid}) sent more than "
+            f"{_FDS_PER_MESSAGE} descriptors in one part, which the protocol has not (is it an accel "
+            "process?); pickle the object again in its process"
+        )
     if flags & socket.MSG_CTRUNC:
         raise InvalidHandleError(
             f"cannot open {what}: this process has too many open files to receive its descriptors; "

@@ -498,8 +498,10 @@ while True:
         (1 << 31, 1, "announced a 10-byte answer with 2147483648 descriptors"),
         (1, 2, "sent 2 descriptors where it announced 1"),
         (2, 1, "sent 1 descriptors where it announced 2"),
+        # A part of more descriptors than a batch was reported as a full table here.
+        (200, 200, "sent more than 128 descriptors in one part"),
     ],
-    ids=["more-than-anyone-holds", "more-than-announced", "fewer-than-announced"],
+    ids=["more-than-anyone-holds", "more-than-announced", "fewer-than-announced", "more-than-a-batch"],
 )
 def test_an_answer_whose_descriptors_do_not_match_its_header_is_refused_leaking_none(
     monkeypatch: pytest.MonkeyPatch, announced: int, sent: int, expected: str
