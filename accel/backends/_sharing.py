@@ -115,10 +115,13 @@ class ExportTicket:
 
 
 class _Export:
-    __slots__ = ("payload", "fds", "target", "hold")
+    __slots__ = ("message", "fds", "target", "hold")
 
     def __init__(self, payload: bytes, fds: list[int], target: Callable[[], object | None], hold: bool) -> None:
-        self.payload = payload  # the kind and origin (each length-prefixed), then the backend's description
+        # The first part of every answer: the header, then the payload (the kind and origin,
+        # each length-prefixed, then the backend's description). Made once: answers not
+        # all sent yet refer to it, never copy it (hundreds of importers reading slowly).
+        self.message = _HEADER.pack(b"K", len(payload), len(fds)) + payload
         self.fds = fds
         self.target = target  # returns what importers hold, or None once it is gone
         self.hold = hold
@@ -132,7 +135,7 @@ class _Pending:
 
     __slots__ = ("token", "export", "sent", "hold", "unsent")
 
-    def __init__(self, token: str, export: _Export, sent: int, hold: bool, unsent: bytes) -> None:
+    def __init__(self, token: str, export: _Export, sent: int, hold: bool, unsent: memoryview) -> None:
         self.token = token
         self.export = export
         self.sent = sent  # how many of the export's descriptors went
@@ -333,14 +336,14 @@ class Broker:
             if export.hold:
                 with self._lock:
                     self._holds[conn] = target
-            message = _HEADER.pack(b"K", len(export.payload), len(export.fds)) + export.payload
+            first = memoryview(export.message)
             # sendmsg sends what fits in the socket's buffer (the descriptors go with the
             # first byte): the rest of a long answer follows as the importer reads it.
             conn.setblocking(False)
-            sent = socket.send_fds(conn, [message], fds, _SEND)
+            sent = socket.send_fds(conn, [first], fds, _SEND)
         finally:
             self._close_copies(fds)
-        self._go_on(conn, _Pending(token, export, len(fds), export.hold, message[sent:]))
+        self._go_on(conn, _Pending(token, export, len(fds), export.hold, first[sent:]))
 
     def _send_unsent(self, conn: socket.socket, rest: _Pending) -> None:
         """Send what the socket's buffer has room for of the rest of an answer's first part."""

@@ -1039,3 +1039,37 @@ def test_an_exporter_that_answers_a_byte_at_a_time_is_timed_out_as_a_whole(monke
     finally:
         loris.kill()
         loris.wait(30)
+
+
+# Offers a 900 KB answer, has argv[1] importers send their token and read nothing, and
+# prints how many bytes the exporter's Python heap grew by once each has its first bytes.
+SLOW_READERS = """
+import os, select, socket, sys, tracemalloc, weakref
+from accel.backends import _sharing
+class Kept: pass
+kept = Kept()
+read, write = os.pipe()
+ticket = _sharing.broker().offer("test", "here", b"p" * 900_000, [read], weakref.ref(kept), hold=True)
+tracemalloc.start()
+before = tracemalloc.get_traced_memory()[0]
+readers = []
+for _ in range(int(sys.argv[1])):
+    reader = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    reader.connect(ticket.address)
+    reader.sendall(ticket.token.encode())
+    readers.append(reader)
+for reader in readers:
+    assert select.select([reader], [], [], 30)[0]
+print(tracemalloc.get_traced_memory()[0] - before, flush=True)
+"""
+
+
+def test_answers_waiting_for_slow_readers_share_one_copy_of_the_answer() -> None:
+    # Each answer not all sent kept its own copy of the rest (up to 1 MiB): a few hundred
+    # importers reading slowly, each a connection the exporter's open-file limit allows,
+    # cost the exporter hundreds of MiB.
+    result = subprocess.run(
+        [sys.executable, "-c", SLOW_READERS, "100"], capture_output=True, text=True, cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=120, check=False,
+    )
+    assert result.stdout and int(result.stdout) < 10_000_000, result.stdout + result.stderr
