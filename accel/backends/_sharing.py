@@ -42,6 +42,7 @@ from __future__ import annotations
 import array
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import resource
@@ -49,6 +50,7 @@ import secrets
 import selectors
 import socket
 import struct
+import termios
 import threading
 import time
 import weakref
@@ -91,6 +93,9 @@ _MAX_ANSWER = 1 << 20
 _ANSWER_TIMEOUT_S = 60.0
 # How soon an importer tries again to connect to a broker whose queue of connections is full.
 _CONNECT_RETRY_S = 0.001
+# How long the broker leaves its queue of connections alone after its process had no
+# descriptor free to accept one (the queue stays readable: trying again at once spins).
+_ACCEPT_RETRY_S = 0.05
 # Every send: a peer that hung up is EPIPE, never SIGPIPE (a process whose SIGPIPE is
 # the default, as command-line tools set it, would die of any connection closed early,
 # another user's included).
@@ -110,27 +115,32 @@ class ExportTicket:
 
 
 class _Export:
-    __slots__ = ("payload", "fds", "target", "hold")
+    __slots__ = ("message", "fds", "target", "hold")
 
     def __init__(self, payload: bytes, fds: list[int], target: Callable[[], object | None], hold: bool) -> None:
-        self.payload = payload  # the kind and origin (each length-prefixed), then the backend's description
+        # The first part of every answer: the header, then the payload (the kind and origin,
+        # each length-prefixed, then the backend's description). Made once: answers not
+        # all sent yet refer to it, never copy it (hundreds of importers reading slowly).
+        self.message = _HEADER.pack(b"K", len(payload), len(fds)) + payload
         self.fds = fds
         self.target = target  # returns what importers hold, or None once it is gone
         self.hold = hold
 
 
 class _Pending:
-    """An answer whose further batches are not sent yet: one goes each time the importer
-    acknowledges the one before, duplicated then (an answer waiting for its importer
-    costs the exporter no descriptors)."""
+    """An answer not all sent yet: the rest of its first part goes as the importer reads
+    (never waited for: one importer that reads nothing must not stall the others), and
+    each further batch once the importer acknowledges the one before, duplicated then
+    (an answer waiting for its importer costs the exporter no descriptors)."""
 
-    __slots__ = ("token", "export", "sent", "hold")
+    __slots__ = ("token", "export", "sent", "hold", "unsent")
 
-    def __init__(self, token: str, export: _Export, sent: int, hold: bool) -> None:
+    def __init__(self, token: str, export: _Export, sent: int, hold: bool, unsent: memoryview) -> None:
         self.token = token
         self.export = export
         self.sent = sent  # how many of the export's descriptors went
         self.hold = hold  # after the last batch: keep the connection as a hold, or close it
+        self.unsent = unsent  # the first part's bytes the socket's buffer had no room for yet
 
 
 class Broker:
@@ -155,6 +165,7 @@ class Broker:
         self._listener.listen(socket.SOMAXCONN)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
+        self._accept_again_at: float | None = None  # while the listener is left alone (see _accept)
         self._thread = threading.Thread(target=self._serve, name="accel-ipc-broker", daemon=True)
         self._thread.start()
 
@@ -221,17 +232,23 @@ class Broker:
 
     def _serve(self) -> None:
         while True:
-            for key, _ in self._selector.select():
+            wait = None if self._accept_again_at is None else max(0.0, self._accept_again_at - time.monotonic())
+            for key, _ in self._selector.select(wait):
                 sock = key.fileobj
                 assert isinstance(sock, socket.socket)
                 if sock is self._listener:
                     self._accept()
                 elif isinstance(key.data, bytearray):
                     self._read_token(sock, key.data)
+                elif isinstance(key.data, _Pending) and key.data.unsent:
+                    self._send_unsent(sock, key.data)
                 elif isinstance(key.data, _Pending):
                     self._next_batch(sock, key.data)
                 else:
                     self._release(sock)  # importers send nothing after the token: EOF or error
+            if self._accept_again_at is not None and time.monotonic() >= self._accept_again_at:
+                self._accept_again_at = None
+                self._selector.register(self._listener, selectors.EVENT_READ)
 
     def _accept(self) -> None:
         # The token is read as it arrives, never waited for: one importer that
@@ -240,7 +257,12 @@ class Broker:
         # them), so that they cannot pile up connections waiting for a token.
         try:
             conn, _ = self._listener.accept()
-        except OSError:
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                # The connection stays queued and the listener readable: trying again at
+                # once spun this thread (a core, and the GIL) while the table was full.
+                self._selector.unregister(self._listener)
+                self._accept_again_at = time.monotonic() + _ACCEPT_RETRY_S
             return
         self._in_hand.add(conn)
         try:
@@ -314,20 +336,54 @@ class Broker:
             if export.hold:
                 with self._lock:
                     self._holds[conn] = target
-            rest = _Pending(token, export, len(fds), export.hold) if len(export.fds) > len(fds) else None
-            if export.hold or rest is not None:  # from here on, _release ends it
-                self._selector.register(conn, selectors.EVENT_READ, rest)
-            _send_first(conn, export.payload, fds, len(export.fds))
+            first = memoryview(export.message)
+            # sendmsg sends what fits in the socket's buffer (the descriptors go with the
+            # first byte): the rest of a long answer follows as the importer reads it.
+            conn.setblocking(False)
+            sent = socket.send_fds(conn, [first], fds, _SEND)
         finally:
             self._close_copies(fds)
-        if not export.hold and rest is None:
-            conn.close()
+        self._go_on(conn, _Pending(token, export, len(fds), export.hold, first[sent:]))
+
+    def _send_unsent(self, conn: socket.socket, rest: _Pending) -> None:
+        """Send what the socket's buffer has room for of the rest of an answer's first part."""
+        try:
+            sent = conn.send(rest.unsent, _SEND)
+        except BlockingIOError:
+            return
+        except OSError:
+            self._release(conn)
+            return
+        rest.unsent = rest.unsent[sent:]
+        self._go_on(conn, rest)
+
+    def _go_on(self, conn: socket.socket, rest: _Pending) -> None:
+        """Wait for what comes next on an answer's connection: room for the rest of its first
+        part, the importer's acknowledgement of a batch, or the end of its hold (the
+        release); or end it, answered."""
+        if rest.unsent:
+            events, data = selectors.EVENT_WRITE, rest
+        elif rest.sent < len(rest.export.fds):
+            events, data = selectors.EVENT_READ, rest
+        elif rest.hold:
+            events, data = selectors.EVENT_READ, None
+        else:
+            self._release(conn)
+            return
+        if conn in self._selector.get_map():
+            self._selector.modify(conn, events, data)
+        else:
+            self._selector.register(conn, events, data)
 
     def _next_batch(self, conn: socket.socket, rest: _Pending) -> None:
         """Send the next batch of an answer once its importer acknowledged the one before
         (anything else, or the connection's end, ends the answer)."""
         try:
             ack = conn.recv(1)
+            # An importer acknowledges once it has read all that came: one that acknowledges
+            # ahead (b"AA") would otherwise have every batch in flight at once, unpaced.
+            if ack == _ACK and _unread(conn):
+                ack = b""
         except OSError:
             ack = b""
         batch: list[int] | None = None
@@ -348,12 +404,7 @@ class Broker:
         finally:
             self._close_copies(batch)
         rest.sent += len(batch)
-        if rest.sent < len(rest.export.fds):
-            return
-        if rest.hold:
-            self._selector.modify(conn, selectors.EVENT_READ, None)  # from now on, its end is the release
-        else:
-            self._release(conn)
+        self._go_on(conn, rest)
 
     def _close_copies(self, fds: list[int]) -> None:
         for fd in fds:
@@ -368,6 +419,13 @@ class Broker:
         with self._lock:
             target = self._holds.pop(conn, None)
         del target  # outside the lock: dropping the last reference may free memory
+
+
+def _unread(conn: socket.socket) -> int:
+    """How many bytes sent on ``conn`` its peer has not read yet (SIOCOUTQ: a Unix
+    socket's sent data stays charged to the sender until the receiver reads it)."""
+    unread: int = struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+    return unread
 
 
 def _dup_all(fds: list[int], copies: list[int]) -> list[int]:
@@ -385,16 +443,6 @@ def _dup_all(fds: list[int], copies: list[int]) -> list[int]:
             os.close(fd)
         raise
     return made
-
-
-def _send_first(conn: socket.socket, payload: bytes, first: list[int], count: int) -> None:
-    """Send the header (stating all ``count`` descriptors), the payload and the first
-    batch of descriptors; each further batch waits for the importer's acknowledgement."""
-    message = _HEADER.pack(b"K", len(payload), count) + payload
-    # sendmsg sends what fits in the socket's buffer (the descriptors go with the
-    # first byte): the rest of a long answer follows as plain bytes.
-    sent = socket.send_fds(conn, [message], first, _SEND)
-    conn.sendall(message[sent:], _SEND)
 
 
 def _close_quietly(fd: int) -> None:
@@ -695,10 +743,14 @@ def _check_peer(sock: socket.socket, ticket: ExportTicket, what: str) -> None:
 
 def _receive_answer(sock: socket.socket, fds: list[int], ticket: ExportTicket, what: str) -> tuple[bytes, bytes]:
     """``(status, body)`` of the broker's answer; its descriptors are appended to ``fds``
-    as they arrive (so that the caller closes them on any failure)."""
+    as they arrive (so that the caller closes them on any failure). TimeoutError once
+    the whole answer took longer than the answer's timeout."""
+    # One deadline for the whole answer, not each receive: an exporter that sent a byte
+    # a little within each timeout held the importer for as long as it liked.
+    deadline = time.monotonic() + _ANSWER_TIMEOUT_S
     data = b""
     while len(data) < _HEADER.size:
-        data += _receive(sock, fds, ticket, what)
+        data += _receive(sock, fds, ticket, what, deadline)
     status, length, count = _HEADER.unpack_from(data)
     # recv() would otherwise take what a forged header states, up to 4 GiB; and the
     # open-file limit is raised for no more descriptors than the pickle names.
@@ -710,7 +762,7 @@ def _receive_answer(sock: socket.socket, fds: list[int], ticket: ExportTicket, w
         )
     _make_room(count, what)
     while len(data) < _HEADER.size + length:
-        data += _receive(sock, fds, ticket, what)
+        data += _receive(sock, fds, ticket, what, deadline)
     # Each part brings a whole batch (what an accel broker sends), and a further one
     # only its tag: anything else is refused, closing what came (the caller).
     if len(data) > _HEADER.size + length or len(fds) != min(count, _FDS_PER_MESSAGE):
@@ -720,14 +772,27 @@ def _receive_answer(sock: socket.socket, fds: list[int], ticket: ExportTicket, w
         sock.sendall(_ACK, _SEND)
         batch = min(count - len(fds), _FDS_PER_MESSAGE)
         before = len(fds)
-        if _receive(sock, fds, ticket, what) != _MORE or len(fds) != before + batch:
+        if _receive(sock, fds, ticket, what, deadline) != _MORE or len(fds) != before + batch:
             raise _not_announced(ticket, what, len(fds), count)
     return data[:1], data[_HEADER.size :]
 
 
-def _receive(sock: socket.socket, fds: list[int], ticket: ExportTicket, what: str) -> bytes:
-    """One part of an answer (its descriptors appended to ``fds``); never empty."""
+def _receive(sock: socket.socket, fds: list[int], ticket: ExportTicket, what: str, deadline: float) -> bytes:
+    """One part of an answer (its descriptors appended to ``fds``) by ``deadline``; never empty."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    sock.settimeout(left)
+    before = len(fds)
     more, flags = _recv_fds(sock, fds)
+    # Truncated with room for a whole batch filled: the part brought more than the protocol's
+    # batch (a forged answer; the kernel closes the rest), not a full table here.
+    if flags & socket.MSG_CTRUNC and len(fds) - before == _FDS_PER_MESSAGE:
+        raise InvalidHandleError(
+            f"cannot open {what}: the process that exported it (pid {ticket.pid}) sent more than "
+            f"{_FDS_PER_MESSAGE} descriptors in one part, which the protocol has not (is it an accel "
+            "process?); pickle the object again in its process"
+        )
     if flags & socket.MSG_CTRUNC:
         raise InvalidHandleError(
             f"cannot open {what}: this process has too many open files to receive its descriptors; "

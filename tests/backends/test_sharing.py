@@ -498,8 +498,10 @@ while True:
         (1 << 31, 1, "announced a 10-byte answer with 2147483648 descriptors"),
         (1, 2, "sent 2 descriptors where it announced 1"),
         (2, 1, "sent 1 descriptors where it announced 2"),
+        # A part of more descriptors than a batch was reported as a full table here.
+        (200, 200, "sent more than 128 descriptors in one part"),
     ],
-    ids=["more-than-anyone-holds", "more-than-announced", "fewer-than-announced"],
+    ids=["more-than-anyone-holds", "more-than-announced", "fewer-than-announced", "more-than-a-batch"],
 )
 def test_an_answer_whose_descriptors_do_not_match_its_header_is_refused_leaking_none(
     monkeypatch: pytest.MonkeyPatch, announced: int, sent: int, expected: str
@@ -530,17 +532,17 @@ def test_an_export_closed_while_it_is_answered_sends_its_own_descriptors(monkeyp
     # The broker looked an export up under its lock and sent its descriptors after
     # releasing it: an event closed on another thread in between had them closed
     # (_forget_dead), and the send used numbers the process had given to other files.
-    from accel.backends import _sharing
+    import socket
 
     read, write = os.pipe()
     os.write(write, b"mine")
     os.close(write)
     alive: list[object] = [Kept()]
     ticket = broker().offer("test", "here", b"payload", [read], lambda: alive[0] if alive else None, hold=False)
-    original = _sharing._send_first
+    original = socket.send_fds
     decoys: list[int] = []
 
-    def closed_meanwhile(conn: object, payload: bytes, fds: list[int], count: int) -> None:
+    def closed_meanwhile(conn: socket.socket, buffers: list[bytes], fds: list[int], *args: int) -> int:
         alive.clear()  # the export is closed on another thread...
         with broker()._lock:
             broker()._forget_dead()  # ...which closes its descriptors
@@ -548,9 +550,9 @@ def test_an_export_closed_while_it_is_answered_sends_its_own_descriptors(monkeyp
         os.write(end, b"else")
         os.close(end)
         decoys.append(other)
-        original(conn, payload, fds, count)  # type: ignore[arg-type]
+        return original(conn, buffers, fds, *args)
 
-    monkeypatch.setattr(_sharing, "_send_first", closed_meanwhile)
+    monkeypatch.setattr(socket, "send_fds", closed_meanwhile)
     importer = start_importer(ticket)
     try:
         out, _ = importer.communicate("\n\n", timeout=60)
@@ -861,3 +863,213 @@ def test_a_full_descriptor_table_while_sending_a_further_batch_ends_that_answer_
     ]
     assert outs[0].startswith("InvalidHandleError") and "closed the connection" in outs[0], outs
     assert outs[1].split() == ["payload", "200"], outs
+
+
+# -- hostile importers: acknowledgements the protocol has not ---------------------------
+
+
+def raw_answer_part(sock, fds: list[int]) -> bytes:
+    """One receive of an answer as a hand-written importer makes it (descriptors appended)."""
+    import array
+    import socket
+
+    data, ancillary, _, _ = sock.recvmsg(1 << 20, socket.CMSG_LEN(256 * 4))
+    for _, _, cmsg in ancillary:
+        fds.extend(array.array("i", cmsg[: len(cmsg) - len(cmsg) % 4]))
+    return data
+
+
+def test_an_importer_that_acknowledges_ahead_gets_no_second_batch_in_flight() -> None:
+    # Each acknowledgement sent a further batch, received or not: an importer that sent
+    # b"AA" (or a stream of them) and read nothing had every batch in flight at once,
+    # against the pacing (the kernel counts them against the exporter's RLIMIT_NOFILE,
+    # and the broker blocked on a full socket buffer). The broker now ends an answer
+    # acknowledged while what it sent before is unread.
+    import select
+    import socket
+
+    kept = Kept()
+    pipes = [os.pipe() for _ in range(300)]
+    for _, write in pipes:
+        os.close(write)
+    # No hold: the broker closes the connection once it is done with the answer, so that
+    # the test reads what it sent only then (reading earlier would be acknowledging in time).
+    ticket = broker().offer("test", "here", b"payload", [read for read, _ in pipes], weakref.ref(kept), hold=False)
+    received: list[int] = []
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    try:
+        sock.connect(ticket.address)
+        sock.sendall(ticket.token.encode())
+        data = b""
+        while len(data) < _HEADER.size + len(b"\x04test\x04here") + len(b"payload"):
+            data += raw_answer_part(sock, received)
+        assert len(received) == 128
+        sock.sendall(b"AA")  # one for the batch just received, one ahead of the next
+        poll = select.poll()
+        poll.register(sock, select.POLLRDHUP)
+        assert poll.poll(30_000), "the broker neither ended the answer nor finished it"
+        parts = []
+        while True:
+            part = raw_answer_part(sock, received)
+            if not part:
+                break
+            parts.append(part)
+        assert parts == [b"F"] and len(received) == 256, (parts, len(received))
+    finally:
+        sock.close()
+        for fd in received:
+            os.close(fd)
+
+
+def test_an_importer_that_never_reads_a_long_answer_does_not_stall_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The broker's thread sent the first part of an answer with a blocking sendall: an
+    # answer longer than the socket's buffer (a buffer of thousands of chunks) to an
+    # importer that sent its token and read nothing stalled every other importer for
+    # the whole answer timeout (and a stream of such importers, for good).
+    import socket
+
+    from accel.backends import _sharing
+
+    monkeypatch.setattr(_sharing, "_ANSWER_TIMEOUT_S", 600.0)
+    kept = Kept()
+    read, write = os.pipe()
+    os.write(write, b"x")
+    os.close(write)
+    ticket = broker().offer("test", "here", b"p" * 900_000, [read], weakref.ref(kept), hold=True)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.connect(ticket.address)
+    silent.sendall(ticket.token.encode())  # and reads nothing
+    importer = start_importer(ticket)
+    try:
+        out, _ = importer.communicate("\n\n", timeout=45)
+        assert out.split()[1:] == ["x", "released"], out[-200:]
+    finally:
+        silent.close()
+        importer.kill()
+        importer.wait(30)
+    assert wait_for(lambda: broker().stats()["holds"] == 0)
+
+
+# Fills its own descriptor table, has one importer connect (its connection waits in the
+# queue: the broker cannot accept it), counts the broker's tries to accept meanwhile,
+# then frees the table: the importer is answered.
+FULL_TABLE_EXPORTER = """
+import os, resource, socket, sys, threading, time, weakref
+from accel.backends import _sharing
+tries = [0]
+accept = socket.socket.accept
+def counted(self):
+    tries[0] += 1
+    return accept(self)
+socket.socket.accept = counted
+class Kept: pass
+kept = Kept()
+read, write = os.pipe()
+os.write(write, b"x")
+os.close(write)
+ticket = _sharing.broker().offer("test", "here", b"payload", [read], weakref.ref(kept), hold=False)
+importer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+importer.settimeout(30)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+fill = []
+with __import__("contextlib").suppress(OSError):
+    while True:
+        fill.append(os.open("/dev/null", os.O_RDONLY))
+importer.connect(ticket.address)
+importer.sendall(ticket.token.encode())
+time.sleep(1)  # the broker's thread tries to accept meanwhile
+print(tries[0], flush=True)
+for fd in fill:
+    os.close(fd)
+print(len(importer.recv(1000)) > 0, flush=True)
+"""
+
+
+def test_a_full_descriptor_table_does_not_spin_the_brokers_thread() -> None:
+    # accept() failed (EMFILE) and the broker went back to select(), where the queued
+    # connection was readable at once: tens of thousands of tries a second, a core and the
+    # GIL taken from the exporter while its table was full. The broker now leaves the
+    # queue alone a moment after such a failure (and answers once a descriptor is free).
+    result = subprocess.run(
+        [sys.executable, "-c", FULL_TABLE_EXPORTER], capture_output=True, text=True, cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
+    )
+    tries, answered = result.stdout.split()
+    assert int(tries) < 1000 and answered == "True", result.stdout + result.stderr
+
+
+# Answers every connection with a header announcing a 100-byte payload, then sends it
+# one byte at a time, argv[2] seconds apart (each within the importer's timeout).
+SLOW_LORIS = """
+import socket, sys, time
+from accel.backends._sharing import _HEADER
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(bytes.fromhex(sys.argv[1]))
+listener.listen(4)
+print("listening", flush=True)
+conn, _ = listener.accept()
+conn.recv(32)
+conn.sendall(_HEADER.pack(b"K", 100, 0))
+for _ in range(100):
+    time.sleep(float(sys.argv[2]))
+    conn.sendall(b"x")
+"""
+
+
+def test_an_exporter_that_answers_a_byte_at_a_time_is_timed_out_as_a_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The timeout bounded each receive, not the answer: an exporter sending one byte a
+    # little within it held the importer for as long as it liked (a 1 MiB answer: weeks).
+    from accel.backends import _sharing
+
+    monkeypatch.setattr(_sharing, "_ANSWER_TIMEOUT_S", 1.0)
+    address = f"\0accel-test-loris-{os.getpid()}".encode()
+    loris = subprocess.Popen(
+        [sys.executable, "-c", SLOW_LORIS, address.hex(), "0.2"],
+        stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    try:
+        assert loris.stdout is not None and loris.stdout.readline().strip() == "listening"
+        before = len(os.listdir("/proc/self/fd"))
+        with pytest.raises(accel.InvalidHandleError, match="did not answer within 1 s"):
+            open_export(ExportTicket(address, "ab" * 16, loris.pid, 0), "test", "here", "an export")
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        loris.kill()
+        loris.wait(30)
+
+
+# Offers a 900 KB answer, has argv[1] importers send their token and read nothing, and
+# prints how many bytes the exporter's Python heap grew by once each has its first bytes.
+SLOW_READERS = """
+import os, select, socket, sys, tracemalloc, weakref
+from accel.backends import _sharing
+class Kept: pass
+kept = Kept()
+read, write = os.pipe()
+ticket = _sharing.broker().offer("test", "here", b"p" * 900_000, [read], weakref.ref(kept), hold=True)
+tracemalloc.start()
+before = tracemalloc.get_traced_memory()[0]
+readers = []
+for _ in range(int(sys.argv[1])):
+    reader = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    reader.connect(ticket.address)
+    reader.sendall(ticket.token.encode())
+    readers.append(reader)
+for reader in readers:
+    assert select.select([reader], [], [], 30)[0]
+print(tracemalloc.get_traced_memory()[0] - before, flush=True)
+"""
+
+
+def test_answers_waiting_for_slow_readers_share_one_copy_of_the_answer() -> None:
+    # Each answer not all sent kept its own copy of the rest (up to 1 MiB): a few hundred
+    # importers reading slowly, each a connection the exporter's open-file limit allows,
+    # cost the exporter hundreds of MiB.
+    result = subprocess.run(
+        [sys.executable, "-c", SLOW_READERS, "100"], capture_output=True, text=True, cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=120, check=False,
+    )
+    assert result.stdout and int(result.stdout) < 10_000_000, result.stdout + result.stderr
