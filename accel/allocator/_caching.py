@@ -63,7 +63,7 @@ from accel.allocator._oom import OutOfMemoryDetails, out_of_memory
 from accel.allocator._pool_ids import PoolId, check_pool_id
 from accel.allocator._resources import BackendResource, MemoryResource
 from accel.allocator.config import AllocatorConfig, AllocatorConfigWarning
-from accel.backends.base import Backend, CaptureStatus
+from accel.backends.base import Backend, CaptureStatus, record_new_event
 from accel.stream import Stream
 
 __all__ = ["DeviceAllocator", "release_orphans", "stream_destroyed"]
@@ -1340,12 +1340,7 @@ class DeviceAllocator:
         event: int | None = None
         try:
             if backend.stream_capture_status(device, handle) == CaptureStatus.NONE:
-                event = backend.event_create(device, timing=False, blocking=False, interprocess=False)
-                try:
-                    backend.event_record(device, event, handle)
-                except BaseException:
-                    backend.event_destroy(device, event)
-                    raise
+                event = record_new_event(backend, device, handle)
             # else: a capture is abandoned with the stream; its work never runs
         except AccelError:
             event = _UNORDERED

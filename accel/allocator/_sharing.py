@@ -55,7 +55,7 @@ from accel._runtime import Runtime, get_runtime
 from accel._units import format_size
 from accel.allocator._resources import BackendResource, ResourceAdaptor
 from accel.backends._sharing import ExportTicket, Held, broker, check_device, export_origin, open_export
-from accel.backends.base import CaptureStatus
+from accel.backends.base import CaptureStatus, record_new_event
 
 if TYPE_CHECKING:
     from accel.allocator._buffer import Buffer
@@ -133,12 +133,7 @@ class _Unmap:
             if backend.stream_capture_status(device, handle) != CaptureStatus.NONE:
                 self._later.append(stream)  # ordered once the capture ends (see wait)
                 return
-            event = backend.event_create(device, timing=False, blocking=False, interprocess=False)
-            try:
-                backend.event_record(device, event, handle)
-            except BaseException:
-                backend.event_destroy(device, event)
-                raise
+            event = record_new_event(backend, device, handle)
         except AccelError:
             self._unordered = True
             return

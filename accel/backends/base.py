@@ -481,3 +481,15 @@ class Backend(abc.ABC):
         from accel._errors import NotSupportedError
 
         return NotSupportedError(f"the {self.name} backend does not support {what}")
+
+
+def record_new_event(backend: Backend, device: int, stream: int) -> int:
+    """A new plain event recorded on ``stream`` now (what completes after the work
+    queued on it so far); destroyed again if the record fails. The caller owns it."""
+    event = backend.event_create(device, timing=False, blocking=False, interprocess=False)
+    try:
+        backend.event_record(device, event, stream)
+    except BaseException:
+        backend.event_destroy(device, event)
+        raise
+    return event
