@@ -21,6 +21,7 @@ from typing import Any
 
 import accel
 from accel.backends._sharing import broker
+from tests.allocator.sharing_scenarios import importer_replies
 
 SIZE = 1 << 20
 TIMEOUT_S = 60
@@ -91,17 +92,9 @@ def _free_behind_closed_streams(data: list[bytes], replies: Any) -> None:
 
 
 def scenario_free_behind_closed_streams() -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    replies = ctx.Queue()
     bufs = _exported(2)
-    child = ctx.Process(target=_free_behind_closed_streams, args=([pickle.dumps(b) for b in bufs], replies))
-    child.start()
-    try:
-        reply = replies.get(timeout=TIMEOUT_S)
-    except Exception:  # noqa: BLE001 - the child died (a crash): no reply
-        reply = "no reply"
-    child.join(TIMEOUT_S)
-    return {"reply": reply, "exitcode": child.exitcode, "holds": _holds_end(), "seen": [_contents(b) for b in bufs]}
+    (reply,), exitcode = importer_replies(1, _free_behind_closed_streams, [pickle.dumps(b) for b in bufs])
+    return {"reply": reply, "exitcode": exitcode, "holds": _holds_end(), "seen": [_contents(b) for b in bufs]}
 
 
 # -- freed while a stream it was used on captures a graph ------------------------------
@@ -129,17 +122,9 @@ def _free_while_capturing(data: bytes, replies: Any) -> None:
 
 
 def scenario_free_while_capturing() -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    replies = ctx.Queue()
     (buf,) = _exported(1)
-    child = ctx.Process(target=_free_while_capturing, args=(pickle.dumps(buf), replies))
-    child.start()
-    try:
-        reply = replies.get(timeout=TIMEOUT_S)
-    except Exception:  # noqa: BLE001 - the child died (a crash): no reply
-        reply = "no reply"
-    child.join(TIMEOUT_S)
-    return {"reply": reply, "exitcode": child.exitcode, "holds": _holds_end(), "seen": _contents(buf)}
+    (reply,), exitcode = importer_replies(1, _free_while_capturing, pickle.dumps(buf))
+    return {"reply": reply, "exitcode": exitcode, "holds": _holds_end(), "seen": _contents(buf)}
 
 
 # -- garbage collected while a host function's failure waits on its stream ---------------

@@ -16,6 +16,7 @@ import os
 import pickle
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import accel
@@ -42,6 +43,50 @@ def allocated() -> int:
     return int(accel.memory.memory_stats()["allocated_bytes.all.current"])
 
 
+def filled(value: int) -> accel.memory.Buffer:
+    """A new buffer of SIZE bytes of ``value``, the fill done before it returns."""
+    buf = accel.memory.allocate(SIZE)
+    accel.current_stream().fill(buf, value, SIZE)
+    accel.current_stream().synchronize()
+    return buf
+
+
+def start_importer(target: Callable[[Any, Any], None]) -> tuple[Any, Any, Any]:
+    """A spawned importer running ``target(queue, replies)``: the process, ``queue``
+    (what the exporter sends) and ``replies`` (what the importer answers)."""
+    ctx = mp.get_context("spawn")
+    queue, replies = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=target, args=(queue, replies))
+    child.start()
+    return child, queue, replies
+
+
+def importer_replies(count: int, target: Callable[..., None], *args: Any) -> tuple[list[Any], int | None]:
+    """Run ``target(*args, replies)`` in a spawned importer and take up to ``count``
+    replies, one at a time: where none comes (the importer crashed, or failed: its
+    stderr says why) ``["no answer"]`` is the last. The replies and its exit code."""
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    child = ctx.Process(target=target, args=(*args, replies))
+    child.start()
+    results: list[Any] = []
+    for _ in range(count):
+        try:
+            results.append(replies.get(timeout=TIMEOUT_S))
+        except Exception:  # noqa: BLE001 - the child died or failed: the rest is missing
+            results.append(["no answer"])
+            break
+    child.join(TIMEOUT_S)
+    return results, child.exitcode
+
+
+def wait_released(timeout: float = TIMEOUT_S) -> None:
+    """Wait until no importer holds an export and nothing is allocated, or ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while (broker().stats()["holds"] or allocated()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 # -- a buffer and an event through a Queue; each process writes, the other reads --
 
 
@@ -61,16 +106,13 @@ def _reader(queue: Any, replies: Any) -> None:
 
 
 def scenario_queue() -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    queue, replies = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=_reader, args=(queue, replies))
-    child.start()
+    child, queue, replies = start_importer(_reader)
     stream = accel.Stream()
     buf = accel.memory.allocate(SIZE, stream=stream)
     stream.fill(buf, 0, SIZE)
     stream.synchronize()
     event = accel.Event(interprocess=True)
-    gate = ctx.Event()  # holds this stream back until the importer has queued its wait
+    gate = mp.get_context("spawn").Event()  # holds this stream back until the importer has queued its wait
     stream.launch_host_func(lambda: gate.wait(TIMEOUT_S))
     stream.fill(buf, 0x11, SIZE)
     event.record(stream)
@@ -99,10 +141,7 @@ def _recorder(queue: Any, replies: Any) -> None:
 
 
 def scenario_importer_records() -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    queue, replies = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=_recorder, args=(queue, replies))
-    child.start()
+    child, queue, replies = start_importer(_recorder)
     buf = accel.memory.allocate(SIZE)
     accel.current_stream().fill(buf, 0, SIZE)
     event = accel.Event(interprocess=True)
@@ -135,28 +174,21 @@ def _holder(queue: Any, replies: Any) -> None:
 
 
 def scenario_kill_importer() -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    queue, replies = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=_holder, args=(queue, replies))
-    child.start()
+    child, queue, replies = start_importer(_holder)
     # Not leaks: the queue's feeder thread and pipe, the broker's socket and
     # selector, the device's memory file (created on first allocation).
     queue.put("warm-up")
     broker()
     accel.memory.allocate(SIZE).free()
     baseline_fds = open_fds()
-    buf = accel.memory.allocate(SIZE)
-    accel.current_stream().fill(buf, 0x33, SIZE)
-    accel.current_stream().synchronize()
+    buf = filled(0x33)
     queue.put(buf)
     seen = replies.get(timeout=TIMEOUT_S)
     held = broker().stats()
     ptr = buf.ptr
     buf.free()  # the importer still maps it: the block must not be reused
     accel.memory.empty_cache()  # nor its memory given back (expandable segments: unmapped)
-    again = accel.memory.allocate(SIZE)
-    accel.current_stream().fill(again, 0x55, SIZE)
-    accel.current_stream().synchronize()
+    again = filled(0x55)
     reused_while_held = again.ptr == ptr
     allocated_while_held = allocated()
     queue.put("look again")
@@ -164,9 +196,7 @@ def scenario_kill_importer() -> dict[str, Any]:
     again.free()
     child.kill()
     child.join(TIMEOUT_S)
-    deadline = time.monotonic() + TIMEOUT_S
-    while (broker().stats()["holds"] or allocated()) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_released()
     after = broker().stats()
     return {
         "seen": seen,
@@ -435,6 +465,13 @@ def unsealed(fd: int) -> int:
     return copy
 
 
+def pipe() -> int:
+    """The read end of a pipe whose write end is closed: a descriptor that is not memory."""
+    read_end, write_end = os.pipe()
+    os.close(write_end)
+    return read_end
+
+
 def _open_each(opens: list[Any], replies: Any) -> None:
     """Open each forged export, read the whole buffer it claims, free it; report one by one
     (a crash shows as the first missing reply)."""
@@ -464,8 +501,6 @@ def scenario_forged_descriptions() -> dict[str, Any]:
     from accel._runtime import get_runtime
     from accel.backends._sharing import export_origin
 
-    ctx = mp.get_context("spawn")
-    replies = ctx.Queue()
     backend = get_runtime().backend
     uuid = backend.device_properties(0).uuid
     stream = accel.current_stream()
@@ -476,12 +511,6 @@ def scenario_forged_descriptions() -> dict[str, Any]:
     for fd in fds:
         os.close(fd)
     layout = json.loads(payload)
-
-    def pipe() -> int:
-        read_end, write_end = os.pipe()
-        os.close(write_end)
-        return read_end
-
     def real() -> tuple[bytes, list[int]]:
         return backend.ipc_memory_export(0, buf.ptr, SIZE)
 
@@ -526,17 +555,8 @@ def scenario_forged_descriptions() -> dict[str, Any]:
         )
         opens.append((ticket, backend.name, 0, uuid, claimed))
         names.append(name)
-    child = ctx.Process(target=_open_each, args=(opens, replies))
-    child.start()
-    results: dict[str, Any] = {}
-    for name in names:
-        try:
-            results[name] = replies.get(timeout=TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - the child died (a crash): the rest is missing
-            results[name] = ["no answer"]
-            break
-    child.join(TIMEOUT_S)
-    return {"results": results, "exitcode": child.exitcode, "holds": broker().stats()["holds"]}
+    results, exitcode = importer_replies(len(names), _open_each, opens)
+    return {"results": dict(zip(names, results)), "exitcode": exitcode, "holds": broker().stats()["holds"]}
 
 
 
@@ -658,21 +678,13 @@ def _read_ends(args: Any, replies: Any) -> None:
 
 def scenario_large_buffer() -> dict[str, Any]:
     """A 600 MiB buffer: with expandable segments more descriptors than one message carries."""
-    ctx = mp.get_context("spawn")
-    replies = ctx.Queue()
     stream = accel.current_stream()
     buf = accel.memory.allocate(LARGE)
     stream.fill(buf, 0x11, 16)
     stream.fill(buf.ptr + LARGE - 16, 0x22, 16)
     stream.synchronize()
-    child = ctx.Process(target=_read_ends, args=(buf.__reduce__()[1], replies))
-    child.start()
-    try:
-        result: Any = replies.get(timeout=TIMEOUT_S)
-    except Exception:  # noqa: BLE001 - the child failed: its stderr says why
-        result = ["no answer"]
-    child.join(TIMEOUT_S)
-    return {"ends": result, "exitcode": child.exitcode}
+    (ends,), exitcode = importer_replies(1, _read_ends, buf.__reduce__()[1])
+    return {"ends": ends, "exitcode": exitcode}
 
 
 def _maps(memfd: bool = False) -> int:
@@ -713,17 +725,9 @@ def _open_with_few_mappings_left(args: Any, replies: Any) -> None:
 def scenario_few_mappings_left() -> dict[str, Any]:
     """A 600 MiB buffer (some 300 chunks with expandable segments) opened by a process
     with 80 mappings left."""
-    ctx = mp.get_context("spawn")
-    replies = ctx.Queue()
     buf = accel.memory.allocate(LARGE)
-    child = ctx.Process(target=_open_with_few_mappings_left, args=(buf.__reduce__()[1], replies))
-    child.start()
-    try:
-        result: Any = replies.get(timeout=TIMEOUT_S)
-    except Exception:  # noqa: BLE001 - the child failed: its stderr says why
-        result = ["no answer"]
-    child.join(TIMEOUT_S)
-    return {"result": result, "exitcode": child.exitcode, "holds": broker().stats()["holds"]}
+    (result,), exitcode = importer_replies(1, _open_with_few_mappings_left, buf.__reduce__()[1])
+    return {"result": result, "exitcode": exitcode, "holds": broker().stats()["holds"]}
 
 
 def _drop_resource_capabilities() -> None:
@@ -819,8 +823,6 @@ def scenario_forged_event_descriptions() -> dict[str, Any]:
     from accel._runtime import get_runtime
     from accel.backends._sharing import export_origin
 
-    ctx = mp.get_context("spawn")
-    replies = ctx.Queue()
     backend = get_runtime().backend
     uuid = backend.device_properties(0).uuid
     event = accel.Event(interprocess=True)
@@ -829,12 +831,6 @@ def scenario_forged_event_descriptions() -> dict[str, Any]:
 
     def real() -> tuple[bytes, list[int]]:
         return backend.ipc_event_export(0, handle)
-
-    def pipe() -> int:
-        read_end, write_end = os.pipe()
-        os.close(write_end)
-        return read_end
-
     forged = {
         "empty": lambda: (b"", real()[1]),
         "garbage": lambda: (b"garbage!" * 3, real()[1]),
@@ -853,17 +849,8 @@ def scenario_forged_event_descriptions() -> dict[str, Any]:
                                 lambda: event, hold=False)
         opens.append((ticket, backend.name, 0, uuid))
         names.append(name)
-    child = ctx.Process(target=_open_events, args=(opens, replies))
-    child.start()
-    results: dict[str, Any] = {}
-    for name in names:
-        try:
-            results[name] = replies.get(timeout=TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - the child died (a crash): the rest is missing
-            results[name] = ["no answer"]
-            break
-    child.join(TIMEOUT_S)
-    return {"results": results, "exitcode": child.exitcode}
+    results, exitcode = importer_replies(len(names), _open_events, opens)
+    return {"results": dict(zip(names, results)), "exitcode": exitcode}
 
 
 
@@ -1052,20 +1039,13 @@ def _forking_holder(queue: Any, replies: Any) -> None:
 def scenario_importer_forks_a_helper() -> dict[str, Any]:
     """Both ends free the buffer while a helper the importer forked lives on: the
     exporter's memory must go back to its cache all the same."""
-    ctx = mp.get_context("spawn")
-    queue, replies = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=_forking_holder, args=(queue, replies))
-    child.start()
-    buf = accel.memory.allocate(SIZE)
-    accel.current_stream().fill(buf, 0x66, SIZE)
-    accel.current_stream().synchronize()
+    child, queue, replies = start_importer(_forking_holder)
+    buf = filled(0x66)
     queue.put(buf)
     seen = replies.get(timeout=TIMEOUT_S)
     replies.get(timeout=TIMEOUT_S)
     buf.free()
-    deadline = time.monotonic() + TIMEOUT_S / 2
-    while (broker().stats()["holds"] or allocated()) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_released(TIMEOUT_S / 2)
     result = {"seen": seen, "holds": broker().stats()["holds"], "allocated": allocated()}
     queue.put("looked")
     child.join(TIMEOUT_S)
@@ -1087,13 +1067,8 @@ def scenario_exporter_forks_while_an_importer_holds() -> dict[str, Any]:
     held must stay held in the exporter, without a word on the child's stderr."""
     import tempfile
 
-    ctx = mp.get_context("spawn")
-    queue, replies = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=_holder_until_told, args=(queue, replies))
-    child.start()
-    buf = accel.memory.allocate(SIZE)
-    accel.current_stream().fill(buf, 0x77, SIZE)
-    accel.current_stream().synchronize()
+    child, queue, replies = start_importer(_holder_until_told)
+    buf = filled(0x77)
     queue.put(buf)
     seen = replies.get(timeout=TIMEOUT_S)
     ptr = buf.ptr
@@ -1110,18 +1085,14 @@ def scenario_exporter_forks_while_an_importer_holds() -> dict[str, Any]:
         err.seek(0)
         helper_stderr = err.read().decode(errors="replace")
     holds = broker().stats()["holds"]
-    again = accel.memory.allocate(SIZE)
-    accel.current_stream().fill(again, 0x55, SIZE)
-    accel.current_stream().synchronize()
+    again = filled(0x55)
     queue.put("look again")
     seen_again = replies.get(timeout=TIMEOUT_S)
     replies.get(timeout=TIMEOUT_S)
     reused = again.ptr == ptr
     again.free()
     child.join(TIMEOUT_S)
-    deadline = time.monotonic() + TIMEOUT_S
-    while (broker().stats()["holds"] or allocated()) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_released()
     return {
         "seen": seen, "seen_again": seen_again, "reused_while_held": reused, "holds_after_fork": holds,
         "helper_status": os.waitstatus_to_exitcode(status), "helper_stderr": helper_stderr,

@@ -25,29 +25,23 @@ import accel
 from accel.allocator import BackendResource, LimitingAdaptor, MemoryResource
 from tests.conftest import CONFORMANCE_BACKENDS, backend_skip_reason
 from tests.fixtures import xpu_driver
+from tests.fixtures.sharing import run_exporter
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SIZE = 1 << 20
 
 
 def run_scenario(backend: str, name: str, stdin: str = "", alloc_conf: str = "") -> Any:
-    reason = backend_skip_reason(backend)
-    if reason:
-        pytest.skip(reason)
-    env = {**os.environ, "ACCEL_BACKEND": backend, "PYTHONPATH": str(REPO_ROOT), "ACCEL_ALLOC_CONF": alloc_conf}
-    if backend == "xpu" and "expandable" in alloc_conf:
+    env = {"ACCEL_ALLOC_CONF": alloc_conf}
+    if backend == "xpu" and "expandable" in alloc_conf and not backend_skip_reason(backend):
         # Level Zero 1.15's physical-memory export, past Debian's 1.8.12 loader (see
-        # tests/fixtures/xpu_driver.py); the importers inherit the environment.
+        # tests/fixtures/xpu_driver.py); the importers inherit the environment. Only
+        # where xpu can be tested at all: run_exporter skips it, with its reason, otherwise.
         newer = xpu_driver.physical_export_environment()
         if isinstance(newer, str):
             pytest.skip(newer)
         env.update(newer)
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.allocator.sharing_scenarios", name],
-        input=stdin, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=180, check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_exporter(backend, "-m", "tests.allocator.sharing_scenarios", name, stdin=stdin, env=env, silent=False)
 
 
 backends = pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)

@@ -7,37 +7,22 @@ print what they saw as JSON.
 
 from __future__ import annotations
 
-import json
 import os
 import resource
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import CONFORMANCE_BACKENDS, backend_skip_reason
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import CONFORMANCE_BACKENDS
+from tests.fixtures.sharing import run_exporter
 
 backends = pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
 
 
-def run_exporter(backend: str, script: str) -> Any:
+def run_script(backend: str, script: str) -> Any:
     """Run ``script`` as the exporter on ``backend``; its last stdout line, as JSON."""
-    reason = backend_skip_reason(backend)
-    if reason:
-        pytest.skip(reason)
-    env = {**os.environ, "ACCEL_BACKEND": backend, "PYTHONPATH": str(REPO_ROOT), "ACCEL_ALLOC_CONF": ""}
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, env=env,
-        cwd=REPO_ROOT, timeout=180, check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stderr == ""
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_exporter(backend, "-c", textwrap.dedent(script))
 
 
 WAIT_WITH_DESCRIPTORS_PAST_1023 = '''
@@ -102,7 +87,7 @@ def test_waiting_on_an_imported_event_with_descriptors_past_1023_waits(backend: 
     # stream went on before the exporter's work, so the importer read stale memory.
     if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 1200:
         pytest.skip("the hard limit on open files is below 1200")
-    result = run_exporter(backend, WAIT_WITH_DESCRIPTORS_PAST_1023)
+    result = run_script(backend, WAIT_WITH_DESCRIPTORS_PAST_1023)
     assert result == {"stream": "77" * 16, "event": "synchronized", "stderr": "", "exitcode": 0}
 
 
@@ -144,7 +129,7 @@ print(json.dumps({"first": opened, "late": late.split(":")[0], "why": late}))
 def test_a_pickle_opened_after_its_exporter_freed_the_buffer_is_refused_while_another_importer_holds_it(backend: str) -> None:
     # The export served its buffer's lease, which the first importer's hold keeps
     # alive after the free: a late importer mapped memory its exporter had freed.
-    result = run_exporter(backend, OPEN_AFTER_THE_EXPORTER_FREED)
+    result = run_script(backend, OPEN_AFTER_THE_EXPORTER_FREED)
     assert result["first"] == "opened"
     assert result["late"] == "refused", result["why"]
     assert "no longer exports" in result["why"]
@@ -205,7 +190,7 @@ def test_a_child_forked_while_an_answer_comes_in_does_not_keep_the_exporters_mem
     # The connection became a hold that a fork drops only once the answer was in: a
     # child forked by another thread meanwhile kept it open, and the exporter's memory
     # stayed held after the importer freed the buffer, until that child exited.
-    result = run_exporter(backend, FORK_WHILE_AN_ANSWER_COMES_IN)
+    result = run_script(backend, FORK_WHILE_AN_ANSWER_COMES_IN)
     assert result == {"children": 1, "holds": 0, "exitcode": 0}
 
 
@@ -271,5 +256,5 @@ def test_another_users_flood_of_connections_does_not_refuse_the_exporters_import
     # Other users are turned away at once, but their connections filled the broker's
     # queue of 64, and connect() failed at once with EAGAIN: the importer of the same
     # user was told that the pickle is damaged or the exporter gone.
-    result = run_exporter(backend, FLOODED_BY_ANOTHER_USER)
+    result = run_script(backend, FLOODED_BY_ANOTHER_USER)
     assert result == {"opened": "50", "errors": ""}

@@ -11,35 +11,19 @@ the importer writes to the exporter's stderr, which must stay empty.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import CONFORMANCE_BACKENDS, backend_skip_reason
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import CONFORMANCE_BACKENDS
+from tests.fixtures.sharing import run_exporter
 
 backends = pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
 
 
 def run_scenario(backend: str, name: str) -> Any:
     """The scenario's JSON line; its stderr (the importer's too) must be empty."""
-    reason = backend_skip_reason(backend)
-    if reason:
-        pytest.skip(reason)
-    env = {**os.environ, "ACCEL_BACKEND": backend, "PYTHONPATH": str(REPO_ROOT), "ACCEL_ALLOC_CONF": ""}
-    result = subprocess.run(
-        [sys.executable, "-X", "faulthandler", "-m", "tests.allocator.sharing_lifetime_scenarios", name],
-        capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=180, check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stderr == "", result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_exporter(backend, "-X", "faulthandler", "-m", "tests.allocator.sharing_lifetime_scenarios", name)
 
 
 @backends

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,12 +48,41 @@ class Kept:
     """What an export keeps alive (weakly referenced by the broker until an importer holds it)."""
 
 
-def start_importer(ticket: ExportTicket) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-c", IMPORTER, pickle.dumps(ticket).hex()],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+def run_python(
+    script: str, *args: str, stdin: str | None = None, timeout: float = 60, check: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (``args`` in its argv, ``stdin`` its input) in a fresh interpreter
+    that imports this accel, under a timeout; its output captured."""
+    return subprocess.run(
+        [sys.executable, "-c", script, *args], input=stdin, capture_output=True, text=True,
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=timeout, check=check,
     )
+
+
+def start_python(script: str, *args: str, stdin: bool = True) -> subprocess.Popen[str]:
+    """Start ``script`` (``args`` in its argv) in a fresh interpreter that imports this
+    accel, its stdout (and with ``stdin``, its stdin) a pipe to the test."""
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *args], stdin=subprocess.PIPE if stdin else None, stdout=subprocess.PIPE,
+        text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+
+
+@contextlib.contextmanager
+def listening(script: str, address: bytes, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """A broker of the test's own: ``script`` (``address`` and ``args`` in its argv) once
+    it printed "listening" on ``address``; killed on leaving."""
+    server = start_python(script, address.hex(), *args, stdin=False)
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "listening"
+        yield server
+    finally:
+        server.kill()
+        server.wait(30)
+
+
+def start_importer(ticket: ExportTicket) -> subprocess.Popen[str]:
+    return start_python(IMPORTER, pickle.dumps(ticket).hex())
 
 
 def wait_for(condition, timeout: float = 30.0) -> bool:
@@ -186,10 +216,7 @@ def test_an_importer_with_a_full_descriptor_table_gets_a_clear_error() -> None:
     # without them: ValueError or a misleading driver error in the backend.
     kept = Kept()
     ticket = offer_pipe(kept, b"x")
-    result = subprocess.run(
-        [sys.executable, "-c", FULL_TABLE_IMPORTER, pickle.dumps(ticket).hex()], capture_output=True, text=True,
-        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
-    )
+    result = run_python(FULL_TABLE_IMPORTER, pickle.dumps(ticket).hex())
     assert result.stdout.startswith("InvalidHandleError") and "too many open files" in result.stdout, (
         result.stdout + result.stderr
     )
@@ -238,10 +265,7 @@ print("received", got.hex(), flush=True)
 def test_an_importer_talks_only_to_the_exporter_its_pickle_names(user: str) -> None:
     # After the exporter exits its abstract name is free; the importer sent the token
     # to whoever bound it next and mapped what that process chose to send.
-    made = subprocess.run(
-        [sys.executable, "-c", EXITING_EXPORTER], capture_output=True, text=True, cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=True,
-    )
+    made = run_python(EXITING_EXPORTER, check=True)
     ticket = pickle.loads(bytes.fromhex(made.stdout.strip()))
     squatter = subprocess.Popen(
         [sys.executable, "-c", SQUATTER, ticket.address.hex(), user], stdout=subprocess.PIPE, text=True
@@ -289,19 +313,13 @@ sys.stdin.readline()
 
 
 def test_a_forked_child_of_an_importer_does_not_keep_the_exporters_memory() -> None:
-    exporter = subprocess.Popen(
-        [sys.executable, "-c", HOLDING_EXPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-    )
+    exporter = start_python(HOLDING_EXPORTER)
     importer = None
     child = 0
     try:
         assert exporter.stdout is not None and exporter.stdin is not None
         ticket_hex = exporter.stdout.readline().strip()
-        importer = subprocess.Popen(
-            [sys.executable, "-c", FORKING_IMPORTER, ticket_hex], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-        )
+        importer = start_python(FORKING_IMPORTER, ticket_hex)
         assert importer.stdout is not None and importer.stdin is not None
         child = int(importer.stdout.readline())
         importer.stdin.write("\n")
@@ -349,10 +367,7 @@ def test_an_exporter_that_exited_is_reported_at_once_though_its_forked_child_liv
     from accel.backends import _sharing
 
     monkeypatch.setattr(_sharing, "_ANSWER_TIMEOUT_S", 30.0)
-    made = subprocess.run(
-        [sys.executable, "-c", FORKING_EXPORTER], capture_output=True, text=True, cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=True,
-    )
+    made = run_python(FORKING_EXPORTER, check=True)
     ticket_hex, child = made.stdout.split()
     try:
         with pytest.raises(accel.InvalidHandleError, match="has exited"):
@@ -382,10 +397,7 @@ def test_received_descriptors_and_the_hold_do_not_cross_exec() -> None:
     # close_fds=False (or after os.exec) kept the exporter's memory and its hold.
     kept = Kept()
     ticket = offer_pipe(kept, b"x")
-    result = subprocess.run(
-        [sys.executable, "-c", EXECING_IMPORTER, pickle.dumps(ticket).hex()], capture_output=True, text=True,
-        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
-    )
+    result = run_python(EXECING_IMPORTER, pickle.dumps(ticket).hex())
     assert result.stdout.splitlines() == ["[False, False]", "[]"], result.stdout + result.stderr
 
 
@@ -403,10 +415,7 @@ def test_an_answer_of_hundreds_of_descriptors_arrives_whole() -> None:
         "payload, fds, held = open_export(pickle.loads(bytes.fromhex(sys.argv[1])), 'test', 'here', 'it')\n"
         "print(payload.decode(), len(fds), b''.join(os.read(fd, 1) for fd in fds).decode().count('y'))\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code, pickle.dumps(ticket).hex()], capture_output=True, text=True,
-        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
-    )
+    result = run_python(code, pickle.dumps(ticket).hex())
     assert result.stdout.split() == ["payload", "300", "300"], result.stdout + result.stderr
 
 
@@ -437,10 +446,7 @@ print("alive", broker().stats()["exports"], flush=True)
 def test_another_user_who_hangs_up_does_not_kill_the_exporter() -> None:
     # The broker wrote its refusal without MSG_NOSIGNAL: another user that connects and
     # closes at once killed an exporter whose SIGPIPE is the default (exit 141).
-    result = subprocess.run(
-        [sys.executable, "-c", HUNG_UP_ON], capture_output=True, text=True, cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
-    )
+    result = run_python(HUNG_UP_ON)
     assert result.returncode == 0 and result.stdout.split() == ["alive", "1"], (result.returncode, result.stderr)
 
 
@@ -463,32 +469,41 @@ def test_an_answer_longer_than_the_sockets_buffer_arrives_whole() -> None:
     # stopped exporter. (A buffer of thousands of chunks is described at that length.)
     kept = Kept()
     ticket = broker().offer("test", "here", b"x" * 900_000, [], lambda: kept, hold=True)
-    result = subprocess.run(
-        [sys.executable, "-c", LONG_ANSWER_IMPORTER], input=pickle.dumps(ticket).hex(), capture_output=True,
-        text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
-    )
+    result = run_python(LONG_ANSWER_IMPORTER, stdin=pickle.dumps(ticket).hex())
     assert result.stdout.split() == ["payload", "900000", "{120}"], result.stdout + result.stderr
     assert wait_for(lambda: broker().stats()["holds"] == 0)
 
 # -- answers whose descriptors do not match their header --------------------------------
 
-# Answers every connection with a header announcing argv[2] descriptors and sends
-# argv[3] of them, then keeps the connection open and sends nothing more.
-LIAR = """
+# A broker of a test's own (see listening()): serve(answer) listens on argv[1], says
+# so, and calls answer with each connection once it read the token, then keeps the
+# connection open.
+LISTENER = """
 import os, socket, sys
 from accel.backends._sharing import _HEADER, _label
-listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-listener.bind(bytes.fromhex(sys.argv[1]))
-listener.listen(4)
-print("listening", flush=True)
 body = _label("test") + _label("here")
-kept = []
-while True:
-    conn, _ = listener.accept()
-    conn.recv(32)
+
+def serve(answer):
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(bytes.fromhex(sys.argv[1]))
+    listener.listen(4)
+    print("listening", flush=True)
+    kept = []
+    while True:
+        conn, _ = listener.accept()
+        conn.recv(32)
+        answer(conn)
+        kept.append(conn)
+"""
+
+# Answers every connection with a header announcing argv[2] descriptors and sends
+# argv[3] of them, then sends nothing more.
+LIAR = LISTENER + """
+def lie(conn):
     pipes = [os.pipe() for _ in range(int(sys.argv[3]))]
     socket.send_fds(conn, [_HEADER.pack(b"K", len(body), int(sys.argv[2])) + body], [r for r, _ in pipes])
-    kept.append(conn)
+
+serve(lie)
 """
 
 
@@ -513,19 +528,11 @@ def test_an_answer_whose_descriptors_do_not_match_its_header_is_refused_leaking_
 
     monkeypatch.setattr(_sharing, "_ANSWER_TIMEOUT_S", 2.0)  # what waiting for a missing part costs
     address = f"\0accel-test-liar-{os.getpid()}".encode()
-    liar = subprocess.Popen(
-        [sys.executable, "-c", LIAR, address.hex(), str(announced), str(sent)],
-        stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-    )
-    try:
-        assert liar.stdout is not None and liar.stdout.readline().strip() == "listening"
+    with listening(LIAR, address, str(announced), str(sent)) as liar:
         before = len(os.listdir("/proc/self/fd"))
         with pytest.raises(accel.InvalidHandleError, match=expected):
             open_export(ExportTicket(address, "ab" * 16, liar.pid, min(announced, 1 << 20)), "test", "here", "an export")
         assert len(os.listdir("/proc/self/fd")) == before
-    finally:
-        liar.kill()
-        liar.wait(30)
 
 
 def test_an_export_closed_while_it_is_answered_sends_its_own_descriptors(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -603,32 +610,20 @@ def test_answers_of_many_descriptors_stay_under_the_senders_limit_in_flight() ->
     # The broker queued every batch of an answer at once: with several importers the
     # descriptors in flight passed the exporter's RLIMIT_NOFILE, sendmsg failed with
     # ETOOMANYREFS and the importer heard "closed the connection without answering".
-    result = subprocess.run(
-        [sys.executable, "-c", IN_FLIGHT], capture_output=True, text=True, cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=120, check=False,
-    )
+    result = run_python(IN_FLIGHT, timeout=120)
     assert result.stdout.split() == ["300"] * 4, result.stdout + result.stderr
 
 
 # Announces argv[2] descriptors, sends the first batch (128 pipes) with the header, then
 # at once a further part: argv[3] as its tag with argv[4] pipes (it never waits for the
 # importer's acknowledgement).
-TAGGED_LIAR = """
-import os, socket, sys
-from accel.backends._sharing import _HEADER, _label
-listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-listener.bind(bytes.fromhex(sys.argv[1]))
-listener.listen(4)
-print("listening", flush=True)
-body = _label("test") + _label("here")
-kept = []
-while True:
-    conn, _ = listener.accept()
-    conn.recv(32)
+TAGGED_LIAR = LISTENER + """
+def lie(conn):
     first = [os.pipe()[0] for _ in range(128)]
     socket.send_fds(conn, [_HEADER.pack(b"K", len(body), int(sys.argv[2])) + body], first)
     socket.send_fds(conn, [bytes.fromhex(sys.argv[3])], [os.pipe()[0] for _ in range(int(sys.argv[4]))])
-    kept.append(conn)
+
+serve(lie)
 """
 
 
@@ -643,12 +638,7 @@ def test_a_further_part_of_an_answer_must_be_the_protocols_leaking_none(
 
     monkeypatch.setattr(_sharing, "_ANSWER_TIMEOUT_S", 10.0)
     address = f"\0accel-test-tagged-{os.getpid()}-{tag}-{further}".encode()
-    liar = subprocess.Popen(
-        [sys.executable, "-c", TAGGED_LIAR, address.hex(), "138", tag, str(further)],
-        stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-    )
-    try:
-        assert liar.stdout is not None and liar.stdout.readline().strip() == "listening"
+    with listening(TAGGED_LIAR, address, "138", tag, str(further)) as liar:
         before = len(os.listdir("/proc/self/fd"))
         ticket = ExportTicket(address, "ab" * 16, liar.pid, 138)
         if tag == "46" and further == 10:  # what a broker sends: accepted
@@ -661,9 +651,6 @@ def test_a_further_part_of_an_answer_must_be_the_protocols_leaking_none(
             with pytest.raises(accel.InvalidHandleError, match="sent 1.. descriptors where it announced 138, or parts"):
                 open_export(ticket, "test", "here", "an export")
         assert len(os.listdir("/proc/self/fd")) == before
-    finally:
-        liar.kill()
-        liar.wait(30)
 
 
 LIMIT_IMPORTER = """
@@ -685,19 +672,8 @@ def test_a_refused_answer_leaves_the_open_file_limit_as_it_was(announced: int, n
     # A hostile answer announced up to 2**20 descriptors, and the importer raised its
     # soft limit to the hard one for good before refusing it.
     address = f"\0accel-test-limit-{os.getpid()}-{named}".encode()
-    liar = subprocess.Popen(
-        [sys.executable, "-c", LIAR, address.hex(), str(announced), "1"],
-        stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-    )
-    try:
-        assert liar.stdout is not None and liar.stdout.readline().strip() == "listening"
-        result = subprocess.run(
-            [sys.executable, "-c", LIMIT_IMPORTER, address.hex(), str(liar.pid), str(named)], capture_output=True,
-            text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
-        )
-    finally:
-        liar.kill()
-        liar.wait(30)
+    with listening(LIAR, address, str(announced), "1") as liar:
+        result = run_python(LIMIT_IMPORTER, address.hex(), str(liar.pid), str(named))
     lines = result.stdout.splitlines()
     assert lines[0].startswith("InvalidHandleError") and lines[1:] == ["256"], result.stdout + result.stderr
 
@@ -725,10 +701,7 @@ def test_both_ends_compare_effective_uids() -> None:
     # SO_PEERCRED states the peer's effective uid, and each end compared it with its own
     # real uid: a set-user-ID exporter turned its own user's importers away, and a
     # set-user-ID importer refused its own user's exporter.
-    exporter = subprocess.Popen(
-        [sys.executable, "-c", SETUID_EXPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-    )
+    exporter = start_python(SETUID_EXPORTER)
     try:
         assert exporter.stdout is not None
         payload, fds, held = open_export(pickle.loads(bytes.fromhex(exporter.stdout.readline())), "test", "here", "it")
@@ -739,11 +712,7 @@ def test_both_ends_compare_effective_uids() -> None:
         exporter.kill()
         exporter.wait(30)
     kept = Kept()
-    importer = subprocess.run(
-        [sys.executable, "-c", SETUID + IMPORTER, pickle.dumps(offer_pipe(kept, b"effective")).hex()], input="\n\n",
-        capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60,
-        check=False,
-    )
+    importer = run_python(SETUID + IMPORTER, pickle.dumps(offer_pipe(kept, b"effective")).hex(), stdin="\n\n")
     assert importer.stdout.split()[:2] == ["payload", "effective"], importer.stdout + importer.stderr
 
 
@@ -800,10 +769,7 @@ def test_a_child_forked_while_the_broker_answers_keeps_nothing_of_the_answer(par
     # The child closed the broker's listener, holds and exports, but not the connection
     # being answered nor the copies being sent: it kept the importer's connection (and
     # the exporter's memory) open after the exporter exited.
-    exporter = subprocess.Popen(
-        [sys.executable, "-c", FORK_IN_ANSWER, part], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-    )
+    exporter = start_python(FORK_IN_ANSWER, part)
     importer = None
     try:
         assert exporter.stdout is not None and exporter.stdin is not None
@@ -855,10 +821,7 @@ def test_a_full_descriptor_table_while_sending_a_further_batch_ends_that_answer_
 
     monkeypatch.setattr(_sharing, "_dup_all", full_once)
     outs = [
-        subprocess.run(
-            [sys.executable, "-c", MANY_IMPORTER, pickle.dumps(ticket).hex()], capture_output=True, text=True,
-            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
-        ).stdout
+        run_python(MANY_IMPORTER, pickle.dumps(ticket).hex()).stdout
         for _ in range(2)
     ]
     assert outs[0].startswith("InvalidHandleError") and "closed the connection" in outs[0], outs
@@ -993,29 +956,23 @@ def test_a_full_descriptor_table_does_not_spin_the_brokers_thread() -> None:
     # connection was readable at once: tens of thousands of tries a second, a core and the
     # GIL taken from the exporter while its table was full. The broker now leaves the
     # queue alone a moment after such a failure (and answers once a descriptor is free).
-    result = subprocess.run(
-        [sys.executable, "-c", FULL_TABLE_EXPORTER], capture_output=True, text=True, cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60, check=False,
-    )
+    result = run_python(FULL_TABLE_EXPORTER)
     tries, answered = result.stdout.split()
     assert int(tries) < 1000 and answered == "True", result.stdout + result.stderr
 
 
 # Answers every connection with a header announcing a 100-byte payload, then sends it
 # one byte at a time, argv[2] seconds apart (each within the importer's timeout).
-SLOW_LORIS = """
-import socket, sys, time
-from accel.backends._sharing import _HEADER
-listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-listener.bind(bytes.fromhex(sys.argv[1]))
-listener.listen(4)
-print("listening", flush=True)
-conn, _ = listener.accept()
-conn.recv(32)
-conn.sendall(_HEADER.pack(b"K", 100, 0))
-for _ in range(100):
-    time.sleep(float(sys.argv[2]))
-    conn.sendall(b"x")
+SLOW_LORIS = LISTENER + """
+import time
+
+def trickle(conn):
+    conn.sendall(_HEADER.pack(b"K", 100, 0))
+    for _ in range(100):
+        time.sleep(float(sys.argv[2]))
+        conn.sendall(b"x")
+
+serve(trickle)
 """
 
 
@@ -1026,19 +983,11 @@ def test_an_exporter_that_answers_a_byte_at_a_time_is_timed_out_as_a_whole(monke
 
     monkeypatch.setattr(_sharing, "_ANSWER_TIMEOUT_S", 1.0)
     address = f"\0accel-test-loris-{os.getpid()}".encode()
-    loris = subprocess.Popen(
-        [sys.executable, "-c", SLOW_LORIS, address.hex(), "0.2"],
-        stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-    )
-    try:
-        assert loris.stdout is not None and loris.stdout.readline().strip() == "listening"
+    with listening(SLOW_LORIS, address, "0.2") as loris:
         before = len(os.listdir("/proc/self/fd"))
         with pytest.raises(accel.InvalidHandleError, match="did not answer within 1 s"):
             open_export(ExportTicket(address, "ab" * 16, loris.pid, 0), "test", "here", "an export")
         assert len(os.listdir("/proc/self/fd")) == before
-    finally:
-        loris.kill()
-        loris.wait(30)
 
 
 # Offers a 900 KB answer, has argv[1] importers send their token and read nothing, and
@@ -1068,8 +1017,5 @@ def test_answers_waiting_for_slow_readers_share_one_copy_of_the_answer() -> None
     # Each answer not all sent kept its own copy of the rest (up to 1 MiB): a few hundred
     # importers reading slowly, each a connection the exporter's open-file limit allows,
     # cost the exporter hundreds of MiB.
-    result = subprocess.run(
-        [sys.executable, "-c", SLOW_READERS, "100"], capture_output=True, text=True, cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=120, check=False,
-    )
+    result = run_python(SLOW_READERS, "100", timeout=120)
     assert result.stdout and int(result.stdout) < 10_000_000, result.stdout + result.stderr
