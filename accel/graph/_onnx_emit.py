@@ -67,7 +67,7 @@ class _Meta:
 
 def _describe(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return _Meta(tuple(value.shape), value.dtype, value.storage_offset(), tuple(value.stride()),
+        return _Meta(tuple(value.shape), value.dtype, int(value.storage_offset()), tuple(value.stride()),
                      value.untyped_storage().data_ptr())
     if isinstance(value, (tuple, list)):
         return tuple(_describe(v) for v in value)
@@ -96,7 +96,7 @@ class _Recorder(fx.Interpreter):
         result = super().run_node(n)
         meta = self.metas[n] = _describe(result)
         if n.op == "call_function" and n.target is operator.getitem:
-            source = self.roots.get(n.args[0])  # type: ignore[call-overload]
+            source = self.roots.get(n.args[0])  # type: ignore[arg-type]
             index = n.args[1]
             self.roots[n] = source[index] if isinstance(source, tuple) and isinstance(index, int) else n
             return result
@@ -319,7 +319,7 @@ _UNARY_INPLACE = {
     aten.relu_: "Relu", aten.tanh_: "Tanh", aten.sigmoid_: "Sigmoid", aten.exp_: "Exp", aten.neg_: "Neg",
     aten.sqrt_: "Sqrt", aten.abs_: "Abs",
 }
-_UNARY_KIND = {p.default: k for p, k in {**_UNARY, **_UNARY_INPLACE}.items()}
+_UNARY_KIND: dict[Any, str] = {p.default: k for p, k in {**_UNARY, **_UNARY_INPLACE}.items()}
 
 
 @_maps(*[p.default for p in _UNARY], inplace=[p.default for p in _UNARY_INPLACE])
@@ -431,10 +431,9 @@ def _addmm(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
     return e.op("Gemm", inputs, alpha=float(a.get("alpha", 1)), beta=float(a.get("beta", 1)))
 
 
-@_maps(aten.mm.default, aten.bmm.default, aten.matmul.default)
+@_maps(aten.mm.default, aten.bmm.default)
 def _matmul(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
-    second = "mat2" if "mat2" in a else "other"
-    return e.op("MatMul", [e.value(a["self"]), e.value(a[second])])
+    return e.op("MatMul", [e.value(a["self"]), e.value(a["mat2"])])
 
 
 @_maps(aten.baddbmm.default)
@@ -451,19 +450,12 @@ def _baddbmm(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
     return e.op("Add", [product, base])
 
 
-@_maps(aten.linear.default)
-def _linear(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
-    y = e.op("MatMul", [e.value(a["input"]), e.op("Transpose", [e.value(a["weight"])], perm=[1, 0])])
-    return y if a.get("bias") is None else e.op("Add", [y, e.value(a["bias"])])
-
-
 # -- shapes and views ---------------------------------------------------------------
 
 @_maps(
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
-    aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.flatten.using_ints,
-    aten.alias.default, aten.detach.default, aten.clone.default, aten.contiguous.default,
-    aten.expand.default, aten.lift_fresh.default,
+    aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.alias.default, aten.detach.default, aten.clone.default,
+    aten.expand.default,
     reshaping=[aten.unsqueeze_.default, aten.squeeze_.dim],
 )
 def _view(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
@@ -537,6 +529,13 @@ def _cat(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
     return e.op("Concat", parts, axis=dim)
 
 
+@_maps(aten.zeros.default, aten.ones.default, aten.full.default, aten.scalar_tensor.default)
+def _filled(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
+    out = _out(e, n)
+    value = a.get("fill_value", a.get("s", 1 if n.target is aten.ones.default else 0))
+    return e.const(torch.full(out.shape, value, dtype=out.dtype))
+
+
 @_maps(aten._to_copy.default)
 def _to_copy(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
     if a.get("device") not in (None, torch.device("cpu")):
@@ -546,7 +545,7 @@ def _to_copy(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
 
 # -- reductions, normalization, pooling ----------------------------------------------
 
-_REDUCE = {aten.mean.dim: "ReduceMean", aten.sum.dim_IntList: "ReduceSum", aten.amax.default: "ReduceMax"}
+_REDUCE: dict[Any, str] = {aten.mean.dim: "ReduceMean", aten.sum.dim_IntList: "ReduceSum", aten.amax.default: "ReduceMax"}
 
 
 @_maps(*_REDUCE)
@@ -559,7 +558,7 @@ def _reduce(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
     return e.op(_REDUCE[n.target], [x, e.ints(axes)], keepdims=int(bool(a.get("keepdim", False))))
 
 
-@_maps(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
+@_maps(aten._softmax.default, aten._log_softmax.default)
 def _softmax(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
     if a.get("half_to_float"):
         raise NotSupportedError("accel's ONNX emitter maps no half-to-float softmax")
@@ -579,7 +578,7 @@ def _layer_norm(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> tuple[Any, ...]:
     return y, _Missing("layer norm's mean"), _Missing("layer norm's rstd")
 
 
-@_maps(aten.native_batch_norm.default, aten._native_batch_norm_legit_no_training.default)
+@_maps(aten.native_batch_norm.default)
 def _batch_norm(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> tuple[Any, ...]:
     if a.get("training", False):
         raise NotSupportedError("accel's ONNX emitter maps batch norm in inference (eval) mode only")
@@ -607,18 +606,19 @@ def _convolution(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
 
 
 def _spread(values: Any, spatial: int) -> list[int]:
-    values = [values] if isinstance(values, int) else list(values)
-    return values * spatial if len(values) == 1 else values
+    """A pooling or convolution argument given as one number for every spatial dim, or one each."""
+    listed = [int(values)] if isinstance(values, int) else [int(v) for v in values]
+    return listed * spatial if len(listed) == 1 else listed
 
 
-@_maps(aten.max_pool2d_with_indices.default, aten.max_pool2d.default)
-def _max_pool(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> Any:
+@_maps(aten.max_pool2d_with_indices.default)
+def _max_pool(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> tuple[Any, ...]:
     kernel = _spread(a["kernel_size"], 2)
     stride = _spread(a["stride"], 2) if a.get("stride") else kernel
     padding = _spread(a.get("padding", 0), 2)
     y = e.op("MaxPool", [e.value(a["self"])], kernel_shape=kernel, strides=stride, pads=padding + padding,
              dilations=_spread(a.get("dilation", 1), 2), ceil_mode=int(bool(a.get("ceil_mode", False))))
-    return (y, _Missing("max pooling's indices")) if n.target is aten.max_pool2d_with_indices.default else y
+    return y, _Missing("max pooling's indices")
 
 
 @_maps(aten.avg_pool2d.default)
@@ -633,24 +633,15 @@ def _avg_pool(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
                 count_include_pad=int(bool(a.get("count_include_pad", True))))
 
 
-@_maps(aten._adaptive_avg_pool2d.default, aten.adaptive_avg_pool2d.default)
-def _adaptive_avg_pool(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
-    if tuple(_out(e, n).shape[-2:]) != (1, 1):
-        raise NotSupportedError("accel's ONNX emitter maps adaptive average pooling to 1x1 only")
-    return e.op("GlobalAveragePool", [e.value(a["self"])])
-
-
 @_maps(aten.embedding.default)
 def _embedding(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
     return e.op("Gather", [e.value(a["weight"]), e.value(a["indices"])], axis=0)
 
 
-@_maps(aten._scaled_dot_product_flash_attention_for_cpu.default, aten.scaled_dot_product_attention.default)
-def _attention(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> Any:
+@_maps(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def _attention(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> tuple[Any, ...]:
     if a.get("dropout_p", 0.0) != 0.0:
         raise NotSupportedError("accel's ONNX emitter maps attention without dropout only")
-    if a.get("enable_gqa", False):
-        raise NotSupportedError("accel's ONNX emitter maps no grouped-query attention")
     q, k = e.meta(a["query"]), e.meta(a["key"])
     dtype = q.dtype
     scale = a.get("scale")
@@ -663,15 +654,9 @@ def _attention(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> Any:
         allowed = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
         scores = e.op("Add", [scores, e.const(torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed,
                                                                                                float("-inf")))])
-    mask = a.get("attn_mask")
-    if mask is not None:
-        if e.meta(mask).dtype == torch.bool:
-            scores = e.op("Where", [e.value(mask), scores, e.scalar(float("-inf"), dtype)])
-        else:
-            scores = e.op("Add", [scores, e.cast(mask, dtype)])
+    if a.get("attn_mask") is not None:  # additive: torch turns a boolean mask into one before this op
+        scores = e.op("Add", [scores, e.cast(a["attn_mask"], dtype)])
     y = e.op("MatMul", [e.op("Softmax", [scores], axis=-1), e.value(a["value"])])
-    if n.target is aten.scaled_dot_product_attention.default:
-        return y
     return y, _Missing("attention's logsumexp")
 
 
