@@ -522,6 +522,13 @@ class OnnxRuntimeOneThread(OnnxRuntime):
         return 1
 
 
+@functools.lru_cache(maxsize=None)
+def _distribution_version(name: str) -> str:
+    """An installed distribution's version, looked up once a process (the lookup
+    reads package metadata: 2-18 ms, in the capturing thread at every capture)."""
+    return importlib.metadata.version(name)
+
+
 class OnnxRuntimeEmitted(OnnxRuntime):
     """ONNX Runtime over ONNX that accel emits from the FX graph itself
     (:func:`accel.graph._onnx_emit.emit`), without torch's exporter: no
@@ -541,7 +548,7 @@ class OnnxRuntimeEmitted(OnnxRuntime):
                 return None
         import onnxruntime
 
-        return f"{onnxruntime.__version__} onnx {importlib.metadata.version('onnx')}"
+        return f"{onnxruntime.__version__} onnx {_distribution_version('onnx')}"
 
     def settings(self, facts: Facts) -> dict[str, Any]:
         from accel.graph import _onnx_emit
