@@ -599,7 +599,7 @@ def _convolution(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
     if a["transposed"]:
         raise NotSupportedError("accel's ONNX emitter maps no transposed convolution")
     spatial = e.meta(a["input"]).rank - 2
-    padding = list(a["padding"]) * (spatial if len(a["padding"]) == 1 else 1)
+    padding = _spread(a["padding"], spatial)
     inputs = [e.value(a["input"]), e.value(a["weight"])] + ([e.value(a["bias"])] if a.get("bias") is not None else [])
     return e.op("Conv", inputs, strides=_spread(a["stride"], spatial), pads=padding + padding,
                 dilations=_spread(a["dilation"], spatial), group=int(a["groups"]))
