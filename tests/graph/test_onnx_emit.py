@@ -347,3 +347,18 @@ def test_the_cache_key_changes_with_the_emitters_version(cache: Path, monkeypatc
     with pytest.warns(BuildWarning, match="onnxruntime-fx"):
         second = compile_graph(g2, inputs=[x], outputs=[y2], engines=["onnxruntime-fx"])
     assert second.built and second.key != first.key and second.path != first.path
+
+
+def test_a_damaged_emitted_file_in_the_cache_is_emitted_anew(cache: Path) -> None:
+    x = torch.randn(3, 4)
+    g, (y,) = _capture(lambda t: torch.sigmoid(t) + 1, [x])
+    first = compile_graph(g, inputs=[x], outputs=[y], engines=["onnxruntime-fx"])
+    first.path.write_bytes(first.path.read_bytes()[:40])  # truncated (a full disk, a crash while copying)
+    g2, (y2,) = _capture(lambda t: torch.sigmoid(t) + 1, [x])
+    again = compile_graph(g2, inputs=[x], outputs=[y2], engines=["onnxruntime-fx"])
+    (candidate,) = again.candidates
+    assert again.path == first.path and candidate.status == "chosen" and not candidate.cached
+    new = torch.randn(3, 4)
+    x.copy_(new)
+    g2.replay()
+    torch.testing.assert_close(y2, torch.sigmoid(new) + 1)
