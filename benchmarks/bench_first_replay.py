@@ -8,8 +8,9 @@ result in a loop (one call a millisecond, as a server might), recording:
 - ``capture``: seconds until ``make_graphed_callables`` returned (warm-up and
   capture; the interpreted tier serves from then on);
 - ``first``: seconds after the capture until a call ran a compiled engine,
-  and which (the first engine to agree with eager; ONNX Runtime where it is
-  installed);
+  and which (the first engine to agree with eager: ``onnxruntime-fx``, the
+  ONNX accel emits itself, where ONNX Runtime is installed and the emitter
+  maps the program's ops; else the exporter's ``onnxruntime``);
 - ``final``: seconds after the capture until the build made its final choice
   (every engine built, validated and timed), and which engine;
 - the slowest call while the build ran, beside the median call of the
@@ -19,7 +20,8 @@ result in a loop (one call a millisecond, as a server might), recording:
 Then a second fresh process on the same cache (``warm``): the chosen engine
 comes from the disk cache and the kept choice (``choice-*.json``); ``stable``
 says whether it chose the same engine as the first. Batch 8 is the second
-graph of its process: the exporter's import and op table are made already.
+graph of its process: what a process does once (imports, the exporter's op
+table) is done already.
 
 Times are wall-clock seconds on a machine others may be loading: give the
 load average with them.

@@ -3,7 +3,8 @@
 A capture on the host backend yields a static program: fixed shapes, fixed
 input and output tensors. This tier turns the recorded ops into an FX graph,
 builds it with every engine installed (:mod:`accel.graph._engines`:
-AOTInductor, ONNX Runtime), checks each one's results against eager on the
+AOTInductor, ONNX Runtime over ONNX that accel emits itself or torch's
+exporter writes), checks each one's results against eager on the
 capture's inputs, times the ones that agree side by side, and keeps the
 fastest. A replay is then one call into that engine, bound to the graph's own
 input and output tensors.
@@ -16,7 +17,9 @@ Trade-offs, stated where users choose the tier:
   least 1), on the capture's inputs; ``CompiledProgram.candidates`` says what
   each engine measured and why one was rejected. The interpreted tier stays
   the exact one.
-- **Build time**: a second (ONNX export) to a minute (AOTInductor runs the C++
+- **Build time**: a tenth of a second (accel's own ONNX emitter,
+  ``onnxruntime-fx``), a second (torch's ONNX exporter, 3 s more for its
+  import in a process's first export) to a minute (AOTInductor runs the C++
   compiler, in a process of its own) per graph and engine. Builds are cached
   on disk (``ACCEL_GRAPH_CACHE``, default ``~/.cache/accel/graphs``) under a
   hash of the program, the input layouts, the values of the tensors it bakes
@@ -629,7 +632,8 @@ def compile_graph(
     ``outputs`` the tensors the capture returned that you will read. Every
     other tensor the program reads is compiled in as a constant. ``engines``
     limits the engines tried (default: every one installed, of
-    ``"onnxruntime"``, ``"onnxruntime-1thread"``, ``"aotinductor"`` and ``"aotinductor-cpp-gemm"``); one is kept if all its outputs
+    ``"onnxruntime-fx"``, ``"onnxruntime"``, ``"onnxruntime-1thread"``, ``"aotinductor"`` and
+    ``"aotinductor-cpp-gemm"``); one is kept if all its outputs
     are within ``tolerance`` of eager (relative to the largest magnitude,
     at least 1). The result's ``engine`` and ``report()`` say which was
     chosen and why. The choice is kept in the disk cache: compiling the same
@@ -651,7 +655,7 @@ def compile_graph(
     ...     y = torch.relu(lin(x))
     >>> fast = accel.graph.compile_graph(g, inputs=[x], outputs=[y])  # doctest: +SKIP
     >>> fast.engine  # doctest: +SKIP
-    'onnxruntime'
+    'onnxruntime-fx'
     """
     build = _Build(_check(g, inputs, outputs), inputs, outputs, _engines(engines), tolerance)
     build.announce(stacklevel=2)
@@ -790,7 +794,7 @@ class _Build:
             reference = [t.detach().clone() for t in self.gm(*self.trial_inputs)]
         earlier = _read_choice(self.choice_path)
         # Stable: the choice of an earlier run, then what is in the disk cache
-        # (0.1 s to load), then the table's order (ONNX Runtime's builds are the fastest).
+        # (0.1 s to load), then the table's order (the emitted ONNX's build is the fastest).
         plans = sorted(self.plans, key=lambda p: (p.engine.name != earlier, p.path in self.missing))
         loaded: list[tuple[_Plan, Any, Callable[[], Any]]] = []
         served: CompiledProgram | None = None
@@ -1128,8 +1132,9 @@ class BackgroundCompile:
     """A compiled-tier build running in a thread, serving its graph as it goes.
 
     Until an engine agrees with eager the graph replays its interpreted tier;
-    then the first engine that does serves its replays (ONNX Runtime's
-    export takes a second or two, AOTInductor's C++ compile tens of), while
+    then the first engine that does serves its replays (the emitted ONNX
+    in a tenth of a second, the exporter's in seconds, AOTInductor's C++
+    compile in tens of), while
     the others build; then the one chosen among them (see :meth:`_Build.run`).
     ``compiled`` is the program serving now (None: the interpreted tier),
     ``state`` "building", "ready" (the final choice serves) or "failed"

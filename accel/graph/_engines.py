@@ -10,6 +10,12 @@ the inputs and writes the outputs in place, with nothing else around it.
   Its runner returns new tensors, which the replay copies into the outputs.
 - ``aotinductor-cpp-gemm``: the same with inductor's C++ GEMM templates
   forced, for programs with matrix products (they win on small ones).
+- ``onnxruntime-fx``: the FX graph written as ONNX by accel's own emitter
+  (:mod:`accel.graph._onnx_emit`: no exporter, milliseconds) and run by ONNX
+  Runtime as below. The first engine tried: it serves a process's first
+  graph within a second where torch's exporter takes 3 s to import. A
+  program with an op the emitter does not map fails it, and the exporter's
+  ``onnxruntime`` serves first instead.
 - ``onnxruntime``: the program exported to ONNX (``torch.onnx.export``,
   dynamo exporter) and run by an ``InferenceSession`` with IO binding over
   the graph's own tensors: ONNX Runtime reads and writes them in place. A
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -46,8 +53,8 @@ import torch.fx as fx
 from accel._errors import NotSupportedError
 
 __all__ = [
-    "ENGINES", "AOTInductor", "AOTInductorCppGemm", "Engine", "Facts", "OnnxRuntime", "OnnxRuntimeOneThread",
-    "kill_builds",
+    "ENGINES", "AOTInductor", "AOTInductorCppGemm", "Engine", "Facts", "OnnxRuntime", "OnnxRuntimeEmitted",
+    "OnnxRuntimeOneThread", "kill_builds",
 ]
 
 Replay = Callable[[], Any]
@@ -515,7 +522,51 @@ class OnnxRuntimeOneThread(OnnxRuntime):
         return 1
 
 
-#: Engines the compiled tier tries, by name.
+@functools.lru_cache(maxsize=None)
+def _distribution_version(name: str) -> str:
+    """An installed distribution's version, looked up once a process (the lookup
+    reads package metadata: 2-18 ms, in the capturing thread at every capture)."""
+    return importlib.metadata.version(name)
+
+
+class OnnxRuntimeEmitted(OnnxRuntime):
+    """ONNX Runtime over ONNX that accel emits from the FX graph itself
+    (:func:`accel.graph._onnx_emit.emit`), without torch's exporter: no
+    ``torch.export``, no onnxscript, no op table (about 3 s once a process on
+    the 2-core VM). It needs ``onnx`` and ``onnxruntime`` only. Its cache key
+    holds the emitter's version, so a changed emitter never loads files an
+    older one wrote."""
+
+    name = "onnxruntime-fx"
+
+    def version(self) -> str | None:
+        for module in ("onnxruntime", "onnx"):
+            try:
+                if importlib.util.find_spec(module) is None:
+                    return None
+            except (ImportError, ValueError):  # as OnnxRuntime.version
+                return None
+        import onnxruntime
+
+        return f"{onnxruntime.__version__} onnx {_distribution_version('onnx')}"
+
+    def settings(self, facts: Facts) -> dict[str, Any]:
+        from accel.graph import _onnx_emit
+
+        return {"opset": _onnx_emit.OPSET, "emitter": _onnx_emit.EMITTER_VERSION}
+
+    def build(self, gm: fx.GraphModule, inputs: list[torch.Tensor], path: Path, settings: dict[str, Any]) -> None:
+        from accel.graph import _onnx_emit
+
+        model = _onnx_emit.emit(gm, inputs)
+        with _atomic(path) as tmp:
+            Path(tmp).write_bytes(model)
+
+
+#: Engines the compiled tier tries, by name, in the order a first build tries them
+#: (the emitted ONNX first: it is ready in a fraction of a second).
 ENGINES: dict[str, Engine] = {
-    e.name: e for e in (OnnxRuntime(), OnnxRuntimeOneThread(), AOTInductor(), AOTInductorCppGemm())
+    e.name: e for e in (
+        OnnxRuntimeEmitted(), OnnxRuntime(), OnnxRuntimeOneThread(), AOTInductor(), AOTInductorCppGemm(),
+    )
 }
