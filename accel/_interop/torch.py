@@ -245,7 +245,9 @@ def as_tensor(buffer: Any, dtype: torch.dtype | str = "uint8", shape: int | tupl
     ``buffer.free()`` it goes back to the cache only once the tensor and its
     views are gone. A page-locked :class:`~accel.memory.HostBuffer` is a CPU
     tensor, as torch's pinned memory; it has no stream, so synchronize the
-    copies that write it before reading.
+    copies that write it before reading. Its ``is_pinned()`` is False on a
+    CPU-only torch, which has no way to register pinned memory:
+    ``HostBuffer.page_locked`` tells instead.
 
     Only accel memory is viewed: an accel Buffer, a HostBuffer, or a DLPack
     exporter whose ``device`` is an :class:`accel.Device` (a ForeignBuffer).

@@ -127,6 +127,9 @@ class Backend(abc.ABC):
     stream_protocol: str | None = None
     #: How a user presents more devices, for an out-of-range index's error ("" if they cannot).
     more_devices_hint: str = ""
+    #: Whether :meth:`host_malloc` gives page-locked memory the device copies from
+    #: asynchronously (cuMemHostAlloc, zeMemAllocHost); False where it is ordinary pages.
+    host_memory_page_locked: bool = False
 
     @property
     def torch_runs_inline(self) -> bool:

@@ -88,6 +88,7 @@ class CpuBackend(Backend):
     name = "cpu"
     torch_device_type = "cpu"
     more_devices_hint = "set ACCEL_CPU_DEVICES=N to present N host devices"
+    host_memory_page_locked = False  # mmap'ed pages: every page is host memory, none is locked
     torch_integration = TorchIntegration.RECORD_HOST_OPS
 
     def __init__(self, device_count: int, memory_limit: int | None) -> None:

@@ -120,6 +120,7 @@ class XpuBackend(Sharing, Backend):
     name = "xpu"
     torch_device_type = "xpu"
     torch_integration = TorchIntegration.SEPARATE_STREAMS
+    host_memory_page_locked = True  # zeMemAllocHost: host USM, pinned for the device's copies
 
     def __init__(self, ze: ZeLoader, driver: object, devices: list[object], *, loader_version: str) -> None:
         self._ze = ze
