@@ -31,6 +31,7 @@ and device _records.py.
 
 from __future__ import annotations
 
+import collections
 import os
 import select
 import threading
@@ -1108,6 +1109,12 @@ class XpuBackend(Sharing, Backend):
             self._appended(s)
             self._keep_until_passed(s, pattern)
 
+    def _errors_of(self, device: int, stream: int) -> collections.deque[tuple[str, BaseException]] | None:
+        """Where the worker reports a failure of what it runs for ``stream``: taken
+        now, while the stream lives (a destroyed stream's queue is the runtime's to keep)."""
+        host_errors = self.host_errors
+        return None if host_errors is None else host_errors(device, stream)
+
     def launch_host_func(self, device: int, stream: int, fn: Callable[[], None]) -> None:
         s = self._stream(device, stream)
         reached, release = self._slots.acquire(False), self._slots.acquire(False)
@@ -1139,7 +1146,7 @@ class XpuBackend(Sharing, Backend):
                 self._barrier(s, s.cdata)
                 self._appended(s)
                 self._hold_until_passed(s, release)
-                self._worker(s).put((reached, release, fn, True))
+                self._worker(s).put((reached, release, fn, True, self._errors_of(device, stream)))
         except BaseException:
             self._slots.drop(reached)
             self._slots.drop(release)
@@ -1270,8 +1277,9 @@ class XpuBackend(Sharing, Backend):
             if g.host_nodes:
                 if g.worker is None:
                     g.worker = HostWorker(self, f"accel-xpu-graph-{g.handle:#x}")
+                errors = self._errors_of(device, stream)  # the launch's stream reports, as on the host
                 for reached, release, fn in g.host_nodes:
-                    g.worker.put((reached, release, fn, False))
+                    g.worker.put((reached, release, fn, False, errors))
 
     def _graph_queue(self, g: GraphState) -> object:
         """The graph's command queue, made on its first replay."""
