@@ -23,6 +23,8 @@ TORCH_DEVICE_TYPES: tuple[str, ...] = (
     "maia", "xla", "lazy", "vulkan", "mps", "meta", "hpu", "mtia", "privateuseone",
 )  # fmt: skip
 
+_KNOWN_TYPES = frozenset(TORCH_DEVICE_TYPES)
+
 #: torch's c10::DeviceIndex is 8 bits: past 127, torch.device wraps the index
 #: silently (torch.device("cpu", 128).index == 65408), so accel refuses it.
 MAX_DEVICE_INDEX = 127
@@ -109,14 +111,20 @@ class Device(str):
     _index: int | None
 
     def __new__(cls, type: str, index: int | None = None) -> Device:  # noqa: A002 - torch's name
-        # As torch.device: the type may carry the index ("cuda:1"), but not both ways.
-        kind, parsed = _parse(type)
-        if parsed is not None and index is not None:
-            raise DeviceError(
-                f"device {type!r} already names index {parsed}; pass either {type!r} or "
-                f"({kind!r}, {index!r}), not both"
-            )
-        index = _check_index(index) if parsed is None else parsed
+        if type.__class__ is str and type in _KNOWN_TYPES:  # the common case, without the regex
+            kind, parsed = type, None
+        else:
+            # As torch.device: the type may carry the index ("cuda:1"), but not both ways.
+            kind, parsed = _parse(type)
+            if parsed is not None and index is not None:
+                raise DeviceError(
+                    f"device {type!r} already names index {parsed}; pass either {type!r} or "
+                    f"({kind!r}, {index!r}), not both"
+                )
+        if parsed is not None:
+            index = parsed
+        elif index is not None and not (index.__class__ is int and 0 <= index <= MAX_DEVICE_INDEX):
+            index = _check_index(index)
         self = super().__new__(cls, kind if index is None else f"{kind}:{index}")
         object.__setattr__(self, "_type", kind)
         object.__setattr__(self, "_index", index)
