@@ -1139,6 +1139,7 @@ class XpuBackend(Sharing, Backend):
                 capture.host_nodes.append((reached, release, fn))
             return
         try:
+            errors = self._errors_of(device, stream)  # before the stream's lock: it may take the runtime's
             with s.lock:
                 self._check_open(s)
                 self._barrier(s, s.cdata, reached)
@@ -1146,7 +1147,7 @@ class XpuBackend(Sharing, Backend):
                 self._barrier(s, s.cdata)
                 self._appended(s)
                 self._hold_until_passed(s, release)
-                self._worker(s).put((reached, release, fn, True, self._errors_of(device, stream)))
+                self._worker(s).put((reached, release, fn, True, errors))
         except BaseException:
             self._slots.drop(reached)
             self._slots.drop(release)
@@ -1241,6 +1242,8 @@ class XpuBackend(Sharing, Backend):
         ffi, lib = self._ze.ffi, self._ze.lib
         for e in g.waits:
             self._wait_for_last_record(s, e, own=g.signals)
+        # Its host nodes' failures: the launch's stream reports them, as on the host.
+        errors = self._errors_of(device, stream) if g.host_nodes else None
         with g.lock, s.lock:
             self._check_open(s)
             queue = self._graph_queue(g)
@@ -1277,7 +1280,6 @@ class XpuBackend(Sharing, Backend):
             if g.host_nodes:
                 if g.worker is None:
                     g.worker = HostWorker(self, f"accel-xpu-graph-{g.handle:#x}")
-                errors = self._errors_of(device, stream)  # the launch's stream reports, as on the host
                 for reached, release, fn in g.host_nodes:
                     g.worker.put((reached, release, fn, False, errors))
 
