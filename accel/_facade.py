@@ -66,7 +66,8 @@ def is_available() -> bool:
 def current_accelerator(check_available: bool = False) -> Device | None:
     """The accelerator type this process uses, as a Device with no index.
 
-    With ``check_available=True``, None when it cannot be used here.
+    With ``check_available=True``, None when it cannot be used here; None too
+    when ``ACCEL_BACKEND`` names no device type (``ACCEL_BACKEND=nonsense``).
 
     >>> import accel
     >>> accel.current_accelerator()
@@ -78,7 +79,10 @@ def current_accelerator(check_available: bool = False) -> Device | None:
         requested = requested_backend_name()
         if check_available or requested is None:
             return None
-        return Device(requested)
+        try:
+            return Device(requested)
+        except DeviceError:  # no device type: there is no accelerator to name
+            return None
 
 
 def device_count() -> int:

@@ -337,6 +337,9 @@ def _runtime_for(backend: Backend) -> Runtime:
     runtime = _runtimes.get(backend.name)
     if runtime is None:
         runtime = _runtimes[backend.name] = Runtime(backend)
+        # Only the process's runtime: a Runtime made aside (a doctest's) must not take
+        # the failures that the streams of this one report.
+        backend.host_errors = runtime.host_errors
     return runtime
 
 

@@ -1830,7 +1830,7 @@ static PyTypeObject *Tensor_T;  /* torch.Tensor */
 static PyObject *py_check_memory; /* accel.graph._compiled.check_memory */
 static PyObject *py_is_grad_enabled; /* torch.is_grad_enabled */
 static PyObject *s_shape, *s_dtype, *s_is_cpu, *s_is_contiguous, *s_is_neg, *s_is_conj, *s_data_ptr, *s_call_,
-    *s_refuse, *s_gstreams, *s_taken, *s_busy;
+    *s_refuse, *s_gstreams, *s_taken, *s_busy, *s_head_acquire, *s_head_release;
 static PyTypeObject *Binding_T;  /* accel.graph._compiled._Binding */
 static int graphs_installed = 0;
 /* Bumped by set_current() each time a thread's current stream changes (accel._runtime makes
@@ -2236,12 +2236,48 @@ static PyTypeObject SteadyCall_T = {
 
 /* GraphedCallable's base: a call tries ``_hot`` first (the last compiled call's bound call,
  * see accel/graph/_graphed.py's _CallHead, which this does step by step), then self._call.
- * Not in grad mode: there self._call decides whether autograd would record (and refuses). */
+ * Not in grad mode: there self._call decides whether autograd would record (and refuses).
+ * Only on the thread that made the callable (``_owner``), holding ``_lock`` (a threading.RLock,
+ * whose acquire lets go of the GIL while it waits), and reading ``_hot`` again under it: another
+ * thread's call writes the same static inputs and outputs (see _CallHead). */
 typedef struct {
     PyObject_HEAD
     PyObject *hot;
     Py_ssize_t hits;
+    PyObject *lock;
+    unsigned long owner;
 } CallHead;
+
+/* hot(args) under h->lock, re-read there; *called is 0 where _hot was gone by then. */
+static PyObject *
+head_locked_hot(CallHead *h, PyObject *args, int *called)
+{
+    *called = 0;
+    PyObject *got = PyObject_CallMethodNoArgs(h->lock, s_head_acquire);
+    if (got == NULL)
+        return NULL;
+    Py_DECREF(got);
+    PyObject *hot = h->hot, *r = NULL;
+    *called = hot != NULL && hot != Py_None;
+    if (*called) {
+        Py_INCREF(hot);
+        r = Py_IS_TYPE(hot, &SteadyCall_T) ? steady_call((SteadyCall *)hot, args) : PyObject_CallOneArg(hot, args);
+        Py_DECREF(hot);
+    }
+    PyObject *type, *value, *tb; /* the call's exception, if any, outlives the release */
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *released = PyObject_CallMethodNoArgs(h->lock, s_head_release);
+    if (released == NULL) {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        Py_XDECREF(r);
+        return NULL;
+    }
+    Py_DECREF(released);
+    PyErr_Restore(type, value, tb);
+    return r;
+}
 
 static PyObject *
 head_call(PyObject *self, PyObject *args, PyObject *kwargs)
@@ -2253,14 +2289,14 @@ head_call(PyObject *self, PyObject *args, PyObject *kwargs)
         if (grad == NULL)
             return NULL;
         Py_DECREF(grad);
-        if (grad == Py_True)
+        if (grad == Py_True || h->lock == NULL || h->lock == Py_None || PyThread_get_thread_ident() != h->owner)
             hot = NULL;
     }
     if (hot != NULL && hot != Py_None && (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0)) {
-        Py_INCREF(hot);
-        PyObject *r = Py_IS_TYPE(hot, &SteadyCall_T) ? steady_call((SteadyCall *)hot, args)
-                                                      : PyObject_CallOneArg(hot, args);
-        Py_DECREF(hot);
+        int called;
+        PyObject *r = head_locked_hot(h, args, &called);
+        if (r == NULL && !called && !PyErr_Occurred())
+            r = Py_NewRef(Py_None); /* _hot was reset meanwhile: the lookup */
         if (r == NULL) {
             if (!PyErr_ExceptionMatches(PyExc_RuntimeError)) /* NotImplementedError is one */
                 return NULL;
@@ -2294,6 +2330,7 @@ static int
 head_traverse(PyObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(((CallHead *)self)->hot);
+    Py_VISIT(((CallHead *)self)->lock);
     return 0;
 }
 
@@ -2301,6 +2338,7 @@ static int
 head_clear(PyObject *self)
 {
     Py_CLEAR(((CallHead *)self)->hot);
+    Py_CLEAR(((CallHead *)self)->lock);
     return 0;
 }
 
@@ -2315,6 +2353,8 @@ head_dealloc(PyObject *self)
 static PyMemberDef head_members[] = {
     {"_hot", T_OBJECT, offsetof(CallHead, hot), 0, "The bound call a call tries first (None: none)."},
     {"hits", T_PYSSIZET, offsetof(CallHead, hits), 0, "Calls that replayed a cached graph."},
+    {"_lock", T_OBJECT, offsetof(CallHead, lock), 0, "The lock calls hold (a threading.RLock)."},
+    {"_owner", T_ULONG, offsetof(CallHead, owner), 0, "The thread that takes the hot path."},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -2367,7 +2407,8 @@ install_graphs(PyObject *module, PyObject *ns)
     if (intern(&s_shape, "shape") || intern(&s_dtype, "dtype") || intern(&s_is_cpu, "is_cpu")
         || intern(&s_is_contiguous, "is_contiguous") || intern(&s_is_neg, "is_neg") || intern(&s_is_conj, "is_conj")
         || intern(&s_data_ptr, "data_ptr") || intern(&s_call_, "_call") || intern(&s_refuse, "_refuse")
-        || intern(&s_gstreams, "streams") || intern(&s_taken, "taken") || intern(&s_busy, "busy"))
+        || intern(&s_gstreams, "streams") || intern(&s_taken, "taken") || intern(&s_busy, "busy")
+        || intern(&s_head_acquire, "acquire") || intern(&s_head_release, "release"))
         return NULL;
     if (pthread_atfork(NULL, NULL, note_fork_in_child) != 0) {
         PyErr_SetString(PyExc_OSError, "install_graphs: pthread_atfork failed");

@@ -40,7 +40,7 @@ def test_unavailable_backend_is_reported_not_raised() -> None:
     )
     assert result.returncode == 0, result.stderr
     first, second = result.stdout.splitlines()
-    assert first == "False 0 nonsense None"
+    assert first == "False 0 None None"  # "nonsense" is no device type: no Device names it
     assert "backend 'nonsense' is unavailable: no such backend" in second
     assert "cpu, cuda, xpu" in second or "cuda, xpu, cpu" in second
 
@@ -97,7 +97,9 @@ def test_current_device_is_thread_local() -> None:
         (5, "device index 5 is out of range: the cpu backend has 2 devices"),
         (-1, "device index -1 is out of range"),
         ("cuda:0", "does not match the current accelerator 'cpu'"),
-        ("gpu", "does not match the current accelerator 'cpu'; device types are"),
+        ("gpu", "'gpu' is not a device type torch knows: device types are lowercase"),
+        ("meta:0", "does not match the current accelerator 'cpu'; device types are"),
+        ("xpu", "does not match the current accelerator 'cpu'; start the process with ACCEL_BACKEND=xpu"),
         ("cpu:x", "is not a device string"),
         (True, "is not a device"),
         (1.0, "is not a device"),

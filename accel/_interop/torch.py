@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from accel._device import DeviceLike
+from accel._device import Device, DeviceLike
 from accel._errors import InvalidValueError, NotSupportedError
 from accel._interop import _dlpack
 from accel._interop._host import view_type as _view_type, view_types as _view_types
@@ -213,6 +213,29 @@ def empty(
     return tensor
 
 
+def _not_accel_memory(obj: object) -> str:
+    """Why as_tensor refuses ``obj``, and the torch call that does what was meant."""
+    what = (
+        "accel.as_tensor views accel memory (an accel Buffer, HostBuffer or ForeignBuffer), "
+        f"and {type(obj).__name__} is not: "
+    )
+    if isinstance(obj, import_torch().Tensor):
+        return what + "it is a tensor already (tensor.to(device) or accel.empty(...).copy_(tensor) moves it)"
+    try:
+        view = memoryview(obj)  # type: ignore[arg-type]  # probing the buffer protocol
+    except TypeError:
+        return what + "torch.as_tensor(obj) makes a tensor of data such as a list (a copy)"
+    with view:
+        readonly, contiguous = view.readonly, view.c_contiguous
+    if not contiguous:
+        how = "it is not contiguous, so torch.frombuffer cannot view it"
+    elif readonly:
+        how = "it is read-only, so view a writable copy: torch.frombuffer(bytearray(obj), dtype=...)"
+    else:
+        how = "torch.frombuffer(obj, dtype=...) views its bytes without a copy"
+    return what + f"torch.as_tensor(obj) gives its values with its own dtype and shape; {how}"
+
+
 def as_tensor(buffer: Any, dtype: torch.dtype | str = "uint8", shape: int | tuple[int, ...] | None = None) -> torch.Tensor:
     """View an accel buffer as a tensor of ``dtype`` and ``shape``, without a copy.
 
@@ -222,7 +245,18 @@ def as_tensor(buffer: Any, dtype: torch.dtype | str = "uint8", shape: int | tupl
     ``buffer.free()`` it goes back to the cache only once the tensor and its
     views are gone. A page-locked :class:`~accel.memory.HostBuffer` is a CPU
     tensor, as torch's pinned memory; it has no stream, so synchronize the
-    copies that write it before reading.
+    copies that write it before reading. Its ``is_pinned()`` is False on a
+    CPU-only torch, which has no way to register pinned memory:
+    ``HostBuffer.page_locked`` tells instead.
+
+    Only accel memory is viewed: an accel Buffer, a HostBuffer, or a DLPack
+    exporter whose ``device`` is an :class:`accel.Device` (a ForeignBuffer).
+    Other objects (bytes, bytearray, memoryview, array.array, numpy arrays,
+    tensors, lists) are refused with the torch call that does what was
+    probably meant: ``torch.as_tensor(obj)`` keeps an array's dtype and shape
+    where this function's default reads bytes, and copies a list, which this
+    function never does; ``torch.frombuffer(obj, dtype=...)`` views a writable
+    buffer's bytes.
 
     >>> import accel
     >>> buf = accel.memory.allocate(16)
@@ -230,6 +264,9 @@ def as_tensor(buffer: Any, dtype: torch.dtype | str = "uint8", shape: int | tupl
     torch.Size([2, 2])
     >>> accel.as_tensor(accel.memory.allocate_host(8), "float32").device
     device(type='cpu')
+    >>> accel.as_tensor(b"abcd")
+    Traceback (most recent call last):
+    accel._errors.InvalidValueError: accel.as_tensor views accel memory (...), and bytes is not: ...
     """
     torch_dtype, name, itemsize = _dtype_name(dtype)
     dims = None if shape is None else _dlpack.as_shape(shape)
@@ -246,6 +283,8 @@ def as_tensor(buffer: Any, dtype: torch.dtype | str = "uint8", shape: int | tupl
             dims = _dlpack.read_shape(dims, itemsize, nbytes)
             _dlpack.wait_on_host(buffer.stream)
             return _host_tensor(ptr, nbytes, buffer._export_lease(), torch_dtype, itemsize, dims)
+    if not isinstance(getattr(buffer, "device", None), Device):
+        raise InvalidValueError(_not_accel_memory(buffer))
     _, index = _dlpack.dlpack_device(buffer)  # also checks buffer.device
     if not isinstance(buffer, Buffer):
         device_type = buffer.device.type  # a DLPack exporter of accel's kind: torch's names

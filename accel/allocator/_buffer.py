@@ -417,6 +417,12 @@ class HostBuffer(_CachedMemory):
     that write it are done (synchronize their stream or an event), as with
     ``non_blocking`` copies into pinned tensors.
 
+    Its tensors say ``is_pinned() == False`` unless torch's own accelerator
+    runtime recognizes the memory: torch asks CUDA (or XPU) whether a pointer
+    is pinned, and a CPU-only torch has no way to register memory as pinned.
+    :attr:`page_locked` tells the truth instead (False on the host backend,
+    whose staging memory is ordinary pages).
+
     >>> import accel, torch
     >>> with accel.memory.allocate_host(4096) as staging:
     ...     staging.nbytes
@@ -429,6 +435,17 @@ class HostBuffer(_CachedMemory):
 
     __slots__ = ()
     _kind = "host buffer"
+
+    @property
+    def page_locked(self) -> bool:
+        """Whether the memory is page-locked (cuMemHostAlloc, zeMemAllocHost), which
+        ``torch.Tensor.is_pinned()`` cannot tell on a CPU-only torch.
+
+        >>> import accel
+        >>> accel.memory.allocate_host(8).page_locked  # the host backend's pages are not
+        False
+        """
+        return bool(self._allocator.backend.host_memory_page_locked)
 
     def __dlpack__(
         self,

@@ -127,6 +127,15 @@ class Backend(abc.ABC):
     stream_protocol: str | None = None
     #: How a user presents more devices, for an out-of-range index's error ("" if they cannot).
     more_devices_hint: str = ""
+    #: Whether :meth:`host_malloc` gives page-locked memory the device copies from
+    #: asynchronously (cuMemHostAlloc, zeMemAllocHost); False where it is ordinary pages.
+    host_memory_page_locked: bool = False
+    #: Set by the process's runtime: ``host_errors(device, stream)`` is where a
+    #: function the backend runs on a host thread of its own (a host function, an
+    #: internal wait) reports an exception, as ``(name, exception)``; the next
+    #: synchronize of that stream raises it as HostFunctionError, as CUDA reports
+    #: an asynchronous error at the next synchronizing call. None without a runtime.
+    host_errors: Callable[[int, int], collections.deque[tuple[str, BaseException]]] | None = None
 
     @property
     def torch_runs_inline(self) -> bool:

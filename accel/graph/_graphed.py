@@ -15,6 +15,7 @@ rather than returning an output that silently carries no gradient.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import warnings
 import weakref
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from accel._errors import InvalidValueError, NotSupportedError
 from accel._native import speedups
@@ -91,23 +92,36 @@ class _CallHead:
     checks the arguments' shapes and dtypes itself and returns None for others:
     no key, no lookup, no reordering (its entry is the most recent already). Then
     ``_call``, the lookup. accel._speedups has it in C (``_CallHead``): the Python
-    frame of this method cost a quarter of accel's time per call."""
+    frame of this method cost a quarter of accel's time per call.
 
-    __slots__ = ("_hot", "hits")
+    Only the thread that made the callable (``_owner``) takes the hot path, and it
+    holds ``_lock`` for it, as ``_call`` does for the whole call: the bound call
+    writes the graph's inputs and outputs, which another thread's call writes too.
+    ``_hot`` is read again under the lock (another thread's call may have replaced
+    it, or evicted its graph, meanwhile)."""
+
+    __slots__ = ("_hot", "hits", "_lock", "_owner")
     _hot: Callable[[Sequence[torch.Tensor]], Any] | None
     hits: int
+    _lock: Any  # threading.RLock
+    _owner: int
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        hot = self._hot
         # In grad mode the lookup decides whether autograd would record (and refuses).
-        if hot is not None and not kwargs and not torch.is_grad_enabled():
-            try:
-                result = hot(args)
-            except (RuntimeError, NotImplementedError) as exc:
-                self._refuse(args, exc)
-            if result is not None:
-                self.hits += 1
-                return result
+        if (
+            self._hot is not None and not kwargs and not torch.is_grad_enabled()
+            and threading.get_ident() == self._owner
+        ):
+            with self._lock:
+                hot = self._hot
+                if hot is not None:
+                    try:
+                        result = hot(args)
+                    except (RuntimeError, NotImplementedError) as exc:
+                        self._refuse(args, exc)
+                    if result is not None:
+                        self.hits += 1
+                        return result
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
@@ -138,6 +152,17 @@ class GraphedCallable(_Head):
     overwrites them, so clone what must outlive it (as with torch's graphs).
     ``cache_info()`` reports hits, misses and evictions.
 
+    Calls from several threads are serialized: copying the arguments in,
+    replaying and handing the outputs out are one critical section per
+    callable. torch's make_graphed_callables takes no lock and hands every
+    call the same static outputs (detached views), so threads calling it at
+    once read each other's inputs and results; CUDA itself requires a graph's
+    launches to be serialized by its user. Here the thread that made the
+    callable gets the static outputs, and a call from any other thread gets
+    its own copy of them, made inside the critical section, so each thread
+    reads the result of its own arguments. The making thread's static outputs
+    are still overwritten by the next call from any thread.
+
     >>> import torch, accel
     >>> f = accel.graph.make_graphed_callables(torch.nn.Linear(4, 2).eval(), (torch.randn(3, 4),))
     >>> with torch.inference_mode():
@@ -156,6 +181,10 @@ class GraphedCallable(_Head):
         wait: bool = False,
     ) -> None:
         self.fn = fn
+        # Calls serialize on it (see the class); re-entrant: a capture runs fn, which
+        # may call graphed callables, this one among them on another shape.
+        self._lock = threading.RLock()
+        self._owner = threading.get_ident()  # who gets the static outputs
         self._warmup = num_warmup_iters
         self._pool = pool
         self._cache_size = cache_size
@@ -195,8 +224,18 @@ class GraphedCallable(_Head):
         raise _bad_call(args, self._device_type, exc) from exc
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
-        """A call that the hot path (_CallHead) did not take: look the graph up by
-        the arguments' signature, capture it on a miss, replay it."""
+        """A call that the hot path (_CallHead) did not take, under the lock: look the
+        graph up by the arguments' signature, capture it on a miss, replay it, and hand
+        a thread other than the owner a copy of the static outputs."""
+        with self._lock:
+            result, static = self._locked_call(args, kwargs)
+            if static and threading.get_ident() != self._owner:
+                result = tree_map(torch.Tensor.clone, result)  # before another call overwrites them
+            return result
+
+    def _locked_call(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> tuple[Any, bool]:
+        """``_call``'s work: the result, and whether it is the graph's static outputs
+        (an engine that returns new tensors returns its own)."""
         if kwargs:
             raise InvalidValueError(
                 f"graphed {_name(self.fn)} takes tensors as positional arguments only, got keywords "
@@ -232,7 +271,7 @@ class GraphedCallable(_Head):
                         self._hot = call
                         if entry.call is not call:  # a background build replaced the engine meanwhile
                             self._hot = None  # (it stores entry.call, then resets _hot: see _capture)
-                        return result
+                        return result, result is entry.output
                 for i, (static, arg) in enumerate(zip(entry.inputs, args)):
                     # Not a comparison of addresses: a transposed or negated view of
                     # the static input (a graph may return it) shares its address.
@@ -245,7 +284,7 @@ class GraphedCallable(_Head):
         fast = entry.fast
         if fast is not None and entry.current_stream(entry.device) is entry.default_stream:  # type: ignore[misc]
             fast()  # the graph is the torch program alone: run it without the graph around it
-            return entry.output
+            return entry.output, True
         runtime = get_runtime()
         stream = runtime.current_stream(entry.device)
         api = self._torch_api
@@ -256,14 +295,14 @@ class GraphedCallable(_Head):
             # backend's default stream replays inline: nothing to wait for.
             if stream is not runtime.default_stream(entry.device):
                 stream.synchronize()
-            return entry.output
+            return entry.output, True
         # torch copied the inputs on its current stream and reads the outputs
         # there: order the replay's stream between the two, without host waits.
         torch_current, replay_stream = api.current_stream(entry.device), _torch_graphs.torch_stream(api, stream)
         _torch_graphs.order_after(api, replay_stream, torch_current)
         entry.graph.replay()
         _torch_graphs.order_after(api, torch_current, replay_stream)
-        return entry.output
+        return entry.output, True
 
     def _refuse_autograd(self, args: Sequence[Any], sources: Sequence[torch.Tensor] = ()) -> None:
         """In grad mode: refuse a call that eager would differentiate, for an argument
@@ -289,8 +328,9 @@ class GraphedCallable(_Head):
         key = _signature(sample_args, "sample_args", self._device_type)
         if torch.is_grad_enabled():  # sample arguments that require grad ask for training: say so now
             self._refuse_autograd(sample_args)
-        if key not in self._cache:
-            self._capture(sample_args, key)
+        with self._lock:
+            if key not in self._cache:
+                self._capture(sample_args, key)
 
     def _capture(self, args: Sequence[torch.Tensor], key: Signature) -> _Entry:
         self._hot = None  # the cache changes

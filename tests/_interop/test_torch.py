@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import gc
 
 import numpy as np
@@ -57,6 +58,26 @@ def test_as_tensor_waits_for_the_buffer_stream(host_buffer):
 def test_as_tensor_bad_arguments(host_buffer, dtype, shape, error, message):
     with pytest.raises(error, match=message):
         as_tensor(host_buffer(16), dtype, shape)
+
+
+@pytest.mark.parametrize(
+    ("obj", "message"),
+    [
+        (b"abcd", r"bytes is not: .*read-only, so view a writable copy: torch\.frombuffer\(bytearray\(obj\)"),
+        (memoryview(b"abcd"), r"memoryview is not: .*read-only"),
+        (bytearray(b"abcd"), r"bytearray is not: .*torch\.frombuffer\(obj, dtype=\.\.\.\) views its bytes"),
+        (array.array("f", [1.0, 2.0]), r"array is not: torch\.as_tensor\(obj\) gives its values with its own dtype"),
+        (np.arange(4, dtype=np.float32), r"ndarray is not: .*torch\.frombuffer\(obj, dtype=\.\.\.\)"),
+        (np.arange(8)[::2], r"ndarray is not: .*not contiguous"),
+        ([1, 2, 3], r"list is not: torch\.as_tensor\(obj\) makes a tensor of data such as a list \(a copy\)"),
+        (torch.ones(2), r"Tensor is not: it is a tensor already"),
+    ],
+)
+def test_as_tensor_refuses_what_is_not_accel_memory_and_names_the_torch_call(obj, message):
+    """Before, each got "<type>.device is None; DLPack export needs an accel.Device"."""
+    with pytest.raises(accel.InvalidValueError, match=r"accel\.as_tensor views accel memory \(an accel Buffer, "
+                       r"HostBuffer or ForeignBuffer\), and " + message):
+        as_tensor(obj)
 
 
 def test_empty_refuses_no_elements_with_strides_past_int64():

@@ -106,3 +106,28 @@ def test_host_buffer_exports_refuse_what_they_cannot_give(runtime) -> None:
     copied = torch.from_dlpack(hb.__dlpack__(copy=True, max_version=(1, 0)))
     assert copied.data_ptr() != hb.ptr and copied.tolist() == [2] * 8
     assert torch.from_dlpack(hb.__dlpack__(stream=-1, dl_device=(1, 0))).tolist() == [2] * 8
+
+
+def _locked_kib(ptr: int) -> int:
+    """The ``Locked:`` kB of the mapping that holds ``ptr``, from /proc/self/smaps."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split(None, 1)[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= ptr < end
+            elif inside and head == "Locked:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+def test_a_host_buffer_says_whether_it_is_page_locked_where_is_pinned_cannot(runtime) -> None:
+    hb = accel.memory.allocate_host(4096)
+    assert hb.page_locked is {"cpu": False, "cuda": True, "xpu": True}[runtime.name]
+    assert hb.page_locked is runtime.backend.host_memory_page_locked
+    if not torch.cuda.is_available() and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        # A CPU-only torch has no pinned-memory registry to ask: is_pinned() cannot tell.
+        assert accel.as_tensor(hb).is_pinned() is False
+    if runtime.name == "cpu" and sys.platform == "linux":
+        assert _locked_kib(hb.ptr) == 0  # the host backend's staging pages are ordinary ones

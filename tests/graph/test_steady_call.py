@@ -415,6 +415,7 @@ def test_a_graphed_callable_counts_hits_and_refuses_as_the_python_head_does() ->
     class _Probe(speedups._CallHead):  # type: ignore[misc,name-defined]
         def __init__(self, hot: Any) -> None:
             self._hot, self.hits, self.slow = hot, 0, []
+            self._lock, self._owner = threading.RLock(), threading.get_ident()
 
         def _call(self, args: Any, kwargs: Any) -> Any:
             self.slow.append((args, kwargs))
@@ -447,8 +448,21 @@ def test_a_graphed_callable_counts_hits_and_refuses_as_the_python_head_does() ->
             assert isinstance(info.value.__cause__, NotImplementedError)
             with pytest.raises(ValueError, match="not refused"):
                 probe("other")
+            # Another thread than the owner's: the lookup, which serializes and copies its outputs.
+            elsewhere: list[Any] = []
+            thread = threading.Thread(target=lambda: torch.no_grad()(lambda: elsewhere.append(probe(1)))())
+            thread.start()
+            thread.join()
+            assert elsewhere == ["slow"] and probe.hits == 1
             probe._hot = None
             assert probe(1) == "slow" and probe.slow[-1] == ((1,), {} if isinstance(probe, _PyProbe) else None)
+    bare = _Probe(hot)  # C: without a lock (a subclass that set none), no hot call, not a crash
+    del bare._lock
+    for lock in ("unset", None):
+        if lock is None:
+            bare._lock = None
+        with torch.no_grad():
+            assert bare(1) == "slow" and bare.hits == 0
 
 
 def test_a_call_made_while_another_checks_memory_does_not_pass_for_checked() -> None:

@@ -19,7 +19,7 @@ from accel.backends import _capture
 from accel.backends.base import Backend, CaptureMode, CaptureStatus, DeviceProperties, TorchIntegration
 from accel.backends.cpu import _libc
 from accel.backends.cpu._memory import VM_GRANULARITY, DeviceMemory, HostMemory, machine_memory
-from accel.backends.cpu._streams import StreamTable
+from accel.backends.cpu._streams import HostStream, StreamTable
 
 #: Lower numbers mean higher priority, as in CUDA.
 PRIORITY_RANGE = (0, -1)
@@ -88,6 +88,7 @@ class CpuBackend(Backend):
     name = "cpu"
     torch_device_type = "cpu"
     more_devices_hint = "set ACCEL_CPU_DEVICES=N to present N host devices"
+    host_memory_page_locked = False  # mmap'ed pages: every page is host memory, none is locked
     torch_integration = TorchIntegration.RECORD_HOST_OPS
 
     def __init__(self, device_count: int, memory_limit: int | None) -> None:
@@ -268,9 +269,20 @@ class CpuBackend(Backend):
         )
 
     def launch_host_func(self, device: int, stream: int, fn: Callable[[], None]) -> None:
-        self._streams.stream(device, stream).submit(
+        self._reporting(device, stream).submit(
             lambda: f"host function {getattr(fn, '__qualname__', type(fn).__name__)}", fn
         )
+
+    def _reporting(self, device: int, stream: int) -> HostStream:
+        """``stream``, its worker reporting a failure of what it runs in the runtime's
+        host errors of the stream (as the xpu backend's worker does), even where no
+        launcher() named them: a stream made by the backend and wrapped, not created
+        by accel.Stream, dropped its failures. The inline default stream raises them
+        at once instead."""
+        host = self._streams.stream(device, stream)
+        if host.errors is None and not host.inline and self.host_errors is not None:
+            host.errors = self.host_errors(device, stream)
+        return host
 
     def host_func_launcher(
         self,
@@ -306,6 +318,7 @@ class CpuBackend(Backend):
         return self._streams.instantiate(graph)
 
     def graph_launch(self, device: int, graph_exec: int, stream: int) -> None:
+        self._reporting(device, stream)  # a failing node is the launch stream's to report
         self._streams.launch(device, graph_exec, stream)
 
     def graph_node_count(self, device: int, graph: int) -> int | None:

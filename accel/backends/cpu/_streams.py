@@ -447,8 +447,8 @@ class HostStream:
             get()
 
     def _failed(self, work: Callable[[], object], exc: BaseException) -> None:
-        """Report a host function queued by launcher(); the backend's own items
-        (copies, fills, markers, wrapped host functions) do not raise."""
+        """Report a failed host function (queued by launcher() or launch_host_func, or
+        a graph's node) where the stream's errors are; copies, fills and markers do not raise."""
         errors = self.errors
         if errors is not None:
             errors.append((getattr(work, "__qualname__", None) or repr(work), exc))

@@ -185,6 +185,7 @@ class CudaBackend(GraphsAndHostFunctions, Sharing, Backend):
     name = "cuda"
     torch_device_type = "cuda"
     stream_protocol = "__cuda_stream__"
+    host_memory_page_locked = True  # cuMemHostAlloc
     torch_integration = TorchIntegration.SHARED_STREAMS
 
     def __init__(self, driver: Driver, device_count: int, driver_version: int) -> None:

@@ -31,6 +31,7 @@ and device _records.py.
 
 from __future__ import annotations
 
+import collections
 import os
 import select
 import threading
@@ -120,6 +121,7 @@ class XpuBackend(Sharing, Backend):
     name = "xpu"
     torch_device_type = "xpu"
     torch_integration = TorchIntegration.SEPARATE_STREAMS
+    host_memory_page_locked = True  # zeMemAllocHost: host USM, pinned for the device's copies
 
     def __init__(self, ze: ZeLoader, driver: object, devices: list[object], *, loader_version: str) -> None:
         self._ze = ze
@@ -1107,6 +1109,12 @@ class XpuBackend(Sharing, Backend):
             self._appended(s)
             self._keep_until_passed(s, pattern)
 
+    def _errors_of(self, device: int, stream: int) -> collections.deque[tuple[str, BaseException]] | None:
+        """Where the worker reports a failure of what it runs for ``stream``: taken
+        now, while the stream lives (a destroyed stream's queue is the runtime's to keep)."""
+        host_errors = self.host_errors
+        return None if host_errors is None else host_errors(device, stream)
+
     def launch_host_func(self, device: int, stream: int, fn: Callable[[], None]) -> None:
         s = self._stream(device, stream)
         reached, release = self._slots.acquire(False), self._slots.acquire(False)
@@ -1131,6 +1139,7 @@ class XpuBackend(Sharing, Backend):
                 capture.host_nodes.append((reached, release, fn))
             return
         try:
+            errors = self._errors_of(device, stream)  # before the stream's lock: it may take the runtime's
             with s.lock:
                 self._check_open(s)
                 self._barrier(s, s.cdata, reached)
@@ -1138,7 +1147,7 @@ class XpuBackend(Sharing, Backend):
                 self._barrier(s, s.cdata)
                 self._appended(s)
                 self._hold_until_passed(s, release)
-                self._worker(s).put((reached, release, fn, True))
+                self._worker(s).put((reached, release, fn, True, errors))
         except BaseException:
             self._slots.drop(reached)
             self._slots.drop(release)
@@ -1233,6 +1242,8 @@ class XpuBackend(Sharing, Backend):
         ffi, lib = self._ze.ffi, self._ze.lib
         for e in g.waits:
             self._wait_for_last_record(s, e, own=g.signals)
+        # Its host nodes' failures: the launch's stream reports them, as on the host.
+        errors = self._errors_of(device, stream) if g.host_nodes else None
         with g.lock, s.lock:
             self._check_open(s)
             queue = self._graph_queue(g)
@@ -1270,7 +1281,7 @@ class XpuBackend(Sharing, Backend):
                 if g.worker is None:
                     g.worker = HostWorker(self, f"accel-xpu-graph-{g.handle:#x}")
                 for reached, release, fn in g.host_nodes:
-                    g.worker.put((reached, release, fn, False))
+                    g.worker.put((reached, release, fn, False, errors))
 
     def _graph_queue(self, g: GraphState) -> object:
         """The graph's command queue, made on its first replay."""

@@ -205,3 +205,39 @@ def test_an_importer_stops_waiting_on_an_event_whose_exporter_exited() -> None:
     out = importer.stdout.read()
     assert "exited before the work it recorded completed" in out
     assert "own record completed True" in out
+
+
+def _raising_function():
+    def raise_boom() -> None:
+        raise ValueError("boom")
+
+    return raise_boom
+
+
+def test_a_failing_function_on_a_stream_accel_did_not_create_is_raised_by_its_synchronize() -> None:
+    """accel's own functions run unwrapped (an importer's wait, a keep-alive); on a stream
+    that the backend made and accel only wraps, their failure was dropped silently."""
+    from accel._runtime import activate
+
+    with activate("cpu") as runtime:
+        handle = runtime.backend.stream_create(0, 0)
+        try:
+            stream = accel.ExternalStream(handle)
+            ran: list[int] = []
+            runtime.backend.launch_host_func(0, handle, _raising_function())
+            runtime.backend.launch_host_func(0, handle, lambda: ran.append(1))
+            with pytest.raises(accel.HostFunctionError, match=r"host function .*raise_boom on .* raised ValueError: boom"):
+                stream.synchronize()
+            assert ran == [1]
+            graph_stream = accel.Stream()
+            runtime.backend.stream_begin_capture(0, graph_stream.native_handle, CaptureMode.GLOBAL)
+            runtime.backend.launch_host_func(0, graph_stream.native_handle, _raising_function())
+            graph = runtime.backend.stream_end_capture(0, graph_stream.native_handle)
+            graph_exec = runtime.backend.graph_instantiate(0, graph)
+            runtime.backend.graph_launch(0, graph_exec, handle)  # a graph's node: the launch stream reports
+            with pytest.raises(accel.HostFunctionError, match=r"raised ValueError: boom"):
+                stream.synchronize()
+            runtime.backend.graph_exec_destroy(0, graph_exec)
+            runtime.backend.graph_destroy(0, graph)
+        finally:
+            runtime.backend.stream_destroy(0, handle)

@@ -198,7 +198,11 @@ def test_destroying_a_stream_lets_queued_work_finish(xpu) -> None:
     xpu.device_synchronize(0)
 
 
-def test_a_raising_host_function_is_reported_and_the_stream_goes_on(xpu, stream, capfd) -> None:
+def test_a_raising_host_function_is_printed_without_a_runtime_and_the_stream_goes_on(
+    xpu, stream, capfd, monkeypatch
+) -> None:
+    monkeypatch.setattr(xpu, "host_errors", None)  # the backend alone: nowhere to report to
+
     def broken() -> None:
         raise ValueError("boom")
 
@@ -208,6 +212,48 @@ def test_a_raising_host_function_is_reported_and_the_stream_goes_on(xpu, stream,
     xpu.stream_synchronize(0, stream)
     assert ran == [1]
     assert "ValueError: boom" in capfd.readouterr().err
+
+
+def _raising_function():
+    def raise_boom() -> None:
+        raise ValueError("boom")
+
+    return raise_boom
+
+
+def test_a_raising_host_function_is_raised_by_the_stream_s_next_synchronize(xpu) -> None:
+    """As on the host backend: accel's own functions the worker runs unwrapped
+    (an importer's wait for its exporter, a keep-alive) reach the user, not stderr
+    (the importer's select() failure past fd 1023 stayed silent that way)."""
+    from accel._runtime import activate
+
+    with activate("xpu") as runtime:
+        stream = accel.Stream()
+        ran: list[int] = []
+        runtime.backend.launch_host_func(0, stream.native_handle, _raising_function())
+        runtime.backend.launch_host_func(0, stream.native_handle, lambda: ran.append(1))
+        with pytest.raises(accel.HostFunctionError, match=r"host function .*raise_boom on .* raised ValueError: boom"):
+            stream.synchronize()
+        assert ran == [1]  # the stream went on
+        stream.synchronize()  # reported once
+
+
+def test_a_raising_host_node_of_a_graph_is_raised_by_the_launch_stream_s_synchronize(xpu) -> None:
+    from accel._runtime import activate
+
+    with activate("xpu") as runtime:
+        origin, launch = accel.Stream(), accel.Stream()
+        graph = capture(xpu, origin.native_handle, lambda: xpu.launch_host_func(0, origin.native_handle, _raising_function()))
+        graph_exec = xpu.graph_instantiate(0, graph)
+        try:
+            xpu.graph_launch(0, graph_exec, launch.native_handle)
+            with pytest.raises(accel.HostFunctionError, match=r"raise_boom on .* raised ValueError: boom"):
+                launch.synchronize()
+            origin.synchronize()  # the capture's stream ran nothing
+        finally:
+            xpu.graph_exec_destroy(0, graph_exec)
+            xpu.graph_destroy(0, graph)
+        assert runtime.take_host_errors(0, launch.native_handle) == []
 
 
 def test_long_unsynchronized_streams_keep_working(xpu, stream) -> None:
