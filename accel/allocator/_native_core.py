@@ -28,7 +28,7 @@ import importlib
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -36,13 +36,18 @@ from accel._errors import InvalidValueError, OutOfMemoryError
 from accel.allocator._resources import MemoryResource
 from accel.allocator._stats import STAT_NAMES
 
-__all__ = ["GIL_MODE", "NativeCore", "core_module", "library_path"]
+__all__ = ["GIL_MODE", "GIVE_BACK_FIRST", "NO_RETRY", "NativeCore", "core_module", "library_path"]
 
 #: The core never takes or needs the GIL (csrc/accel_core.c includes no Python.h);
 #: cffi releases it around each call and its callbacks take it themselves.
 GIL_MODE = "not used"
 
 _module: ModuleType | None = None
+
+#: malloc's flags (accel_core.h): on a refusal, return without giving the whole cache
+#: back; give it back (counting a retry) before asking upstream.
+NO_RETRY = 1
+GIVE_BACK_FIRST = 2
 
 
 def core_module() -> ModuleType:
@@ -208,8 +213,9 @@ class NativeCore:
         self._max_split_size = -1 if max_split_size is None else max_split_size
         self._lib.accel_core_configure(self._core, max_split_size or 0, max_non_split_rounding, large_segment)
 
-    def malloc(self, nbytes: int, stream: int, pool: int = 0) -> tuple[int, int]:
-        """``(ptr, size)`` of a block of at least ``nbytes`` for ``stream`` in ``pool``."""
+    def malloc(self, nbytes: int, stream: int, pool: int = 0, flags: int = 0) -> tuple[int, int]:
+        """``(ptr, size)`` of a block of at least ``nbytes`` for ``stream`` in ``pool``.
+        ``flags``: :data:`NO_RETRY` and :data:`GIVE_BACK_FIRST` (see accel_core.h)."""
         ffi, lib = self._ffi, self._lib
         # Out-parameters per thread (cffi lets the GIL go during the call, so threads
         # cannot share them): two ffi.new per call cost as much as the call itself.
@@ -217,7 +223,7 @@ class NativeCore:
             out, size = self._tls.out
         except AttributeError:
             out, size = self._tls.out = (ffi.new("uint64_t *"), ffi.new("int64_t *"))
-        rc = lib.accel_core_malloc(self._core, nbytes, stream, pool, out, size)
+        rc = lib.accel_core_malloc(self._core, nbytes, stream, pool, flags, out, size)
         if rc == 0:  # ACCEL_CORE_OK
             return out[0], size[0]
         refusal = self._callbacks.refusals.pop(threading.get_ident(), None)
@@ -239,16 +245,66 @@ class NativeCore:
         if self._lib.accel_core_free(self._core, ptr):  # not ACCEL_CORE_OK
             raise InvalidValueError(f"{ptr:#x} is not allocated by this allocator core (freed twice?)")
 
-    def empty_cache(self) -> int:
-        """Give the wholly free segments back upstream; the bytes given back. Raises
-        what the upstream raised giving memory back, here or since the last call."""
-        given = int(self._lib.accel_core_empty_cache(self._core))
+    def hold(self, ptr: int) -> None:
+        """The caller freed the block at ``ptr`` but its reuse must wait (for other
+        streams): it leaves the allocated statistics, stays active and unusable until
+        :meth:`release_held`."""
+        if self._lib.accel_core_hold(self._core, ptr):  # not ACCEL_CORE_OK
+            raise InvalidValueError(f"{ptr:#x} is not allocated by this allocator core (freed twice?)")
+
+    def release_held(self, ptr: int) -> None:
+        """The held block at ``ptr`` may be reused: onto its free list."""
+        if self._lib.accel_core_release_held(self._core, ptr):  # not ACCEL_CORE_OK
+            raise InvalidValueError(f"{ptr:#x} is not a block this allocator core holds")
+
+    def _raise_free_errors(self) -> None:
         errors = self._callbacks.free_errors
         if errors:
             first = errors[0]
             errors.clear()
             raise first
+
+    def empty_cache(self) -> int:
+        """Give the wholly free segments of the pools not kept back upstream; the bytes
+        given back. Raises what the upstream raised giving memory back, here or since
+        the last call."""
+        given = int(self._lib.accel_core_empty_cache(self._core))
+        self._raise_free_errors()
         return given
+
+    def keep_pool(self, pool: int, keep: bool) -> None:
+        """Whether :meth:`empty_cache` and a miss's give-back leave ``pool`` cached."""
+        if self._lib.accel_core_keep_pool(self._core, pool, int(keep)):
+            raise MemoryError("the host has no memory for the allocator core's books")
+
+    def release_pool(self, pool: int) -> int:
+        """Give ``pool``'s wholly free segments back upstream (kept or not); the bytes."""
+        given = int(self._lib.accel_core_release_pool(self._core, pool))
+        self._raise_free_errors()
+        return given
+
+    def pool_segments(self, pool: int) -> int:
+        """How many segments ``pool`` has."""
+        return int(self._lib.accel_core_pool_segments(self._core, pool))
+
+    def freeze(self, frozen: bool) -> None:
+        """While frozen, nothing goes back upstream (a capture is under way)."""
+        self._lib.accel_core_freeze(self._core, int(frozen))
+
+    def rekey_stream(self, old: int, key: int) -> int:
+        """Key by ``key`` what ``old`` keys (a destroyed stream's handle); the segments."""
+        return int(self._lib.accel_core_rekey_stream(self._core, old, key))
+
+    def set_divisions(self, divisions: Sequence[int]) -> None:
+        """PyTorch's ``roundup_power2_divisions``, one per power-of-two range from 1 MiB."""
+        slots = self._lib.ACCEL_CORE_DIVISION_SLOTS
+        if len(divisions) != slots:
+            raise InvalidValueError(f"{len(divisions)} roundup divisions given; the core takes {slots}")
+        self._lib.accel_core_set_divisions(self._core, self._ffi.new("int64_t[]", list(divisions)))
+
+    def set_gc_threshold(self, threshold: int) -> None:
+        """Reserved bytes above which a miss first collects old cached blocks (0: off)."""
+        self._lib.accel_core_set_gc_threshold(self._core, threshold)
 
     def reserved(self) -> int:
         """Bytes of the segments the core holds."""
@@ -282,7 +338,8 @@ class NativeCore:
         self._offsets = off
 
     def blocks(self) -> list[dict[str, int]]:
-        """Every block of every segment: its segment, stream, pool, state and sizes."""
+        """Every block of every segment: its segment, stream, pool, state (allocated,
+        held, else free) and sizes."""
         ffi, lib = self._ffi, self._lib
         cap = 64
         while True:
@@ -295,6 +352,7 @@ class NativeCore:
             {
                 "segment": int(b.segment), "segment_size": int(b.segment_size), "stream": int(b.stream),
                 "pool": int(b.pool), "small": bool(b.small), "allocated": b.state == lib.ACCEL_CORE_ALLOCATED,
+                "held": b.state == lib.ACCEL_CORE_HELD,
                 "ptr": int(b.ptr), "size": int(b.size), "requested": int(b.requested),
             }  # fmt: skip
             for b in out[0:n]
