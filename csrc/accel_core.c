@@ -294,12 +294,34 @@ EXPORT accel_core *accel_core_new(int device, accel_upstream_alloc_fn alloc, acc
     return c;
 }
 
+static int oversize(const accel_core *c, int64_t size);
+
 EXPORT void accel_core_configure(accel_core *c, int64_t max_split_size, int64_t max_non_split_rounding,
                                  int64_t large_segment) {
     pthread_mutex_lock(&c->lock);
+    int changed = c->max_split_size != max_split_size;
     c->max_split_size = max_split_size;
     c->max_non_split_rounding = max_non_split_rounding;
     c->large_segment = large_segment;
+    if (changed) {
+        /* count the oversize blocks and segments again under the new bound, so that
+         * frees under it keep the statistics right (peaks only rise) */
+        int64_t blocks = 0, segments = 0;
+        for (segment *seg = c->segments; seg != NULL; seg = seg->next) {
+            segments += oversize(c, seg->size);
+            for (block *b = seg->head; b != NULL; b = b->next)
+                blocks += b->state == ACCEL_CORE_ALLOCATED && oversize(c, b->size);
+        }
+        int64_t counts[2] = {blocks, segments};
+        int bases[2] = {ST_OVERSIZE_ALLOCATIONS, ST_OVERSIZE_SEGMENTS};
+        for (int i = 0; i < 2; i++) {
+            int64_t *s = &c->s[bases[i]];
+            s[4] += counts[i] > s[0] ? counts[i] - s[0] : 0;
+            s[0] = counts[i];
+            s[2] = s[2] > counts[i] ? s[2] : counts[i];
+            s[6] = s[6] > counts[i] ? s[6] : counts[i];
+        }
+    }
     pthread_mutex_unlock(&c->lock);
 }
 

@@ -73,6 +73,7 @@ def library_path() -> str:
 
 
 _SLOTS = 93
+_U64 = (1 << 64) - 1
 _SCALARS = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free")
 _POOLS = ("all", "small_pool", "large_pool")
 _METRICS = ("current", "peak", "allocated", "freed")
@@ -95,10 +96,12 @@ def _install_callbacks(ffi: Any) -> None:
             try:
                 if upstream.admit is not None:
                     upstream.admit(size)
-                out[0] = upstream.resource.allocate(size)
+                out[0] = ptr = upstream.resource.allocate(size)
             except BaseException as exc:  # noqa: BLE001 - raised by the malloc that asked
                 upstream.refusals[threading.get_ident()] = exc
                 return 1
+            if upstream.notify is not None:
+                upstream.notify("segment_alloc", ptr, size)
             return 0
 
         @ffi.def_extern()  # type: ignore[untyped-decorator]
@@ -107,11 +110,14 @@ def _install_callbacks(ffi: Any) -> None:
             # Upstream frees are not stream ordered on every backend (the host's, Level
             # Zero's): queued work on the memory finishes first, as in DeviceAllocator.
             try:
-                if upstream.synchronize is not None:
+                if upstream.synchronize is not None and not getattr(upstream.no_wait, "on", False):
                     upstream.synchronize(device)
                 upstream.resource.deallocate(ptr, size)
             except BaseException as exc:  # noqa: BLE001 - raised by the next empty_cache
                 upstream.free_errors.append(exc)
+                return
+            if upstream.notify is not None:
+                upstream.notify("segment_free", ptr, size)
 
         _installed = True
 
@@ -148,15 +154,23 @@ class _Upstream:
     thread (a malloc that saw a refusal raises it). Not the NativeCore itself, so that
     the core's finalizer can keep it alive while the core gives its cache back."""
 
-    __slots__ = ("resource", "refusals", "synchronize", "free_errors", "admit")
+    __slots__ = ("resource", "refusals", "synchronize", "free_errors", "admit", "notify", "no_wait")
 
     def __init__(
-        self, resource: MemoryResource, synchronize: Callable[[int], None] | None, admit: Callable[[int], None] | None
+        self,
+        resource: MemoryResource,
+        synchronize: Callable[[int], None] | None,
+        admit: Callable[[int], None] | None,
+        notify: Callable[[str, int, int], None] | None,
     ) -> None:
         self.resource = resource
         self.admit = admit
+        self.notify = notify
         self.refusals: dict[int, BaseException] = {}
         self.synchronize = synchronize
+        # set on a thread whose give-back must not wait for the device (the callbacks
+        # run on the thread that called into the core)
+        self.no_wait = threading.local()
         # what giving memory back raised (the core gives back on any thread, torch's
         # too): the next empty_cache raises the first
         self.free_errors: list[BaseException] = []
@@ -174,7 +188,8 @@ class NativeCore:
 
     ``synchronize(device)``, when given, runs before memory goes back upstream;
     ``admit(size)`` before a new segment is asked of it (raising OutOfMemoryError refuses
-    it: a memory fraction's cap).
+    it: a memory fraction's cap); ``notify(event, ptr, size)`` after a segment came from
+    upstream ("segment_alloc") or went back ("segment_free"), on the thread that asked.
     ``stream`` and ``pool`` are opaque keys (a stream's handle, a pool's number):
     blocks are reused only under the keys they were freed with.
     """
@@ -184,6 +199,7 @@ class NativeCore:
         upstream: MemoryResource,
         synchronize: Callable[[int], None] | None = None,
         admit: Callable[[int], None] | None = None,
+        notify: Callable[[str, int, int], None] | None = None,
     ) -> None:
         module = core_module()
         self._ffi = module.ffi
@@ -191,7 +207,7 @@ class NativeCore:
         _install_callbacks(self._ffi)
         self.upstream = upstream
         self.device = upstream.device
-        self._callbacks = _Upstream(upstream, synchronize, admit)
+        self._callbacks = _Upstream(upstream, synchronize, admit, notify)
         handle = self._ffi.new_handle(self._callbacks)
         lib = self._lib
         self._core = lib.accel_core_new(self.device, lib.accel_py_upstream_alloc, lib.accel_py_upstream_free, handle)
@@ -238,7 +254,7 @@ class NativeCore:
             "allocator core gave its cache back",
             requested=nbytes,
             device=self.device,
-        )
+        ) from refusal
 
     def free(self, ptr: int) -> None:
         """Give back the block allocated at ``ptr``."""
@@ -264,11 +280,17 @@ class NativeCore:
             errors.clear()
             raise first
 
-    def empty_cache(self) -> int:
+    def empty_cache(self, *, wait: bool = True) -> int:
         """Give the wholly free segments of the pools not kept back upstream; the bytes
         given back. Raises what the upstream raised giving memory back, here or since
-        the last call."""
-        given = int(self._lib.accel_core_empty_cache(self._core))
+        the last call. ``wait=False``: without synchronizing the device first (the
+        caller saw its streams idle, and must not wait)."""
+        no_wait = self._callbacks.no_wait
+        no_wait.on = not wait
+        try:
+            given = int(self._lib.accel_core_empty_cache(self._core))
+        finally:
+            no_wait.on = False
         self._raise_free_errors()
         return given
 
@@ -292,8 +314,10 @@ class NativeCore:
         self._lib.accel_core_freeze(self._core, int(frozen))
 
     def rekey_stream(self, old: int, key: int) -> int:
-        """Key by ``key`` what ``old`` keys (a destroyed stream's handle); the segments."""
-        return int(self._lib.accel_core_rekey_stream(self._core, old, key))
+        """Key by ``key`` what ``old`` keys (a destroyed stream's handle); the segments.
+        Keys are 64-bit: a negative one (never a stream's handle) is stored as its
+        two's complement and listed by :meth:`blocks` as itself."""
+        return int(self._lib.accel_core_rekey_stream(self._core, old & _U64, key & _U64))
 
     def set_divisions(self, divisions: Sequence[int]) -> None:
         """PyTorch's ``roundup_power2_divisions``, one per power-of-two range from 1 MiB."""
@@ -350,7 +374,8 @@ class NativeCore:
             cap = n + 64  # blocks added meanwhile: ask again, with room
         return [
             {
-                "segment": int(b.segment), "segment_size": int(b.segment_size), "stream": int(b.stream),
+                "segment": int(b.segment), "segment_size": int(b.segment_size),
+                "stream": int(b.stream) - (int(b.stream) >> 63 << 64),
                 "pool": int(b.pool), "small": bool(b.small), "allocated": b.state == lib.ACCEL_CORE_ALLOCATED,
                 "held": b.state == lib.ACCEL_CORE_HELD,
                 "ptr": int(b.ptr), "size": int(b.size), "requested": int(b.requested),

@@ -89,10 +89,8 @@ class CoreModel(RuleBasedStateMachine):
         max_split=st.sampled_from([None, 4 * MiB, 12 * MiB]),
         divisions=st.sampled_from([(0,) * 16, (4,) * 16, (1, 2, 4, 8, 16, 1, 2, 4, 8, 16, 1, 2, 4, 8, 16, 1)]),
     )
-    @precondition(lambda self: not self.live and not self.held and not self.frozen)
     def configure(self, max_split: int | None, divisions: tuple[int, ...]) -> None:
-        # only while nothing is allocated: the oversize counts of live blocks would
-        # change meaning (DeviceAllocator recounts; the core is told before use)
+        # blocks may be live: the core counts the oversize ones again under the new bound
         self.core.empty_cache()
         self.max_split = max_split
         self.divisions = divisions
