@@ -61,7 +61,7 @@ class Block:
 
     __slots__ = (
         "ptr", "size", "requested", "stream", "pool", "segment", "state", "mapped", "prev",
-        "next", "event_count", "stream_uses", "gc_base", "frames",
+        "next", "event_count", "stream_uses", "frames",
     )
 
     def __init__(self, ptr: int, size: int, segment: Segment, mapped: bool = True) -> None:
@@ -77,7 +77,6 @@ class Block:
         self.next: Block | None = None
         self.event_count = 0
         self.stream_uses: set[int] | None = None
-        self.gc_base = 0
         self.frames: list[dict[str, Any]] | None = None
 
     def __repr__(self) -> str:
@@ -121,7 +120,7 @@ class CoreBlock:
 class Pool:
     """Free blocks of one kind (small or large) of one pool, per stream."""
 
-    __slots__ = ("small", "kind", "private", "free", "expandable", "calls")
+    __slots__ = ("small", "kind", "private", "free", "expandable")
 
     def __init__(self, small: bool, private: PrivatePool | None) -> None:
         self.small = small
@@ -130,7 +129,6 @@ class Pool:
         # stream handle -> its free blocks; (size, ptr) is unique among them
         self.free: dict[int, FreeList] = {}
         self.expandable: dict[int, Segment] = {}  # stream handle -> its expandable segment
-        self.calls = 0  # best-fit searches, the clock of garbage collection ages
 
 
 class PrivatePool:

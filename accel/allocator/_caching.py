@@ -89,8 +89,6 @@ __all__ = ["DeviceAllocator", "release_orphans", "stream_destroyed"]
 KB_MIN = 512  # minimum block size and rounding quantum
 SMALL_SIZE = 1 << 20  # requests up to this go to the small pool
 SMALL_BUFFER = 2 << 20  # small segments; also the expandable page of the small pool
-MIN_LARGE_ALLOC = 10 << 20  # below this, large requests get a whole large segment
-ROUND_LARGE = 2 << 20  # larger segments are rounded to this
 MAX_REQUEST = 1 << 60  # 1 EiB: PyTorch refuses anything larger
 _UNLIMITED = 1 << 62  # max_split_size when unset
 
@@ -114,19 +112,6 @@ def round_size(size: int, divisions: int) -> int:
             return 2 * floor2
         return -(-size // step) * step
     return (size + KB_MIN - 1) & ~(KB_MIN - 1)
-
-
-def allocation_size(size: int, large_segment: int) -> int:
-    """Bytes asked upstream for a new segment that must hold ``size``.
-
-    >>> [allocation_size(s << 20, 20 << 20) >> 20 for s in (1, 5, 11)]
-    [2, 20, 12]
-    """
-    if size <= SMALL_SIZE:
-        return SMALL_BUFFER
-    if size < MIN_LARGE_ALLOC:
-        return large_segment
-    return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
 class _PoolRelease:
@@ -573,7 +558,6 @@ class DeviceAllocator:
         if remaining >= KB_MIN and (pool.small or expandable or (size < self._ms and remaining > SMALL_SIZE)):
             rest = self._stand_in(block, block.ptr + size, remaining, block, block.next)
             block.size = size
-            rest.gc_base = pool.calls
             if listed is not None:
                 listed.replace(full, block.ptr, rest)
             else:
@@ -653,9 +637,7 @@ class DeviceAllocator:
     def _find_free(self, free: FreeList, size: int) -> Block | None:
         """Best fit of at least ``size`` (oversize rules do not apply inside expandable
         segments), left on ``free``; None on a miss."""
-        for b in free.at_least(size):
-            return b
-        return None
+        return free.best_fit(size)
 
     def _grow(self, pool: Pool, handle: int, size: int, stream: Stream) -> Block:
         """Expandable cache miss: new pages, after giving back cache if needed; or OOM."""
@@ -1403,7 +1385,6 @@ class DeviceAllocator:
             # No free neighbour: a fresh block object stands in for this one.
             survivor = self._stand_in(block, block.ptr, block.size, prev, nxt)
             free.add(survivor)
-        survivor.gc_base = pool.calls
         if split_counted and (prev is not None or nxt is not None):
             S.add_inactive_split(k, survivor.size)
 
@@ -1450,7 +1431,6 @@ class DeviceAllocator:
     def _insert_free(self, block: Block) -> None:
         """Put FREE mapped ``block`` on its free list (inactive-split counted)."""
         pool = block.pool
-        block.gc_base = pool.calls
         free = pool.free.get(block.stream)
         if free is None:
             free = pool.free[block.stream] = FreeList()

@@ -12,7 +12,7 @@ from accel._errors import CaptureError, DeviceError, InvalidHandleError, Invalid
 from accel._runtime import Runtime
 from accel.allocator import _stats as S
 from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED
-from accel.allocator._caching import DeviceAllocator, allocation_size, round_size
+from accel.allocator._caching import DeviceAllocator, round_size
 from accel.allocator.config import AllocatorConfig, parse
 from accel.backends.cpu import CpuBackend
 
@@ -190,11 +190,20 @@ def test_round_size_vectors():
     assert round_size(9 * MiB, 2) == 12 * MiB
 
 
-def test_allocation_size_vectors():
-    assert allocation_size(1 * MiB, 20 * MiB) == 2 * MiB
-    assert allocation_size(5 * MiB, 20 * MiB) == 20 * MiB
-    assert allocation_size(11 * MiB, 20 * MiB) == 12 * MiB
-    assert allocation_size(5 * MiB, 32 * MiB) == 32 * MiB
+def test_segment_sizes(host):
+    """PyTorch's segment sizes: 2 MiB for small requests, a large segment below 10 MiB,
+    else the request rounded up to 2 MiB."""
+    backend, rt = host
+    s = rt.default_stream(0)
+    for config, request, segment in (
+        ("", 1 * MiB, 2 * MiB), ("", 5 * MiB, 20 * MiB), ("", 11 * MiB, 12 * MiB),
+        ("large_segment_size_mb:32", 5 * MiB, 32 * MiB),
+    ):  # fmt: skip
+        a = make(backend, config)
+        block = a.malloc(request, s)
+        assert [seg["total_size"] for seg in a.snapshot()] == [segment], (config, request)
+        a.free(block)
+        a.empty_cache()
 
 
 def test_roundup_divisions_from_config(host):
