@@ -321,7 +321,14 @@ class DeviceAllocator:
         # The books of the plain segments, shared with torch's pluggable allocator on
         # this device (see native_core); the handles of its blocks callers hold, by address.
         ref = weakref.ref(self)
-        self._core = NativeCore(self.upstream, backend.device_synchronize, _admitter(ref), _notifier(ref))
+        self._core = core = NativeCore(self.upstream, backend.device_synchronize, _admitter(ref), _notifier(ref))
+        # The core's C entry points and malloc's out-parameters, for the hot paths: the
+        # out-parameters are this allocator's, as every call through them holds its lock.
+        self._core_handle = core._core
+        self._core_malloc = core._lib.accel_core_malloc
+        self._core_free = core._lib.accel_core_free
+        self._out_ptr = core._ffi.new("uint64_t *")
+        self._out_size = core._ffi.new("int64_t *")
         self._live: dict[int, CoreBlock] = {}
         self._next_pool_key = 1  # the core's numbers of private pools (0: the default pool)
         self._apply_config(config)
@@ -468,10 +475,15 @@ class DeviceAllocator:
             if self._expandable:
                 return self._malloc_expandable(nbytes, stream, handle, private)
             key = 0 if private is None else private.key
-            try:
-                ptr, size = self._core.malloc(nbytes, handle, key, NO_RETRY)
-            except OutOfMemoryError as exc:
-                ptr, size = self._grow_core(nbytes, handle, key, exc)
+            out_ptr, out_size = self._out_ptr, self._out_size
+            rc = self._core_malloc(self._core_handle, nbytes, handle, key, NO_RETRY, out_ptr, out_size)
+            if rc:  # not ACCEL_CORE_OK
+                try:
+                    self._core.raise_for(rc, nbytes)
+                except OutOfMemoryError as exc:
+                    ptr, size = self._grow_core(nbytes, handle, key, exc)
+            else:
+                ptr, size = out_ptr[0], out_size[0]
             block = CoreBlock(self, ptr, size, nbytes, handle)
             self._live[ptr] = block
             if handle not in self._known:
@@ -1133,7 +1145,8 @@ class DeviceAllocator:
             else:
                 block.state = RETIRED
                 del self._live[block.ptr]
-                self._core.free(block.ptr)
+                if self._core_free(self._core_handle, block.ptr):  # not ACCEL_CORE_OK: a broken book
+                    raise InvalidHandleError(f"the allocator core of {self!r} does not hold {block!r}, which it handed out")
                 if self._history is not None:
                     self._history.record("free_completed", block.ptr, block.size, block.stream, None)
             return

@@ -30,7 +30,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 from accel._errors import InvalidValueError, OutOfMemoryError
 from accel.allocator._resources import MemoryResource
@@ -242,6 +242,12 @@ class NativeCore:
         rc = lib.accel_core_malloc(self._core, nbytes, stream, pool, flags, out, size)
         if rc == 0:  # ACCEL_CORE_OK
             return out[0], size[0]
+        self.raise_for(rc, nbytes)
+
+    def raise_for(self, rc: int, nbytes: int) -> NoReturn:
+        """Raise what ``accel_core_malloc``'s nonzero ``rc`` for ``nbytes`` means: the
+        upstream's own exception, InvalidValueError, MemoryError or OutOfMemoryError."""
+        lib = self._lib
         refusal = self._callbacks.refusals.pop(threading.get_ident(), None)
         if rc == lib.ACCEL_CORE_BAD_SIZE:
             raise InvalidValueError(f"cannot allocate {nbytes} bytes: the size must be in [1, 2**60)")
