@@ -243,8 +243,10 @@ class DeviceAllocator:
 
     Memory comes from ``upstream`` (default: the backend itself); streams are
     accel :class:`~accel.Stream` objects of that device. ``malloc`` returns a
-    :class:`Block` whose ``ptr`` and ``size`` the caller uses; ``free`` gives
-    it back to the cache. Thread safe: one lock guards all state.
+    block handle (a :class:`CoreBlock` of the native core, or a :class:`Block` of an
+    expandable segment) whose ``ptr`` and ``size`` the caller uses; ``free`` gives
+    it back to the cache. Thread safe: one lock guards the policy's state; the core
+    has its own.
     ``mempool``: the id of the :class:`~accel.memory.MemPool` it serves, if any
     (an out-of-memory error of another allocator of the device counts the pool's).
 
