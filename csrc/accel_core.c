@@ -34,7 +34,8 @@ typedef struct block {
     int64_t requested;
     segment *seg;
     struct block *prev, *next; /* neighbours in the segment, by address */
-    int allocated;
+    int state;         /* ACCEL_CORE_FREE, ACCEL_CORE_ALLOCATED or ACCEL_CORE_HELD */
+    uint64_t gc_base;  /* the core's gc clock when the block joined a free list */
     /* free-list treap, keyed by (size, ptr) */
     struct block *left, *right;
     uint32_t priority;
@@ -72,6 +73,13 @@ struct accel_core {
     accel_upstream_free_fn upstream_free;
     void *ctx;
     int64_t max_split_size, max_non_split_rounding, large_segment;
+    int64_t divisions[ACCEL_CORE_DIVISION_SLOTS]; /* roundup_power2_divisions (<= 1: none) */
+    int any_divisions;
+    int64_t gc_threshold; /* bytes reserved above which a miss collects old blocks (0: off) */
+    uint64_t gc_clock;    /* best-fit searches of the default large pool: the age of blocks */
+    int frozen;           /* nonzero: nothing goes back upstream (a capture is under way) */
+    uint64_t *kept;       /* pools whose free segments stay cached (graph pools in use) */
+    int64_t nkept, capkept;
     freelist *lists;
     int64_t nlists, caplists;
     segment *segments;
@@ -134,6 +142,7 @@ static block *treap_merge(block *a, block *b) {
 }
 
 static void list_insert(accel_core *c, freelist *l, block *b) {
+    b->gc_base = c->gc_clock;
     b->priority = next_priority(c);
     b->left = b->right = NULL;
     block **at = &l->root;
@@ -285,16 +294,86 @@ EXPORT accel_core *accel_core_new(int device, accel_upstream_alloc_fn alloc, acc
     return c;
 }
 
+static int oversize(const accel_core *c, int64_t size);
+
 EXPORT void accel_core_configure(accel_core *c, int64_t max_split_size, int64_t max_non_split_rounding,
                                  int64_t large_segment) {
     pthread_mutex_lock(&c->lock);
+    int changed = c->max_split_size != max_split_size;
     c->max_split_size = max_split_size;
     c->max_non_split_rounding = max_non_split_rounding;
     c->large_segment = large_segment;
+    if (changed) {
+        /* count the oversize blocks and segments again under the new bound, so that
+         * frees under it keep the statistics right (peaks only rise) */
+        int64_t blocks = 0, segments = 0;
+        for (segment *seg = c->segments; seg != NULL; seg = seg->next) {
+            segments += oversize(c, seg->size);
+            for (block *b = seg->head; b != NULL; b = b->next)
+                blocks += b->state == ACCEL_CORE_ALLOCATED && oversize(c, b->size);
+        }
+        int64_t counts[2] = {blocks, segments};
+        int bases[2] = {ST_OVERSIZE_ALLOCATIONS, ST_OVERSIZE_SEGMENTS};
+        for (int i = 0; i < 2; i++) {
+            int64_t *s = &c->s[bases[i]];
+            s[4] += counts[i] > s[0] ? counts[i] - s[0] : 0;
+            s[0] = counts[i];
+            s[2] = s[2] > counts[i] ? s[2] : counts[i];
+            s[6] = s[6] > counts[i] ? s[6] : counts[i];
+        }
+    }
     pthread_mutex_unlock(&c->lock);
 }
 
-static int64_t round_request(int64_t n) { return n < KB_MIN ? KB_MIN : (n + KB_MIN - 1) & -(int64_t)KB_MIN; }
+EXPORT void accel_core_set_divisions(accel_core *c, const int64_t *divisions) {
+    pthread_mutex_lock(&c->lock);
+    c->any_divisions = 0;
+    for (int i = 0; i < ACCEL_CORE_DIVISION_SLOTS; i++) {
+        c->divisions[i] = divisions[i];
+        c->any_divisions |= divisions[i] > 1;
+    }
+    pthread_mutex_unlock(&c->lock);
+}
+
+EXPORT void accel_core_set_gc_threshold(accel_core *c, int64_t threshold) {
+    pthread_mutex_lock(&c->lock);
+    c->gc_threshold = threshold > 0 ? threshold : 0;
+    pthread_mutex_unlock(&c->lock);
+}
+
+EXPORT void accel_core_freeze(accel_core *c, int frozen) {
+    pthread_mutex_lock(&c->lock);
+    c->frozen = frozen;
+    pthread_mutex_unlock(&c->lock);
+}
+
+static int bit_length(uint64_t n) { return n == 0 ? 0 : 64 - __builtin_clzll(n); }
+
+/* PyTorch's round_size for `divisions` (<= 1: none): power-of-two divisions apply
+ * above 512 * divisions bytes only. (accel/allocator/_caching.py's round_size.) */
+static int64_t round_divided(int64_t size, int64_t divisions) {
+    if (size < KB_MIN)
+        return KB_MIN;
+    if (divisions > 1 && size > KB_MIN * divisions) {
+        if ((size & (size - 1)) == 0)
+            return size;
+        int64_t floor2 = (int64_t)1 << (bit_length((uint64_t)size) - 1);
+        int64_t step = floor2 >> (bit_length((uint64_t)divisions) - 1);
+        if (step == 0)
+            return 2 * floor2;
+        return (size + step - 1) / step * step;
+    }
+    return (size + KB_MIN - 1) & -(int64_t)KB_MIN;
+}
+
+static int64_t round_request(const accel_core *c, int64_t n) {
+    if (c->any_divisions && n >= KB_MIN) {
+        int slot = bit_length((uint64_t)n) - 21; /* the divisions of [1 MiB, 2 MiB) are slot 0 */
+        slot = slot < 0 ? 0 : (slot < ACCEL_CORE_DIVISION_SLOTS - 1 ? slot : ACCEL_CORE_DIVISION_SLOTS - 1);
+        return round_divided(n, c->divisions[slot]);
+    }
+    return n < KB_MIN ? KB_MIN : (n + KB_MIN - 1) & -(int64_t)KB_MIN;
+}
 
 static int64_t segment_size_for(const accel_core *c, int64_t size) {
     if (size <= SMALL_SIZE)
@@ -349,7 +428,7 @@ static void take_block(accel_core *c, freelist *l, block *b, int64_t size, int64
         stat_add(s, ST_INACTIVE_SPLIT, kind, 1);
         stat_add(s, ST_INACTIVE_SPLIT_BYTES, kind, remaining);
     }
-    b->allocated = 1;
+    b->state = ACCEL_CORE_ALLOCATED;
     b->requested = nbytes;
     map_put(&c->allocated, b);
     stat_add(s, ST_ALLOCATION, kind, 1);
@@ -361,33 +440,47 @@ static void take_block(accel_core *c, freelist *l, block *b, int64_t size, int64
         stat_add(s, ST_OVERSIZE_ALLOCATIONS, 0, 1);
 }
 
-/* Unlinks every wholly free segment (one unsplit free block) into *out; the caller
- * gives them back upstream once the lock is released. */
-static int64_t detach_free_segments(accel_core *c, segment **out) {
+static int kept(const accel_core *c, uint64_t pool) {
+    for (int64_t i = 0; i < c->nkept; i++)
+        if (c->kept[i] == pool)
+            return 1;
+    return 0;
+}
+
+static int wholly_free(const segment *seg) { return seg->head->state == ACCEL_CORE_FREE && seg->head->next == NULL; }
+
+/* Unlinks wholly free segment seg (its one block on its free list) into *out and
+ * uncounts it; the caller gives *out back upstream once the lock is released. */
+static void detach_segment(accel_core *c, segment *seg, segment **out) {
+    freelist *l = find_list(c, seg->pool, seg->small, seg->stream, 0);
+    list_remove(l, seg->head);
+    if (seg->prev != NULL)
+        seg->prev->next = seg->next;
+    else
+        c->segments = seg->next;
+    if (seg->next != NULL)
+        seg->next->prev = seg->prev;
+    int kind = seg->small ? 0 : 1;
+    stat_add(c->s, ST_SEGMENT, kind, -1);
+    stat_add(c->s, ST_RESERVED_BYTES, kind, -seg->size);
+    if (oversize(c, seg->size))
+        stat_add(c->s, ST_OVERSIZE_SEGMENTS, 0, -1);
+    c->s[ST_NUM_DEVICE_FREE]++;
+    seg->prev = NULL;
+    seg->next = *out;
+    *out = seg;
+}
+
+/* Detaches every wholly free segment of the pools not kept (of `pool` alone when
+ * only_pool); returns their bytes. */
+static int64_t detach_free_segments(accel_core *c, segment **out, int only_pool, uint64_t pool) {
     int64_t bytes = 0;
     segment *seg = c->segments;
     while (seg != NULL) {
         segment *next = seg->next;
-        block *b = seg->head;
-        if (!b->allocated && b->next == NULL) {
-            freelist *l = find_list(c, seg->pool, seg->small, seg->stream, 0);
-            list_remove(l, b);
-            if (seg->prev != NULL)
-                seg->prev->next = seg->next;
-            else
-                c->segments = seg->next;
-            if (seg->next != NULL)
-                seg->next->prev = seg->prev;
-            int kind = seg->small ? 0 : 1;
-            stat_add(c->s, ST_SEGMENT, kind, -1);
-            stat_add(c->s, ST_RESERVED_BYTES, kind, -seg->size);
-            if (oversize(c, seg->size))
-                stat_add(c->s, ST_OVERSIZE_SEGMENTS, 0, -1);
-            c->s[ST_NUM_DEVICE_FREE]++;
-            seg->prev = NULL;
-            seg->next = *out;
-            *out = seg;
+        if (wholly_free(seg) && (only_pool ? seg->pool == pool : !kept(c, seg->pool))) {
             bytes += seg->size;
+            detach_segment(c, seg, out);
         }
         seg = next;
     }
@@ -404,18 +497,116 @@ static void give_back(accel_core *c, segment *list) {
     }
 }
 
-EXPORT int accel_core_malloc(accel_core *c, int64_t nbytes, uint64_t stream, uint64_t pool, uint64_t *ptr,
-                             int64_t *size_out) {
+static int64_t reserved_bytes(const accel_core *c) { return c->s[ST_RESERVED_BYTES] + c->s[ST_RESERVED_BYTES + 1]; }
+
+/* PyTorch's garbage_collect_cached_blocks: while more than gc_threshold bytes are
+ * reserved, detach the unsplit free blocks of the default large pool (every stream)
+ * at least as old as their average age, oldest rounds first. */
+static void collect_garbage(accel_core *c, segment **out) {
+    int64_t target = reserved_bytes(c) - c->gc_threshold;
+    while (target > 0) {
+        uint64_t total_age = 0;
+        int64_t n = 0;
+        for (segment *seg = c->segments; seg != NULL; seg = seg->next)
+            if (seg->pool == 0 && !seg->small && wholly_free(seg))
+                total_age += c->gc_clock - seg->head->gc_base, n++;
+        if (n == 0)
+            return;
+        double average = (double)total_age / (double)n;
+        int64_t reclaimed = 0;
+        for (segment *seg = c->segments, *next; seg != NULL; seg = next) {
+            next = seg->next;
+            if (seg->pool == 0 && !seg->small && wholly_free(seg) && (double)(c->gc_clock - seg->head->gc_base) >= average) {
+                reclaimed += seg->size;
+                detach_segment(c, seg, out);
+            }
+        }
+        if (reclaimed == 0)
+            return;
+        target -= reclaimed;
+    }
+}
+
+/* PyTorch's release_available_cached_blocks on list l (a miss of size bytes there):
+ * detach the smallest unsplit free block of at least max(size, max_split_size), else
+ * the largest oversize unsplit ones until that much is detached. Returns whether
+ * that much was. */
+static int release_available(accel_core *c, freelist *l, int64_t size, segment **out) {
+    int64_t key = size > c->max_split_size ? size : c->max_split_size;
+    if (l == NULL || l->count == 0)
+        return 0;
+    /* the list's unsplit blocks in (size, ptr) order: an in-order walk of the treap */
+    block **whole = malloc((size_t)l->count * sizeof(block *));
+    block **stack = malloc((size_t)l->count * sizeof(block *));
+    if (whole == NULL || stack == NULL) {
+        free(whole);
+        free(stack);
+        return 0;
+    }
+    int64_t n = 0, depth = 0;
+    block *t = l->root;
+    while (t != NULL || depth > 0) {
+        while (t != NULL) {
+            stack[depth++] = t;
+            t = t->left;
+        }
+        t = stack[--depth];
+        if (!is_split(t))
+            whole[n++] = t;
+        t = t->right;
+    }
+    free(stack);
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (whole[i]->size >= key) {
+            total = whole[i]->size;
+            detach_segment(c, whole[i]->seg, out);
+            free(whole);
+            return 1;
+        }
+    }
+    for (int64_t i = n - 1; i >= 0 && total < key && whole[i]->size >= c->max_split_size; i--) {
+        total += whole[i]->size;
+        detach_segment(c, whole[i]->seg, out);
+    }
+    free(whole);
+    return total >= key;
+}
+
+/* The miss step after step (the lock held): those that cannot help are skipped. */
+static int next_step(const accel_core *c, int step, int flags) {
+    step++;
+    if (step == 1 && (c->max_split_size <= 0 || c->frozen))
+        step++;
+    if (step == 2 && (c->frozen || (flags & ACCEL_CORE_NO_RETRY)))
+        step++;
+    return step;
+}
+
+/* A malloc refused after its last step (the lock held: released here). */
+static int oom(accel_core *c, int flags, block *spare) {
+    if (!(flags & ACCEL_CORE_NO_RETRY))
+        c->s[ST_NUM_OOMS]++;
+    pthread_mutex_unlock(&c->lock);
+    free(spare);
+    return ACCEL_CORE_OOM;
+}
+
+EXPORT int accel_core_malloc(accel_core *c, int64_t nbytes, uint64_t stream, uint64_t pool, int flags,
+                             uint64_t *ptr, int64_t *size_out) {
     if (nbytes < 1 || nbytes >= MAX_REQUEST)
         return ACCEL_CORE_BAD_SIZE;
-    int64_t size = round_request(nbytes);
-    int small = size <= SMALL_SIZE;
     /* allocated outside the lock: a cut needs a block for the rest, a miss a segment */
     block *spare = malloc(sizeof(block));
     if (spare == NULL)
         return ACCEL_CORE_NO_MEMORY;
-    int retried = 0;
+    /* the steps of a miss, in order: ask upstream; give back oversize cached blocks
+     * that could make room and ask again; give back the whole cache and ask again
+     * (not with ACCEL_CORE_NO_RETRY: the caller has steps of its own first) */
+    int step = (flags & ACCEL_CORE_GIVE_BACK_FIRST) ? 2 : 0;
     pthread_mutex_lock(&c->lock);
+    int64_t size = round_request(c, nbytes);
+    int small = size <= SMALL_SIZE;
     for (;;) {
         freelist *l = find_list(c, pool, small, stream, 1);
         if (l == NULL || map_reserve(&c->allocated) != 0) {
@@ -423,6 +614,8 @@ EXPORT int accel_core_malloc(accel_core *c, int64_t nbytes, uint64_t stream, uin
             free(spare);
             return ACCEL_CORE_NO_MEMORY;
         }
+        if (c->gc_threshold && pool == 0 && !small && l->count)
+            c->gc_clock++;
         block *b = list_best_fit(l, size);
         if (b != NULL && usable(c, b->size, size)) {
             take_block(c, l, b, size, nbytes, &spare);
@@ -432,9 +625,29 @@ EXPORT int accel_core_malloc(accel_core *c, int64_t nbytes, uint64_t stream, uin
             free(spare);
             return ACCEL_CORE_OK;
         }
-        /* a miss: a new segment from upstream, asked without the lock */
+        /* a miss: give back what the step says, then ask upstream, without the lock */
+        segment *cached = NULL;
+        int ask = 1;
+        if (!c->frozen) {
+            if (step == 0 && c->gc_threshold)
+                collect_garbage(c, &cached);
+            else if (step == 1)
+                ask = release_available(c, l, size, &cached); /* not enough: on to step 2 */
+            else if (step == 2) {
+                detach_free_segments(c, &cached, 0, 0);
+                c->s[ST_NUM_ALLOC_RETRIES]++;
+            }
+        }
         int64_t want = segment_size_for(c, size);
         pthread_mutex_unlock(&c->lock);
+        give_back(c, cached);
+        if (!ask) {
+            pthread_mutex_lock(&c->lock);
+            step = next_step(c, step, flags);
+            if (step > 2)
+                return oom(c, flags, spare);
+            continue;
+        }
         segment *seg = calloc(1, sizeof(segment));
         block *head = calloc(1, sizeof(block));
         uint64_t base = 0;
@@ -451,21 +664,11 @@ EXPORT int accel_core_malloc(accel_core *c, int64_t nbytes, uint64_t stream, uin
             free(seg);
             free(head);
             pthread_mutex_lock(&c->lock);
-            if (retried) {
-                c->s[ST_NUM_OOMS]++;
-                pthread_mutex_unlock(&c->lock);
-                free(spare);
-                return ACCEL_CORE_OOM;
-            }
-            /* give the cache back and try once more (another thread may have freed
-             * meanwhile, so the loop looks at the free list again first) */
-            segment *cached = NULL;
-            detach_free_segments(c, &cached);
-            c->s[ST_NUM_ALLOC_RETRIES]++;
-            pthread_mutex_unlock(&c->lock);
-            give_back(c, cached);
-            retried = 1;
-            pthread_mutex_lock(&c->lock);
+            /* the next step (another thread may have freed meanwhile, so the loop
+             * looks at the free list again first) */
+            step = next_step(c, step, flags);
+            if (step > 2)
+                return oom(c, flags, spare);
             continue;
         }
         seg->base = base;
@@ -507,29 +710,31 @@ EXPORT int accel_core_malloc(accel_core *c, int64_t nbytes, uint64_t stream, uin
     }
 }
 
-EXPORT int accel_core_free(accel_core *c, uint64_t ptr) {
-    pthread_mutex_lock(&c->lock);
-    block *b = map_take(&c->allocated, ptr, 1);
-    if (b == NULL) {
-        pthread_mutex_unlock(&c->lock);
-        return ACCEL_CORE_NOT_ALLOCATED;
-    }
+/* The caller no longer uses allocated block b: it leaves the allocated statistics
+ * (it stays active and requested until its memory is free for reuse). */
+static void drop_allocated(accel_core *c, block *b) {
+    int kind = b->seg->small ? 0 : 1;
+    stat_add(c->s, ST_ALLOCATION, kind, -1);
+    stat_add(c->s, ST_ALLOCATED_BYTES, kind, -b->size);
+    if (oversize(c, b->size))
+        stat_add(c->s, ST_OVERSIZE_ALLOCATIONS, 0, -1);
+}
+
+/* Block b (off the ptrmap, counted active) becomes free: merged with free neighbours
+ * onto its list. Returns the block objects merged away, for the caller to free once
+ * the lock is released. */
+static void make_free(accel_core *c, block *b, block *dead[2]) {
     segment *seg = b->seg;
     int kind = seg->small ? 0 : 1;
     int64_t *s = c->s;
-    stat_add(s, ST_ALLOCATION, kind, -1);
     stat_add(s, ST_ACTIVE, kind, -1);
-    stat_add(s, ST_ALLOCATED_BYTES, kind, -b->size);
     stat_add(s, ST_ACTIVE_BYTES, kind, -b->size);
     stat_add(s, ST_REQUESTED_BYTES, kind, -b->requested);
-    if (oversize(c, b->size))
-        stat_add(s, ST_OVERSIZE_ALLOCATIONS, 0, -1);
-    b->allocated = 0;
+    b->state = ACCEL_CORE_FREE;
     b->requested = 0;
     freelist *l = find_list(c, seg->pool, seg->small, seg->stream, 0);
-    block *dead[2] = {NULL, NULL};
     block *prev = b->prev, *next = b->next;
-    if (prev != NULL && !prev->allocated) { /* prev absorbs b */
+    if (prev != NULL && prev->state == ACCEL_CORE_FREE) { /* prev absorbs b */
         list_remove(l, prev);
         stat_add(s, ST_INACTIVE_SPLIT, kind, -1), stat_add(s, ST_INACTIVE_SPLIT_BYTES, kind, -prev->size);
         prev->size += b->size;
@@ -539,7 +744,7 @@ EXPORT int accel_core_free(accel_core *c, uint64_t ptr) {
         dead[0] = b;
         b = prev;
     }
-    if (next != NULL && !next->allocated) { /* b absorbs next */
+    if (next != NULL && next->state == ACCEL_CORE_FREE) { /* b absorbs next */
         list_remove(l, next);
         stat_add(s, ST_INACTIVE_SPLIT, kind, -1), stat_add(s, ST_INACTIVE_SPLIT_BYTES, kind, -next->size);
         b->size += next->size;
@@ -551,6 +756,50 @@ EXPORT int accel_core_free(accel_core *c, uint64_t ptr) {
     list_insert(c, l, b);
     if (is_split(b))
         stat_add(s, ST_INACTIVE_SPLIT, kind, 1), stat_add(s, ST_INACTIVE_SPLIT_BYTES, kind, b->size);
+}
+
+EXPORT int accel_core_free(accel_core *c, uint64_t ptr) {
+    pthread_mutex_lock(&c->lock);
+    block *b = map_take(&c->allocated, ptr, 1);
+    if (b == NULL || b->state != ACCEL_CORE_ALLOCATED) {
+        if (b != NULL) /* held: it stays in the map (the slot it had is free again) */
+            map_put(&c->allocated, b);
+        pthread_mutex_unlock(&c->lock);
+        return ACCEL_CORE_NOT_ALLOCATED;
+    }
+    block *dead[2] = {NULL, NULL};
+    drop_allocated(c, b);
+    make_free(c, b, dead);
+    pthread_mutex_unlock(&c->lock);
+    free(dead[0]);
+    free(dead[1]);
+    return ACCEL_CORE_OK;
+}
+
+EXPORT int accel_core_hold(accel_core *c, uint64_t ptr) {
+    pthread_mutex_lock(&c->lock);
+    block *b = map_take(&c->allocated, ptr, 0);
+    int rc = ACCEL_CORE_NOT_ALLOCATED;
+    if (b != NULL && b->state == ACCEL_CORE_ALLOCATED) {
+        drop_allocated(c, b);
+        b->state = ACCEL_CORE_HELD;
+        rc = ACCEL_CORE_OK;
+    }
+    pthread_mutex_unlock(&c->lock);
+    return rc;
+}
+
+EXPORT int accel_core_release_held(accel_core *c, uint64_t ptr) {
+    pthread_mutex_lock(&c->lock);
+    block *b = map_take(&c->allocated, ptr, 1);
+    if (b == NULL || b->state != ACCEL_CORE_HELD) {
+        if (b != NULL) /* allocated: it stays in the map */
+            map_put(&c->allocated, b);
+        pthread_mutex_unlock(&c->lock);
+        return ACCEL_CORE_NOT_HELD;
+    }
+    block *dead[2] = {NULL, NULL};
+    make_free(c, b, dead);
     pthread_mutex_unlock(&c->lock);
     free(dead[0]);
     free(dead[1]);
@@ -560,13 +809,84 @@ EXPORT int accel_core_free(accel_core *c, uint64_t ptr) {
 EXPORT int64_t accel_core_empty_cache(accel_core *c) {
     segment *cached = NULL;
     pthread_mutex_lock(&c->lock);
-    int64_t bytes = detach_free_segments(c, &cached);
+    int64_t bytes = c->frozen ? 0 : detach_free_segments(c, &cached, 0, 0);
     pthread_mutex_unlock(&c->lock);
     give_back(c, cached);
     return bytes;
 }
 
+EXPORT int accel_core_keep_pool(accel_core *c, uint64_t pool, int keep) {
+    pthread_mutex_lock(&c->lock);
+    int64_t i = 0;
+    while (i < c->nkept && c->kept[i] != pool)
+        i++;
+    if (keep && i == c->nkept) {
+        if (c->nkept == c->capkept) {
+            int64_t cap = c->capkept ? 2 * c->capkept : 8;
+            uint64_t *grown = realloc(c->kept, (size_t)cap * sizeof(uint64_t));
+            if (grown == NULL) {
+                pthread_mutex_unlock(&c->lock);
+                return ACCEL_CORE_NO_MEMORY;
+            }
+            c->kept = grown;
+            c->capkept = cap;
+        }
+        c->kept[c->nkept++] = pool;
+    } else if (!keep && i < c->nkept) {
+        c->kept[i] = c->kept[--c->nkept];
+    }
+    pthread_mutex_unlock(&c->lock);
+    return ACCEL_CORE_OK;
+}
+
+EXPORT int64_t accel_core_release_pool(accel_core *c, uint64_t pool) {
+    segment *cached = NULL;
+    pthread_mutex_lock(&c->lock);
+    int64_t bytes = c->frozen ? 0 : detach_free_segments(c, &cached, 1, pool);
+    pthread_mutex_unlock(&c->lock);
+    give_back(c, cached);
+    return bytes;
+}
+
+EXPORT int64_t accel_core_pool_segments(accel_core *c, uint64_t pool) {
+    int64_t n = 0;
+    pthread_mutex_lock(&c->lock);
+    for (segment *seg = c->segments; seg != NULL; seg = seg->next)
+        n += seg->pool == pool;
+    pthread_mutex_unlock(&c->lock);
+    return n;
+}
+
+EXPORT int64_t accel_core_rekey_stream(accel_core *c, uint64_t old, uint64_t key) {
+    int64_t n = 0;
+    pthread_mutex_lock(&c->lock);
+    for (segment *seg = c->segments; seg != NULL; seg = seg->next)
+        if (seg->stream == old)
+            seg->stream = key, n++;
+    int64_t count = c->nlists;
+    for (int64_t i = 0; i < count; i++) {
+        freelist *l = &c->lists[i];
+        if (l->stream != old)
+            continue;
+        freelist *to = find_list(c, l->pool, l->small, key, 0);
+        if (to == NULL) {
+            l->stream = key;
+            continue;
+        }
+        /* the new key has a list already (a caller reusing a key): move the blocks */
+        while (l->root != NULL) {
+            block *b = l->root;
+            list_remove(l, b);
+            list_insert(c, to, b);
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+    return n;
+}
+
 EXPORT void accel_core_destroy(accel_core *c) {
+    c->frozen = 0;
+    c->nkept = 0;
     accel_core_empty_cache(c);
     /* what is still allocated stays with its holders; only the books go */
     for (segment *seg = c->segments, *next; seg != NULL; seg = next) {
@@ -578,6 +898,7 @@ EXPORT void accel_core_destroy(accel_core *c) {
         free(seg);
     }
     free(c->lists);
+    free(c->kept);
     free(c->allocated.slots);
     pthread_mutex_destroy(&c->lock);
     free(c);
@@ -611,7 +932,7 @@ EXPORT int64_t accel_core_blocks(accel_core *c, accel_core_block_info *out, int6
                 i->stream = seg->stream;
                 i->pool = seg->pool;
                 i->small = seg->small;
-                i->state = b->allocated ? ACCEL_CORE_ALLOCATED : ACCEL_CORE_FREE;
+                i->state = b->state;
                 i->ptr = b->ptr;
                 i->size = b->size;
                 i->requested = b->requested;
@@ -625,7 +946,7 @@ EXPORT int64_t accel_core_blocks(accel_core *c, accel_core_block_info *out, int6
 EXPORT int64_t accel_core_allocated_size(accel_core *c, uint64_t ptr) {
     pthread_mutex_lock(&c->lock);
     block *b = map_take(&c->allocated, ptr, 0);
-    int64_t size = b == NULL ? -1 : b->size;
+    int64_t size = b == NULL || b->state != ACCEL_CORE_ALLOCATED ? -1 : b->size;
     pthread_mutex_unlock(&c->lock);
     return size;
 }
@@ -664,7 +985,7 @@ EXPORT void *accel_torch_alloc(ssize_t size, int device, void *stream) {
         return NULL;
     uint64_t ptr = 0;
     int64_t got = 0;
-    if (accel_core_malloc(c, size ? (int64_t)size : 1, (uint64_t)(uintptr_t)stream, 0, &ptr, &got) != ACCEL_CORE_OK)
+    if (accel_core_malloc(c, size ? (int64_t)size : 1, (uint64_t)(uintptr_t)stream, 0, 0, &ptr, &got) != ACCEL_CORE_OK)
         return NULL;
     return (void *)(uintptr_t)ptr;
 }

@@ -20,10 +20,22 @@ typedef struct accel_core accel_core;
 #define ACCEL_CORE_BAD_SIZE 2      /* size < 1 or >= 2**60 */
 #define ACCEL_CORE_NOT_ALLOCATED 3 /* free of an address the core did not hand out */
 #define ACCEL_CORE_NO_MEMORY 4     /* the host's malloc failed for the core's own books */
+#define ACCEL_CORE_NOT_HELD 5      /* release_held of an address that is not held */
+
+/* accel_core_malloc's flags. NO_RETRY: on a refusal, return ACCEL_CORE_OOM without
+ * giving the whole cache back (the caller has steps of its own first, then calls again
+ * with GIVE_BACK_FIRST: give the cache back and count a retry before asking). */
+#define ACCEL_CORE_NO_RETRY 1
+#define ACCEL_CORE_GIVE_BACK_FIRST 2
 
 /* Block states in snapshots. */
 #define ACCEL_CORE_FREE 0
 #define ACCEL_CORE_ALLOCATED 1
+#define ACCEL_CORE_HELD 2 /* freed by its caller, its reuse waiting (see accel_core_hold) */
+
+/* roundup_power2_divisions: one per power-of-two size range, from [1 MiB, 2 MiB) up
+ * (below 1 MiB the first applies, from 2**35 bytes the last). */
+#define ACCEL_CORE_DIVISION_SLOTS 16
 
 /* Statistic slots: the layout of accel/allocator/_stats.py's flat list. Each of the
  * 11 statistics owns 8 slots from base = 8 * index: +0/+1 current (small/large pool),
@@ -42,7 +54,7 @@ typedef struct {
     uint64_t stream;
     uint64_t pool;      /* 0: the device's default pool */
     int32_t small;      /* 1: small pool, 0: large */
-    int32_t state;      /* ACCEL_CORE_FREE or ACCEL_CORE_ALLOCATED */
+    int32_t state;      /* ACCEL_CORE_FREE, ACCEL_CORE_ALLOCATED or ACCEL_CORE_HELD */
     uint64_t ptr;
     int64_t size;
     int64_t requested;
@@ -58,17 +70,46 @@ void accel_core_destroy(accel_core *core);
  * what the core reserves, such as a memory fraction, is the upstream's to apply.) */
 void accel_core_configure(accel_core *core, int64_t max_split_size, int64_t max_non_split_rounding,
                           int64_t large_segment);
-int accel_core_malloc(accel_core *core, int64_t nbytes, uint64_t stream, uint64_t pool, uint64_t *ptr,
+/* PyTorch's roundup_power2_divisions, ACCEL_CORE_DIVISION_SLOTS of them (<= 1: none). */
+void accel_core_set_divisions(accel_core *core, const int64_t *divisions);
+/* PyTorch's garbage collection: a miss while more than threshold bytes are reserved
+ * first gives back the unsplit free blocks of the default large pool that are at
+ * least as old (in best-fit searches of that pool) as their average (0: off). */
+void accel_core_set_gc_threshold(accel_core *core, int64_t threshold);
+/* Nonzero: nothing goes back upstream (not by empty_cache, release_pool, nor a miss's
+ * give-back) until called with 0 (a graph capture is under way). */
+void accel_core_freeze(accel_core *core, int frozen);
+/* A block of at least nbytes (rounded as configured) for stream in pool: *ptr, *size.
+ * A miss asks upstream; refused, it gives back oversize cached blocks that make room
+ * (with a max_split_size), then the whole cache (not with ACCEL_CORE_NO_RETRY). */
+int accel_core_malloc(accel_core *core, int64_t nbytes, uint64_t stream, uint64_t pool, int flags, uint64_t *ptr,
                       int64_t *size);
 int accel_core_free(accel_core *core, uint64_t ptr);
-/* Gives the wholly free segments back upstream; returns the bytes given back. */
+/* An allocated block its caller freed, whose reuse must wait (for events on other
+ * streams): it leaves the allocated statistics now and stays active, requested and
+ * unusable until accel_core_release_held puts it on its free list. */
+int accel_core_hold(accel_core *core, uint64_t ptr);
+int accel_core_release_held(accel_core *core, uint64_t ptr);
+/* Gives the wholly free segments of the pools not kept back upstream; returns the
+ * bytes given back. */
 int64_t accel_core_empty_cache(accel_core *core);
+/* keep nonzero: empty_cache and a miss's give-back leave pool's segments cached (a
+ * graph pool in use); 0: they no longer do. */
+int accel_core_keep_pool(accel_core *core, uint64_t pool, int keep);
+/* Gives the wholly free segments of pool back upstream (kept or not); the bytes. */
+int64_t accel_core_release_pool(accel_core *core, uint64_t pool);
+/* How many segments pool has. */
+int64_t accel_core_pool_segments(accel_core *core, uint64_t pool);
+/* Keys by key what is keyed by stream old (segments, their blocks, free lists): a
+ * destroyed stream's handle, which the driver may give to a new stream. Returns the
+ * segments re-keyed. */
+int64_t accel_core_rekey_stream(accel_core *core, uint64_t old, uint64_t key);
 void accel_core_stats(accel_core *core, int64_t *out);
 void accel_core_reset_peak(accel_core *core);
 /* Writes up to cap blocks (address order within each segment); returns how many the
  * core has, which may be more than cap: call again with a larger buffer. */
 int64_t accel_core_blocks(accel_core *core, accel_core_block_info *out, int64_t cap);
-/* The size of the block allocated at ptr, or -1. */
+/* The size of the block allocated (not held) at ptr, or -1. */
 int64_t accel_core_allocated_size(accel_core *core, uint64_t ptr);
 
 /* torch's pluggable allocator over the core registered for each device (NULL: none). */

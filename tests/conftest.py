@@ -80,20 +80,6 @@ SPEEDUPS_TESTS: dict[str, tuple[str, ...]] = {
     "accel/_native.py": ("tests/test_speedups.py",),
     # The current stream's store (set_current): set_stream, the stream context, threads.
     "accel/_runtime.py": ("tests/test_facade.py", "tests/stream/test_arguments.py"),
-    # DeviceAllocator.malloc, free and _free_held: the fast paths and the books they
-    # keep, and what C must do as Python does: errors, interrupts, fork, threads, pools.
-    "accel/allocator/_caching.py": (
-        "tests/allocator/test_caching.py",
-        "tests/allocator/test_allocator_stateful.py",
-        "tests/allocator/test_fast_path.py",
-        "tests/allocator/test_speedups_differential.py",
-        "tests/allocator/test_speedups_adversarial.py",
-        "tests/allocator/test_expandable_holes.py",
-        "tests/allocator/test_expandable_interrupts.py",
-        "tests/allocator/test_faults.py",
-        "tests/allocator/test_fork.py",
-        "tests/allocator/test_orphan_threads.py",
-    ),
     # accel.memory.allocate, Buffer.free and Buffer.__del__ (a MemPool in use is one
     # of the cases the C hands back).
     "accel/allocator/_buffer.py": ("tests/allocator/test_memory.py", "tests/allocator/test_mempool.py"),

@@ -24,15 +24,14 @@ import pytest
 import accel
 from accel._native import speedups
 from accel.allocator._buffer import Buffer
-from accel.allocator._caching import DeviceAllocator
 
 ROOT = Path(__file__).resolve().parents[1]
 
 _PROBE = """
 import accel, types
 from accel._native import speedups
-from accel.allocator._caching import DeviceAllocator
-print(speedups is not None, isinstance(DeviceAllocator.__dict__["malloc"], types.FunctionType),
+from accel.allocator._buffer import Buffer
+print(speedups is not None, isinstance(Buffer.__dict__["free"], types.FunctionType),
       isinstance(accel.memory.allocate, types.FunctionType))
 """
 
@@ -60,8 +59,6 @@ def test_this_run_uses_the_path_its_environment_asks_for() -> None:
     assert (speedups is not None) == (built and not pure), describe()["reason"]
     compiled = speedups is not None
     # One seam per module: the replaced functions are Python functions exactly when pure.
-    assert inspect.isfunction(DeviceAllocator.__dict__["malloc"]) != compiled
-    assert inspect.isfunction(DeviceAllocator.__dict__["free"]) != compiled
     assert inspect.isfunction(Buffer.__dict__["free"]) != compiled
     assert inspect.isfunction(accel.memory.allocate) != compiled
 
@@ -118,10 +115,10 @@ import warnings
 warnings.simplefilter("always")
 import accel  # line 4
 from accel._native import describe, speedups
-from accel.allocator._caching import DeviceAllocator
+from accel.allocator._buffer import Buffer
 import types
 accel.memory.allocate(64).free()
-print(speedups is None, isinstance(DeviceAllocator.__dict__["malloc"], types.FunctionType), describe()["compiled"])
+print(speedups is None, isinstance(Buffer.__dict__["free"], types.FunctionType), describe()["compiled"])
 """
 
 
@@ -167,7 +164,7 @@ def test_an_extension_that_records_no_source_is_refused(tmp_path: Path) -> None:
     tree = _tree_with_the_extension(tmp_path)
     for built in (tree / "accel").glob("_speedups.*.so"):
         built.unlink()
-    (tree / "accel" / "_speedups.py").write_text("def install_allocator(names): raise AssertionError('used')\n")
+    (tree / "accel" / "_speedups.py").write_text("def install_buffers(names): raise AssertionError('used')\n")
     result = _run_stale_probe(tree)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True", "True", "False"]
@@ -189,8 +186,6 @@ def test_info_says_which_path_runs() -> None:
 def test_compiled_stand_ins_keep_the_python_names_docs_and_signatures() -> None:
     # help(), inspect.signature and docs/gen_api.py see the Python functions either way.
     for fn, name in (
-        (DeviceAllocator.malloc, "malloc"),
-        (DeviceAllocator.free, "free"),
         (Buffer.free, "free"),
         (accel.memory.allocate, "allocate"),
     ):
@@ -202,32 +197,7 @@ def test_compiled_stand_ins_keep_the_python_names_docs_and_signatures() -> None:
     buf.free()
 
 
-def test_freed_holes_keep_the_free_lists_bucket_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The compiled free of a hole adds its block to the free list without a split only
-    # while the bucket stays within 2 * LOAD keys, LOAD read when it runs (as FreeList.add).
-    from accel._runtime import Runtime
-    from accel.allocator import _freelist
-    from accel.allocator.config import parse
-    from accel.backends.cpu import CpuBackend
-
-    monkeypatch.setattr(_freelist, "LOAD", 2)
-    backend = CpuBackend(1, None)
-    alloc = DeviceAllocator(backend, 0, parse("expandable_segments:False"))
-    stream = Runtime(backend).default_stream(0)
-    blocks = [alloc.malloc(512, stream) for _ in range(40)]
-    kept = []
-    for block in blocks[::2]:
-        # A best fit in the segment's rest, then a hole freed just below it: the hole's
-        # key goes where that best fit looked, the add without a search.
-        kept.append(alloc.malloc(1024, stream))
-        alloc.free(block)
-    (free,) = alloc._small.free.values()
-    assert len(free) == 21
-    assert max(len(keys) for keys in free._keys) <= 4
-    assert [size for size, _, _ in free] == sorted(size for size, _, _ in free)
-
-
-# What accel/_speedups.c may not name outside the allocator's compiled paths (issue 27):
+# What accel/_speedups.c may not name anywhere (issue 27):
 # CPython's private API (``_Py...``), symbols looked up at run time (dlopen/dlsym, a
 # mangled C++ name ``_ZN...``), and reads of an object's fields at an offset (its member
 # descriptors', a slot at a computed address, torch's ``_cdata`` pointer): such code breaks
@@ -240,19 +210,6 @@ _PRIVATE = {
     "a member descriptor's offset": r"\bPyMemberDescr\w*|\bd_member\b",
     "a field read at a computed address": r"\(\s*char\s*\*\s*\)|\bSLOT\s*\(|\bslot_offset\s*\(",
 }
-# The allocator's compiled paths, which the native allocator core replaces (issue 27):
-# their functions, their copy of CPython's _thread.lock and the slot accessor they share.
-# Names no longer in the source are fine.
-_ALLOCATOR = {
-    "slot_offset", "get", "set", "set_new", "add_ll", "slot_add", "slot_sub", "as_ll", "as_ull", "rise",
-    "counts_parts", "add_inactive_split", "add_allocation", "make_key", "bisect_left", "fl_lists", "set_index",
-    "fl_best_fit", "call3", "at_fit", "block_key", "fl_replace", "fl_remove", "fl_add", "new_block",
-    "is_block_or_none", "attr", "lock_acquire", "lock_release", "lock_call", "release", "truth", "kind_counts",
-    "malloc_fast", "stream_ok", "allocator_malloc", "free_held", "allocator_free_held",
-    "allocator_free_from_finalizer", "allocator_free", "get_ll", "install_allocator", "lockobject", "SLOT",
-}
-
-
 def _c_items(source: str) -> list[tuple[str, str]]:
     """``source`` without comments, cut into (name, code): each function (its name at
     the start of a line, its body up to the next ``}`` there), each ``typedef struct``
@@ -290,12 +247,12 @@ def _private_uses(source: str) -> list[str]:
 
     return [
         f"{name or 'file level'}: {what} ({found.group()!r})"
-        for name, code in _c_items(source) if name not in _ALLOCATOR
+        for name, code in _c_items(source)
         for what, pattern in _PRIVATE.items() for found in re.finditer(pattern, code)
     ]
 
 
-def test_the_extension_names_no_private_layout_or_symbol_outside_the_allocator() -> None:
+def test_the_extension_names_no_private_layout_or_symbol() -> None:
     assert _private_uses((ROOT / "accel" / "_speedups.c").read_text()) == []
 
 
@@ -308,14 +265,14 @@ def test_the_private_use_check_finds_each_kind() -> None:
             "dlsym(lib, \"_ZN2at6native6is_negERKNS_6TensorE\") != NULL", "PyObject_GetAttrString(o, \"_cdata\") != NULL",
             "((PyMemberDescrObject *)o)->d_member->offset", "*(void **)((char *)o + 16) != NULL",
         ))
-    ) + "\nstatic int\nmalloc_fast(PyObject *o)\n{\n    return SLOT(o, 8) != NULL;\n}\n"
+    ) + "\nstatic int\nf6(PyObject *o)\n{\n    return SLOT(o, 8) != NULL;\n}\n"
     found = _private_uses(source)
-    assert [use.split(":")[0] for use in found] == ["f0", "f1", "f2", "f2", "f3", "f4", "f4", "f5"], found
+    assert [use.split(":")[0] for use in found] == ["f0", "f1", "f2", "f2", "f3", "f4", "f4", "f5", "f6"], found
 
 
 def test_the_extension_declares_that_it_needs_the_gil() -> None:
     # Python 3.13+ reads Py_mod_gil from a multi-phase module: without it, a free-threaded
-    # interpreter would run the allocator's and SteadyCall's unlocked steps without the GIL.
+    # interpreter would run SteadyCall's unlocked steps without the GIL.
     source = (ROOT / "accel" / "_speedups.c").read_text()
     assert "{Py_mod_gil, Py_MOD_GIL_USED}" in source
     assert "PyModuleDef_Init(&module)" in source

@@ -1,8 +1,10 @@
-"""The allocator's data model: blocks, segments and pools.
+"""The allocator's data model: what callers hold, and the books of expandable segments.
 
-A *segment* is one piece of upstream memory (one ``allocate``), or one
-expandable address reservation, cut into a doubly linked chain of *blocks*
-that tile it exactly. A *pool* keeps, per stream, a :class:`FreeList` of its
+Plain segments (one upstream ``allocate`` each) are kept by the native core
+(csrc/accel_core.c): a caller holds a :class:`CoreBlock`, a handle of one of its
+blocks. Expandable segments (one address reservation each, mapped page by page) are
+kept here: a :class:`Segment` cut into a doubly linked chain of :class:`Block`
+objects that tile it exactly; a *pool* keeps, per stream, a :class:`FreeList` of its
 free blocks ordered by ``(size, ptr)``, so best fit costs O(log n).
 """
 
@@ -13,7 +15,7 @@ from typing import Any
 from accel.allocator._freelist import FreeList
 from accel.allocator._pool_ids import PoolId
 
-__all__ = ["ALLOCATED", "FREE", "PENDING", "RETIRED", "Block", "Pool", "PrivatePool", "Segment"]
+__all__ = ["ALLOCATED", "FREE", "PENDING", "RETIRED", "Block", "CoreBlock", "Pool", "PrivatePool", "Segment"]
 
 #: Block states. PENDING: freed by the caller but waiting for other streams'
 #: events (or for a capture to end) before it may be reused. RETIRED: a block
@@ -59,7 +61,7 @@ class Block:
 
     __slots__ = (
         "ptr", "size", "requested", "stream", "pool", "segment", "state", "mapped", "prev",
-        "next", "event_count", "stream_uses", "gc_base", "frames",
+        "next", "event_count", "stream_uses", "frames",
     )
 
     def __init__(self, ptr: int, size: int, segment: Segment, mapped: bool = True) -> None:
@@ -75,7 +77,6 @@ class Block:
         self.next: Block | None = None
         self.event_count = 0
         self.stream_uses: set[int] | None = None
-        self.gc_base = 0
         self.frames: list[dict[str, Any]] | None = None
 
     def __repr__(self) -> str:
@@ -85,11 +86,41 @@ class Block:
     def is_split(self) -> bool:
         return self.prev is not None or self.next is not None
 
+    @property
+    def owner(self) -> object:
+        return self.segment.owner
+
+
+class CoreBlock:
+    """A caller's handle of a block the native core handed out: ALLOCATED, PENDING
+    (freed, held in the core until other streams' events pass) or RETIRED (freed: a
+    stale second ``free`` of it is refused instead of freeing the memory's next owner)."""
+
+    __slots__ = ("ptr", "size", "requested", "stream", "owner", "state", "stream_uses", "event_count", "frames")
+
+    #: no expandable segment: the core keeps this block's books
+    segment = None
+
+    def __init__(self, owner: object, ptr: int, size: int, requested: int, stream: int) -> None:
+        self.owner = owner
+        self.ptr = ptr
+        self.size = size
+        self.requested = requested
+        self.stream = stream
+        self.state = ALLOCATED
+        self.stream_uses: set[int] | None = None
+        self.event_count = 0
+        self.frames: list[dict[str, Any]] | None = None
+
+    def __repr__(self) -> str:
+        state = ("free", "allocated", "pending", "freed")[self.state]
+        return f"<Block {self.ptr:#x} {self.size} bytes {state}>"
+
 
 class Pool:
     """Free blocks of one kind (small or large) of one pool, per stream."""
 
-    __slots__ = ("small", "kind", "private", "free", "expandable", "calls")
+    __slots__ = ("small", "kind", "private", "free", "expandable")
 
     def __init__(self, small: bool, private: PrivatePool | None) -> None:
         self.small = small
@@ -98,17 +129,17 @@ class Pool:
         # stream handle -> its free blocks; (size, ptr) is unique among them
         self.free: dict[int, FreeList] = {}
         self.expandable: dict[int, Segment] = {}  # stream handle -> its expandable segment
-        self.calls = 0  # best-fit searches, the clock of garbage collection ages
 
 
 class PrivatePool:
     """A pool of its own for graph capture, identified by ``(a, b)`` as in PyTorch."""
 
-    __slots__ = ("id", "small", "large", "use_count", "segments")
+    __slots__ = ("id", "key", "small", "large", "use_count", "segments")
 
-    def __init__(self, pool_id: PoolId) -> None:
+    def __init__(self, pool_id: PoolId, key: int) -> None:
         self.id = pool_id
+        self.key = key  # the native core's number for it (0 is the default pool)
         self.small = Pool(True, self)
         self.large = Pool(False, self)
         self.use_count = 1
-        self.segments = 0  # live segments (fixed ones, and expandable reservations)
+        self.segments = 0  # live expandable reservations (the core counts plain segments)

@@ -1,5 +1,24 @@
 """The caching device allocator, written once against the Backend protocol.
 
+Its books live in ONE native core per device (csrc/accel_core.c, through
+:class:`~accel.allocator._native_core.NativeCore`): the same core torch's pluggable
+allocator allocates from (:func:`accel.allocator.torch_allocator_spec`), so accel
+buffers and torch tensors share one cache, one set of statistics and one snapshot.
+The core keeps the plain segments: blocks, best-fit free lists per (pool, stream),
+split and merge, PyTorch's rounding, the garbage-collection threshold, giving back
+oversize cached blocks on a miss, the statistics. This class is the policy and API
+layer over it: argument checks, streams, the pool a capture allocates to, the events
+that order cross-stream reuse (a block freed with other streams' uses is *held* in
+the core until they pass), frees deferred during a capture, history, the memory
+fraction (the core asks :meth:`DeviceAllocator._admit_core` before each new
+segment), dropped MemPools' memory, out-of-memory reports and configuration.
+
+Expandable segments (``expandable_segments:True`` on a resource with virtual
+memory) are still kept here, in Python (:class:`~accel.allocator._blocks.Segment`,
+:class:`~accel.allocator._blocks.Block`, :class:`~accel.allocator._freelist.FreeList`):
+while the setting is on, every allocation maps pages of those; their statistics are
+added to the core's.
+
 Behaviour follows PyTorch's ``DeviceCachingAllocator``: 512-byte rounding with optional power-of-two
 divisions, a small pool (requests up to 1 MiB, 2 MiB segments) and a large
 pool (20 MiB segments for 1-10 MiB, else rounded to 2 MiB), best fit per
@@ -42,7 +61,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from accel._native import speedups
 from accel._errors import (
     AccelError,
     CaptureError,
@@ -53,12 +71,12 @@ from accel._errors import (
     warn_at_caller,
 )
 from accel.allocator import _stats as S
-from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED, Block, Pool, PrivatePool, Segment
+from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED, Block, CoreBlock, Pool, PrivatePool, Segment
 from accel.allocator._fork import track_lock
 from accel.allocator._freelist import FreeList
 from accel.allocator._stats import OVERSIZE_ALLOCATIONS
 from accel.allocator._history import History
-from accel.allocator._native_core import NativeCore
+from accel.allocator._native_core import GIVE_BACK_FIRST, NO_RETRY, NativeCore
 from accel.allocator._oom import OutOfMemoryDetails, out_of_memory
 from accel.allocator._pool_ids import PoolId, check_pool_id
 from accel.allocator._resources import BackendResource, MemoryResource
@@ -71,8 +89,6 @@ __all__ = ["DeviceAllocator", "release_orphans", "stream_destroyed"]
 KB_MIN = 512  # minimum block size and rounding quantum
 SMALL_SIZE = 1 << 20  # requests up to this go to the small pool
 SMALL_BUFFER = 2 << 20  # small segments; also the expandable page of the small pool
-MIN_LARGE_ALLOC = 10 << 20  # below this, large requests get a whole large segment
-ROUND_LARGE = 2 << 20  # larger segments are rounded to this
 MAX_REQUEST = 1 << 60  # 1 EiB: PyTorch refuses anything larger
 _UNLIMITED = 1 << 62  # max_split_size when unset
 
@@ -96,19 +112,6 @@ def round_size(size: int, divisions: int) -> int:
             return 2 * floor2
         return -(-size // step) * step
     return (size + KB_MIN - 1) & ~(KB_MIN - 1)
-
-
-def allocation_size(size: int, large_segment: int) -> int:
-    """Bytes asked upstream for a new segment that must hold ``size``.
-
-    >>> [allocation_size(s << 20, 20 << 20) >> 20 for s in (1, 5, 11)]
-    [2, 20, 12]
-    """
-    if size <= SMALL_SIZE:
-        return SMALL_BUFFER
-    if size < MIN_LARGE_ALLOC:
-        return large_segment
-    return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
 class _PoolRelease:
@@ -150,6 +153,19 @@ def _admitter(ref: weakref.ref[DeviceAllocator]) -> Callable[[int], None]:
             allocator._admit_core(size)
 
     return admit
+
+
+def _notifier(ref: weakref.ref[DeviceAllocator]) -> Callable[[str, int, int], None]:
+    """The native core's report of a segment taken from or given back upstream: the
+    history's segment_alloc / segment_free (held weakly, as _admitter)."""
+
+    def notify(event: str, ptr: int, size: int) -> None:
+        allocator = ref()
+        history = allocator._history if allocator is not None else None
+        if history is not None:
+            history.record(event, ptr, size, 0, history.block_frames() if event == "segment_alloc" else None)
+
+    return notify
 
 
 def stream_destroyed(backend: Backend, device: int, handle: int) -> None:
@@ -227,8 +243,10 @@ class DeviceAllocator:
 
     Memory comes from ``upstream`` (default: the backend itself); streams are
     accel :class:`~accel.Stream` objects of that device. ``malloc`` returns a
-    :class:`Block` whose ``ptr`` and ``size`` the caller uses; ``free`` gives
-    it back to the cache. Thread safe: one lock guards all state.
+    block handle (a :class:`CoreBlock` of the native core, or a :class:`Block` of an
+    expandable segment) whose ``ptr`` and ``size`` the caller uses; ``free`` gives
+    it back to the cache. Thread safe: one lock guards the policy's state; the core
+    has its own.
     ``mempool``: the id of the :class:`~accel.memory.MemPool` it serves, if any
     (an out-of-memory error of another allocator of the device counts the pool's).
 
@@ -274,12 +292,12 @@ class DeviceAllocator:
         self._captures: list[tuple[PrivatePool, Callable[[Stream], bool]]] = []
         # Frees held back until the captures end (or, outside one, until the next release
         # of cached memory: an interrupt left their stream uses unordered).
-        self._deferred: list[Block] = []
-        self._pending: dict[int, deque[tuple[int, Block]]] = {}  # used stream -> (event, block)
+        self._deferred: list[Block | CoreBlock] = []
+        self._pending: dict[int, deque[tuple[int, Block | CoreBlock]]] = {}  # used stream -> (event, block)
         self._events: list[int] = []  # pooled events, ready for reuse
         self._events_created = 0
         # Frees (and pool releases) from finalizers that found the lock taken.
-        self._gc_frees: deque[Block | _PoolRelease | _StreamRetired] = deque()
+        self._gc_frees: deque[Block | CoreBlock | _PoolRelease | _StreamRetired] = deque()
         self._history: History | None = None
         self._fraction: float | None = None
         self._fraction_explicit = False
@@ -294,7 +312,6 @@ class DeviceAllocator:
         # The MemPool this allocator serves (None: the device's own, or the caller's):
         # an out-of-memory error elsewhere on the device says what the pool caches.
         self._mempool = mempool
-        self._fast = False  # see _update_fast
         self._growths = 0  # expandable segment growths: the clock of Segment.grown_at
         # Stream handles this allocator keys memory by (segments' streams, record_stream
         # uses): a destroyed one is retired (see _retire), the others cost nothing.
@@ -303,9 +320,19 @@ class DeviceAllocator:
         # destroyed stream's work (absent: nothing to wait for).
         self._retired: dict[int, int] = {}
         self._next_key = -1
-        # The native core that serves torch's pluggable allocator on this device (see
-        # native_core); its books count in stats, snapshots and OOM reports.
-        self._core: NativeCore | None = None
+        # The books of the plain segments, shared with torch's pluggable allocator on
+        # this device (see native_core); the handles of its blocks callers hold, by address.
+        ref = weakref.ref(self)
+        self._core = core = NativeCore(self.upstream, backend.device_synchronize, _admitter(ref), _notifier(ref))
+        # The core's C entry points and malloc's out-parameters, for the hot paths: the
+        # out-parameters are this allocator's, as every call through them holds its lock.
+        self._core_handle = core._core
+        self._core_malloc = core._lib.accel_core_malloc
+        self._core_free = core._lib.accel_core_free
+        self._out_ptr = core._ffi.new("uint64_t *")
+        self._out_size = core._ffi.new("int64_t *")
+        self._live: dict[int, CoreBlock] = {}
+        self._next_pool_key = 1  # the core's numbers of private pools (0: the default pool)
         self._apply_config(config)
         _allocators.add(self)
 
@@ -323,8 +350,6 @@ class DeviceAllocator:
         self._nsr = config.max_non_split_rounding
         self._gc_threshold = config.garbage_collection_threshold
         self._divisions = tuple(config.roundup_power2_divisions)
-        self._any_divisions = any(d > 1 for d in self._divisions)
-        self._update_fast()
         self._large_segment = config.large_segment_size
         self._expandable = bool(config.expandable_segments) and self._vm
         self._keep_free = config.expandable_keep_free
@@ -339,44 +364,38 @@ class DeviceAllocator:
         self._configure_core()
 
     def _configure_core(self) -> None:
-        if self._core is not None:
-            self._core.configure(self.config.max_split_size, self._nsr, self._large_segment)
+        core = self._core
+        core.configure(self.config.max_split_size, self._nsr, self._large_segment)
+        core.set_divisions(self._divisions)
+        # PyTorch collects garbage only under a memory fraction: the threshold is of it
+        allowed = self._allowed
+        core.set_gc_threshold(int(self._gc_threshold * allowed) if self._gc_threshold and allowed else 0)
 
     def native_core(self) -> NativeCore:
-        """The native allocator core of this allocator's device and upstream (created on
-        first use): torch's pluggable allocator allocates from it
-        (:func:`accel.allocator.torch_allocator_spec`). What it holds counts in
-        :meth:`stats`, :meth:`snapshot`, out-of-memory reports and :meth:`empty_cache`.
+        """The native allocator core that keeps this allocator's books: torch's pluggable
+        allocator allocates from it too (:func:`accel.allocator.torch_allocator_spec`),
+        so accel buffers and torch tensors share one cache and one set of statistics.
         """
-        with self._lock:
-            if self._core is None:
-                self._core = NativeCore(self.upstream, self.backend.device_synchronize, _admitter(weakref.ref(self)))
-                self._configure_core()
-            return self._core
+        return self._core
 
     def _core_reserved(self) -> int:
-        """Bytes the native core holds (0 without one)."""
-        return 0 if self._core is None else self._core.reserved()
+        """Bytes the native core holds."""
+        return self._core.reserved()
 
     def _admit_core(self, size: int) -> None:
-        """The memory fraction caps what the core reserves too: refuse a new segment of
+        """The memory fraction caps what the core reserves: refuse a new segment of
         ``size`` bytes past the cap (read without the lock, as a check before asking the
         device; the core's callback runs on torch's threads too)."""
         allowed = self._allowed
         if allowed is not None and self._reserved() + self._core_reserved() + size > allowed:
+            self._fraction_refused = True
             raise OutOfMemoryError(
-                f"{self._name}: a new segment of {size} bytes for torch's allocator would pass the "
+                f"{self._name}: a new segment of {size} bytes would pass the "
                 f"memory fraction's cap of {allowed} bytes; free memory, or raise the fraction "
                 "(set_per_process_memory_fraction)",
                 requested=size,
                 device=self.device,
             )
-
-    def _update_fast(self) -> None:
-        """Whether malloc may take its fast path: no capture under way, no history
-        recorded, no rounding divisions, and an owner that still uses the allocator.
-        Called wherever one of these changes."""
-        self._fast = not (self._captures or self._history is not None or self._any_divisions or self._orphaned)
 
     def _recount_oversize(self) -> None:
         """max_split_size changed: count oversize blocks and segments again, so
@@ -432,7 +451,7 @@ class DeviceAllocator:
 
     # -- allocation --------------------------------------------------------------
 
-    def malloc(self, nbytes: int, stream: Stream) -> Block:
+    def malloc(self, nbytes: int, stream: Stream) -> Block | CoreBlock:
         """A block of at least ``nbytes`` usable in order on ``stream``.
 
         Raises :class:`~accel.OutOfMemoryError` (with a diagnosis) when even
@@ -450,55 +469,31 @@ class DeviceAllocator:
         lock = self._lock
         lock.acquire()
         try:
-            if self._fast and not self._gc_frees and not self._pending:
-                # The fast path: a cached block that is not oversize and not in an
-                # expandable segment, on a plain allocator (no capture, history,
-                # rounding divisions). It does what _split and _account do for that
-                # case, inline but for the statistics helpers (each call saved is
-                # 2-3% of the pair); tests/allocator/test_fast_path.py checks that
-                # it leaves the same books as the named steps of _malloc_steps.
-                size = 512 if nbytes < 512 else (nbytes + 511) & -512
-                pool = self._small if size <= SMALL_SIZE else self._large
-                free = pool.free.get(handle)
-                if free is not None:
-                    block = free.best_fit(size)
-                    if block is not None and block.size < self._ms and not block.segment.expandable:
-                        if self._gc_threshold:
-                            pool.calls += 1
-                        k = self._kinds[pool.kind]
-                        full = block.size
-                        remaining = full - size
-                        nxt = block.next
-                        if remaining >= KB_MIN and (pool.small or remaining > SMALL_SIZE):
-                            # _split: a new block object for the rest, which takes
-                            # this one's place on the free list.
-                            rest = Block(block.ptr + size, remaining, block.segment)
-                            rest.next = nxt
-                            rest.prev = block
-                            block.next = rest
-                            if nxt is not None:
-                                nxt.prev = rest
-                            rest.gc_base = pool.calls
-                            block.size = size
-                            free.replace(full, block.ptr, rest)
-                            if block.prev is not None or nxt is not None:
-                                # the free part that was counted shrinks to the rest
-                                k.inactive_split_bytes -= size
-                            else:
-                                S.add_inactive_split(k, remaining)
-                        else:
-                            # _split without a cut: the whole block leaves the list.
-                            size = full
-                            free.remove(block)
-                            if block.prev is not None or nxt is not None:  # S.drop_inactive_split
-                                k.inactive_split -= 1
-                                k.inactive_split_bytes -= full
-                        # _account
-                        block.state = ALLOCATED
-                        block.requested = nbytes
-                        S.add_allocation(k, self._s, size, nbytes)
-                        return block
-            return self._malloc_steps(nbytes, stream, handle)
+            if self._gc_frees:
+                self._drain_gc_frees()
+            if self._pending and not self._captures:
+                self._process_events()
+            private = self._capture_private(stream) if self._captures else None
+            if self._expandable:
+                return self._malloc_expandable(nbytes, stream, handle, private)
+            key = 0 if private is None else private.key
+            out_ptr, out_size = self._out_ptr, self._out_size
+            rc = self._core_malloc(self._core_handle, nbytes, handle, key, NO_RETRY, out_ptr, out_size)
+            if rc:  # not ACCEL_CORE_OK
+                try:
+                    self._core.raise_for(rc, nbytes)
+                except OutOfMemoryError as exc:
+                    ptr, size = self._grow_core(nbytes, handle, key, exc)
+            else:
+                ptr, size = out_ptr[0], out_size[0]
+            block = CoreBlock(self, ptr, size, nbytes, handle)
+            self._live[ptr] = block
+            if handle not in self._known:
+                self._known.add(handle)
+            if self._history is not None:
+                block.frames = self._history.block_frames()
+                self._history.record("alloc", ptr, size, handle, block.frames)
+            return block
         finally:
             lock.release()
 
@@ -507,43 +502,63 @@ class DeviceAllocator:
     # so it is malloc (kept, as it is public).
     malloc_checked = malloc
 
-    def _malloc_steps(self, nbytes: int, stream: Stream, handle: int) -> Block:
-        """:meth:`malloc` as named steps, for every case (the caller holds the lock)."""
-        if self._gc_frees:
-            self._drain_gc_frees()
-        if self._pending and not self._captures:
-            self._process_events()
-        # The common rounding inline; _round does the rest.
-        size = (nbytes + 511) & -512 if nbytes >= 512 and not self._any_divisions else self._round(nbytes)
-        if self._captures:
-            pool = self._capture_pool(size, stream)
+    def _grow_core(self, nbytes: int, handle: int, key: int, refused: OutOfMemoryError) -> tuple[int, int]:
+        """The core missed and the upstream refused (after the core gave back oversize
+        cached blocks): outside a capture, order and give back the held blocks and the
+        cache (this allocator's, then dropped pools'), and ask again; or raise OOM."""
+        self._note_refusal(refused)
+        if not self._captures:
+            self._release_cached_blocks()
+            # Dropped pools' memory of this device, waiting for those other threads use.
+            given = release_orphans(self.backend, self.device, busy=self) if _orphans else 0
+            flags = GIVE_BACK_FIRST  # the core's retry: counted, its OOM too
+            while True:
+                self._fraction_refused = False
+                try:
+                    return self._core.malloc(nbytes, handle, key, flags)
+                except OutOfMemoryError as exc:
+                    self._note_refusal(exc)
+                # Another thread may take what came back first, while others drop pools
+                # that hold memory: try again as long as dropped pools give some back.
+                given = release_orphans(self.backend, self.device, busy=self) if given and _orphans else 0
+                if not given:
+                    break
+                flags = NO_RETRY
+            raise self._out_of_memory(self._round(nbytes), handle, counted=True)
+        raise self._out_of_memory(self._round(nbytes), handle)
+
+    def _note_refusal(self, exc: OutOfMemoryError) -> None:
+        """What the device said when the core's upstream refused (not the memory
+        fraction's cap: _admit_core notes that), for the out-of-memory report."""
+        cause = exc.__cause__
+        self._refusal = str(cause) if isinstance(cause, OutOfMemoryError) and not self._fraction_refused else ""
+
+    def _malloc_expandable(self, nbytes: int, stream: Stream, handle: int, private: PrivatePool | None) -> Block:
+        """:meth:`malloc` from the expandable segments of the Python books (the caller
+        holds the lock)."""
+        size = self._round(nbytes)
+        if private is not None:
+            pool = private.small if size <= SMALL_SIZE else private.large
         else:
             pool = self._small if size <= SMALL_SIZE else self._large
         # Find the best-fitting cached block; it stays listed until _split.
         free = pool.free.get(handle)
-        block = free.best_fit(size) if free else None
-        if free is not None and block is not None and (block.size >= self._ms or block.segment.expandable):
-            block = self._find_free(free, size)  # the oversize and expandable rules
-        if self._gc_threshold and free:
-            pool.calls += 1
+        block = self._find_free(free, size) if free else None
         listed = free
         if block is None:
             block = self._grow(pool, handle, size, stream)
             listed = None  # the new block is on no list
-        elif free is not None and block.segment.expandable and self._place_at_end(block, size, free):
+        elif free is not None and self._place_at_end(block, size, free):
             listed = None  # cut off the free block's end: on no list
         self._split(block, size, pool, handle, listed)
         self._account(block, nbytes, handle)
         return block
 
     def _round(self, nbytes: int) -> int:
-        """The block size for a request: 512-byte multiples, or power-of-two divisions."""
-        if nbytes < KB_MIN:
-            return KB_MIN
-        if self._any_divisions:
-            slot = nbytes.bit_length() - 21  # the divisions of [1 MiB, 2 MiB) are slot 0
-            return round_size(nbytes, self._divisions[0 if slot < 0 else (slot if slot < 15 else 15)])
-        return (nbytes + KB_MIN - 1) & -KB_MIN
+        """The block size for a request: 512-byte multiples, or power-of-two divisions
+        (the core rounds its own requests the same way)."""
+        slot = nbytes.bit_length() - 21  # the divisions of [1 MiB, 2 MiB) are slot 0
+        return round_size(nbytes, self._divisions[0 if slot < 0 else (slot if slot < 15 else 15)])
 
     def _split(self, block: Block, size: int, pool: Pool, handle: int, listed: FreeList | None) -> None:
         """Cut ``block`` to ``size`` bytes when the rest is worth keeping as a free
@@ -557,7 +572,6 @@ class DeviceAllocator:
         if remaining >= KB_MIN and (pool.small or expandable or (size < self._ms and remaining > SMALL_SIZE)):
             rest = self._stand_in(block, block.ptr + size, remaining, block, block.next)
             block.size = size
-            rest.gc_base = pool.calls
             if listed is not None:
                 listed.replace(full, block.ptr, rest)
             else:
@@ -627,46 +641,28 @@ class DeviceAllocator:
             f"malloc() of {self!r} returned"
         ) from None
 
-    def _capture_pool(self, size: int, stream: Stream) -> Pool:
+    def _capture_private(self, stream: Stream) -> PrivatePool | None:
+        """The private pool of the innermost capture that takes ``stream``'s allocations."""
         for private, accepts in reversed(self._captures):
             if accepts(stream):
-                return private.small if size <= SMALL_SIZE else private.large
-        return self._small if size <= SMALL_SIZE else self._large
-
-    def _find_free(self, free: FreeList, size: int) -> Block | None:
-        """Best fit of at least ``size`` under the oversize and expandable rules, left
-        on ``free``; None on a miss."""
-        ms = self._ms
-        for b in free.at_least(size):
-            if b.segment.expandable:
-                if not self._expandable:
-                    continue  # expandable segments were switched off: leave these be
-            elif (size < ms <= b.size) or (size >= ms and b.size >= size + self._nsr):
-                # Oversize cached blocks serve only requests close to their size;
-                # later candidates are larger still, but may be expandable.
-                if not b.pool.expandable:
-                    return None
-                continue
-            return b
+                return private
         return None
 
+    def _find_free(self, free: FreeList, size: int) -> Block | None:
+        """Best fit of at least ``size`` (oversize rules do not apply inside expandable
+        segments), left on ``free``; None on a miss."""
+        return free.best_fit(size)
+
     def _grow(self, pool: Pool, handle: int, size: int, stream: Stream) -> Block:
-        """Cache miss: new memory, after giving back cache if needed; or OOM."""
+        """Expandable cache miss: new pages, after giving back cache if needed; or OOM."""
         capturing = bool(self._captures)
         self._fraction_refused = False  # set when the memory fraction, not the device, says no
         self._refusal = ""
         if self._gc_frees:
             self._drain_gc_frees()  # buffers collected while the lock was taken are free memory
-        if self._gc_threshold and self._allowed is not None and not capturing:
-            self._garbage_collect()
         block = self._alloc_segment(pool, handle, size)
-        if block is None and not capturing and self._ms != _UNLIMITED:
-            if self._release_available(pool, handle, size):
-                block = self._alloc_segment(pool, handle, size)
         if block is None and not capturing:
             self._release_cached_blocks()
-            if self._core is not None:
-                self._core.empty_cache()  # what torch's allocator cached on the device
             # Dropped pools' memory of this device, waiting for those other threads use.
             given = release_orphans(self.backend, self.device, busy=self) if _orphans else 0
             self._stats.s[S.NUM_ALLOC_RETRIES] += 1
@@ -681,37 +677,11 @@ class DeviceAllocator:
         return block
 
     def _alloc_segment(self, pool: Pool, handle: int, size: int) -> Block | None:
-        """New memory for ``size`` bytes, as a free block not on any list; None on OOM."""
-        if self._expandable:
-            return self._alloc_expandable(pool, handle, size)
-        alloc = allocation_size(size, self._large_segment)
-        if self._allowed is not None and self._reserved() + self._core_reserved() + alloc > self._allowed:
-            self._fraction_refused = True
-            return None
-        try:
-            ptr = self.upstream.allocate(alloc)
-        except OutOfMemoryError as exc:
-            self._refusal = str(exc)
-            return None
-        seg = Segment(self, ptr, alloc, handle, pool, False)
-        self._known.add(handle)
-        block = Block(ptr, alloc, seg)
-        seg.head = block
-        self._segments[ptr] = seg
-        s = self._stats.s
-        S.inc(s, S.SEGMENT, pool.kind, 1)
-        S.inc(s, S.RESERVED_BYTES, pool.kind, alloc)
-        if alloc >= self._ms:
-            S.inc(s, S.OVERSIZE_SEGMENTS, 0, 1)
-        s[S.NUM_DEVICE_ALLOC] += 1
-        if pool.private is not None:
-            pool.private.segments += 1
-        if self._history is not None:
-            seg.frames = self._history.block_frames()
-            self._history.record("segment_alloc", ptr, alloc, handle, seg.frames)
-        return block
+        """New expandable pages for ``size`` bytes, as a free block not on any list; None on OOM."""
+        return self._alloc_expandable(pool, handle, size)
 
     def _reserved(self) -> int:
+        """Bytes of this allocator's expandable segments (the core's: _core_reserved)."""
         s = self._stats.s
         return s[S.RESERVED_BYTES] + s[S.RESERVED_BYTES + 1]
 
@@ -1141,14 +1111,14 @@ class DeviceAllocator:
 
     # -- free ------------------------------------------------------------------------
 
-    def free(self, block: Block) -> None:
+    def free(self, block: Block | CoreBlock) -> None:
         """Give ``block`` back; it is reused once every stream that used it passed
         this point (see :meth:`record_stream`)."""
         lock = self._lock
         lock.acquire()  # not ``with``: see malloc
         try:
             try:
-                if block.state != ALLOCATED or block.segment.owner is not self:
+                if block.state != ALLOCATED or block.owner is not self:
                     raise InvalidHandleError(
                         f"{block!r} is not allocated by {self!r} (freed twice, or from another allocator)"
                     )
@@ -1158,101 +1128,56 @@ class DeviceAllocator:
         finally:
             lock.release()
 
-    def _free_held(self, block: Block) -> None:
+    def _free_held(self, block: Block | CoreBlock) -> None:
         """:meth:`free` of an allocated block of this allocator, the lock held."""
-        segment = block.segment
-        if block.stream_uses or self._history is not None or self._orphaned:
-            if self._gc_frees:  # a retired handle among the uses is known before events are recorded
-                self._drain_gc_frees()
-            self._free_locked(block)
-            if self._orphaned:
-                self._release_if_idle()
-            return
-        # The common case of _free_locked inline: no other stream, no history.
-        pool = block.pool
-        k = self._kinds[pool.kind]
-        size = block.size
-        k.allocation -= 1
-        k.allocated_bytes -= size
-        if size >= self._ms:
-            self._s[OVERSIZE_ALLOCATIONS] -= 1
-        prev = block.prev
-        if self._fast and not segment.expandable and (prev is None or prev.state != FREE):
-            # The fast paths of _free_block (blocks of fixed segments are all
-            # mapped); tests/allocator/test_fast_path.py checks that they leave
-            # the same books. The block is retired either way.
-            nxt = block.next
-            if nxt is not None and nxt.state == FREE:
-                # The free block after takes this one's place (the common case
-                # of an allocate+free pair).
-                k.requested_bytes -= block.requested
-                block.state = RETIRED
-                block.prev = block.next = None
-                listed_size = nxt.size
-                listed_ptr = nxt.ptr
-                nxt.ptr = block.ptr
-                nxt.size = merged = listed_size + size
-                nxt.prev = prev
-                if prev is not None:
-                    prev.next = nxt
-                else:
-                    segment.head = nxt
-                pool.free[block.stream].replace(listed_size, listed_ptr, nxt)
-                nxt.gc_base = pool.calls
-                # inactive_split: the listed rest leaves it; the merged block
-                # joins it again only if the segment is still split.
-                k.inactive_split -= 1
-                k.inactive_split_bytes -= listed_size
-                if prev is not None or nxt.next is not None:
-                    S.add_inactive_split(k, merged)
-                return
-            free = pool.free.get(block.stream)
-            if free is not None:
-                # No free neighbour: a new block object stands in for this one
-                # (a cached pair that reuses a hole).
-                k.requested_bytes -= block.requested
-                block.state = RETIRED
-                block.prev = block.next = None
-                new = Block(block.ptr, size, segment)
-                new.prev = prev
-                new.next = nxt
-                if prev is not None:
-                    prev.next = new
-                else:
-                    segment.head = new
-                if nxt is not None:
-                    nxt.prev = new
-                new.gc_base = pool.calls
-                free.add(new)
-                if prev is not None or nxt is not None:
-                    S.add_inactive_split(k, size)
-                return
-        self._free_block(block)
+        if block.stream_uses and self._gc_frees:
+            self._drain_gc_frees()  # a retired handle among the uses is known before events are recorded
+        self._free_locked(block)
+        if self._orphaned:
+            self._release_if_idle()
 
-    def _free_locked(self, block: Block) -> None:
+    def _free_locked(self, block: Block | CoreBlock) -> None:
+        if self._history is not None:
+            self._history.record("free_requested", block.ptr, block.size, block.stream, None)
+        if block.segment is None:  # the core's
+            if block.stream_uses:
+                block.state = PENDING
+                self._core.hold(block.ptr)
+                self._order_reuse(block)
+            else:
+                block.state = RETIRED
+                del self._live[block.ptr]
+                if self._core_free(self._core_handle, block.ptr):  # not ACCEL_CORE_OK: a broken book
+                    raise InvalidHandleError(f"the allocator core of {self!r} does not hold {block!r}, which it handed out")
+                if self._history is not None:
+                    self._history.record("free_completed", block.ptr, block.size, block.stream, None)
+            return
         s = self._s
         kind = block.pool.kind
         size = block.size
         S.drop_allocation(self._kinds[kind], size)
         if size >= self._ms:
             s[OVERSIZE_ALLOCATIONS] -= 1
-        if self._history is not None:
-            self._history.record("free_requested", block.ptr, size, block.stream, None)
         if block.stream_uses:
             block.state = PENDING
             S.add_pending(s, kind, size)
-            if self._captures:
-                self._deferred.append(block)
-            else:
-                self._insert_events(block)
+            self._order_reuse(block)
         else:
             self._free_block(block)
 
-    def free_from_finalizer(self, block: Block) -> None:
+    def _order_reuse(self, block: Block | CoreBlock) -> None:
+        """Freed ``block`` (PENDING) is reused once its other streams pass events
+        recorded now, or at the end of the captures under way."""
+        if self._captures:
+            self._deferred.append(block)
+        else:
+            self._insert_events(block)
+
+    def free_from_finalizer(self, block: Block | CoreBlock) -> None:
         """Free from a garbage-collection finalizer, which may run while this
         thread already holds the lock: then the free waits for the next call."""
         try:
-            owner = block.segment.owner
+            owner = block.owner
         except AttributeError:  # not a Block
             self._bad_block(block, "free_from_finalizer")
         if owner is not self:
@@ -1276,7 +1201,6 @@ class DeviceAllocator:
         the device, so memory whose streams still have queued work goes back at the
         device's next ``empty_cache`` or allocation short of memory."""
         self._orphaned = True
-        self._fast = False
         if self._lock.acquire(blocking=False):
             try:
                 if self._gc_frees:
@@ -1297,8 +1221,7 @@ class DeviceAllocator:
         of a host function the device's work waits for. Only when every stream of its
         segments has no queued work and no cross-stream free is pending; else the allocator
         waits in ``_orphans`` for a call that may wait (see :func:`release_orphans`)."""
-        small, large = self._kinds
-        if small.allocation or large.allocation or self._captures:
+        if self._allocated_any() or self._captures:
             return
         if self._pending:
             self._process_events()
@@ -1306,8 +1229,16 @@ class DeviceAllocator:
             self._release_cached_blocks(wait=False)
         self._note_orphan()
 
+    def _allocated_any(self) -> bool:
+        """Whether any block of this allocator is allocated (not counting pending ones),
+        by accel or by torch through the core."""
+        small, large = self._kinds
+        slots = self._core.slots()
+        return bool(small.allocation or large.allocation or slots[S.ALLOCATION] or slots[S.ALLOCATION + 1])
+
     def _streams_idle(self) -> bool:
-        return all(self._stream_idle(stream) for stream in {seg.stream for seg in self._segments.values()})
+        streams = {seg.stream for seg in self._segments.values()} | {b["stream"] for b in self._core.blocks()}
+        return all(self._stream_idle(stream) for stream in streams)
 
     def _stream_idle(self, key: int) -> bool:
         """Whether the stream that segments keyed ``key`` belong to has no queued work."""
@@ -1362,6 +1293,14 @@ class DeviceAllocator:
         self._next_key -= 1
         if retired.event is not None:
             self._retired[key] = retired.event
+        self._core.rekey_stream(handle, key)
+        for block in self._live.values():
+            if block.stream == handle:
+                block.stream = key
+            uses = block.stream_uses
+            if uses and handle in uses:
+                uses.discard(handle)
+                uses.add(key)
         for seg in self._segments.values():
             mine = seg.stream == handle
             if mine:
@@ -1393,7 +1332,7 @@ class DeviceAllocator:
         if self._orphaned:
             self._release_if_idle()
 
-    def _free_block(self, block: Block) -> None:
+    def _free_block(self, block: Block | CoreBlock) -> None:
         """Return ``block``'s memory to its pool's free list, merged with free neighbours.
 
         ``block`` itself was handed to a caller, who may still hold it: it is
@@ -1401,6 +1340,13 @@ class DeviceAllocator:
         place in the segment, so a stale ``free(block)`` is refused later
         instead of freeing whoever gets this memory next.
         """
+        if block.segment is None:  # the core's, held until now
+            block.state = RETIRED
+            del self._live[block.ptr]
+            self._core.release_held(block.ptr)
+            if self._history is not None:
+                self._history.record("free_completed", block.ptr, block.size, block.stream, None)
+            return
         pool = block.pool
         kind = pool.kind
         k = self._kinds[kind]
@@ -1454,7 +1400,6 @@ class DeviceAllocator:
             # No free neighbour: a fresh block object stands in for this one.
             survivor = self._stand_in(block, block.ptr, block.size, prev, nxt)
             free.add(survivor)
-        survivor.gc_base = pool.calls
         if split_counted and (prev is not None or nxt is not None):
             S.add_inactive_split(k, survivor.size)
 
@@ -1501,7 +1446,6 @@ class DeviceAllocator:
     def _insert_free(self, block: Block) -> None:
         """Put FREE mapped ``block`` on its free list (inactive-split counted)."""
         pool = block.pool
-        block.gc_base = pool.calls
         free = pool.free.get(block.stream)
         if free is None:
             free = pool.free[block.stream] = FreeList()
@@ -1514,7 +1458,7 @@ class DeviceAllocator:
 
     # -- streams -----------------------------------------------------------------------
 
-    def record_stream(self, block: Block, stream: Stream) -> None:
+    def record_stream(self, block: Block | CoreBlock, stream: Stream) -> None:
         """Mark ``block`` as used on ``stream`` too: after a free it is reused only
         once ``stream`` passed an event recorded at free time."""
         try:
@@ -1527,7 +1471,7 @@ class DeviceAllocator:
             if self._gc_frees:  # a retirement of this handle queued before must go first
                 self._drain_gc_frees()
             try:
-                if block.state != ALLOCATED or block.segment.owner is not self:
+                if block.state != ALLOCATED or block.owner is not self:
                     raise InvalidHandleError(f"record_stream on {block!r}, which is not allocated here")
             except AttributeError:  # not a Block
                 self._bad_block(block, "record_stream")
@@ -1539,7 +1483,7 @@ class DeviceAllocator:
             else:
                 block.stream_uses.add(handle)
 
-    def _insert_events(self, block: Block) -> None:
+    def _insert_events(self, block: Block | CoreBlock) -> None:
         remaining = list(block.stream_uses or ())
         block.stream_uses = None
         error: BaseException | None = None
@@ -1585,7 +1529,7 @@ class DeviceAllocator:
         if error is not None:
             raise error
 
-    def _wait_for_retired(self, block: Block, key: int) -> None:
+    def _wait_for_retired(self, block: Block | CoreBlock, key: int) -> None:
         """Order the reuse of freed ``block`` after the work of the destroyed stream
         retired as ``key``: its end event joins the block's pending events (shared: the
         queue of ``key`` does not return it to the pool)."""
@@ -1656,8 +1600,6 @@ class DeviceAllocator:
             if self._gc_frees:
                 self._drain_gc_frees()
             self._release_cached_blocks()
-        if self._core is not None:
-            self._core.empty_cache()
         if _orphans:
             release_orphans(self.backend, self.device)
 
@@ -1667,20 +1609,19 @@ class DeviceAllocator:
         the device (its streams may still run work queued on the memory). Returns the
         bytes given back."""
         try:
-            before = self._reserved()
+            before = self._reserved() + self._core_reserved()
             if self._gc_frees:
                 self._drain_gc_frees()
-            small, large = self._kinds
-            if not (small.allocation or large.allocation):
+            if not self._allocated_any():
                 self._release_cached_blocks()
             self._note_orphan()
-            return before - self._reserved()
+            return before - self._reserved() - self._core_reserved()
         finally:
             self._lock.release()
 
     def _note_orphan(self) -> None:
         """Keep this dropped pool's allocator for a later release while it holds memory."""
-        if self._segments:
+        if self._segments or self._core_reserved():
             _orphans.add(self)
         else:
             _orphans.discard(self)
@@ -1707,13 +1648,7 @@ class DeviceAllocator:
         pools = [self._small, self._large]
         for private in freeable:
             pools += [private.small, private.large]
-        victims = [
-            b
-            for pool in pools
-            for lst in pool.free.values()
-            for _, _, b in lst
-            if b.segment.expandable or (b.prev is None and b.next is None)
-        ]
+        victims = [b for pool in pools for lst in pool.free.values() for _, _, b in lst]
         if victims:
             self._release(victims, wait=wait)
         # Reservations left wholly unmapped (a failed first map) go back too.
@@ -1722,85 +1657,21 @@ class DeviceAllocator:
                 head = seg.head
                 if head is not None and not head.mapped and head.next is None:
                     self._merge_unmapped(head)
+        # The core's wholly free segments of the default pool and of the private pools
+        # no graph uses (those in use are kept: see begin_allocate_to_pool).
+        self._core.empty_cache(wait=wait)
         for private in freeable:
-            if private.segments == 0:
+            if private.segments == 0 and self._core.pool_segments(private.key) == 0:
                 del self._private[private.id]
 
     def _release(self, blocks: list[Block], *, wait: bool = True) -> None:
-        """Give free ``blocks`` (whole segments, or expandable free ranges) back upstream."""
+        """Give free expandable ranges ``blocks`` back upstream (unmapped)."""
         # Upstream frees are not stream ordered on every backend: let queued work finish.
         if wait:
             self.backend.device_synchronize(self.device)
         for b in blocks:
             self._take_off_list(b)
-            if b.segment.expandable:
-                self._unmap_free(b)
-            else:
-                self._release_segment(b)
-
-    def _release_segment(self, b: Block) -> None:
-        seg = b.segment
-        try:
-            self.upstream.deallocate(seg.base, seg.size)
-        except BaseException:
-            self._insert_free(b)
-            raise
-        del self._segments[seg.base]
-        s = self._stats.s
-        s[S.SEGMENT + seg.pool.kind] -= 1
-        s[S.RESERVED_BYTES + seg.pool.kind] -= seg.size
-        if seg.size >= self._ms:
-            s[S.OVERSIZE_SEGMENTS] -= 1
-        s[S.NUM_DEVICE_FREE] += 1
-        if seg.pool.private is not None:
-            seg.pool.private.segments -= 1
-        if self._history is not None:
-            self._history.record("segment_free", seg.base, seg.size, seg.stream, None)
-
-    def _release_available(self, pool: Pool, handle: int, size: int) -> bool:
-        """PyTorch's ``release_available_cached_blocks``: free one oversize block
-        that fits, else the largest oversize ones until ``max(size, MS)`` is freed."""
-        key = max(size, self._ms)
-        whole = [b for _, _, b in pool.free.get(handle, ()) if not b.segment.expandable and b.prev is None and b.next is None]
-        fitting = [b for b in whole if b.size >= key]
-        if fitting:
-            self._release([fitting[0]])
-            return True
-        oversize = [b for b in reversed(whole) if b.size >= self._ms]
-        chosen, total = [], 0
-        for b in oversize:
-            chosen.append(b)
-            total += b.size
-            if total >= key:
-                break
-        if chosen:
-            self._release(chosen)
-        return total >= key
-
-    def _garbage_collect(self) -> None:
-        """Free old unsplit large blocks until reserved is under the threshold."""
-        assert self._allowed is not None
-        threshold = int(self._gc_threshold * self._allowed)
-        reserved = self._reserved()
-        if reserved <= threshold:
-            return
-        target = reserved - threshold
-        pool = self._large
-        candidates = [
-            b
-            for lst in pool.free.values()
-            for _, _, b in lst
-            if not b.segment.expandable and b.prev is None and b.next is None
-        ]
-        reclaimed = 0
-        while reclaimed < target and candidates:
-            average = sum(pool.calls - b.gc_base for b in candidates) / len(candidates)
-            old = [b for b in candidates if pool.calls - b.gc_base >= average]
-            if not old:
-                break
-            self._release(old)
-            reclaimed += sum(b.size for b in old)
-            candidates = [b for b in candidates if b not in old]
+            self._unmap_free(b)
 
     # -- private pools ------------------------------------------------------------------
 
@@ -1817,11 +1688,17 @@ class DeviceAllocator:
                 raise CaptureError(f"begin_allocate_to_pool: already recording to pool {pool_id}")
             private = self._private.get(pool_id)
             if private is None:
-                private = self._private[pool_id] = PrivatePool(pool_id)
+                private = self._private[pool_id] = PrivatePool(pool_id, self._next_pool_key)
+                self._next_pool_key += 1
+                self._core.keep_pool(private.key, True)  # in use: empty_cache leaves it
+            elif private.use_count == 0:
+                private.use_count = 1
+                self._core.keep_pool(private.key, True)
             else:
                 private.use_count += 1
             self._captures.append((private, stream_filter))
-            self._update_fast()
+            # nothing goes back upstream during a capture, torch's allocations' misses included
+            self._core.freeze(True)
 
     def end_allocate_to_pool(self, pool_id: PoolId) -> None:
         """Stop routing allocations to ``pool_id``; the pool stays until :meth:`release_pool`."""
@@ -1830,7 +1707,8 @@ class DeviceAllocator:
             for i, (private, _) in enumerate(self._captures):
                 if private.id == pool_id:
                     del self._captures[i]
-                    self._update_fast()
+                    if not self._captures:
+                        self._core.freeze(False)
                     break
             else:
                 raise CaptureError(f"end_allocate_to_pool: not currently recording to pool {pool_id}")
@@ -1873,7 +1751,9 @@ class DeviceAllocator:
         if private is None or private.use_count == 0:
             return False
         private.use_count -= 1
-        if private.use_count == 0 and private.segments == 0:
+        if private.use_count == 0:
+            self._core.keep_pool(private.key, False)  # freeable: the next empty_cache gives it back
+        if private.use_count == 0 and private.segments == 0 and self._core.pool_segments(private.key) == 0:
             del self._private[pool_id]
         elif private.use_count == 0 and self._orphaned:
             # Nobody is left to call empty_cache on a dropped MemPool's allocator.
@@ -1895,25 +1775,23 @@ class DeviceAllocator:
             if self._gc_frees:
                 self._drain_gc_frees()
             out = self._stats.as_dict(-1 if self._ms == _UNLIMITED else self._ms)
-        if self._core is not None:
-            # what torch allocated through the core: its own counters, added (a peak of
-            # the sum is at most the sum of the peaks, which is what shows)
-            for key, value in self._core.stats().items():
-                if key != "max_split_size":
-                    out[key] += value
+        # The core's counters (accel's buffers and torch's tensors alike), plus those of
+        # the expandable segments kept here: all zero unless expandable segments were
+        # used (then a peak shown is the sum of the two peaks).
+        for key, value in self._core.stats().items():
+            if key != "max_split_size":
+                out[key] += value
         return out
 
     def reset_peak_stats(self) -> None:
         with self._lock:
             self._stats.reset_peak()
-        if self._core is not None:
-            self._core.reset_peak()
+        self._core.reset_peak()
 
     def reset_accumulated_stats(self) -> None:
         with self._lock:
             self._stats.reset_accumulated()
-        if self._core is not None:
-            self._core.reset_accumulated()
+        self._core.reset_accumulated()
 
     def record_history(self, history: History | None) -> None:
         """Start (or, with None, stop and clear) recording the trace."""
@@ -1924,7 +1802,6 @@ class DeviceAllocator:
             )
         with self._lock:
             self._history = history
-            self._update_fast()
 
     def trace(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -1950,33 +1827,38 @@ class DeviceAllocator:
                 for run in runs:
                     if run:
                         out.append(self._segment_dict(seg, run, pool_id))
+            out += self._core_segments()
             if self._history is not None:
                 active = sum(x["active_size"] for x in out)
                 self._history.record("snapshot", 0, active, 0, None)
-        if self._core is not None:
-            out += self._core_segments(self._core)
         return sorted(out, key=lambda x: x["address"])
 
-    def _core_segments(self, core: NativeCore) -> list[dict[str, Any]]:
-        """The native core's segments in :meth:`snapshot`'s layout."""
+    def _core_segments(self) -> list[dict[str, Any]]:
+        """The native core's segments in :meth:`snapshot`'s layout (the lock held: the
+        frames of accel's blocks are on their handles; torch's blocks have none)."""
+        pool_ids: dict[int, PoolId] = {p.key: p.id for p in self._private.values()}
         segments: dict[int, dict[str, Any]] = {}
-        for b in core.blocks():
+        for b in self._core.blocks():
             seg = segments.get(b["segment"])
             if seg is None:
                 seg = segments[b["segment"]] = {
                     "device": self.device, "address": b["segment"], "total_size": b["segment_size"],
                     "allocated_size": 0, "active_size": 0, "requested_size": 0, "stream": b["stream"],
-                    "segment_type": "small" if b["small"] else "large", "segment_pool_id": (0, 0),
-                    "is_expandable": False, "frames": [], "blocks": [],
+                    "segment_type": "small" if b["small"] else "large",
+                    "segment_pool_id": pool_ids.get(b["pool"], (0, 0)), "is_expandable": False, "frames": [],
+                    "blocks": [],
                 }  # fmt: skip
-            if b["allocated"]:
-                seg["allocated_size"] += b["size"]
+            state = "active_allocated" if b["allocated"] else "active_pending_free" if b["held"] else "inactive"
+            if state != "inactive":
                 seg["active_size"] += b["size"]
                 seg["requested_size"] += b["requested"]
+            if b["allocated"]:
+                seg["allocated_size"] += b["size"]
+            handle = self._live.get(b["ptr"]) if state != "inactive" else None
             seg["blocks"].append(
                 {
-                    "address": b["ptr"], "size": b["size"], "requested_size": b["requested"],
-                    "state": "active_allocated" if b["allocated"] else "inactive", "frames": [],
+                    "address": b["ptr"], "size": b["size"], "requested_size": b["requested"], "state": state,
+                    "frames": (handle.frames or []) if handle is not None else [],
                 }  # fmt: skip
             )
         return list(segments.values())
@@ -2024,8 +1906,9 @@ class DeviceAllocator:
             return self._largest_free()
 
     def _largest_free(self) -> int:
+        core = (b["size"] for b in self._core.blocks() if not b["allocated"] and not b["held"])
         return max(
-            (free.largest() for pool in self._all_pools() for free in pool.free.values()),
+            (*(free.largest() for pool in self._all_pools() for free in pool.free.values()), *core),
             default=0,
         )
 
@@ -2035,9 +1918,11 @@ class DeviceAllocator:
             pools += [private.small, private.large]
         return pools
 
-    def _out_of_memory(self, size: int, handle: int) -> OutOfMemoryError:
-        s = self._stats.s
-        s[S.NUM_OOMS] += 1
+    def _out_of_memory(self, size: int, handle: int, *, counted: bool = False) -> OutOfMemoryError:
+        """The report of a request of ``size`` bytes refused (``counted``: the core
+        counted it already)."""
+        if not counted:
+            self._stats.s[S.NUM_OOMS] += 1
         free, total = self.upstream.memory_info()
         if self._history is not None:
             self._history.record("oom", free, size, handle, None)
@@ -2053,6 +1938,14 @@ class DeviceAllocator:
                                 if b.state != FREE:
                                     private_allocated += b.size
         cached_free = sum(t[0] for pool in self._all_pools() for lst in pool.free.values() for t in lst)
+        private_keys = {p.key for p in self._private.values()}
+        for info in self._core.blocks():
+            if not info["allocated"] and not info["held"]:
+                cached_free += info["size"]
+            if info["pool"] in private_keys:
+                private_reserved += info["size"]
+                if info["allocated"] or info["held"]:
+                    private_allocated += info["size"]
         # What the device's other allocators hold: dropped pools (buffers of theirs still
         # alive, or a release still under way on another thread), MemPools in use, the
         # device's own allocator when a MemPool's ran short. Read without their locks,
@@ -2061,7 +1954,11 @@ class DeviceAllocator:
         for other in list(_allocators):
             if other is self or other.backend is not self.backend or other.device != self.device:
                 continue
-            reserved, allocated = other._reserved(), other._stats.current(S.ALLOCATED_BYTES)
+            core_slots = other._core.slots()
+            reserved = other._reserved() + core_slots[S.RESERVED_BYTES] + core_slots[S.RESERVED_BYTES + 1]
+            allocated = (
+                other._stats.current(S.ALLOCATED_BYTES) + core_slots[S.ALLOCATED_BYTES] + core_slots[S.ALLOCATED_BYTES + 1]
+            )
             if other._orphaned:
                 dropped += reserved
                 dropped_allocated += allocated
@@ -2071,7 +1968,7 @@ class DeviceAllocator:
             else:
                 others += reserved
                 others_allocated += allocated
-        core = self._core.stats() if self._core is not None else None
+        core = self._core.stats()
         details = OutOfMemoryDetails(
             device=self._name,
             requested=size,
@@ -2079,8 +1976,8 @@ class DeviceAllocator:
             free=free,
             allowed=self._allowed,
             fraction=self._fraction,
-            allocated=self._stats.current(S.ALLOCATED_BYTES) + (core["allocated_bytes.all.current"] if core else 0),
-            reserved=self._reserved() + (core["reserved_bytes.all.current"] if core else 0),
+            allocated=self._stats.current(S.ALLOCATED_BYTES) + core["allocated_bytes.all.current"],
+            reserved=self._reserved() + core["reserved_bytes.all.current"],
             private_pools=private_allocated,
             private_reserved=private_reserved,
             largest_free_block=self._largest_free(),
@@ -2097,19 +1994,3 @@ class DeviceAllocator:
             others_allocated=others_allocated,
         )
         return out_of_memory(details, self.device)
-
-
-# The compiled malloc, free and _free_held (accel/_speedups.c) when it was built and
-# ACCEL_PURE_PYTHON is not 1: the same steps on the same objects, which call the
-# methods above for every case but the cached fast paths.
-if speedups is not None:
-    speedups.install_allocator(
-        {
-            "DeviceAllocator": DeviceAllocator, "Block": Block, "Segment": Segment, "Pool": Pool,
-            "FreeList": FreeList, "Counts": S.Counts, "Every": S.Every,
-            "note_active_peak": S.note_active_peak, "InvalidHandleError": InvalidHandleError,
-            "FREE": FREE, "ALLOCATED": ALLOCATED, "RETIRED": RETIRED, "SMALL_SIZE": SMALL_SIZE,
-            "MAX_REQUEST": MAX_REQUEST, "OVERSIZE_ALLOCATIONS": OVERSIZE_ALLOCATIONS, "ACTIVE": S.ACTIVE,
-            "Lock": type(threading.Lock()), "freelist_module": sys.modules[FreeList.__module__],
-        }  # fmt: skip
-    )

@@ -28,21 +28,26 @@ import importlib
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 from accel._errors import InvalidValueError, OutOfMemoryError
 from accel.allocator._resources import MemoryResource
 from accel.allocator._stats import STAT_NAMES
 
-__all__ = ["GIL_MODE", "NativeCore", "core_module", "library_path"]
+__all__ = ["GIL_MODE", "GIVE_BACK_FIRST", "NO_RETRY", "NativeCore", "core_module", "library_path"]
 
 #: The core never takes or needs the GIL (csrc/accel_core.c includes no Python.h);
 #: cffi releases it around each call and its callbacks take it themselves.
 GIL_MODE = "not used"
 
 _module: ModuleType | None = None
+
+#: malloc's flags (accel_core.h): on a refusal, return without giving the whole cache
+#: back; give it back (counting a retry) before asking upstream.
+NO_RETRY = 1
+GIVE_BACK_FIRST = 2
 
 
 def core_module() -> ModuleType:
@@ -68,6 +73,7 @@ def library_path() -> str:
 
 
 _SLOTS = 93
+_U64 = (1 << 64) - 1
 _SCALARS = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free")
 _POOLS = ("all", "small_pool", "large_pool")
 _METRICS = ("current", "peak", "allocated", "freed")
@@ -90,10 +96,12 @@ def _install_callbacks(ffi: Any) -> None:
             try:
                 if upstream.admit is not None:
                     upstream.admit(size)
-                out[0] = upstream.resource.allocate(size)
+                out[0] = ptr = upstream.resource.allocate(size)
             except BaseException as exc:  # noqa: BLE001 - raised by the malloc that asked
                 upstream.refusals[threading.get_ident()] = exc
                 return 1
+            if upstream.notify is not None:
+                upstream.notify("segment_alloc", ptr, size)
             return 0
 
         @ffi.def_extern()  # type: ignore[untyped-decorator]
@@ -102,11 +110,14 @@ def _install_callbacks(ffi: Any) -> None:
             # Upstream frees are not stream ordered on every backend (the host's, Level
             # Zero's): queued work on the memory finishes first, as in DeviceAllocator.
             try:
-                if upstream.synchronize is not None:
+                if upstream.synchronize is not None and not getattr(upstream.no_wait, "on", False):
                     upstream.synchronize(device)
                 upstream.resource.deallocate(ptr, size)
             except BaseException as exc:  # noqa: BLE001 - raised by the next empty_cache
                 upstream.free_errors.append(exc)
+                return
+            if upstream.notify is not None:
+                upstream.notify("segment_free", ptr, size)
 
         _installed = True
 
@@ -143,15 +154,23 @@ class _Upstream:
     thread (a malloc that saw a refusal raises it). Not the NativeCore itself, so that
     the core's finalizer can keep it alive while the core gives its cache back."""
 
-    __slots__ = ("resource", "refusals", "synchronize", "free_errors", "admit")
+    __slots__ = ("resource", "refusals", "synchronize", "free_errors", "admit", "notify", "no_wait")
 
     def __init__(
-        self, resource: MemoryResource, synchronize: Callable[[int], None] | None, admit: Callable[[int], None] | None
+        self,
+        resource: MemoryResource,
+        synchronize: Callable[[int], None] | None,
+        admit: Callable[[int], None] | None,
+        notify: Callable[[str, int, int], None] | None,
     ) -> None:
         self.resource = resource
         self.admit = admit
+        self.notify = notify
         self.refusals: dict[int, BaseException] = {}
         self.synchronize = synchronize
+        # set on a thread whose give-back must not wait for the device (the callbacks
+        # run on the thread that called into the core)
+        self.no_wait = threading.local()
         # what giving memory back raised (the core gives back on any thread, torch's
         # too): the next empty_cache raises the first
         self.free_errors: list[BaseException] = []
@@ -169,7 +188,8 @@ class NativeCore:
 
     ``synchronize(device)``, when given, runs before memory goes back upstream;
     ``admit(size)`` before a new segment is asked of it (raising OutOfMemoryError refuses
-    it: a memory fraction's cap).
+    it: a memory fraction's cap); ``notify(event, ptr, size)`` after a segment came from
+    upstream ("segment_alloc") or went back ("segment_free"), on the thread that asked.
     ``stream`` and ``pool`` are opaque keys (a stream's handle, a pool's number):
     blocks are reused only under the keys they were freed with.
     """
@@ -179,6 +199,7 @@ class NativeCore:
         upstream: MemoryResource,
         synchronize: Callable[[int], None] | None = None,
         admit: Callable[[int], None] | None = None,
+        notify: Callable[[str, int, int], None] | None = None,
     ) -> None:
         module = core_module()
         self._ffi = module.ffi
@@ -186,7 +207,7 @@ class NativeCore:
         _install_callbacks(self._ffi)
         self.upstream = upstream
         self.device = upstream.device
-        self._callbacks = _Upstream(upstream, synchronize, admit)
+        self._callbacks = _Upstream(upstream, synchronize, admit, notify)
         handle = self._ffi.new_handle(self._callbacks)
         lib = self._lib
         self._core = lib.accel_core_new(self.device, lib.accel_py_upstream_alloc, lib.accel_py_upstream_free, handle)
@@ -208,8 +229,9 @@ class NativeCore:
         self._max_split_size = -1 if max_split_size is None else max_split_size
         self._lib.accel_core_configure(self._core, max_split_size or 0, max_non_split_rounding, large_segment)
 
-    def malloc(self, nbytes: int, stream: int, pool: int = 0) -> tuple[int, int]:
-        """``(ptr, size)`` of a block of at least ``nbytes`` for ``stream`` in ``pool``."""
+    def malloc(self, nbytes: int, stream: int, pool: int = 0, flags: int = 0) -> tuple[int, int]:
+        """``(ptr, size)`` of a block of at least ``nbytes`` for ``stream`` in ``pool``.
+        ``flags``: :data:`NO_RETRY` and :data:`GIVE_BACK_FIRST` (see accel_core.h)."""
         ffi, lib = self._ffi, self._lib
         # Out-parameters per thread (cffi lets the GIL go during the call, so threads
         # cannot share them): two ffi.new per call cost as much as the call itself.
@@ -217,9 +239,15 @@ class NativeCore:
             out, size = self._tls.out
         except AttributeError:
             out, size = self._tls.out = (ffi.new("uint64_t *"), ffi.new("int64_t *"))
-        rc = lib.accel_core_malloc(self._core, nbytes, stream, pool, out, size)
+        rc = lib.accel_core_malloc(self._core, nbytes, stream, pool, flags, out, size)
         if rc == 0:  # ACCEL_CORE_OK
             return out[0], size[0]
+        self.raise_for(rc, nbytes)
+
+    def raise_for(self, rc: int, nbytes: int) -> NoReturn:
+        """Raise what ``accel_core_malloc``'s nonzero ``rc`` for ``nbytes`` means: the
+        upstream's own exception, InvalidValueError, MemoryError or OutOfMemoryError."""
+        lib = self._lib
         refusal = self._callbacks.refusals.pop(threading.get_ident(), None)
         if rc == lib.ACCEL_CORE_BAD_SIZE:
             raise InvalidValueError(f"cannot allocate {nbytes} bytes: the size must be in [1, 2**60)")
@@ -232,23 +260,81 @@ class NativeCore:
             "allocator core gave its cache back",
             requested=nbytes,
             device=self.device,
-        )
+        ) from refusal
 
     def free(self, ptr: int) -> None:
         """Give back the block allocated at ``ptr``."""
         if self._lib.accel_core_free(self._core, ptr):  # not ACCEL_CORE_OK
             raise InvalidValueError(f"{ptr:#x} is not allocated by this allocator core (freed twice?)")
 
-    def empty_cache(self) -> int:
-        """Give the wholly free segments back upstream; the bytes given back. Raises
-        what the upstream raised giving memory back, here or since the last call."""
-        given = int(self._lib.accel_core_empty_cache(self._core))
+    def hold(self, ptr: int) -> None:
+        """The caller freed the block at ``ptr`` but its reuse must wait (for other
+        streams): it leaves the allocated statistics, stays active and unusable until
+        :meth:`release_held`."""
+        if self._lib.accel_core_hold(self._core, ptr):  # not ACCEL_CORE_OK
+            raise InvalidValueError(f"{ptr:#x} is not allocated by this allocator core (freed twice?)")
+
+    def release_held(self, ptr: int) -> None:
+        """The held block at ``ptr`` may be reused: onto its free list."""
+        if self._lib.accel_core_release_held(self._core, ptr):  # not ACCEL_CORE_OK
+            raise InvalidValueError(f"{ptr:#x} is not a block this allocator core holds")
+
+    def _raise_free_errors(self) -> None:
         errors = self._callbacks.free_errors
         if errors:
             first = errors[0]
             errors.clear()
             raise first
+
+    def empty_cache(self, *, wait: bool = True) -> int:
+        """Give the wholly free segments of the pools not kept back upstream; the bytes
+        given back. Raises what the upstream raised giving memory back, here or since
+        the last call. ``wait=False``: without synchronizing the device first (the
+        caller saw its streams idle, and must not wait)."""
+        no_wait = self._callbacks.no_wait
+        no_wait.on = not wait
+        try:
+            given = int(self._lib.accel_core_empty_cache(self._core))
+        finally:
+            no_wait.on = False
+        self._raise_free_errors()
         return given
+
+    def keep_pool(self, pool: int, keep: bool) -> None:
+        """Whether :meth:`empty_cache` and a miss's give-back leave ``pool`` cached."""
+        if self._lib.accel_core_keep_pool(self._core, pool, int(keep)):
+            raise MemoryError("the host has no memory for the allocator core's books")
+
+    def release_pool(self, pool: int) -> int:
+        """Give ``pool``'s wholly free segments back upstream (kept or not); the bytes."""
+        given = int(self._lib.accel_core_release_pool(self._core, pool))
+        self._raise_free_errors()
+        return given
+
+    def pool_segments(self, pool: int) -> int:
+        """How many segments ``pool`` has."""
+        return int(self._lib.accel_core_pool_segments(self._core, pool))
+
+    def freeze(self, frozen: bool) -> None:
+        """While frozen, nothing goes back upstream (a capture is under way)."""
+        self._lib.accel_core_freeze(self._core, int(frozen))
+
+    def rekey_stream(self, old: int, key: int) -> int:
+        """Key by ``key`` what ``old`` keys (a destroyed stream's handle); the segments.
+        Keys are 64-bit: a negative one (never a stream's handle) is stored as its
+        two's complement and listed by :meth:`blocks` as itself."""
+        return int(self._lib.accel_core_rekey_stream(self._core, old & _U64, key & _U64))
+
+    def set_divisions(self, divisions: Sequence[int]) -> None:
+        """PyTorch's ``roundup_power2_divisions``, one per power-of-two range from 1 MiB."""
+        slots = self._lib.ACCEL_CORE_DIVISION_SLOTS
+        if len(divisions) != slots:
+            raise InvalidValueError(f"{len(divisions)} roundup divisions given; the core takes {slots}")
+        self._lib.accel_core_set_divisions(self._core, self._ffi.new("int64_t[]", list(divisions)))
+
+    def set_gc_threshold(self, threshold: int) -> None:
+        """Reserved bytes above which a miss first collects old cached blocks (0: off)."""
+        self._lib.accel_core_set_gc_threshold(self._core, threshold)
 
     def reserved(self) -> int:
         """Bytes of the segments the core holds."""
@@ -282,7 +368,8 @@ class NativeCore:
         self._offsets = off
 
     def blocks(self) -> list[dict[str, int]]:
-        """Every block of every segment: its segment, stream, pool, state and sizes."""
+        """Every block of every segment: its segment, stream, pool, state (allocated,
+        held, else free) and sizes."""
         ffi, lib = self._ffi, self._lib
         cap = 64
         while True:
@@ -293,8 +380,10 @@ class NativeCore:
             cap = n + 64  # blocks added meanwhile: ask again, with room
         return [
             {
-                "segment": int(b.segment), "segment_size": int(b.segment_size), "stream": int(b.stream),
+                "segment": int(b.segment), "segment_size": int(b.segment_size),
+                "stream": int(b.stream) - (int(b.stream) >> 63 << 64),
                 "pool": int(b.pool), "small": bool(b.small), "allocated": b.state == lib.ACCEL_CORE_ALLOCATED,
+                "held": b.state == lib.ACCEL_CORE_HELD,
                 "ptr": int(b.ptr), "size": int(b.size), "requested": int(b.requested),
             }  # fmt: skip
             for b in out[0:n]

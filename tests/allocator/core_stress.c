@@ -1,9 +1,11 @@
 /* The native core alone, with no Python at all, under threads: built by
  * tests/allocator/test_native_core.py with -fsanitize=thread and with
  * -fsanitize=address,undefined. Threads allocate (two streams, two pools), write their
- * mark into what they got and check it before freeing; one more thread gives the
- * cache back and reads the books meanwhile. The upstream refuses now and then, so the
- * give-back-and-retry path runs too. Exit 0 when every check held. */
+ * mark into what they got and check it before freeing (some held, then released);
+ * one more thread gives the cache back, reads the books and makes the policy calls
+ * (keep/release a pool, freeze, gc threshold, divisions, re-key) meanwhile. The
+ * upstream refuses now and then, so the give-back-and-retry path runs too. Exit 0
+ * when every check held. */
 
 #include "accel_core.h"
 
@@ -60,7 +62,7 @@ static void *worker(void *arg) {
             int64_t n = 1 + (int64_t)((x >> 8) % ((x & 16) ? (3u << 20) : (64u << 10)));
             int64_t got = 0;
             ptrs[k] = 0;
-            if (accel_core_malloc(core, n, (uint64_t)(id % 2), (uint64_t)(id % 3 == 0), &ptrs[k], &got) == ACCEL_CORE_OK) {
+            if (accel_core_malloc(core, n, (uint64_t)(id % 2), (uint64_t)(id % 3 == 0), 0, &ptrs[k], &got) == ACCEL_CORE_OK) {
                 sizes[k] = n;
                 if (got < n)
                     failures[id]++;
@@ -79,8 +81,13 @@ static void *worker(void *arg) {
             for (int64_t j = 0; j < edge; j++)
                 bad |= bytes[j] != mark || bytes[n - 1 - j] != mark;
             failures[id] += bad;
-            if (accel_core_free(core, ptrs[k]) != ACCEL_CORE_OK)
+            if (k % 3 == 0) { /* a free whose reuse waits: held, then released */
+                if (accel_core_hold(core, ptrs[k]) != ACCEL_CORE_OK || accel_core_free(core, ptrs[k]) == ACCEL_CORE_OK ||
+                    accel_core_release_held(core, ptrs[k]) != ACCEL_CORE_OK)
+                    failures[id]++;
+            } else if (accel_core_free(core, ptrs[k]) != ACCEL_CORE_OK) {
                 failures[id]++;
+            }
         }
     }
     return NULL;
@@ -90,11 +97,24 @@ static void *janitor(void *arg) {
     (void)arg;
     int64_t slots[ACCEL_CORE_STAT_SLOTS];
     accel_core_block_info info[256];
-    while (!__atomic_load_n(&stop, __ATOMIC_ACQUIRE)) {
+    int64_t divisions[ACCEL_CORE_DIVISION_SLOTS];
+    for (unsigned i = 0; !__atomic_load_n(&stop, __ATOMIC_ACQUIRE); i++) {
         accel_core_empty_cache(core);
         accel_core_stats(core, slots);
         accel_core_blocks(core, info, 256);
+        /* the policy calls DeviceAllocator makes while others allocate */
+        accel_core_keep_pool(core, 1, (int)(i & 1));
+        accel_core_release_pool(core, 1);
+        accel_core_pool_segments(core, 1);
+        accel_core_freeze(core, (i & 7) == 3);
+        accel_core_set_gc_threshold(core, (i & 2) ? (int64_t)48 << 20 : 0);
+        for (int d = 0; d < ACCEL_CORE_DIVISION_SLOTS; d++)
+            divisions[d] = (i & 4) ? 4 : 0;
+        accel_core_set_divisions(core, divisions);
+        accel_core_rekey_stream(core, (uint64_t)1000 + i, (uint64_t)2000 + i); /* no such stream: nothing moves */
     }
+    accel_core_freeze(core, 0);
+    accel_core_keep_pool(core, 1, 0);
     return NULL;
 }
 

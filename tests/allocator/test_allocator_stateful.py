@@ -1,5 +1,7 @@
-"""Random allocate/free/record_stream/empty_cache/sync/capture/stream replacement sequences,
-checked after every step.
+"""Random allocate/free/record_stream/empty_cache/sync/capture/stream replacement/config
+change sequences, checked after every step against a small model: what is live, which
+freed ranges queued work may still use, the peaks seen; and the public views (snapshot,
+stats) recounted (tests/allocator/test_caching.py's check_public_views).
 
 Streams used through ``record_stream`` are held by a *gate*: a host function
 on that stream that waits for a threading.Event the test opens later. Until
@@ -68,6 +70,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             Stream._wrap(self.runtime, 0, self.backend.stream_create(0, 0), owned=True) for _ in range(2)
         ]
         self.alloc = DeviceAllocator(self.backend, 0, parse(config) if config else parse("expandable_segments:False"))
+        self.expandable = "expandable" in config
         # as the allocator registry does for the runtime's allocators
         self.runtime.stream_destroy_listeners.append(lambda index, handle: stream_destroyed(self.backend, index, handle))
         self.retired = 0  # streams replaced: their gates are kept under keys -1, -2...
@@ -180,6 +183,17 @@ class AllocatorMachine(RuleBasedStateMachine):
             host.handle = handle
             table._streams[handle] = host
         self.streams[which] = Stream._wrap(self.runtime, 0, handle, owned=True)
+
+    @rule(
+        config=st.sampled_from(
+            ["max_split_size_mb:30", "roundup_power2_divisions:4", "max_split_size_mb:20,roundup_power2_divisions:2", ""]
+        )
+    )
+    def change_config(self, config: str) -> None:
+        """New settings while blocks are live (oversize counts are recounted)."""
+        if self.expandable:
+            return  # switching expandable segments off and on: test_caching's toggling test
+        self.alloc.update_config(parse(config or "expandable_segments:False"))
 
     @rule(which=st.integers(0, 2))
     def synchronize(self, which: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -11,7 +12,7 @@ from accel._errors import CaptureError, DeviceError, InvalidHandleError, Invalid
 from accel._runtime import Runtime
 from accel.allocator import _stats as S
 from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED
-from accel.allocator._caching import DeviceAllocator, allocation_size, round_size
+from accel.allocator._caching import DeviceAllocator, round_size
 from accel.allocator.config import AllocatorConfig, parse
 from accel.backends.cpu import CpuBackend
 
@@ -105,6 +106,53 @@ def check_invariants(alloc: DeviceAllocator) -> None:
         waited_for = [e for queue in alloc._pending.values() for e, _ in queue]
         pooled = alloc._events
         assert len(set(waited_for + pooled)) == len(waited_for) + len(pooled), "an event is pooled and in use"
+    check_public_views(alloc)
+
+
+def check_public_views(alloc: DeviceAllocator) -> None:
+    """What the public views (snapshot, stats) must agree on, the native core's books
+    included: segments do not overlap and are tiled by their blocks, free neighbours
+    are merged, and the statistics equal the snapshot's sums."""
+    snap = sorted(alloc.snapshot(), key=lambda seg: seg["address"])
+    for a, b in zip(snap, snap[1:]):
+        assert a["address"] + a["total_size"] <= b["address"], "segments overlap"
+    for seg in snap:
+        end = seg["address"]
+        for prev, b in zip([None, *seg["blocks"]], seg["blocks"]):
+            assert b["address"] == end and b["size"] > 0, "blocks must tile the segment"
+            end += b["size"]
+            if not seg["is_expandable"] and prev is not None:
+                assert (prev["state"], b["state"]) != ("inactive", "inactive"), "free neighbours were not merged"
+        assert end == seg["address"] + seg["total_size"]
+    blocks = [b for seg in snap for b in seg["blocks"]]
+    stats = alloc.stats()
+    allocated = [b for b in blocks if b["state"] == "active_allocated"]
+    active = [b for b in blocks if b["state"] != "inactive"]
+    assert stats["allocation.all.current"] == len(allocated)
+    assert stats["allocated_bytes.all.current"] == sum(b["size"] for b in allocated)
+    assert stats["active.all.current"] == len(active)
+    assert stats["active_bytes.all.current"] == sum(b["size"] for b in active)
+    assert stats["requested_bytes.all.current"] == sum(b["requested_size"] for b in active)
+    assert stats["reserved_bytes.all.current"] == sum(seg["total_size"] for seg in snap)
+    assert stats["segment.all.current"] == sum(1 for seg in snap if not seg["is_expandable"])
+
+
+def segment_of(alloc: DeviceAllocator, ptr: int) -> int:
+    """The address of the segment that holds ``ptr`` (from the snapshot)."""
+    for seg in alloc.snapshot():
+        if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
+            return int(seg["address"])
+    raise AssertionError(f"no segment holds {ptr:#x}")
+
+
+def block_after(alloc: DeviceAllocator, ptr: int) -> dict[str, Any] | None:
+    """The snapshot's block after the one at ``ptr`` in its segment (None: it is the last)."""
+    for seg in alloc.snapshot():
+        addresses = [b["address"] for b in seg["blocks"]]
+        if ptr in addresses:
+            i = addresses.index(ptr)
+            return seg["blocks"][i + 1] if i + 1 < len(addresses) else None
+    raise AssertionError(f"no block at {ptr:#x}")
 
 
 @pytest.fixture
@@ -142,11 +190,20 @@ def test_round_size_vectors():
     assert round_size(9 * MiB, 2) == 12 * MiB
 
 
-def test_allocation_size_vectors():
-    assert allocation_size(1 * MiB, 20 * MiB) == 2 * MiB
-    assert allocation_size(5 * MiB, 20 * MiB) == 20 * MiB
-    assert allocation_size(11 * MiB, 20 * MiB) == 12 * MiB
-    assert allocation_size(5 * MiB, 32 * MiB) == 32 * MiB
+def test_segment_sizes(host):
+    """PyTorch's segment sizes: 2 MiB for small requests, a large segment below 10 MiB,
+    else the request rounded up to 2 MiB."""
+    backend, rt = host
+    s = rt.default_stream(0)
+    for config, request, segment in (
+        ("", 1 * MiB, 2 * MiB), ("", 5 * MiB, 20 * MiB), ("", 11 * MiB, 12 * MiB),
+        ("large_segment_size_mb:32", 5 * MiB, 32 * MiB),
+    ):  # fmt: skip
+        a = make(backend, config)
+        block = a.malloc(request, s)
+        assert [seg["total_size"] for seg in a.snapshot()] == [segment], (config, request)
+        a.free(block)
+        a.empty_cache()
 
 
 def test_roundup_divisions_from_config(host):
@@ -195,7 +252,7 @@ def test_best_fit_reuses_smallest_block_on_same_stream(host):
     assert got.ptr == blocks[1].ptr  # best fit picks the 8 KiB hole
     other = stream(rt)
     elsewhere = a.malloc(6000, other)
-    assert elsewhere.segment is not got.segment  # blocks never move between streams
+    assert segment_of(a, elsewhere.ptr) != segment_of(a, got.ptr)  # blocks never move between streams
     check_invariants(a)
     for b in (blocks[0], blocks[2], got, elsewhere, *keep):
         a.free(b)
@@ -208,12 +265,14 @@ def test_split_thresholds(host):
     s = rt.default_stream(0)
     # Small pool: a remainder of >= 512 bytes is split off.
     b = a.malloc(MiB - 512, s)
-    assert b.size == MiB - 512 and b.next is not None and b.next.size == MiB + 512
+    rest = block_after(a, b.ptr)
+    assert b.size == MiB - 512 and rest is not None and rest["size"] == MiB + 512
     # Large pool: a remainder of exactly 1 MiB stays attached (it must be > 1 MiB).
     c = a.malloc(19 * MiB, s)
-    assert c.size == 20 * MiB and c.next is None
+    assert c.size == 20 * MiB and block_after(a, c.ptr) is None
     d = a.malloc(8 * MiB, s)
-    assert d.size == 8 * MiB and d.next is not None and d.next.size == 12 * MiB
+    rest = block_after(a, d.ptr)
+    assert d.size == 8 * MiB and rest is not None and rest["size"] == 12 * MiB
     # Requests of max_split_size or more are never split.
     e = a.malloc(120 * MiB, s)
     a.free(e)
@@ -417,7 +476,7 @@ def test_garbage_collection_frees_old_blocks_first():
     a.free(new)
     assert a.stats()["reserved_bytes.all.current"] == 162 * MiB
     big = a.malloc(100 * MiB, s)  # a miss above the threshold: GC before asking upstream
-    bases = {seg.base for seg in a._segments.values()}
+    bases = {seg["address"] for seg in a.snapshot()}
     # Only blocks at least as old as the average age go: here `old` alone.
     assert old.ptr not in bases and mid.ptr in bases and new.ptr in bases
     assert a.stats()["num_device_free"] == 1
@@ -530,8 +589,9 @@ def test_private_pool_routing_and_lifetime(host):
     a.begin_allocate_to_pool((1, 0), lambda st: st == side)
     inside = a.malloc(4096, side)
     outside = a.malloc(4096, s)
-    assert inside.pool.private is not None and inside.pool.private.id == (1, 0)
-    assert outside.pool.private is None
+    pools = {seg["address"]: seg["segment_pool_id"] for seg in a.snapshot()}
+    assert pools[segment_of(a, inside.ptr)] == (1, 0)
+    assert pools[segment_of(a, outside.ptr)] == (0, 0)
     with pytest.raises(CaptureError, match="already recording"):
         a.begin_allocate_to_pool((1, 0), lambda st: True)
     a.empty_cache()  # no memory goes back during a capture
@@ -686,7 +746,7 @@ def test_toggling_expandable_segments_at_runtime(host):
     x = a.malloc(4 * MiB, s)
     a.update_config(parse("expandable_segments:False"))
     y = a.malloc(4 * MiB, s)  # free expandable memory is skipped while off
-    assert not y.segment.expandable
+    assert not next(seg for seg in a.snapshot() if seg["address"] == segment_of(a, y.ptr))["is_expandable"]
     a.free(x)
     a.free(y)
     check_invariants(a)

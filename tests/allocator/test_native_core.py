@@ -3,9 +3,12 @@
 The model is not a second allocator: it knows only what callers and the upstream
 can see (the live allocations, the segments the upstream handed out and took back)
 and checks every property the core must keep after each step: blocks lie in live
-segments of their stream, never overlap, tile their segments exactly; the sizes are
-PyTorch's rounding; every statistic equals what the model counts; a freed address
-cannot be freed again; empty_cache gives back exactly the wholly free segments.
+segments of their stream and pool, never overlap, tile their segments exactly; the
+sizes are PyTorch's rounding (with power-of-two divisions too); every statistic equals
+what the model counts, held blocks (freed, their reuse waiting) active but not
+allocated; a freed address cannot be freed again; empty_cache gives back exactly the
+wholly free segments of the pools not kept, release_pool those of one pool, and
+nothing goes back while the core is frozen; a destroyed stream's memory is re-keyed.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from accel._errors import InvalidValueError, OutOfMemoryError
 from accel.allocator import BackendResource, LimitingAdaptor, StatisticsAdaptor
-from accel.allocator._native_core import GIL_MODE, NativeCore, core_module
+from accel.allocator._caching import round_size
+from accel.allocator._native_core import GIL_MODE, GIVE_BACK_FIRST, NO_RETRY, NativeCore, core_module
 from accel.backends.cpu import CpuBackend
 
 KB = 512
@@ -30,8 +34,9 @@ SMALL = 1 << 20
 MiB = 1 << 20
 
 
-def rounded(n: int) -> int:
-    return max(KB, (n + KB - 1) // KB * KB)
+def rounded(n: int, divisions: tuple[int, ...] = (0,) * 16) -> int:
+    slot = n.bit_length() - 21
+    return round_size(n, divisions[min(max(slot, 0), 15)])
 
 
 def segment_size(size: int, large_segment: int = 20 * MiB) -> int:
@@ -70,39 +75,126 @@ class CoreModel(RuleBasedStateMachine):
         self.upstream = Upstream(96 * MiB)
         self.core = NativeCore(self.upstream)
         self.max_split: int | None = None
-        self.live: dict[int, tuple[int, int, int]] = {}  # ptr -> (requested, size, stream)
+        self.divisions = (0,) * 16
+        # ptr -> (requested, size, stream, pool): allocated, and held (freed, reuse waiting)
+        self.live: dict[int, tuple[int, int, int, int]] = {}
+        self.held: dict[int, tuple[int, int, int, int]] = {}
         self.freed: set[int] = set()
         self.ooms = 0
+        self.kept: set[int] = set()
+        self.frozen = False
+        self.next_key = 1 << 40  # retired streams' keys: never a stream's
 
-    @rule(max_split=st.sampled_from([None, 4 * MiB, 12 * MiB]))
-    @precondition(lambda self: not self.live)
-    def configure(self, max_split: int | None) -> None:
-        # only while nothing is allocated: the oversize counts of live blocks would
-        # change meaning (DeviceAllocator recounts; the core is told before use)
+    @rule(
+        max_split=st.sampled_from([None, 4 * MiB, 12 * MiB]),
+        divisions=st.sampled_from([(0,) * 16, (4,) * 16, (1, 2, 4, 8, 16, 1, 2, 4, 8, 16, 1, 2, 4, 8, 16, 1)]),
+    )
+    def configure(self, max_split: int | None, divisions: tuple[int, ...]) -> None:
+        # blocks may be live: the core counts the oversize ones again under the new bound
         self.core.empty_cache()
         self.max_split = max_split
+        self.divisions = divisions
         self.core.configure(max_split, 20 * MiB, 20 * MiB)
+        self.core.set_divisions(divisions)
 
-    @rule(nbytes=sizes, stream=st.sampled_from([0, 7]))
-    def malloc(self, nbytes: int, stream: int) -> None:
+    @rule(
+        nbytes=sizes,
+        stream=st.sampled_from([0, 7]),
+        pool=st.sampled_from([0, 0, 3]),
+        flags=st.sampled_from([0, 0, NO_RETRY, GIVE_BACK_FIRST]),
+    )
+    def malloc(self, nbytes: int, stream: int, pool: int, flags: int) -> None:
         try:
-            ptr, size = self.core.malloc(nbytes, stream)
+            ptr, size = self.core.malloc(nbytes, stream, pool, flags)
         except OutOfMemoryError:
-            self.ooms += 1
-            # refused only when even a fresh segment does not fit beside what is live
-            held = sum(self.upstream.live.values())
-            assert held + segment_size(rounded(nbytes)) > 96 * MiB
+            if flags != NO_RETRY:
+                self.ooms += 1
+            if not (flags == NO_RETRY or self.frozen):
+                # refused only when even a fresh segment does not fit beside what is
+                # allocated, held or in kept pools
+                held = sum(self.upstream.live.values())
+                assert held + segment_size(rounded(nbytes, self.divisions)) > 96 * MiB
             return
-        want = rounded(nbytes)
+        want = rounded(nbytes, self.divisions)
         assert size >= want
         if size > want:  # not cut: the rest was too small to keep, or the block oversize
             rest = size - want
             small = want <= SMALL
             oversize = self.max_split is not None and want >= self.max_split
             assert rest < KB or (not small and (rest <= SMALL or oversize))
-        assert ptr not in self.live
-        self.live[ptr] = (nbytes, size, stream)
+        assert ptr not in self.live and ptr not in self.held
+        self.live[ptr] = (nbytes, size, stream, pool)
         self.freed.discard(ptr)
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.live)
+    def hold(self, data: st.DataObject) -> None:
+        ptr = data.draw(st.sampled_from(sorted(self.live)))
+        self.core.hold(ptr)
+        self.held[ptr] = self.live.pop(ptr)
+        with pytest.raises(InvalidValueError, match="not allocated"):
+            self.core.free(ptr)  # held is not allocated
+        assert self.core.allocated_size(ptr) is None
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.held)
+    def release_held(self, data: st.DataObject) -> None:
+        ptr = data.draw(st.sampled_from(sorted(self.held)))
+        self.core.release_held(ptr)
+        del self.held[ptr]
+        self.freed.add(ptr)
+        with pytest.raises(InvalidValueError, match="not a block this allocator core holds"):
+            self.core.release_held(ptr)
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.live)
+    def release_held_of_an_allocated_block(self, data: st.DataObject) -> None:
+        ptr = data.draw(st.sampled_from(sorted(self.live)))
+        with pytest.raises(InvalidValueError, match="not a block this allocator core holds"):
+            self.core.release_held(ptr)
+
+    @rule(keep=st.booleans())
+    def keep_pool(self, keep: bool) -> None:
+        self.core.keep_pool(3, keep)
+        if keep:
+            self.kept.add(3)
+        else:
+            self.kept.discard(3)
+
+    @rule(frozen=st.booleans())
+    def freeze(self, frozen: bool) -> None:
+        self.core.freeze(frozen)
+        self.frozen = frozen
+
+    @rule(threshold=st.sampled_from([0, 8 * MiB, 40 * MiB]))
+    def gc_threshold(self, threshold: int) -> None:
+        self.core.set_gc_threshold(threshold)
+
+    @rule(old=st.sampled_from([0, 7]))
+    def rekey_stream(self, old: int) -> None:
+        """A stream destroyed: what it keyed moves to a new key; a later malloc on the
+        handle (a new stream that got it) gets none of that memory."""
+        key = self.next_key
+        self.next_key += 1
+        segments = {b["segment"] for b in self.core.blocks() if b["stream"] == old}
+        assert self.core.rekey_stream(old, key) == len(segments)
+        for table in (self.live, self.held):
+            for ptr, (n, size, stream, pool) in list(table.items()):
+                if stream == old:
+                    table[ptr] = (n, size, key, pool)
+        assert not any(b["stream"] == old for b in self.core.blocks())
+
+    @rule()
+    def release_pool(self) -> None:
+        blocks = self.core.blocks()
+        whole = {b["segment"] for b in blocks if b["pool"] == 3 and self._wholly_free(b)}
+        given = self.core.release_pool(3)
+        assert given == (0 if self.frozen else sum(b["segment_size"] for b in blocks if b["segment"] in whole))
+        assert self.core.pool_segments(3) == len({b["segment"] for b in self.core.blocks() if b["pool"] == 3})
+
+    @staticmethod
+    def _wholly_free(b: dict[str, int]) -> bool:
+        return not b["allocated"] and not b["held"] and b["size"] == b["segment_size"]
 
     @rule(data=st.data())
     @precondition(lambda self: self.live)
@@ -124,10 +216,15 @@ class CoreModel(RuleBasedStateMachine):
     @rule()
     def empty_cache(self) -> None:
         blocks = self.core.blocks()
-        whole = {b["segment"] for b in blocks if not b["allocated"] and b["size"] == b["segment_size"]}
+        whole = {b["segment"] for b in blocks if self._wholly_free(b) and b["pool"] not in self.kept}
         given = self.core.empty_cache()
+        if self.frozen:
+            assert given == 0
+            return
         assert given == sum(b["segment_size"] for b in blocks if b["segment"] in whole)
         assert not whole & set(self.upstream.live)
+        kept = {b["segment"] for b in blocks if b["pool"] in self.kept}
+        assert kept <= set(self.upstream.live)
 
     @invariant()
     def books_match_the_model(self) -> None:
@@ -137,27 +234,35 @@ class CoreModel(RuleBasedStateMachine):
             segments.setdefault(b["segment"], []).append(b)
         # the core's segments are exactly those the upstream has out
         assert {base: bs[0]["segment_size"] for base, bs in segments.items()} == self.upstream.live
-        allocated = {}
+        allocated, held = {}, {}
         for base, bs in segments.items():
             bs.sort(key=lambda b: b["ptr"])
             end = base
-            for b in bs:  # tiled exactly, in one stream
+            for b in bs:  # tiled exactly, in one stream and pool
                 assert b["ptr"] == end and b["size"] > 0
-                assert b["stream"] == bs[0]["stream"]
+                assert (b["stream"], b["pool"]) == (bs[0]["stream"], bs[0]["pool"])
                 end += b["size"]
-                if b["allocated"]:
-                    allocated[b["ptr"]] = (b["requested"], b["size"], b["stream"])
+                if b["allocated"] or b["held"]:
+                    (allocated if b["allocated"] else held)[b["ptr"]] = (
+                        b["requested"], b["size"], b["stream"], b["pool"]
+                    )
             assert end == base + bs[0]["segment_size"]
             for a, b in zip(bs, bs[1:]):  # free neighbours are always merged
-                assert a["allocated"] or b["allocated"]
+                assert a["allocated"] or a["held"] or b["allocated"] or b["held"]
         assert allocated == self.live
+        assert held == self.held
         s = self.core.stats()
         small = [v for v in self.live.values() if v[1] <= SMALL]  # small blocks are never above 1 MiB
         seg_small = [bs for bs in segments.values() if bs[0]["small"]]
-        split_free = [b for bs in segments.values() if len(bs) > 1 for b in bs if not b["allocated"]]
-        assert s["allocation.all.current"] == s["active.all.current"] == len(self.live)
-        assert s["allocated_bytes.all.current"] == s["active_bytes.all.current"] == sum(v[1] for v in self.live.values())
-        assert s["requested_bytes.all.current"] == sum(v[0] for v in self.live.values())
+        split_free = [
+            b for bs in segments.values() if len(bs) > 1 for b in bs if not b["allocated"] and not b["held"]
+        ]
+        active = list(self.live.values()) + list(self.held.values())
+        assert s["allocation.all.current"] == len(self.live)
+        assert s["active.all.current"] == len(active)
+        assert s["allocated_bytes.all.current"] == sum(v[1] for v in self.live.values())
+        assert s["active_bytes.all.current"] == sum(v[1] for v in active)
+        assert s["requested_bytes.all.current"] == sum(v[0] for v in active)
         assert s["allocation.small_pool.current"] == len(small)
         assert s["segment.all.current"] == len(segments)
         assert s["segment.small_pool.current"] == len(seg_small)
@@ -173,6 +278,10 @@ class CoreModel(RuleBasedStateMachine):
     def teardown(self) -> None:
         for ptr in list(self.live):
             self.core.free(ptr)
+        for ptr in list(self.held):
+            self.core.release_held(ptr)
+        self.core.freeze(False)
+        self.core.keep_pool(3, False)
         self.core.empty_cache()
         assert not self.upstream.live
 
@@ -299,3 +408,58 @@ def test_the_core_alone_under_threads_and_sanitizers(sanitize: str, tmp_path: Pa
     result = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "Sanitizer" not in result.stderr, result.stdout + result.stderr[-4000:]
     assert "failures 0 allocated 0 reserved-left 0" in result.stdout
+
+
+def test_a_miss_gives_back_an_oversize_cached_block_before_the_whole_cache() -> None:
+    """PyTorch's release_available_cached_blocks: an oversize cached block too large to
+    serve the request goes back so the request fits; the other cache stays (no retry)."""
+    upstream = Upstream(40 * MiB)
+    core = NativeCore(upstream)
+    core.configure(4 * MiB, 2 * MiB, 20 * MiB)
+    small, _ = core.malloc(1000, 0)
+    big, _ = core.malloc(30 * MiB, 0)
+    core.free(small)
+    core.free(big)
+    ptr, size = core.malloc(12 * MiB, 0, flags=NO_RETRY)  # 30 MiB is past 12 + 2: not usable
+    assert size == 12 * MiB and big not in upstream.live and small in upstream.live
+    s = core.stats()
+    assert (s["num_alloc_retries"], s["num_device_free"], s["num_ooms"]) == (0, 1, 0)
+    core.free(ptr)
+    core.empty_cache()
+
+
+def test_garbage_collection_gives_back_the_old_blocks_first() -> None:
+    """Above the threshold a miss gives back the unsplit cached large blocks at least as
+    old (in best-fit searches of the default large pool) as their average, until under it."""
+    upstream = Upstream(1 << 30)
+    core = NativeCore(upstream)
+    core.set_gc_threshold(1 << 40)  # the clock runs; nothing is collected yet
+    core.malloc(12 * MiB, 0)
+    b, _ = core.malloc(12 * MiB, 0)
+    c, _ = core.malloc(14 * MiB, 0)
+    core.free(b)
+    core.malloc(13 * MiB, 0)  # a search that b cannot serve: b ages by one
+    core.free(c)
+    core.set_gc_threshold(40 * MiB)  # 52 MiB reserved
+    core.malloc(20 * MiB, 0)  # b (age 2) is older than the average (1.5); c (age 1) is not
+    assert b not in upstream.live and c in upstream.live
+    assert core.stats()["reserved_bytes.all.current"] == 60 * MiB
+
+
+def test_no_retry_leaves_the_cache_to_the_caller() -> None:
+    """NO_RETRY: a refusal returns without giving the cache back (DeviceAllocator has
+    steps of its own first); GIVE_BACK_FIRST then gives it back and counts the retry."""
+    upstream = Upstream(5 * MiB)
+    core = NativeCore(upstream)
+    cached, _ = core.malloc(1000, 0)
+    core.free(cached)
+    core.malloc(1000, 7)
+    with pytest.raises(OutOfMemoryError):
+        core.malloc(1000, 9, flags=NO_RETRY)
+    assert cached in upstream.live
+    s = core.stats()
+    assert (s["num_alloc_retries"], s["num_ooms"]) == (0, 0)
+    core.malloc(1000, 9, flags=GIVE_BACK_FIRST)
+    s = core.stats()  # (the upstream may hand the address given back out again)
+    assert (s["num_alloc_retries"], s["num_ooms"], s["num_device_free"]) == (1, 0, 1)
+    assert {b["stream"] for b in core.blocks()} == {7, 9}

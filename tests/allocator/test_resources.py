@@ -113,7 +113,7 @@ def test_plain_resource_without_virtual_memory_disables_expandable(backend):
 
     a = DeviceAllocator(backend, 0, parse("expandable_segments:True"), upstream=Plain())
     b = a.malloc(MiB, Runtime(backend).default_stream(0))
-    assert not b.segment.expandable
+    assert [seg["is_expandable"] for seg in a.snapshot()] == [False]
     a.free(b)
     a.empty_cache()
     assert backend._memory[0]._held == 0

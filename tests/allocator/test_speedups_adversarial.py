@@ -1,5 +1,4 @@
-"""Hostile calls on the allocator's public methods, compiled (accel/_speedups.c) and
-pure Python alike (the suite runs both ways)."""
+"""Hostile calls on the allocator's public methods (malloc, free, free_from_finalizer)."""
 
 from __future__ import annotations
 

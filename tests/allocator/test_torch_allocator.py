@@ -239,3 +239,41 @@ def test_a_forked_child_gets_null_not_a_hang() -> None:
             """,
         )
     )
+
+
+ONE_CACHE = r"""
+import ctypes
+import accel
+from accel.allocator import torch_allocator_spec
+
+path, alloc_name, free_name = torch_allocator_spec()
+abi = ctypes.CDLL(path)
+abi.accel_torch_alloc.restype = ctypes.c_void_p
+abi.accel_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+abi.accel_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+stream = accel.current_stream().native_handle  # torch passes the stream it allocates on
+
+buf = accel.memory.allocate(4096)
+mine = buf.ptr
+buf.free()
+theirs = abi.accel_torch_alloc(4096, 0, stream)
+assert theirs == mine, "torch's allocation did not reuse the block the accel buffer freed"
+stats = accel.memory.memory_stats()
+# one cache: 4096 bytes were allocated at any time (two caches' peaks would sum to 8192)
+assert stats["allocated_bytes.all.peak"] == 4096, stats["allocated_bytes.all.peak"]
+assert stats["allocated_bytes.all.current"] == 4096 and stats["allocation.all.allocated"] == 2, stats
+assert stats["segment.all.current"] == 1 and stats["num_device_alloc"] == 1, stats
+abi.accel_torch_free(theirs, 4096, 0, stream)
+again = accel.memory.allocate(4096)
+assert again.ptr == theirs, "the accel buffer did not reuse the block torch freed"
+assert [b["state"] for s in accel.memory.memory_snapshot() for b in s["blocks"]][0] == "active_allocated"
+again.free()
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda", "xpu"])
+def test_accel_buffers_and_torch_allocations_share_one_cache(name: str) -> None:
+    """One cache per device: a block an accel buffer freed serves torch's next request
+    and the other way round, and memory_stats counts both once (peaks not summed)."""
+    ok(run(name, ONE_CACHE, timeout=120))
