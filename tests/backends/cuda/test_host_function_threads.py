@@ -69,8 +69,12 @@ def test_a_spent_host_function_dies_on_the_synchronizing_thread(cuda: Any, strea
 def test_the_next_launch_lets_go_of_spent_host_functions(cuda: Any, stream: int) -> None:
     threads: list[str] = []
     ran = threading.Event()
-    cuda.launch_host_func(D, stream, holding(Finalized(threads)))
-    cuda.launch_host_func(D, stream, ran.set)  # runs once the first one was handed back
+    launched = threading.Event()
+    # The first ends only after the second's launch: a launch lets go of what is
+    # spent by then, so a callback thread faster than this one must not finish it first.
+    cuda.launch_host_func(D, stream, holding(Finalized(threads), lambda: None if launched.wait(10) else None))
+    cuda.launch_host_func(D, stream, ran.set)
+    launched.set()
     assert ran.wait(10)
     assert threads == []
     cuda.launch_host_func(D, stream, lambda: None)
