@@ -211,9 +211,12 @@ def as_device(device: object) -> Device | int | None:
         return device
     if isinstance(device, str):
         return Device.parse(device)
-    dev_type, index = getattr(device, "type", None), getattr(device, "index", -1)
-    if isinstance(dev_type, str) and (index is None or isinstance(index, int)):
-        return Device(dev_type, index)  # torch.device and look-alikes
+    if isinstance(device, numbers.Integral):  # numpy's integers, as torch.device and Device take them
+        return int(device)
+    dev_type, index = getattr(device, "type", None), getattr(device, "index", device)
+    if isinstance(dev_type, str) and (index is None or isinstance(index, numbers.Integral)):
+        # torch.device and look-alikes (without an index: not one)
+        return Device(dev_type, None if index is None else int(index))
     raise DeviceError(
         f"{device!r} ({type(device).__name__}) is not a device; pass an index, a string such as "
         "'cuda:0', an accel.Device or a torch.device"

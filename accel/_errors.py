@@ -24,6 +24,8 @@ __all__ = [
     "InvalidValueError",
     "NotSupportedError",
     "OutOfMemoryError",
+    "exception_text",
+    "function_name",
     "warn_at_caller",
 ]
 
@@ -161,3 +163,32 @@ def _is_import_system(frame: FrameType) -> bool:
     """Whether warnings skips ``frame`` when it counts the stack level."""
     filename = frame.f_code.co_filename
     return "importlib" in filename and "_bootstrap" in filename
+
+
+def function_name(fn: object) -> str:
+    """``fn`` in a message: its qualified name, else its repr, else its type's name.
+
+    Never raises: a failing host function is reported (or its stream's worker
+    carries on) whatever its object's ``__repr__`` does.
+
+    >>> function_name(len), function_name(object())[:8]
+    ('len', '<object ')
+    """
+    try:
+        name = getattr(fn, "__qualname__", None)
+        return name if isinstance(name, str) else repr(fn)
+    except Exception:  # noqa: BLE001 - only a name for a message
+        return f"<{type(fn).__qualname__} object>"
+
+
+def exception_text(exc: BaseException) -> str:
+    """``str(exc)``, or a note that it failed: an exception's ``__str__`` may raise,
+    and the error that reports ``exc`` must not become that one.
+
+    >>> exception_text(ValueError("bad"))
+    'bad'
+    """
+    try:
+        return str(exc)
+    except Exception as failure:  # noqa: BLE001 - only a text for a message
+        return f"<str() of the {type(exc).__qualname__} raised {type(failure).__name__}>"

@@ -67,7 +67,8 @@ def current_accelerator(check_available: bool = False) -> Device | None:
     """The accelerator type this process uses, as a Device with no index.
 
     With ``check_available=True``, None when it cannot be used here; None too
-    when ``ACCEL_BACKEND`` names no device type (``ACCEL_BACKEND=nonsense``).
+    when ``ACCEL_BACKEND`` names no device type (``ACCEL_BACKEND=nonsense``) or a
+    device rather than a type (``ACCEL_BACKEND=cuda:1``: no backend has that name).
 
     >>> import accel
     >>> accel.current_accelerator()
@@ -80,9 +81,10 @@ def current_accelerator(check_available: bool = False) -> Device | None:
         if check_available or requested is None:
             return None
         try:
-            return Device(requested)
+            device = Device(requested)
         except DeviceError:  # no device type: there is no accelerator to name
             return None
+        return device if device.index is None else None  # a type, never one device
 
 
 def device_count() -> int:

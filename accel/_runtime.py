@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from accel._device import Device, as_device
-from accel._errors import AccelError, DeviceError, HostFunctionError, NotSupportedError
+from accel._errors import AccelError, DeviceError, HostFunctionError, NotSupportedError, exception_text
 from accel._native import speedups
 from accel.backends import BACKEND_NAMES, initialized_backend_names, load_backend, select_backend
 from accel.backends.base import Backend
@@ -196,7 +196,7 @@ class Runtime:
             more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
             raise HostFunctionError(
                 f"host function {name} on closed stream {handle:#x} of {self.name}:{index} raised "
-                f"{type(first).__name__}: {first}{more} (a closed stream's work still runs; its failures "
+                f"{type(first).__name__}: {exception_text(first)}{more} (a closed stream's work still runs; its failures "
                 "are reported by the next accel.synchronize() of its device)"
             ) from first
 

@@ -121,6 +121,25 @@ def test_as_device_forms() -> None:
         as_device(object())
 
 
+def test_as_device_takes_numpy_integers_as_device_does() -> None:
+    """Device("cpu", np.int64(1)) worked, as torch.device(np.int64(1)) does, but a
+    numpy index was refused as a device argument (device=np.int64(0)) and in a
+    torch.device look-alike; a look-alike without an index was read as index -1."""
+    np = pytest.importorskip("numpy")
+    assert as_device(np.int64(3)) == 3 and type(as_device(np.int64(3))) is int
+
+    class NumpyIndexed:
+        type, index = "xpu", np.int32(2)
+
+    class Unindexed:
+        type = "xpu"
+
+    assert as_device(NumpyIndexed()) == accel.Device("xpu", 2)
+    with pytest.raises(accel.DeviceError, match="is not a device; pass an index"):
+        as_device(Unindexed())
+    assert accel.Stream(device=np.int64(0)).device == accel.Device("cpu", 0)
+
+
 def test_a_device_equals_the_torch_device_of_the_same_type_and_index_both_ways() -> None:
     torch = pytest.importorskip("torch")
     for kind, index in (("cpu", 0), ("cpu", None), ("cuda", 1), ("xpu", 0)):

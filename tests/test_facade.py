@@ -45,6 +45,17 @@ def test_unavailable_backend_is_reported_not_raised() -> None:
     assert "cpu, cuda, xpu" in second or "cuda, xpu, cpu" in second
 
 
+@pytest.mark.parametrize("requested", ["cuda:1", "cpu:0"])
+def test_a_backend_named_with_an_index_is_no_accelerator(requested: str) -> None:
+    """ACCEL_BACKEND=cuda:1 loads no backend, yet current_accelerator() said the
+    accelerator was the device cuda:1 (documented: a type, with no index)."""
+    result = run_python(
+        "import accel\nprint(accel.is_available(), accel.current_accelerator())", ACCEL_BACKEND=requested
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "None"]
+
+
 def test_device_count_follows_accel_cpu_devices() -> None:
     assert accel.device_count() == int(os.environ["ACCEL_CPU_DEVICES"])
     result = run_python("import accel; print(accel.device_count())", ACCEL_CPU_DEVICES="3")

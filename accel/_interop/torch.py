@@ -225,6 +225,8 @@ def _not_accel_memory(obj: object) -> str:
         view = memoryview(obj)  # type: ignore[arg-type]  # probing the buffer protocol
     except TypeError:
         return what + "torch.as_tensor(obj) makes a tensor of data such as a list (a copy)"
+    except (ValueError, BufferError) as exc:  # a buffer that cannot be exported (now)
+        return what + f"its buffer cannot be viewed ({exc}); torch.as_tensor(obj) copies what torch can read"
     with view:
         readonly, contiguous = view.readonly, view.c_contiguous
     if not contiguous:

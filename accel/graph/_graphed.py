@@ -15,6 +15,7 @@ rather than returning an output that silently carries no gradient.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import warnings
@@ -139,6 +140,43 @@ else:
     _Head = speedups._CallHead
 
 
+class _ThreadMark:
+    """Held by its thread only (in ``_marks``), so collected when that thread ends: then
+    the callables the thread made have no owner any more. A later thread may get the
+    ended thread's ident (idents are reused), and must not be taken for it: it would
+    get the static outputs, which any other thread's call overwrites."""
+
+    __slots__ = ("owned",)
+
+    def __init__(self) -> None:
+        self.owned: weakref.WeakSet[GraphedCallable] = weakref.WeakSet()
+
+    def __del__(self) -> None:
+        for callable_ in list(self.owned):
+            callable_._owner = 0  # no thread's ident
+
+
+_marks = threading.local()
+
+# Every GraphedCallable alive, for the fork handler (_forked).
+_LIVE: weakref.WeakSet[GraphedCallable] = weakref.WeakSet()
+
+
+def _forked() -> None:
+    """In a forked child only the forking thread exists: a callable's lock that another
+    thread held at the fork would never be released there (a call would hang instead of
+    saying that accel cannot be used after a fork), and a callable another thread made
+    has no owner there."""
+    me = threading.get_ident()
+    for callable_ in list(_LIVE):
+        callable_._lock = threading.RLock()
+        if callable_._owner != me:
+            callable_._owner = 0
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def _stop_builds(builds: weakref.WeakSet[Any]) -> None:
     """A collected :class:`GraphedCallable`'s builds end at their next step."""
     for build in list(builds):
@@ -184,7 +222,12 @@ class GraphedCallable(_Head):
         # Calls serialize on it (see the class); re-entrant: a capture runs fn, which
         # may call graphed callables, this one among them on another shape.
         self._lock = threading.RLock()
-        self._owner = threading.get_ident()  # who gets the static outputs
+        self._owner = threading.get_ident()  # who gets the static outputs, while it runs
+        mark = getattr(_marks, "mark", None)
+        if mark is None:
+            mark = _marks.mark = _ThreadMark()
+        mark.owned.add(self)
+        _LIVE.add(self)
         self._warmup = num_warmup_iters
         self._pool = pool
         self._cache_size = cache_size

@@ -13,7 +13,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from accel._device import Device, DeviceLike
-from accel._errors import AccelError, DeviceError, HostFunctionError, InvalidHandleError, InvalidValueError, NotSupportedError
+from accel._errors import (
+    AccelError,
+    DeviceError,
+    HostFunctionError,
+    InvalidHandleError,
+    InvalidValueError,
+    NotSupportedError,
+    exception_text,
+    function_name,
+)
 from accel._runtime import Runtime, get_runtime, install_default_stream_wrapper
 from accel._torch import import_torch
 from accel.backends.base import CaptureStatus
@@ -316,7 +325,7 @@ class Stream:
             self._live()  # raises
         handle = self._handle
         errors = self._host_errors()
-        name = getattr(fn, "__qualname__", repr(fn))
+        name = function_name(fn)
 
         def run() -> None:
             try:
@@ -367,7 +376,7 @@ class Stream:
             name, first = failures[0]
             more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
             raise HostFunctionError(
-                f"host function {name} on {self!r} raised {type(first).__name__}: {first}{more}"
+                f"host function {name} on {self!r} raised {type(first).__name__}: {exception_text(first)}{more}"
             ) from first
 
     # -- current stream ------------------------------------------------------

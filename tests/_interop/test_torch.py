@@ -60,6 +60,12 @@ def test_as_tensor_bad_arguments(host_buffer, dtype, shape, error, message):
         as_tensor(host_buffer(16), dtype, shape)
 
 
+def _released() -> memoryview:
+    view = memoryview(b"abcd")
+    view.release()
+    return view
+
+
 @pytest.mark.parametrize(
     ("obj", "message"),
     [
@@ -71,6 +77,9 @@ def test_as_tensor_bad_arguments(host_buffer, dtype, shape, error, message):
         (np.arange(8)[::2], r"ndarray is not: .*not contiguous"),
         ([1, 2, 3], r"list is not: torch\.as_tensor\(obj\) makes a tensor of data such as a list \(a copy\)"),
         (torch.ones(2), r"Tensor is not: it is a tensor already"),
+        # Their buffers cannot be exported: memoryview() raised ValueError, which escaped.
+        (np.array(["2020-01-01"], dtype="datetime64[D]"), r"ndarray is not: its buffer cannot be viewed \(cannot"),
+        (_released(), r"memoryview is not: its buffer cannot be viewed \(operation forbidden on released"),
     ],
 )
 def test_as_tensor_refuses_what_is_not_accel_memory_and_names_the_torch_call(obj, message):

@@ -405,3 +405,85 @@ def test_concurrent_calls_from_threads_each_get_the_result_of_their_own_argument
     if tier != "interpreted":
         pytest.importorskip("onnxruntime")
     run_script_on("cpu", CONCURRENT_CALLS, tier, timeout=300)
+
+
+def test_a_thread_that_gets_the_ended_makers_ident_gets_its_own_outputs() -> None:
+    """The maker thread was recognized by its ident, which a later thread may get
+    (the C library reuses an ended thread's): that thread got the static outputs,
+    which the next call from any thread overwrote under it."""
+    import threading
+
+    made: list[tuple[int, object]] = []
+    maker = threading.Thread(
+        target=lambda: made.append((threading.get_ident(), make_graphed_callables(lambda x: x * 2, (torch.ones(4),))))
+    )
+    maker.start()
+    maker.join()
+    ident, f = made[0]
+    got: list[tuple[int, torch.Tensor]] = []
+
+    def call() -> None:
+        with torch.inference_mode():
+            got.append((threading.get_ident(), f(torch.full((4,), 1.0))))  # type: ignore[operator]
+
+    for _ in range(50):  # until a thread gets the maker's ident
+        thread = threading.Thread(target=call)
+        thread.start()
+        thread.join()
+        if got[-1][0] == ident:
+            break
+    else:
+        pytest.skip("no thread got the ended maker's ident here")
+    with torch.inference_mode():
+        f(torch.full((4,), 5.0))  # type: ignore[operator]
+    assert got[-1][1].tolist() == [2.0] * 4, "another call overwrote the result of the thread with the maker's ident"
+
+
+FORK_WHILE_ANOTHER_THREAD_CALLS = """
+import os, threading, time
+import torch, accel
+from accel.graph import make_graphed_callables
+
+torch.set_grad_enabled(False)
+inside, go = threading.Event(), threading.Event()
+
+
+def fn(x):
+    if x.shape[0] == 8 and not inside.is_set():  # the capture of a new shape, in the thread
+        inside.set()
+        go.wait()
+    return x * 2
+
+
+f = make_graphed_callables(fn, (torch.ones(4),))
+thread = threading.Thread(target=lambda: torch.no_grad()(f)(torch.ones(8)))
+thread.start()
+inside.wait()  # the thread holds f's lock
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    try:
+        os.write(write, repr(f(torch.ones(4)).tolist()).encode())
+    finally:
+        os._exit(0)
+go.set()
+thread.join()
+for _ in range(600):
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    time.sleep(0.1)
+else:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    raise SystemExit("the child's call hung on the lock the parent's thread held at the fork")
+os.close(write)
+assert os.read(read, 100) == b"[2.0, 2.0, 2.0, 2.0]" and status == 0, status
+print("OK")
+"""
+
+
+def test_a_forked_child_calls_a_callable_whose_lock_another_thread_held_at_the_fork() -> None:
+    """The lock stayed held in the child, by a thread that does not exist there: the
+    child's call hung. In a subprocess (the child is killed after a minute)."""
+    run_script_on("cpu", FORK_WHILE_ANOTHER_THREAD_CALLS, timeout=180)

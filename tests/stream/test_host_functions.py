@@ -9,6 +9,8 @@ import threading
 import pytest
 
 import accel
+from tests.conftest import CONFORMANCE_BACKENDS
+from tests.fixtures import scripts
 
 
 def test_direct_and_wrapped_work_run_in_queue_order() -> None:
@@ -61,6 +63,59 @@ def test_a_callable_object_without_a_name_is_reported_by_its_repr() -> None:
     with pytest.raises(accel.HostFunctionError, match="<Fails> .* raised KeyError"):
         s.synchronize()
     s.close()
+
+
+UNPRINTABLE_FAILURES = """
+import gc
+import pytest
+import accel
+
+
+class Unnamed:  # no __qualname__, and a __repr__ that raises
+    def __call__(self):
+        raise RuntimeError("x")
+
+    def __repr__(self):
+        raise ValueError("no repr")
+
+
+class Unprintable(Exception):
+    def __str__(self):
+        raise ValueError("no str")
+
+
+def unprintable():
+    raise Unprintable()
+
+
+s = accel.Stream()
+s.launch_host_func(Unnamed())
+ran = []
+s.launch_host_func(lambda: ran.append(1))
+with pytest.raises(accel.HostFunctionError, match=r"<Unnamed object> on .* raised RuntimeError: x"):
+    s.synchronize()
+assert ran == [1]
+s.launch_host_func(unprintable)
+with pytest.raises(accel.HostFunctionError, match=r"unprintable on .* raised Unprintable: <str\\(\\) of the Unprintable raised ValueError>") as info:
+    s.synchronize()
+assert isinstance(info.value.__cause__, Unprintable)
+closed = accel.Stream()
+closed.launch_host_func(unprintable)
+del closed
+gc.collect()
+with pytest.raises(accel.HostFunctionError, match=r"unprintable on closed stream .* raised Unprintable: <str"):
+    accel.synchronize()
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_a_failure_whose_function_or_exception_cannot_be_printed_is_still_reported(backend: str) -> None:
+    """A host function whose repr raised: launch_host_func raised that (cuda, xpu), or
+    the host stream's worker died reporting it and the next synchronize hung (cpu).
+    An exception whose __str__ raised: synchronize raised that instead, and the
+    failure was lost. In a subprocess: the worker's death hangs."""
+    scripts.ok(scripts.run(backend, UNPRINTABLE_FAILURES, timeout=120), "OK")
 
 
 def test_not_callable_and_closed_are_refused_at_the_call() -> None:

@@ -36,7 +36,14 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from accel._errors import CaptureError, DriverError, InvalidHandleError, InvalidValueError, NotSupportedError
+from accel._errors import (
+    CaptureError,
+    DriverError,
+    InvalidHandleError,
+    InvalidValueError,
+    NotSupportedError,
+    function_name,
+)
 from accel.backends import _capture
 from accel.backends._capture import Capture, Mark
 from accel.backends.base import CaptureMode, CaptureStatus
@@ -451,7 +458,7 @@ class HostStream:
         a graph's node) where the stream's errors are; copies, fills and markers do not raise."""
         errors = self.errors
         if errors is not None:
-            errors.append((getattr(work, "__qualname__", None) or repr(work), exc))
+            errors.append((function_name(work), exc))
 
 
 def _STOP() -> None:

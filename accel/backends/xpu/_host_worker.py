@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from accel._errors import function_name
 from accel.backends.xpu._bindings import WAIT_FOREVER
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class HostWorker:
                 fn()
             except BaseException as exc:  # noqa: BLE001 - nothing may wedge the stream: report and carry on
                 if errors is not None:
-                    errors.append((getattr(fn, "__qualname__", None) or repr(fn), exc))
+                    errors.append((function_name(fn), exc))
                 else:
                     print("accel xpu: a host function or its Level Zero events failed:", file=sys.stderr)
                     traceback.print_exc()
