@@ -41,7 +41,7 @@ __all__ = ["EMITTER_VERSION", "OPSET", "emit", "mapped_ops"]
 
 #: Raise it whenever what any mapping emits changes: it is part of the
 #: ``onnxruntime-fx`` engine's cache key, so files the old emitter wrote never load.
-EMITTER_VERSION = 1
+EMITTER_VERSION = 2
 #: The ONNX opset emitted (the one the exporter's engine uses).
 OPSET = 18
 # ONNX's IR version for opset 18.
@@ -360,6 +360,11 @@ def _clip(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
     low, high = (a["min_val"], a["max_val"]) if "min_val" in a else (a.get("min"), a.get("max"))
     if isinstance(low, fx.Node) or isinstance(high, fx.Node):
         raise NotSupportedError("accel's ONNX emitter maps clamp with number bounds only")
+    if dtype.is_floating_point:
+        # A bound Clip is not given is the type's largest finite value in ONNX
+        # Runtime: clamp(min=0) of inf would be 3.4e38, not inf.
+        low = -math.inf if low is None else low
+        high = math.inf if high is None else high
     return e.op("Clip", [e.cast(a["self"], dtype), "" if low is None else e.scalar(low, dtype),
                          "" if high is None else e.scalar(high, dtype)])
 

@@ -362,3 +362,26 @@ def test_a_damaged_emitted_file_in_the_cache_is_emitted_anew(cache: Path) -> Non
     x.copy_(new)
     g2.replay()
     torch.testing.assert_close(y2, torch.sigmoid(new) + 1)
+
+
+_INF, _NAN = float("inf"), float("nan")
+_EDGES = torch.tensor([[_NAN, -2.0, _INF, -_INF], [0.5, -0.0, 3.0, -1e30]])
+
+# (id, program, trial inputs, later inputs): values the trial run does not hold
+# (infinities, NaN, rows all masked...) on which a mapping that validation passed
+# on the trial inputs could still differ from eager.
+EDGE_CASES: list[tuple[str, Callable[..., Any], list[torch.Tensor], list[torch.Tensor]]] = [
+    ("clamp min only keeps inf", lambda x: x.clamp(min=-1.0), [torch.randn(2, 4)], [_EDGES]),
+    ("clamp max only keeps -inf", lambda x: _fresh(x).clamp_(max=1.0), [torch.randn(2, 4)], [_EDGES]),
+]
+
+
+@pytest.mark.parametrize("name, fn, trial, later", EDGE_CASES, ids=[c[0] for c in EDGE_CASES])
+def test_edge_values_after_the_trial_run_as_eager(name: str, fn: Callable[..., Any], trial: list[torch.Tensor],
+                                                   later: list[torch.Tensor]) -> None:
+    g, outputs = _capture(fn, trial)
+    session = _session(_onnx_emit.emit(_compiled._to_fx(g.program, trial, outputs), trial))
+    expected = fn(*later)
+    for out, ref in zip(_run(session, later), list(expected) if isinstance(expected, tuple) else [expected]):
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
