@@ -661,7 +661,14 @@ def _attention(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> tuple[Any, ...]:
                                                                                                float("-inf")))])
     if a.get("attn_mask") is not None:  # additive: torch turns a boolean mask into one before this op
         scores = e.op("Add", [scores, e.cast(a["attn_mask"], dtype)])
-    y = e.op("MatMul", [e.op("Softmax", [scores], axis=-1), e.value(a["value"])])
+    weights = e.op("Softmax", [scores], axis=-1)
+    if a.get("is_causal", False) or a.get("attn_mask") is not None:
+        # A query whose every key is masked attends to nothing in torch (zeros);
+        # Softmax of a row all -inf is NaN. A NaN score still makes NaN (its max is NaN).
+        peak = e.op("ReduceMax", [scores, e.ints([-1])], keepdims=1)
+        masked = e.op("Equal", [peak, e.scalar(-math.inf, dtype)])
+        weights = e.op("Where", [masked, e.scalar(0.0, dtype), weights])
+    y = e.op("MatMul", [weights, e.value(a["value"])])
     return y, _Missing("attention's logsumexp")
 
 

@@ -373,6 +373,14 @@ _EDGES = torch.tensor([[_NAN, -2.0, _INF, -_INF], [0.5, -0.0, 3.0, -1e30]])
 EDGE_CASES: list[tuple[str, Callable[..., Any], list[torch.Tensor], list[torch.Tensor]]] = [
     ("clamp min only keeps inf", lambda x: x.clamp(min=-1.0), [torch.randn(2, 4)], [_EDGES]),
     ("clamp max only keeps -inf", lambda x: _fresh(x).clamp_(max=1.0), [torch.randn(2, 4)], [_EDGES]),
+    ("attention bool mask with a row all masked",
+     lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+     [torch.randn(1, 2, 3, 4)] * 3 + [torch.ones(3, 3, dtype=torch.bool)],
+     [torch.randn(1, 2, 3, 4)] * 3 + [torch.tensor([[True, False, True], [False] * 3, [True] * 3])]),
+    ("attention float mask with a row all -inf",
+     lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+     [torch.randn(1, 2, 3, 4)] * 3 + [torch.zeros(3, 3)],
+     [torch.randn(1, 2, 3, 4)] * 3 + [torch.tensor([[0.0, -1.0, 0.0], [-_INF] * 3, [0.0, _NAN, 0.0]])]),
 ]
 
 
