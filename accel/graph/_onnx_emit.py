@@ -621,8 +621,21 @@ def _max_pool(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> tuple[Any, ...]:
     kernel = _spread(a["kernel_size"], 2)
     stride = _spread(a["stride"], 2) if a.get("stride") else kernel
     padding = _spread(a.get("padding", 0), 2)
-    y = e.op("MaxPool", [e.value(a["self"])], kernel_shape=kernel, strides=stride, pads=padding + padding,
-             dilations=_spread(a.get("dilation", 1), 2), ceil_mode=int(bool(a.get("ceil_mode", False))))
+    window = {"kernel_shape": kernel, "strides": stride, "pads": padding + padding,
+              "dilations": _spread(a.get("dilation", 1), 2), "ceil_mode": int(bool(a.get("ceil_mode", False)))}
+    x = e.value(a["self"])
+    y = e.op("MaxPool", [x], **window)
+    # ONNX Runtime's MaxPool skips NaN and starts from the type's lowest finite
+    # value: torch's max of a window holding NaN is NaN, of one all -inf is -inf.
+    dtype = e.meta(a["self"]).dtype
+
+    def anywhere(mark: str) -> str:  # whether a window holds an element marked (a boolean tensor)
+        found = e.op("MaxPool", [e.op("Cast", [mark], to=_onnx_type(dtype))], **window)
+        return e.op("Cast", [found], to=_onnx_type(torch.bool))
+
+    above = anywhere(e.op("Not", [e.op("IsInf", [x], detect_negative=1, detect_positive=0)]))
+    y = e.op("Where", [above, y, e.scalar(-math.inf, dtype)])
+    y = e.op("Where", [anywhere(e.op("IsNaN", [x])), e.scalar(math.nan, dtype), y])
     return y, _Missing("max pooling's indices")
 
 

@@ -373,6 +373,8 @@ _EDGES = torch.tensor([[_NAN, -2.0, _INF, -_INF], [0.5, -0.0, 3.0, -1e30]])
 EDGE_CASES: list[tuple[str, Callable[..., Any], list[torch.Tensor], list[torch.Tensor]]] = [
     ("clamp min only keeps inf", lambda x: x.clamp(min=-1.0), [torch.randn(2, 4)], [_EDGES]),
     ("clamp max only keeps -inf", lambda x: _fresh(x).clamp_(max=1.0), [torch.randn(2, 4)], [_EDGES]),
+    ("max_pool2d of a window holding NaN", lambda x: F.max_pool2d(x, 2, padding=1),
+     [torch.randn(1, 1, 2, 4)], [_EDGES.reshape(1, 1, 2, 4)]),
     ("attention bool mask with a row all masked",
      lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
      [torch.randn(1, 2, 3, 4)] * 3 + [torch.ones(3, 3, dtype=torch.bool)],
