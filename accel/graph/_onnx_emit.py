@@ -653,7 +653,13 @@ def _avg_pool(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
 
 @_maps(aten.embedding.default)
 def _embedding(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
-    return e.op("Gather", [e.value(a["weight"]), e.value(a["indices"])], axis=0)
+    # torch refuses a negative index; ONNX's Gather counts it from the end, a
+    # row of the table served silently. Out of range, it fails as torch does.
+    rows, kind = e.meta(a["weight"]).shape[0], e.meta(a["indices"]).dtype
+    indices = e.value(a["indices"])
+    negative = e.op("Less", [indices, e.scalar(0, kind)])
+    indices = e.op("Where", [negative, e.scalar(rows, kind), indices])
+    return e.op("Gather", [e.value(a["weight"]), indices], axis=0)
 
 
 @_maps(aten._scaled_dot_product_flash_attention_for_cpu.default)

@@ -386,6 +386,18 @@ EDGE_CASES: list[tuple[str, Callable[..., Any], list[torch.Tensor], list[torch.T
 ]
 
 
+def test_a_negative_embedding_index_fails_as_in_eager() -> None:
+    """torch refuses index -1; ONNX's Gather would read the table's last row."""
+    indices = torch.tensor([[1, 2]])
+    g, outputs = _capture(lambda i: F.embedding(i, _EMB), [indices])
+    session = _session(_onnx_emit.emit(_compiled._to_fx(g.program, [indices], outputs), [indices]))
+    bad = torch.tensor([[-1, 2]])
+    with pytest.raises(IndexError):
+        F.embedding(bad, _EMB)
+    with pytest.raises(Exception, match="out of data bounds"):
+        _run(session, [bad])
+
+
 @pytest.mark.parametrize("name, fn, trial, later", EDGE_CASES, ids=[c[0] for c in EDGE_CASES])
 def test_edge_values_after_the_trial_run_as_eager(name: str, fn: Callable[..., Any], trial: list[torch.Tensor],
                                                    later: list[torch.Tensor]) -> None:
