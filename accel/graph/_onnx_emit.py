@@ -430,6 +430,10 @@ def _addmm(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
     dtype = _out(e, n).dtype
     if not dtype.is_floating_point:
         raise NotSupportedError("accel's ONNX emitter maps addmm on floats only")
+    if a.get("alpha", 1) == 0:
+        # torch's addmm then drops the product, NaN and inf in its factors with it
+        # (its baddbmm does not); Gemm multiplies them by 0: refused, not emulated.
+        raise NotSupportedError("accel's ONNX emitter maps no aten.addmm.default with alpha=0")
     inputs = [e.value(a["mat1"]), e.value(a["mat2"])]
     if a.get("beta", 1) != 0:
         inputs.append(e.value(a["self"]))
