@@ -407,6 +407,10 @@ def _rsub(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
 @_maps(aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor)
 def _pow(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
     dtype = _out(e, n).dtype
+    if not dtype.is_floating_point and isinstance(a["exponent"], fx.Node):
+        # An integer to a negative power: torch's is 0 (1 or -1 for a base of 1 or
+        # -1), ONNX Runtime's 0 ** -1 is the type's lowest value.
+        raise NotSupportedError("accel's ONNX emitter maps no aten.pow.Tensor_Tensor of integers")
     return e.op("Pow", [e.cast(a["self"], dtype), e.cast(a["exponent"], dtype)])
 
 

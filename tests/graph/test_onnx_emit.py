@@ -262,8 +262,10 @@ def test_every_mapped_op_is_exercised() -> None:
         (lambda x: _written_through_a_view(x), [_r(3, 4)], "after aten.add_.Tensor wrote its memory"),
         # torch's addmm drops the product at alpha=0 (NaN in it never reaches the result).
         (lambda b, x: torch.addmm(b, x, _W.t(), alpha=0), [_r(6), _r(3, 4)], "maps no aten.addmm.default with alpha=0"),
+        # An integer power with a tensor exponent: 0 ** -1 is 0 in torch.
+        (torch.pow, [_ints(5, 3), _ints(3, 3)], "maps no aten.pow.Tensor_Tensor of integers"),
     ],
-    ids=["unmapped op", "unmapped argument", "unmapped overload", "stale view", "addmm alpha 0"],
+    ids=["unmapped op", "unmapped argument", "unmapped overload", "stale view", "addmm alpha 0", "integer pow"],
 )
 def test_what_the_emitter_does_not_map_is_refused_by_name(fn: Callable[..., Any], makers: list[Any],
                                                            refusal: str) -> None:
