@@ -161,11 +161,19 @@ class _Emitter:
         self.nodes: list[Any] = []
         self.initializers: dict[str, Any] = {}
         self.values: dict[fx.Node, Any] = {}
+        # The nodes emitted so far by their root (what an in-place write checks: a
+        # scan of every node made emitting thousands of in-place ops quadratic).
+        self.by_root: dict[Any, list[fx.Node]] = {}
         # Each node's tensor now: an in-place op changes its written tensor's meta.
         self.current: dict[fx.Node, Any] = dict(self.metas)
         # Nodes whose memory an in-place op wrote after they were made, by what wrote it.
         self.stale: dict[fx.Node, str] = {}
         self.names = 0
+
+    def keep(self, node: fx.Node, value: Any) -> None:
+        """``node``'s first ONNX value (or values, or what is missing)."""
+        self.values[node] = value
+        self.by_root.setdefault(self.roots.get(node), []).append(node)
 
     def fresh(self, hint: str) -> str:
         self.names += 1
@@ -245,12 +253,17 @@ class _Emitter:
                 "emits pure programs only"
             )
         written = self.meta(target)
-        for other in self.values:  # the nodes emitted so far: those made later read the new values
-            if other is target or other is op or self.roots.get(other) != root or other in self.stale:
+        fresh = []  # a stale node stays stale: later writes need not look at it again
+        for other in self.by_root.get(root, ()):  # those emitted so far: those made later read the new values
+            if other in self.stale:
                 continue
-            m = self.current.get(other)
-            if isinstance(m, _Meta) and _overlap(m, written):
-                self.stale[other] = str(op.target)
+            if other is not target and other is not op:
+                m = self.current.get(other)
+                if isinstance(m, _Meta) and _overlap(m, written):
+                    self.stale[other] = str(op.target)
+                    continue
+            fresh.append(other)
+        self.by_root[root] = fresh
 
 
 Emit = Callable[[_Emitter, fx.Node, dict[str, Any]], Any]
@@ -718,10 +731,10 @@ def emit(gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> bytes:
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             m = e.meta(n)
-            e.values[n] = n.name
+            e.keep(n, n.name)
             graph_inputs.append(helper.make_tensor_value_info(n.name, _onnx_type(m.dtype), list(m.shape)))
         elif n.op == "get_attr":
-            e.values[n] = e.const(getattr(gm, n.target), n.name)
+            e.keep(n, e.const(getattr(gm, n.target), n.name))
         elif n.op == "output":
             outputs = list(n.args[0]) if isinstance(n.args[0], (tuple, list)) else [n.args[0]]
         elif n.target is operator.getitem:
@@ -729,7 +742,7 @@ def emit(gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> bytes:
             value = e.values.get(source)
             if source in e.stale:
                 e.stale[n] = e.stale[source]
-            e.values[n] = value[index] if isinstance(value, tuple) else _Missing(f"{source} item {index}")
+            e.keep(n, value[index] if isinstance(value, tuple) else _Missing(f"{source} item {index}"))
         elif n.op == "call_function":
             _call(e, n)
         else:
@@ -761,7 +774,7 @@ def _call(e: _Emitter, n: fx.Node) -> None:
     if n in e.stale:
         raise NotSupportedError(f"accel's ONNX emitter does not follow {n.name} after {e.stale[n]} wrote it")
     result = fn(e, n, _args(n))
-    e.values[n] = result
+    e.keep(n, result)
     if n.target in _INPLACE:
         target = n.args[0]
         assert isinstance(target, fx.Node)

@@ -300,6 +300,41 @@ def test_disjoint_views_written_in_place_are_followed() -> None:
     torch.testing.assert_close(_run(session, [new])[0], program(new))
 
 
+def test_in_place_writes_are_followed_in_linear_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each in-place write looks at the views of its own tensor not already stale,
+    not at every node emitted before it: 4000 in-place ops took 12 s to emit."""
+    looks = 0
+
+    class Counting(dict):  # type: ignore[type-arg]
+        def __contains__(self, key: object) -> bool:
+            nonlocal looks
+            looks += 1
+            return super().__contains__(key)
+
+    made = _onnx_emit._Emitter.__init__
+
+    def counting(self: Any, recorder: Any) -> None:
+        made(self, recorder)
+        self.stale = Counting()
+
+    monkeypatch.setattr(_onnx_emit._Emitter, "__init__", counting)
+    writes = 200
+
+    def program(x: torch.Tensor) -> torch.Tensor:
+        y = x * 1.0
+        for _ in range(writes // 2):
+            y.mul_(0.5)
+            y.add_(1.0)
+        return y
+
+    x = torch.randn(3, 4)
+    g, outputs = _capture(program, [x])
+    session = _session(_onnx_emit.emit(_compiled._to_fx(g.program, [x], outputs), [x]))
+    assert looks < 10 * writes  # a scan of every node emitted: about writes ** 2
+    new = torch.randn(3, 4)
+    torch.testing.assert_close(_run(session, [new])[0], program(new))
+
+
 def test_the_first_engine_of_a_compiled_graphed_callable_is_the_emitted_one(
     cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
