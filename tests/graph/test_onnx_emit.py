@@ -446,3 +446,24 @@ def test_edge_values_after_the_trial_run_as_eager(name: str, fn: Callable[..., A
     for out, ref in zip(_run(session, later), list(expected) if isinstance(expected, tuple) else [expected]):
         assert out.dtype == ref.dtype and out.shape == ref.shape
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_a_cached_file_damaged_where_the_trial_does_not_look_is_emitted_anew(cache: Path) -> None:
+    """A flipped byte in a table row the trial inputs never read still loads and
+    agrees with eager on them: the file is checked against its digest instead."""
+    table = torch.arange(40, dtype=torch.float32).reshape(10, 4) + 0.25
+    indices = torch.tensor([1, 2])
+    g, (y,) = _capture(lambda i: F.embedding(i, table), [indices])
+    first = compile_graph(g, inputs=[indices], outputs=[y], engines=["onnxruntime-fx"])
+    data = first.path.read_bytes()
+    row = table[9].numpy().tobytes()
+    assert data.count(row) == 1
+    first.path.write_bytes(data.replace(row, torch.tensor([-999.0, 37.25, 38.25, 39.25]).numpy().tobytes()))
+    indices2 = torch.tensor([1, 2])
+    g2, (y2,) = _capture(lambda i: F.embedding(i, table), [indices2])
+    again = compile_graph(g2, inputs=[indices2], outputs=[y2], engines=["onnxruntime-fx"])
+    (candidate,) = again.candidates
+    assert again.path == first.path and candidate.status == "chosen" and not candidate.cached
+    indices2.copy_(torch.tensor([9, 1]))
+    g2.replay()
+    torch.testing.assert_close(y2, F.embedding(indices2, table))
