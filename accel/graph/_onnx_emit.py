@@ -650,13 +650,17 @@ def _max_pool(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> tuple[Any, ...]:
     # value: torch's max of a window holding NaN is NaN, of one all -inf is -inf.
     dtype = e.meta(a["self"]).dtype
 
+    # The marks in float (ONNX Runtime's IsInf takes no half types; a half's
+    # NaN and infinities stay what they are as a float).
+    probe = x if dtype in (torch.float32, torch.float64) else e.op("Cast", [x], to=_onnx_type(torch.float32))
+
     def anywhere(mark: str) -> str:  # whether a window holds an element marked (a boolean tensor)
-        found = e.op("MaxPool", [e.op("Cast", [mark], to=_onnx_type(dtype))], **window)
+        found = e.op("MaxPool", [e.op("Cast", [mark], to=_onnx_type(torch.float32))], **window)
         return e.op("Cast", [found], to=_onnx_type(torch.bool))
 
-    above = anywhere(e.op("Not", [e.op("IsInf", [x], detect_negative=1, detect_positive=0)]))
+    above = anywhere(e.op("Not", [e.op("IsInf", [probe], detect_negative=1, detect_positive=0)]))
     y = e.op("Where", [above, y, e.scalar(-math.inf, dtype)])
-    y = e.op("Where", [anywhere(e.op("IsNaN", [x])), e.scalar(math.nan, dtype), y])
+    y = e.op("Where", [anywhere(e.op("IsNaN", [probe])), e.scalar(math.nan, dtype), y])
     return y, _Missing("max pooling's indices")
 
 

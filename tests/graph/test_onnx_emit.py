@@ -414,6 +414,8 @@ EDGE_CASES: list[tuple[str, Callable[..., Any], list[torch.Tensor], list[torch.T
     ("clamp max only keeps -inf", lambda x: _fresh(x).clamp_(max=1.0), [torch.randn(2, 4)], [_EDGES]),
     ("max_pool2d of a window holding NaN", lambda x: F.max_pool2d(x, 2, padding=1),
      [torch.randn(1, 1, 2, 4)], [_EDGES.reshape(1, 1, 2, 4)]),
+    ("max_pool2d of half NaN and -inf", lambda x: F.max_pool2d(x, 2, padding=1),
+     [torch.randn(1, 1, 2, 4).half()], [_EDGES.reshape(1, 1, 2, 4).half()]),  # -1e30: -inf in half
     ("attention bool mask with a row all masked",
      lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
      [torch.randn(1, 2, 3, 4)] * 3 + [torch.ones(3, 3, dtype=torch.bool)],
