@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -561,6 +562,25 @@ class OnnxRuntimeEmitted(OnnxRuntime):
         model = _onnx_emit.emit(gm, inputs)
         with _atomic(path) as tmp:
             Path(tmp).write_bytes(model)
+        with _atomic(self._digest_path(path)) as tmp:
+            Path(tmp).write_text(hashlib.sha256(model).hexdigest())
+
+    def load(self, path: Path, threads: int) -> Any:
+        # Validation runs the trial inputs only: a damaged file that still loads
+        # (a flipped byte in an embedding row the trial never reads) would serve
+        # wrong values to later inputs. Checked against the digest written
+        # beside it, it fails here instead and is emitted anew.
+        try:
+            expected = self._digest_path(path).read_text().strip()
+        except OSError:
+            expected = ""
+        if hashlib.sha256(path.read_bytes()).hexdigest() != expected:
+            raise NotSupportedError(f"{path} does not match the digest written beside it when it was emitted")
+        return super().load(path, threads)
+
+    @staticmethod
+    def _digest_path(path: Path) -> Path:
+        return path.with_name(path.name + ".sha256")
 
 
 #: Engines the compiled tier tries, by name, in the order a first build tries them

@@ -41,7 +41,7 @@ __all__ = ["EMITTER_VERSION", "OPSET", "emit", "mapped_ops"]
 
 #: Raise it whenever what any mapping emits changes: it is part of the
 #: ``onnxruntime-fx`` engine's cache key, so files the old emitter wrote never load.
-EMITTER_VERSION = 1
+EMITTER_VERSION = 2
 #: The ONNX opset emitted (the one the exporter's engine uses).
 OPSET = 18
 # ONNX's IR version for opset 18.
@@ -161,11 +161,19 @@ class _Emitter:
         self.nodes: list[Any] = []
         self.initializers: dict[str, Any] = {}
         self.values: dict[fx.Node, Any] = {}
+        # The nodes emitted so far by their root (what an in-place write checks: a
+        # scan of every node made emitting thousands of in-place ops quadratic).
+        self.by_root: dict[Any, list[fx.Node]] = {}
         # Each node's tensor now: an in-place op changes its written tensor's meta.
         self.current: dict[fx.Node, Any] = dict(self.metas)
         # Nodes whose memory an in-place op wrote after they were made, by what wrote it.
         self.stale: dict[fx.Node, str] = {}
         self.names = 0
+
+    def keep(self, node: fx.Node, value: Any) -> None:
+        """``node``'s first ONNX value (or values, or what is missing)."""
+        self.values[node] = value
+        self.by_root.setdefault(self.roots.get(node), []).append(node)
 
     def fresh(self, hint: str) -> str:
         self.names += 1
@@ -245,12 +253,17 @@ class _Emitter:
                 "emits pure programs only"
             )
         written = self.meta(target)
-        for other in self.values:  # the nodes emitted so far: those made later read the new values
-            if other is target or other is op or self.roots.get(other) != root or other in self.stale:
+        fresh = []  # a stale node stays stale: later writes need not look at it again
+        for other in self.by_root.get(root, ()):  # those emitted so far: those made later read the new values
+            if other in self.stale:
                 continue
-            m = self.current.get(other)
-            if isinstance(m, _Meta) and _overlap(m, written):
-                self.stale[other] = str(op.target)
+            if other is not target and other is not op:
+                m = self.current.get(other)
+                if isinstance(m, _Meta) and _overlap(m, written):
+                    self.stale[other] = str(op.target)
+                    continue
+            fresh.append(other)
+        self.by_root[root] = fresh
 
 
 Emit = Callable[[_Emitter, fx.Node, dict[str, Any]], Any]
@@ -360,6 +373,11 @@ def _clip(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
     low, high = (a["min_val"], a["max_val"]) if "min_val" in a else (a.get("min"), a.get("max"))
     if isinstance(low, fx.Node) or isinstance(high, fx.Node):
         raise NotSupportedError("accel's ONNX emitter maps clamp with number bounds only")
+    if dtype.is_floating_point:
+        # A bound Clip is not given is the type's largest finite value in ONNX
+        # Runtime: clamp(min=0) of inf would be 3.4e38, not inf.
+        low = -math.inf if low is None else low
+        high = math.inf if high is None else high
     return e.op("Clip", [e.cast(a["self"], dtype), "" if low is None else e.scalar(low, dtype),
                          "" if high is None else e.scalar(high, dtype)])
 
@@ -402,6 +420,10 @@ def _rsub(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
 @_maps(aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor)
 def _pow(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
     dtype = _out(e, n).dtype
+    if not dtype.is_floating_point and isinstance(a["exponent"], fx.Node):
+        # An integer to a negative power: torch's is 0 (1 or -1 for a base of 1 or
+        # -1), ONNX Runtime's 0 ** -1 is the type's lowest value.
+        raise NotSupportedError("accel's ONNX emitter maps no aten.pow.Tensor_Tensor of integers")
     return e.op("Pow", [e.cast(a["self"], dtype), e.cast(a["exponent"], dtype)])
 
 
@@ -425,6 +447,10 @@ def _addmm(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
     dtype = _out(e, n).dtype
     if not dtype.is_floating_point:
         raise NotSupportedError("accel's ONNX emitter maps addmm on floats only")
+    if a.get("alpha", 1) == 0:
+        # torch's addmm then drops the product, NaN and inf in its factors with it
+        # (its baddbmm does not); Gemm multiplies them by 0: refused, not emulated.
+        raise NotSupportedError("accel's ONNX emitter maps no aten.addmm.default with alpha=0")
     inputs = [e.value(a["mat1"]), e.value(a["mat2"])]
     if a.get("beta", 1) != 0:
         inputs.append(e.value(a["self"]))
@@ -616,8 +642,25 @@ def _max_pool(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> tuple[Any, ...]:
     kernel = _spread(a["kernel_size"], 2)
     stride = _spread(a["stride"], 2) if a.get("stride") else kernel
     padding = _spread(a.get("padding", 0), 2)
-    y = e.op("MaxPool", [e.value(a["self"])], kernel_shape=kernel, strides=stride, pads=padding + padding,
-             dilations=_spread(a.get("dilation", 1), 2), ceil_mode=int(bool(a.get("ceil_mode", False))))
+    window = {"kernel_shape": kernel, "strides": stride, "pads": padding + padding,
+              "dilations": _spread(a.get("dilation", 1), 2), "ceil_mode": int(bool(a.get("ceil_mode", False)))}
+    x = e.value(a["self"])
+    y = e.op("MaxPool", [x], **window)
+    # ONNX Runtime's MaxPool skips NaN and starts from the type's lowest finite
+    # value: torch's max of a window holding NaN is NaN, of one all -inf is -inf.
+    dtype = e.meta(a["self"]).dtype
+
+    # The marks in float (ONNX Runtime's IsInf takes no half types; a half's
+    # NaN and infinities stay what they are as a float).
+    probe = x if dtype in (torch.float32, torch.float64) else e.op("Cast", [x], to=_onnx_type(torch.float32))
+
+    def anywhere(mark: str) -> str:  # whether a window holds an element marked (a boolean tensor)
+        found = e.op("MaxPool", [e.op("Cast", [mark], to=_onnx_type(torch.float32))], **window)
+        return e.op("Cast", [found], to=_onnx_type(torch.bool))
+
+    above = anywhere(e.op("Not", [e.op("IsInf", [probe], detect_negative=1, detect_positive=0)]))
+    y = e.op("Where", [above, y, e.scalar(-math.inf, dtype)])
+    y = e.op("Where", [anywhere(e.op("IsNaN", [probe])), e.scalar(math.nan, dtype), y])
     return y, _Missing("max pooling's indices")
 
 
@@ -635,7 +678,13 @@ def _avg_pool(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
 
 @_maps(aten.embedding.default)
 def _embedding(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> str:
-    return e.op("Gather", [e.value(a["weight"]), e.value(a["indices"])], axis=0)
+    # torch refuses a negative index; ONNX's Gather counts it from the end, a
+    # row of the table served silently. Out of range, it fails as torch does.
+    rows, kind = e.meta(a["weight"]).shape[0], e.meta(a["indices"]).dtype
+    indices = e.value(a["indices"])
+    negative = e.op("Less", [indices, e.scalar(0, kind)])
+    indices = e.op("Where", [negative, e.scalar(rows, kind), indices])
+    return e.op("Gather", [e.value(a["weight"]), indices], axis=0)
 
 
 @_maps(aten._scaled_dot_product_flash_attention_for_cpu.default)
@@ -656,7 +705,14 @@ def _attention(e: _Emitter, n: fx.Node, a: dict[str, Any]) -> tuple[Any, ...]:
                                                                                                float("-inf")))])
     if a.get("attn_mask") is not None:  # additive: torch turns a boolean mask into one before this op
         scores = e.op("Add", [scores, e.cast(a["attn_mask"], dtype)])
-    y = e.op("MatMul", [e.op("Softmax", [scores], axis=-1), e.value(a["value"])])
+    weights = e.op("Softmax", [scores], axis=-1)
+    if a.get("is_causal", False) or a.get("attn_mask") is not None:
+        # A query whose every key is masked attends to nothing in torch (zeros);
+        # Softmax of a row all -inf is NaN. A NaN score still makes NaN (its max is NaN).
+        peak = e.op("ReduceMax", [scores, e.ints([-1])], keepdims=1)
+        masked = e.op("Equal", [peak, e.scalar(-math.inf, dtype)])
+        weights = e.op("Where", [masked, e.scalar(0.0, dtype), weights])
+    y = e.op("MatMul", [weights, e.value(a["value"])])
     return y, _Missing("attention's logsumexp")
 
 
@@ -679,10 +735,10 @@ def emit(gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> bytes:
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             m = e.meta(n)
-            e.values[n] = n.name
+            e.keep(n, n.name)
             graph_inputs.append(helper.make_tensor_value_info(n.name, _onnx_type(m.dtype), list(m.shape)))
         elif n.op == "get_attr":
-            e.values[n] = e.const(getattr(gm, n.target), n.name)
+            e.keep(n, e.const(getattr(gm, n.target), n.name))
         elif n.op == "output":
             outputs = list(n.args[0]) if isinstance(n.args[0], (tuple, list)) else [n.args[0]]
         elif n.target is operator.getitem:
@@ -690,7 +746,7 @@ def emit(gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> bytes:
             value = e.values.get(source)
             if source in e.stale:
                 e.stale[n] = e.stale[source]
-            e.values[n] = value[index] if isinstance(value, tuple) else _Missing(f"{source} item {index}")
+            e.keep(n, value[index] if isinstance(value, tuple) else _Missing(f"{source} item {index}"))
         elif n.op == "call_function":
             _call(e, n)
         else:
@@ -722,7 +778,7 @@ def _call(e: _Emitter, n: fx.Node) -> None:
     if n in e.stale:
         raise NotSupportedError(f"accel's ONNX emitter does not follow {n.name} after {e.stale[n]} wrote it")
     result = fn(e, n, _args(n))
-    e.values[n] = result
+    e.keep(n, result)
     if n.target in _INPLACE:
         target = n.args[0]
         assert isinstance(target, fx.Node)
