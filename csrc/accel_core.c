@@ -651,14 +651,20 @@ EXPORT int accel_core_malloc(accel_core *c, int64_t nbytes, uint64_t stream, uin
         segment *seg = calloc(1, sizeof(segment));
         block *head = calloc(1, sizeof(block));
         uint64_t base = 0;
-        int refused = 1;
+        int refused = ACCEL_UPSTREAM_REFUSED;
         if (seg != NULL && head != NULL)
-            refused = c->upstream_alloc(c->ctx, c->device, want, &base) != 0;
+            refused = c->upstream_alloc(c->ctx, c->device, want, &base);
         if (seg == NULL || head == NULL) {
             free(seg);
             free(head);
             free(spare);
             return ACCEL_CORE_NO_MEMORY;
+        }
+        if (refused == ACCEL_UPSTREAM_FAILED) { /* not a shortage: no cache helps */
+            free(seg);
+            free(head);
+            free(spare);
+            return ACCEL_CORE_OOM;
         }
         if (refused) {
             free(seg);

@@ -90,7 +90,7 @@ def _install_callbacks(ffi: Any) -> None:
         if _installed:
             return
 
-        @ffi.def_extern(error=1)  # type: ignore[untyped-decorator]
+        @ffi.def_extern(error=2)  # type: ignore[untyped-decorator]
         def accel_py_upstream_alloc(ctx: Any, device: int, size: int, out: Any) -> int:
             upstream: _Upstream = ffi.from_handle(ctx)
             try:
@@ -99,7 +99,9 @@ def _install_callbacks(ffi: Any) -> None:
                 out[0] = ptr = upstream.resource.allocate(size)
             except BaseException as exc:  # noqa: BLE001 - raised by the malloc that asked
                 upstream.refusals[threading.get_ident()] = exc
-                return 1
+                # Only a shortage is worth giving the cache back and asking again: after
+                # anything else (an interrupt) the malloc stops, and raises it.
+                return 1 if isinstance(exc, OutOfMemoryError) else 2  # ACCEL_UPSTREAM_*
             # Allocated: whatever the report raises (an interrupt), the segment is the
             # core's now, or it would be lost; the next empty_cache raises it.
             _report(upstream, "segment_alloc", ptr, size)
