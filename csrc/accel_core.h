@@ -27,6 +27,9 @@ typedef struct accel_core accel_core;
  * with GIVE_BACK_FIRST: give the cache back and count a retry before asking). */
 #define ACCEL_CORE_NO_RETRY 1
 #define ACCEL_CORE_GIVE_BACK_FIRST 2
+/* TORCH: for accel_torch_alloc; such a block is freed by accel_torch_free only, and
+ * accel_core_free (accel's) frees only the others. */
+#define ACCEL_CORE_TORCH 4
 
 /* Block states in snapshots. */
 #define ACCEL_CORE_FREE 0
