@@ -93,18 +93,23 @@ def _install_callbacks(ffi: Any) -> None:
         @ffi.def_extern(error=2)  # type: ignore[untyped-decorator]
         def accel_py_upstream_alloc(ctx: Any, device: int, size: int, out: Any) -> int:
             upstream: _Upstream = ffi.from_handle(ctx)
+            ptr: int | None = None
             try:
                 if upstream.admit is not None:
                     upstream.admit(size)
                 out[0] = ptr = upstream.resource.allocate(size)
+                _report(upstream, "segment_alloc", ptr, size)
             except BaseException as exc:  # noqa: BLE001 - raised by the malloc that asked
+                if ptr is not None:
+                    # Allocated: whatever came after (an interrupt, even on the way into
+                    # the report), the segment is the core's, or it would be lost; the
+                    # next empty_cache raises it.
+                    upstream.free_errors.append(exc)
+                    return 0
                 upstream.refusals[threading.get_ident()] = exc
                 # Only a shortage is worth giving the cache back and asking again: after
                 # anything else (an interrupt) the malloc stops, and raises it.
                 return 1 if isinstance(exc, OutOfMemoryError) else 2  # ACCEL_UPSTREAM_*
-            # Allocated: whatever the report raises (an interrupt), the segment is the
-            # core's now, or it would be lost; the next empty_cache raises it.
-            _report(upstream, "segment_alloc", ptr, size)
             return 0
 
         @ffi.def_extern()  # type: ignore[untyped-decorator]

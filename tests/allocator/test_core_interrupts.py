@@ -5,6 +5,8 @@ interrupted; the interrupt reaches the caller."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from accel._runtime import Runtime
@@ -114,3 +116,27 @@ def test_an_interrupted_report_of_a_segment_loses_no_memory(capfd: pytest.Captur
     check_invariants(a)
     assert a.stats()["reserved_bytes.all.current"] == backend._memory[0]._held == 0
     assert "cffi callback" not in capfd.readouterr().err
+
+
+def test_an_interrupt_on_the_way_into_the_report_loses_no_memory() -> None:
+    """The interrupt lands as the report of a new segment is called (before any line of
+    it runs, as a signal's handler may): the segment is booked all the same."""
+    backend = CpuBackend(1, None)
+    stream = Runtime(backend).default_stream(0)
+    a = DeviceAllocator(backend, 0, parse(""))
+
+    def trace(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "_report":
+            sys.settrace(None)
+            raise KeyboardInterrupt("on the way in")
+
+    sys.settrace(trace)
+    try:
+        b = a.malloc(1000, stream)
+    finally:
+        sys.settrace(None)
+    assert a.stats()["reserved_bytes.all.current"] == backend._memory[0]._held == 2 * MiB
+    a.free(b)
+    with pytest.raises(KeyboardInterrupt, match="on the way in"):
+        a.empty_cache()
+    assert a.stats()["reserved_bytes.all.current"] == backend._memory[0]._held == 0
