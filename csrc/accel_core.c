@@ -35,6 +35,7 @@ typedef struct block {
     segment *seg;
     struct block *prev, *next; /* neighbours in the segment, by address */
     int state;         /* ACCEL_CORE_FREE, ACCEL_CORE_ALLOCATED or ACCEL_CORE_HELD */
+    int torch;         /* allocated through accel_torch_alloc: only accel_torch_free frees it */
     uint64_t gc_base;  /* the core's gc clock when the block joined a free list */
     /* free-list treap, keyed by (size, ptr) */
     struct block *left, *right;
@@ -403,7 +404,7 @@ static int is_split(const block *b) { return b->prev != NULL || b->next != NULL;
 /* Hands out free block b (on list l) for a request of nbytes rounded to size: cut off
  * the rest when it is worth keeping (PyTorch's should_split), count it. The caller
  * reserved a ptrmap slot and, when a rest may be cut, passed a spare block. */
-static void take_block(accel_core *c, freelist *l, block *b, int64_t size, int64_t nbytes, block **spare) {
+static void take_block(accel_core *c, freelist *l, block *b, int64_t size, int64_t nbytes, int torch, block **spare) {
     int small = b->seg->small, kind = small ? 0 : 1;
     int64_t *s = c->s;
     int64_t remaining = b->size - size;
@@ -429,6 +430,7 @@ static void take_block(accel_core *c, freelist *l, block *b, int64_t size, int64
         stat_add(s, ST_INACTIVE_SPLIT_BYTES, kind, remaining);
     }
     b->state = ACCEL_CORE_ALLOCATED;
+    b->torch = torch;
     b->requested = nbytes;
     map_put(&c->allocated, b);
     stat_add(s, ST_ALLOCATION, kind, 1);
@@ -618,7 +620,7 @@ EXPORT int accel_core_malloc(accel_core *c, int64_t nbytes, uint64_t stream, uin
             c->gc_clock++;
         block *b = list_best_fit(l, size);
         if (b != NULL && usable(c, b->size, size)) {
-            take_block(c, l, b, size, nbytes, &spare);
+            take_block(c, l, b, size, nbytes, (flags & ACCEL_CORE_TORCH) != 0, &spare);
             *ptr = b->ptr;
             *size_out = b->size;
             pthread_mutex_unlock(&c->lock);
@@ -651,14 +653,20 @@ EXPORT int accel_core_malloc(accel_core *c, int64_t nbytes, uint64_t stream, uin
         segment *seg = calloc(1, sizeof(segment));
         block *head = calloc(1, sizeof(block));
         uint64_t base = 0;
-        int refused = 1;
+        int refused = ACCEL_UPSTREAM_REFUSED;
         if (seg != NULL && head != NULL)
-            refused = c->upstream_alloc(c->ctx, c->device, want, &base) != 0;
+            refused = c->upstream_alloc(c->ctx, c->device, want, &base);
         if (seg == NULL || head == NULL) {
             free(seg);
             free(head);
             free(spare);
             return ACCEL_CORE_NO_MEMORY;
+        }
+        if (refused == ACCEL_UPSTREAM_FAILED) { /* not a shortage: no cache helps */
+            free(seg);
+            free(head);
+            free(spare);
+            return ACCEL_CORE_OOM;
         }
         if (refused) {
             free(seg);
@@ -701,7 +709,7 @@ EXPORT int accel_core_malloc(accel_core *c, int64_t nbytes, uint64_t stream, uin
             return ACCEL_CORE_NO_MEMORY;
         }
         list_insert(c, l, head);
-        take_block(c, l, head, size, nbytes, &spare);
+        take_block(c, l, head, size, nbytes, (flags & ACCEL_CORE_TORCH) != 0, &spare);
         *ptr = head->ptr;
         *size_out = head->size;
         pthread_mutex_unlock(&c->lock);
@@ -758,11 +766,13 @@ static void make_free(accel_core *c, block *b, block *dead[2]) {
         stat_add(s, ST_INACTIVE_SPLIT, kind, 1), stat_add(s, ST_INACTIVE_SPLIT_BYTES, kind, b->size);
 }
 
-EXPORT int accel_core_free(accel_core *c, uint64_t ptr) {
+/* Frees allocated block ptr if it was (torch: only if it was not) allocated through
+ * accel_torch_alloc: neither side may free the other's blocks. */
+static int free_block(accel_core *c, uint64_t ptr, int torch) {
     pthread_mutex_lock(&c->lock);
     block *b = map_take(&c->allocated, ptr, 1);
-    if (b == NULL || b->state != ACCEL_CORE_ALLOCATED) {
-        if (b != NULL) /* held: it stays in the map (the slot it had is free again) */
+    if (b == NULL || b->state != ACCEL_CORE_ALLOCATED || b->torch != torch) {
+        if (b != NULL) /* held, or the other side's: it stays in the map (its slot is free again) */
             map_put(&c->allocated, b);
         pthread_mutex_unlock(&c->lock);
         return ACCEL_CORE_NOT_ALLOCATED;
@@ -776,11 +786,13 @@ EXPORT int accel_core_free(accel_core *c, uint64_t ptr) {
     return ACCEL_CORE_OK;
 }
 
+EXPORT int accel_core_free(accel_core *c, uint64_t ptr) { return free_block(c, ptr, 0); }
+
 EXPORT int accel_core_hold(accel_core *c, uint64_t ptr) {
     pthread_mutex_lock(&c->lock);
     block *b = map_take(&c->allocated, ptr, 0);
     int rc = ACCEL_CORE_NOT_ALLOCATED;
-    if (b != NULL && b->state == ACCEL_CORE_ALLOCATED) {
+    if (b != NULL && b->state == ACCEL_CORE_ALLOCATED && !b->torch) {
         drop_allocated(c, b);
         b->state = ACCEL_CORE_HELD;
         rc = ACCEL_CORE_OK;
@@ -985,13 +997,15 @@ EXPORT void *accel_torch_alloc(ssize_t size, int device, void *stream) {
         return NULL;
     uint64_t ptr = 0;
     int64_t got = 0;
-    if (accel_core_malloc(c, size ? (int64_t)size : 1, (uint64_t)(uintptr_t)stream, 0, 0, &ptr, &got) != ACCEL_CORE_OK)
+    if (accel_core_malloc(c, size ? (int64_t)size : 1, (uint64_t)(uintptr_t)stream, 0, ACCEL_CORE_TORCH, &ptr, &got) !=
+        ACCEL_CORE_OK)
         return NULL;
     return (void *)(uintptr_t)ptr;
 }
 
 /* void free(void* ptr, ssize_t size, int device, cudaStream_t stream). A pointer the
- * core did not hand out is ignored: torch's free returns nothing to report it with. */
+ * core did not hand out to torch (an accel buffer's among them) is ignored: torch's
+ * free returns nothing to report it with. */
 EXPORT void accel_torch_free(void *ptr, ssize_t size, int device, void *stream) {
     (void)size;
     (void)stream;
@@ -999,7 +1013,7 @@ EXPORT void accel_torch_free(void *ptr, ssize_t size, int device, void *stream) 
         return;
     accel_core *c = __atomic_load_n(&torch_cores[device], __ATOMIC_ACQUIRE);
     if (c != NULL)
-        accel_core_free(c, (uint64_t)(uintptr_t)ptr);
+        free_block(c, (uint64_t)(uintptr_t)ptr, 1);
 }
 
 EXPORT int accel_core_gil_free(void) { return 1; }

@@ -27,6 +27,9 @@ typedef struct accel_core accel_core;
  * with GIVE_BACK_FIRST: give the cache back and count a retry before asking). */
 #define ACCEL_CORE_NO_RETRY 1
 #define ACCEL_CORE_GIVE_BACK_FIRST 2
+/* TORCH: for accel_torch_alloc; such a block is freed by accel_torch_free only, and
+ * accel_core_free (accel's) frees only the others. */
+#define ACCEL_CORE_TORCH 4
 
 /* Block states in snapshots. */
 #define ACCEL_CORE_FREE 0
@@ -42,8 +45,13 @@ typedef struct accel_core accel_core;
  * +2/+3 peak, +4/+5 total increase, +6 peak over both pools; then the scalars. */
 #define ACCEL_CORE_STAT_SLOTS 93
 
-/* Where a core gets memory: returns 0 and sets *ptr, or nonzero when refused.
- * Called without the core's lock held, from whichever thread allocated. */
+/* Where a core gets memory: returns 0 and sets *ptr, ACCEL_UPSTREAM_REFUSED when out
+ * of memory (the core gives cached memory back and asks again), or
+ * ACCEL_UPSTREAM_FAILED on any other failure (an interrupt, a driver fault: the malloc
+ * stops there, as PyTorch raises a non-OOM error at once, and returns ACCEL_CORE_OOM
+ * uncounted). Called without the core's lock held, from whichever thread allocated. */
+#define ACCEL_UPSTREAM_REFUSED 1
+#define ACCEL_UPSTREAM_FAILED 2
 typedef int (*accel_upstream_alloc_fn)(void *ctx, int device, int64_t size, uint64_t *ptr);
 typedef void (*accel_upstream_free_fn)(void *ctx, int device, uint64_t ptr, int64_t size);
 

@@ -90,18 +90,26 @@ def _install_callbacks(ffi: Any) -> None:
         if _installed:
             return
 
-        @ffi.def_extern(error=1)  # type: ignore[untyped-decorator]
+        @ffi.def_extern(error=2)  # type: ignore[untyped-decorator]
         def accel_py_upstream_alloc(ctx: Any, device: int, size: int, out: Any) -> int:
             upstream: _Upstream = ffi.from_handle(ctx)
+            ptr: int | None = None
             try:
                 if upstream.admit is not None:
                     upstream.admit(size)
                 out[0] = ptr = upstream.resource.allocate(size)
+                _report(upstream, "segment_alloc", ptr, size)
             except BaseException as exc:  # noqa: BLE001 - raised by the malloc that asked
+                if ptr is not None:
+                    # Allocated: whatever came after (an interrupt, even on the way into
+                    # the report), the segment is the core's, or it would be lost; the
+                    # next empty_cache raises it.
+                    upstream.free_errors.append(exc)
+                    return 0
                 upstream.refusals[threading.get_ident()] = exc
-                return 1
-            if upstream.notify is not None:
-                upstream.notify("segment_alloc", ptr, size)
+                # Only a shortage is worth giving the cache back and asking again: after
+                # anything else (an interrupt) the malloc stops, and raises it.
+                return 1 if isinstance(exc, OutOfMemoryError) else 2  # ACCEL_UPSTREAM_*
             return 0
 
         @ffi.def_extern()  # type: ignore[untyped-decorator]
@@ -109,17 +117,37 @@ def _install_callbacks(ffi: Any) -> None:
             upstream: _Upstream = ffi.from_handle(ctx)
             # Upstream frees are not stream ordered on every backend (the host's, Level
             # Zero's): queued work on the memory finishes first, as in DeviceAllocator.
+            # The segment has left the core's books: an interrupt of the wait must not
+            # lose it. The wait runs again (uninterrupted, it ends), the interrupt is
+            # raised by the next empty_cache; a device that fails to wait twice keeps
+            # the memory (freeing it under queued work would be worse).
+            if upstream.synchronize is not None and not getattr(upstream.no_wait, "on", False):
+                for _ in range(2):
+                    try:
+                        upstream.synchronize(device)
+                        break
+                    except BaseException as exc:  # noqa: BLE001 - raised by the next empty_cache
+                        upstream.free_errors.append(exc)
+                else:
+                    return
             try:
-                if upstream.synchronize is not None and not getattr(upstream.no_wait, "on", False):
-                    upstream.synchronize(device)
                 upstream.resource.deallocate(ptr, size)
             except BaseException as exc:  # noqa: BLE001 - raised by the next empty_cache
                 upstream.free_errors.append(exc)
                 return
-            if upstream.notify is not None:
-                upstream.notify("segment_free", ptr, size)
+            _report(upstream, "segment_free", ptr, size)
 
         _installed = True
+
+
+def _report(upstream: _Upstream, event: str, ptr: int, size: int) -> None:
+    """``upstream.notify(event, ptr, size)``, what it raises kept for the next
+    empty_cache: a callback's exception would reach no caller (cffi prints it)."""
+    if upstream.notify is not None:
+        try:
+            upstream.notify(event, ptr, size)
+        except BaseException as exc:  # noqa: BLE001 - raised by the next empty_cache
+            upstream.free_errors.append(exc)
 
 
 def _metrics(slots: list[int], offsets: list[int], i: int) -> tuple[int, int, int, int]:
@@ -171,8 +199,9 @@ class _Upstream:
         # set on a thread whose give-back must not wait for the device (the callbacks
         # run on the thread that called into the core)
         self.no_wait = threading.local()
-        # what giving memory back raised (the core gives back on any thread, torch's
-        # too): the next empty_cache raises the first
+        # what giving memory back (or a report of a segment) raised: the core calls
+        # back on any thread, torch's too, where no caller sees it; the next
+        # empty_cache raises the first
         self.free_errors: list[BaseException] = []
 
 

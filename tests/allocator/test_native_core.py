@@ -335,6 +335,35 @@ def test_an_upstream_error_reaches_the_caller() -> None:
         core.malloc(100, 0)
 
 
+@pytest.mark.parametrize("error", [KeyboardInterrupt, ZeroDivisionError])
+def test_an_upstream_error_stops_the_miss(error: type[BaseException]) -> None:
+    """Not a shortage (an interrupt, a driver fault): the malloc raises it at once; the
+    cache is not given back to ask again (which could succeed and swallow it), no
+    out-of-memory is counted, and the next malloc sees no stale error."""
+
+    class Once(Upstream):
+        fail = False
+
+        def allocate(self, nbytes: int) -> int:
+            if self.fail:
+                self.fail = False
+                raise error("once")
+            return super().allocate(nbytes)
+
+    upstream = Once(1 << 30)
+    core = NativeCore(upstream)
+    ptr, _ = core.malloc(100, 0)
+    core.free(ptr)  # a cached segment, which a give-back of the cache would take
+    upstream.fail = True
+    with pytest.raises(error, match="once"):
+        core.malloc(30 * MiB, 0)
+    stats = core.stats()
+    assert stats["segment.all.current"] == 1 and stats["num_alloc_retries"] == 0 and stats["num_ooms"] == 0
+    ptr, _ = core.malloc(30 * MiB, 0)
+    core.free(ptr)
+    assert core.empty_cache() == 32 * MiB and not upstream.live
+
+
 def test_bad_sizes() -> None:
     core = NativeCore(Upstream(1 << 30))
     for n in (0, -1, 1 << 60):

@@ -129,6 +129,26 @@ def test_abi_refuses_what_it_cannot_serve() -> None:
     assert accel.memory.memory_allocated() == before
 
 
+def test_torch_free_of_an_accel_block_is_ignored() -> None:
+    """torch's free of a pointer accel handed out (a stale or foreign pointer) does not
+    free it: else its memory would go to the next allocation while the accel buffer
+    still lives, and accel's own free would then free that allocation's block."""
+    import ctypes
+
+    path, _, _ = torch_allocator_spec()
+    abi = ctypes.CDLL(path)
+    abi.accel_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    buf = accel.memory.allocate(3000)
+    before = accel.memory.memory_allocated()
+    abi.accel_torch_free(buf.ptr, 3000, 0, None)
+    assert accel.memory.memory_allocated() == before
+    other = accel.memory.allocate(3000)
+    assert other.ptr != buf.ptr
+    buf.free()
+    other.free()
+    assert accel.memory.memory_allocated() == before - 3072
+
+
 def test_torch_allocator_on_the_host_says_torch_has_none() -> None:
     if accel.current_accelerator().type != "cpu":
         pytest.skip("the host backend's answer")

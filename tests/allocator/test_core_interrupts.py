@@ -1,0 +1,142 @@
+"""An interrupt (Ctrl-C) at any backend call the native core's plain segments make
+(a segment asked for, the device waited for before one goes back, one given back)
+leaves the books whole and loses no memory but a release that was itself
+interrupted; the interrupt reaches the caller."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from accel._runtime import Runtime
+from accel.allocator._blocks import ALLOCATED
+from accel.allocator._caching import DeviceAllocator
+from accel.allocator._history import History
+from accel.allocator.config import parse
+from accel.backends.cpu import CpuBackend
+from accel.stream._stream import Stream
+from tests.allocator.test_caching import check_invariants
+from tests.allocator.test_expandable_interrupts import _Interrupts
+
+MiB = 1 << 20
+
+
+def _scenario(a: DeviceAllocator, streams: list[Stream], live: list) -> None:
+    s0, s1 = streams
+
+    def malloc(n, s):
+        live.append(a.malloc(n, s))
+        return live[-1]
+
+    def free(b):
+        live.remove(b)
+        a.free(b)
+
+    x, y, z = malloc(8 * MiB, s0), malloc(30 * MiB, s0), malloc(3000, s0)
+    a.record_stream(y, s1)
+    free(y)
+    free(z)
+    free(x)
+    a.empty_cache()
+    u = malloc(12 * MiB, s0)
+    w = malloc(40 * MiB, s1)
+    free(u)
+    free(w)
+    a.empty_cache()
+
+
+@pytest.mark.parametrize("config", ["", "max_split_size_mb:20"])
+def test_an_interrupt_at_any_backend_call_leaves_the_core_books_whole(config: str) -> None:
+    at = 1
+    while True:
+        backend = CpuBackend(1, None)
+        runtime = Runtime(backend)
+        # before the allocator: its core waits for the device through the wrapped call
+        interrupts = _Interrupts(backend, at)
+        streams = [runtime.default_stream(0), Stream._wrap(runtime, 0, backend.stream_create(0, 0), owned=True)]
+        a = DeviceAllocator(backend, 0, parse(config))
+        live: list = []
+        interrupts.armed = True
+        raised = None
+        try:
+            _scenario(a, streams, live)
+        except KeyboardInterrupt as exc:
+            raised = exc
+        interrupts.armed = False
+        where = f"interrupted at call {at} ({interrupts.fired})"
+        if interrupts.fired is not None:
+            assert raised is not None, f"{where}: the interrupt was swallowed"
+        check_invariants(a)
+        live.append(a.malloc(30 * MiB, streams[0]))
+        for b in live:
+            if b.state == ALLOCATED:
+                a.free(b)
+        for s in streams:
+            s.synchronize()
+        try:
+            a.empty_cache()
+        except KeyboardInterrupt:
+            pass  # an interrupted give-back is raised by the next empty_cache
+        a.empty_cache()
+        check_invariants(a)
+        assert a.stats()["reserved_bytes.all.current"] == 0, where
+        assert a.stats()["active_bytes.all.current"] == 0, where
+        lost = backend._memory[0]._held
+        assert lost == 0 or interrupts.fired == "free", f"{where}: {lost} bytes lost"
+        streams[1].close()
+        if interrupts.fired is None:
+            break
+        at += 1
+    assert at > 10
+
+
+class _InterruptedHistory(History):
+    """A history whose report of a segment (taken or given back) is interrupted."""
+
+    def record(self, action, addr, size, stream, frames):
+        if action.startswith("segment_"):
+            raise KeyboardInterrupt(action)
+        super().record(action, addr, size, stream, frames)
+
+
+def test_an_interrupted_report_of_a_segment_loses_no_memory(capfd: pytest.CaptureFixture[str]) -> None:
+    backend = CpuBackend(1, None)
+    stream = Runtime(backend).default_stream(0)
+    a = DeviceAllocator(backend, 0, parse(""))
+    a.record_history(_InterruptedHistory("all", None, "python", 100))
+    # the segment came from upstream: the allocation gets it, the interrupt comes later
+    b = a.malloc(1000, stream)
+    assert a.stats()["reserved_bytes.all.current"] == backend._memory[0]._held == 2 * MiB
+    a.free(b)
+    with pytest.raises(KeyboardInterrupt, match="segment_alloc"):
+        a.empty_cache()
+    a.record_history(None)
+    a.empty_cache()
+    check_invariants(a)
+    assert a.stats()["reserved_bytes.all.current"] == backend._memory[0]._held == 0
+    assert "cffi callback" not in capfd.readouterr().err
+
+
+def test_an_interrupt_on_the_way_into_the_report_loses_no_memory() -> None:
+    """The interrupt lands as the report of a new segment is called (before any line of
+    it runs, as a signal's handler may): the segment is booked all the same."""
+    backend = CpuBackend(1, None)
+    stream = Runtime(backend).default_stream(0)
+    a = DeviceAllocator(backend, 0, parse(""))
+
+    def trace(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "_report":
+            sys.settrace(None)
+            raise KeyboardInterrupt("on the way in")
+
+    sys.settrace(trace)
+    try:
+        b = a.malloc(1000, stream)
+    finally:
+        sys.settrace(None)
+    assert a.stats()["reserved_bytes.all.current"] == backend._memory[0]._held == 2 * MiB
+    a.free(b)
+    with pytest.raises(KeyboardInterrupt, match="on the way in"):
+        a.empty_cache()
+    assert a.stats()["reserved_bytes.all.current"] == backend._memory[0]._held == 0
