@@ -53,6 +53,7 @@ Where accel deliberately differs:
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -141,6 +142,20 @@ _UNORDERED = -1  # a _StreamRetired event that could not be recorded
 # Every allocator, so that a destroyed stream reaches those of its device: the
 # registry's and the MemPools' alike.
 _allocators: weakref.WeakSet[DeviceAllocator] = weakref.WeakSet()
+
+
+def _forget_the_core_in_child() -> None:
+    """In a forked child: another parent thread may have been inside a core call of the
+    common pair at the fork (it holds no lock the fork waits for), its mutex then held
+    forever here. The child's allocators leave their cores alone: no common pair, and a
+    free by a finalizer is dropped (accel refuses to run in the child; the memory is the
+    parent's, or a copy that goes with the child)."""
+    for allocator in list(_allocators):
+        allocator._forked = True
+        allocator._plain = False
+
+
+os.register_at_fork(after_in_child=_forget_the_core_in_child)
 
 
 def _admitter(ref: weakref.ref[DeviceAllocator]) -> Callable[[int], None]:
@@ -339,6 +354,7 @@ class DeviceAllocator:
         # core's mutex guards its books and dict operations the handles. Set False
         # wherever one of those begins, recomputed by the locked paths (_refresh_plain).
         self._plain = False
+        self._forked = False  # see _forget_the_core_in_child
         self._next_pool_key = 1  # the core's numbers of private pools (0: the default pool)
         self._apply_config(config)
         _allocators.add(self)
@@ -551,7 +567,7 @@ class DeviceAllocator:
     def _refresh_plain(self) -> None:
         """Recompute :attr:`_plain` (the lock held)."""
         self._plain = self._history is None and not (
-            self._captures or self._pending or self._gc_frees or self._orphaned or self._expandable
+            self._captures or self._pending or self._gc_frees or self._orphaned or self._expandable or self._forked
         )
 
     def _recheck_plain(self) -> None:
@@ -1275,6 +1291,8 @@ class DeviceAllocator:
             raise InvalidHandleError(f"{block!r} is not allocated by {self!r} (from another allocator)")
         if self._plain and block.__class__ is CoreBlock and block.state == ALLOCATED and self._free_plain(block):
             return
+        if self._forked and block.__class__ is CoreBlock:
+            return  # the core's mutex may be held by a parent thread: see _forget_the_core_in_child
         if self._lock.acquire(blocking=False):
             try:
                 if block.state == ALLOCATED:
