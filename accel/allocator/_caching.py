@@ -261,7 +261,8 @@ class DeviceAllocator:
     block handle (a :class:`CoreBlock` of the native core, or a :class:`Block` of an
     expandable segment) whose ``ptr`` and ``size`` the caller uses; ``free`` gives
     it back to the cache. Thread safe: one lock guards the policy's state; the core
-    has its own.
+    has its own, and the common pair (no capture, history, expandable segments or
+    pending events) takes only the core's.
     ``mempool``: the id of the :class:`~accel.memory.MemPool` it serves, if any
     (an out-of-memory error of another allocator of the device counts the pool's).
 
