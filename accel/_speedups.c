@@ -165,6 +165,19 @@ get_obj(PyObject *ns, const char *name, PyObject **out)
     return *out == NULL ? -1 : 0;
 }
 
+/* o.<name> is ``want`` (by identity: True, a dtype, an allocator): 1, 0, or 0 with the error cleared */
+static inline int
+attr_is(PyObject *o, PyObject *name, PyObject *want)
+{
+    PyObject *r = PyObject_GetAttr(o, name);
+    if (r == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_DECREF(r);
+    return r == want;
+}
+
 /* -- buffers (accel/allocator/_buffer.py) --------------------------------------------- */
 
 /* A Buffer's slots (_block, _allocator, _nbytes, _stream, _lease) and the runtime's
@@ -178,6 +191,163 @@ static PyObject *runtime_globals, *buffer_globals, *mempool_globals, *EXTENSION;
 static PyObject *s_runtime_g, *s_forked_from, *s_collecting, *s_open, *s_state, *s_streams, *s_default_streams,
     *s_extensions, *s_allocators, *s_free, *s_free_from_finalizer, *s_malloc, *s_device_kw, *s_stream_kw,
     *s_block, *s_allocator, *s_nbytes, *s_stream, *s_lease, *s_buffer_device;
+
+/* -- the common pair, straight into the native core ----------------------------------------
+ *
+ * While a DeviceAllocator's ``_plain`` is True (no capture, history, expandable segments,
+ * pending events, queued finalizer frees; see DeviceAllocator._plain), its malloc and free
+ * are the core's and a handle's book-keeping in dicts, taking no lock: the compiled
+ * allocate and Buffer.free/__del__ do those steps here, calling the core's exported C
+ * entry points (csrc/accel_core.h; their addresses are given by install_buffers) with the
+ * GIL held, which the core neither needs nor waits for (it calls its upstream with its own
+ * mutex released). Every other case, and a core refusal, goes to DeviceAllocator's
+ * methods by name: the core stays the only place blocks are found, split and counted. */
+
+typedef int (*core_malloc_fn)(void *core, int64_t nbytes, uint64_t stream, uint64_t pool, int flags, uint64_t *ptr,
+                              int64_t *size);
+typedef int (*core_free_fn)(void *core, uint64_t ptr);
+static core_malloc_fn core_malloc; /* NULL: the core is not built, every pair is DeviceAllocator's */
+static core_free_fn core_free;
+static PyTypeObject *CoreBlock_T;
+static PyObject *InvalidHandleError, *ALLOCATED, *RETIRED;
+static PyObject *s_plain, *s_core_address, *s_live, *s_known, *s_closed, *s_handle, *s_block_state, *s_stream_uses,
+    *s_owner, *s_ptr, *s_malloc_refused;
+#define CORE_NO_RETRY 1 /* accel_core.h's ACCEL_CORE_NO_RETRY: a refusal is the caller's to handle */
+#define CORE_MAX_REQUEST (INT64_C(1) << 60)
+
+/* allocator._core_address, the core the allocator keeps its books in; NULL with no error
+ * when it cannot be read. */
+static void *
+core_of(PyObject *allocator)
+{
+    PyObject *address = PyObject_GetAttr(allocator, s_core_address);
+    void *core = address == NULL ? NULL : PyLong_AsVoidPtr(address);
+    Py_XDECREF(address);
+    if (core == NULL)
+        PyErr_Clear();
+    return core;
+}
+
+/* DeviceAllocator.malloc(nbytes, stream) in the common case: a new reference to the
+ * block's handle (a CoreBlock), NULL with an error, or NULL without one where it is not
+ * the common case (nothing changed: the caller calls malloc). ``stream`` is the runtime's
+ * current stream of the allocator's device (so of its device and backend). */
+static PyObject *
+plain_malloc(PyObject *allocator, PyObject *nbytes, PyObject *stream)
+{
+    if (core_malloc == NULL || !PyLong_CheckExact(nbytes) || !attr_is(allocator, s_plain, Py_True))
+        return NULL;
+    int overflow;
+    long long n = PyLong_AsLongLongAndOverflow(nbytes, &overflow);
+    if (overflow || n < 1 || n >= CORE_MAX_REQUEST) /* malloc says what is wrong */
+        return NULL;
+    PyObject *closed = PyObject_GetAttr(stream, s_closed);
+    if (closed != Py_False) { /* closed (malloc refuses it), or unreadable */
+        Py_XDECREF(closed);
+        PyErr_Clear();
+        return NULL;
+    }
+    Py_DECREF(closed);
+    void *core = core_of(allocator);
+    PyObject *handle = core == NULL ? NULL : PyObject_GetAttr(stream, s_handle);
+    if (handle == NULL || !PyLong_CheckExact(handle)) {
+        Py_XDECREF(handle);
+        PyErr_Clear();
+        return NULL;
+    }
+    uint64_t key = PyLong_AsUnsignedLongLong(handle);
+    if (PyErr_Occurred()) {
+        Py_DECREF(handle);
+        PyErr_Clear();
+        return NULL;
+    }
+    uint64_t ptr;
+    int64_t size;
+    int rc = core_malloc(core, (int64_t)n, key, 0, CORE_NO_RETRY, &ptr, &size);
+    if (rc != 0) { /* the refusal's steps are DeviceAllocator's (give the cache back, raise) */
+        Py_DECREF(handle);
+        PyObject *rargs[4] = {allocator, PyLong_FromLong(rc), nbytes, stream};
+        if (rargs[1] == NULL)
+            return NULL;
+        PyObject *block = PyObject_VectorcallMethod(s_malloc_refused, rargs, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_DECREF(rargs[1]);
+        return block;
+    }
+    PyObject *block = NULL, *live = NULL, *known = NULL;
+    PyObject *ptr_obj = PyLong_FromUnsignedLongLong(ptr), *size_obj = PyLong_FromLongLong(size);
+    if (ptr_obj != NULL && size_obj != NULL) {
+        /* CoreBlock(owner, ptr, size, requested, stream) */
+        PyObject *bargs[5] = {allocator, ptr_obj, size_obj, nbytes, handle};
+        block = PyObject_Vectorcall((PyObject *)CoreBlock_T, bargs, 5, NULL);
+    }
+    int ok = block != NULL && (live = PyObject_GetAttr(allocator, s_live)) != NULL && PyDict_Check(live)
+             && PyDict_SetItem(live, ptr_obj, block) == 0 && (known = PyObject_GetAttr(allocator, s_known)) != NULL
+             && PySet_Check(known);
+    if (ok) {
+        int has = PySet_Contains(known, handle);
+        ok = has > 0 || (has == 0 && PySet_Add(known, handle) == 0);
+    }
+    if (!ok) { /* the memory goes back: no handle of it is out */
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "a DeviceAllocator's _live is not a dict or its _known not a set");
+        if (live != NULL && PyDict_Check(live) && ptr_obj != NULL && PyDict_GetItemWithError(live, ptr_obj) == block
+            && block != NULL) {
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyDict_DelItem(live, ptr_obj);
+            PyErr_Restore(type, value, tb);
+        }
+        core_free(core, ptr);
+        Py_CLEAR(block);
+    }
+    Py_XDECREF(live);
+    Py_XDECREF(known);
+    Py_XDECREF(ptr_obj);
+    Py_XDECREF(size_obj);
+    Py_DECREF(handle);
+    return block;
+}
+
+/* DeviceAllocator.free(block) in the common case (DeviceAllocator._free_plain's steps):
+ * 1 freed, -1 with an error, 0 not the common case (nothing changed: the caller calls
+ * the allocator's method). The handle leaves ``_live`` first, with no Python code run
+ * between the look-up and the removal (the GIL held), so of two racing frees one does. */
+static int
+plain_free(PyObject *allocator, PyObject *block)
+{
+    if (core_free == NULL || !Py_IS_TYPE(block, CoreBlock_T) || !attr_is(allocator, s_plain, Py_True))
+        return 0;
+    PyObject *state = PyObject_GetAttr(block, s_block_state);
+    int allocated = state != NULL && PyLong_CheckExact(state) && PyObject_RichCompareBool(state, ALLOCATED, Py_EQ) == 1;
+    Py_XDECREF(state);
+    PyErr_Clear();
+    if (!allocated || !attr_is(block, s_stream_uses, Py_None) || !attr_is(block, s_owner, allocator))
+        return 0;
+    void *core = core_of(allocator);
+    PyObject *ptr_obj = core == NULL ? NULL : PyObject_GetAttr(block, s_ptr);
+    PyObject *live = ptr_obj == NULL ? NULL : PyObject_GetAttr(allocator, s_live);
+    int r = 0;
+    if (live != NULL && PyDict_Check(live) && PyLong_CheckExact(ptr_obj)) {
+        uint64_t ptr = PyLong_AsUnsignedLongLong(ptr_obj);
+        PyObject *claimed = PyErr_Occurred() ? NULL : PyDict_GetItemWithError(live, ptr_obj);
+        if (claimed == block) { /* else: not live (freed twice): free() says so */
+            if (PyDict_DelItem(live, ptr_obj) < 0 || PyObject_SetAttr(block, s_block_state, RETIRED) < 0)
+                r = -1;
+            else if (core_free(core, ptr) != 0) { /* not ACCEL_CORE_OK: a broken book */
+                PyErr_Format(InvalidHandleError,
+                             "the allocator core of %R does not hold %R, which it handed out", allocator, block);
+                r = -1;
+            }
+            else
+                r = 1;
+        }
+    }
+    if (r == 0)
+        PyErr_Clear();
+    Py_XDECREF(ptr_obj);
+    Py_XDECREF(live);
+    return r;
+}
 
 /* A module global, borrowed (NULL without an error when it is missing). */
 static inline PyObject *
@@ -193,6 +363,12 @@ give_back(PyObject *self, PyObject *allocator, PyObject *block, PyObject *method
 {
     if (PyObject_SetAttr(self, s_block, Py_None) < 0)
         return NULL;
+    int freed = plain_free(allocator, block);
+    if (freed != 0) {
+        if (freed < 0)
+            return NULL;
+        Py_RETURN_NONE;
+    }
     PyObject *fargs[2] = {allocator, block};
     PyObject *res = PyObject_VectorcallMethod(method, fargs, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     if (res == NULL)
@@ -334,8 +510,11 @@ buffer_allocate(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyOb
         goto python;
     Py_INCREF(stream);
     Py_INCREF(allocator);
-    PyObject *margs[3] = {allocator, args[0], stream};
-    PyObject *block = PyObject_VectorcallMethod(s_malloc, margs, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    PyObject *block = plain_malloc(allocator, args[0], stream);
+    if (block == NULL && !PyErr_Occurred()) {
+        PyObject *margs[3] = {allocator, args[0], stream};
+        block = PyObject_VectorcallMethod(s_malloc, margs, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    }
     if (block != NULL) {
         /* Buffer(block, allocator, stream, nbytes): what Buffer.__init__ sets */
         result = Buffer_T->tp_alloc(Buffer_T, 0);
@@ -375,8 +554,25 @@ install_buffers(PyObject *module, PyObject *ns)
     PyObject *rt_mod, *buf_mod, *mp_mod;
     if (get_type(ns, "Buffer", &Buffer_T) < 0 || get_obj(ns, "runtime_module", &rt_mod) < 0
         || get_obj(ns, "buffer_module", &buf_mod) < 0 || get_obj(ns, "mempool_module", &mp_mod) < 0
-        || get_obj(ns, "EXTENSION", &EXTENSION) < 0)
+        || get_obj(ns, "EXTENSION", &EXTENSION) < 0 || get_type(ns, "CoreBlock", &CoreBlock_T) < 0
+        || get_obj(ns, "InvalidHandleError", &InvalidHandleError) < 0 || get_obj(ns, "ALLOCATED", &ALLOCATED) < 0
+        || get_obj(ns, "RETIRED", &RETIRED) < 0)
         return NULL;
+    /* the core's accel_core_malloc and accel_core_free (0: not built) */
+    PyObject *entries;
+    if (get_obj(ns, "core_entry_points", &entries) < 0)
+        return NULL;
+    void *malloc_at = NULL, *free_at = NULL;
+    if (entries != Py_None
+        && (!PyTuple_Check(entries) || PyTuple_GET_SIZE(entries) != 2
+            || ((malloc_at = PyLong_AsVoidPtr(PyTuple_GET_ITEM(entries, 0))) == NULL && PyErr_Occurred())
+            || ((free_at = PyLong_AsVoidPtr(PyTuple_GET_ITEM(entries, 1))) == NULL && PyErr_Occurred()))) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "core_entry_points is not None or (malloc address, free address)");
+        Py_DECREF(entries);
+        return NULL;
+    }
+    Py_DECREF(entries);
     if ((runtime_globals = PyModule_GetDict(rt_mod)) == NULL || (buffer_globals = PyModule_GetDict(buf_mod)) == NULL
         || (mempool_globals = PyModule_GetDict(mp_mod)) == NULL)
         return NULL;
@@ -390,7 +586,11 @@ install_buffers(PyObject *module, PyObject *ns)
         || intern(&s_free_from_finalizer, "free_from_finalizer") || intern(&s_malloc, "malloc")
         || intern(&s_device_kw, "device") || intern(&s_stream_kw, "stream") || intern(&s_buffer_device, "device")
         || intern(&s_block, "_block") || intern(&s_allocator, "_allocator") || intern(&s_nbytes, "_nbytes")
-        || intern(&s_stream, "_stream") || intern(&s_lease, "_lease"))
+        || intern(&s_stream, "_stream") || intern(&s_lease, "_lease") || intern(&s_plain, "_plain")
+        || intern(&s_core_address, "_core_address") || intern(&s_live, "_live") || intern(&s_known, "_known")
+        || intern(&s_closed, "_closed") || intern(&s_handle, "_handle") || intern(&s_block_state, "state")
+        || intern(&s_stream_uses, "stream_uses") || intern(&s_owner, "owner") || intern(&s_ptr, "ptr")
+        || intern(&s_malloc_refused, "_malloc_refused"))
         return NULL;
     PyObject *py_allocate = PyDict_GetItemString(buffer_globals, "allocate");
     if (py_allocate == NULL || !PyFunction_Check(py_allocate)) {
@@ -405,6 +605,10 @@ install_buffers(PyObject *module, PyObject *ns)
     Py_DECREF(c);
     if (replace_method(Buffer_T, "free", buffer_free, NULL) < 0 || replace_method(Buffer_T, "__del__", buffer_del, NULL) < 0)
         return NULL;
+    if (malloc_at != NULL && free_at != NULL) {
+        core_malloc = (core_malloc_fn)malloc_at;
+        core_free = (core_free_fn)free_at;
+    }
     buffers_installed = 1;
     Py_RETURN_NONE;
 }
@@ -482,19 +686,6 @@ method_true(PyObject *o, PyObject *name)
     }
     Py_DECREF(r);
     return r == Py_True;
-}
-
-/* o.<name> is ``want`` (by identity: True, a dtype): 1, 0, or 0 with the error cleared */
-static inline int
-attr_is(PyObject *o, PyObject *name, PyObject *want)
-{
-    PyObject *r = PyObject_GetAttr(o, name);
-    if (r == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    Py_DECREF(r);
-    return r == want;
 }
 
 /* Whether argument ``i`` is a steady one (its address then in pointers[i]): of the

@@ -53,6 +53,7 @@ Where accel deliberately differs:
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -141,6 +142,20 @@ _UNORDERED = -1  # a _StreamRetired event that could not be recorded
 # Every allocator, so that a destroyed stream reaches those of its device: the
 # registry's and the MemPools' alike.
 _allocators: weakref.WeakSet[DeviceAllocator] = weakref.WeakSet()
+
+
+def _forget_the_core_in_child() -> None:
+    """In a forked child: another parent thread may have been inside a core call of the
+    common pair at the fork (it holds no lock the fork waits for), its mutex then held
+    forever here. The child's allocators leave their cores alone: no common pair, and a
+    free by a finalizer is dropped (accel refuses to run in the child; the memory is the
+    parent's, or a copy that goes with the child)."""
+    for allocator in list(_allocators):
+        allocator._forked = True
+        allocator._plain = False
+
+
+os.register_at_fork(after_in_child=_forget_the_core_in_child)
 
 
 def _admitter(ref: weakref.ref[DeviceAllocator]) -> Callable[[int], None]:
@@ -246,7 +261,8 @@ class DeviceAllocator:
     block handle (a :class:`CoreBlock` of the native core, or a :class:`Block` of an
     expandable segment) whose ``ptr`` and ``size`` the caller uses; ``free`` gives
     it back to the cache. Thread safe: one lock guards the policy's state; the core
-    has its own.
+    has its own, and the common pair (no capture, history, expandable segments or
+    pending events) takes only the core's.
     ``mempool``: the id of the :class:`~accel.memory.MemPool` it serves, if any
     (an out-of-memory error of another allocator of the device counts the pool's).
 
@@ -324,14 +340,22 @@ class DeviceAllocator:
         # this device (see native_core); the handles of its blocks callers hold, by address.
         ref = weakref.ref(self)
         self._core = core = NativeCore(self.upstream, backend.device_synchronize, _admitter(ref), _notifier(ref))
-        # The core's C entry points and malloc's out-parameters, for the hot paths: the
-        # out-parameters are this allocator's, as every call through them holds its lock.
+        # The core's C entry points, for the hot paths; malloc's out-parameters are per
+        # thread (cffi lets the GIL go during the call, and the common pair takes no lock).
         self._core_handle = core._core
+        self._core_address = core.address  # the same, for the compiled pair (accel/_speedups.c)
         self._core_malloc = core._lib.accel_core_malloc
         self._core_free = core._lib.accel_core_free
-        self._out_ptr = core._ffi.new("uint64_t *")
-        self._out_size = core._ffi.new("int64_t *")
+        self._new_out = core.new_out
+        self._tls = threading.local()
         self._live: dict[int, CoreBlock] = {}
+        # True while the common pair needs nothing but the core (no capture under way, no
+        # history, no expandable segments, no pending events, no frees or retired streams
+        # waiting for the lock, not orphaned): malloc and free then take no lock, the
+        # core's mutex guards its books and dict operations the handles. Set False
+        # wherever one of those begins, recomputed by the locked paths (_refresh_plain).
+        self._plain = False
+        self._forked = False  # see _forget_the_core_in_child
         self._next_pool_key = 1  # the core's numbers of private pools (0: the default pool)
         self._apply_config(config)
         _allocators.add(self)
@@ -352,6 +376,7 @@ class DeviceAllocator:
         self._divisions = tuple(config.roundup_power2_divisions)
         self._large_segment = config.large_segment_size
         self._expandable = bool(config.expandable_segments) and self._vm
+        self._plain = False
         self._keep_free = config.expandable_keep_free
         if config.expandable_segments and not self._vm:
             warn_at_caller(
@@ -465,6 +490,22 @@ class DeviceAllocator:
             handle = stream._handle
         except AttributeError:  # not a Stream (costs nothing until raised)
             self._bad_stream(stream, "an allocation")
+        try:
+            out_ptr, out_size = self._tls.out
+        except AttributeError:
+            out_ptr, out_size = self._tls.out = self._new_out()
+        if self._plain:
+            # The common case: the core alone, no lock (see _plain). A refusal is
+            # handled by the locked path's steps (give the cache back, ask again).
+            rc = self._core_malloc(self._core_handle, nbytes, handle, 0, NO_RETRY, out_ptr, out_size)
+            if rc:  # not ACCEL_CORE_OK
+                return self._malloc_refused(rc, nbytes, stream)
+            ptr = out_ptr[0]
+            block = CoreBlock(self, ptr, out_size[0], nbytes, handle)
+            self._live[ptr] = block
+            if handle not in self._known:
+                self._known.add(handle)
+            return block
         # acquire/release rather than ``with``: half the cost on this hot path.
         lock = self._lock
         lock.acquire()
@@ -477,30 +518,65 @@ class DeviceAllocator:
             if self._expandable:
                 return self._malloc_expandable(nbytes, stream, handle, private)
             key = 0 if private is None else private.key
-            out_ptr, out_size = self._out_ptr, self._out_size
             rc = self._core_malloc(self._core_handle, nbytes, handle, key, NO_RETRY, out_ptr, out_size)
             if rc:  # not ACCEL_CORE_OK
-                try:
-                    self._core.raise_for(rc, nbytes)
-                except OutOfMemoryError as exc:
-                    ptr, size = self._grow_core(nbytes, handle, key, exc)
-            else:
-                ptr, size = out_ptr[0], out_size[0]
-            block = CoreBlock(self, ptr, size, nbytes, handle)
-            self._live[ptr] = block
-            if handle not in self._known:
-                self._known.add(handle)
-            if self._history is not None:
-                block.frames = self._history.block_frames()
-                self._history.record("alloc", ptr, size, handle, block.frames)
-            return block
+                return self._core_refused(rc, nbytes, handle, key)
+            return self._core_block(out_ptr[0], out_size[0], nbytes, handle)
         finally:
+            self._refresh_plain()
             lock.release()
+            self._recheck_plain()
+
+    def _malloc_refused(self, rc: int, nbytes: int, stream: Stream) -> CoreBlock:
+        """The lock-free malloc's core call for ``nbytes`` on ``stream`` returned ``rc``
+        (not ACCEL_CORE_OK): what the locked path does with a refusal, under the lock
+        (the compiled allocate calls it by name too)."""
+        lock = self._lock
+        lock.acquire()
+        try:
+            return self._core_refused(rc, nbytes, stream._handle, 0)
+        finally:
+            self._refresh_plain()
+            lock.release()
+            self._recheck_plain()
+
+    def _core_refused(self, rc: int, nbytes: int, handle: int, key: int) -> CoreBlock:
+        """The core's malloc of ``nbytes`` in pool ``key`` returned ``rc`` (not
+        ACCEL_CORE_OK, the lock held): raise what it means, or grow and serve it."""
+        try:
+            self._core.raise_for(rc, nbytes)
+        except OutOfMemoryError as exc:
+            ptr, size = self._grow_core(nbytes, handle, key, exc)
+        return self._core_block(ptr, size, nbytes, handle)
+
+    def _core_block(self, ptr: int, size: int, nbytes: int, handle: int) -> CoreBlock:
+        """The caller's handle of the core's block at ``ptr`` (the lock held)."""
+        block = CoreBlock(self, ptr, size, nbytes, handle)
+        self._live[ptr] = block
+        if handle not in self._known:
+            self._known.add(handle)
+        if self._history is not None:
+            block.frames = self._history.block_frames()
+            self._history.record("alloc", ptr, size, handle, block.frames)
+        return block
 
     # The name accel.memory.allocate called, when it checked the arguments itself
     # and the allocator skipped them: the checks cost less than the second call,
     # so it is malloc (kept, as it is public).
     malloc_checked = malloc
+
+    def _refresh_plain(self) -> None:
+        """Recompute :attr:`_plain` (the lock held)."""
+        self._plain = self._history is None and not (
+            self._captures or self._pending or self._gc_frees or self._orphaned or self._expandable or self._forked
+        )
+
+    def _recheck_plain(self) -> None:
+        """After :meth:`_refresh_plain` and the lock's release: a finalizer that found
+        the lock taken may have queued a free after the recomputation read the queue
+        empty (it appends, then sets _plain False: one of the two is seen here)."""
+        if self._gc_frees:
+            self._plain = False
 
     def _grow_core(self, nbytes: int, handle: int, key: int, refused: OutOfMemoryError) -> tuple[int, int]:
         """The core missed and the upstream refused (after the core gave back oversize
@@ -1114,6 +1190,8 @@ class DeviceAllocator:
     def free(self, block: Block | CoreBlock) -> None:
         """Give ``block`` back; it is reused once every stream that used it passed
         this point (see :meth:`record_stream`)."""
+        if self._plain and block.__class__ is CoreBlock and self._free_plain(block):
+            return
         lock = self._lock
         lock.acquire()  # not ``with``: see malloc
         try:
@@ -1126,7 +1204,34 @@ class DeviceAllocator:
                 self._bad_block(block, "free")
             self._free_held(block)
         finally:
+            self._refresh_plain()
             lock.release()
+            self._recheck_plain()
+
+    def _claim(self, block: CoreBlock) -> None:
+        """Take ``block`` off the live handles, by one dict operation: of two frees of
+        it that race (the lock-free one, and a locked one), one claims it, the other is
+        refused, so the memory is freed once."""
+        ptr = block.ptr
+        claimed = self._live.pop(ptr, None)
+        if claimed is not block:
+            if claimed is not None:  # the memory's next owner's handle: not this one's to drop
+                self._live.setdefault(ptr, claimed)
+            raise InvalidHandleError(f"{block!r} is not allocated by {self!r} (freed twice)")
+
+    def _free_plain(self, block: CoreBlock) -> bool:
+        """The common free, without the lock (see _plain): a core block of this
+        allocator, allocated, used on its own stream only. False: not that case (the
+        locked path decides). The handle leaves the live handles first, by one dict
+        operation, so two racing frees of it free the memory once."""
+        if block.state != ALLOCATED or block.stream_uses is not None or block.owner is not self:
+            return False
+        ptr = block.ptr
+        self._claim(block)
+        block.state = RETIRED
+        if self._core_free(self._core_handle, ptr):  # not ACCEL_CORE_OK: a broken book
+            raise InvalidHandleError(f"the allocator core of {self!r} does not hold {block!r}, which it handed out")
+        return True
 
     def _free_held(self, block: Block | CoreBlock) -> None:
         """:meth:`free` of an allocated block of this allocator, the lock held."""
@@ -1145,8 +1250,8 @@ class DeviceAllocator:
                 self._core.hold(block.ptr)
                 self._order_reuse(block)
             else:
+                self._claim(block)
                 block.state = RETIRED
-                del self._live[block.ptr]
                 if self._core_free(self._core_handle, block.ptr):  # not ACCEL_CORE_OK: a broken book
                     raise InvalidHandleError(f"the allocator core of {self!r} does not hold {block!r}, which it handed out")
                 if self._history is not None:
@@ -1185,14 +1290,21 @@ class DeviceAllocator:
             # one's counts below zero and put that allocator's memory on its free list.
             # The owner never changes, so the check needs no lock.
             raise InvalidHandleError(f"{block!r} is not allocated by {self!r} (from another allocator)")
+        if self._plain and block.__class__ is CoreBlock and block.state == ALLOCATED and self._free_plain(block):
+            return
+        if self._forked and block.__class__ is CoreBlock:
+            return  # the core's mutex may be held by a parent thread: see _forget_the_core_in_child
         if self._lock.acquire(blocking=False):
             try:
                 if block.state == ALLOCATED:
                     self._free_held(block)
             finally:
+                self._refresh_plain()
                 self._lock.release()
+                self._recheck_plain()
         else:
             self._gc_frees.append(block)
+            self._plain = False
 
     def release_when_idle(self) -> None:
         """The owner of this allocator (a :class:`MemPool` that was dropped) needs it
@@ -1201,6 +1313,7 @@ class DeviceAllocator:
         the device, so memory whose streams still have queued work goes back at the
         device's next ``empty_cache`` or allocation short of memory."""
         self._orphaned = True
+        self._plain = False
         if self._lock.acquire(blocking=False):
             try:
                 if self._gc_frees:
@@ -1276,6 +1389,7 @@ class DeviceAllocator:
         except AccelError:
             event = _UNORDERED
         self._gc_frees.append(_StreamRetired(handle, event))
+        self._plain = False
         if self._lock.acquire(blocking=False):
             try:
                 self._drain_gc_frees()
@@ -1294,7 +1408,8 @@ class DeviceAllocator:
         if retired.event is not None:
             self._retired[key] = retired.event
         self._core.rekey_stream(handle, key)
-        for block in self._live.values():
+        # a copy: the lock-free pair adds and removes handles meanwhile
+        for block in list(self._live.values()):
             if block.stream == handle:
                 block.stream = key
             uses = block.stream_uses
@@ -1517,6 +1632,7 @@ class DeviceAllocator:
                 if queue is None:
                     queue = self._pending[handle] = deque()
                 queue.append((event, block))
+                self._plain = False
         except BaseException:
             # Interrupted (Ctrl-C in the wait above), or no event could be made: the
             # uses left are ordered by the next call that gives memory back (see
@@ -1697,6 +1813,7 @@ class DeviceAllocator:
             else:
                 private.use_count += 1
             self._captures.append((private, stream_filter))
+            self._plain = False
             # nothing goes back upstream during a capture, torch's allocations' misses included
             self._core.freeze(True)
 
@@ -1745,6 +1862,7 @@ class DeviceAllocator:
                 self._lock.release()
         else:
             self._gc_frees.append(_PoolRelease(pool_id))
+            self._plain = False
 
     def _release_pool_locked(self, pool_id: PoolId) -> bool:
         private = self._private.get(pool_id)
@@ -1802,6 +1920,7 @@ class DeviceAllocator:
             )
         with self._lock:
             self._history = history
+            self._plain = False
 
     def trace(self) -> list[dict[str, Any]]:
         with self._lock:

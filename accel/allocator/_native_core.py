@@ -36,7 +36,7 @@ from accel._errors import InvalidValueError, OutOfMemoryError
 from accel.allocator._resources import MemoryResource
 from accel.allocator._stats import STAT_NAMES
 
-__all__ = ["GIL_MODE", "GIVE_BACK_FIRST", "NO_RETRY", "NativeCore", "core_module", "library_path"]
+__all__ = ["GIL_MODE", "GIVE_BACK_FIRST", "NO_RETRY", "NativeCore", "core_module", "entry_points", "library_path"]
 
 #: The core never takes or needs the GIL (csrc/accel_core.c includes no Python.h);
 #: cffi releases it around each call and its callbacks take it themselves.
@@ -70,6 +70,16 @@ def library_path() -> str:
     path = core_module().__file__
     assert path is not None
     return path
+
+
+def entry_points() -> tuple[int, int]:
+    """The addresses of the core's ``accel_core_malloc`` and ``accel_core_free``
+    (accel_core.h), for the compiled common pair (accel/_speedups.c)."""
+    module = core_module()
+    ffi, lib = module.ffi, module.lib
+    return tuple(  # type: ignore[return-value]
+        int(ffi.cast("uintptr_t", ffi.addressof(lib, name))) for name in ("accel_core_malloc", "accel_core_free")
+    )
 
 
 _SLOTS = 93
@@ -261,17 +271,22 @@ class NativeCore:
     def malloc(self, nbytes: int, stream: int, pool: int = 0, flags: int = 0) -> tuple[int, int]:
         """``(ptr, size)`` of a block of at least ``nbytes`` for ``stream`` in ``pool``.
         ``flags``: :data:`NO_RETRY` and :data:`GIVE_BACK_FIRST` (see accel_core.h)."""
-        ffi, lib = self._ffi, self._lib
+        lib = self._lib
         # Out-parameters per thread (cffi lets the GIL go during the call, so threads
         # cannot share them): two ffi.new per call cost as much as the call itself.
         try:
             out, size = self._tls.out
         except AttributeError:
-            out, size = self._tls.out = (ffi.new("uint64_t *"), ffi.new("int64_t *"))
+            out, size = self._tls.out = self.new_out()
         rc = lib.accel_core_malloc(self._core, nbytes, stream, pool, flags, out, size)
         if rc == 0:  # ACCEL_CORE_OK
             return out[0], size[0]
         self.raise_for(rc, nbytes)
+
+    def new_out(self) -> tuple[Any, Any]:
+        """New out-parameters for ``accel_core_malloc`` (the pointer, the size): one pair
+        per thread, as cffi lets the GIL go during the call."""
+        return self._ffi.new("uint64_t *"), self._ffi.new("int64_t *")
 
     def raise_for(self, rc: int, nbytes: int) -> NoReturn:
         """Raise what ``accel_core_malloc``'s nonzero ``rc`` for ``nbytes`` means: the

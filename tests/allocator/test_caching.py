@@ -13,6 +13,7 @@ from accel._runtime import Runtime
 from accel.allocator import _stats as S
 from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED
 from accel.allocator._caching import DeviceAllocator, round_size
+from accel.allocator._history import History
 from accel.allocator.config import AllocatorConfig, parse
 from accel.backends.cpu import CpuBackend
 
@@ -1205,3 +1206,118 @@ def test_a_pool_dropped_while_another_thread_frees_into_it_is_not_forgotten():
     assert orphan.stats()["reserved_bytes.all.current"] == 0
     assert orphan not in caching._orphans
     check_invariants(orphan)
+
+
+# -- the lock-free common pair --------------------------------------------------------------
+
+
+class _NoLock:
+    """Stands in for an allocator's lock that the common pair must not take."""
+
+    def acquire(self, *args: Any, **kwargs: Any) -> bool:
+        raise AssertionError("the common pair took the allocator's lock")
+
+    release = __enter__ = __exit__ = acquire
+
+
+def test_common_pair_takes_no_lock_and_refuses_bad_frees_as_the_locked_path(host):
+    backend, rt = host
+    a, other = make(backend), make(backend)
+    s = rt.default_stream(0)
+    a.free(a.malloc(100, s))  # the first pair, locked, finds the allocator plain
+    c = other.malloc(100, s)
+    lock, a._lock = a._lock, _NoLock()
+    try:
+        b = a.malloc(100, s)
+        a.free(b)
+        fresh = a.malloc(100, s)  # the same memory again: b is a stale handle of it
+        b2 = a.malloc(100, s)
+        a.free_from_finalizer(b2)
+    finally:
+        a._lock = lock
+    assert fresh.ptr == b.ptr and b.state == RETIRED
+    # refusals take the locked path, and say what the locked path says
+    with pytest.raises(InvalidHandleError, match="freed twice"):
+        a.free(b)
+    a.free_from_finalizer(b)  # a collected stale handle: nothing to do
+    with pytest.raises(InvalidHandleError, match="another allocator"):
+        a.free(c)
+    with pytest.raises(InvalidHandleError, match="another allocator"):
+        a.free_from_finalizer(c)
+    a.free(fresh)  # still its owner's
+    other.free(c)
+    assert a.stats()["allocated_bytes.all.current"] == 0
+    check_invariants(a)
+
+
+def test_pair_takes_the_lock_while_history_records(host):
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    a.free(a.malloc(100, s))
+    a.record_history(History("all", "all", "python", 100))
+    lock, a._lock = a._lock, _NoLock()
+    try:
+        with pytest.raises(AssertionError, match="took the allocator's lock"):
+            a.malloc(100, s)
+    finally:
+        a._lock = lock
+    a.free(a.malloc(100, s))
+    assert [e["action"] for e in a.trace()][-3:] == ["alloc", "free_requested", "free_completed"]
+
+
+def test_lock_free_and_locked_frees_mixed_across_threads(host):
+    """Threads pair on one allocator while others turn history on and off and use
+    blocks on other streams (the locked paths), and two threads race to free each of
+    a set of handles: every handle is freed once, the other free refused."""
+    backend, rt = host
+    a = make(backend)
+    s, s2 = rt.default_stream(0), stream(rt)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def pairs(seed: int) -> None:
+        try:
+            for i in range(2000):
+                b = a.malloc(512 * (1 + (seed + i) % 7), s)
+                if i % 11 == 0:
+                    a.record_stream(b, s2)
+                (a.free if i % 2 else a.free_from_finalizer)(b)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def toggle() -> None:
+        while not stop.is_set():
+            a.record_history(History("all", "all", "python", 10))
+            a.record_history(None)
+
+    shared = [a.malloc(512, s) for _ in range(400)]
+    freed = [0] * len(shared)
+
+    def race() -> None:
+        for k, b in enumerate(shared):
+            try:
+                a.free(b)
+                freed[k] += 1
+            except InvalidHandleError:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+    toggler = threading.Thread(target=toggle)
+    toggler.start()
+    threads = [threading.Thread(target=pairs, args=(k,)) for k in range(3)]
+    threads += [threading.Thread(target=race) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    toggler.join()
+    assert not errors
+    assert freed == [1] * len(shared)
+    s2.synchronize()
+    a.empty_cache()  # orders the frees still pending on s2
+    assert a.stats()["allocated_bytes.all.current"] == 0
+    assert not a._live
+    check_invariants(a)

@@ -74,3 +74,30 @@ def test_a_free_run_by_a_garbage_collection_inside_the_allocator_does_not_deadlo
     print("ok")
     """
     ok(run(backend, code, timeout=60))
+
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_a_forked_child_leaves_the_allocator_core_alone(backend: str) -> None:
+    # The common pair calls the core without the allocator's lock, so a parent thread may
+    # be inside it (its mutex held) at a fork: the child's pairs and finalizers must not
+    # call the core, whose mutex would then never be released.
+    code = """
+    import os, accel
+
+    buf = accel.memory.allocate(64)
+    allocator = buf._allocator
+    core = allocator.native_core()
+    pid = os.fork()
+    if pid == 0:
+        before = core.stats()["allocated_bytes.all.current"]
+        del buf  # Buffer.__del__: the parent's memory, left to the parent's books
+        after = core.stats()["allocated_bytes.all.current"]
+        os._exit(0 if (allocator._plain, before) == (False, after) else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, status
+    buf.free()
+    accel.memory.allocate(64).free()  # the parent's allocator still works
+    print("ok")
+    """
+    ok(run(backend, code, timeout=60))

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from typing import Any
 
 import pytest
 
@@ -479,3 +480,143 @@ def test_dump_snapshot_refuses_what_is_not_a_path(filename, tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     with pytest.raises(InvalidValueError, match="must be a path"):
         memory.dump_snapshot(filename)
+
+
+# -- the common pair (compiled: straight into the native core; pure: DeviceAllocator's lock-free path)
+
+
+def _device_allocator() -> Any:
+    buf = memory.allocate(1)
+    allocator = buf._allocator
+    buf.free()  # the first pair found the allocator plain
+    return allocator
+
+
+def test_the_common_pair_takes_no_lock_and_the_compiled_one_no_allocator_method():
+    from accel._native import speedups
+
+    a = _device_allocator()
+    assert a._plain
+    before = a.stats()["allocated_bytes.all.current"]
+
+    def no_method(*args: object) -> None:
+        raise AssertionError("the compiled pair called a DeviceAllocator method")
+
+    class NoLock:
+        def acquire(self, *args: object, **kwargs: object) -> bool:
+            raise AssertionError("the common pair took the allocator's lock")
+
+        release = __enter__ = __exit__ = acquire
+
+    lock, a._lock = a._lock, NoLock()
+    if speedups is not None:  # the compiled allocate and Buffer.free/__del__ call the core
+        a.malloc = a.free = a.free_from_finalizer = no_method
+    try:
+        buf = memory.allocate(4096)
+        buf.free()
+        memory.allocate(4096)  # collected at once: Buffer.__del__
+        t = accel.empty(64, dtype="uint8")
+        del t
+    finally:
+        a._lock = lock
+        for name in ("malloc", "free", "free_from_finalizer"):
+            a.__dict__.pop(name, None)
+    assert a.stats()["allocated_bytes.all.current"] == before
+
+
+def test_the_common_pair_refuses_what_the_allocator_refuses():
+    a = _device_allocator()
+    for bad, error in ((0, InvalidValueError), (-1, InvalidValueError), (True, InvalidValueError),
+                       (1.5, InvalidValueError), (1 << 61, accel.OutOfMemoryError)):  # fmt: skip
+        with pytest.raises(error) as by_allocate:
+            memory.allocate(bad)  # type: ignore[arg-type]
+        with pytest.raises(error) as by_malloc:
+            a.malloc(bad, accel.current_stream())
+        assert str(by_allocate.value) == str(by_malloc.value)
+    buf = memory.allocate(100)
+    block = buf._block
+    buf.free()
+    with pytest.raises(InvalidHandleError, match="freed twice"):
+        a.free(block)  # a second free of the handle the compiled free gave back
+    fresh = memory.allocate(100)
+    assert fresh.ptr == block.ptr  # block is a stale handle of fresh's memory
+    with pytest.raises(InvalidHandleError, match="freed twice"):
+        a.free(block)
+    assert fresh._block.state == 1 and a._live[fresh.ptr] is fresh._block  # still fresh's
+    # a buffer whose allocator is not its block's owner: refused, the block kept
+    other = accel.allocator.DeviceAllocator(a.backend, a.device, a.config)
+    stray = memory.Buffer(fresh._block, other, accel.current_stream(), 100)
+    with pytest.raises(InvalidHandleError, match="another allocator"):
+        stray.free()
+    assert a._live[fresh.ptr] is fresh._block
+    fresh.free()
+
+
+def test_compiled_and_python_pairs_mixed_across_threads():
+    """Buffers (the compiled pair where built) and the allocator's own malloc/free on one
+    allocator from several threads, history turned on and off meanwhile (the locked
+    paths), and each of a set of handles freed by a Buffer and by the allocator at once:
+    every handle is freed once, the other free refused, nothing leaks."""
+    a = _device_allocator()
+    before = a.stats()["allocated_bytes.all.current"]
+    stream = accel.current_stream()
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def buffers(seed: int) -> None:
+        try:
+            for i in range(1500):
+                buf = memory.allocate(512 * (1 + (seed + i) % 5))
+                if i % 3:
+                    buf.free()
+                else:
+                    del buf  # Buffer.__del__
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def blocks(seed: int) -> None:
+        try:
+            for i in range(1500):
+                b = a.malloc(512 * (1 + (seed + i) % 5), stream)
+                (a.free if i % 2 else a.free_from_finalizer)(b)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def toggle() -> None:
+        while not stop.is_set():
+            memory.record_memory_history()
+            memory.record_memory_history(None)
+
+    shared = [memory.allocate(512) for _ in range(300)]
+    handles = [buf._block for buf in shared]
+    freed = [0] * len(shared)
+
+    def race(by_buffer: bool) -> None:
+        for k, (buf, block) in enumerate(zip(shared, handles)):
+            try:
+                if by_buffer:
+                    buf.free()  # a no-op when the allocator freed the block first
+                else:
+                    a.free(block)
+                    freed[k] += 1
+            except InvalidHandleError:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+    toggler = threading.Thread(target=toggle)
+    toggler.start()
+    threads = [threading.Thread(target=buffers, args=(k,)) for k in range(2)]
+    threads += [threading.Thread(target=blocks, args=(k,)) for k in range(2)]
+    threads += [threading.Thread(target=race, args=(flag,)) for flag in (True, False)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    toggler.join()
+    memory.record_memory_history(None)
+    gc.collect()
+    assert not errors
+    assert all(b.state == 3 for b in handles)  # RETIRED: freed, once (the core refuses a second)
+    assert a.stats()["allocated_bytes.all.current"] == before
