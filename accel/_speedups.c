@@ -665,6 +665,7 @@ typedef struct {
     PyObject *fallback, *shapes, *dtypes, *thread, *device, *default_stream, *run;
     PyObject *finish; /* taking: the outputs returned; direct: None (one output: result[0]) or finish(result) */
     PyObject *binding; /* taking: the _Binding the fallback shares */
+    PyObject *failed;  /* raises an error of run() as an accel error (Engine.failed); None: as it is */
     PyObject *handed; /* direct: a list of n Nones for the next run() (NULL: none; see steady_run) */
     unsigned long long *checked;  /* direct: the addresses check_memory last passed (n) */
     int checked_set;              /* whether ``checked`` holds any (a freed tensor's address can be 0) */
@@ -721,6 +722,29 @@ steady_tensor(SteadyCall *c, Py_ssize_t i, PyObject *a, unsigned long long *poin
         return 0;
     }
     return !method_true(a, s_is_neg) && (c->real || !method_true(a, s_is_conj));
+}
+
+/* NULL, with the error run() raised (pending) handed to c->failed as the Python call does
+ * (an Exception only: an interrupt stays as it is). Only a failing run comes here. */
+static PyObject *
+run_failed(SteadyCall *c)
+{
+    if (c->failed == Py_None || !PyErr_ExceptionMatches(PyExc_Exception))
+        return NULL;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL)
+        PyException_SetTraceback(value, tb);
+    PyObject *r = PyObject_CallOneArg(c->failed, value); /* raises: NULL */
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    if (r != NULL) { /* it returned: not as Engine.failed does; refuse rather than return a value */
+        Py_DECREF(r);
+        PyErr_SetString(PyExc_SystemError, "SteadyCall: failed returned instead of raising");
+    }
+    return NULL;
 }
 
 /* steady_call on a tuple of the graph's count, its addresses read into ``pointers``. */
@@ -792,14 +816,14 @@ steady_run(SteadyCall *c, PyObject *args, unsigned long long *pointers)
             if (r == NULL) { /* the run's error is the one to raise */
                 PyErr_Clear();
                 PyErr_Restore(type, value, tb);
-                return NULL;
+                return run_failed(c);
             }
             Py_DECREF(r);
             return NULL;
         }
         PyErr_Restore(type, value, tb);
         if (r == NULL)
-            return NULL;
+            return run_failed(c);
         Py_DECREF(r);
         Py_INCREF(c->finish);
         return c->finish;
@@ -847,7 +871,7 @@ steady_run(SteadyCall *c, PyObject *args, unsigned long long *pointers)
     else
         Py_DECREF(list);
     if (result == NULL)
-        return NULL;
+        return run_failed(c);
     PyObject *out;
     if (c->finish == Py_None)
         out = PySequence_GetItem(result, 0);
@@ -902,6 +926,7 @@ steady_traverse(PyObject *self, visitproc visit, void *arg)
     Py_VISIT(c->run);
     Py_VISIT(c->finish);
     Py_VISIT(c->binding);
+    Py_VISIT(c->failed);
     Py_VISIT(c->handed);
     return 0;
 }
@@ -919,6 +944,7 @@ steady_clear(PyObject *self)
     Py_CLEAR(c->run);
     Py_CLEAR(c->finish);
     Py_CLEAR(c->binding);
+    Py_CLEAR(c->failed);
     Py_CLEAR(c->handed);
     return 0;
 }
@@ -937,20 +963,20 @@ static PyObject *
 steady_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"fallback", "inputs", "thread", "device", "default", "run", "finish", "binding", "real",
-                            NULL};
-    PyObject *fallback, *inputs, *thread, *device, *dflt, *run, *finish, *binding;
+                            "failed", NULL};
+    PyObject *fallback, *inputs, *thread, *device, *dflt, *run, *finish, *binding, *failed = Py_None;
     int real;
     if (!graphs_installed) {
         PyErr_SetString(PyExc_RuntimeError, "accel._speedups.install_graphs() has not run");
         return NULL;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OOOOOOp:SteadyCall", names, &fallback, &PyList_Type, &inputs,
-                                     &thread, &device, &dflt, &run, &finish, &binding, &real))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OOOOOOp|O:SteadyCall", names, &fallback, &PyList_Type, &inputs,
+                                     &thread, &device, &dflt, &run, &finish, &binding, &real, &failed))
         return NULL;
     if (!PyCallable_Check(fallback) || !PyCallable_Check(run) || PyList_GET_SIZE(inputs) == 0
-        || (binding != Py_None && !Py_IS_TYPE(binding, Binding_T))) {
+        || (binding != Py_None && !Py_IS_TYPE(binding, Binding_T)) || (failed != Py_None && !PyCallable_Check(failed))) {
         PyErr_SetString(PyExc_TypeError, "SteadyCall: fallback and run must be callable, inputs a list of tensors, "
-                                         "binding a _Binding or None");
+                                         "binding a _Binding or None, failed callable or None");
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(inputs);
@@ -975,6 +1001,8 @@ steady_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     c->finish = finish;
     Py_INCREF(binding);
     c->binding = binding;
+    Py_INCREF(failed);
+    c->failed = failed;
     c->shapes = PyTuple_New(n);
     c->dtypes = PyTuple_New(n);
     c->checked = PyMem_Calloc(n, sizeof(unsigned long long));

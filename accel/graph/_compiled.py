@@ -60,7 +60,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.fx as fx
@@ -165,12 +165,17 @@ class CompiledProgram:
         #: Where the engine allows it (AOTInductor), a call on any tensors laid out
         #: like the inputs that returns new outputs: no copy in or out.
         self.direct: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = getattr(replay, "direct", None)
+        #: Raises what a run of the engine raised as an accel error (:meth:`Engine.failed`).
+        self.failed: Callable[[Exception], NoReturn] = getattr(replay, "failed", _reraise)
 
     def __repr__(self) -> str:
         return f"CompiledProgram({self.engine}, {self.path.name})"
 
     def __call__(self) -> None:
-        self.replay()
+        try:
+            self.replay()
+        except Exception as exc:  # noqa: BLE001 - the engine's error, as an accel one
+            self.failed(exc)
 
     def report(self) -> str:
         """One line per engine: chosen or not, and why."""
@@ -211,14 +216,19 @@ def bind_call(
     # (absent: the default one). A third of the whole overhead otherwise.
     thread = runtime._state
     default = runtime.default_stream(device)
-    direct = compiled.direct
+    direct, failed = compiled.direct, compiled.failed
     if direct is not None and all(t.is_contiguous() for t in inputs):
-        return _direct_call(direct, inputs, output, thread, device, default)
+        return _direct_call(direct, inputs, output, thread, device, default, failed)
     replay = compiled.replay
     take = getattr(replay, "take", None)
     if take is not None:
-        return _taking_call(take, replay, inputs, output, thread, device, default)
-    return _copying_call(replay, inputs, output, thread, device, default)
+        return _taking_call(take, replay, inputs, output, thread, device, default, failed)
+    return _copying_call(replay, inputs, output, thread, device, default, failed)
+
+
+def _reraise(exc: Exception) -> NoReturn:
+    """The ``failed`` of an engine call that raises its errors as they are."""
+    raise exc
 
 
 def _same_signature(args: Sequence[Any], signature: list[tuple[torch.Size, torch.dtype]]) -> bool:
@@ -242,9 +252,11 @@ def _direct_call(
     thread: Any,
     device: int,
     default: Any,
+    failed: Callable[[Exception], NoReturn] = _reraise,
 ) -> Callable[[Sequence[torch.Tensor]], Any]:
     """The graphed call of an engine that takes the caller's tensors and returns
-    new outputs (AOTInductor's runner, built for contiguous host inputs).
+    new outputs (AOTInductor's runner, built for contiguous host inputs). What
+    the runner raises goes to ``failed`` (:meth:`Engine.failed`: an accel error).
 
     The runner reads each tensor's memory at its address as the program's
     layout: a meta or device tensor's address read as host memory crashed,
@@ -283,10 +295,15 @@ def _direct_call(
                 if pointer != checked:
                     check_memory(args)
                     checked = pointer
-                return run([a])[0]
-            return run([fresh(a, 0)])[0]
+                given = a
+            else:
+                given = fresh(a, 0)
+            try:
+                return run([given])[0]
+            except Exception as exc:  # noqa: BLE001 - the runner's error, as an accel one
+                failed(exc)
 
-        return _steady(direct_one, inputs, thread, device, default, run, None, None, real)
+        return _steady(direct_one, inputs, thread, device, default, run, None, None, real, failed)
     spec = tree_flatten(output)[1]
     checked_all: tuple[int, ...] = ()
 
@@ -300,11 +317,17 @@ def _direct_call(
             if pointers != checked_all:
                 check_memory(args)
                 checked_all = pointers
-            return tree_unflatten(run(list(args)), spec)
-        return tree_unflatten(run([fresh(a, i) for i, a in enumerate(args)]), spec)
+            given = list(args)
+        else:
+            given = [fresh(a, i) for i, a in enumerate(args)]
+        try:
+            results = run(given)
+        except Exception as exc:  # noqa: BLE001 - as direct_one
+            failed(exc)
+        return tree_unflatten(results, spec)
 
     finish = functools.partial(tree_unflatten, treespec=spec)
-    return _steady(direct_any, inputs, thread, device, default, run, finish, None, real)
+    return _steady(direct_any, inputs, thread, device, default, run, finish, None, real, failed)
 
 
 def _copying_call(
@@ -314,10 +337,11 @@ def _copying_call(
     thread: Any,
     device: int,
     default: Any,
+    failed: Callable[[Exception], NoReturn] = _reraise,
 ) -> Callable[[Sequence[torch.Tensor]], Any]:
     """The graphed call of an engine bound to the graph's input tensors only:
     each argument is copied into its static input (the static input itself
-    is not), then the bound replay runs."""
+    is not), then the bound replay runs; what it raises goes to ``failed``."""
     signature = [(t.shape, t.dtype) for t in inputs]
     if len(inputs) == 1:
         (static,) = inputs
@@ -337,7 +361,10 @@ def _copying_call(
             # of the static input shares its address and holds other values.
             if a is not static:
                 copy_into(static, a)
-            replay()
+            try:
+                replay()
+            except Exception as exc:  # noqa: BLE001 - the engine's error, as an accel one
+                failed(exc)
             return output
 
         return replay_one
@@ -349,7 +376,10 @@ def _copying_call(
         for i, (static, a) in enumerate(zip(inputs, args)):
             if a is not static:
                 copy_into(static, a, i)
-        replay()
+        try:
+            replay()
+        except Exception as exc:  # noqa: BLE001 - as replay_one
+            failed(exc)
         return output
 
     return replay_any
@@ -363,9 +393,11 @@ def _taking_call(
     thread: Any,
     device: int,
     default: Any,
+    failed: Callable[[Exception], NoReturn] = _reraise,
 ) -> Callable[[Sequence[torch.Tensor]], Any]:
     """The graphed call of an engine that can read the caller's tensors where
     they lie (ONNX Runtime: ``take`` is its call binding's ``(run, point)``).
+    What a run raises goes to ``failed`` (:meth:`Engine.failed`), ``busy`` set back.
 
     The binding stays pointed at the last call's inputs: a call with the same
     tensors again (or new ones the allocator put at the same addresses, as
@@ -433,6 +465,8 @@ def _taking_call(
                     binding.busy = True
                     try:
                         run()
+                    except Exception as exc:  # noqa: BLE001 - the engine's error, as an accel one
+                        failed(exc)
                     finally:
                         binding.busy = False
                     return output
@@ -451,14 +485,19 @@ def _taking_call(
                                 point(args)
                                 binding.taken = pointer
                             run()
+                        except Exception as exc:  # noqa: BLE001 - as above
+                            failed(exc)
                         finally:
                             binding.busy = False
                     return output
             copy_into(static, a)
-            replay()
+            try:
+                replay()
+            except Exception as exc:  # noqa: BLE001 - as above
+                failed(exc)
             return output
 
-        return _steady(take_one, inputs, thread, device, default, run, output, binding, True) if gil else take_one
+        return _steady(take_one, inputs, thread, device, default, run, output, binding, True, failed) if gil else take_one
 
     def take_any(args: Sequence[torch.Tensor]) -> Any:
         if not _same_signature(args, signature) or thread.streams.get(device, default) is not default:
@@ -470,6 +509,8 @@ def _taking_call(
                 binding.busy = True
                 try:
                     run()
+                except Exception as exc:  # noqa: BLE001 - as take_one
+                    failed(exc)
                 finally:
                     binding.busy = False
                 return output
@@ -485,15 +526,20 @@ def _taking_call(
                             point(args)
                             binding.taken = pointers
                         run()
+                    except Exception as exc:  # noqa: BLE001 - as take_one
+                        failed(exc)
                     finally:
                         binding.busy = False
                 return output
         for i, (static, a) in enumerate(zip(inputs, args)):
             copy_into(static, a, i)
-        replay()
+        try:
+            replay()
+        except Exception as exc:  # noqa: BLE001 - as take_one
+            failed(exc)
         return output
 
-    return _steady(take_any, inputs, thread, device, default, run, output, binding, True) if gil else take_any
+    return _steady(take_any, inputs, thread, device, default, run, output, binding, True, failed) if gil else take_any
 
 
 class _Binding:
@@ -518,16 +564,20 @@ def _steady(
     finish: Any,
     binding: _Binding | None,
     real: bool,
+    failed: Callable[[Exception], NoReturn],
 ) -> Callable[[Sequence[torch.Tensor]], Any]:
     """``call``, or where accel._speedups was built, its steady path in C
     (``SteadyCall``: a direct engine's ``run(list)`` with ``finish`` None for
     ``result[0]``, else ``finish(result)``; a taking engine's ``run()`` on
     ``binding``, returning ``finish``), which hands every other call to ``call``.
+    What its run raises goes to ``failed``, as in ``call``.
     The steady path's checks in Python cost about 1 us a call, the engine's
     runner 2 to 4 us on the small MLP of the benchmark."""
     if speedups is None:
         return call
-    return speedups.SteadyCall(call, list(inputs), thread, device, default, run, finish, binding, real)  # type: ignore[no-any-return]
+    return speedups.SteadyCall(  # type: ignore[no-any-return]
+        call, list(inputs), thread, device, default, run, finish, binding, real, failed
+    )
 
 
 def check_memory(args: Sequence[torch.Tensor], first: int = 0) -> None:
@@ -682,7 +732,10 @@ def _attach(program: Program, compiled: CompiledProgram, inputs: Sequence[torch.
                     "or set_ to other memory): the engine reads the memory it was bound to. Copy new data "
                     "into the static input (t.copy_(new)) instead, or capture and compile again"
                 )
-        replay()
+        try:
+            replay()
+        except Exception as exc:  # noqa: BLE001 - the engine's error, as an accel one
+            compiled.failed(exc)
 
     program.segments[0].runner = run
     program.compiled = compiled

@@ -46,12 +46,12 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.fx as fx
 
-from accel._errors import NotSupportedError
+from accel._errors import AccelError, InvalidValueError, NotSupportedError
 
 __all__ = [
     "ENGINES", "AOTInductor", "AOTInductorCppGemm", "Engine", "Facts", "OnnxRuntime", "OnnxRuntimeEmitted",
@@ -122,8 +122,34 @@ class Engine:
         Its ``raw`` attribute, where it has one, is the engine's own call
         alone (without copying results out), to measure accel's overhead by;
         its ``direct`` attribute, where it has one, takes any tensors laid out
-        like the inputs and returns new outputs."""
+        like the inputs and returns new outputs; its ``failed`` attribute is
+        :meth:`failed`, which callers of those calls hand what they raise."""
         raise NotImplementedError
+
+    def failed(self, exc: Exception) -> NoReturn:
+        """Raise ``exc``, an error a run of this engine raised, as an accel error
+        (:class:`~accel.InvalidValueError`, ``exc`` chained) naming the engine.
+
+        The engine ran the program on inputs of these shapes and dtypes when it
+        was chosen: a run that fails later fails on the values of its inputs
+        (ONNX Runtime's Gather, or inductor's index check, on an embedding index
+        out of range), where eager torch raises too. The run leaves nothing
+        behind: the next call with good inputs works. An accel error is raised
+        as it is. Only the failing call pays for this (callers catch around the
+        engine's own call: free in Python 3.11 until it raises)."""
+        if isinstance(exc, AccelError):
+            raise exc
+        text = str(exc).strip()
+        # ONNX Runtime prefixes "[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : "; its own type
+        # name says as much. Its last line is the reason (the node and the bad index).
+        reason = text.splitlines()[-1][:300] if text else "no message"
+        raise InvalidValueError(
+            f"the compiled program's engine {self.name!r} failed on this call's inputs "
+            f"({type(exc).__module__}.{type(exc).__name__}: {reason}). It ran these shapes and dtypes when it "
+            "was chosen, so the values are the likely cause (an index out of range, as for an embedding), "
+            "and eager torch would have raised on them too. The graph stays usable with other inputs; to "
+            "see torch's own error, call the function eagerly or graph it with tier='interpreted'"
+        ) from exc
 
 
 @contextlib.contextmanager
@@ -216,18 +242,28 @@ class AOTInductor(Engine):
             copy = out.copy_
 
             def replay_one() -> None:
-                copy(run(inputs)[0])
+                try:
+                    result = run(inputs)
+                except Exception as exc:  # noqa: BLE001 - the runner's error, as an accel one
+                    self.failed(exc)
+                copy(result[0])
 
             replay_one.raw = functools.partial(run, inputs)  # type: ignore[attr-defined]
             replay_one.direct = run  # type: ignore[attr-defined]
+            replay_one.failed = self.failed  # type: ignore[attr-defined]
             return replay_one
 
         def replay() -> None:
-            for static, value in zip(outputs, run(inputs)):
+            try:
+                results = run(inputs)
+            except Exception as exc:  # noqa: BLE001 - as replay_one
+                self.failed(exc)
+            for static, value in zip(outputs, results):
                 static.copy_(value)
 
         replay.raw = functools.partial(run, inputs)  # type: ignore[attr-defined]
         replay.direct = run  # type: ignore[attr-defined]
+        replay.failed = self.failed  # type: ignore[attr-defined]
         return replay
 
 
@@ -455,6 +491,7 @@ class OnnxRuntime(Engine):
         else:  # pragma: no cover - another onnxruntime layout
             replay = functools.partial(session.run_with_iobinding, binding)
         replay.keep = binding  # type: ignore[attr-defined]
+        replay.failed = self.failed  # type: ignore[attr-defined]
         if replay.func is not session.run_with_iobinding:
             replay.take = self._taking(session, native, inputs, outputs, np)  # type: ignore[attr-defined]
         return replay

@@ -264,7 +264,10 @@ class GraphedCallable(_Head):
 
     def _refuse(self, args: tuple[Any, ...], exc: BaseException) -> NoReturn:
         """Raise torch's or an engine's refusal of ``args`` as accel's (see _bad_call)."""
-        raise _bad_call(args, self._device_type, exc) from exc
+        refusal = _bad_call(args, self._device_type, exc)
+        if refusal is exc:  # raised as it is: ``from exc`` would make it its own cause, losing the engine's
+            raise exc
+        raise refusal from exc
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
         """A call that the hot path (_CallHead) did not take, under the lock: look the

@@ -469,3 +469,57 @@ def test_a_cached_file_damaged_where_the_trial_does_not_look_is_emitted_anew(cac
     indices2.copy_(torch.tensor([9, 1]))
     g2.replay()
     torch.testing.assert_close(y2, F.embedding(indices2, table))
+
+
+def _out_of_range(error: BaseException | None) -> None:
+    """The engine's failure, as an accel error that names it and chains ONNX Runtime's
+    (a RuntimeError from its session's run, one of its own types from the public call)."""
+    assert isinstance(error, accel.InvalidValueError)
+    assert "'onnxruntime-fx' failed on this call's inputs" in str(error)
+    assert "tier='interpreted'" in str(error) and "out of data bounds" in str(error)
+    cause = error.__cause__
+    assert cause is not None and not isinstance(cause, accel.AccelError) and "out of data bounds" in str(cause)
+
+
+def test_an_engine_failing_at_a_replay_raises_an_accel_error_and_the_graph_stays_usable(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An embedding index out of range in a later call: eager raises IndexError; ONNX
+    Runtime's own exception type reached the caller, from the steady path (the C head
+    where built: the binding already on the argument's memory), the path that points
+    the binding, and the graph's replay alike."""
+    monkeypatch.setattr(_compiled, "ENGINES", {"onnxruntime-fx": _engines.ENGINES["onnxruntime-fx"]})
+    table = torch.nn.Embedding(10, 4).eval()
+    fast = make_graphed_callables(table, (torch.tensor([[1, 2]]),), tier="compiled", wait=True)
+    (entry,) = fast._cache.values()
+    assert entry.compiled.engine == "onnxruntime-fx"
+    good = torch.tensor([[3, 4]])
+    torch.testing.assert_close(fast(good), table(good))
+    torch.testing.assert_close(fast(good), table(good))  # the steady path: the binding is on good's memory
+    good[0, 0] = -11
+    with pytest.raises(IndexError):
+        table(good)
+    with pytest.raises(accel.InvalidValueError) as steady:
+        fast(good)
+    _out_of_range(steady.value)
+    with pytest.raises(accel.InvalidValueError) as pointing:
+        fast(torch.tensor([[2, 10]]))
+    _out_of_range(pointing.value)
+    good[0, 0] = 9
+    torch.testing.assert_close(fast(good), table(good))
+    fresh = torch.tensor([[0, 5]])
+    torch.testing.assert_close(fast(fresh), table(fresh))
+
+    indices = torch.tensor([[1, 2]])
+    g, (y,) = _capture(lambda i: F.embedding(i, table.weight), [indices])
+    compiled = compile_graph(g, inputs=[indices], outputs=[y], engines=["onnxruntime-fx"])
+    indices.copy_(torch.tensor([[1, 12]]))
+    with pytest.raises(accel.InvalidValueError) as called:
+        compiled()
+    _out_of_range(called.value)
+    with pytest.raises(accel.HostFunctionError) as replayed:  # a graph's replay wraps its failures
+        g.replay()
+    _out_of_range(replayed.value.__cause__)
+    indices.copy_(torch.tensor([[7, 8]]))
+    g.replay()
+    torch.testing.assert_close(y, table(indices))
