@@ -724,6 +724,21 @@ steady_tensor(SteadyCall *c, Py_ssize_t i, PyObject *a, unsigned long long *poin
     return !method_true(a, s_is_neg) && (c->real || !method_true(a, s_is_conj));
 }
 
+/* The pending exception, normalized, with its traceback attached (a new reference;
+ * the error indicator is cleared). */
+static PyObject *
+take_exception(void)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL)
+        PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+}
+
 /* NULL, with the error run() raised (pending) handed to c->failed as the Python call does
  * (an Exception only: an interrupt stays as it is). Only a failing run comes here. */
 static PyObject *
@@ -731,15 +746,9 @@ run_failed(SteadyCall *c)
 {
     if (c->failed == Py_None || !PyErr_ExceptionMatches(PyExc_Exception))
         return NULL;
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    if (tb != NULL)
-        PyException_SetTraceback(value, tb);
+    PyObject *value = take_exception();
     PyObject *r = PyObject_CallOneArg(c->failed, value); /* raises: NULL */
-    Py_XDECREF(type);
     Py_XDECREF(value);
-    Py_XDECREF(tb);
     if (r != NULL) { /* it returned: not as Engine.failed does; refuse rather than return a value */
         Py_DECREF(r);
         PyErr_SetString(PyExc_SystemError, "SteadyCall: failed returned instead of raising");
@@ -1123,13 +1132,7 @@ head_call(PyObject *self, PyObject *args, PyObject *kwargs)
         if (r == NULL) {
             if (!PyErr_ExceptionMatches(PyExc_RuntimeError)) /* NotImplementedError is one */
                 return NULL;
-            PyObject *type, *value, *tb;
-            PyErr_Fetch(&type, &value, &tb);
-            PyErr_NormalizeException(&type, &value, &tb);
-            if (tb != NULL)
-                PyException_SetTraceback(value, tb);
-            Py_XDECREF(type);
-            Py_XDECREF(tb);
+            PyObject *value = take_exception();
             PyObject *fargs[3] = {self, args, value};
             r = PyObject_VectorcallMethod(s_refuse, fargs, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
             Py_XDECREF(value);
