@@ -640,12 +640,11 @@ class DeviceAllocator:
         """Cut ``block`` to ``size`` bytes when the rest is worth keeping as a free
         block (PyTorch's ``should_split``); take ``block`` off free list ``listed``
         (None: it is on none), the rest taking its place; keep the inactive-split counts."""
-        k = self._kinds[pool.kind]
-        expandable = block.segment.expandable
-        was_split = block.prev is not None or block.next is not None
         full = block.size
         remaining = full - size
-        if remaining >= KB_MIN and (pool.small or expandable or (size < self._ms and remaining > SMALL_SIZE)):
+        # Every block of these books is in an expandable segment: any rest worth a block
+        # is cut (PyTorch's should_split for them), and inactive splits are not counted.
+        if remaining >= KB_MIN:
             rest = self._stand_in(block, block.ptr + size, remaining, block, block.next)
             block.size = size
             if listed is not None:
@@ -655,16 +654,8 @@ class DeviceAllocator:
                 if free is None:
                     free = pool.free[handle] = FreeList()
                 free.add(rest)
-            if not expandable:
-                if was_split:  # the free part that was counted shrinks to the rest
-                    k.inactive_split_bytes -= size
-                else:
-                    S.add_inactive_split(k, remaining)
-        else:
-            if listed is not None:
-                listed.remove(block)
-            if was_split and not expandable:
-                S.drop_inactive_split(k, full)
+        elif listed is not None:
+            listed.remove(block)
 
     def _account(self, block: Block, nbytes: int, handle: int) -> None:
         """Mark ``block`` allocated for a request of ``nbytes`` and count it."""
@@ -736,25 +727,21 @@ class DeviceAllocator:
         self._refusal = ""
         if self._gc_frees:
             self._drain_gc_frees()  # buffers collected while the lock was taken are free memory
-        block = self._alloc_segment(pool, handle, size)
+        block = self._alloc_expandable(pool, handle, size)
         if block is None and not capturing:
             self._release_cached_blocks()
             # Dropped pools' memory of this device, waiting for those other threads use.
             given = release_orphans(self.backend, self.device, busy=self) if _orphans else 0
             self._stats.s[S.NUM_ALLOC_RETRIES] += 1
-            block = self._alloc_segment(pool, handle, size)
+            block = self._alloc_expandable(pool, handle, size)
             # Another thread may take what came back first, while others drop pools
             # that hold memory: try again as long as dropped pools give some back.
             while block is None and given and _orphans:
                 given = release_orphans(self.backend, self.device, busy=self)
-                block = self._alloc_segment(pool, handle, size) if given else None
+                block = self._alloc_expandable(pool, handle, size) if given else None
         if block is None:
             raise self._out_of_memory(size, handle)
         return block
-
-    def _alloc_segment(self, pool: Pool, handle: int, size: int) -> Block | None:
-        """New expandable pages for ``size`` bytes, as a free block not on any list; None on OOM."""
-        return self._alloc_expandable(pool, handle, size)
 
     def _reserved(self) -> int:
         """Bytes of this allocator's expandable segments (the core's: _core_reserved)."""
@@ -773,6 +760,7 @@ class DeviceAllocator:
         return -(-SMALL_BUFFER // unit) * unit
 
     def _alloc_expandable(self, pool: Pool, handle: int, size: int) -> Block | None:
+        """New expandable pages for ``size`` bytes, as a free block not on any list; None on OOM."""
         seg = pool.expandable.get(handle)
         if seg is None:
             seg = self._reserve_expandable(pool, handle)
@@ -1474,7 +1462,6 @@ class DeviceAllocator:
         free = pool.free.get(block.stream)
         if free is None:
             free = pool.free[block.stream] = FreeList()
-        split_counted = not block.segment.expandable
         prev = block.prev
         nxt = block.next
         block.prev = block.next = None
@@ -1482,13 +1469,9 @@ class DeviceAllocator:
             # The free block before absorbs this one (and the one after, if free).
             survivor = prev
             listed_size = prev.size
-            if split_counted:
-                S.drop_inactive_split(k, listed_size)
             survivor.size += block.size
             if nxt is not None and nxt.state == FREE and nxt.mapped:
                 free.remove(nxt)
-                if split_counted:
-                    S.drop_inactive_split(k, nxt.size)
                 survivor.size += nxt.size
                 nxt = nxt.next
             survivor.next = nxt
@@ -1500,8 +1483,6 @@ class DeviceAllocator:
             # The free block after takes this one's place and start.
             survivor = nxt
             listed_size, listed_ptr = nxt.size, nxt.ptr
-            if split_counted:
-                S.drop_inactive_split(k, listed_size)
             survivor.ptr = block.ptr
             survivor.size += block.size
             survivor.prev = prev
@@ -1515,8 +1496,6 @@ class DeviceAllocator:
             # No free neighbour: a fresh block object stands in for this one.
             survivor = self._stand_in(block, block.ptr, block.size, prev, nxt)
             free.add(survivor)
-        if split_counted and (prev is not None or nxt is not None):
-            S.add_inactive_split(k, survivor.size)
 
     def _stand_in(self, like: Block, ptr: int, size: int, prev: Block | None, nxt: Block | None) -> Block:
         """A FREE block object of ``like``'s segment for ``[ptr, ptr + size)``, linked
@@ -1534,13 +1513,9 @@ class DeviceAllocator:
 
     def _merge_free(self, block: Block) -> Block:
         """Merge free mapped neighbours into ``block`` (FREE, off every list)."""
-        expandable = block.segment.expandable
-        k = self._kinds[block.pool.kind]
         for neighbour in (block.prev, block.next):
             if neighbour is not None and neighbour.state == FREE and neighbour.mapped:
                 self._take_off_list(neighbour)
-                if not expandable:
-                    S.drop_inactive_split(k, neighbour.size)
                 self._absorb(block, neighbour)
         return block
 
@@ -1559,14 +1534,12 @@ class DeviceAllocator:
         block.size += neighbour.size
 
     def _insert_free(self, block: Block) -> None:
-        """Put FREE mapped ``block`` on its free list (inactive-split counted)."""
+        """Put FREE mapped ``block`` on its free list."""
         pool = block.pool
         free = pool.free.get(block.stream)
         if free is None:
             free = pool.free[block.stream] = FreeList()
         free.add(block)
-        if not block.segment.expandable and (block.prev is not None or block.next is not None):
-            S.add_inactive_split(self._kinds[pool.kind], block.size)
 
     def _take_off_list(self, block: Block) -> None:
         block.pool.free[block.stream].remove(block)
