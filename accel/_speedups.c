@@ -1,15 +1,13 @@
-/* accel._speedups: optional C versions of hot paths of buffers, streams and graphs.
+/* accel._speedups: the C implementation of hot paths of buffers, streams and graphs.
  *
- * Pure Python is accel's reference and its fallback: this module is built when a
- * compiler is there (setup.py marks it optional) and used unless ACCEL_PURE_PYTHON=1
- * (accel/_native.py decides). Every function here does, step by step, what the
- * Python code it replaces does, on the same objects, through CPython's public C API
- * only; whenever a condition of a fast path fails, or an object is not of the exact
- * class expected, it calls the Python function it stands in for, before changing
- * anything. (The caching allocator's books are not here: they are the native core's,
+ * A mandatory part of every build, like the allocator's native core (setup.py builds
+ * both; accel/_native.py refuses a missing or stale build with an ImportError). Each
+ * hot path here is the implementation of its common case, on accel's Python objects,
+ * through CPython's public C API only; whenever a condition of that case fails, or an
+ * object is not of the exact class expected, it hands the call, before changing
+ * anything, to the Python function it stands in for, which keeps only the other cases.
+ * (The caching allocator's books are not here: they are the native core's,
  * csrc/accel_core.c, which DeviceAllocator calls through cffi.)
- *
- * The whole suite runs both ways (tests/test_speedups.py says which one ran).
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -1309,7 +1307,7 @@ static PyModuleDef_Slot module_slots[] = {
 #if PY_VERSION_HEX >= 0x030C0000
     {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
 #endif
-#if PY_VERSION_HEX >= 0x030D0000
+#ifdef Py_mod_gil
     {Py_mod_gil, Py_MOD_GIL_USED},
 #endif
     {0, NULL},
@@ -1317,7 +1315,7 @@ static PyModuleDef_Slot module_slots[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "accel._speedups",
-    "Optional C versions of accel's allocation hot paths (see accel/_native.py).", 0, module_methods, module_slots,
+    "The C implementation of accel's hot paths (see accel/_native.py).", 0, module_methods, module_slots,
 };
 
 PyMODINIT_FUNC
