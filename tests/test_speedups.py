@@ -37,6 +37,25 @@ def test_the_hot_paths_are_the_extensions() -> None:
     assert GraphedCallable.__mro__[1] is speedups._CallHead
 
 
+def test_set_current_stores_pops_and_refuses_what_is_not_a_dict() -> None:
+    # The current-stream store (accel._runtime), in C only: a stream stores, None pops
+    # (an absent key too), anything but a plain dict is refused before a store.
+    streams: dict[int, object] = {}
+    stream = object()
+    speedups.set_current(streams, 1, stream)
+    assert streams == {1: stream}
+    speedups.set_current(streams, 1, None)
+    speedups.set_current(streams, 0, None)
+    assert streams == {}
+
+    class Streams(dict):  # type: ignore[type-arg]
+        pass
+
+    for bad in (Streams(), [], None):
+        with pytest.raises(TypeError, match=r"set_current\(streams, index, stream\)"):
+            speedups.set_current(bad, 0, stream)  # type: ignore[arg-type]
+
+
 def test_a_quiet_run_names_the_extension_in_its_last_lines() -> None:
     # README runs pytest -q, which drops the report header.
     environ = dict(os.environ, PYTHONPATH=str(ROOT))
