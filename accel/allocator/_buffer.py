@@ -482,21 +482,19 @@ def allocate_host(nbytes: int) -> HostBuffer:
     return HostBuffer(allocator.malloc(nbytes), allocator, nbytes)
 
 
-# The compiled allocate, Buffer.free and Buffer.__del__ (accel/_speedups.c) when it was
-# built and ACCEL_PURE_PYTHON is not 1: the same steps, which call the Python versions
-# above for every case but the common one (current stream, no MemPool, no export); in
-# it, while the allocator is plain (DeviceAllocator._plain), they call the native core's
-# C entry points directly.
-if speedups is not None:
-    try:
-        _entry_points: tuple[int, int] | None = entry_points()
-    except ImportError:  # the core is not built: DeviceAllocator says so when one is made
-        _entry_points = None
-    speedups.install_buffers(
-        {
-            "Buffer": Buffer, "runtime_module": _runtime, "buffer_module": sys.modules[__name__],
-            "mempool_module": _mempool, "EXTENSION": _EXTENSION, "CoreBlock": CoreBlock,
-            "InvalidHandleError": InvalidHandleError, "ALLOCATED": ALLOCATED, "RETIRED": RETIRED,
-            "core_entry_points": _entry_points,
-        }  # fmt: skip
-    )
+# The compiled allocate, Buffer.free and Buffer.__del__ (accel/_speedups.c): the common
+# case (current stream, no MemPool, no export); they call the Python versions above for
+# every other case. In it, while the allocator is plain (DeviceAllocator._plain), they
+# call the native core's C entry points directly.
+try:
+    _entry_points: tuple[int, int] | None = entry_points()
+except ImportError:  # the core is not built: DeviceAllocator says so when one is made
+    _entry_points = None
+speedups.install_buffers(
+    {
+        "Buffer": Buffer, "runtime_module": _runtime, "buffer_module": sys.modules[__name__],
+        "mempool_module": _mempool, "EXTENSION": _EXTENSION, "CoreBlock": CoreBlock,
+        "InvalidHandleError": InvalidHandleError, "ALLOCATED": ALLOCATED, "RETIRED": RETIRED,
+        "core_entry_points": _entry_points,
+    }  # fmt: skip
+)
