@@ -1776,13 +1776,16 @@ class DeviceAllocator:
             if any(p.id == pool_id for p, _ in self._captures):
                 raise CaptureError(f"begin_allocate_to_pool: already recording to pool {pool_id}")
             private = self._private.get(pool_id)
-            if private is None:
-                private = self._private[pool_id] = PrivatePool(pool_id, self._next_pool_key)
-                self._next_pool_key += 1
-                self._core.keep_pool(private.key, True)  # in use: empty_cache leaves it
-            elif private.use_count == 0:
-                private.use_count = 1
-                self._core.keep_pool(private.key, True)
+            if private is None or private.use_count == 0:
+                # In use: empty_cache leaves it. Kept first: when the core cannot (no host
+                # memory for its books), it raises before anything here is registered.
+                key = self._next_pool_key if private is None else private.key
+                self._core.keep_pool(key, True)
+                if private is None:
+                    private = self._private[pool_id] = PrivatePool(pool_id, key)
+                    self._next_pool_key += 1
+                else:
+                    private.use_count = 1
             else:
                 private.use_count += 1
             self._captures.append((private, stream_filter))

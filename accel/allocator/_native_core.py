@@ -352,9 +352,15 @@ class NativeCore:
         return given
 
     def keep_pool(self, pool: int, keep: bool) -> None:
-        """Whether :meth:`empty_cache` and a miss's give-back leave ``pool`` cached."""
-        if self._lib.accel_core_keep_pool(self._core, pool, int(keep)):
-            raise MemoryError("the host has no memory for the allocator core's books")
+        """Whether :meth:`empty_cache` and a miss's give-back leave ``pool`` cached.
+        Raises OutOfMemoryError, the core's books unchanged, when the host has no
+        memory to note a pool kept."""
+        if self._lib.accel_core_keep_pool(self._core, pool, int(keep)):  # ACCEL_CORE_NO_MEMORY
+            raise OutOfMemoryError(
+                f"device {self.device}: the host has no memory for the allocator core's books to keep "
+                f"pool {pool} cached; nothing was changed: free host memory and try again",
+                device=self.device,
+            )
 
     def release_pool(self, pool: int) -> int:
         """Give ``pool``'s wholly free segments back upstream (kept or not); the bytes."""

@@ -647,6 +647,52 @@ def test_pool_lives_until_its_last_user_is_gone(host):
     assert a.pool_ids() == []
 
 
+class _NoMemoryToKeep:
+    """The core's library, but ``accel_core_keep_pool`` fails as it does when the host's
+    realloc of the kept pools' list fails (ACCEL_CORE_NO_MEMORY)."""
+
+    def __init__(self, lib: Any) -> None:
+        self._real = lib
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def accel_core_keep_pool(self, core: Any, pool: int, keep: int) -> int:
+        if keep:
+            return int(self._real.ACCEL_CORE_NO_MEMORY)
+        return int(self._real.accel_core_keep_pool(core, pool, keep))
+
+
+def test_a_pool_the_core_cannot_keep_is_not_registered(host, monkeypatch):
+    """begin_allocate_to_pool, when the core has no host memory to keep the pool: an
+    accel error, and nothing registered (the pool was left half made: listed, counted
+    in use, not kept by the core and no capture under way, so it never went)."""
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    a.begin_allocate_to_pool((0, 9), lambda st: True)  # a pool with memory, then unused
+    a.free(a.malloc(4096, s))
+    a.end_allocate_to_pool((0, 9))
+    a.release_pool((0, 9))
+    core = a._core
+    monkeypatch.setattr(core, "_lib", _NoMemoryToKeep(core._lib))
+    for pool in ((0, 9), (0, 10)):  # one unused, one new
+        with pytest.raises(OutOfMemoryError, match="no memory for the allocator core's books to keep pool"):
+            a.begin_allocate_to_pool(pool, lambda st: True)
+        with pytest.raises(CaptureError, match="not currently recording"):
+            a.end_allocate_to_pool(pool)
+    assert a.pool_ids() == [(0, 9)]
+    monkeypatch.undo()
+    a.free(a.malloc(4096, s))  # no capture under way: the default pool, given back below
+    a.empty_cache()
+    assert a.pool_ids() == [] and a.stats()["reserved_bytes.all.current"] == 0
+    a.begin_allocate_to_pool((0, 10), lambda st: True)  # with memory to keep it, as usual
+    a.end_allocate_to_pool((0, 10))
+    a.release_pool((0, 10))
+    assert a.pool_ids() == []
+    check_invariants(a)
+
+
 def test_cross_stream_frees_deferred_during_capture(host):
     backend, rt = host
     a = make(backend)
