@@ -59,6 +59,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from threading import get_ident
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -73,7 +74,7 @@ from accel._errors import (
 )
 from accel.allocator import _stats as S
 from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED, Block, CoreBlock, Pool, PrivatePool, Segment
-from accel.allocator._fork import track_lock
+from accel.allocator._fork import OwnedLock, track_lock
 from accel.allocator._freelist import FreeList
 from accel.allocator._stats import OVERSIZE_ALLOCATIONS
 from accel.allocator._history import History
@@ -295,7 +296,9 @@ class DeviceAllocator:
             raise DeviceError(
                 f"the upstream resource serves device {self.upstream.device}, not device {device}"
             )
-        self._lock = threading.Lock()
+        # Notes its holder: a gc callback or finalizer that calls in while this thread
+        # holds it is refused (a free deferred) rather than waiting forever.
+        self._lock = OwnedLock(f"the caching allocator of device {device}")
         track_lock(self)
         self._stats = S.Stats()
         self._s = self._stats.s  # the flat counters, for the hot paths
@@ -1181,6 +1184,13 @@ class DeviceAllocator:
         if self._plain and block.__class__ is CoreBlock and self._free_plain(block):
             return
         lock = self._lock
+        if lock.owner == get_ident():
+            # A gc callback or finalizer run inside this thread's call: deferred to the
+            # next call that takes the lock, as a finalizer's free (a free twice refused).
+            if getattr(block, "state", ALLOCATED) != ALLOCATED:
+                raise InvalidHandleError(f"{block!r} is not allocated by {self!r} (freed twice)")
+            self.free_from_finalizer(block)
+            return
         lock.acquire()  # not ``with``: see malloc
         try:
             try:
