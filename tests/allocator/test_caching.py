@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any
@@ -16,6 +17,7 @@ from accel.allocator._caching import DeviceAllocator, round_size
 from accel.allocator._history import History
 from accel.allocator.config import AllocatorConfig, parse
 from accel.backends.cpu import CpuBackend
+from tests.allocator.thread_races import free_each, run_threads, run_while_toggling
 
 MiB = 1 << 20
 
@@ -850,30 +852,21 @@ def test_many_threads_on_several_streams(host):
     backend, rt = host
     a = make(backend)
     streams = [rt.default_stream(0), stream(rt), stream(rt)]
-    errors = []
 
     def work(seed: int) -> None:
-        try:
-            mine = []
-            for i in range(300):
-                s = streams[(seed + i) % 3]
-                b = a.malloc(512 * (1 + (seed * 7 + i) % 4000), s)
-                if i % 5 == 0:
-                    a.record_stream(b, streams[(seed + i + 1) % 3])
-                mine.append(b)
-                if len(mine) > 8:
-                    a.free(mine.pop(0))
-            for b in mine:
-                a.free(b)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        mine = []
+        for i in range(300):
+            s = streams[(seed + i) % 3]
+            b = a.malloc(512 * (1 + (seed * 7 + i) % 4000), s)
+            if i % 5 == 0:
+                a.record_stream(b, streams[(seed + i + 1) % 3])
+            mine.append(b)
+            if len(mine) > 8:
+                a.free(mine.pop(0))
+        for b in mine:
+            a.free(b)
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    assert run_threads([functools.partial(work, k) for k in range(4)]) == []
     check_invariants(a)
     assert a.stats()["allocated_bytes.all.current"] == 0
     a.empty_cache()
@@ -1319,48 +1312,22 @@ def test_lock_free_and_locked_frees_mixed_across_threads(host):
     backend, rt = host
     a = make(backend)
     s, s2 = rt.default_stream(0), stream(rt)
-    errors: list[BaseException] = []
-    stop = threading.Event()
 
     def pairs(seed: int) -> None:
-        try:
-            for i in range(2000):
-                b = a.malloc(512 * (1 + (seed + i) % 7), s)
-                if i % 11 == 0:
-                    a.record_stream(b, s2)
-                (a.free if i % 2 else a.free_from_finalizer)(b)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        for i in range(2000):
+            b = a.malloc(512 * (1 + (seed + i) % 7), s)
+            if i % 11 == 0:
+                a.record_stream(b, s2)
+            (a.free if i % 2 else a.free_from_finalizer)(b)
 
     def toggle() -> None:
-        while not stop.is_set():
-            a.record_history(History("all", "all", "python", 10))
-            a.record_history(None)
+        a.record_history(History("all", "all", "python", 10))
+        a.record_history(None)
 
     shared = [a.malloc(512, s) for _ in range(400)]
     freed = [0] * len(shared)
-
-    def race() -> None:
-        for k, b in enumerate(shared):
-            try:
-                a.free(b)
-                freed[k] += 1
-            except InvalidHandleError:
-                pass
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-
-    toggler = threading.Thread(target=toggle)
-    toggler.start()
-    threads = [threading.Thread(target=pairs, args=(k,)) for k in range(3)]
-    threads += [threading.Thread(target=race) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    stop.set()
-    toggler.join()
-    assert not errors
+    workers = [functools.partial(pairs, k) for k in range(3)] + [free_each(a.free, shared, freed) for _ in range(2)]
+    assert run_while_toggling(workers, toggle) == []
     assert freed == [1] * len(shared)
     s2.synchronize()
     a.empty_cache()  # orders the frees still pending on s2
