@@ -122,8 +122,8 @@ def _after_fork_in_child() -> None:
         owner = ref()
         if owner is not None and (id(owner), attr) not in taken:
             # held by a thread that does not exist here
-            fresh = OwnedLock(lock.what) if isinstance(lock := getattr(owner, attr), OwnedLock) else threading.Lock()
-            setattr(owner, attr, fresh)
+            held = getattr(owner, attr)
+            setattr(owner, attr, OwnedLock(held.what) if isinstance(held, OwnedLock) else threading.Lock())
 
 
 os.register_at_fork(

@@ -1253,6 +1253,8 @@ def test_a_pool_dropped_while_another_thread_frees_into_it_is_not_forgotten():
 class _NoLock:
     """Stands in for an allocator's lock that the common pair must not take."""
 
+    owner = 0  # held by no thread (free() reads it: see OwnedLock)
+
     def acquire(self, *args: Any, **kwargs: Any) -> bool:
         raise AssertionError("the common pair took the allocator's lock")
 

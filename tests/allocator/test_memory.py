@@ -497,6 +497,8 @@ def test_the_common_pair_takes_no_lock_and_the_compiled_one_no_allocator_method(
         raise AssertionError("the compiled pair called a DeviceAllocator method")
 
     class NoLock:
+        owner = 0  # held by no thread (free() reads it: see OwnedLock)
+
         def acquire(self, *args: object, **kwargs: object) -> bool:
             raise AssertionError("the common pair took the allocator's lock")
 
