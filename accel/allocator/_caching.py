@@ -59,8 +59,8 @@ import threading
 import time
 import weakref
 from collections import deque
-from threading import get_ident
 from collections.abc import Callable
+from threading import get_ident
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from accel._errors import (
