@@ -60,6 +60,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
+from threading import get_ident
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from accel._errors import (
@@ -73,7 +74,7 @@ from accel._errors import (
 )
 from accel.allocator import _stats as S
 from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED, Block, CoreBlock, Pool, PrivatePool, Segment
-from accel.allocator._fork import track_lock
+from accel.allocator._fork import OwnedLock, track_lock
 from accel.allocator._freelist import FreeList
 from accel.allocator._stats import OVERSIZE_ALLOCATIONS
 from accel.allocator._history import History
@@ -295,7 +296,9 @@ class DeviceAllocator:
             raise DeviceError(
                 f"the upstream resource serves device {self.upstream.device}, not device {device}"
             )
-        self._lock = threading.Lock()
+        # Notes its holder: a gc callback or finalizer that calls in while this thread
+        # holds it is refused (a free deferred) rather than waiting forever.
+        self._lock = OwnedLock(f"the caching allocator of device {device}")
         track_lock(self)
         self._stats = S.Stats()
         self._s = self._stats.s  # the flat counters, for the hot paths
@@ -1181,6 +1184,13 @@ class DeviceAllocator:
         if self._plain and block.__class__ is CoreBlock and self._free_plain(block):
             return
         lock = self._lock
+        if lock.owner == get_ident():
+            # A gc callback or finalizer run inside this thread's call: deferred to the
+            # next call that takes the lock, as a finalizer's free (a free twice refused).
+            if getattr(block, "state", ALLOCATED) != ALLOCATED:
+                raise InvalidHandleError(f"{block!r} is not allocated by {self!r} (freed twice)")
+            self.free_from_finalizer(block)
+            return
         lock.acquire()  # not ``with``: see malloc
         try:
             try:
@@ -1776,13 +1786,16 @@ class DeviceAllocator:
             if any(p.id == pool_id for p, _ in self._captures):
                 raise CaptureError(f"begin_allocate_to_pool: already recording to pool {pool_id}")
             private = self._private.get(pool_id)
-            if private is None:
-                private = self._private[pool_id] = PrivatePool(pool_id, self._next_pool_key)
-                self._next_pool_key += 1
-                self._core.keep_pool(private.key, True)  # in use: empty_cache leaves it
-            elif private.use_count == 0:
-                private.use_count = 1
-                self._core.keep_pool(private.key, True)
+            if private is None or private.use_count == 0:
+                # In use: empty_cache leaves it. Kept first: when the core cannot (no host
+                # memory for its books), it raises before anything here is registered.
+                key = self._next_pool_key if private is None else private.key
+                self._core.keep_pool(key, True)
+                if private is None:
+                    private = self._private[pool_id] = PrivatePool(pool_id, key)
+                    self._next_pool_key += 1
+                else:
+                    private.use_count = 1
             else:
                 private.use_count += 1
             self._captures.append((private, stream_filter))

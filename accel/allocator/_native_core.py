@@ -116,7 +116,7 @@ def _install_callbacks(ffi: Any) -> None:
                     # next empty_cache raises it.
                     upstream.free_errors.append(exc)
                     return 0
-                upstream.refusals[threading.get_ident()] = exc
+                upstream.refusal.exc = exc  # this thread's malloc raises it (raise_for)
                 # Only a shortage is worth giving the cache back and asking again: after
                 # anything else (an interrupt) the malloc stops, and raises it.
                 return 1 if isinstance(exc, OutOfMemoryError) else 2  # ACCEL_UPSTREAM_*
@@ -192,7 +192,7 @@ class _Upstream:
     thread (a malloc that saw a refusal raises it). Not the NativeCore itself, so that
     the core's finalizer can keep it alive while the core gives its cache back."""
 
-    __slots__ = ("resource", "refusals", "synchronize", "free_errors", "admit", "notify", "no_wait")
+    __slots__ = ("resource", "refusal", "synchronize", "free_errors", "admit", "notify", "no_wait")
 
     def __init__(
         self,
@@ -204,7 +204,14 @@ class _Upstream:
         self.resource = resource
         self.admit = admit
         self.notify = notify
-        self.refusals: dict[int, BaseException] = {}
+        # The upstream's last refusal on each thread, as ``refusal.exc``: thread-local, so
+        # that it goes with its thread. Nothing reads the refusals of torch's threads
+        # (accel_torch_alloc returns NULL), which come and go over a long process: a
+        # table by thread id kept one per thread id forever, and an id the OS reused
+        # read a dead thread's refusal. One slot per core, instead, would let a
+        # thread's refusal be overwritten by another thread's before its malloc raised
+        # it (the wrong error, or none, in the report).
+        self.refusal = threading.local()
         self.synchronize = synchronize
         # set on a thread whose give-back must not wait for the device (the callbacks
         # run on the thread that called into the core)
@@ -292,7 +299,7 @@ class NativeCore:
         """Raise what ``accel_core_malloc``'s nonzero ``rc`` for ``nbytes`` means: the
         upstream's own exception, InvalidValueError, MemoryError or OutOfMemoryError."""
         lib = self._lib
-        refusal = self._callbacks.refusals.pop(threading.get_ident(), None)
+        refusal: BaseException | None = vars(self._callbacks.refusal).pop("exc", None)
         if rc == lib.ACCEL_CORE_BAD_SIZE:
             raise InvalidValueError(f"cannot allocate {nbytes} bytes: the size must be in [1, 2**60)")
         if refusal is not None and not isinstance(refusal, OutOfMemoryError):
@@ -345,9 +352,15 @@ class NativeCore:
         return given
 
     def keep_pool(self, pool: int, keep: bool) -> None:
-        """Whether :meth:`empty_cache` and a miss's give-back leave ``pool`` cached."""
-        if self._lib.accel_core_keep_pool(self._core, pool, int(keep)):
-            raise MemoryError("the host has no memory for the allocator core's books")
+        """Whether :meth:`empty_cache` and a miss's give-back leave ``pool`` cached.
+        Raises OutOfMemoryError, the core's books unchanged, when the host has no
+        memory to note a pool kept."""
+        if self._lib.accel_core_keep_pool(self._core, pool, int(keep)):  # ACCEL_CORE_NO_MEMORY
+            raise OutOfMemoryError(
+                f"device {self.device}: the host has no memory for the allocator core's books to keep "
+                f"pool {pool} cached; nothing was changed: free host memory and try again",
+                device=self.device,
+            )
 
     def release_pool(self, pool: int) -> int:
         """Give ``pool``'s wholly free segments back upstream (kept or not); the bytes."""
