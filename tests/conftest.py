@@ -83,6 +83,10 @@ SPEEDUPS_TESTS: dict[str, tuple[str, ...]] = {
     # accel.memory.allocate, Buffer.free and Buffer.__del__ (a MemPool in use is one
     # of the cases the C hands back).
     "accel/allocator/_buffer.py": ("tests/allocator/test_memory.py", "tests/allocator/test_mempool.py"),
+    # CoreBlock and CoreSteps, which the pure-Python run loads from the extension too.
+    "accel/allocator/_blocks.py": ("tests/allocator/test_core_steps.py",),
+    # accel.empty's compiled host case.
+    "accel/_interop/torch.py": ("tests/_interop/test_torch.py",),
     # The graphed call's lookup head (_CallHead) and the compiled steady call (SteadyCall).
     "accel/graph/_graphed.py": ("tests/graph/test_graphed.py", "tests/graph/test_steady_call.py"),
     "accel/graph/_compiled.py": ("tests/graph/test_steady_call.py",),
