@@ -1,15 +1,15 @@
-/* accel._speedups: optional C versions of hot paths of buffers, streams and graphs.
+/* accel._speedups: the C implementation of hot paths of buffers, streams and graphs.
  *
- * Pure Python is accel's reference and its fallback: this module is built when a
- * compiler is there (setup.py marks it optional) and used unless ACCEL_PURE_PYTHON=1
- * (accel/_native.py decides). Every function here does, step by step, what the
- * Python code it replaces does, on the same objects, through CPython's public C API
- * only; whenever a condition of a fast path fails, or an object is not of the exact
- * class expected, it calls the Python function it stands in for, before changing
- * anything. (The caching allocator's books are not here: they are the native core's,
- * csrc/accel_core.c, which DeviceAllocator calls through cffi.)
- *
- * The whole suite runs both ways (tests/test_speedups.py says which one ran).
+ * A mandatory part of every build, like the allocator's native core (setup.py builds
+ * both; accel/_native.py refuses a missing or stale build with an ImportError). Each
+ * hot path here is the implementation of its common case, on accel's Python objects,
+ * through CPython's public C API only; whenever a condition of that case fails, or an
+ * object is not of the exact class expected, it hands the call, before changing
+ * anything, to the Python function it stands in for, which keeps only the other cases.
+ * (The caching allocator's books are not here: they are the native core's,
+ * csrc/accel_core.c. Its steps that hand out or take back a block, with the block's
+ * handle, are here, in C: see "the core step" below; DeviceAllocator calls the rest
+ * through cffi.)
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -1333,9 +1333,10 @@ steady_run(SteadyCall *c, PyObject *args, unsigned long long *pointers)
     }
     if (c->taking) {
         /* The binding points at these addresses (_Binding.taken: one int, or a tuple of n)
-         * and no run is under way: test and set ``busy`` with the GIL held throughout, as
-         * the Python call's steady path does (see _taking_call). Its slots are read and
-         * written as attributes: member descriptors, which run no Python code. */
+         * and no run is under way: test and set ``busy`` with the GIL held throughout (the
+         * Python call, _taking_call, takes the binding's lock for every call handed to it
+         * and waits out a run under way). Its slots are read and written as attributes:
+         * member descriptors, which run no Python code. */
         PyObject *taken = PyObject_GetAttr(c->binding, s_taken), *busy;
         if (taken == NULL) {
             PyErr_Clear();
@@ -1608,12 +1609,13 @@ static PyTypeObject SteadyCall_T = {
               "graphed call's steady path; every other call goes to fallback (accel/_speedups.c).",
 };
 
-/* GraphedCallable's base: a call tries ``_hot`` first (the last compiled call's bound call,
- * see accel/graph/_graphed.py's _CallHead, which this does step by step), then self._call.
+/* GraphedCallable's base (the only implementation of its call's head: see the comment
+ * above GraphedCallable in accel/graph/_graphed.py): a call tries ``_hot`` first (the last
+ * compiled call's bound call), then self._call.
  * Not in grad mode: there self._call decides whether autograd would record (and refuses).
  * Only on the thread that made the callable (``_owner``), holding ``_lock`` (a threading.RLock,
  * whose acquire lets go of the GIL while it waits), and reading ``_hot`` again under it: another
- * thread's call writes the same static inputs and outputs (see _CallHead). */
+ * thread's call writes the same static inputs and outputs. */
 typedef struct {
     PyObject_HEAD
     PyObject *hot;
@@ -1736,7 +1738,7 @@ static PyTypeObject CallHead_T = {
     .tp_clear = head_clear,
     .tp_dealloc = head_dealloc,
     .tp_members = head_members,
-    .tp_doc = "GraphedCallable's compiled base: its __call__ (accel/graph/_graphed.py's _CallHead, in C).",
+    .tp_doc = "GraphedCallable's base: the head of its __call__ (see accel/graph/_graphed.py).",
 };
 
 /* install_graphs(names): what SteadyCall reads (torch.Tensor, check_memory, _Binding).
@@ -1796,8 +1798,7 @@ install_graphs(PyObject *module, PyObject *ns)
 static PyObject *
 set_current(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    /* index: any key the Python store takes (a device index, an int: hashed and compared
-     * in C) */
+    /* index: any dict key (a device index, an int: hashed and compared in C) */
     if (nargs != 3 || !PyDict_CheckExact(args[0])) {
         PyErr_SetString(PyExc_TypeError, "set_current(streams, index, stream): a dict, a key, a stream or None");
         return NULL;
@@ -1825,8 +1826,7 @@ static PyMethodDef module_methods[] = {
  *  - a SteadyCall's caches (the list it hands the runner, the addresses check_memory last
  *    passed, the thread and stream count on which the default stream was last found
  *    current) and a taking call's test and set of its binding's ``busy`` are each made
- *    with no other thread running Python in between, as the Python steady path's are
- *    (accel/graph/_compiled.py gives a taking engine no SteadyCall where
+ *    with no other thread running Python in between (accel/graph/_compiled.py gives a taking engine no SteadyCall where
  *    sys._is_gil_enabled() is false); _CallHead's hit count and streams_epoch are plain
  *    increments;
  *  - references borrowed from dicts (module globals, a thread's current streams) are used
@@ -1855,7 +1855,7 @@ static PyModuleDef_Slot module_slots[] = {
 #if PY_VERSION_HEX >= 0x030C0000
     {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
 #endif
-#if PY_VERSION_HEX >= 0x030D0000
+#ifdef Py_mod_gil
     {Py_mod_gil, Py_MOD_GIL_USED},
 #endif
     {0, NULL},
@@ -1863,7 +1863,7 @@ static PyModuleDef_Slot module_slots[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "accel._speedups",
-    "Optional C versions of accel's allocation hot paths (see accel/_native.py).", 0, module_methods, module_slots,
+    "The C implementation of accel's hot paths (see accel/_native.py).", 0, module_methods, module_slots,
 };
 
 PyMODINIT_FUNC

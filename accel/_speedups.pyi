@@ -1,11 +1,10 @@
-# The optional C extension accel/_speedups.c (see accel/_native.py).
+# The C extension accel/_speedups.c, part of every build (see accel/_native.py).
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any, NoReturn
 
 SOURCE_CRC32: str
 
-def install_allocator(names: Mapping[str, object], /) -> None: ...
 def install_buffers(names: Mapping[str, object], /) -> None: ...
 def install_empty(module: ModuleType, /) -> None: ...
 
@@ -56,6 +55,7 @@ class SteadyCall:
         finish: Any,
         binding: Any,
         real: bool,
+        failed: Callable[[Exception], Any] | None = None,
         /,
     ) -> None: ...
     def __call__(self, args: Sequence[Any], /) -> Any: ...

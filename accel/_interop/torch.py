@@ -307,5 +307,4 @@ def as_tensor(buffer: Any, dtype: torch.dtype | str = "uint8", shape: int | tupl
 # The compiled empty (accel/_speedups.c): on a host backend, the common case's tensor is
 # torch's view of a DLPack capsule made in C over the core step's block (no Buffer, no
 # ctypes view); every other case is the Python function above.
-if speedups is not None:
-    speedups.install_empty(sys.modules[__name__])
+speedups.install_empty(sys.modules[__name__])

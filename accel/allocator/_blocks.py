@@ -10,10 +10,9 @@ free blocks ordered by ``(size, ptr)``, so best fit costs O(log n).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from accel._native import speedups as _speedups
+from accel._native import speedups
 from accel.allocator._freelist import FreeList
 from accel.allocator._pool_ids import PoolId
 
@@ -99,12 +98,8 @@ class Block:
 # is None: the core keeps its books. Made only by a DeviceAllocator's CoreSteps (in C,
 # accel/_speedups.c), which changes the core's books and the handles together, so that an
 # interrupt (a Python signal handler) never lands between them.
-if TYPE_CHECKING:
-    from accel._speedups import CoreBlock, CoreSteps
-else:
-    # ACCEL_PURE_PYTHON=1 (being retired) has the steps nowhere else: load the extension anyway
-    _compiled = _speedups if _speedups is not None else importlib.import_module("accel._speedups")
-    CoreBlock, CoreSteps = _compiled.CoreBlock, _compiled.CoreSteps
+CoreBlock = speedups.CoreBlock
+CoreSteps = speedups.CoreSteps
 
 
 class Pool:

@@ -481,15 +481,13 @@ def allocate_host(nbytes: int) -> HostBuffer:
     return HostBuffer(allocator.malloc(nbytes), allocator, nbytes)
 
 
-# The compiled allocate, Buffer.free and Buffer.__del__ (accel/_speedups.c) when it was
-# built and ACCEL_PURE_PYTHON is not 1: the same steps, which call the Python versions
-# above for every case but the common one (current stream, no MemPool, no export); in
-# it, while the allocator is plain (DeviceAllocator._plain), they take the allocator's
-# core steps (DeviceAllocator._steps) directly.
-if speedups is not None:
-    speedups.install_buffers(
-        {
-            "Buffer": Buffer, "runtime_module": _runtime, "buffer_module": sys.modules[__name__],
-            "mempool_module": _mempool, "EXTENSION": _EXTENSION,
-        }  # fmt: skip
-    )
+# The compiled allocate, Buffer.free and Buffer.__del__ (accel/_speedups.c): the common
+# case (current stream, no MemPool, no export); they call the Python versions above for
+# every other case. In it, while the allocator is plain (DeviceAllocator._plain), they
+# take the allocator's core steps (DeviceAllocator._steps) directly.
+speedups.install_buffers(
+    {
+        "Buffer": Buffer, "runtime_module": _runtime, "buffer_module": sys.modules[__name__],
+        "mempool_module": _mempool, "EXTENSION": _EXTENSION,
+    }  # fmt: skip
+)

@@ -493,8 +493,6 @@ def _device_allocator() -> Any:
 
 
 def test_the_common_pair_takes_no_lock_and_the_compiled_one_no_allocator_method():
-    from accel._native import speedups
-
     a = _device_allocator()
     assert a._plain
     before = a.stats()["allocated_bytes.all.current"]
@@ -509,8 +507,8 @@ def test_the_common_pair_takes_no_lock_and_the_compiled_one_no_allocator_method(
         release = __enter__ = __exit__ = acquire
 
     lock, a._lock = a._lock, NoLock()
-    if speedups is not None:  # the compiled allocate and Buffer.free/__del__ call the core
-        a.malloc = a.free = a.free_from_finalizer = no_method
+    # the compiled allocate and Buffer.free/__del__ call the core
+    a.malloc = a.free = a.free_from_finalizer = no_method
     try:
         buf = memory.allocate(4096)
         buf.free()
