@@ -490,8 +490,8 @@ class DeviceAllocator:
             # The common case: the core alone, no lock (see _plain). A refusal is
             # handled by the locked path's steps (give the cache back, ask again).
             block = self._steps.malloc(nbytes, handle, 0, NO_RETRY)
-            if block.__class__ is int:  # not ACCEL_CORE_OK
-                return self._malloc_refused(block, nbytes, stream)  # type: ignore[arg-type]
+            if isinstance(block, int):  # not ACCEL_CORE_OK
+                return self._malloc_refused(block, nbytes, stream)
             return block
         # acquire/release rather than ``with``: half the cost on this hot path.
         lock = self._lock
@@ -506,10 +506,10 @@ class DeviceAllocator:
                 return self._malloc_expandable(nbytes, stream, handle, private)
             key = 0 if private is None else private.key
             block = self._steps.malloc(nbytes, handle, key, NO_RETRY)
-            if block.__class__ is int:  # not ACCEL_CORE_OK
-                block = self._core_refused(block, nbytes, handle, key)  # type: ignore[arg-type]
+            if isinstance(block, int):  # not ACCEL_CORE_OK
+                block = self._core_refused(block, nbytes, handle, key)
             if self._history is not None:
-                self._record_alloc(block)  # type: ignore[arg-type]
+                self._record_alloc(block)
             return block
         finally:
             self._refresh_plain()
@@ -577,10 +577,10 @@ class DeviceAllocator:
             while True:
                 self._fraction_refused = False
                 block = self._steps.malloc(nbytes, handle, key, flags)
-                if block.__class__ is not int:
-                    return block  # type: ignore[return-value]
+                if not isinstance(block, int):
+                    return block
                 try:
-                    self._core.raise_for(block, nbytes)  # type: ignore[arg-type]
+                    self._core.raise_for(block, nbytes)
                 except OutOfMemoryError as exc:
                     self._note_refusal(exc)
                 # Another thread may take what came back first, while others drop pools
@@ -1208,10 +1208,10 @@ class DeviceAllocator:
             self._history.record("free_requested", block.ptr, block.size, block.stream, None)
         if block.segment is None:  # the core's
             if block.stream_uses:
-                self._steps.hold(block)  # type: ignore[arg-type]
+                self._steps.hold(block)
                 self._order_reuse(block)
             else:
-                self._steps.free(block)  # type: ignore[arg-type]
+                self._steps.free(block)
                 if self._history is not None:
                     self._history.record("free_completed", block.ptr, block.size, block.stream, None)
             return
@@ -1414,7 +1414,7 @@ class DeviceAllocator:
         instead of freeing whoever gets this memory next.
         """
         if block.segment is None:  # the core's, held until now
-            self._steps.release(block)  # type: ignore[arg-type]
+            self._steps.release(block)
             if self._history is not None:
                 self._history.record("free_completed", block.ptr, block.size, block.stream, None)
             return
