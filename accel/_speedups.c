@@ -623,7 +623,7 @@ plain_malloc(PyObject *allocator, PyObject *nbytes, PyObject *stream)
     Py_DECREF(closed);
     CoreSteps *steps = plain_steps(allocator);
     PyObject *handle = steps == NULL ? NULL : PyObject_GetAttr(stream, s_handle);
-    if (handle == NULL || !PyLong_CheckExact(handle) || Py_SIZE(handle) < 0) {
+    if (handle == NULL || !PyLong_CheckExact(handle)) {
         Py_XDECREF(steps);
         Py_XDECREF(handle);
         PyErr_Clear();
