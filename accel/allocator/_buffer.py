@@ -30,9 +30,8 @@ from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, No
 from accel._runtime import check_not_forked, get_runtime
 from accel.allocator import _mempool
 from accel.allocator._fork import track_lock
-from accel.allocator._blocks import ALLOCATED, RETIRED, CoreBlock
+from accel.allocator._blocks import CoreBlock
 from accel.allocator._mempool import routed_allocator
-from accel.allocator._native_core import entry_points
 from accel.allocator._registry import _EXTENSION, device_allocator, registry
 from accel.allocator._sharing import export_buffer
 from accel.stream import Stream, as_stream
@@ -485,16 +484,10 @@ def allocate_host(nbytes: int) -> HostBuffer:
 # The compiled allocate, Buffer.free and Buffer.__del__ (accel/_speedups.c): the common
 # case (current stream, no MemPool, no export); they call the Python versions above for
 # every other case. In it, while the allocator is plain (DeviceAllocator._plain), they
-# call the native core's C entry points directly.
-try:
-    _entry_points: tuple[int, int] | None = entry_points()
-except ImportError:  # the core is not built: DeviceAllocator says so when one is made
-    _entry_points = None
+# take the allocator's core steps (DeviceAllocator._steps) directly.
 speedups.install_buffers(
     {
         "Buffer": Buffer, "runtime_module": _runtime, "buffer_module": sys.modules[__name__],
-        "mempool_module": _mempool, "EXTENSION": _EXTENSION, "CoreBlock": CoreBlock,
-        "InvalidHandleError": InvalidHandleError, "ALLOCATED": ALLOCATED, "RETIRED": RETIRED,
-        "core_entry_points": _entry_points,
+        "mempool_module": _mempool, "EXTENSION": _EXTENSION,
     }  # fmt: skip
 )

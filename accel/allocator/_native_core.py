@@ -72,14 +72,14 @@ def library_path() -> str:
     return path
 
 
-def entry_points() -> tuple[int, int]:
-    """The addresses of the core's ``accel_core_malloc`` and ``accel_core_free``
-    (accel_core.h), for the compiled common pair (accel/_speedups.c)."""
+def entry_points() -> tuple[int, int, int, int]:
+    """The addresses of the core's ``accel_core_malloc``, ``accel_core_free``,
+    ``accel_core_hold`` and ``accel_core_release_held`` (accel_core.h), for the core
+    steps of accel/_speedups.c."""
     module = core_module()
     ffi, lib = module.ffi, module.lib
-    return tuple(  # type: ignore[return-value]
-        int(ffi.cast("uintptr_t", ffi.addressof(lib, name))) for name in ("accel_core_malloc", "accel_core_free")
-    )
+    names = ("accel_core_malloc", "accel_core_free", "accel_core_hold", "accel_core_release_held")
+    return tuple(int(ffi.cast("uintptr_t", ffi.addressof(lib, name))) for name in names)  # type: ignore[return-value]
 
 
 _SLOTS = 93
