@@ -32,7 +32,7 @@ from accel.allocator import _mempool
 from accel.allocator._fork import track_lock
 from accel.allocator._blocks import CoreBlock
 from accel.allocator._mempool import routed_allocator
-from accel.allocator._registry import _EXTENSION, device_allocator, registry
+from accel.allocator._registry import _EXTENSION, registry
 from accel.allocator._sharing import export_buffer
 from accel.stream import Stream, as_stream
 
@@ -373,19 +373,12 @@ def allocate(nbytes: int, *, device: DeviceLike = None, stream: Stream | None = 
     >>> buf.nbytes, buf.ptr % 512
     (1000, 0)
     """
-    # get_runtime(), runtime.current_stream() and device_allocator() are written
-    # out below for their common cases: each call costs 2-3% of the pair.
-    runtime = _runtime._runtime
-    if runtime is None:
-        runtime = get_runtime()
+    # The compiled allocate (installed below) takes the common case: the current
+    # stream, no MemPool, a plain allocator. This is every other case.
+    runtime = get_runtime()
     if stream is None:
-        state = runtime._state
-        index = runtime.index(device) if device is not None else state.device
-        stream = state.streams.get(index)
-        if stream is None:
-            stream = runtime._default_streams.get(index)
-            if stream is None:
-                stream = runtime.default_stream(index)
+        index = runtime.index(device)
+        stream = runtime.current_stream(index)
     else:
         stream = as_stream(stream)
         if device is not None and runtime.index(device) != stream.device_index:
@@ -394,12 +387,7 @@ def allocate(nbytes: int, *, device: DeviceLike = None, stream: Stream | None = 
             )
         index = stream.device_index
     # A MemPool's allocator inside use_mem_pool, else the device's.
-    if _mempool._open:
-        allocator = routed_allocator(runtime, index)
-    else:
-        found: Any = runtime.extensions.get(_EXTENSION)  # the registry device_allocator reads
-        cached = found.allocators.get(index) if found is not None else None
-        allocator = cached if cached is not None else device_allocator(runtime, index)
+    allocator = routed_allocator(runtime, index)
     # malloc checks nbytes and the stream.
     return Buffer(allocator.malloc(nbytes, stream), allocator, stream, nbytes)
 
