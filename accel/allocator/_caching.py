@@ -1216,6 +1216,12 @@ class DeviceAllocator:
             return False
         ptr = block.ptr
         self._claim(block)
+        if block.stream_uses is not None:
+            # A record_stream (locked) marked a use between the check above and the
+            # claim: it checks after marking that the handle is still live, so one of
+            # the two sees the other. Live again, the locked path orders the reuse.
+            self._live[ptr] = block
+            return False
         block.state = RETIRED
         if self._core_free(self._core_handle, ptr):  # not ACCEL_CORE_OK: a broken book
             raise InvalidHandleError(f"the allocator core of {self!r} does not hold {block!r}, which it handed out")
@@ -1570,6 +1576,13 @@ class DeviceAllocator:
                 block.stream_uses = {handle}
             else:
                 block.stream_uses.add(handle)
+            if block.segment is None and self._live.get(block.ptr) is not block:
+                # The lock-free free (see _plain) claimed it after the state check above:
+                # freed first, its memory may be reused without waiting for this use.
+                raise InvalidHandleError(
+                    f"record_stream on {block!r}, which another thread freed meanwhile; record the "
+                    "stream before the buffer is freed"
+                )
 
     def _insert_events(self, block: Block | CoreBlock) -> None:
         remaining = list(block.stream_uses or ())

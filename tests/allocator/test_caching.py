@@ -551,6 +551,78 @@ def test_record_stream_on_own_stream_is_ignored_and_other_device_refused(host):
         a.record_stream(b, s)
 
 
+class _HookedKnown(set):
+    """An allocator's ``_known`` whose next ``add`` first runs ``hook``: record_stream
+    adds between its state check and marking the use, where another thread may run."""
+
+    hook: Any = None
+
+    def add(self, handle: int) -> None:
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        super().add(handle)
+
+
+class _HookedLive(dict):
+    """An allocator's ``_live`` whose next ``pop`` first runs ``hook``: the lock-free
+    free pops (claims) after checking the block's stream uses."""
+
+    hook: Any = None
+
+    def pop(self, *args: Any) -> Any:
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        return super().pop(*args)
+
+
+def test_a_lock_free_free_inside_record_stream_refuses_the_use(host):
+    # Another thread's lock-free free lands after record_stream checked the block is
+    # allocated and before it marks the use: record_stream returned as if the use
+    # counted, and the block was reused while the side stream still ran.
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    side = stream(rt)
+    a.free(a.malloc(4096, s))  # the locked path made the allocator plain
+    b = a.malloc(4096, s)
+    assert a._plain
+    a._known = known = _HookedKnown(a._known)
+    known.hook = lambda: a.free(b)
+    with pytest.raises(InvalidHandleError, match="freed meanwhile"):
+        a.record_stream(b, side)
+    assert b.state == RETIRED
+    assert a.stats()["active.all.current"] == 0
+
+
+def test_a_record_stream_inside_a_lock_free_free_is_ordered(host):
+    # record_stream lands after the lock-free free checked the block's stream uses and
+    # before it claims the block: the free ignored the use, and the block was reused
+    # while the side stream still ran.
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    side = stream(rt)
+    a.free(a.malloc(4096, s))
+    b = a.malloc(4096, s)
+    assert a._plain
+    gate = threading.Event()
+    side.launch_host_func(gate.wait)
+    a._live = live = _HookedLive(a._live)
+    live.hook = lambda: a.record_stream(b, side)
+    try:
+        a.free(b)
+        assert b.state == PENDING
+        again = a.malloc(4096, s)
+        assert again.ptr != b.ptr
+    finally:
+        gate.set()
+    side.synchronize()
+    a.free(again)
+    check_invariants(a)
+
+
 def test_closed_stream_after_record_stream(host):
     backend, rt = host
     a = make(backend)
