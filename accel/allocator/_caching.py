@@ -506,6 +506,8 @@ class DeviceAllocator:
             if handle not in self._known:
                 self._known.add(handle)
             return block
+        if self._forked:
+            self._refuse_in_child("malloc")
         # acquire/release rather than ``with``: half the cost on this hot path.
         lock = self._lock
         lock.acquire()
@@ -689,6 +691,8 @@ class DeviceAllocator:
         raise InvalidValueError(f"nbytes={nbytes!r} must be an int number of bytes")
 
     def _bad_stream(self, stream: object, call: str) -> NoReturn:
+        if self._forked:  # the child's streams are not the parent's runtime's
+            self._refuse_in_child(call)
         if not isinstance(stream, Stream):
             raise InvalidValueError(
                 f"stream={stream!r} ({type(stream).__name__}) is not an accel.Stream; {call} needs a "
@@ -700,6 +704,16 @@ class DeviceAllocator:
         raise DeviceError(
             f"{stream!r} is not a stream of {self._name}; {call} needs a stream of "
             "the device the memory lives on"
+        )
+
+    def _refuse_in_child(self, call: str) -> NoReturn:
+        """Refuse ``call`` in a forked child (see _forget_the_core_in_child): the core's
+        mutex may be held for good by a parent thread that was inside the common pair
+        at the fork, and waiting for it would hang."""
+        raise AccelError(
+            f"{call} on {self!r} in a process forked after it was made: another thread of the parent "
+            "may have been inside its allocator core at the fork, so the child cannot use it. Start "
+            "subprocesses with the 'spawn' or 'forkserver' method (multiprocessing.get_context('spawn'))"
         )
 
     def _bad_block(self, block: object, call: str) -> NoReturn:
@@ -1180,6 +1194,8 @@ class DeviceAllocator:
         this point (see :meth:`record_stream`)."""
         if self._plain and block.__class__ is CoreBlock and self._free_plain(block):
             return
+        if self._forked:
+            self._refuse_in_child("free")
         lock = self._lock
         lock.acquire()  # not ``with``: see malloc
         try:
@@ -1698,6 +1714,8 @@ class DeviceAllocator:
         Partly used segments stay. Does nothing to the driver while a capture
         is under way.
         """
+        if self._forked:
+            self._refuse_in_child("empty_cache")
         with self._lock:
             if self._gc_frees:
                 self._drain_gc_frees()
@@ -1875,6 +1893,8 @@ class DeviceAllocator:
 
     def stats(self) -> dict[str, int]:
         """PyTorch's ``memory_stats`` keys for this device, sorted."""
+        if self._forked:
+            self._refuse_in_child("stats")
         with self._lock:
             if self._gc_frees:
                 self._drain_gc_frees()
