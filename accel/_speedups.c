@@ -261,6 +261,19 @@ plain_malloc(PyObject *allocator, PyObject *nbytes, PyObject *stream)
         PyErr_Clear();
         return NULL;
     }
+    /* The handle is noted before the core keys memory by it, and the stream's close
+     * looked for after the block is live (DeviceAllocator._closed_meanwhile). */
+    PyObject *known = PyObject_GetAttr(allocator, s_known);
+    int noted = known != NULL && PySet_Check(known) ? PySet_Contains(known, handle) : -1;
+    if (noted == 0)
+        noted = PySet_Add(known, handle) == 0 ? 1 : -1;
+    Py_XDECREF(known);
+    if (noted < 0) {
+        Py_DECREF(handle);
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "a DeviceAllocator's _known is not a set");
+        return NULL;
+    }
     uint64_t ptr;
     int64_t size;
     int rc = core_malloc(core, (int64_t)n, key, 0, CORE_NO_RETRY, &ptr, &size);
@@ -273,7 +286,7 @@ plain_malloc(PyObject *allocator, PyObject *nbytes, PyObject *stream)
         Py_DECREF(rargs[1]);
         return block;
     }
-    PyObject *block = NULL, *live = NULL, *known = NULL;
+    PyObject *block = NULL, *live = NULL;
     PyObject *ptr_obj = PyLong_FromUnsignedLongLong(ptr), *size_obj = PyLong_FromLongLong(size);
     if (ptr_obj != NULL && size_obj != NULL) {
         /* CoreBlock(owner, ptr, size, requested, stream) */
@@ -281,15 +294,10 @@ plain_malloc(PyObject *allocator, PyObject *nbytes, PyObject *stream)
         block = PyObject_Vectorcall((PyObject *)CoreBlock_T, bargs, 5, NULL);
     }
     int ok = block != NULL && (live = PyObject_GetAttr(allocator, s_live)) != NULL && PyDict_Check(live)
-             && PyDict_SetItem(live, ptr_obj, block) == 0 && (known = PyObject_GetAttr(allocator, s_known)) != NULL
-             && PySet_Check(known);
-    if (ok) {
-        int has = PySet_Contains(known, handle);
-        ok = has > 0 || (has == 0 && PySet_Add(known, handle) == 0);
-    }
+             && PyDict_SetItem(live, ptr_obj, block) == 0;
     if (!ok) { /* the memory goes back: no handle of it is out */
         if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "a DeviceAllocator's _live is not a dict or its _known not a set");
+            PyErr_SetString(PyExc_TypeError, "a DeviceAllocator's _live is not a dict");
         if (live != NULL && PyDict_Check(live) && ptr_obj != NULL && PyDict_GetItemWithError(live, ptr_obj) == block
             && block != NULL) {
             PyObject *type, *value, *tb;
@@ -300,8 +308,21 @@ plain_malloc(PyObject *allocator, PyObject *nbytes, PyObject *stream)
         core_free(core, ptr);
         Py_CLEAR(block);
     }
+    else {
+        PyObject *closed = PyObject_GetAttr(stream, s_closed);
+        if (closed != Py_False) { /* closed meanwhile (or unreadable): the locked path's steps */
+            Py_XDECREF(closed);
+            PyErr_Clear();
+            PyObject *rargs[5] = {allocator, PyLong_FromLong(0), nbytes, stream, block};
+            PyObject *got = rargs[1] == NULL ? NULL
+                            : PyObject_VectorcallMethod(s_malloc_refused, rargs, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+            Py_XDECREF(rargs[1]);
+            Py_SETREF(block, got);
+        }
+        else
+            Py_DECREF(closed);
+    }
     Py_XDECREF(live);
-    Py_XDECREF(known);
     Py_XDECREF(ptr_obj);
     Py_XDECREF(size_obj);
     Py_DECREF(handle);

@@ -497,15 +497,17 @@ class DeviceAllocator:
         if self._plain:
             # The common case: the core alone, no lock (see _plain). A refusal is
             # handled by the locked path's steps (give the cache back, ask again).
+            if handle not in self._known:  # before the core call: see _closed_meanwhile
+                self._known.add(handle)
             rc = self._core_malloc(self._core_handle, nbytes, handle, 0, NO_RETRY, out_ptr, out_size)
             if rc:  # not ACCEL_CORE_OK
                 return self._malloc_refused(rc, nbytes, stream)
             ptr = out_ptr[0]
-            block = CoreBlock(self, ptr, out_size[0], nbytes, handle)
-            self._live[ptr] = block
-            if handle not in self._known:
-                self._known.add(handle)
-            return block
+            handed = CoreBlock(self, ptr, out_size[0], nbytes, handle)
+            self._live[ptr] = handed
+            if stream._closed:  # after the handle is live: see _closed_meanwhile
+                self._malloc_refused(0, nbytes, stream, handed)
+            return handed
         if self._forked:
             self._refuse_in_child("malloc")
         # acquire/release rather than ``with``: half the cost on this hot path.
@@ -517,30 +519,59 @@ class DeviceAllocator:
             if self._pending and not self._captures:
                 self._process_events()
             private = self._capture_private(stream) if self._captures else None
+            if handle not in self._known:  # before the memory is keyed by it: see _closed_meanwhile
+                self._known.add(handle)
+            block: Block | CoreBlock
             if self._expandable:
-                return self._malloc_expandable(nbytes, stream, handle, private)
-            key = 0 if private is None else private.key
-            rc = self._core_malloc(self._core_handle, nbytes, handle, key, NO_RETRY, out_ptr, out_size)
-            if rc:  # not ACCEL_CORE_OK
-                return self._core_refused(rc, nbytes, handle, key)
-            return self._core_block(out_ptr[0], out_size[0], nbytes, handle)
+                block = self._malloc_expandable(nbytes, stream, handle, private)
+            else:
+                key = 0 if private is None else private.key
+                rc = self._core_malloc(self._core_handle, nbytes, handle, key, NO_RETRY, out_ptr, out_size)
+                if rc:  # not ACCEL_CORE_OK
+                    block = self._core_refused(rc, nbytes, handle, key)
+                else:
+                    block = self._core_block(out_ptr[0], out_size[0], nbytes, handle)
+            if stream._closed:
+                self._closed_meanwhile(block, stream)
+            return block
         finally:
             self._refresh_plain()
             lock.release()
             self._recheck_plain()
 
-    def _malloc_refused(self, rc: int, nbytes: int, stream: Stream) -> CoreBlock:
+    def _malloc_refused(self, rc: int, nbytes: int, stream: Stream, block: CoreBlock | None = None) -> CoreBlock:
         """The lock-free malloc's core call for ``nbytes`` on ``stream`` returned ``rc``
-        (not ACCEL_CORE_OK): what the locked path does with a refusal, under the lock
-        (the compiled allocate calls it by name too)."""
+        (not ACCEL_CORE_OK): what the locked path does with a refusal, under the lock.
+        ``block``: the call handed it out (``rc`` 0), but ``stream`` was closed meanwhile
+        (see _closed_meanwhile). The compiled allocate calls it by name too."""
         lock = self._lock
         lock.acquire()
         try:
-            return self._core_refused(rc, nbytes, stream._handle, 0)
+            if block is None:
+                block = self._core_refused(rc, nbytes, stream._handle, 0)
+            if stream._closed:
+                self._closed_meanwhile(block, stream)
+            return block
         finally:
             self._refresh_plain()
             lock.release()
             self._recheck_plain()
+
+    def _closed_meanwhile(self, block: Block | CoreBlock, stream: Stream) -> None:
+        """``stream`` was closed while malloc handed ``block`` out on it (the lock held).
+        Its destroy may have looked for the handle in ``_known`` before malloc noted it
+        there, or retired the handle before the core keyed new memory by it: either way
+        memory would stay cached under a handle the driver may give to the next stream.
+        The block goes back, what is keyed by the handle is retired (unordered: only a
+        device synchronization orders it after the stream's work; a retirement the
+        destroy queued goes first, with its end event), and the closed stream is refused
+        as malloc refuses it."""
+        if self._gc_frees:
+            self._drain_gc_frees()
+        if block.state == ALLOCATED:
+            self._free_locked(block)
+        self._retire(_StreamRetired(stream._handle, _UNORDERED))
+        stream._live()  # raises, saying the stream was closed
 
     def _core_refused(self, rc: int, nbytes: int, handle: int, key: int) -> CoreBlock:
         """The core's malloc of ``nbytes`` in pool ``key`` returned ``rc`` (not

@@ -12,7 +12,7 @@ from accel._errors import CaptureError, DeviceError, InvalidHandleError, Invalid
 from accel._runtime import Runtime
 from accel.allocator import _stats as S
 from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED
-from accel.allocator._caching import DeviceAllocator, round_size
+from accel.allocator._caching import DeviceAllocator, round_size, stream_destroyed
 from accel.allocator._history import History
 from accel.allocator.config import AllocatorConfig, parse
 from accel.backends.cpu import CpuBackend
@@ -1026,6 +1026,40 @@ def test_malloc_refuses_a_closed_stream(backend):
         a.malloc(4096, s)  # the fast path, with a block cached
     check_invariants(a)
     a.empty_cache()
+
+
+class _HookedContains(set):
+    """An allocator's ``_known`` whose next ``in`` first runs ``hook``: the lock-free
+    malloc asks it after the core handed out the block."""
+
+    hook: Any = None
+
+    def __contains__(self, handle: object) -> bool:
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        return super().__contains__(handle)
+
+
+def test_a_stream_closed_during_a_lock_free_malloc_on_it_is_retired(backend):
+    # The close lands after the core handed the block out and before malloc noted the
+    # handle: the destroy found the handle unknown, and the memory stayed cached under
+    # it, for the next stream the driver gives it to.
+    rt = Runtime(backend)
+    rt.stream_destroy_listeners.append(lambda index, handle: stream_destroyed(backend, index, handle))
+    a = DeviceAllocator(backend, 0, AllocatorConfig())
+    a.free(a.malloc(4096, rt.default_stream(0)))
+    assert a._plain
+    side = stream(rt)
+    handle = side._handle
+    a._known = known = _HookedContains(a._known)
+    known.hook = side.close  # another thread's close, while the core call was under way
+    with pytest.raises(InvalidHandleError, match="was closed"):
+        a.malloc(4096, side)
+    assert handle not in {x["stream"] for x in a.native_core().blocks()}
+    assert a.stats()["allocation.all.current"] == 0
+    a.empty_cache()
+    assert a.stats()["reserved_bytes.all.current"] == 0
 
 
 def _pending_frees(backend, a: DeviceAllocator, rt: Runtime, n: int) -> list:
