@@ -294,15 +294,14 @@ plain_malloc(PyObject *allocator, PyObject *nbytes, PyObject *stream)
         block = PyObject_Vectorcall((PyObject *)CoreBlock_T, bargs, 5, NULL);
     }
     int ok = block != NULL && (live = PyObject_GetAttr(allocator, s_live)) != NULL && PyDict_Check(live)
-             && PyDict_SetItem(live, ptr_obj, block) == 0;
+             && PyDict_SetItem(live, block, Py_True) == 0;
     if (!ok) { /* the memory goes back: no handle of it is out */
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_TypeError, "a DeviceAllocator's _live is not a dict");
-        if (live != NULL && PyDict_Check(live) && ptr_obj != NULL && PyDict_GetItemWithError(live, ptr_obj) == block
-            && block != NULL) {
+        if (live != NULL && PyDict_Check(live) && block != NULL && PyDict_GetItemWithError(live, block) != NULL) {
             PyObject *type, *value, *tb;
             PyErr_Fetch(&type, &value, &tb);
-            PyDict_DelItem(live, ptr_obj);
+            PyDict_DelItem(live, block);
             PyErr_Restore(type, value, tb);
         }
         core_free(core, ptr);
@@ -350,9 +349,10 @@ plain_free(PyObject *allocator, PyObject *block)
     int r = 0;
     if (live != NULL && PyDict_Check(live) && PyLong_CheckExact(ptr_obj)) {
         uint64_t ptr = PyLong_AsUnsignedLongLong(ptr_obj);
-        PyObject *claimed = PyErr_Occurred() ? NULL : PyDict_GetItemWithError(live, ptr_obj);
-        if (claimed == block) { /* else: not live (freed twice): free() says so */
-            if (PyDict_DelItem(live, ptr_obj) < 0 || PyObject_SetAttr(block, s_block_state, RETIRED) < 0)
+        /* keyed by the handle: a stale handle never removes the address's next owner's */
+        PyObject *claimed = PyErr_Occurred() ? NULL : PyDict_GetItemWithError(live, block);
+        if (claimed != NULL) { /* else: not live (freed twice): free() says so */
+            if (PyDict_DelItem(live, block) < 0 || PyObject_SetAttr(block, s_block_state, RETIRED) < 0)
                 r = -1;
             else if (core_free(core, ptr) != 0) { /* not ACCEL_CORE_OK: a broken book */
                 PyErr_Format(InvalidHandleError,

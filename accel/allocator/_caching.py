@@ -348,7 +348,9 @@ class DeviceAllocator:
         self._core_free = core._lib.accel_core_free
         self._new_out = core.new_out
         self._tls = threading.local()
-        self._live: dict[int, CoreBlock] = {}
+        # (keyed by the handle itself, not its address: a claim then removes only its own
+        # handle, never that of the address's next owner; see _claim)
+        self._live: dict[CoreBlock, bool] = {}
         # True while the common pair needs nothing but the core (no capture under way, no
         # history, no expandable segments, no pending events, no frees or retired streams
         # waiting for the lock, not orphaned): malloc and free then take no lock, the
@@ -504,7 +506,7 @@ class DeviceAllocator:
                 return self._malloc_refused(rc, nbytes, stream)
             ptr = out_ptr[0]
             handed = CoreBlock(self, ptr, out_size[0], nbytes, handle)
-            self._live[ptr] = handed
+            self._live[handed] = True
             if stream._closed:  # after the handle is live: see _closed_meanwhile
                 self._malloc_refused(0, nbytes, stream, handed)
             return handed
@@ -585,7 +587,7 @@ class DeviceAllocator:
     def _core_block(self, ptr: int, size: int, nbytes: int, handle: int) -> CoreBlock:
         """The caller's handle of the core's block at ``ptr`` (the lock held)."""
         block = CoreBlock(self, ptr, size, nbytes, handle)
-        self._live[ptr] = block
+        self._live[block] = True
         if handle not in self._known:
             self._known.add(handle)
         if self._history is not None:
@@ -1247,11 +1249,7 @@ class DeviceAllocator:
         """Take ``block`` off the live handles, by one dict operation: of two frees of
         it that race (the lock-free one, and a locked one), one claims it, the other is
         refused, so the memory is freed once."""
-        ptr = block.ptr
-        claimed = self._live.pop(ptr, None)
-        if claimed is not block:
-            if claimed is not None:  # the memory's next owner's handle: not this one's to drop
-                self._live.setdefault(ptr, claimed)
+        if self._live.pop(block, None) is None:
             raise InvalidHandleError(f"{block!r} is not allocated by {self!r} (freed twice)")
 
     def _free_plain(self, block: CoreBlock) -> bool:
@@ -1267,7 +1265,7 @@ class DeviceAllocator:
             # A record_stream (locked) marked a use between the check above and the
             # claim: it checks after marking that the handle is still live, so one of
             # the two sees the other. Live again, the locked path orders the reuse.
-            self._live[ptr] = block
+            self._live[block] = True
             return False
         block.state = RETIRED
         if self._core_free(self._core_handle, ptr):  # not ACCEL_CORE_OK: a broken book
@@ -1450,7 +1448,7 @@ class DeviceAllocator:
             self._retired[key] = retired.event
         self._core.rekey_stream(handle, key)
         # a copy: the lock-free pair adds and removes handles meanwhile
-        for block in list(self._live.values()):
+        for block in list(self._live):
             if block.stream == handle:
                 block.stream = key
             uses = block.stream_uses
@@ -1498,7 +1496,7 @@ class DeviceAllocator:
         """
         if block.segment is None:  # the core's, held until now
             block.state = RETIRED
-            del self._live[block.ptr]
+            del self._live[block]
             self._core.release_held(block.ptr)
             if self._history is not None:
                 self._history.record("free_completed", block.ptr, block.size, block.stream, None)
@@ -1623,7 +1621,7 @@ class DeviceAllocator:
                 block.stream_uses = {handle}
             else:
                 block.stream_uses.add(handle)
-            if block.segment is None and self._live.get(block.ptr) is not block:
+            if block.segment is None and block not in self._live:
                 # The lock-free free (see _plain) claimed it after the state check above:
                 # freed first, its memory may be reused without waiting for this use.
                 raise InvalidHandleError(
@@ -1994,6 +1992,7 @@ class DeviceAllocator:
         frames of accel's blocks are on their handles; torch's blocks have none)."""
         pool_ids: dict[int, PoolId] = {p.key: p.id for p in self._private.values()}
         segments: dict[int, dict[str, Any]] = {}
+        live = {block.ptr: block for block in self._live}
         for b in self._core.blocks():
             seg = segments.get(b["segment"])
             if seg is None:
@@ -2010,7 +2009,7 @@ class DeviceAllocator:
                 seg["requested_size"] += b["requested"]
             if b["allocated"]:
                 seg["allocated_size"] += b["size"]
-            handle = self._live.get(b["ptr"]) if state != "inactive" else None
+            handle = live.get(b["ptr"]) if state != "inactive" else None
             seg["blocks"].append(
                 {
                     "address": b["ptr"], "size": b["size"], "requested_size": b["requested"], "state": state,

@@ -566,13 +566,13 @@ def test_the_common_pair_refuses_what_the_allocator_refuses():
     assert fresh.ptr == block.ptr  # block is a stale handle of fresh's memory
     with pytest.raises(InvalidHandleError, match="freed twice"):
         a.free(block)
-    assert fresh._block.state == 1 and a._live[fresh.ptr] is fresh._block  # still fresh's
+    assert fresh._block.state == 1 and fresh._block in a._live  # still fresh's
     # a buffer whose allocator is not its block's owner: refused, the block kept
     other = accel.allocator.DeviceAllocator(a.backend, a.device, a.config)
     stray = memory.Buffer(fresh._block, other, accel.current_stream(), 100)
     with pytest.raises(InvalidHandleError, match="another allocator"):
         stray.free()
-    assert a._live[fresh.ptr] is fresh._block
+    assert fresh._block in a._live
     fresh.free()
 
 
