@@ -492,12 +492,12 @@ class DeviceAllocator:
         if self._plain:
             # The common case: the core alone, no lock (see _plain). A refusal is
             # handled by the locked path's steps (give the cache back, ask again).
-            block = self._steps.malloc(nbytes, handle, 0, NO_RETRY)
-            if isinstance(block, int):  # not ACCEL_CORE_OK
-                return self._malloc_refused(block, nbytes, stream)
+            got = self._steps.malloc(nbytes, handle, 0, NO_RETRY)
+            if isinstance(got, int):  # not ACCEL_CORE_OK
+                return self._malloc_refused(got, nbytes, stream)
             if stream._closed:  # after the handle is live: see _closed_meanwhile
-                self._malloc_refused(0, nbytes, stream, block)
-            return block
+                self._malloc_refused(0, nbytes, stream, got)
+            return got
         if self._forked:
             self._refuse_in_child("malloc")
         # acquire/release rather than ``with``: half the cost on this hot path.
