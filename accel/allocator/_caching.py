@@ -492,10 +492,14 @@ class DeviceAllocator:
         if self._plain:
             # The common case: the core alone, no lock (see _plain). A refusal is
             # handled by the locked path's steps (give the cache back, ask again).
-            block = self._steps.malloc(nbytes, handle, 0, NO_RETRY)
-            if isinstance(block, int):  # not ACCEL_CORE_OK
-                return self._malloc_refused(block, nbytes, stream)
-            return block
+            got = self._steps.malloc(nbytes, handle, 0, NO_RETRY)
+            if isinstance(got, int):  # not ACCEL_CORE_OK
+                return self._malloc_refused(got, nbytes, stream)
+            if stream._closed:  # after the handle is live: see _closed_meanwhile
+                self._malloc_refused(0, nbytes, stream, got)
+            return got
+        if self._forked:
+            self._refuse_in_child("malloc")
         # acquire/release rather than ``with``: half the cost on this hot path.
         lock = self._lock
         lock.acquire()
@@ -506,34 +510,56 @@ class DeviceAllocator:
                 self._process_events()
             private = self._capture_private(stream) if self._captures else None
             if self._expandable:
-                return self._malloc_expandable(nbytes, stream, handle, private)
-            key = 0 if private is None else private.key
-            block = self._steps.malloc(nbytes, handle, key, NO_RETRY)
-            if isinstance(block, int):  # not ACCEL_CORE_OK
-                block = self._core_refused(block, nbytes, handle, key)
-            if self._history is not None:
-                self._record_alloc(block)
+                block: Block | CoreBlock = self._malloc_expandable(nbytes, stream, handle, private)
+            else:
+                key = 0 if private is None else private.key
+                got = self._steps.malloc(nbytes, handle, key, NO_RETRY)
+                block = self._core_refused(got, nbytes, handle, key) if isinstance(got, int) else got  # int: refused
+                if self._history is not None:
+                    self._record_alloc(block)
+            if stream._closed:  # after the handle is live: see _closed_meanwhile
+                self._closed_meanwhile(block, stream)
             return block
         finally:
             self._refresh_plain()
             lock.release()
             self._recheck_plain()
 
-    def _malloc_refused(self, rc: int, nbytes: int, stream: Stream) -> CoreBlock:
+    def _malloc_refused(self, rc: int, nbytes: int, stream: Stream, block: CoreBlock | None = None) -> CoreBlock:
         """The lock-free malloc's core call for ``nbytes`` on ``stream`` returned ``rc``
-        (not ACCEL_CORE_OK): what the locked path does with a refusal, under the lock
-        (the compiled allocate calls it by name too)."""
+        (not ACCEL_CORE_OK): what the locked path does with a refusal, under the lock.
+        ``block``: the call handed it out (``rc`` 0), but ``stream`` was closed meanwhile
+        (see _closed_meanwhile). The compiled allocate calls it by name too."""
         lock = self._lock
         lock.acquire()
         try:
-            block = self._core_refused(rc, nbytes, stream._handle, 0)
-            if self._history is not None:
-                self._record_alloc(block)
+            if block is None:
+                block = self._core_refused(rc, nbytes, stream._handle, 0)
+                if self._history is not None:
+                    self._record_alloc(block)
+            if stream._closed:
+                self._closed_meanwhile(block, stream)
             return block
         finally:
             self._refresh_plain()
             lock.release()
             self._recheck_plain()
+
+    def _closed_meanwhile(self, block: Block | CoreBlock, stream: Stream) -> None:
+        """``stream`` was closed while malloc handed ``block`` out on it (the lock held).
+        Its destroy may have looked for the handle in ``_known`` before malloc noted it
+        there, or retired the handle before the core keyed new memory by it: either way
+        memory would stay cached under a handle the driver may give to the next stream.
+        The block goes back, what is keyed by the handle is retired (unordered: only a
+        device synchronization orders it after the stream's work; a retirement the
+        destroy queued goes first, with its end event), and the closed stream is refused
+        as malloc refuses it."""
+        if self._gc_frees:
+            self._drain_gc_frees()
+        if block.state == ALLOCATED:
+            self._free_locked(block)
+        self._retire(_StreamRetired(stream._handle, _UNORDERED))
+        stream._live()  # raises, saying the stream was closed
 
     def _core_refused(self, rc: int, nbytes: int, handle: int, key: int) -> CoreBlock:
         """The core's malloc of ``nbytes`` in pool ``key`` returned ``rc`` (not
@@ -681,6 +707,8 @@ class DeviceAllocator:
         raise InvalidValueError(f"nbytes={nbytes!r} must be an int number of bytes")
 
     def _bad_stream(self, stream: object, call: str) -> NoReturn:
+        if self._forked:  # the child's streams are not the parent's runtime's
+            self._refuse_in_child(call)
         if not isinstance(stream, Stream):
             raise InvalidValueError(
                 f"stream={stream!r} ({type(stream).__name__}) is not an accel.Stream; {call} needs a "
@@ -692,6 +720,16 @@ class DeviceAllocator:
         raise DeviceError(
             f"{stream!r} is not a stream of {self._name}; {call} needs a stream of "
             "the device the memory lives on"
+        )
+
+    def _refuse_in_child(self, call: str) -> NoReturn:
+        """Refuse ``call`` in a forked child (see _forget_the_core_in_child): the core's
+        mutex may be held for good by a parent thread that was inside the common pair
+        at the fork, and waiting for it would hang."""
+        raise AccelError(
+            f"{call} on {self!r} in a process forked after it was made: another thread of the parent "
+            "may have been inside its allocator core at the fork, so the child cannot use it. Start "
+            "subprocesses with the 'spawn' or 'forkserver' method (multiprocessing.get_context('spawn'))"
         )
 
     def _bad_block(self, block: object, call: str) -> NoReturn:
@@ -1170,8 +1208,12 @@ class DeviceAllocator:
     def free(self, block: Block | CoreBlock) -> None:
         """Give ``block`` back; it is reused once every stream that used it passed
         this point (see :meth:`record_stream`)."""
-        if self._plain and block.__class__ is CoreBlock and self._free_plain(block):
+        # The common case, without the lock (see _plain): its checks and the claim are one
+        # C step, so a record_stream in another thread lands before or after both.
+        if self._plain and block.__class__ is CoreBlock and self._steps.free_plain(block):
             return
+        if self._forked:
+            self._refuse_in_child("free")
         lock = self._lock
         if lock.owner == get_ident():
             # A gc callback or finalizer run inside this thread's call: deferred to the
@@ -1194,16 +1236,6 @@ class DeviceAllocator:
             self._refresh_plain()
             lock.release()
             self._recheck_plain()
-
-    def _free_plain(self, block: CoreBlock) -> bool:
-        """The common free, without the lock (see _plain): a core block of this
-        allocator, allocated, used on its own stream only. False: not that case (the
-        locked path decides). The core step takes the handle off the live handles and
-        frees the memory in one C call, so of two racing frees of it one does."""
-        if block.state != ALLOCATED or block.stream_uses is not None or block.owner is not self:
-            return False
-        self._steps.free(block)
-        return True
 
     def _free_held(self, block: Block | CoreBlock) -> None:
         """:meth:`free` of an allocated block of this allocator, the lock held."""
@@ -1258,7 +1290,7 @@ class DeviceAllocator:
             # one's counts below zero and put that allocator's memory on its free list.
             # The owner never changes, so the check needs no lock.
             raise InvalidHandleError(f"{block!r} is not allocated by {self!r} (from another allocator)")
-        if self._plain and block.__class__ is CoreBlock and block.state == ALLOCATED and self._free_plain(block):
+        if self._plain and block.__class__ is CoreBlock and block.state == ALLOCATED and self._steps.free_plain(block):
             return
         if self._forked and block.__class__ is CoreBlock:
             return  # the core's mutex may be held by a parent thread: see _forget_the_core_in_child
@@ -1548,6 +1580,13 @@ class DeviceAllocator:
                 block.stream_uses = {handle}
             else:
                 block.stream_uses.add(handle)
+            if block.segment is None and self._live.get(block.ptr) is not block:
+                # The lock-free free (see _plain) claimed it after the state check above:
+                # freed first, its memory may be reused without waiting for this use.
+                raise InvalidHandleError(
+                    f"record_stream on {block!r}, which another thread freed meanwhile; record the "
+                    "stream before the buffer is freed"
+                )
 
     def _insert_events(self, block: Block | CoreBlock) -> None:
         remaining = list(block.stream_uses or ())
@@ -1663,6 +1702,8 @@ class DeviceAllocator:
         Partly used segments stay. Does nothing to the driver while a capture
         is under way.
         """
+        if self._forked:
+            self._refuse_in_child("empty_cache")
         with self._lock:
             if self._gc_frees:
                 self._drain_gc_frees()
@@ -1843,6 +1884,8 @@ class DeviceAllocator:
 
     def stats(self) -> dict[str, int]:
         """PyTorch's ``memory_stats`` keys for this device, sorted."""
+        if self._forked:
+            self._refuse_in_child("stats")
         with self._lock:
             if self._gc_frees:
                 self._drain_gc_frees()

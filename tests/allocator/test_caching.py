@@ -13,7 +13,7 @@ from accel._errors import CaptureError, DeviceError, InvalidHandleError, Invalid
 from accel._runtime import Runtime
 from accel.allocator import _stats as S
 from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED
-from accel.allocator._caching import DeviceAllocator, round_size
+from accel.allocator._caching import DeviceAllocator, round_size, stream_destroyed
 from accel.allocator._history import History
 from accel.allocator.config import AllocatorConfig, parse
 from accel.backends.cpu import CpuBackend
@@ -553,6 +553,109 @@ def test_record_stream_on_own_stream_is_ignored_and_other_device_refused(host):
         a.record_stream(b, s)
 
 
+class _HookedKnown(set):
+    """An allocator's ``_known`` whose next ``add`` first runs ``hook``: record_stream
+    adds between its state check and marking the use, where another thread may run."""
+
+    hook: Any = None
+
+    def add(self, handle: int) -> None:
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        super().add(handle)
+
+
+class _HookedSteps:
+    """An allocator's ``_steps`` whose next call first runs ``hook``: another thread's
+    work landing just before a core step (the steps' own checks and changes are one C
+    call, so nothing lands inside one)."""
+
+    def __init__(self, steps: Any, hook: Any) -> None:
+        self._steps, self._hook = steps, hook
+
+    def __getattr__(self, name: str) -> Any:
+        step = getattr(self._steps, name)
+
+        def hooked(*args: Any) -> Any:
+            hook, self._hook = self._hook, None
+            if hook is not None:
+                hook()
+            return step(*args)
+
+        return hooked
+
+
+def test_a_lock_free_free_inside_record_stream_refuses_the_use(host):
+    # Another thread's lock-free free lands after record_stream checked the block is
+    # allocated and before it marks the use: record_stream returned as if the use
+    # counted, and the block was reused while the side stream still ran.
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    side = stream(rt)
+    a.free(a.malloc(4096, s))  # the locked path made the allocator plain
+    b = a.malloc(4096, s)
+    assert a._plain
+    a._known = known = _HookedKnown(a._known)  # Python's record_stream adds to this one
+    known.hook = lambda: a.free(b)
+    with pytest.raises(InvalidHandleError, match="freed meanwhile"):
+        a.record_stream(b, side)
+    assert b.state == RETIRED
+    assert a.stats()["active.all.current"] == 0
+
+
+def test_a_record_stream_just_before_the_lock_free_free_step_is_ordered(host):
+    # record_stream lands after the lock-free free checked the block's stream uses and
+    # before the core step claims the block: the free ignored the use, and the block was
+    # reused while the side stream still ran.
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    side = stream(rt)
+    a.free(a.malloc(4096, s))
+    b = a.malloc(4096, s)
+    assert a._plain
+    gate = threading.Event()
+    side.launch_host_func(gate.wait)
+    a._steps = _HookedSteps(a._steps, lambda: a.record_stream(b, side))
+    try:
+        a.free(b)
+        assert b.state == PENDING
+        again = a.malloc(4096, s)
+        assert again.ptr != b.ptr
+    finally:
+        gate.set()
+    side.synchronize()
+    a.free(again)
+    check_invariants(a)
+
+
+def test_a_racing_double_free_leaves_the_next_owners_free_alone(host):
+    # A stale free racing the free of the memory's next owner (same address): the
+    # claim must take only its own handle, never the next owner's, whose free then
+    # went refused as a double free and its memory never freed.
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    a.free(a.malloc(4096, s))
+    x = a.malloc(4096, s)
+    assert a._plain
+    nxt: list = []
+
+    def free_and_reuse() -> None:  # another thread frees x first, a third gets its memory
+        a.free(x)
+        nxt.append(a.malloc(4096, s))
+        assert nxt[0].ptr == x.ptr
+
+    a._steps = _HookedSteps(a._steps, free_and_reuse)
+    with pytest.raises(InvalidHandleError, match="freed twice"):
+        a.free(x)
+    a.free(nxt[0])  # the next owner's free, after the stale one
+    assert a.stats()["allocation.all.current"] == 0
+    check_invariants(a)
+
+
 def test_closed_stream_after_record_stream(host):
     backend, rt = host
     a = make(backend)
@@ -993,6 +1096,32 @@ def test_malloc_refuses_a_closed_stream(backend):
         a.malloc(4096, s)  # the fast path, with a block cached
     check_invariants(a)
     a.empty_cache()
+
+
+def test_a_stream_closed_during_a_lock_free_malloc_on_it_is_retired(backend):
+    # The close lands while the core asks the device for a segment for the stream (its
+    # handle noted, the block not yet live): the memory stayed cached under the closed
+    # handle, for the next stream the driver gives it to.
+    rt = Runtime(backend)
+    rt.stream_destroy_listeners.append(lambda index, handle: stream_destroyed(backend, index, handle))
+    a = DeviceAllocator(backend, 0, AllocatorConfig())
+    a.free(a.malloc(4096, rt.default_stream(0)))
+    assert a._plain
+    side = stream(rt)
+    handle = side._handle
+    admit = a._admit_core
+
+    def admit_and_close(size: int) -> None:  # another thread's close, during the core call
+        side.close()
+        admit(size)
+
+    a._admit_core = admit_and_close
+    with pytest.raises(InvalidHandleError, match="was closed"):
+        a.malloc(4096, side)
+    assert handle not in {x["stream"] for x in a.native_core().blocks()}
+    assert a.stats()["allocation.all.current"] == 0
+    a.empty_cache()
+    assert a.stats()["reserved_bytes.all.current"] == 0
 
 
 def _pending_frees(backend, a: DeviceAllocator, rt: Runtime, n: int) -> list:

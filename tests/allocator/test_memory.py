@@ -518,6 +518,30 @@ def test_the_common_pair_takes_no_lock_and_the_compiled_one_no_allocator_method(
     assert a.stats()["allocated_bytes.all.current"] == before
 
 
+def test_a_stream_closed_during_the_common_allocate_on_it_is_refused(monkeypatch):
+    # The current stream is closed (by another thread) while the common pair's core call
+    # asks the device for a new segment: the memory was cached under the closed stream's
+    # handle, which the driver may give to the next stream created.
+    a = _device_allocator()
+    side = accel.Stream()
+    handle = side.native_handle
+    real = a._admit_core
+
+    def admit_and_close(size: int) -> None:
+        side.close()
+        real(size)
+
+    monkeypatch.setattr(a, "_admit_core", admit_and_close)
+    accel.set_stream(side)
+    try:
+        with pytest.raises(InvalidHandleError, match="was closed"):
+            memory.allocate(8 << 20)  # a miss: the core asks for a segment
+    finally:
+        accel.set_stream(accel.default_stream())
+    assert handle not in {b["stream"] for b in a.native_core().blocks()}
+    assert a.stats()["allocation.all.current"] == 0
+
+
 def test_the_common_pair_refuses_what_the_allocator_refuses():
     a = _device_allocator()
     for bad, error in ((0, InvalidValueError), (-1, InvalidValueError), (True, InvalidValueError),
