@@ -1259,9 +1259,12 @@ EXPORT int accel_core_malloc(accel_core *c, int64_t nbytes, uint64_t stream, uin
     int64_t size = round_request(c, nbytes);
     int small = size <= SMALL_SIZE;
     for (;;) {
-        freelist *l = find_list(c, pool, small, 0, stream, 1);
-        /* expandable segments' free blocks are reused while the setting is on */
+        /* expandable segments' free blocks are reused while the setting is on (both lists
+         * made first: making one may move the other) */
         freelist *le = c->expandable ? find_list(c, pool, small, 1, stream, 1) : NULL;
+        freelist *l = find_list(c, pool, small, 0, stream, 1);
+        if (le != NULL)
+            le = find_list(c, pool, small, 1, stream, 0);
         if (l == NULL || (c->expandable && le == NULL) || map_reserve(&c->allocated) != 0) {
             pthread_mutex_unlock(&c->lock);
             free(spare);
