@@ -34,7 +34,7 @@ typedef struct block {
     int64_t requested;
     segment *seg;
     struct block *prev, *next; /* neighbours in the segment, by address */
-    int state;         /* ACCEL_CORE_FREE, _ALLOCATED, _HELD or (expandable) _UNMAPPED */
+    int state;         /* ACCEL_CORE_FREE, _ALLOCATED, _HELD or (expandable) _UNMAPPED, MAPPING, UNMAPPING */
     int torch;         /* allocated through accel_torch_alloc: only accel_torch_free frees it */
     uint64_t gc_base;  /* the core's gc clock when the block joined a free list */
     /* free-list treap, keyed by (size, ptr) */
@@ -64,6 +64,7 @@ struct segment {
     int64_t page;
     uint64_t grown_at;
     int64_t last_growth;
+    int pins; /* threads growing it with the lock released: it is not given back meanwhile */
     block *head;
     segment *prev, *next; /* every segment of the core */
 };
@@ -98,14 +99,6 @@ struct accel_core {
     int has_vm, expandable;
     int64_t page, reserve_size, keep_free;
     uint64_t growths;
-    /* One thread at a time changes what is mapped (grows a segment, or gives pages
-     * back): it holds this token, not the mutex, across the upstream's map and unmap
-     * calls. Unmapped blocks are touched only by the token's holder, and the range it
-     * maps or unmaps is an unmapped block meanwhile, which frees and hits never merge
-     * with or hand out: so every other thread keeps using the books (hits, frees,
-     * plain misses) while pages are mapped, and two growths never pick one range. */
-    int vm_busy;
-    pthread_cond_t vm_done;
     uint32_t seed;
     int64_t s[ACCEL_CORE_STAT_SLOTS];
 };
@@ -306,11 +299,7 @@ EXPORT accel_core *accel_core_new(int device, accel_upstream_alloc_fn alloc, acc
         free(c);
         return NULL;
     }
-    if (pthread_cond_init(&c->vm_done, NULL) != 0) {
-        pthread_mutex_destroy(&c->lock);
-        free(c);
-        return NULL;
-    }
+
     c->device = device;
     c->upstream_alloc = alloc;
     c->upstream_free = release;
@@ -618,71 +607,71 @@ static int release_available(accel_core *c, freelist *l, int64_t size, segment *
  * differs (2 MiB pages in both pools, holes given back when a segment grows) the
  * module docstring of _caching.py. */
 
-typedef struct {
-    uint64_t va;
-    int64_t n;
-} vm_range;
+/* Pages are mapped and unmapped with the mutex released, and no thread ever waits for
+ * another's map or unmap (a thread may hold the GIL while it allocates, torch.empty's
+ * does, and the upstream's callbacks need it: a wait would deadlock). Instead the
+ * range being mapped or unmapped is a block of its own meanwhile, in state MAPPING or
+ * UNMAPPING: hits and frees never hand out or merge with it, growths never choose it,
+ * and a segment with such a block (or a pin) is never given back. So other threads go
+ * on using the books, growing other ranges (even of the same segment) at once. */
+#define MAPPING 6
+#define UNMAPPING 7
 
-typedef struct { /* what a holder of the vm token does once the lock is released */
-    vm_range *unmaps;
+typedef struct { /* what a thread does once the lock is released, and finishes after */
+    block **unmaps; /* UNMAPPING blocks */
     int64_t nunmaps, capunmaps;
     segment *dead; /* reservations left wholly unmapped, unlinked: to unreserve */
     int wait;      /* the pages' streams were not seen idle: the upstream waits first */
-    int failed;    /* the host had no memory for the list: fewer pages went back */
 } vm_work;
 
-static int work_unmap(vm_work *w, uint64_t va, int64_t n) {
+static int work_unmap(vm_work *w, block *b) {
     if (w->nunmaps == w->capunmaps) {
         int64_t cap = w->capunmaps ? 2 * w->capunmaps : 8;
-        vm_range *grown = realloc(w->unmaps, (size_t)cap * sizeof(vm_range));
+        block **grown = realloc(w->unmaps, (size_t)cap * sizeof(block *));
         if (grown == NULL)
-            return w->failed = -1;
+            return -1;
         w->unmaps = grown;
         w->capunmaps = cap;
     }
-    w->unmaps[w->nunmaps].va = va;
-    w->unmaps[w->nunmaps++].n = n;
+    w->unmaps[w->nunmaps++] = b;
     return 0;
 }
 
-/* Waits (the lock held, released meanwhile) until no other thread changes what is
- * mapped, then holds the token; returns whether it waited. */
-static int take_vm(accel_core *c) {
-    int waited = 0;
-    while (c->vm_busy) {
-        pthread_cond_wait(&c->vm_done, &c->lock);
-        waited = 1;
-    }
-    c->vm_busy = 1;
-    return waited;
-}
+static void merge_unmapped(block *b);
+static void bury(accel_core *c, vm_work *w, segment *seg);
+static int wholly_unmapped(const segment *seg);
 
-static void drop_vm(accel_core *c) {
-    c->vm_busy = 0;
-    pthread_cond_broadcast(&c->vm_done);
-}
-
-/* Runs w's upstream calls; the lock is released here and taken again. */
+/* Unmaps w's UNMAPPING blocks and gives back its dead reservations, the lock released
+ * meanwhile; then the blocks are UNMAPPED (merged), and segments of them left wholly
+ * unmapped are given back too. The lock is held on entry and on return. */
 static void run_vm_work(accel_core *c, vm_work *w) {
-    if (w->nunmaps == 0 && w->dead == NULL) {
-        free(w->unmaps);
-        w->unmaps = NULL;
-        return;
-    }
-    pthread_mutex_unlock(&c->lock);
-    for (int64_t i = 0; i < w->nunmaps; i++)
-        c->vm.unmap(c->ctx, c->device, w->unmaps[i].va, w->unmaps[i].n, w->wait);
-    while (w->dead != NULL) {
-        segment *seg = w->dead;
-        w->dead = seg->next;
-        c->vm.unreserve(c->ctx, c->device, seg->base, seg->size);
-        free(seg->head);
-        free(seg);
+    while (w->nunmaps > 0 || w->dead != NULL) {
+        int64_t n = w->nunmaps;
+        pthread_mutex_unlock(&c->lock);
+        for (int64_t i = 0; i < n; i++)
+            c->vm.unmap(c->ctx, c->device, w->unmaps[i]->ptr, w->unmaps[i]->size, w->wait);
+        while (w->dead != NULL) {
+            segment *seg = w->dead;
+            w->dead = seg->next;
+            c->vm.unreserve(c->ctx, c->device, seg->base, seg->size);
+            free(seg->head);
+            free(seg);
+        }
+        pthread_mutex_lock(&c->lock);
+        /* UNMAPPING blocks are this thread's alone: their pointers held */
+        for (int64_t i = 0; i < n; i++) {
+            block *b = w->unmaps[i];
+            segment *seg = b->seg;
+            b->state = ACCEL_CORE_UNMAPPED;
+            merge_unmapped(b);
+            if (seg->pins == 0 && wholly_unmapped(seg))
+                bury(c, w, seg);
+        }
+        w->nunmaps = 0;
     }
     free(w->unmaps);
     w->unmaps = NULL;
-    w->nunmaps = w->capunmaps = 0;
-    pthread_mutex_lock(&c->lock);
+    w->capunmaps = 0;
 }
 
 static segment *find_expandable(const accel_core *c, uint64_t pool, int small, uint64_t stream) {
@@ -763,25 +752,24 @@ static block *carve(accel_core *c, freelist *l, block *b, uint64_t first, uint64
     return b;
 }
 
-/* Free block b's whole pages [first, last) become unmapped (b off its list; its other
- * pieces back on it), counted now; the pages go back by w. Returns the bytes. */
+/* Free block b's whole pages [first, last) become an UNMAPPING block (b off its list;
+ * its other pieces back on it), counted now; w unmaps them. Returns the bytes (0: the
+ * host had no memory for the books, nothing changed). */
 static int64_t unmap_range(accel_core *c, vm_work *w, block *b, uint64_t first, uint64_t last, block **out) {
     freelist *l = exp_list(c, b->seg);
     *out = b;
-    if (last <= first || work_unmap(w, first, (int64_t)(last - first)) != 0)
+    if (last <= first || work_unmap(w, b) != 0)
         return 0;
     list_remove(l, b);
-    block *m = carve(c, l, b, first, last, ACCEL_CORE_UNMAPPED);
+    block *m = carve(c, l, b, first, last, UNMAPPING);
     if (m == NULL) {
         list_insert(c, l, b);
         w->nunmaps--;
-        w->failed = -1;
         return 0;
     }
     int64_t n = (int64_t)(last - first);
     stat_add(c->s, ST_RESERVED_BYTES, b->seg->small ? 0 : 1, -n);
     c->s[ST_NUM_DEVICE_FREE]++;
-    merge_unmapped(m);
     *out = m;
     return n;
 }
@@ -809,7 +797,6 @@ static int wholly_unmapped(const segment *seg) {
 static int64_t unmap_free_pages(accel_core *c, int only_pool, uint64_t pool) {
     if (!c->has_vm)
         return 0;
-    take_vm(c);
     vm_work w = {.wait = 1};
     int64_t bytes = 0;
     for (segment *seg = c->segments, *next; seg != NULL; seg = next) {
@@ -824,11 +811,10 @@ static int64_t unmap_free_pages(accel_core *c, int only_pool, uint64_t pool) {
             uint64_t last = seg->base + (uint64_t)((int64_t)(b->ptr + (uint64_t)b->size - seg->base) / page * page);
             bytes += unmap_range(c, &w, b, first, last, &b);
         }
-        if (wholly_unmapped(seg))
-            bury(c, &w, seg);
+        if (seg->pins == 0 && wholly_unmapped(seg))
+            bury(c, &w, seg); /* (a reservation whose first map failed) */
     }
     run_vm_work(c, &w);
-    drop_vm(c);
     return bytes;
 }
 
@@ -1043,7 +1029,7 @@ static void give_back_holes(accel_core *c, vm_work *w, segment *growing, int64_t
             while (b->next != NULL)
                 b = b->next;
             for (block *prev; b != NULL && taken < allowed && unmapped < growth; b = prev) {
-                prev = b->prev; /* (m's, below, once b is cut: merging may free b's) */
+                prev = b->prev; /* (see below once b is cut) */
                 if (b->state != ACCEL_CORE_FREE || b == joined[0])
                     continue;
                 uint64_t lo = b == joined[1] && upto > b->ptr ? upto : b->ptr;
@@ -1060,20 +1046,30 @@ static void give_back_holes(accel_core *c, vm_work *w, segment *growing, int64_t
                 if (take <= 0)
                     break;
                 block *m;
+                uint64_t start = b->ptr;
                 int64_t done = unmap_range(c, w, b, seg->base + (uint64_t)(last - take), seg->base + (uint64_t)last, &m);
                 if (done == 0)
                     return; /* no memory for the books: the growth maps new pages */
-                prev = m->prev;
+                /* on past what is left of b (its start, free): each free block gives once */
+                prev = m->prev != NULL && m->prev->ptr == start && m->prev != m ? m->prev->prev : m->prev;
                 taken += done;
                 unmapped += done;
             }
-            if (seg != growing && wholly_unmapped(seg))
-                bury(c, w, seg);
         }
     }
 }
 
-enum { GROWN = 0, GROW_REFUSED = ACCEL_UPSTREAM_REFUSED, GROW_FAILED = ACCEL_UPSTREAM_FAILED, GROW_NO_MEMORY = 3 };
+static int any_mapped(const segment *seg) {
+    for (const block *b = seg->head; b != NULL; b = b->next)
+        if (b->state != ACCEL_CORE_UNMAPPED && b->state != UNMAPPING)
+            return 1;
+    return 0;
+}
+
+enum {
+    GROWN = 0, GROW_REFUSED = ACCEL_UPSTREAM_REFUSED, GROW_FAILED = ACCEL_UPSTREAM_FAILED, GROW_NO_MEMORY = 3,
+    GROW_AGAIN = 4, /* the books changed while unlocked: look at the free lists again */
+};
 
 /* Grows the expandable segment of (pool, kind, stream) (reserved first if it has none)
  * by the pages a block of size bytes needs; the lock held (released meanwhile), the vm
@@ -1098,6 +1094,15 @@ static int grow(accel_core *c, uint64_t pool, int small, uint64_t stream, int64_
             free(fresh);
             free(head);
             return rc == ACCEL_UPSTREAM_REFUSED ? GROW_REFUSED : GROW_FAILED;
+        }
+        seg = find_expandable(c, pool, small, stream);
+        if (seg != NULL) { /* another thread reserved one meanwhile: this one goes back */
+            pthread_mutex_unlock(&c->lock);
+            c->vm.unreserve(c->ctx, c->device, va, reserve);
+            pthread_mutex_lock(&c->lock);
+            free(fresh);
+            free(head);
+            return GROW_AGAIN;
         }
         fresh->base = va;
         fresh->size = reserve;
@@ -1124,6 +1129,7 @@ static int grow(accel_core *c, uint64_t pool, int small, uint64_t stream, int64_
     target t = {0};
     block *joined[2];
     uint64_t upto;
+plan:
     for (;;) {
         if (!map_target(seg, size, &t))
             return GROW_REFUSED; /* the reservation is full */
@@ -1143,27 +1149,45 @@ static int grow(accel_core *c, uint64_t pool, int small, uint64_t stream, int64_
         }
         if (!asking)
             break;
+        seg->pins++; /* not given back while unlocked */
         pthread_mutex_unlock(&c->lock);
         int idle = c->vm.idle(c->ctx, c->device, ask);
         pthread_mutex_lock(&c->lock);
+        seg->pins--;
         ic.streams[ic.n] = ask;
         ic.idle[ic.n++] = idle != 0;
     }
     vm_work w = {0};
+    int had_pages = any_mapped(seg);
     give_back_holes(c, &w, seg, t.n, joined, upto, &ic);
+    if (had_pages && !any_mapped(seg)) {
+        /* the give-back left the growing segment with no page: planned again as a
+         * fresh reservation (its first pages at its start, growth clock reset) */
+        seg->pins++;
+        run_vm_work(c, &w);
+        seg->pins--;
+        seg->grown_at = 0;
+        seg->last_growth = 0;
+        goto plan;
+    }
     /* the run to map, merged with pages just given back next to it: a block of its own */
     block *run = seg->head;
     while (run != NULL && !(run->state == ACCEL_CORE_UNMAPPED && run->ptr <= t.addr &&
                             t.addr < run->ptr + (uint64_t)run->size))
         run = run->next;
-    block *m = run == NULL ? NULL : carve(c, NULL, run, t.addr, t.addr + (uint64_t)t.n, ACCEL_CORE_UNMAPPED);
-    run_vm_work(c, &w);
-    if (m == NULL)
+    block *m = run == NULL ? NULL : carve(c, NULL, run, t.addr, t.addr + (uint64_t)t.n, MAPPING);
+    seg->pins++; /* not given back while unlocked (by this thread's run_vm_work neither) */
+    run_vm_work(c, &w); /* the give-back first: its pages may be mapped again here */
+    if (m == NULL) {
+        seg->pins--;
         return GROW_NO_MEMORY;
+    }
     pthread_mutex_unlock(&c->lock);
     int rc = c->vm.map(c->ctx, c->device, t.addr, t.n);
     pthread_mutex_lock(&c->lock);
+    seg->pins--;
     if (rc != 0) {
+        m->state = ACCEL_CORE_UNMAPPED;
         merge_unmapped(m);
         return rc == ACCEL_UPSTREAM_REFUSED ? GROW_REFUSED : GROW_FAILED;
     }
@@ -1310,20 +1334,16 @@ EXPORT int accel_core_malloc(accel_core *c, int64_t nbytes, uint64_t stream, uin
         }
         if (c->expandable) {
             /* the expandable segment grows instead (a plain segment's cache went back
-             * above all the same); a thread that waited for another's growth looks at
-             * the free lists again first */
+             * above all the same) */
             pthread_mutex_unlock(&c->lock);
             give_back(c, cached);
             pthread_mutex_lock(&c->lock);
             if (!c->expandable)
                 continue; /* turned off meanwhile */
-            if (take_vm(c)) {
-                drop_vm(c);
-                continue;
-            }
             block *g = NULL;
             int rc = grow(c, pool, small, stream, size, &g);
-            drop_vm(c);
+            if (rc == GROW_AGAIN)
+                continue;
             if (rc == GROWN) {
                 if (g->size < size)
                     continue; /* its neighbours were taken meanwhile */
@@ -1623,7 +1643,6 @@ EXPORT void accel_core_destroy(accel_core *c) {
     free(c->lists);
     free(c->kept);
     free(c->allocated.slots);
-    pthread_cond_destroy(&c->vm_done);
     pthread_mutex_destroy(&c->lock);
     free(c);
 }
@@ -1657,7 +1676,8 @@ EXPORT int64_t accel_core_blocks(accel_core *c, accel_core_block_info *out, int6
                 i->pool = seg->pool;
                 i->small = seg->small;
                 i->expandable = seg->expandable;
-                i->state = b->state;
+                /* a range being mapped or unmapped is not mapped yet, or no more */
+                i->state = b->state == MAPPING || b->state == UNMAPPING ? ACCEL_CORE_UNMAPPED : b->state;
                 i->ptr = b->ptr;
                 i->size = b->size;
                 i->requested = b->requested;

@@ -2,7 +2,8 @@
  * blocks, best-fit free lists per (pool, kind, stream), split and merge, statistics),
  * in plain C with no Python.h: it touches no Python object, so it needs no GIL and
  * is correct without one. Each core has its own mutex; an upstream (where new
- * segments come from) is called with that mutex released.
+ * segments, and expandable segments' pages, come from) is called with that mutex
+ * released, and no thread ever waits for another's upstream call.
  *
  * The same shared library exports torch's pluggable-allocator C ABI
  * (accel_torch_alloc / accel_torch_free) over the cores registered per device.

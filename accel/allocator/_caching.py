@@ -4,20 +4,16 @@ Its books live in ONE native core per device (csrc/accel_core.c, through
 :class:`~accel.allocator._native_core.NativeCore`): the same core torch's pluggable
 allocator allocates from (:func:`accel.allocator.torch_allocator_spec`), so accel
 buffers and torch tensors share one cache, one set of statistics and one snapshot.
-The core keeps the plain segments: blocks, best-fit free lists per (pool, stream),
-split and merge, PyTorch's rounding, the garbage-collection threshold, giving back
-oversize cached blocks on a miss, the statistics. This class is the policy and API
-layer over it: argument checks, streams, the pool a capture allocates to, the events
-that order cross-stream reuse (a block freed with other streams' uses is *held* in
-the core until they pass), frees deferred during a capture, history, the memory
-fraction (the core asks :meth:`DeviceAllocator._admit_core` before each new
-segment), dropped MemPools' memory, out-of-memory reports and configuration.
-
-Expandable segments (``expandable_segments:True`` on a resource with virtual
-memory) are still kept here, in Python (:class:`~accel.allocator._blocks.Segment`,
-:class:`~accel.allocator._blocks.Block`, :class:`~accel.allocator._freelist.FreeList`):
-while the setting is on, every allocation maps pages of those; their statistics are
-added to the core's.
+The core keeps the segments, plain and expandable: blocks, best-fit free lists per
+(pool, stream), split and merge, PyTorch's rounding, the garbage-collection
+threshold, giving back oversize cached blocks on a miss, expandable segments' pages
+(mapped and unmapped through the resource's ``vm_*`` calls), the statistics. This
+class is the policy and API layer over it: argument checks, streams, the pool a
+capture allocates to, the events that order cross-stream reuse (a block freed with
+other streams' uses is *held* in the core until they pass), frees deferred during a
+capture, history, the memory fraction (the core asks
+:meth:`DeviceAllocator._admit_core` before each new segment or page), dropped
+MemPools' memory, out-of-memory reports and configuration.
 
 Behaviour follows PyTorch's ``DeviceCachingAllocator``: 512-byte rounding with optional power-of-two
 divisions, a small pool (requests up to 1 MiB, 2 MiB segments) and a large
@@ -42,7 +38,7 @@ Where accel deliberately differs:
   (PyTorch keeps holes mapped until ``empty_cache``); the growth goes where
   it adds the fewest pages to those live blocks touch, and a block cut from
   a free block goes at its end when that adds fewer than its start (see
-  ``_map_target``, ``_give_back_holes``, ``_place_at_end``);
+  ``map_target``, ``give_back_holes``, ``place_at_end`` in csrc/accel_core.c);
 - memory is cached under a stream's handle only while the stream lives: when
   accel destroys a stream (its queued work may still run, and the driver may
   give the handle to the next stream created), what the allocator keyed by it
@@ -184,11 +180,12 @@ def _notifier(ref: weakref.ref[DeviceAllocator]) -> Callable[[str, int, int], No
 def _idler(ref: weakref.ref[DeviceAllocator]) -> Callable[[int], bool]:
     """The native core's question whether the stream keyed ``key`` has no queued work
     (before an expandable segment's free pages go back for another's growth; held
-    weakly, as _admitter)."""
+    weakly, as _admitter). It asks on whichever thread grows a segment, with or without
+    the allocator's lock, so it only reads."""
 
     def idle(key: int) -> bool:
         allocator = ref()
-        return allocator is not None and allocator._stream_idle(key)
+        return allocator is not None and allocator._stream_idle(key, recycle=False)
 
     return idle
 
@@ -268,11 +265,11 @@ class DeviceAllocator:
 
     Memory comes from ``upstream`` (default: the backend itself); streams are
     accel :class:`~accel.Stream` objects of that device. ``malloc`` returns a
-    block handle (a :class:`CoreBlock` of the native core, or a :class:`Block` of an
-    expandable segment) whose ``ptr`` and ``size`` the caller uses; ``free`` gives
+    block handle (a :class:`CoreBlock` of the native core) whose ``ptr`` and ``size``
+    the caller uses; ``free`` gives
     it back to the cache. Thread safe: one lock guards the policy's state; the core
-    has its own, and the common pair (no capture, history, expandable segments or
-    pending events) takes only the core's.
+    has its own, and the common pair (no capture, history or pending events) takes
+    only the core's.
     ``mempool``: the id of the :class:`~accel.memory.MemPool` it serves, if any
     (an out-of-memory error of another allocator of the device counts the pool's).
 
@@ -818,15 +815,17 @@ class DeviceAllocator:
         streams = {b["stream"] for b in self._core.blocks()}
         return all(self._stream_idle(stream) for stream in streams)
 
-    def _stream_idle(self, key: int) -> bool:
-        """Whether the stream that segments keyed ``key`` belong to has no queued work."""
+    def _stream_idle(self, key: int, *, recycle: bool = True) -> bool:
+        """Whether the stream that segments keyed ``key`` belong to has no queued work.
+        ``recycle``: a retired key's completed end event goes back to the event pool
+        (only with the lock held: the core asks without it, see _idler)."""
         if key < 0:  # a retired handle: its destroyed stream's end event says
             event = self._retired.get(key)
             if event is None:
                 return True
             if event == _UNORDERED or not self.backend.event_query(self.device, event):
                 return False
-            if key not in self._pending:  # no free waits for it: the event goes back to the pool
+            if recycle and key not in self._pending:  # no free waits for it: the event goes back to the pool
                 del self._retired[key]
                 self._events.append(event)
             return True

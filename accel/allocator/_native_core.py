@@ -1,12 +1,13 @@
 """The allocator's native core (csrc/accel_core.c), bound with cffi's API mode.
 
 The core keeps the books of a caching allocator in typed C structs under its own
-mutex: segments cut into blocks, best-fit free lists per (pool, stream), split and
-merge, the statistics. It includes no Python.h, so it needs no GIL and is correct
-without one; cffi's generated wrapper releases the GIL around every call into it.
-Its upstream (where new segments come from) is a :class:`MemoryResource`, reached
-through an ``extern "Python"`` callback that takes the GIL itself and runs with the
-core's mutex released.
+mutex: segments (plain, and expandable ones mapped page by page) cut into blocks,
+best-fit free lists per (pool, stream), split and merge, the statistics. It includes
+no Python.h, so it needs no GIL and is correct without one; cffi's generated wrapper
+releases the GIL around every call into it. Its upstream (where new segments and
+expandable segments' pages come from) is a :class:`MemoryResource`, reached through
+``extern "Python"`` callbacks that take the GIL themselves and run with the core's
+mutex released.
 
 The same shared library exports torch's pluggable-allocator C ABI over the cores
 registered per device (see :mod:`accel.allocator._torch_allocator`).

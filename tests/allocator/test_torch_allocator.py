@@ -349,3 +349,45 @@ def test_with_expandable_segments_accel_and_torch_share_one_cache(name: str) -> 
     segments as accel buffers: a block one side freed serves the other, and one set of
     statistics counts both (peaks not summed)."""
     ok(run(name, ONE_EXPANDABLE_CACHE, timeout=120, env={"ACCEL_ALLOC_CONF": "expandable_segments:True"}))
+
+
+GIL_HELD_GROWTH = r"""
+import ctypes, sys, threading
+import accel
+from accel.allocator import torch_allocator_spec
+
+path, alloc_name, free_name = torch_allocator_spec()
+held = ctypes.PyDLL(path)  # torch.empty's way: the GIL held throughout the call
+held.accel_torch_alloc.restype = ctypes.c_void_p
+held.accel_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+held.accel_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+stop = False
+
+def give_back():  # unmaps without the GIL (cffi lets it go); the callbacks take it
+    while not stop:
+        accel.memory.empty_cache()
+
+other = threading.Thread(target=give_back)
+other.start()
+sys.setswitchinterval(1e-5)
+try:
+    for i in range(3000):
+        # the pages freed last time are given back meanwhile: a growth, the GIL held
+        ptr = held.accel_torch_alloc(10 << 20, 0, None)
+        assert ptr, "NULL"
+        held.accel_torch_free(ptr, 10 << 20, 0, None)
+finally:
+    stop = True
+    other.join()
+accel.memory.empty_cache()
+assert accel.memory.memory_reserved() == 0, accel.memory.memory_reserved()
+print("ok")
+"""
+
+
+def test_a_growth_with_the_gil_held_never_waits_for_another_thread() -> None:
+    """Expandable segments map pages through callbacks that take the GIL. A thread that
+    holds the GIL while it allocates (torch.empty's does) and must grow a segment while
+    another thread maps or unmaps pages (without the GIL, its callback waiting for it)
+    does not wait for that thread: its growth goes on at once (no deadlock)."""
+    ok(run("cpu", GIL_HELD_GROWTH, timeout=120, env={"ACCEL_ALLOC_CONF": "expandable_segments:True"}))
