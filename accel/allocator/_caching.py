@@ -305,7 +305,8 @@ class DeviceAllocator:
         self._lock = threading.Lock()
         track_lock(self)
         # Counters of this allocator's own (the core counts everything else): the
-        # out-of-memory errors raised here without asking the core (during a capture).
+        # out-of-memory errors raised here without asking the core (during a capture)
+        # and the device-wide synchronizations before a give-back.
         self._stats = S.Stats()
         self._private: dict[PoolId, PrivatePool] = {}
         # (pool id, stream filter) of the captures under way, innermost last
@@ -1204,8 +1205,8 @@ class DeviceAllocator:
             if self._gc_frees:
                 self._drain_gc_frees()
             out = self._stats.as_dict(-1 if self._ms == _UNLIMITED else self._ms)
-        # The core's counters (accel's buffers and torch's tensors alike), plus the
-        # out-of-memory errors raised here (during a capture) without asking it.
+        # The core's counters (accel's buffers and torch's tensors alike), plus this
+        # allocator's own (see __init__).
         for key, value in self._core.stats().items():
             if key != "max_split_size":
                 out[key] += value
