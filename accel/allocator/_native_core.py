@@ -73,14 +73,14 @@ def library_path() -> str:
     return path
 
 
-def entry_points() -> tuple[int, int]:
-    """The addresses of the core's ``accel_core_malloc`` and ``accel_core_free``
-    (accel_core.h), for the compiled common pair (accel/_speedups.c)."""
+def entry_points() -> tuple[int, int, int, int]:
+    """The addresses of the core's ``accel_core_malloc``, ``accel_core_free``,
+    ``accel_core_hold`` and ``accel_core_release_held`` (accel_core.h), for the core
+    steps of accel/_speedups.c."""
     module = core_module()
     ffi, lib = module.ffi, module.lib
-    return tuple(  # type: ignore[return-value]
-        int(ffi.cast("uintptr_t", ffi.addressof(lib, name))) for name in ("accel_core_malloc", "accel_core_free")
-    )
+    names = ("accel_core_malloc", "accel_core_free", "accel_core_hold", "accel_core_release_held")
+    return tuple(int(ffi.cast("uintptr_t", ffi.addressof(lib, name))) for name in names)  # type: ignore[return-value]
 
 
 _SLOTS = 93
@@ -146,7 +146,7 @@ def _install_callbacks(ffi: Any) -> None:
 def _shortage(upstream: _Upstream, exc: BaseException) -> int:
     """What a refusal of the upstream means to the core (ACCEL_UPSTREAM_*), kept for the
     malloc that asked: only a shortage is worth giving the cache back and asking again."""
-    upstream.refusals[threading.get_ident()] = exc
+    upstream.refusal.exc = exc  # this thread's malloc raises it (raise_for)
     return 1 if isinstance(exc, OutOfMemoryError) else 2
 
 
@@ -324,7 +324,7 @@ class _Upstream:
     the core's finalizer can keep it alive while the core gives its cache back."""
 
     __slots__ = (
-        "resource", "refusals", "synchronize", "free_errors", "admit", "notify", "no_wait", "idle", "page", "pages",
+        "resource", "refusal", "synchronize", "free_errors", "admit", "notify", "no_wait", "idle", "page", "pages",
         "spares",
     )
 
@@ -346,7 +346,14 @@ class _Upstream:
         self.spares = threading.local()
         self.admit = admit
         self.notify = notify
-        self.refusals: dict[int, BaseException] = {}
+        # The upstream's last refusal on each thread, as ``refusal.exc``: thread-local, so
+        # that it goes with its thread. Nothing reads the refusals of torch's threads
+        # (accel_torch_alloc returns NULL), which come and go over a long process: a
+        # table by thread id kept one per thread id forever, and an id the OS reused
+        # read a dead thread's refusal. One slot per core, instead, would let a
+        # thread's refusal be overwritten by another thread's before its malloc raised
+        # it (the wrong error, or none, in the report).
+        self.refusal = threading.local()
         self.synchronize = synchronize
         # set on a thread whose give-back must not wait for the device (the callbacks
         # run on the thread that called into the core)
@@ -459,7 +466,7 @@ class NativeCore:
         """Raise what ``accel_core_malloc``'s nonzero ``rc`` for ``nbytes`` means: the
         upstream's own exception, InvalidValueError, MemoryError or OutOfMemoryError."""
         lib = self._lib
-        refusal = self._callbacks.refusals.pop(threading.get_ident(), None)
+        refusal: BaseException | None = vars(self._callbacks.refusal).pop("exc", None)
         if rc == lib.ACCEL_CORE_BAD_SIZE:
             raise InvalidValueError(f"cannot allocate {nbytes} bytes: the size must be in [1, 2**60)")
         if refusal is not None and not isinstance(refusal, OutOfMemoryError):
@@ -512,9 +519,15 @@ class NativeCore:
         return given
 
     def keep_pool(self, pool: int, keep: bool) -> None:
-        """Whether :meth:`empty_cache` and a miss's give-back leave ``pool`` cached."""
-        if self._lib.accel_core_keep_pool(self._core, pool, int(keep)):
-            raise MemoryError("the host has no memory for the allocator core's books")
+        """Whether :meth:`empty_cache` and a miss's give-back leave ``pool`` cached.
+        Raises OutOfMemoryError, the core's books unchanged, when the host has no
+        memory to note a pool kept."""
+        if self._lib.accel_core_keep_pool(self._core, pool, int(keep)):  # ACCEL_CORE_NO_MEMORY
+            raise OutOfMemoryError(
+                f"device {self.device}: the host has no memory for the allocator core's books to keep "
+                f"pool {pool} cached; nothing was changed: free host memory and try again",
+                device=self.device,
+            )
 
     def release_pool(self, pool: int) -> int:
         """Give ``pool``'s wholly free segments back upstream (kept or not); the bytes."""
