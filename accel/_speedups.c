@@ -270,7 +270,9 @@ coreblock_repr(PyObject *self)
     CoreBlock *b = (CoreBlock *)self;
     static const char *names[] = {"free", "allocated", "pending", "freed"};
     const char *state = b->state >= 0 && b->state <= 3 ? names[b->state] : "?";
-    return PyUnicode_FromFormat("<Block 0x%llx %S bytes %s>", (unsigned long long)b->address, b->size, state);
+    char address[24]; /* PyUnicode_FromFormat has no %llx before Python 3.12: it would print the format */
+    PyOS_snprintf(address, sizeof address, "0x%llx", (unsigned long long)b->address);
+    return PyUnicode_FromFormat("<Block %s %S bytes %s>", address, b->size, state);
 }
 
 static PyObject *
