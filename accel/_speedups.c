@@ -970,12 +970,13 @@ empty_shape(PyObject *shape, int64_t itemsize, int64_t *dims, int64_t *nbytes)
     }
     else
         return -1;
+    /* a dim past int64 left an OverflowError: cleared before any return, an overflowing
+     * product of the dims before it included (the Python path says what is wrong) */
+    PyErr_Clear();
     int64_t n = itemsize, nonzero = 1;
     for (int i = 0; i < ndim; i++) {
-        if (dims[i] < 0) { /* negative, or past int64 (the Python path says what is wrong) */
-            PyErr_Clear();
+        if (dims[i] < 0) /* negative, or past int64 */
             return -1;
-        }
         if (dims[i] && __builtin_mul_overflow(nonzero, dims[i], &nonzero))
             return -1;
         n = dims[i] == 0 ? 0 : n;
