@@ -415,6 +415,20 @@ step_free(CoreSteps *s, CoreBlock *b)
     return s->free(s->core, b->address) != 0 ? step_broken(s, b) : 0;
 }
 
+/* The common free (DeviceAllocator.free and the compiled Buffer.free without the lock): an allocated
+ * block of this allocator used on its own stream only is freed (step_free); its checks
+ * and the claim are one C call, so a record_stream (locked, in another thread) marks a
+ * use either before (this is then not the common case: the locked path orders the reuse)
+ * or after (it finds the handle gone and refuses). 1 freed, 0 not the common case
+ * (nothing changed), -1 with an error. */
+static int
+step_free_plain(CoreSteps *s, CoreBlock *b)
+{
+    if (b->state != BLOCK_ALLOCATED || b->stream_uses != Py_None || b->owner != s->owner)
+        return 0;
+    return step_free(s, b) < 0 ? -1 : 1;
+}
+
 static int
 check_block(CoreSteps *s, PyObject *o, int state)
 {
@@ -450,6 +464,15 @@ steps_free(PyObject *self, PyObject *block)
     if (check_block(s, block, BLOCK_ALLOCATED) < 0 || step_free(s, (CoreBlock *)block) < 0)
         return NULL;
     Py_RETURN_NONE;
+}
+
+static PyObject *
+steps_free_plain(PyObject *self, PyObject *block)
+{
+    int r = Py_IS_TYPE(block, &CoreBlock_T) ? step_free_plain((CoreSteps *)self, (CoreBlock *)block) : 0;
+    if (r < 0)
+        return NULL;
+    return PyBool_FromLong(r);
 }
 
 static PyObject *
@@ -560,6 +583,8 @@ static PyMethodDef steps_methods[] = {
     {"malloc", (PyCFunction)(void (*)(void))steps_malloc, METH_FASTCALL,
      "malloc(nbytes, stream, pool, flags): the block's CoreBlock, in _live; or the core's refusal (an int)."},
     {"free", steps_free, METH_O, "free(block): out of _live, RETIRED, back into the core."},
+    {"free_plain", steps_free_plain, METH_O,
+     "free_plain(block): free it if it is an allocated block used on its own stream only; True if freed."},
     {"hold", steps_hold, METH_O, "hold(block): PENDING, held in the core (it stays in _live)."},
     {"release", steps_release, METH_O, "release(block): a held block out of _live, RETIRED, reusable by the core."},
     {NULL, NULL, 0, NULL},
@@ -642,10 +667,26 @@ plain_malloc(PyObject *allocator, PyObject *nbytes, PyObject *stream)
         block = PyObject_VectorcallMethod(s_malloc_refused, rargs, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         Py_DECREF(rargs[1]);
     }
+    else if (block != NULL) {
+        /* The block is live and its handle noted in _known (step_malloc): a close of the
+         * stream meanwhile is seen here (DeviceAllocator._closed_meanwhile). */
+        PyObject *closed = PyObject_GetAttr(stream, s_closed);
+        if (closed != Py_False) { /* closed meanwhile (or unreadable): the locked path's steps */
+            Py_XDECREF(closed);
+            PyErr_Clear();
+            PyObject *rargs[5] = {allocator, PyLong_FromLong(0), nbytes, stream, block};
+            PyObject *got = rargs[1] == NULL ? NULL
+                            : PyObject_VectorcallMethod(s_malloc_refused, rargs, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+            Py_XDECREF(rargs[1]);
+            Py_SETREF(block, got);
+        }
+        else
+            Py_DECREF(closed);
+    }
     return block;
 }
 
-/* DeviceAllocator.free(block) in the common case (DeviceAllocator._free_plain's steps):
+/* DeviceAllocator.free(block) in the common case (step_free_plain):
  * 1 freed, -1 with an error, 0 not the common case (nothing changed: the caller calls
  * the allocator's method). */
 static int
@@ -653,13 +694,10 @@ plain_free(PyObject *allocator, PyObject *block)
 {
     if (!Py_IS_TYPE(block, &CoreBlock_T))
         return 0;
-    CoreBlock *b = (CoreBlock *)block;
-    if (b->state != BLOCK_ALLOCATED || b->stream_uses != Py_None || b->owner != allocator)
-        return 0;
     CoreSteps *steps = plain_steps(allocator);
     if (steps == NULL)
         return 0;
-    int r = step_free(steps, b) < 0 ? -1 : 1;
+    int r = step_free_plain(steps, (CoreBlock *)block);
     Py_DECREF(steps);
     return r;
 }

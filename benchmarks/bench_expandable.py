@@ -37,7 +37,6 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from accel._runtime import Runtime  # noqa: E402
-from accel.allocator._blocks import FREE  # noqa: E402
 from accel.allocator._caching import DeviceAllocator  # noqa: E402
 from accel.allocator.config import parse  # noqa: E402
 from accel.backends.cpu import CpuBackend  # noqa: E402
@@ -177,30 +176,32 @@ class _Counting(CpuBackend):
 
 
 def _excess(alloc: DeviceAllocator, requested: int) -> dict[str, int]:
-    """What the bytes reserved beyond ``requested`` are made of, now."""
+    """What the bytes reserved beyond ``requested`` are made of, now (from the native
+    core's blocks: the mapped ones of each segment)."""
     out = {"rounding": 0, "holes": 0, "hole_edges": 0, "whole_free": 0, "segment_ends": 0}
-    for seg in alloc._segments.values():
-        blocks = [b for b in seg.blocks() if b.mapped]
+    segments: dict[int, list[dict[str, int]]] = {}
+    for b in alloc.native_core().blocks():
+        if b["mapped"]:
+            segments.setdefault(b["segment"], []).append(b)
+    for base, blocks in segments.items():
+        free = [b for b in blocks if not (b["allocated"] or b["held"])]
         for b in blocks:
-            if b.state != FREE:
-                out["rounding"] += b.size - b.requested
-        if not seg.expandable:
-            out["whole_free"] += sum(b.size for b in blocks if b.state == FREE)
+            if b["allocated"] or b["held"]:
+                out["rounding"] += b["size"] - b["requested"]
+        if not blocks[0]["expandable"]:
+            out["whole_free"] += sum(b["size"] for b in free)
             continue
-        page = seg.page
-        last_live = max((b.ptr for b in blocks if b.state != FREE), default=seg.base - 1)
-        for b in blocks:
-            if b.state != FREE:
-                continue
-            first = seg.base + -(-(b.ptr - seg.base) // page) * page
-            last = seg.base + (b.ptr + b.size - seg.base) // page * page
+        last_live = max((b["ptr"] for b in blocks if b["allocated"] or b["held"]), default=base - 1)
+        for b in free:
+            first = base + -(-(b["ptr"] - base) // PAGE) * PAGE
+            last = base + (b["ptr"] + b["size"] - base) // PAGE * PAGE
             whole = max(0, last - first)
             out["whole_free"] += whole
-            if b.ptr > last_live:
-                out["segment_ends"] += b.size - whole
+            if b["ptr"] > last_live:
+                out["segment_ends"] += b["size"] - whole
             else:
                 out["holes"] += 1
-                out["hole_edges"] += b.size - whole
+                out["hole_edges"] += b["size"] - whole
     out["requested_then"] = requested
     return out
 
@@ -223,8 +224,8 @@ def replay(events: Events, config: str, explain: bool = False) -> dict[str, floa
             requested += nbytes
             peak = max(peak, requested)
             allocations += 1
-            if explain and alloc._reserved() > top:
-                top = alloc._reserved()
+            if explain and alloc._core_reserved() > top:
+                top = alloc._core_reserved()
                 at_peak = _excess(alloc, requested)
         else:
             alloc.free(live.pop(event[1]))  # type: ignore[arg-type]

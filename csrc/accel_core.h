@@ -2,7 +2,8 @@
  * blocks, best-fit free lists per (pool, kind, stream), split and merge, statistics),
  * in plain C with no Python.h: it touches no Python object, so it needs no GIL and
  * is correct without one. Each core has its own mutex; an upstream (where new
- * segments come from) is called with that mutex released.
+ * segments, and expandable segments' pages, come from) is called with that mutex
+ * released, and no thread ever waits for another's upstream call.
  *
  * The same shared library exports torch's pluggable-allocator C ABI
  * (accel_torch_alloc / accel_torch_free) over the cores registered per device.
@@ -35,6 +36,7 @@ typedef struct accel_core accel_core;
 #define ACCEL_CORE_FREE 0
 #define ACCEL_CORE_ALLOCATED 1
 #define ACCEL_CORE_HELD 2 /* freed by its caller, its reuse waiting (see accel_core_hold) */
+#define ACCEL_CORE_UNMAPPED 3 /* an expandable segment's range with no pages mapped */
 
 /* roundup_power2_divisions: one per power-of-two size range, from [1 MiB, 2 MiB) up
  * (below 1 MiB the first applies, from 2**35 bytes the last). */
@@ -55,6 +57,33 @@ typedef struct accel_core accel_core;
 typedef int (*accel_upstream_alloc_fn)(void *ctx, int device, int64_t size, uint64_t *ptr);
 typedef void (*accel_upstream_free_fn)(void *ctx, int device, uint64_t ptr, int64_t size);
 
+/* Expandable segments' virtual memory (accel_core_set_vm), each called without the
+ * core's lock held, from whichever thread allocated or gave back:
+ * reserve: an address range of size bytes (*va), no memory behind it: 0,
+ *   ACCEL_UPSTREAM_REFUSED or ACCEL_UPSTREAM_FAILED;
+ * unreserve: give a reservation (wholly unmapped) back;
+ * map: physical pages over [va, va + nbytes) (page multiples), all or nothing: 0,
+ *   ACCEL_UPSTREAM_REFUSED (out of memory, or a cap) or ACCEL_UPSTREAM_FAILED;
+ * unmap: unmap and release the pages of [va, va + nbytes) (it cannot fail: what goes
+ *   wrong is the upstream's to keep and report); wait nonzero: work queued on the
+ *   segment's stream may still use them (wait for the device first), 0: the stream was
+ *   seen idle, and a map by the same thread follows (a growth's: it may map the same
+ *   physical pages again);
+ * idle: whether stream has no queued work (the free pages of its segment may be given
+ *   back to make room for another segment's growth only then). */
+typedef int (*accel_upstream_reserve_fn)(void *ctx, int device, int64_t size, uint64_t *va);
+typedef void (*accel_upstream_unreserve_fn)(void *ctx, int device, uint64_t va, int64_t size);
+typedef int (*accel_upstream_map_fn)(void *ctx, int device, uint64_t va, int64_t nbytes);
+typedef void (*accel_upstream_unmap_fn)(void *ctx, int device, uint64_t va, int64_t nbytes, int wait);
+typedef int (*accel_upstream_idle_fn)(void *ctx, int device, uint64_t stream);
+typedef struct {
+    accel_upstream_reserve_fn reserve;
+    accel_upstream_unreserve_fn unreserve;
+    accel_upstream_map_fn map;
+    accel_upstream_unmap_fn unmap;
+    accel_upstream_idle_fn idle;
+} accel_vm_ops;
+
 /* One block of a segment, as accel_core_blocks writes it. */
 typedef struct {
     uint64_t segment;   /* the segment's base address */
@@ -62,7 +91,8 @@ typedef struct {
     uint64_t stream;
     uint64_t pool;      /* 0: the device's default pool */
     int32_t small;      /* 1: small pool, 0: large */
-    int32_t state;      /* ACCEL_CORE_FREE, ACCEL_CORE_ALLOCATED or ACCEL_CORE_HELD */
+    int32_t state;      /* ACCEL_CORE_FREE, _ALLOCATED, _HELD or _UNMAPPED */
+    int32_t expandable; /* 1: of an expandable segment (segment_size: its reservation) */
     uint64_t ptr;
     int64_t size;
     int64_t requested;
@@ -87,6 +117,15 @@ void accel_core_set_gc_threshold(accel_core *core, int64_t threshold);
 /* Nonzero: nothing goes back upstream (not by empty_cache, release_pool, nor a miss's
  * give-back) until called with 0 (a graph capture is under way). */
 void accel_core_freeze(accel_core *core, int frozen);
+/* The upstream's virtual-memory operations, for expandable segments (copied). */
+void accel_core_set_vm(accel_core *core, const accel_vm_ops *ops);
+/* on nonzero (and accel_core_set_vm called): a miss grows the expandable segment of its
+ * (pool, kind, stream), one reservation of reserve_size bytes mapped in page-byte
+ * pages on demand, instead of asking for a new segment (PyTorch's
+ * expandable_segments); free pages go back upstream by empty_cache, and (of holes, all
+ * but keep_free bytes per segment) when a segment must grow. Off: free blocks of
+ * expandable segments are not reused, and go back by empty_cache. */
+void accel_core_set_expandable(accel_core *core, int on, int64_t page, int64_t reserve_size, int64_t keep_free);
 /* A block of at least nbytes (rounded as configured) for stream in pool: *ptr, *size.
  * A miss asks upstream; refused, it gives back oversize cached blocks that make room
  * (with a max_split_size), then the whole cache (not with ACCEL_CORE_NO_RETRY). */

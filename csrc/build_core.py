@@ -4,7 +4,8 @@ torch's pluggable-allocator C ABI (``accel_torch_alloc`` / ``accel_torch_free``)
 
 setup.py builds it (``cffi_modules``): ``python setup.py build_ext --inplace``.
 The core includes no Python.h: only cffi's generated wrapper touches Python, and the
-two upstream callbacks (``extern "Python"``) take the GIL themselves.
+upstream callbacks (``extern "Python"``: segments, and expandable segments' virtual
+memory) take the GIL themselves.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ ffibuilder.cdef(
     """
     extern "Python" int accel_py_upstream_alloc(void *, int, int64_t, uint64_t *);
     extern "Python" void accel_py_upstream_free(void *, int, uint64_t, int64_t);
+    extern "Python" int accel_py_vm_reserve(void *, int, int64_t, uint64_t *);
+    extern "Python" void accel_py_vm_unreserve(void *, int, uint64_t, int64_t);
+    extern "Python" int accel_py_vm_map(void *, int, uint64_t, int64_t);
+    extern "Python" void accel_py_vm_unmap(void *, int, uint64_t, int64_t, int);
+    extern "Python" int accel_py_vm_idle(void *, int, uint64_t);
     """
 )
 ffibuilder.set_source(

@@ -39,7 +39,6 @@ from accel.stream import Stream, as_stream
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing's own from Python 3.11; only annotations need it
 
-    from accel.allocator._blocks import Block
     from accel.allocator._caching import DeviceAllocator
 
 __all__ = ["Buffer", "BufferExports", "HostBuffer", "allocate", "allocate_host", "install_exports"]
@@ -267,7 +266,7 @@ class Buffer(_CachedMemory):
 
     __slots__ = ("_stream",)
 
-    def __init__(self, block: Block | CoreBlock, allocator: DeviceAllocator, stream: Stream, nbytes: int) -> None:
+    def __init__(self, block: CoreBlock, allocator: DeviceAllocator, stream: Stream, nbytes: int) -> None:
         # Assigned here rather than through super().__init__: this is on the
         # allocation hot path, and the call costs about 0.14 µs.
         self._block = block

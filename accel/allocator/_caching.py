@@ -4,20 +4,16 @@ Its books live in ONE native core per device (csrc/accel_core.c, through
 :class:`~accel.allocator._native_core.NativeCore`): the same core torch's pluggable
 allocator allocates from (:func:`accel.allocator.torch_allocator_spec`), so accel
 buffers and torch tensors share one cache, one set of statistics and one snapshot.
-The core keeps the plain segments: blocks, best-fit free lists per (pool, stream),
-split and merge, PyTorch's rounding, the garbage-collection threshold, giving back
-oversize cached blocks on a miss, the statistics. This class is the policy and API
-layer over it: argument checks, streams, the pool a capture allocates to, the events
-that order cross-stream reuse (a block freed with other streams' uses is *held* in
-the core until they pass), frees deferred during a capture, history, the memory
-fraction (the core asks :meth:`DeviceAllocator._admit_core` before each new
-segment), dropped MemPools' memory, out-of-memory reports and configuration.
-
-Expandable segments (``expandable_segments:True`` on a resource with virtual
-memory) are still kept here, in Python (:class:`~accel.allocator._blocks.Segment`,
-:class:`~accel.allocator._blocks.Block`, :class:`~accel.allocator._freelist.FreeList`):
-while the setting is on, every allocation maps pages of those; their statistics are
-added to the core's.
+The core keeps the segments, plain and expandable: blocks, best-fit free lists per
+(pool, stream), split and merge, PyTorch's rounding, the garbage-collection
+threshold, giving back oversize cached blocks on a miss, expandable segments' pages
+(mapped and unmapped through the resource's ``vm_*`` calls), the statistics. This
+class is the policy and API layer over it: argument checks, streams, the pool a
+capture allocates to, the events that order cross-stream reuse (a block freed with
+other streams' uses is *held* in the core until they pass), frees deferred during a
+capture, history, the memory fraction (the core asks
+:meth:`DeviceAllocator._admit_core` before each new segment or page), dropped
+MemPools' memory, out-of-memory reports and configuration.
 
 Behaviour follows PyTorch's ``DeviceCachingAllocator``: 512-byte rounding with optional power-of-two
 divisions, a small pool (requests up to 1 MiB, 2 MiB segments) and a large
@@ -42,7 +38,7 @@ Where accel deliberately differs:
   (PyTorch keeps holes mapped until ``empty_cache``); the growth goes where
   it adds the fewest pages to those live blocks touch, and a block cut from
   a free block goes at its end when that adds fewer than its start (see
-  ``_map_target``, ``_give_back_holes``, ``_place_at_end``);
+  ``map_target``, ``give_back_holes``, ``place_at_end`` in csrc/accel_core.c);
 - memory is cached under a stream's handle only while the stream lives: when
   accel destroys a stream (its queued work may still run, and the driver may
   give the handle to the next stream created), what the allocator keyed by it
@@ -73,10 +69,8 @@ from accel._errors import (
     warn_at_caller,
 )
 from accel.allocator import _stats as S
-from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED, Block, CoreBlock, CoreSteps, Pool, PrivatePool, Segment
+from accel.allocator._blocks import ALLOCATED, PENDING, RETIRED, CoreBlock, CoreSteps, PrivatePool
 from accel.allocator._fork import OwnedLock, track_lock
-from accel.allocator._freelist import FreeList
-from accel.allocator._stats import OVERSIZE_ALLOCATIONS
 from accel.allocator._history import History
 from accel.allocator._native_core import GIVE_BACK_FIRST, NO_RETRY, NativeCore, entry_points
 from accel.allocator._oom import OutOfMemoryDetails, out_of_memory
@@ -184,6 +178,19 @@ def _notifier(ref: weakref.ref[DeviceAllocator]) -> Callable[[str, int, int], No
     return notify
 
 
+def _idler(ref: weakref.ref[DeviceAllocator]) -> Callable[[int], bool]:
+    """The native core's question whether the stream keyed ``key`` has no queued work
+    (before an expandable segment's free pages go back for another's growth; held
+    weakly, as _admitter). It asks on whichever thread grows a segment, with or without
+    the allocator's lock, so it only reads."""
+
+    def idle(key: int) -> bool:
+        allocator = ref()
+        return allocator is not None and allocator._stream_idle(key, recycle=False)
+
+    return idle
+
+
 def stream_destroyed(backend: Backend, device: int, handle: int) -> None:
     """Stream ``handle`` of ``backend``'s ``device`` is about to be destroyed (the
     runtime's stream-destroy listener; it runs in finalizers too, so it never waits)."""
@@ -259,11 +266,11 @@ class DeviceAllocator:
 
     Memory comes from ``upstream`` (default: the backend itself); streams are
     accel :class:`~accel.Stream` objects of that device. ``malloc`` returns a
-    block handle (a :class:`CoreBlock` of the native core, or a :class:`Block` of an
-    expandable segment) whose ``ptr`` and ``size`` the caller uses; ``free`` gives
+    block handle (a :class:`CoreBlock` of the native core) whose ``ptr`` and ``size``
+    the caller uses; ``free`` gives
     it back to the cache. Thread safe: one lock guards the policy's state; the core
-    has its own, and the common pair (no capture, history, expandable segments or
-    pending events) takes only the core's.
+    has its own, and the common pair (no capture, history or pending events) takes
+    only the core's.
     ``mempool``: the id of the :class:`~accel.memory.MemPool` it serves, if any
     (an out-of-memory error of another allocator of the device counts the pool's).
 
@@ -300,23 +307,21 @@ class DeviceAllocator:
         # holds it is refused (a free deferred) rather than waiting forever.
         self._lock = OwnedLock(f"the caching allocator of device {device}")
         track_lock(self)
+        # Counters of this allocator's own (the core counts everything else): the
+        # out-of-memory errors raised here without asking the core (during a capture)
+        # and the device-wide synchronizations before a give-back.
         self._stats = S.Stats()
-        self._s = self._stats.s  # the flat counters, for the hot paths
-        self._kinds = self._stats.kinds  # the hot ones, by pool kind
-        self._small = Pool(True, None)
-        self._large = Pool(False, None)
-        self._segments: dict[int, Segment] = {}
         self._private: dict[PoolId, PrivatePool] = {}
         # (pool id, stream filter) of the captures under way, innermost last
         self._captures: list[tuple[PrivatePool, Callable[[Stream], bool]]] = []
         # Frees held back until the captures end (or, outside one, until the next release
         # of cached memory: an interrupt left their stream uses unordered).
-        self._deferred: list[Block | CoreBlock] = []
-        self._pending: dict[int, deque[tuple[int, Block | CoreBlock]]] = {}  # used stream -> (event, block)
+        self._deferred: list[CoreBlock] = []
+        self._pending: dict[int, deque[tuple[int, CoreBlock]]] = {}  # used stream -> (event, block)
         self._events: list[int] = []  # pooled events, ready for reuse
         self._events_created = 0
         # Frees (and pool releases) from finalizers that found the lock taken.
-        self._gc_frees: deque[Block | CoreBlock | _PoolRelease | _StreamRetired] = deque()
+        self._gc_frees: deque[CoreBlock | _PoolRelease | _StreamRetired] = deque()
         self._history: History | None = None
         self._fraction: float | None = None
         self._fraction_explicit = False
@@ -331,7 +336,6 @@ class DeviceAllocator:
         # The MemPool this allocator serves (None: the device's own, or the caller's):
         # an out-of-memory error elsewhere on the device says what the pool caches.
         self._mempool = mempool
-        self._growths = 0  # expandable segment growths: the clock of Segment.grown_at
         # Stream handles this allocator keys memory by (segments' streams, record_stream
         # uses): a destroyed one is retired (see _retire), the others cost nothing.
         self._known: set[int] = set()
@@ -339,17 +343,19 @@ class DeviceAllocator:
         # destroyed stream's work (absent: nothing to wait for).
         self._retired: dict[int, int] = {}
         self._next_key = -1
-        # The books of the plain segments, shared with torch's pluggable allocator on
-        # this device (see native_core); the handles of its blocks callers hold, by address.
+        # The books (plain and expandable segments), shared with torch's pluggable allocator
+        # on this device (see native_core); the handles of its blocks callers hold, by address.
         ref = weakref.ref(self)
-        self._core = core = NativeCore(self.upstream, backend.device_synchronize, _admitter(ref), _notifier(ref))
+        self._core = core = NativeCore(
+            self.upstream, backend.device_synchronize, _admitter(ref), _notifier(ref), _idler(ref)
+        )
         self._live: dict[int, CoreBlock] = {}
         # Every change of the core's books of a block and of its handle in _live is one
         # of these C steps (so an interrupt never lands between the two): the hot paths',
         # the compiled pair's (accel/_speedups.c) and the locked paths' alike.
         self._steps = CoreSteps(self, core.address, self._live, self._known, entry_points(), InvalidHandleError)
         # True while the common pair needs nothing but the core (no capture under way, no
-        # history, no expandable segments, no pending events, no frees or retired streams
+        # history, no pending events, no frees or retired streams
         # waiting for the lock, not orphaned): malloc and free then take no lock, the
         # core's mutex guards its books and dict operations the handles. Set False
         # wherever one of those begins, recomputed by the locked paths (_refresh_plain).
@@ -366,10 +372,7 @@ class DeviceAllocator:
 
     def _apply_config(self, config: AllocatorConfig) -> None:
         self.config = config
-        old_ms = getattr(self, "_ms", None)
         self._ms = _UNLIMITED if config.max_split_size is None else config.max_split_size
-        if old_ms is not None and old_ms != self._ms:
-            self._recount_oversize()
         self._nsr = config.max_non_split_rounding
         self._gc_threshold = config.garbage_collection_threshold
         self._divisions = tuple(config.roundup_power2_divisions)
@@ -391,6 +394,13 @@ class DeviceAllocator:
         core = self._core
         core.configure(self.config.max_split_size, self._nsr, self._large_segment)
         core.set_divisions(self._divisions)
+        if self._expandable:
+            page = self._page_size()
+            _, total = self.upstream.memory_info()
+            # As PyTorch: room for the whole device plus an eighth, never exceeded.
+            core.set_expandable(True, page, -(-(total + total // 8) // page) * page, self._keep_free)
+        else:
+            core.set_expandable(False)
         # PyTorch collects garbage only under a memory fraction: the threshold is of it
         allowed = self._allowed
         core.set_gc_threshold(int(self._gc_threshold * allowed) if self._gc_threshold and allowed else 0)
@@ -411,7 +421,7 @@ class DeviceAllocator:
         ``size`` bytes past the cap (read without the lock, as a check before asking the
         device; the core's callback runs on torch's threads too)."""
         allowed = self._allowed
-        if allowed is not None and self._reserved() + self._core_reserved() + size > allowed:
+        if allowed is not None and self._core_reserved() + size > allowed:
             self._fraction_refused = True
             raise OutOfMemoryError(
                 f"{self._name}: a new segment of {size} bytes would pass the "
@@ -420,22 +430,6 @@ class DeviceAllocator:
                 requested=size,
                 device=self.device,
             )
-
-    def _recount_oversize(self) -> None:
-        """max_split_size changed: count oversize blocks and segments again, so
-        frees under the new bound keep the statistics right."""
-        s = self._stats.s
-        blocks = segments = 0
-        for seg in self._segments.values():
-            if not seg.expandable and seg.size >= self._ms:
-                segments += 1
-            for b in seg.blocks():
-                if b.state == ALLOCATED and b.size >= self._ms:
-                    blocks += 1
-        for base, count in ((S.OVERSIZE_ALLOCATIONS, blocks), (S.OVERSIZE_SEGMENTS, segments)):
-            s[base] = count
-            s[base + 2] = max(s[base + 2], count)
-            s[base + 6] = max(s[base + 6], count)
 
     def update_config(self, config: AllocatorConfig) -> None:
         """Take new settings (the config module's change listener calls this)."""
@@ -475,7 +469,7 @@ class DeviceAllocator:
 
     # -- allocation --------------------------------------------------------------
 
-    def malloc(self, nbytes: int, stream: Stream) -> Block | CoreBlock:
+    def malloc(self, nbytes: int, stream: Stream) -> CoreBlock:
         """A block of at least ``nbytes`` usable in order on ``stream``.
 
         Raises :class:`~accel.OutOfMemoryError` (with a diagnosis) when even
@@ -492,10 +486,14 @@ class DeviceAllocator:
         if self._plain:
             # The common case: the core alone, no lock (see _plain). A refusal is
             # handled by the locked path's steps (give the cache back, ask again).
-            block = self._steps.malloc(nbytes, handle, 0, NO_RETRY)
-            if isinstance(block, int):  # not ACCEL_CORE_OK
-                return self._malloc_refused(block, nbytes, stream)
-            return block
+            got = self._steps.malloc(nbytes, handle, 0, NO_RETRY)
+            if isinstance(got, int):  # not ACCEL_CORE_OK
+                return self._malloc_refused(got, nbytes, stream)
+            if stream._closed:  # after the handle is live: see _closed_meanwhile
+                self._malloc_refused(0, nbytes, stream, got)
+            return got
+        if self._forked:
+            self._refuse_in_child("malloc")
         # acquire/release rather than ``with``: half the cost on this hot path.
         lock = self._lock
         lock.acquire()
@@ -505,35 +503,54 @@ class DeviceAllocator:
             if self._pending and not self._captures:
                 self._process_events()
             private = self._capture_private(stream) if self._captures else None
-            if self._expandable:
-                return self._malloc_expandable(nbytes, stream, handle, private)
             key = 0 if private is None else private.key
-            block = self._steps.malloc(nbytes, handle, key, NO_RETRY)
-            if isinstance(block, int):  # not ACCEL_CORE_OK
-                block = self._core_refused(block, nbytes, handle, key)
+            got = self._steps.malloc(nbytes, handle, key, NO_RETRY)
+            block = self._core_refused(got, nbytes, handle, key) if isinstance(got, int) else got  # int: refused
             if self._history is not None:
                 self._record_alloc(block)
+            if stream._closed:  # after the handle is live: see _closed_meanwhile
+                self._closed_meanwhile(block, stream)
             return block
         finally:
             self._refresh_plain()
             lock.release()
             self._recheck_plain()
 
-    def _malloc_refused(self, rc: int, nbytes: int, stream: Stream) -> CoreBlock:
+    def _malloc_refused(self, rc: int, nbytes: int, stream: Stream, block: CoreBlock | None = None) -> CoreBlock:
         """The lock-free malloc's core call for ``nbytes`` on ``stream`` returned ``rc``
-        (not ACCEL_CORE_OK): what the locked path does with a refusal, under the lock
-        (the compiled allocate calls it by name too)."""
+        (not ACCEL_CORE_OK): what the locked path does with a refusal, under the lock.
+        ``block``: the call handed it out (``rc`` 0), but ``stream`` was closed meanwhile
+        (see _closed_meanwhile). The compiled allocate calls it by name too."""
         lock = self._lock
         lock.acquire()
         try:
-            block = self._core_refused(rc, nbytes, stream._handle, 0)
-            if self._history is not None:
-                self._record_alloc(block)
+            if block is None:
+                block = self._core_refused(rc, nbytes, stream._handle, 0)
+                if self._history is not None:
+                    self._record_alloc(block)
+            if stream._closed:
+                self._closed_meanwhile(block, stream)
             return block
         finally:
             self._refresh_plain()
             lock.release()
             self._recheck_plain()
+
+    def _closed_meanwhile(self, block: CoreBlock, stream: Stream) -> None:
+        """``stream`` was closed while malloc handed ``block`` out on it (the lock held).
+        Its destroy may have looked for the handle in ``_known`` before malloc noted it
+        there, or retired the handle before the core keyed new memory by it: either way
+        memory would stay cached under a handle the driver may give to the next stream.
+        The block goes back, what is keyed by the handle is retired (unordered: only a
+        device synchronization orders it after the stream's work; a retirement the
+        destroy queued goes first, with its end event), and the closed stream is refused
+        as malloc refuses it."""
+        if self._gc_frees:
+            self._drain_gc_frees()
+        if block.state == ALLOCATED:
+            self._free_locked(block)
+        self._retire(_StreamRetired(stream._handle, _UNORDERED))
+        stream._live()  # raises, saying the stream was closed
 
     def _core_refused(self, rc: int, nbytes: int, handle: int, key: int) -> CoreBlock:
         """The core's malloc of ``nbytes`` in pool ``key`` returned ``rc`` (not
@@ -557,7 +574,7 @@ class DeviceAllocator:
     def _refresh_plain(self) -> None:
         """Recompute :attr:`_plain` (the lock held)."""
         self._plain = self._history is None and not (
-            self._captures or self._pending or self._gc_frees or self._orphaned or self._expandable or self._forked
+            self._captures or self._pending or self._gc_frees or self._orphaned or self._forked
         )
 
     def _recheck_plain(self) -> None:
@@ -601,66 +618,11 @@ class DeviceAllocator:
         cause = exc.__cause__
         self._refusal = str(cause) if isinstance(cause, OutOfMemoryError) and not self._fraction_refused else ""
 
-    def _malloc_expandable(self, nbytes: int, stream: Stream, handle: int, private: PrivatePool | None) -> Block:
-        """:meth:`malloc` from the expandable segments of the Python books (the caller
-        holds the lock)."""
-        size = self._round(nbytes)
-        if private is not None:
-            pool = private.small if size <= SMALL_SIZE else private.large
-        else:
-            pool = self._small if size <= SMALL_SIZE else self._large
-        # Find the best-fitting cached block; it stays listed until _split.
-        free = pool.free.get(handle)
-        block = self._find_free(free, size) if free else None
-        listed = free
-        if block is None:
-            block = self._grow(pool, handle, size, stream)
-            listed = None  # the new block is on no list
-        elif free is not None and self._place_at_end(block, size, free):
-            listed = None  # cut off the free block's end: on no list
-        self._split(block, size, pool, handle, listed)
-        self._account(block, nbytes, handle)
-        return block
-
     def _round(self, nbytes: int) -> int:
         """The block size for a request: 512-byte multiples, or power-of-two divisions
         (the core rounds its own requests the same way)."""
         slot = nbytes.bit_length() - 21  # the divisions of [1 MiB, 2 MiB) are slot 0
         return round_size(nbytes, self._divisions[0 if slot < 0 else (slot if slot < 15 else 15)])
-
-    def _split(self, block: Block, size: int, pool: Pool, handle: int, listed: FreeList | None) -> None:
-        """Cut ``block`` to ``size`` bytes when the rest is worth keeping as a free
-        block (PyTorch's ``should_split``); take ``block`` off free list ``listed``
-        (None: it is on none), the rest taking its place; keep the inactive-split counts."""
-        full = block.size
-        remaining = full - size
-        # Every block of these books is in an expandable segment: any rest worth a block
-        # is cut (PyTorch's should_split for them), and inactive splits are not counted.
-        if remaining >= KB_MIN:
-            rest = self._stand_in(block, block.ptr + size, remaining, block, block.next)
-            block.size = size
-            if listed is not None:
-                listed.replace(full, block.ptr, rest)
-            else:
-                free = pool.free.get(handle)
-                if free is None:
-                    free = pool.free[handle] = FreeList()
-                free.add(rest)
-        elif listed is not None:
-            listed.remove(block)
-
-    def _account(self, block: Block, nbytes: int, handle: int) -> None:
-        """Mark ``block`` allocated for a request of ``nbytes`` and count it."""
-        block.state = ALLOCATED
-        block.requested = nbytes
-        size = block.size
-        s = self._s
-        S.add_allocation(self._kinds[block.pool.kind], s, size, nbytes)
-        if size >= self._ms:
-            S.inc(s, OVERSIZE_ALLOCATIONS, 0, 1)
-        if self._history is not None:
-            block.frames = self._history.block_frames()
-            self._history.record("alloc", block.ptr, size, handle, block.frames)
 
     def _bad_size(self, nbytes: object) -> None:
         if isinstance(nbytes, int) and not isinstance(nbytes, bool):
@@ -681,6 +643,8 @@ class DeviceAllocator:
         raise InvalidValueError(f"nbytes={nbytes!r} must be an int number of bytes")
 
     def _bad_stream(self, stream: object, call: str) -> NoReturn:
+        if self._forked:  # the child's streams are not the parent's runtime's
+            self._refuse_in_child(call)
         if not isinstance(stream, Stream):
             raise InvalidValueError(
                 f"stream={stream!r} ({type(stream).__name__}) is not an accel.Stream; {call} needs a "
@@ -692,6 +656,16 @@ class DeviceAllocator:
         raise DeviceError(
             f"{stream!r} is not a stream of {self._name}; {call} needs a stream of "
             "the device the memory lives on"
+        )
+
+    def _refuse_in_child(self, call: str) -> NoReturn:
+        """Refuse ``call`` in a forked child (see _forget_the_core_in_child): the core's
+        mutex may be held for good by a parent thread that was inside the common pair
+        at the fork, and waiting for it would hang."""
+        raise AccelError(
+            f"{call} on {self!r} in a process forked after it was made: another thread of the parent "
+            "may have been inside its allocator core at the fork, so the child cannot use it. Start "
+            "subprocesses with the 'spawn' or 'forkserver' method (multiprocessing.get_context('spawn'))"
         )
 
     def _bad_block(self, block: object, call: str) -> NoReturn:
@@ -707,39 +681,6 @@ class DeviceAllocator:
                 return private
         return None
 
-    def _find_free(self, free: FreeList, size: int) -> Block | None:
-        """Best fit of at least ``size`` (oversize rules do not apply inside expandable
-        segments), left on ``free``; None on a miss."""
-        return free.best_fit(size)
-
-    def _grow(self, pool: Pool, handle: int, size: int, stream: Stream) -> Block:
-        """Expandable cache miss: new pages, after giving back cache if needed; or OOM."""
-        capturing = bool(self._captures)
-        self._fraction_refused = False  # set when the memory fraction, not the device, says no
-        self._refusal = ""
-        if self._gc_frees:
-            self._drain_gc_frees()  # buffers collected while the lock was taken are free memory
-        block = self._alloc_expandable(pool, handle, size)
-        if block is None and not capturing:
-            self._release_cached_blocks()
-            # Dropped pools' memory of this device, waiting for those other threads use.
-            given = release_orphans(self.backend, self.device, busy=self) if _orphans else 0
-            self._stats.s[S.NUM_ALLOC_RETRIES] += 1
-            block = self._alloc_expandable(pool, handle, size)
-            # Another thread may take what came back first, while others drop pools
-            # that hold memory: try again as long as dropped pools give some back.
-            while block is None and given and _orphans:
-                given = release_orphans(self.backend, self.device, busy=self)
-                block = self._alloc_expandable(pool, handle, size) if given else None
-        if block is None:
-            raise self._out_of_memory(size, handle)
-        return block
-
-    def _reserved(self) -> int:
-        """Bytes of this allocator's expandable segments (the core's: _core_reserved)."""
-        s = self._stats.s
-        return s[S.RESERVED_BYTES] + s[S.RESERVED_BYTES + 1]
-
     # -- expandable segments -------------------------------------------------------
 
     def _page_size(self) -> int:
@@ -751,427 +692,17 @@ class DeviceAllocator:
         unit = self.upstream.vm_granularity()
         return -(-SMALL_BUFFER // unit) * unit
 
-    def _alloc_expandable(self, pool: Pool, handle: int, size: int) -> Block | None:
-        """New expandable pages for ``size`` bytes, as a free block not on any list; None on OOM."""
-        seg = pool.expandable.get(handle)
-        if seg is None:
-            seg = self._reserve_expandable(pool, handle)
-            if seg is None:
-                return None
-        found = self._map_target(seg, size)
-        if found is None:
-            return None
-        b, addr, nbytes, absorb = found
-        # The free blocks the new pages join: the give-back leaves alone the part
-        # of them the new block will take.
-        joined = (b.prev if absorb else None, b.next if addr + nbytes == b.ptr + b.size else None)
-        start = b.prev.ptr if absorb and b.prev is not None else addr
-        spares: list[int] = []  # physical pages the give-back unmapped, mapped again here
-        try:
-            # Growing: give back the whole free pages of holes first.
-            if self._give_back_holes(seg, nbytes, joined, start + size, spares) and pool.expandable.get(handle) is not seg:
-                return self._alloc_expandable(pool, handle, size)  # left wholly unmapped, it went
-            if self._allowed is not None and self._reserved() + self._core_reserved() + nbytes > self._allowed:
-                self._fraction_refused = True
-                return None
-            if not self._map_pages(seg, addr, nbytes, spares):
-                return None
-        finally:
-            self._release_pages(spares, seg.page)
-        # Pages given back next to the target merged into it: find it again.
-        b = self._unmapped_at(seg, addr)
-        end = addr + nbytes
-        if end < b.ptr + b.size:
-            rest = Block(end, b.ptr + b.size - end, seg, mapped=False)
-            rest.prev, rest.next = b, b.next
-            if b.next is not None:
-                b.next.prev = rest
-            b.next = rest
-            b.size = end - b.ptr
-        if addr > b.ptr:
-            head = Block(b.ptr, addr - b.ptr, seg, mapped=False)
-            head.prev, head.next = b.prev, b
-            if b.prev is not None:
-                b.prev.next = head
-            else:
-                seg.head = head
-            b.prev = head
-            b.ptr, b.size = addr, nbytes
-        b.mapped = True
-        self._growths += 1
-        seg.grown_at = self._growths
-        seg.last_growth = nbytes
-        s = self._stats.s
-        S.inc(s, S.RESERVED_BYTES, pool.kind, nbytes)
-        s[S.NUM_DEVICE_ALLOC] += 1
-        if self._history is not None:
-            self._history.record("segment_map", b.ptr, nbytes, handle, None)
-        return self._merge_free(b)
-
-    def _place_at_end(self, b: Block, size: int, free: FreeList) -> bool:
-        """Put a new block of ``size`` bytes at the end of free block ``b`` of an
-        expandable segment (listed on ``free``) rather than at its start, when that
-        adds fewer pages to those live blocks touch, or as many but touches fewer
-        bytes of pages beyond its size. Then ``b`` is cut to that end, off the list,
-        its start left free; returns whether it was.
-
-        The pages live blocks touch are what stays mapped at the next growth, which
-        gives back every other whole free page: so the choice is the one that
-        keeps the least memory. At the start, the new block fills the partial page
-        of the live block before (if any); at the end, that of the live block after.
-        Only ``b``, the best fit, is looked at: trying the next larger free blocks
-        as well gave no better peaks on the traces of bench_expandable.py
-        (docs/archive/benchmarks-history.md) and costs a search per allocation.
-        """
-        rest = b.size - size
-        if rest < KB_MIN:
-            return False  # taken whole
-        seg = b.segment
-        page = seg.page
-        lo = b.ptr - seg.base
-        hi = lo + b.size
-        nxt = b.next
-        # The partial page at b's end (start) is already touched when a live block
-        # starts (ends) there.
-        tail_used = hi % page != 0 and nxt is not None and nxt.mapped and nxt.state != FREE
-        if not tail_used and lo % page == 0:
-            # At b's start the new block is page aligned, touching as few pages as
-            # it can; and the end has no touched page to fill. (The common case of
-            # a segment's free end, checked first: this runs on every hit.)
-            return False
-        if self._keep_free >= self._s[S.RESERVED_BYTES + seg.pool.kind]:
-            # Free pages are all kept (PyTorch's policy, expandable_keep_free_mb set
-            # very large): none goes back, and the lowest place keeps holes fewer.
-            return False
-        prev = b.prev
-        head_used = lo % page != 0 and prev is not None and prev.mapped and prev.state != FREE
-        # Pages [first, last) the new block touches, at b's start and at its end, and
-        # how many of them no live block touches yet (inline: this runs on every
-        # allocation that an expandable segment's cache serves).
-        first, last = lo // page, -(-(lo + size) // page)
-        new_start = last - first - head_used - (
-            tail_used and last - 1 == (hi - 1) // page and (last - 1 > first or not head_used)
-        )
-        first_end, last_end = (hi - size) // page, -(-hi // page)
-        new_end = last_end - first_end - tail_used - (
-            head_used and first_end == first and (first_end < last_end - 1 or not tail_used)
-        )
-        if (new_end, last_end - first_end) >= (new_start, last - first):
-            return False
-        end = b.ptr + b.size
-        free.remove(b)
-        head = Block(b.ptr, rest, seg)
-        head.prev, head.next = prev, b
-        if prev is not None:
-            prev.next = head
-        else:
-            seg.head = head
-        b.prev = head
-        b.ptr, b.size = end - size, size
-        self._insert_free(head)
-        return True
-
-    @staticmethod
-    def _unmapped_at(seg: Segment, addr: int) -> Block:
-        b = seg.head
-        while b is not None and b.ptr + b.size <= addr:
-            b = b.next
-        if b is None or b.mapped:
-            raise AssertionError(f"no unmapped block of {seg.base:#x} holds {addr:#x}")
-        return b
-
-    @staticmethod
-    def _map_target(seg: Segment, size: int) -> tuple[Block, int, int, bool] | None:
-        """Where ``seg`` grows to hold ``size`` bytes: ``(unmapped block, first address
-        to map, bytes to map, whether the new block starts in the free block before)``;
-        None when the reservation is full.
-
-        Every unmapped run is a candidate with the free blocks around it (the partial
-        pages at the edges of a hole, or the free end of the last page): the new block
-        starts at the start of the free block before (or of the run), running into the
-        free block after if need be, or it starts on a page boundary and ends in the
-        free block after. Chosen, in this order: the fewest pages added to those live
-        blocks touch (what stays mapped once the give-back has unmapped every other
-        whole free page: a whole free page the new block covers counts, though it is
-        mapped already, as it would otherwise go back); the fewest bytes of the pages
-        the new block touches beyond its size (each edge of it that is not on a page
-        boundary leaves a partial page mapped when its neighbour there is freed); the
-        fewest pages to map; the most free bytes taken in (partial pages filled). No
-        free block is left stranded between the new block and a live one.
-        """
-        page = seg.page
-        base = seg.base
-        best: tuple[tuple[int, int, int, int], Block, int, int, bool] | None = None
-        b = seg.head
-        while b is not None:
-            if not b.mapped:
-                prev, nxt = b.prev, b.next
-                before = prev.size if prev is not None and prev.state == FREE else 0
-                after = nxt.size if nxt is not None and nxt.state == FREE else 0
-                run_end = b.ptr + b.size
-                # The free region around the run, and whether a live block touches
-                # its first (last) page: one ends (starts) off a page boundary there.
-                lo = b.ptr - before - base
-                hi = run_end + after - base
-                left = prev.prev if before and prev is not None else prev
-                right = nxt.next if after and nxt is not None else nxt
-                head_used = lo % page != 0 and left is not None and left.mapped and left.state != FREE
-                tail_used = hi % page != 0 and right is not None and right.mapped and right.state != FREE
-                # (bytes to map, first address mapped, whether the free block before is taken in)
-                options = []
-                if size <= before + b.size:  # from the start of the free block before (or of the run)
-                    options.append((-(-(size - before) // page) * page, b.ptr, before > 0))
-                elif size <= before + b.size + after:  # across the run into the free block after
-                    options.append((b.size, b.ptr, before > 0))
-                if after and size <= after + b.size:  # from a page boundary to the end of the free block after
-                    n = -(-(size - after) // page) * page
-                    if n < b.size:
-                        options.append((n, run_end - n, False))
-                for n, addr, absorb in options:
-                    start = (addr - before if absorb else addr) - base  # of the new block
-                    taken = (before if absorb else 0) + (after if addr + n == run_end else 0)
-                    first, last = start // page, -(-(start + size) // page)
-                    touched = head_used and first == lo // page
-                    added = last - first - touched - (
-                        tail_used and last - 1 == (hi - 1) // page and (last - 1 > first or not touched)
-                    )
-                    key = (added, (last - first) * page - size, n, -taken)
-                    if best is None or key < best[0]:
-                        best = (key, b, addr, n, absorb)
-            b = b.next
-        return None if best is None else best[1:]
-
-    def _give_back_holes(
-        self,
-        growing: Segment,
-        growth: int,
-        joined: tuple[Block | None, Block | None],
-        upto: int,
-        spares: list[int],
-    ) -> int:
-        """Before segment ``growing`` maps ``growth`` more bytes: unmap whole free pages
-        of the holes of this allocator's expandable segments (both default pools,
-        every stream; of ``joined``, the free blocks before and after the growth,
-        only the pages after ``upto``, the end of the new block), the
-        growing segment's first, highest first, at most ``growth`` bytes in all. Their
-        physical pages go to ``spares``, to be mapped again by the growth. Returns the
-        bytes unmapped.
-
-        Hysteresis: reserved memory never shrinks here, so a pattern that fits the
-        mapped pages maps and unmaps nothing; ``expandable_keep_free`` bytes of each
-        segment's free pages stay mapped; and a segment that grew since ``growing``
-        last did keeps as many free pages as that growth mapped, so that two
-        segments needing pages in turn do not pass them back and forth for ever.
-        A segment's pages are touched only when its stream has no queued work (its
-        free blocks may still be in use by that work; blocks waiting for other
-        streams are not free at all), and nothing during a capture.
-        """
-        if self._captures:  # nothing goes back upstream during a capture
-            return 0
-        segments = [growing] + [
-            s for pool in (self._small, self._large) for s in pool.expandable.values() if s is not growing
-        ]
-        idle: dict[int, bool] = {}
-        # (bytes that may go, whole free pages of the segment's free blocks, highest first)
-        plan: list[tuple[int, list[tuple[Block, int, int]]]] = []
-        for seg in segments:
-            page = seg.page
-            found = []
-            whole = 0
-            b = seg.head
-            while b is not None:
-                if b.state == FREE and b.mapped and b is not joined[0]:
-                    lo = max(b.ptr, upto) if b is joined[1] else b.ptr
-                    first = seg.base + -(-(lo - seg.base) // page) * page
-                    last = seg.base + (b.ptr + b.size - seg.base) // page * page
-                    if last > first:
-                        found.append((b, first, last))
-                        whole += last - first
-                b = b.next
-            keep = self._keep_free
-            if seg.grown_at > growing.grown_at:
-                keep = max(keep, seg.last_growth)
-            if whole <= keep:
-                continue
-            if seg.stream not in idle:
-                idle[seg.stream] = self._stream_idle(seg.stream)
-            if idle[seg.stream]:
-                plan.append((whole - keep, found[::-1]))
-        unmapped = 0
-        for allowed, found in plan:
-            taken = 0
-            for b, first, last in found:
-                page = b.segment.page
-                take = min(last - first, allowed - taken, growth - unmapped)
-                take -= take % page
-                if take <= 0:
-                    break
-                self._take_off_list(b)
-                done = self._unmap_pages(b, last - take, last, spares)
-                taken += done
-                unmapped += done
-            if unmapped >= growth:
-                break
-        return unmapped
-
-    def _reserve_expandable(self, pool: Pool, handle: int) -> Segment | None:
-        page = self._page_size()
-        _, total = self.upstream.memory_info()
-        # As PyTorch: room for the whole device plus an eighth, never exceeded.
-        size = -(-(total + total // 8) // page) * page
-        try:
-            base = self.upstream.vm_reserve(size)
-        except OutOfMemoryError as exc:
-            self._refusal = str(exc)
-            return None
-        seg = Segment(self, base, size, handle, pool, True)
-        self._known.add(handle)
-        seg.page = page
-        seg.head = Block(base, size, seg, mapped=False)
-        pool.expandable[handle] = seg
-        self._segments[base] = seg
-        if pool.private is not None:
-            pool.private.segments += 1
-        return seg
-
-    def _map_pages(self, seg: Segment, addr: int, nbytes: int, spares: list[int]) -> bool:
-        """Map physical pages over ``[addr, addr + nbytes)``; all or nothing. Pages in
-        ``spares`` (unmapped elsewhere just before) are used first, new ones made for the rest.
-
-        False when upstream is out of memory; other errors propagate, with
-        every page made in this call given back first.
-        """
-        page, done = seg.page, []
-        try:
-            for start in range(addr, addr + nbytes, page):
-                h = spares.pop() if spares else self.upstream.vm_create(page)
-                try:
-                    self.upstream.vm_map(start, page, h)
-                except BaseException:
-                    self.upstream.vm_release(h, page)
-                    raise
-                done.append((start, h))
-        except BaseException as exc:
-            for start, h in reversed(done):
-                self.upstream.vm_unmap(start, page)
-                self.upstream.vm_release(h, page)
-            if isinstance(exc, OutOfMemoryError):
-                self._refusal = str(exc)
-                return False
-            raise
-        for start, h in done:
-            seg.pages[(start - seg.base) // page] = h
-        return True
-
-    def _unmap_free(self, b: Block) -> int:
-        """Unmap the whole pages inside free block ``b`` (already off its list).
-
-        Returns the bytes unmapped; the parts before and after stay free.
-        """
-        seg, page = b.segment, b.segment.page
-        first = seg.base + -(-(b.ptr - seg.base) // page) * page
-        last = seg.base + (b.ptr + b.size - seg.base) // page * page
-        return self._unmap_pages(b, first, last)
-
-    def _unmap_pages(self, b: Block, first: int, last: int, spares: list[int] | None = None) -> int:
-        """Unmap the pages ``[first, last)`` (page aligned, inside free block ``b``, which
-        is off its list); the rest of ``b`` goes back on its list. The physical pages
-        are released, or kept in ``spares`` when given. Returns the bytes unmapped
-        (fewer when the driver fails part way: the error propagates)."""
-        seg, page = b.segment, b.segment.page
-        if last <= first:
-            self._insert_free(b)
-            return 0
-        done = first
-        unmapped: list[int] = [] if spares is None else spares
-        try:
-            while done < last:
-                index = (done - seg.base) // page
-                self.upstream.vm_unmap(done, page)
-                # Counted as unmapped before anything else can raise (an interrupt
-                # in the release left a page unmapped that the blocks called mapped).
-                unmapped.append(seg.pages.pop(index))
-                done += page
-        finally:
-            try:
-                if done > first:
-                    self._carve_unmapped(b, first, done)
-                else:
-                    self._insert_free(b)
-            finally:  # the carve may give the reservation back, and be interrupted there
-                if spares is None:
-                    self._release_pages(unmapped, page)
-        return done - first
-
-    def _release_pages(self, handles: list[int], page: int) -> None:
-        """Release the physical pages ``handles`` (unmapped, in no segment's books),
-        emptying the list; an error (an interrupt) in one release still releases
-        the rest, then propagates."""
-        error: BaseException | None = None
-        while handles:
-            h = handles.pop()
-            try:
-                self.upstream.vm_release(h, page)
-            except BaseException as exc:
-                error = error or exc
-        if error is not None:
-            raise error
-
-    def _carve_unmapped(self, b: Block, first: int, last: int) -> None:
-        """Split free block ``b`` so that ``[first, last)`` is an unmapped block."""
-        seg, end = b.segment, b.ptr + b.size
-        pieces = []
-        if first > b.ptr:
-            pieces.append((b.ptr, first - b.ptr, True))
-        pieces.append((first, last - first, False))
-        if end > last:
-            pieces.append((last, end - last, True))
-        prev, nxt = b.prev, b.next
-        made: list[Block] = []
-        for ptr, size, mapped in pieces:
-            nb = b if not made else Block(ptr, size, seg, mapped)
-            nb.ptr, nb.size, nb.mapped = ptr, size, mapped
-            nb.prev = made[-1] if made else prev
-            if made:
-                made[-1].next = nb
-            made.append(nb)
-        made[-1].next = nxt
-        if nxt is not None:
-            nxt.prev = made[-1]
-        if prev is None:
-            seg.head = made[0]
-        s = self._stats.s
-        unmapped = last - first
-        s[S.RESERVED_BYTES + seg.pool.kind] -= unmapped
-        s[S.NUM_DEVICE_FREE] += 1
-        if self._history is not None:
-            self._history.record("segment_unmap", first, unmapped, seg.stream, None)
-        for nb in made:
-            if nb.mapped:
-                self._insert_free(nb)
-            else:
-                self._merge_unmapped(nb)
-
-    def _merge_unmapped(self, b: Block) -> None:
-        for neighbour in (b.prev, b.next):
-            if neighbour is not None and not neighbour.mapped:
-                self._absorb(b, neighbour)
-        seg = b.segment
-        if b.prev is None and b.next is None:
-            # Wholly unmapped: give the reservation back.
-            self.upstream.vm_free(seg.base, seg.size)
-            del seg.pool.expandable[seg.stream]
-            del self._segments[seg.base]
-            if seg.pool.private is not None:
-                seg.pool.private.segments -= 1
-
     # -- free ------------------------------------------------------------------------
 
-    def free(self, block: Block | CoreBlock) -> None:
+    def free(self, block: CoreBlock) -> None:
         """Give ``block`` back; it is reused once every stream that used it passed
         this point (see :meth:`record_stream`)."""
-        if self._plain and block.__class__ is CoreBlock and self._free_plain(block):
+        # The common case, without the lock (see _plain): its checks and the claim are one
+        # C step, so a record_stream in another thread lands before or after both.
+        if self._plain and block.__class__ is CoreBlock and self._steps.free_plain(block):
             return
+        if self._forked:
+            self._refuse_in_child("free")
         lock = self._lock
         if lock.owner == get_ident():
             # A gc callback or finalizer run inside this thread's call: deferred to the
@@ -1195,17 +726,7 @@ class DeviceAllocator:
             lock.release()
             self._recheck_plain()
 
-    def _free_plain(self, block: CoreBlock) -> bool:
-        """The common free, without the lock (see _plain): a core block of this
-        allocator, allocated, used on its own stream only. False: not that case (the
-        locked path decides). The core step takes the handle off the live handles and
-        frees the memory in one C call, so of two racing frees of it one does."""
-        if block.state != ALLOCATED or block.stream_uses is not None or block.owner is not self:
-            return False
-        self._steps.free(block)
-        return True
-
-    def _free_held(self, block: Block | CoreBlock) -> None:
+    def _free_held(self, block: CoreBlock) -> None:
         """:meth:`free` of an allocated block of this allocator, the lock held."""
         if block.stream_uses and self._gc_frees:
             self._drain_gc_frees()  # a retired handle among the uses is known before events are recorded
@@ -1213,32 +734,18 @@ class DeviceAllocator:
         if self._orphaned:
             self._release_if_idle()
 
-    def _free_locked(self, block: Block | CoreBlock) -> None:
+    def _free_locked(self, block: CoreBlock) -> None:
         if self._history is not None:
             self._history.record("free_requested", block.ptr, block.size, block.stream, None)
-        if block.segment is None:  # the core's
-            if block.stream_uses:
-                self._steps.hold(block)
-                self._order_reuse(block)
-            else:
-                self._steps.free(block)
-                if self._history is not None:
-                    self._history.record("free_completed", block.ptr, block.size, block.stream, None)
-            return
-        s = self._s
-        kind = block.pool.kind
-        size = block.size
-        S.drop_allocation(self._kinds[kind], size)
-        if size >= self._ms:
-            s[OVERSIZE_ALLOCATIONS] -= 1
         if block.stream_uses:
-            block.state = PENDING
-            S.add_pending(s, kind, size)
+            self._steps.hold(block)
             self._order_reuse(block)
         else:
-            self._free_block(block)
+            self._steps.free(block)
+            if self._history is not None:
+                self._history.record("free_completed", block.ptr, block.size, block.stream, None)
 
-    def _order_reuse(self, block: Block | CoreBlock) -> None:
+    def _order_reuse(self, block: CoreBlock) -> None:
         """Freed ``block`` (PENDING) is reused once its other streams pass events
         recorded now, or at the end of the captures under way."""
         if self._captures:
@@ -1246,7 +753,7 @@ class DeviceAllocator:
         else:
             self._insert_events(block)
 
-    def free_from_finalizer(self, block: Block | CoreBlock) -> None:
+    def free_from_finalizer(self, block: CoreBlock) -> None:
         """Free from a garbage-collection finalizer, which may run while this
         thread already holds the lock: then the free waits for the next call."""
         try:
@@ -1258,7 +765,7 @@ class DeviceAllocator:
             # one's counts below zero and put that allocator's memory on its free list.
             # The owner never changes, so the check needs no lock.
             raise InvalidHandleError(f"{block!r} is not allocated by {self!r} (from another allocator)")
-        if self._plain and block.__class__ is CoreBlock and block.state == ALLOCATED and self._free_plain(block):
+        if self._plain and block.__class__ is CoreBlock and block.state == ALLOCATED and self._steps.free_plain(block):
             return
         if self._forked and block.__class__ is CoreBlock:
             return  # the core's mutex may be held by a parent thread: see _forget_the_core_in_child
@@ -1313,23 +820,24 @@ class DeviceAllocator:
     def _allocated_any(self) -> bool:
         """Whether any block of this allocator is allocated (not counting pending ones),
         by accel or by torch through the core."""
-        small, large = self._kinds
         slots = self._core.slots()
-        return bool(small.allocation or large.allocation or slots[S.ALLOCATION] or slots[S.ALLOCATION + 1])
+        return bool(slots[S.ALLOCATION] or slots[S.ALLOCATION + 1])
 
     def _streams_idle(self) -> bool:
-        streams = {seg.stream for seg in self._segments.values()} | {b["stream"] for b in self._core.blocks()}
+        streams = {b["stream"] for b in self._core.blocks()}
         return all(self._stream_idle(stream) for stream in streams)
 
-    def _stream_idle(self, key: int) -> bool:
-        """Whether the stream that segments keyed ``key`` belong to has no queued work."""
+    def _stream_idle(self, key: int, *, recycle: bool = True) -> bool:
+        """Whether the stream that segments keyed ``key`` belong to has no queued work.
+        ``recycle``: a retired key's completed end event goes back to the event pool
+        (only with the lock held: the core asks without it, see _idler)."""
         if key < 0:  # a retired handle: its destroyed stream's end event says
             event = self._retired.get(key)
             if event is None:
                 return True
             if event == _UNORDERED or not self.backend.event_query(self.device, event):
                 return False
-            if key not in self._pending:  # no free waits for it: the event goes back to the pool
+            if recycle and key not in self._pending:  # no free waits for it: the event goes back to the pool
                 del self._retired[key]
                 self._events.append(event)
             return True
@@ -1366,8 +874,8 @@ class DeviceAllocator:
 
     def _retire(self, retired: _StreamRetired) -> None:
         """Key what this allocator keys by a destroyed stream's handle by a new key of its
-        own, which no stream has: the segments, their blocks (cached, allocated, pending),
-        the free lists, the expandable segments, record_stream uses. Memory cached under
+        own, which no stream has: the core's segments, blocks and free lists (plain and
+        expandable), the handles' streams and record_stream uses. Memory cached under
         it is then never given to another stream, and its idle checks ask the end event."""
         handle = retired.handle
         self._known.discard(handle)
@@ -1384,24 +892,6 @@ class DeviceAllocator:
             if uses and handle in uses:
                 uses.discard(handle)
                 uses.add(key)
-        for seg in self._segments.values():
-            mine = seg.stream == handle
-            if mine:
-                seg.stream = key
-            b = seg.head
-            while b is not None:
-                if mine:
-                    b.stream = key
-                uses = b.stream_uses
-                if uses and handle in uses:
-                    uses.discard(handle)
-                    uses.add(key)
-                b = b.next
-        for pool in self._all_pools():
-            if handle in pool.free:
-                pool.free[key] = pool.free.pop(handle)
-            if handle in pool.expandable:
-                pool.expandable[key] = pool.expandable.pop(handle)
 
     def _drain_gc_frees(self) -> None:
         while self._gc_frees:
@@ -1415,116 +905,16 @@ class DeviceAllocator:
         if self._orphaned:
             self._release_if_idle()
 
-    def _free_block(self, block: Block | CoreBlock) -> None:
-        """Return ``block``'s memory to its pool's free list, merged with free neighbours.
-
-        ``block`` itself was handed to a caller, who may still hold it: it is
-        retired, and a free neighbour (or a new block object) takes its
-        place in the segment, so a stale ``free(block)`` is refused later
-        instead of freeing whoever gets this memory next.
-        """
-        if block.segment is None:  # the core's, held until now
-            self._steps.release(block)
-            if self._history is not None:
-                self._history.record("free_completed", block.ptr, block.size, block.stream, None)
-            return
-        pool = block.pool
-        kind = pool.kind
-        k = self._kinds[kind]
-        if block.state == PENDING:
-            S.drop_pending(self._s, kind, block.size)
-        k.requested_bytes -= block.requested
+    def _free_block(self, block: CoreBlock) -> None:
+        """The held ``block`` may be reused: the core puts it on its free list, and the
+        caller's handle is retired (a stale second ``free`` of it is refused)."""
+        self._steps.release(block)
         if self._history is not None:
             self._history.record("free_completed", block.ptr, block.size, block.stream, None)
-        block.state = RETIRED
-        free = pool.free.get(block.stream)
-        if free is None:
-            free = pool.free[block.stream] = FreeList()
-        prev = block.prev
-        nxt = block.next
-        block.prev = block.next = None
-        if prev is not None and prev.state == FREE and prev.mapped:
-            # The free block before absorbs this one (and the one after, if free).
-            survivor = prev
-            listed_size = prev.size
-            survivor.size += block.size
-            if nxt is not None and nxt.state == FREE and nxt.mapped:
-                free.remove(nxt)
-                survivor.size += nxt.size
-                nxt = nxt.next
-            survivor.next = nxt
-            if nxt is not None:
-                nxt.prev = survivor
-            prev = survivor.prev
-            free.replace(listed_size, survivor.ptr, survivor)
-        elif nxt is not None and nxt.state == FREE and nxt.mapped:
-            # The free block after takes this one's place and start.
-            survivor = nxt
-            listed_size, listed_ptr = nxt.size, nxt.ptr
-            survivor.ptr = block.ptr
-            survivor.size += block.size
-            survivor.prev = prev
-            if prev is not None:
-                prev.next = survivor
-            else:
-                block.segment.head = survivor
-            nxt = survivor.next
-            free.replace(listed_size, listed_ptr, survivor)
-        else:
-            # No free neighbour: a fresh block object stands in for this one.
-            survivor = self._stand_in(block, block.ptr, block.size, prev, nxt)
-            free.add(survivor)
-
-    def _stand_in(self, like: Block, ptr: int, size: int, prev: Block | None, nxt: Block | None) -> Block:
-        """A FREE block object of ``like``'s segment for ``[ptr, ptr + size)``, linked
-        between ``prev`` and ``nxt``."""
-        new = Block(ptr, size, like.segment)
-        new.prev = prev
-        new.next = nxt
-        if prev is not None:
-            prev.next = new
-        else:
-            like.segment.head = new
-        if nxt is not None:
-            nxt.prev = new
-        return new
-
-    def _merge_free(self, block: Block) -> Block:
-        """Merge free mapped neighbours into ``block`` (FREE, off every list)."""
-        for neighbour in (block.prev, block.next):
-            if neighbour is not None and neighbour.state == FREE and neighbour.mapped:
-                self._take_off_list(neighbour)
-                self._absorb(block, neighbour)
-        return block
-
-    def _absorb(self, block: Block, neighbour: Block) -> None:
-        if neighbour is block.prev:
-            block.ptr = neighbour.ptr
-            block.prev = neighbour.prev
-            if block.prev is not None:
-                block.prev.next = block
-            else:
-                block.segment.head = block
-        else:
-            block.next = neighbour.next
-            if block.next is not None:
-                block.next.prev = block
-        block.size += neighbour.size
-
-    def _insert_free(self, block: Block) -> None:
-        """Put FREE mapped ``block`` on its free list."""
-        pool = block.pool
-        free = pool.free.get(block.stream)
-        if free is None:
-            free = pool.free[block.stream] = FreeList()
-        free.add(block)
-
-    def _take_off_list(self, block: Block) -> None:
-        block.pool.free[block.stream].remove(block)
 
     # -- streams -----------------------------------------------------------------------
 
-    def record_stream(self, block: Block | CoreBlock, stream: Stream) -> None:
+    def record_stream(self, block: CoreBlock, stream: Stream) -> None:
         """Mark ``block`` as used on ``stream`` too: after a free it is reused only
         once ``stream`` passed an event recorded at free time."""
         try:
@@ -1548,8 +938,15 @@ class DeviceAllocator:
                 block.stream_uses = {handle}
             else:
                 block.stream_uses.add(handle)
+            if block.segment is None and self._live.get(block.ptr) is not block:
+                # The lock-free free (see _plain) claimed it after the state check above:
+                # freed first, its memory may be reused without waiting for this use.
+                raise InvalidHandleError(
+                    f"record_stream on {block!r}, which another thread freed meanwhile; record the "
+                    "stream before the buffer is freed"
+                )
 
-    def _insert_events(self, block: Block | CoreBlock) -> None:
+    def _insert_events(self, block: CoreBlock) -> None:
         remaining = list(block.stream_uses or ())
         block.stream_uses = None
         error: BaseException | None = None
@@ -1596,7 +993,7 @@ class DeviceAllocator:
         if error is not None:
             raise error
 
-    def _wait_for_retired(self, block: Block | CoreBlock, key: int) -> None:
+    def _wait_for_retired(self, block: CoreBlock, key: int) -> None:
         """Order the reuse of freed ``block`` after the work of the destroyed stream
         retired as ``key``: its end event joins the block's pending events (shared: the
         queue of ``key`` does not return it to the pool)."""
@@ -1663,6 +1060,8 @@ class DeviceAllocator:
         Partly used segments stay. Does nothing to the driver while a capture
         is under way.
         """
+        if self._forked:
+            self._refuse_in_child("empty_cache")
         with self._lock:
             if self._gc_frees:
                 self._drain_gc_frees()
@@ -1676,19 +1075,19 @@ class DeviceAllocator:
         the device (its streams may still run work queued on the memory). Returns the
         bytes given back."""
         try:
-            before = self._reserved() + self._core_reserved()
+            before = self._core_reserved()
             if self._gc_frees:
                 self._drain_gc_frees()
             if not self._allocated_any():
                 self._release_cached_blocks()
             self._note_orphan()
-            return before - self._reserved() - self._core_reserved()
+            return before - self._core_reserved()
         finally:
             self._lock.release()
 
     def _note_orphan(self) -> None:
         """Keep this dropped pool's allocator for a later release while it holds memory."""
-        if self._segments or self._core_reserved():
+        if self._core.blocks():
             _orphans.add(self)
         else:
             _orphans.discard(self)
@@ -1712,33 +1111,13 @@ class DeviceAllocator:
                 self._events += [e for e in self._retired.values() if e != _UNORDERED]
                 self._retired.clear()
         freeable = [p for p in self._private.values() if p.use_count == 0]
-        pools = [self._small, self._large]
-        for private in freeable:
-            pools += [private.small, private.large]
-        victims = [b for pool in pools for lst in pool.free.values() for _, _, b in lst]
-        if victims:
-            self._release(victims, wait=wait)
-        # Reservations left wholly unmapped (a failed first map) go back too.
-        for pool in pools:
-            for seg in list(pool.expandable.values()):
-                head = seg.head
-                if head is not None and not head.mapped and head.next is None:
-                    self._merge_unmapped(head)
-        # The core's wholly free segments of the default pool and of the private pools
-        # no graph uses (those in use are kept: see begin_allocate_to_pool).
+        # The core's wholly free segments and free expandable pages of the default pool
+        # and of the private pools no graph uses (those in use are kept: see
+        # begin_allocate_to_pool).
         self._core.empty_cache(wait=wait)
         for private in freeable:
-            if private.segments == 0 and self._core.pool_segments(private.key) == 0:
+            if self._core.pool_segments(private.key) == 0:
                 del self._private[private.id]
-
-    def _release(self, blocks: list[Block], *, wait: bool = True) -> None:
-        """Give free expandable ranges ``blocks`` back upstream (unmapped)."""
-        # Upstream frees are not stream ordered on every backend: let queued work finish.
-        if wait:
-            self.backend.device_synchronize(self.device)
-        for b in blocks:
-            self._take_off_list(b)
-            self._unmap_free(b)
 
     # -- private pools ------------------------------------------------------------------
 
@@ -1825,7 +1204,7 @@ class DeviceAllocator:
         private.use_count -= 1
         if private.use_count == 0:
             self._core.keep_pool(private.key, False)  # freeable: the next empty_cache gives it back
-        if private.use_count == 0 and private.segments == 0 and self._core.pool_segments(private.key) == 0:
+        if private.use_count == 0 and self._core.pool_segments(private.key) == 0:
             del self._private[pool_id]
         elif private.use_count == 0 and self._orphaned:
             # Nobody is left to call empty_cache on a dropped MemPool's allocator.
@@ -1843,13 +1222,14 @@ class DeviceAllocator:
 
     def stats(self) -> dict[str, int]:
         """PyTorch's ``memory_stats`` keys for this device, sorted."""
+        if self._forked:
+            self._refuse_in_child("stats")
         with self._lock:
             if self._gc_frees:
                 self._drain_gc_frees()
             out = self._stats.as_dict(-1 if self._ms == _UNLIMITED else self._ms)
-        # The core's counters (accel's buffers and torch's tensors alike), plus those of
-        # the expandable segments kept here: all zero unless expandable segments were
-        # used (then a peak shown is the sum of the two peaks).
+        # The core's counters (accel's buffers and torch's tensors alike), plus this
+        # allocator's own (see __init__).
         for key, value in self._core.stats().items():
             if key != "max_split_size":
                 out[key] += value
@@ -1888,19 +1268,7 @@ class DeviceAllocator:
         with self._lock:
             if self._gc_frees:
                 self._drain_gc_frees()
-            out = []
-            for seg in self._segments.values():
-                pool_id = seg.pool.private.id if seg.pool.private is not None else (0, 0)
-                runs: list[list[Block]] = [[]]
-                for b in seg.blocks():
-                    if b.mapped:
-                        runs[-1].append(b)
-                    elif runs[-1]:
-                        runs.append([])
-                for run in runs:
-                    if run:
-                        out.append(self._segment_dict(seg, run, pool_id))
-            out += self._core_segments()
+            out = self._core_segments()
             if self._history is not None:
                 active = sum(x["active_size"] for x in out)
                 self._history.record("snapshot", 0, active, 0, None)
@@ -1908,20 +1276,26 @@ class DeviceAllocator:
 
     def _core_segments(self) -> list[dict[str, Any]]:
         """The native core's segments in :meth:`snapshot`'s layout (the lock held: the
-        frames of accel's blocks are on their handles; torch's blocks have none)."""
+        frames of accel's blocks are on their handles; torch's blocks have none). An
+        expandable segment shows as one segment per contiguous mapped range."""
         pool_ids: dict[int, PoolId] = {p.key: p.id for p in self._private.values()}
-        segments: dict[int, dict[str, Any]] = {}
+        out: list[dict[str, Any]] = []
+        seg: dict[str, Any] | None = None
         for b in self._core.blocks():
-            seg = segments.get(b["segment"])
-            if seg is None:
-                seg = segments[b["segment"]] = {
-                    "device": self.device, "address": b["segment"], "total_size": b["segment_size"],
+            if not b["mapped"]:
+                seg = None  # an unmapped range ends an expandable segment's mapped run
+                continue
+            if seg is None or seg["key"] != b["segment"]:
+                seg = {
+                    "key": b["segment"], "device": self.device, "address": b["ptr"], "total_size": 0,
                     "allocated_size": 0, "active_size": 0, "requested_size": 0, "stream": b["stream"],
                     "segment_type": "small" if b["small"] else "large",
-                    "segment_pool_id": pool_ids.get(b["pool"], (0, 0)), "is_expandable": False, "frames": [],
-                    "blocks": [],
+                    "segment_pool_id": pool_ids.get(b["pool"], (0, 0)), "is_expandable": b["expandable"],
+                    "frames": [], "blocks": [],
                 }  # fmt: skip
+                out.append(seg)
             state = "active_allocated" if b["allocated"] else "active_pending_free" if b["held"] else "inactive"
+            seg["total_size"] += b["size"]
             if state != "inactive":
                 seg["active_size"] += b["size"]
                 seg["requested_size"] += b["requested"]
@@ -1934,62 +1308,19 @@ class DeviceAllocator:
                     "frames": (handle.frames or []) if handle is not None else [],
                 }  # fmt: skip
             )
-        return list(segments.values())
-
-    def _segment_dict(self, seg: Segment, run: list[Block], pool_id: PoolId) -> dict[str, Any]:
-        blocks = []
-        allocated = active = requested = 0
-        for b in run:
-            if b.state == ALLOCATED:
-                state = "active_allocated"
-                allocated += b.size
-            elif b.state == PENDING:
-                state = "active_pending_free"
-            else:
-                state = "inactive"
-            if state != "inactive":
-                active += b.size
-                requested += b.requested
-            blocks.append(
-                {
-                    "address": b.ptr,
-                    "size": b.size,
-                    "requested_size": b.requested if state != "inactive" else 0,
-                    "state": state,
-                    "frames": b.frames or [],
-                }
-            )
-        return {
-            "device": self.device,
-            "address": run[0].ptr,
-            "total_size": sum(b.size for b in run),
-            "allocated_size": allocated,
-            "active_size": active,
-            "requested_size": requested,
-            "stream": seg.stream,
-            "segment_type": "small" if seg.pool.small else "large",
-            "segment_pool_id": pool_id,
-            "is_expandable": seg.expandable,
-            "frames": seg.frames,
-            "blocks": blocks,
-        }
+        for seg in out:
+            del seg["key"]
+        return out
 
     def largest_free_block(self) -> int:
         with self._lock:
             return self._largest_free()
 
     def _largest_free(self) -> int:
-        core = (b["size"] for b in self._core.blocks() if not b["allocated"] and not b["held"])
         return max(
-            (*(free.largest() for pool in self._all_pools() for free in pool.free.values()), *core),
+            (b["size"] for b in self._core.blocks() if b["mapped"] and not b["allocated"] and not b["held"]),
             default=0,
         )
-
-    def _all_pools(self) -> list[Pool]:
-        pools = [self._small, self._large]
-        for private in self._private.values():
-            pools += [private.small, private.large]
-        return pools
 
     def _out_of_memory(self, size: int, handle: int, *, counted: bool = False) -> OutOfMemoryError:
         """The report of a request of ``size`` bytes refused (``counted``: the core
@@ -1999,20 +1330,11 @@ class DeviceAllocator:
         free, total = self.upstream.memory_info()
         if self._history is not None:
             self._history.record("oom", free, size, handle, None)
-        private_reserved = 0
-        private_allocated = 0
-        for private in self._private.values():
-            for pool in (private.small, private.large):
-                for seg in self._segments.values():
-                    if seg.pool is pool:
-                        for b in seg.blocks():
-                            if b.mapped:
-                                private_reserved += b.size
-                                if b.state != FREE:
-                                    private_allocated += b.size
-        cached_free = sum(t[0] for pool in self._all_pools() for lst in pool.free.values() for t in lst)
+        private_reserved = private_allocated = cached_free = 0
         private_keys = {p.key for p in self._private.values()}
         for info in self._core.blocks():
+            if not info["mapped"]:
+                continue
             if not info["allocated"] and not info["held"]:
                 cached_free += info["size"]
             if info["pool"] in private_keys:
@@ -2028,10 +1350,8 @@ class DeviceAllocator:
             if other is self or other.backend is not self.backend or other.device != self.device:
                 continue
             core_slots = other._core.slots()
-            reserved = other._reserved() + core_slots[S.RESERVED_BYTES] + core_slots[S.RESERVED_BYTES + 1]
-            allocated = (
-                other._stats.current(S.ALLOCATED_BYTES) + core_slots[S.ALLOCATED_BYTES] + core_slots[S.ALLOCATED_BYTES + 1]
-            )
+            reserved = core_slots[S.RESERVED_BYTES] + core_slots[S.RESERVED_BYTES + 1]
+            allocated = core_slots[S.ALLOCATED_BYTES] + core_slots[S.ALLOCATED_BYTES + 1]
             if other._orphaned:
                 dropped += reserved
                 dropped_allocated += allocated
@@ -2049,8 +1369,8 @@ class DeviceAllocator:
             free=free,
             allowed=self._allowed,
             fraction=self._fraction,
-            allocated=self._stats.current(S.ALLOCATED_BYTES) + core["allocated_bytes.all.current"],
-            reserved=self._reserved() + core["reserved_bytes.all.current"],
+            allocated=core["allocated_bytes.all.current"],
+            reserved=core["reserved_bytes.all.current"],
             private_pools=private_allocated,
             private_reserved=private_reserved,
             largest_free_block=self._largest_free(),

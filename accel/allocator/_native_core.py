@@ -1,12 +1,13 @@
 """The allocator's native core (csrc/accel_core.c), bound with cffi's API mode.
 
 The core keeps the books of a caching allocator in typed C structs under its own
-mutex: segments cut into blocks, best-fit free lists per (pool, stream), split and
-merge, the statistics. It includes no Python.h, so it needs no GIL and is correct
-without one; cffi's generated wrapper releases the GIL around every call into it.
-Its upstream (where new segments come from) is a :class:`MemoryResource`, reached
-through an ``extern "Python"`` callback that takes the GIL itself and runs with the
-core's mutex released.
+mutex: segments (plain, and expandable ones mapped page by page) cut into blocks,
+best-fit free lists per (pool, stream), split and merge, the statistics. It includes
+no Python.h, so it needs no GIL and is correct without one; cffi's generated wrapper
+releases the GIL around every call into it. Its upstream (where new segments and
+expandable segments' pages come from) is a :class:`MemoryResource`, reached through
+``extern "Python"`` callbacks that take the GIL themselves and run with the core's
+mutex released.
 
 The same shared library exports torch's pluggable-allocator C ABI over the cores
 registered per device (see :mod:`accel.allocator._torch_allocator`).
@@ -116,10 +117,8 @@ def _install_callbacks(ffi: Any) -> None:
                     # next empty_cache raises it.
                     upstream.free_errors.append(exc)
                     return 0
-                upstream.refusal.exc = exc  # this thread's malloc raises it (raise_for)
-                # Only a shortage is worth giving the cache back and asking again: after
-                # anything else (an interrupt) the malloc stops, and raises it.
-                return 1 if isinstance(exc, OutOfMemoryError) else 2  # ACCEL_UPSTREAM_*
+                # after anything but a shortage (an interrupt) the malloc stops, and raises it
+                return _shortage(upstream, exc)
             return 0
 
         @ffi.def_extern()  # type: ignore[untyped-decorator]
@@ -131,15 +130,8 @@ def _install_callbacks(ffi: Any) -> None:
             # lose it. The wait runs again (uninterrupted, it ends), the interrupt is
             # raised by the next empty_cache; a device that fails to wait twice keeps
             # the memory (freeing it under queued work would be worse).
-            if upstream.synchronize is not None and not getattr(upstream.no_wait, "on", False):
-                for _ in range(2):
-                    try:
-                        upstream.synchronize(device)
-                        break
-                    except BaseException as exc:  # noqa: BLE001 - raised by the next empty_cache
-                        upstream.free_errors.append(exc)
-                else:
-                    return
+            if not _synchronized(upstream, device):
+                return
             try:
                 upstream.resource.deallocate(ptr, size)
             except BaseException as exc:  # noqa: BLE001 - raised by the next empty_cache
@@ -147,7 +139,146 @@ def _install_callbacks(ffi: Any) -> None:
                 return
             _report(upstream, "segment_free", ptr, size)
 
+        _install_vm_callbacks(ffi)
         _installed = True
+
+
+def _shortage(upstream: _Upstream, exc: BaseException) -> int:
+    """What a refusal of the upstream means to the core (ACCEL_UPSTREAM_*), kept for the
+    malloc that asked: only a shortage is worth giving the cache back and asking again."""
+    upstream.refusal.exc = exc  # this thread's malloc raises it (raise_for)
+    return 1 if isinstance(exc, OutOfMemoryError) else 2
+
+
+def _install_vm_callbacks(ffi: Any) -> None:
+    """The ``extern "Python"`` callbacks of expandable segments' virtual memory
+    (accel_core.h's accel_vm_ops), over the resource's ``vm_*`` methods: each page is one
+    physical allocation, mapped at its address (``_Upstream.pages``)."""
+
+    @ffi.def_extern(error=2)  # type: ignore[untyped-decorator]
+    def accel_py_vm_reserve(ctx: Any, device: int, size: int, out: Any) -> int:
+        upstream: _Upstream = ffi.from_handle(ctx)
+        try:
+            out[0] = upstream.resource.vm_reserve(size)
+        except BaseException as exc:  # noqa: BLE001 - raised by the malloc that asked
+            return _shortage(upstream, exc)
+        return 0
+
+    @ffi.def_extern()  # type: ignore[untyped-decorator]
+    def accel_py_vm_unreserve(ctx: Any, device: int, va: int, size: int) -> None:
+        upstream: _Upstream = ffi.from_handle(ctx)
+        _twice(upstream, lambda: upstream.resource.vm_free(va, size))
+
+    @ffi.def_extern(error=2)  # type: ignore[untyped-decorator]
+    def accel_py_vm_map(ctx: Any, device: int, va: int, nbytes: int) -> int:
+        upstream: _Upstream = ffi.from_handle(ctx)
+        resource, page, pages = upstream.resource, upstream.page, upstream.pages
+        done: list[tuple[int, int]] = []
+        spares = _spares(upstream)
+        try:
+            if upstream.admit is not None:
+                upstream.admit(nbytes)
+            for start in range(va, va + nbytes, page):
+                # the physical pages the growth's give-back just unmapped first
+                handle = spares.pop() if spares else resource.vm_create(page)
+                try:
+                    resource.vm_map(start, page, handle)
+                except BaseException:
+                    resource.vm_release(handle, page)
+                    raise
+                done.append((start, handle))
+                pages[start] = handle
+        except BaseException as exc:  # noqa: BLE001 - raised by the malloc that asked
+            # all or nothing: the pages mapped so far go back (what that raises is the
+            # next empty_cache's to raise)
+            for start, handle in reversed(done):
+                pages.pop(start, None)
+                _unmap_page(upstream, start, handle)
+            return _shortage(upstream, exc)
+        finally:
+            _release_spares(upstream, spares)
+        _report(upstream, "segment_map", va, nbytes)
+        return 0
+
+    @ffi.def_extern()  # type: ignore[untyped-decorator]
+    def accel_py_vm_unmap(ctx: Any, device: int, va: int, nbytes: int, wait: int) -> None:
+        upstream: _Upstream = ffi.from_handle(ctx)
+        # Pages whose stream was not seen idle: its queued work may use them, and
+        # unmapping is not stream ordered on every backend (see accel_py_upstream_free).
+        if wait and not _synchronized(upstream, device):
+            return  # the device failed to wait twice: the pages stay mapped (and in no book)
+        # A growth's give-back (no wait) keeps the physical pages for the growth's map,
+        # which follows on this thread: not released and made anew.
+        spares = None if wait else _spares(upstream)
+        for start in range(va, va + nbytes, upstream.page):
+            handle = upstream.pages.pop(start, None)
+            if handle is not None:
+                _unmap_page(upstream, start, handle, spares)
+        _report(upstream, "segment_unmap", va, nbytes)
+
+    @ffi.def_extern(error=0)  # type: ignore[untyped-decorator]
+    def accel_py_vm_idle(ctx: Any, device: int, stream: int) -> int:
+        upstream: _Upstream = ffi.from_handle(ctx)
+        if upstream.idle is None:
+            return 0
+        try:
+            return int(upstream.idle(stream - (stream >> 63 << 64)))
+        except BaseException as exc:  # noqa: BLE001 - not idle; raised by the next empty_cache
+            upstream.free_errors.append(exc)
+            return 0
+
+
+def _spares(upstream: _Upstream) -> list[int]:
+    """This thread's physical pages unmapped by a growth's give-back, for its map."""
+    try:
+        spares: list[int] = upstream.spares.pages
+    except AttributeError:
+        spares = upstream.spares.pages = []
+    return spares
+
+
+def _release_spares(upstream: _Upstream, spares: list[int]) -> None:
+    """Release the spare physical pages a map did not use (what that raises is the next
+    empty_cache's to raise)."""
+    while spares:
+        handle = spares.pop()
+        _twice(upstream, lambda: upstream.resource.vm_release(handle, upstream.page))
+
+
+def _twice(upstream: _Upstream, call: Callable[[], None]) -> bool:
+    """``call()``, run again if it raised (an interrupt: uninterrupted, it ends), what it
+    raised kept for the next empty_cache. False: it failed twice."""
+    for _ in range(2):
+        try:
+            call()
+            return True
+        except BaseException as exc:  # noqa: BLE001 - raised by the next empty_cache
+            upstream.free_errors.append(exc)
+    return False
+
+
+def _unmap_page(upstream: _Upstream, start: int, handle: int, spares: list[int] | None = None) -> None:
+    """Unmap and release one page (kept in ``spares`` instead, when given). The core's
+    books call it unmapped already: each step runs again after an interrupt, what it
+    raised is the next empty_cache's to raise; a page the driver failed to unmap twice
+    is not released (its physical memory is lost rather than freed under a mapping)."""
+    resource, page = upstream.resource, upstream.page
+    if not _twice(upstream, lambda: resource.vm_unmap(start, page)):
+        return
+    if spares is not None:
+        spares.append(handle)
+    else:
+        _twice(upstream, lambda: resource.vm_release(handle, page))
+
+
+def _synchronized(upstream: _Upstream, device: int) -> bool:
+    """Wait for the device before memory goes back upstream (unless the thread said it
+    must not wait); an interrupt of the wait runs it again, kept for the next
+    empty_cache. False: the device failed to wait twice."""
+    synchronize = upstream.synchronize
+    if synchronize is None or getattr(upstream.no_wait, "on", False):
+        return True
+    return _twice(upstream, lambda: synchronize(device))
 
 
 def _report(upstream: _Upstream, event: str, ptr: int, size: int) -> None:
@@ -192,7 +323,10 @@ class _Upstream:
     thread (a malloc that saw a refusal raises it). Not the NativeCore itself, so that
     the core's finalizer can keep it alive while the core gives its cache back."""
 
-    __slots__ = ("resource", "refusal", "synchronize", "free_errors", "admit", "notify", "no_wait")
+    __slots__ = (
+        "resource", "refusal", "synchronize", "free_errors", "admit", "notify", "no_wait", "idle", "page", "pages",
+        "spares",
+    )
 
     def __init__(
         self,
@@ -200,8 +334,16 @@ class _Upstream:
         synchronize: Callable[[int], None] | None,
         admit: Callable[[int], None] | None,
         notify: Callable[[str, int, int], None] | None,
+        idle: Callable[[int], bool] | None = None,
     ) -> None:
         self.resource = resource
+        self.idle = idle
+        # expandable segments: the bytes of a page, and the physical page mapped at each
+        # page's address
+        self.page = 0
+        self.pages: dict[int, int] = {}
+        # per thread: physical pages a growth's give-back unmapped, for its map
+        self.spares = threading.local()
         self.admit = admit
         self.notify = notify
         # The upstream's last refusal on each thread, as ``refusal.exc``: thread-local, so
@@ -236,6 +378,8 @@ class NativeCore:
     ``admit(size)`` before a new segment is asked of it (raising OutOfMemoryError refuses
     it: a memory fraction's cap); ``notify(event, ptr, size)`` after a segment came from
     upstream ("segment_alloc") or went back ("segment_free"), on the thread that asked.
+    ``idle(stream)``: whether a stream has no queued work (an expandable segment's free
+    pages go back for another's growth only then).
     ``stream`` and ``pool`` are opaque keys (a stream's handle, a pool's number):
     blocks are reused only under the keys they were freed with.
     """
@@ -246,6 +390,7 @@ class NativeCore:
         synchronize: Callable[[int], None] | None = None,
         admit: Callable[[int], None] | None = None,
         notify: Callable[[str, int, int], None] | None = None,
+        idle: Callable[[int], bool] | None = None,
     ) -> None:
         module = core_module()
         self._ffi = module.ffi
@@ -253,7 +398,7 @@ class NativeCore:
         _install_callbacks(self._ffi)
         self.upstream = upstream
         self.device = upstream.device
-        self._callbacks = _Upstream(upstream, synchronize, admit, notify)
+        self._callbacks = _Upstream(upstream, synchronize, admit, notify, idle)
         handle = self._ffi.new_handle(self._callbacks)
         lib = self._lib
         self._core = lib.accel_core_new(self.device, lib.accel_py_upstream_alloc, lib.accel_py_upstream_free, handle)
@@ -263,6 +408,12 @@ class NativeCore:
         weakref.finalize(self, _destroy, lib, self._core, handle).atexit = False
         self._max_split_size = -1
         self._offsets = [0] * _SLOTS  # see reset_accumulated
+        self.virtual_memory = upstream.supports_virtual_memory()
+        if self.virtual_memory:
+            names = ("reserve", "unreserve", "map", "unmap", "idle")
+            lib.accel_core_set_vm(
+                self._core, self._ffi.new("accel_vm_ops *", {n: getattr(lib, f"accel_py_vm_{n}") for n in names})
+            )
         self._tls = threading.local()
 
     @property
@@ -274,6 +425,22 @@ class NativeCore:
         """The settings of :class:`AllocatorConfig` the core applies (None: unlimited)."""
         self._max_split_size = -1 if max_split_size is None else max_split_size
         self._lib.accel_core_configure(self._core, max_split_size or 0, max_non_split_rounding, large_segment)
+
+    def set_expandable(self, on: bool, page: int = 0, reserve_size: int = 0, keep_free: int = 0) -> None:
+        """Expandable segments (PyTorch's ``expandable_segments``) on or off: one
+        reservation of ``reserve_size`` bytes per (pool, kind, stream), mapped in
+        ``page``-byte pages on demand; ``keep_free`` bytes of each one's free pages stay
+        mapped when another grows. Only on a resource with virtual memory."""
+        if on and not self.virtual_memory:
+            raise InvalidValueError(f"{self.upstream!r} has no virtual memory: no expandable segments")
+        if on and not (page >= 512 and page % 512 == 0 and reserve_size >= page and reserve_size % page == 0):
+            raise InvalidValueError(
+                f"expandable segments need a page of 512-byte multiples and a reservation of pages, "
+                f"not page={page}, reserve_size={reserve_size}"
+            )
+        if on:
+            self._callbacks.page = page
+        self._lib.accel_core_set_expandable(self._core, int(on), page, reserve_size, keep_free)
 
     def malloc(self, nbytes: int, stream: int, pool: int = 0, flags: int = 0) -> tuple[int, int]:
         """``(ptr, size)`` of a block of at least ``nbytes`` for ``stream`` in ``pool``.
@@ -426,7 +593,7 @@ class NativeCore:
 
     def blocks(self) -> list[dict[str, int]]:
         """Every block of every segment: its segment, stream, pool, state (allocated,
-        held, else free) and sizes."""
+        held, unmapped (of an expandable segment), else free) and sizes."""
         ffi, lib = self._ffi, self._lib
         cap = 64
         while True:
@@ -440,7 +607,8 @@ class NativeCore:
                 "segment": int(b.segment), "segment_size": int(b.segment_size),
                 "stream": int(b.stream) - (int(b.stream) >> 63 << 64),
                 "pool": int(b.pool), "small": bool(b.small), "allocated": b.state == lib.ACCEL_CORE_ALLOCATED,
-                "held": b.state == lib.ACCEL_CORE_HELD,
+                "held": b.state == lib.ACCEL_CORE_HELD, "expandable": bool(b.expandable),
+                "mapped": b.state != lib.ACCEL_CORE_UNMAPPED,
                 "ptr": int(b.ptr), "size": int(b.size), "requested": int(b.requested),
             }  # fmt: skip
             for b in out[0:n]

@@ -4,13 +4,17 @@
  * mark into what they got and check it before freeing (some held, then released);
  * one more thread gives the cache back, reads the books and makes the policy calls
  * (keep/release a pool, freeze, gc threshold, divisions, re-key) meanwhile. The
- * upstream refuses now and then, so the give-back-and-retry path runs too. Exit 0
- * when every check held. */
+ * upstream refuses now and then, so the give-back-and-retry path runs too. The
+ * policy thread turns expandable segments on and off: their reservations are
+ * PROT_NONE mappings whose pages the map callback makes writable (and the unmap one
+ * inaccessible again), so a block handed out over a page that is not mapped faults
+ * when its owner writes its mark. Exit 0 when every check held. */
 
 #include "accel_core.h"
 
 #include <pthread.h>
 #include <stdio.h>
+#include <sys/mman.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -45,6 +49,48 @@ static void upstream_free(void *ctx, int device, uint64_t ptr, int64_t size) {
     pthread_mutex_lock(&upstream_lock);
     outstanding -= size;
     pthread_mutex_unlock(&upstream_lock);
+}
+
+#define PAGE (2LL << 20)
+#define RESERVATION (512LL << 20)
+static int64_t reserved_left, mapped_left, vm_calls;
+
+static int vm_reserve(void *ctx, int device, int64_t size, uint64_t *va) {
+    (void)ctx, (void)device;
+    void *p = mmap(NULL, (size_t)size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED)
+        return 1;
+    __atomic_add_fetch(&reserved_left, size, __ATOMIC_RELAXED);
+    *va = (uint64_t)(uintptr_t)p;
+    return 0;
+}
+
+static void vm_unreserve(void *ctx, int device, uint64_t va, int64_t size) {
+    (void)ctx, (void)device;
+    munmap((void *)(uintptr_t)va, (size_t)size);
+    __atomic_sub_fetch(&reserved_left, size, __ATOMIC_RELAXED);
+}
+
+static int vm_map(void *ctx, int device, uint64_t va, int64_t nbytes) {
+    (void)ctx, (void)device;
+    if (__atomic_add_fetch(&vm_calls, 1, __ATOMIC_RELAXED) % 19 == 0)
+        return 1; /* out of memory now and then */
+    if (mprotect((void *)(uintptr_t)va, (size_t)nbytes, PROT_READ | PROT_WRITE) != 0)
+        return 2;
+    __atomic_add_fetch(&mapped_left, nbytes, __ATOMIC_RELAXED);
+    return 0;
+}
+
+static void vm_unmap(void *ctx, int device, uint64_t va, int64_t nbytes, int wait) {
+    (void)ctx, (void)device, (void)wait;
+    madvise((void *)(uintptr_t)va, (size_t)nbytes, MADV_DONTNEED);
+    mprotect((void *)(uintptr_t)va, (size_t)nbytes, PROT_NONE);
+    __atomic_sub_fetch(&mapped_left, nbytes, __ATOMIC_RELAXED);
+}
+
+static int vm_idle(void *ctx, int device, uint64_t stream) {
+    (void)ctx, (void)device;
+    return (__atomic_add_fetch(&vm_calls, 1, __ATOMIC_RELAXED) + stream) % 3 != 0;
 }
 
 static accel_core *core;
@@ -112,6 +158,7 @@ static void *janitor(void *arg) {
             divisions[d] = (i & 4) ? 4 : 0;
         accel_core_set_divisions(core, divisions);
         accel_core_rekey_stream(core, (uint64_t)1000 + i, (uint64_t)2000 + i); /* no such stream: nothing moves */
+        accel_core_set_expandable(core, (i & 8) == 0, PAGE, RESERVATION, (i & 16) ? PAGE : 0);
     }
     accel_core_freeze(core, 0);
     accel_core_keep_pool(core, 1, 0);
@@ -121,6 +168,9 @@ static void *janitor(void *arg) {
 int main(void) {
     core = accel_core_new(0, upstream_alloc, upstream_free, NULL);
     accel_core_configure(core, 8 << 20, 20 << 20, 20 << 20);
+    accel_vm_ops ops = {vm_reserve, vm_unreserve, vm_map, vm_unmap, vm_idle};
+    accel_core_set_vm(core, &ops);
+    accel_core_set_expandable(core, 1, PAGE, RESERVATION, 0);
     pthread_t threads[THREADS], other;
     pthread_create(&other, NULL, janitor, NULL);
     for (int t = 0; t < THREADS; t++)
@@ -136,7 +186,8 @@ int main(void) {
     accel_core_stats(core, slots);
     accel_core_empty_cache(core);
     accel_core_destroy(core);
-    printf("failures %d allocated %lld reserved-left %lld ooms %lld\n", bad, (long long)(slots[32] + slots[33]),
-           (long long)outstanding, (long long)slots[89]);
-    return bad != 0 || slots[32] + slots[33] != 0 || outstanding != 0;
+    printf("failures %d allocated %lld reserved-left %lld ooms %lld maps %lld\n", bad,
+           (long long)(slots[32] + slots[33]), (long long)(outstanding + reserved_left + mapped_left),
+           (long long)slots[89], (long long)vm_calls);
+    return bad != 0 || slots[32] + slots[33] != 0 || outstanding != 0 || reserved_left != 0 || mapped_left != 0;
 }

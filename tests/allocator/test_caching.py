@@ -12,8 +12,8 @@ import pytest
 from accel._errors import CaptureError, DeviceError, InvalidHandleError, InvalidValueError, OutOfMemoryError
 from accel._runtime import Runtime
 from accel.allocator import _stats as S
-from accel.allocator._blocks import ALLOCATED, FREE, PENDING, RETIRED
-from accel.allocator._caching import DeviceAllocator, round_size
+from accel.allocator._blocks import ALLOCATED, PENDING, RETIRED
+from accel.allocator._caching import DeviceAllocator, round_size, stream_destroyed
 from accel.allocator._history import History
 from accel.allocator.config import AllocatorConfig, parse
 from accel.backends.cpu import CpuBackend
@@ -23,89 +23,51 @@ MiB = 1 << 20
 
 
 def check_invariants(alloc: DeviceAllocator) -> None:
-    """Everything the allocator's structures must satisfy, recounted from scratch."""
+    """Everything the allocator's structures must satisfy, recounted from scratch: the
+    core's books (every segment tiled by its blocks, free and unmapped neighbours merged,
+    an expandable segment's pages mapped exactly under its mapped blocks), the handles
+    of the policy layer, and the public views."""
     with alloc._lock:
-        segments = sorted(alloc._segments.values(), key=lambda seg: seg.base)
-        for a, b in zip(segments, segments[1:]):
-            assert a.base + a.size <= b.base, "segments overlap"
-        # per pool kind: allocation, allocated, active, active_bytes, requested, segment,
-        # reserved, inactive_split, inactive_split_bytes
-        count = {k: [0] * 9 for k in (0, 1)}
-        listed = 0
-        for seg in segments:
-            kind = seg.pool.kind
-            blocks = seg.blocks()
-            assert blocks[0].ptr == seg.base and blocks[0].prev is None
-            end = seg.base
+        segments: dict[int, list[dict[str, int]]] = {}
+        for b in alloc._core.blocks():
+            segments.setdefault(b["segment"], []).append(b)
+        upstream = alloc._core._callbacks
+        pages, page = upstream.pages, upstream.page
+        mapped_pages = set()
+        for base, blocks in segments.items():
+            end = base
             for prev, b in zip([None, *blocks], blocks):
-                assert b.prev is prev and b.ptr == end and b.size > 0, "blocks must tile the segment"
-                assert b.segment is seg and b.pool is seg.pool and b.stream == seg.stream
-                end += b.size
-                if prev is not None and b.state == FREE and prev.state == FREE:
-                    assert prev.mapped != b.mapped, "adjacent free blocks were not merged"
-                if not seg.expandable:
-                    assert b.mapped
-                if b.state == ALLOCATED:
-                    count[kind][0] += 1
-                    count[kind][1] += b.size
-                if b.state in (ALLOCATED, PENDING):
-                    count[kind][2] += 1
-                    count[kind][3] += b.size
-                    count[kind][4] += b.requested
-                if b.state == PENDING:
-                    assert b.event_count > 0 or b in alloc._deferred
-                if b.state == FREE and b.mapped:
-                    lst = seg.pool.free[seg.stream]
-                    from bisect import bisect_left
-
-                    i = bisect_left(lst, (b.size, b.ptr))
-                    assert lst[i][2] is b, "free block missing from its free list"
-                    listed += 1
-                    if not seg.expandable and b.is_split():
-                        count[kind][7] += 1
-                        count[kind][8] += b.size
-                if b.mapped:
-                    count[kind][6] += b.size
-                if seg.expandable:
-                    page = seg.page
-                    for p in range((b.ptr - seg.base) // page, (b.ptr + b.size - seg.base) // page):
-                        assert (p in seg.pages) == b.mapped, "page map disagrees with blocks"
-            assert end == seg.base + seg.size, "blocks do not cover the segment"
-            if not seg.expandable:
-                count[kind][5] += 1
-        total_listed = 0
-        for pool in alloc._all_pools():
-            for lst in pool.free.values():
-                assert lst == sorted(lst, key=lambda t: (t[0], t[1]))
-                for size, ptr, b in lst:
-                    assert b.state == FREE and b.mapped and (b.size, b.ptr) == (size, ptr)
-                total_listed += len(lst)
-        assert total_listed == listed, "a free list holds a block no segment has"
-        stats = alloc._stats
-        for kind in (0, 1):
-            got = [
-                stats.current(base, kind)
-                for base in (
-                    S.ALLOCATION, S.ALLOCATED_BYTES, S.ACTIVE, S.ACTIVE_BYTES, S.REQUESTED_BYTES,
-                    S.SEGMENT, S.RESERVED_BYTES, S.INACTIVE_SPLIT, S.INACTIVE_SPLIT_BYTES,
-                )
-            ]
-            assert got == count[kind], f"stats {got} != recount {count[kind]} (pool kind {kind})"
-        ms = alloc._ms
-        oversize_allocations = sum(
-            1 for seg in segments for b in seg.blocks() if b.state == ALLOCATED and b.size >= ms
-        )
-        oversize_segments = sum(1 for seg in segments if not seg.expandable and seg.size >= ms)
-        assert stats.current(S.OVERSIZE_ALLOCATIONS, 0) == oversize_allocations
-        assert stats.current(S.OVERSIZE_SEGMENTS, 0) == oversize_segments
+                assert b["ptr"] == end and b["size"] > 0, "blocks must tile the segment"
+                end += b["size"]
+                free = b["mapped"] and not b["allocated"] and not b["held"]
+                if prev is not None:
+                    prev_free = prev["mapped"] and not prev["allocated"] and not prev["held"]
+                    assert not (free and prev_free), "adjacent free blocks were not merged"
+                    assert prev["mapped"] or b["mapped"], "adjacent unmapped blocks were not merged"
+                if not b["expandable"]:
+                    assert b["mapped"]
+                    continue
+                first = base + (b["ptr"] - base) // page * page
+                touched = range(first, b["ptr"] + b["size"], page)
+                if b["mapped"]:
+                    assert all(p in pages for p in touched), "a mapped block over an unmapped page"
+                    mapped_pages.update(touched)
+                else:
+                    assert (b["ptr"] - base) % page == 0 and b["size"] % page == 0
+                    assert not any(p in pages for p in touched), "an unmapped block over a mapped page"
+                if b["held"]:
+                    assert alloc._live[b["ptr"]].state == PENDING
+            assert end == base + blocks[0]["segment_size"], "blocks do not cover the segment"
+        assert mapped_pages == set(pages), "a page is mapped that no block covers"
+        held = {b["ptr"] for bs in segments.values() for b in bs if b["held"]}
         pending = {}
         for queue in alloc._pending.values():
             for _, b in queue:
                 pending[id(b)] = pending.get(id(b), 0) + 1
-                assert b.state == PENDING
-        for seg in segments:
-            for b in seg.blocks():
-                assert b.event_count == pending.get(id(b), 0)
+                assert b.state == PENDING and b.ptr in held
+        for b in alloc._live.values():
+            assert b.event_count == pending.get(id(b), 0)
+            assert (b.state == PENDING) == (b.ptr in held)
         waited_for = [e for queue in alloc._pending.values() for e, _ in queue]
         pooled = alloc._events
         assert len(set(waited_for + pooled)) == len(waited_for) + len(pooled), "an event is pooled and in use"
@@ -553,6 +515,109 @@ def test_record_stream_on_own_stream_is_ignored_and_other_device_refused(host):
         a.record_stream(b, s)
 
 
+class _HookedKnown(set):
+    """An allocator's ``_known`` whose next ``add`` first runs ``hook``: record_stream
+    adds between its state check and marking the use, where another thread may run."""
+
+    hook: Any = None
+
+    def add(self, handle: int) -> None:
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        super().add(handle)
+
+
+class _HookedSteps:
+    """An allocator's ``_steps`` whose next call first runs ``hook``: another thread's
+    work landing just before a core step (the steps' own checks and changes are one C
+    call, so nothing lands inside one)."""
+
+    def __init__(self, steps: Any, hook: Any) -> None:
+        self._steps, self._hook = steps, hook
+
+    def __getattr__(self, name: str) -> Any:
+        step = getattr(self._steps, name)
+
+        def hooked(*args: Any) -> Any:
+            hook, self._hook = self._hook, None
+            if hook is not None:
+                hook()
+            return step(*args)
+
+        return hooked
+
+
+def test_a_lock_free_free_inside_record_stream_refuses_the_use(host):
+    # Another thread's lock-free free lands after record_stream checked the block is
+    # allocated and before it marks the use: record_stream returned as if the use
+    # counted, and the block was reused while the side stream still ran.
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    side = stream(rt)
+    a.free(a.malloc(4096, s))  # the locked path made the allocator plain
+    b = a.malloc(4096, s)
+    assert a._plain
+    a._known = known = _HookedKnown(a._known)  # Python's record_stream adds to this one
+    known.hook = lambda: a.free(b)
+    with pytest.raises(InvalidHandleError, match="freed meanwhile"):
+        a.record_stream(b, side)
+    assert b.state == RETIRED
+    assert a.stats()["active.all.current"] == 0
+
+
+def test_a_record_stream_just_before_the_lock_free_free_step_is_ordered(host):
+    # record_stream lands after the lock-free free checked the block's stream uses and
+    # before the core step claims the block: the free ignored the use, and the block was
+    # reused while the side stream still ran.
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    side = stream(rt)
+    a.free(a.malloc(4096, s))
+    b = a.malloc(4096, s)
+    assert a._plain
+    gate = threading.Event()
+    side.launch_host_func(gate.wait)
+    a._steps = _HookedSteps(a._steps, lambda: a.record_stream(b, side))
+    try:
+        a.free(b)
+        assert b.state == PENDING
+        again = a.malloc(4096, s)
+        assert again.ptr != b.ptr
+    finally:
+        gate.set()
+    side.synchronize()
+    a.free(again)
+    check_invariants(a)
+
+
+def test_a_racing_double_free_leaves_the_next_owners_free_alone(host):
+    # A stale free racing the free of the memory's next owner (same address): the
+    # claim must take only its own handle, never the next owner's, whose free then
+    # went refused as a double free and its memory never freed.
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    a.free(a.malloc(4096, s))
+    x = a.malloc(4096, s)
+    assert a._plain
+    nxt: list = []
+
+    def free_and_reuse() -> None:  # another thread frees x first, a third gets its memory
+        a.free(x)
+        nxt.append(a.malloc(4096, s))
+        assert nxt[0].ptr == x.ptr
+
+    a._steps = _HookedSteps(a._steps, free_and_reuse)
+    with pytest.raises(InvalidHandleError, match="freed twice"):
+        a.free(x)
+    a.free(nxt[0])  # the next owner's free, after the stale one
+    assert a.stats()["allocation.all.current"] == 0
+    check_invariants(a)
+
+
 def test_closed_stream_after_record_stream(host):
     backend, rt = host
     a = make(backend)
@@ -755,7 +820,7 @@ def test_expandable_segments_grow_and_shrink_by_pages(host):
     assert len(snap) == 1 and snap[0]["is_expandable"] and snap[0]["total_size"] == 18 * MiB
     a.free(y)
     a.empty_cache()
-    assert a.stats()["reserved_bytes.all.current"] == 0 and not a._segments
+    assert a.stats()["reserved_bytes.all.current"] == 0 and not a.native_core().blocks()  # the reservation too
     assert backend._memory[0]._held == 0 and not backend._memory[0]._reservations
 
 
@@ -993,6 +1058,32 @@ def test_malloc_refuses_a_closed_stream(backend):
         a.malloc(4096, s)  # the fast path, with a block cached
     check_invariants(a)
     a.empty_cache()
+
+
+def test_a_stream_closed_during_a_lock_free_malloc_on_it_is_retired(backend):
+    # The close lands while the core asks the device for a segment for the stream (its
+    # handle noted, the block not yet live): the memory stayed cached under the closed
+    # handle, for the next stream the driver gives it to.
+    rt = Runtime(backend)
+    rt.stream_destroy_listeners.append(lambda index, handle: stream_destroyed(backend, index, handle))
+    a = DeviceAllocator(backend, 0, AllocatorConfig())
+    a.free(a.malloc(4096, rt.default_stream(0)))
+    assert a._plain
+    side = stream(rt)
+    handle = side._handle
+    admit = a._admit_core
+
+    def admit_and_close(size: int) -> None:  # another thread's close, during the core call
+        side.close()
+        admit(size)
+
+    a._admit_core = admit_and_close
+    with pytest.raises(InvalidHandleError, match="was closed"):
+        a.malloc(4096, side)
+    assert handle not in {x["stream"] for x in a.native_core().blocks()}
+    assert a.stats()["allocation.all.current"] == 0
+    a.empty_cache()
+    assert a.stats()["reserved_bytes.all.current"] == 0
 
 
 def _pending_frees(backend, a: DeviceAllocator, rt: Runtime, n: int) -> list:

@@ -341,3 +341,25 @@ def test_a_growth_counts_the_free_pages_it_covers_as_added(vm):
     assert a.stats()["reserved_bytes.all.current"] == 10 * MiB
     check_invariants(a)
     _release(a, [z, w])
+
+
+def test_a_free_block_gives_its_pages_once(vm):
+    """The free block after a growth gives back only its whole pages past the new
+    block's end; what is left of it before them is not looked at again (it would give
+    the pages the new block is about to take, and the growth would fall short)."""
+    backend, s = vm
+    a = DeviceAllocator(backend, 0, parse("expandable_segments:True"))
+    h, x, p, r, q, y = (a.malloc(n * MiB, s) for n in (4, 4, 2, 6, 8, 2))  # [0, 26)
+    a.free(r)
+    a.empty_cache()  # [10, 16) unmapped
+    for b in (h, p, q):
+        a.free(b)  # free: [0, 4), [8, 10), [16, 24)
+    maps = a.stats()["num_device_alloc"]
+    # 14 MiB: the run [10, 16) is mapped, the block starting in the free block before
+    # it; the give-back takes [22, 24) past its end and the hole [0, 4), 6 MiB in all.
+    w = a.malloc(14 * MiB, s)
+    check_invariants(a)
+    assert w.ptr == p.ptr and a.stats()["num_device_alloc"] == maps + 1
+    assert a.stats()["reserved_bytes.all.current"] == 20 * MiB
+    for b in (x, y, w):
+        a.free(b)

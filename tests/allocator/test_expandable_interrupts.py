@@ -14,17 +14,6 @@ from tests.allocator.interrupts import Held, interrupt_each_backend_call
 MiB = 1 << 20
 
 
-def _pages_under_mapped_blocks(a: DeviceAllocator) -> None:
-    with a._lock:
-        for seg in a._segments.values():
-            if seg.expandable:
-                for b in seg.blocks():
-                    if b.mapped:
-                        first = (b.ptr - seg.base) // seg.page
-                        last = -(-(b.ptr + b.size - seg.base) // seg.page)
-                        assert all(p in seg.pages for p in range(first, last)), "a mapped block over an unmapped page"
-
-
 def _scenario(a: DeviceAllocator, streams: list[Stream], held: Held) -> None:
     s0, s1, _ = streams
     malloc, free = held.malloc, held.free
@@ -43,8 +32,10 @@ def _scenario(a: DeviceAllocator, streams: list[Stream], held: Held) -> None:
 
 @pytest.mark.parametrize("keep", [0, 2])
 def test_an_interrupt_at_any_backend_call_leaves_the_expandable_books_whole(keep: int) -> None:
-    # a release interrupted before it ran loses its page; nothing else is lost
+    # a release interrupted before it ran loses its page; nothing else is lost (and
+    # check_invariants: no block called mapped over a page that is not, nor a page
+    # mapped that no block covers)
     interrupt_each_backend_call(
         f"expandable_segments:True,expandable_keep_free_mb:{keep}", _scenario, streams=3,
-        losable={"vm_release": 2 * MiB}, min_calls=50, check=_pages_under_mapped_blocks,
+        losable={"vm_release": 2 * MiB}, min_calls=50,
     )

@@ -101,3 +101,57 @@ def test_a_forked_child_leaves_the_allocator_core_alone(backend: str) -> None:
     print("ok")
     """
     ok(run(backend, code, timeout=60))
+
+
+@pytest.mark.parametrize("backend", CONFORMANCE_BACKENDS)
+def test_a_forked_child_refuses_the_allocator_a_parent_thread_was_inside(backend: str) -> None:
+    # A parent thread inside the lock-free common pair holds the core's mutex (and no
+    # lock the fork waits for) at the fork: the child's explicit malloc, free,
+    # empty_cache and stats of the inherited DeviceAllocator waited for it forever.
+    code = """
+    import ctypes, os, signal, threading, accel
+    from accel.allocator import get_allocator
+
+    allocator = get_allocator()
+    stream = accel.current_stream()
+    block = allocator.malloc(4096, stream)
+    libc = ctypes.CDLL(None)
+    mutex = ctypes.c_void_p(allocator.native_core().address)  # accel_core's first field
+    inside, leave = threading.Event(), threading.Event()
+
+    def in_the_core():
+        libc.pthread_mutex_lock(mutex)
+        inside.set()
+        leave.wait()
+        libc.pthread_mutex_unlock(mutex)
+
+    thread = threading.Thread(target=in_the_core)
+    thread.start()
+    inside.wait()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)  # a hang ends the child (SIGALRM's default action)
+        calls = {
+            "free": lambda: allocator.free(block),
+            "malloc": lambda: allocator.malloc(64, stream),
+            "empty_cache": allocator.empty_cache,
+            "stats": allocator.stats,
+        }
+        for name, call in calls.items():
+            try:
+                call()
+            except accel.AccelError as exc:
+                if "spawn" not in str(exc):
+                    os._exit(3)
+            else:
+                os._exit(4)
+        os._exit(0)
+    leave.set()
+    thread.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, status
+    allocator.free(block)
+    allocator.free(allocator.malloc(64, stream))  # the parent's allocator still works
+    print("ok")
+    """
+    ok(run(backend, code, timeout=60))

@@ -195,7 +195,9 @@ def test_config_changes_reach_live_allocators():
     try:
         assert allocator.config.expandable_segments and allocator._expandable
         buf = memory.allocate(200 * MiB)  # misses the cache: new memory is expandable
-        assert buf._block is not None and buf._block.segment.expandable
+        assert buf._block is not None
+        (seg,) = [seg for seg in allocator.snapshot() if seg["address"] <= buf.ptr < seg["address"] + seg["total_size"]]
+        assert seg["is_expandable"]
         buf.free()
     finally:
         set_settings("expandable_segments:False", backend="cpu")
@@ -516,6 +518,30 @@ def test_the_common_pair_takes_no_lock_and_the_compiled_one_no_allocator_method(
         for name in ("malloc", "free", "free_from_finalizer"):
             a.__dict__.pop(name, None)
     assert a.stats()["allocated_bytes.all.current"] == before
+
+
+def test_a_stream_closed_during_the_common_allocate_on_it_is_refused(monkeypatch):
+    # The current stream is closed (by another thread) while the common pair's core call
+    # asks the device for a new segment: the memory was cached under the closed stream's
+    # handle, which the driver may give to the next stream created.
+    a = _device_allocator()
+    side = accel.Stream()
+    handle = side.native_handle
+    real = a._admit_core
+
+    def admit_and_close(size: int) -> None:
+        side.close()
+        real(size)
+
+    monkeypatch.setattr(a, "_admit_core", admit_and_close)
+    accel.set_stream(side)
+    try:
+        with pytest.raises(InvalidHandleError, match="was closed"):
+            memory.allocate(8 << 20)  # a miss: the core asks for a segment
+    finally:
+        accel.set_stream(accel.default_stream())
+    assert handle not in {b["stream"] for b in a.native_core().blocks()}
+    assert a.stats()["allocation.all.current"] == 0
 
 
 def test_the_common_pair_refuses_what_the_allocator_refuses():

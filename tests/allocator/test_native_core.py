@@ -9,6 +9,10 @@ what the model counts, held blocks (freed, their reuse waiting) active but not
 allocated; a freed address cannot be freed again; empty_cache gives back exactly the
 wholly free segments of the pools not kept, release_pool those of one pool, and
 nothing goes back while the core is frozen; a destroyed stream's memory is re-keyed.
+With expandable segments on (and off again) too: each expandable segment is a
+reservation the upstream has out, its pages mapped exactly under its mapped blocks,
+empty_cache gives back exactly the whole free pages, and a growth never gives back
+the pages of a stream that is not idle.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from accel.backends.cpu import CpuBackend
 KB = 512
 SMALL = 1 << 20
 MiB = 1 << 20
+PAGE = 2 * MiB  # expandable segments' page
+RESERVATION = 1 << 30  # and reservation (no fragmentation of it fills it before the limit)
 
 
 def rounded(n: int, divisions: tuple[int, ...] = (0,) * 16) -> int:
@@ -50,11 +56,22 @@ def segment_size(size: int, large_segment: int = 20 * MiB) -> int:
 
 
 class Upstream(StatisticsAdaptor):
-    """Records the segments it handed out and took back."""
+    """Records the segments it handed out and took back (and the reservations)."""
 
     def __init__(self, limit: int) -> None:
-        super().__init__(LimitingAdaptor(BackendResource(CpuBackend(1, None), 0), limit))
+        self.limiting = LimitingAdaptor(BackendResource(CpuBackend(1, None), 0), limit)
+        super().__init__(self.limiting)
         self.live: dict[int, int] = {}
+        self.reservations: dict[int, int] = {}
+
+    def vm_reserve(self, nbytes: int) -> int:
+        va = super().vm_reserve(nbytes)
+        self.reservations[va] = nbytes
+        return va
+
+    def vm_free(self, addr: int, nbytes: int) -> None:
+        assert self.reservations.pop(addr) == nbytes
+        super().vm_free(addr, nbytes)
 
     def allocate(self, nbytes: int) -> int:
         ptr = super().allocate(nbytes)
@@ -75,7 +92,10 @@ class CoreModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.upstream = Upstream(96 * MiB)
-        self.core = NativeCore(self.upstream)
+        self.events: dict[str, int] = {}
+        self.busy: set[int] = set()  # streams with queued work
+        self.core = NativeCore(self.upstream, notify=self._event, idle=lambda stream: stream not in self.busy)
+        self.expandable = False
         self.max_split: int | None = None
         self.divisions = (0,) * 16
         # ptr -> (requested, size, stream, pool): allocated, and held (freed, reuse waiting)
@@ -99,6 +119,27 @@ class CoreModel(RuleBasedStateMachine):
         self.core.configure(max_split, 20 * MiB, 20 * MiB)
         self.core.set_divisions(divisions)
 
+    def _event(self, event: str, ptr: int, size: int) -> None:
+        self.events[event] = self.events.get(event, 0) + 1
+
+    @rule(on=st.booleans(), keep_free=st.sampled_from([0, 0, 4 * MiB]))
+    def set_expandable(self, on: bool, keep_free: int) -> None:
+        """Live blocks stay where they are; off, free expandable blocks are not reused."""
+        self.core.set_expandable(on, PAGE, RESERVATION, keep_free)
+        self.expandable = on
+
+    @rule(stream=st.sampled_from([0, 7]), busy=st.booleans())
+    def stream_busy(self, stream: int, busy: bool) -> None:
+        (self.busy.add if busy else self.busy.discard)(stream)
+
+    def _busy_pages(self) -> set[int]:
+        """The mapped pages of the expandable segments of streams with queued work."""
+        pages = self.core._callbacks.pages
+        return {
+            p for b in self.core.blocks() if b["expandable"] and b["stream"] in self.busy and b["mapped"]
+            for p in pages if b["ptr"] <= p < b["ptr"] + b["size"]
+        }  # fmt: skip
+
     @rule(
         nbytes=sizes,
         stream=st.sampled_from([0, 7]),
@@ -106,20 +147,27 @@ class CoreModel(RuleBasedStateMachine):
         flags=st.sampled_from([0, 0, NO_RETRY, GIVE_BACK_FIRST]),
     )
     def malloc(self, nbytes: int, stream: int, pool: int, flags: int) -> None:
+        busy = self._busy_pages() if flags == NO_RETRY else set()
         try:
             ptr, size = self.core.malloc(nbytes, stream, pool, flags)
         except OutOfMemoryError:
             if flags != NO_RETRY:
                 self.ooms += 1
             if not (flags == NO_RETRY or self.frozen):
-                # refused only when even a fresh segment does not fit beside what is
-                # allocated, held or in kept pools
-                held = sum(self.upstream.live.values())
-                assert held + segment_size(rounded(nbytes, self.divisions)) > 96 * MiB
+                # refused only when even a fresh segment (or the pages) does not fit
+                # beside what is allocated, held or in kept pools
+                want = rounded(nbytes, self.divisions)
+                need = -(-want // PAGE) * PAGE if self.expandable else segment_size(want)
+                assert self.upstream.limiting.held + need > 96 * MiB
             return
+        # a growth gives back only idle streams' pages (NO_RETRY: the cache stays)
+        assert busy <= self._busy_pages()
         want = rounded(nbytes, self.divisions)
         assert size >= want
-        if size > want:  # not cut: the rest was too small to keep, or the block oversize
+        (seg,) = {b["expandable"] for b in self.core.blocks() if b["ptr"] == ptr}
+        if seg:  # any rest worth a block is cut in an expandable segment
+            assert size - want < KB
+        elif size > want:  # not cut: the rest was too small to keep, or the block oversize
             rest = size - want
             small = want <= SMALL
             oversize = self.max_split is not None and want >= self.max_split
@@ -190,13 +238,25 @@ class CoreModel(RuleBasedStateMachine):
     def release_pool(self) -> None:
         blocks = self.core.blocks()
         whole = {b["segment"] for b in blocks if b["pool"] == 3 and self._wholly_free(b)}
+        pages = self._free_pages([b for b in blocks if b["pool"] == 3])
         given = self.core.release_pool(3)
-        assert given == (0 if self.frozen else sum(b["segment_size"] for b in blocks if b["segment"] in whole))
+        assert given == (0 if self.frozen else sum(b["segment_size"] for b in blocks if b["segment"] in whole) + pages)
         assert self.core.pool_segments(3) == len({b["segment"] for b in self.core.blocks() if b["pool"] == 3})
 
     @staticmethod
     def _wholly_free(b: dict[str, int]) -> bool:
-        return not b["allocated"] and not b["held"] and b["size"] == b["segment_size"]
+        return not b["expandable"] and not b["allocated"] and not b["held"] and b["size"] == b["segment_size"]
+
+    @staticmethod
+    def _free_pages(blocks: list[dict[str, int]]) -> int:
+        """The bytes of the whole pages of the free blocks of expandable segments."""
+        total = 0
+        for b in blocks:
+            if b["expandable"] and b["mapped"] and not b["allocated"] and not b["held"]:
+                first = -(-(b["ptr"] - b["segment"]) // PAGE) * PAGE
+                last = (b["ptr"] + b["size"] - b["segment"]) // PAGE * PAGE
+                total += max(0, last - first)
+        return total
 
     @rule(data=st.data())
     @precondition(lambda self: self.live)
@@ -219,14 +279,16 @@ class CoreModel(RuleBasedStateMachine):
     def empty_cache(self) -> None:
         blocks = self.core.blocks()
         whole = {b["segment"] for b in blocks if self._wholly_free(b) and b["pool"] not in self.kept}
+        pages = self._free_pages([b for b in blocks if b["pool"] not in self.kept])
         given = self.core.empty_cache()
         if self.frozen:
             assert given == 0
             return
-        assert given == sum(b["segment_size"] for b in blocks if b["segment"] in whole)
+        assert given == sum(b["segment_size"] for b in blocks if b["segment"] in whole) + pages
+        assert not any(b["expandable"] and not b["mapped"] and b["size"] == b["segment_size"] for b in self.core.blocks())
         assert not whole & set(self.upstream.live)
         kept = {b["segment"] for b in blocks if b["pool"] in self.kept}
-        assert kept <= set(self.upstream.live)
+        assert kept <= set(self.upstream.live) | set(self.upstream.reservations)
 
     @invariant()
     def books_match_the_model(self) -> None:
@@ -234,8 +296,22 @@ class CoreModel(RuleBasedStateMachine):
         segments: dict[int, list[dict[str, int]]] = {}
         for b in blocks:
             segments.setdefault(b["segment"], []).append(b)
-        # the core's segments are exactly those the upstream has out
-        assert {base: bs[0]["segment_size"] for base, bs in segments.items()} == self.upstream.live
+        # the core's segments are exactly those the upstream has out (and reserved)
+        plain = {base: bs for base, bs in segments.items() if not bs[0]["expandable"]}
+        expandable = {base: bs for base, bs in segments.items() if bs[0]["expandable"]}
+        assert {base: bs[0]["segment_size"] for base, bs in plain.items()} == self.upstream.live
+        assert {base: bs[0]["segment_size"] for base, bs in expandable.items()} == self.upstream.reservations
+        # an expandable segment's pages are mapped exactly under its mapped blocks
+        pages = self.core._callbacks.pages
+        under = set()
+        for base, bs in expandable.items():
+            for b in bs:
+                first = base + (b["ptr"] - base) // PAGE * PAGE
+                if b["mapped"]:
+                    under.update(range(first, b["ptr"] + b["size"], PAGE))
+                else:
+                    assert (b["ptr"] - base) % PAGE == 0 and b["size"] % PAGE == 0
+        assert under == set(pages)
         allocated, held = {}, {}
         for base, bs in segments.items():
             bs.sort(key=lambda b: b["ptr"])
@@ -249,15 +325,15 @@ class CoreModel(RuleBasedStateMachine):
                         b["requested"], b["size"], b["stream"], b["pool"]
                     )
             assert end == base + bs[0]["segment_size"]
-            for a, b in zip(bs, bs[1:]):  # free neighbours are always merged
-                assert a["allocated"] or a["held"] or b["allocated"] or b["held"]
+            for a, b in zip(bs, bs[1:]):  # free (and unmapped) neighbours are always merged
+                assert a["allocated"] or a["held"] or b["allocated"] or b["held"] or a["mapped"] != b["mapped"]
         assert allocated == self.live
         assert held == self.held
         s = self.core.stats()
         small = [v for v in self.live.values() if v[1] <= SMALL]  # small blocks are never above 1 MiB
-        seg_small = [bs for bs in segments.values() if bs[0]["small"]]
-        split_free = [
-            b for bs in segments.values() if len(bs) > 1 for b in bs if not b["allocated"] and not b["held"]
+        seg_small = [bs for bs in plain.values() if bs[0]["small"]]
+        split_free = [  # (not counted in expandable segments)
+            b for bs in plain.values() if len(bs) > 1 for b in bs if not b["allocated"] and not b["held"]
         ]
         active = list(self.live.values()) + list(self.held.values())
         assert s["allocation.all.current"] == len(self.live)
@@ -266,14 +342,16 @@ class CoreModel(RuleBasedStateMachine):
         assert s["active_bytes.all.current"] == sum(v[1] for v in active)
         assert s["requested_bytes.all.current"] == sum(v[0] for v in active)
         assert s["allocation.small_pool.current"] == len(small)
-        assert s["segment.all.current"] == len(segments)
+        assert s["segment.all.current"] == len(plain)
         assert s["segment.small_pool.current"] == len(seg_small)
-        assert s["reserved_bytes.all.current"] == sum(self.upstream.live.values())
+        assert s["reserved_bytes.all.current"] == sum(self.upstream.live.values()) + len(pages) * PAGE
         assert s["inactive_split.all.current"] == len(split_free)
         assert s["inactive_split_bytes.all.current"] == sum(b["size"] for b in split_free)
         assert s["num_ooms"] == self.ooms
         assert s["allocated_bytes.all.peak"] >= s["allocated_bytes.all.current"]
-        assert s["num_device_alloc"] - s["num_device_free"] == len(segments)
+        events = self.events
+        assert s["num_device_alloc"] == events.get("segment_alloc", 0) + events.get("segment_map", 0)
+        assert s["num_device_free"] == events.get("segment_free", 0) + events.get("segment_unmap", 0)
         if self.max_split is not None:
             assert s["oversize_allocations.current"] == sum(1 for v in self.live.values() if v[1] >= self.max_split)
 
@@ -285,7 +363,7 @@ class CoreModel(RuleBasedStateMachine):
         self.core.freeze(False)
         self.core.keep_pool(3, False)
         self.core.empty_cache()
-        assert not self.upstream.live
+        assert not self.upstream.live and not self.upstream.reservations
 
 
 TestCoreModel = CoreModel.TestCase

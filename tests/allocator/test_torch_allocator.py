@@ -268,3 +268,97 @@ def test_accel_buffers_and_torch_allocations_share_one_cache(name: str) -> None:
     """One cache per device: a block an accel buffer freed serves torch's next request
     and the other way round, and memory_stats counts both once (peaks not summed)."""
     ok(run(name, ONE_CACHE, timeout=120))
+
+
+ONE_EXPANDABLE_CACHE = r"""
+import ctypes
+import accel
+from accel.allocator import torch_allocator_spec
+
+path, alloc_name, free_name = torch_allocator_spec()
+abi = ctypes.CDLL(path)
+abi.accel_torch_alloc.restype = ctypes.c_void_p
+abi.accel_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+abi.accel_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+stream = accel.current_stream().native_handle
+assert accel.memory.get_allocator().config.expandable_segments
+
+def segments():
+    return accel.memory.memory_snapshot()
+
+buf = accel.memory.allocate(4096)
+mine = buf.ptr
+buf.free()
+theirs = abi.accel_torch_alloc(4096, 0, stream)
+assert theirs == mine, "torch's allocation did not reuse the block the accel buffer freed"
+stats = accel.memory.memory_stats()
+assert stats["allocated_bytes.all.peak"] == 4096, stats["allocated_bytes.all.peak"]
+assert stats["allocated_bytes.all.current"] == 4096 and stats["allocation.all.allocated"] == 2, stats
+# one page of one expandable segment, mapped once (no plain segment)
+assert stats["reserved_bytes.all.current"] == 2 << 20 and stats["num_device_alloc"] == 1, stats
+assert stats["segment.all.current"] == 0, stats
+assert [s["is_expandable"] for s in segments()] == [True], segments()
+# torch's large allocations grow the large pool's expandable segment, as in PyTorch
+big = abi.accel_torch_alloc(8 << 20, 0, stream)
+assert big and all(s["is_expandable"] for s in segments()), segments()
+abi.accel_torch_free(big, 8 << 20, 0, stream)
+abi.accel_torch_free(theirs, 4096, 0, stream)
+again = accel.memory.allocate(4096)
+assert again.ptr == theirs, "the accel buffer did not reuse the block torch freed"
+stats = accel.memory.memory_stats()
+assert stats["allocated_bytes.all.peak"] == (8 << 20) + 4096, stats["allocated_bytes.all.peak"]
+again.free()
+accel.memory.empty_cache()
+assert accel.memory.memory_reserved() == 0 and segments() == [], segments()
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda", "xpu"])
+def test_with_expandable_segments_accel_and_torch_share_one_cache(name: str) -> None:
+    """With expandable_segments:True, torch's allocations land in the same expandable
+    segments as accel buffers: a block one side freed serves the other, and one set of
+    statistics counts both (peaks not summed)."""
+    ok(run(name, ONE_EXPANDABLE_CACHE, timeout=120, env={"ACCEL_ALLOC_CONF": "expandable_segments:True"}))
+
+
+GIL_HELD_GROWTH = r"""
+import ctypes, sys, threading
+import accel
+from accel.allocator import torch_allocator_spec
+
+path, alloc_name, free_name = torch_allocator_spec()
+held = ctypes.PyDLL(path)  # torch.empty's way: the GIL held throughout the call
+held.accel_torch_alloc.restype = ctypes.c_void_p
+held.accel_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+held.accel_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+stop = False
+
+def give_back():  # unmaps without the GIL (cffi lets it go); the callbacks take it
+    while not stop:
+        accel.memory.empty_cache()
+
+other = threading.Thread(target=give_back)
+other.start()
+sys.setswitchinterval(1e-5)
+try:
+    for i in range(3000):
+        # the pages freed last time are given back meanwhile: a growth, the GIL held
+        ptr = held.accel_torch_alloc(10 << 20, 0, None)
+        assert ptr, "NULL"
+        held.accel_torch_free(ptr, 10 << 20, 0, None)
+finally:
+    stop = True
+    other.join()
+accel.memory.empty_cache()
+assert accel.memory.memory_reserved() == 0, accel.memory.memory_reserved()
+print("ok")
+"""
+
+
+def test_a_growth_with_the_gil_held_never_waits_for_another_thread() -> None:
+    """Expandable segments map pages through callbacks that take the GIL. A thread that
+    holds the GIL while it allocates (torch.empty's does) and must grow a segment while
+    another thread maps or unmaps pages (without the GIL, its callback waiting for it)
+    does not wait for that thread: its growth goes on at once (no deadlock)."""
+    ok(run("cpu", GIL_HELD_GROWTH, timeout=120, env={"ACCEL_ALLOC_CONF": "expandable_segments:True"}))
