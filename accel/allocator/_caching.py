@@ -494,26 +494,29 @@ class DeviceAllocator:
             return got
         if self._forked:
             self._refuse_in_child("malloc")
-        # acquire/release rather than ``with``: half the cost on this hot path.
+        # ``with``, not acquire() then try: an interrupt (Ctrl-C) between those two left the
+        # lock held for good (accel/allocator/_fork.py).
         lock = self._lock
-        lock.acquire()
         try:
-            if self._gc_frees:
-                self._drain_gc_frees()
-            if self._pending and not self._captures:
-                self._process_events()
-            private = self._capture_private(stream) if self._captures else None
-            key = 0 if private is None else private.key
-            got = self._steps.malloc(nbytes, handle, key, NO_RETRY)
-            block = self._core_refused(got, nbytes, handle, key) if isinstance(got, int) else got  # int: refused
-            if self._history is not None:
-                self._record_alloc(block)
-            if stream._closed:  # after the handle is live: see _closed_meanwhile
-                self._closed_meanwhile(block, stream)
-            return block
+            with lock:  # C: taken and given back with nothing between them and the with's guard
+                try:
+                    if self._gc_frees:
+                        self._drain_gc_frees()
+                    if self._pending and not self._captures:
+                        self._process_events()
+                    private = self._capture_private(stream) if self._captures else None
+                    key = 0 if private is None else private.key
+                    got = self._steps.malloc(nbytes, handle, key, NO_RETRY)
+                    # an int: the core refused
+                    block = self._core_refused(got, nbytes, handle, key) if isinstance(got, int) else got
+                    if self._history is not None:
+                        self._record_alloc(block)
+                    if stream._closed:  # after the handle is live: see _closed_meanwhile
+                        self._closed_meanwhile(block, stream)
+                    return block
+                finally:
+                    self._refresh_plain()
         finally:
-            self._refresh_plain()
-            lock.release()
             self._recheck_plain()
 
     def _malloc_refused(self, rc: int, nbytes: int, stream: Stream, block: CoreBlock | None = None) -> CoreBlock:
@@ -522,18 +525,19 @@ class DeviceAllocator:
         ``block``: the call handed it out (``rc`` 0), but ``stream`` was closed meanwhile
         (see _closed_meanwhile). The compiled allocate calls it by name too."""
         lock = self._lock
-        lock.acquire()
         try:
-            if block is None:
-                block = self._core_refused(rc, nbytes, stream._handle, 0)
-                if self._history is not None:
-                    self._record_alloc(block)
-            if stream._closed:
-                self._closed_meanwhile(block, stream)
-            return block
+            with lock:  # C: taken and given back with nothing between them and the with's guard
+                try:
+                    if block is None:
+                        block = self._core_refused(rc, nbytes, stream._handle, 0)
+                        if self._history is not None:
+                            self._record_alloc(block)
+                    if stream._closed:
+                        self._closed_meanwhile(block, stream)
+                    return block
+                finally:
+                    self._refresh_plain()
         finally:
-            self._refresh_plain()
-            lock.release()
             self._recheck_plain()
 
     def _closed_meanwhile(self, block: CoreBlock, stream: Stream) -> None:
@@ -711,19 +715,21 @@ class DeviceAllocator:
                 raise InvalidHandleError(f"{block!r} is not allocated by {self!r} (freed twice)")
             self.free_from_finalizer(block)
             return
-        lock.acquire()  # not ``with``: see malloc
         try:
-            try:
-                if block.state != ALLOCATED or block.owner is not self:
-                    raise InvalidHandleError(
-                        f"{block!r} is not allocated by {self!r} (freed twice, or from another allocator)"
-                    )
-            except AttributeError:  # not a Block
-                self._bad_block(block, "free")
-            self._free_held(block)
+            with lock:  # C: taken and given back with nothing between them and the with's guard
+                try:
+                    try:
+                        if block.state != ALLOCATED or block.owner is not self:
+                            raise InvalidHandleError(
+                                f"{block!r} is not allocated by {self!r} (freed twice, or from another "
+                                "allocator)"
+                            )
+                    except AttributeError:  # not a Block
+                        self._bad_block(block, "free")
+                    self._free_held(block)
+                finally:
+                    self._refresh_plain()
         finally:
-            self._refresh_plain()
-            lock.release()
             self._recheck_plain()
 
     def _free_held(self, block: CoreBlock) -> None:

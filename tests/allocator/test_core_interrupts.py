@@ -94,43 +94,34 @@ def test_an_interrupt_on_the_way_into_the_report_loses_no_memory() -> None:
     assert a.stats()["reserved_bytes.all.current"] == backend._memory[0]._held == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: the caching allocator's OwnedLock and its locked paths are Python code between the lock's "
-    "acquire and release (OwnedLock.acquire after the lock is taken, OwnedLock.release before it lets go, the "
-    "paths' finally before lock.release()): Ctrl-C there leaves the lock held, so every later call on that "
-    "thread raises NotSupportedError, or waits forever (owner already 0)",
-)
-def test_an_interrupt_at_any_line_of_the_locked_pair_leaves_the_lock_free() -> None:
-    """Ctrl-C's KeyboardInterrupt lands at each line of the locked malloc and free (history on: not the
-    lock-free pair) and of the lock's methods in turn, as a signal's handler may: the lock is free after
-    each."""
+# An interrupt at the entry of the core's upstream callback is swallowed there by cffi (an
+# unraisable exception): another window, not this test's.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_an_interrupt_anywhere_in_the_locked_pair_leaves_the_lock_free() -> None:
+    """Ctrl-C's KeyboardInterrupt lands, in turn, wherever a signal's handler may run in the
+    locked malloc and free (history on: not the lock-free pair): as a Python function starts
+    and as a C function returns. The lock is free after each: an interrupt between taking
+    the lock and the guard that gives it back (``lock.acquire()`` then ``try``, or inside a
+    Python lock's acquire or release) left it held for good, so that every later call on
+    the thread raised NotSupportedError, or every call waited forever."""
     backend = CpuBackend(1, None)
     stream = Runtime(backend).default_stream(0)
     a = DeviceAllocator(backend, 0, parse(""))
     a.record_history(History("all", None, "python", 100))
-    lock = type(a._lock)
-    # the lock's methods have no lines to interrupt once they are C
-    steps = (DeviceAllocator.malloc, DeviceAllocator.free, lock.acquire, lock.release)
-    traced = {getattr(f, "__code__", None) for f in steps}
     left_held = []
     at = 1
     while True:
-        lines = 0
+        events = 0
 
-        def trace(frame, event, arg):
-            def line(frame, event, arg):
-                nonlocal lines
-                if event == "line":
-                    lines += 1
-                    if lines == at:
-                        raise KeyboardInterrupt(f"{frame.f_code.co_name}:{frame.f_lineno}")
-                return line
-
-            return line if frame.f_code in traced else None
+        def profile(frame, event, arg):
+            nonlocal events
+            if event in ("call", "c_return"):
+                events += 1
+                if events == at:
+                    raise KeyboardInterrupt(f"{event} {getattr(arg, '__qualname__', frame.f_code.co_name)}")
 
         held = []
-        sys.settrace(trace)
+        sys.setprofile(profile)
         try:
             held.append(a.malloc(1000, stream))
             a.free(held.pop())
@@ -138,17 +129,17 @@ def test_an_interrupt_at_any_line_of_the_locked_pair_leaves_the_lock_free() -> N
         except KeyboardInterrupt as exc:
             interrupted = str(exc)
         finally:
-            sys.settrace(None)
-        if interrupted is None:
+            sys.setprofile(None)
+        if events < at:  # the calls ran to the end
             break
         if a._lock.acquire(blocking=False):
             a._lock.release()
         else:
             left_held.append(interrupted)
-            a._lock = lock(a._lock.what)  # a fresh lock, to go on with the next line
+            a._lock = type(a._lock)(a._lock.what)  # a fresh lock, to go on
         for block in held:
             a.free(block)
         at += 1
     a.record_history(None)
-    assert at > 10  # the interrupts reached the locked paths
+    assert at > 20  # the interrupts reached the locked paths
     assert left_held == [], left_held
