@@ -738,6 +738,30 @@ ownedlock_release(PyObject *o, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* call_if_free(fn, *args): fn(*args) holding the lock when it is free now, the lock given
+ * back however fn ends: True when it ran, False when the lock was held (fn not called).
+ * One call: ``if lock.acquire(False): try:`` has a point between the two where an
+ * interrupt lands with the lock taken. */
+static PyObject *
+ownedlock_call_if_free(PyObject *o, PyObject *const *args, Py_ssize_t nargs)
+{
+    OwnedLock *self = (OwnedLock *)o;
+    if (nargs < 1 || !PyCallable_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "call_if_free(fn, *args) takes a callable");
+        return NULL;
+    }
+    if (!PyThread_acquire_lock(self->lock, 0))
+        Py_RETURN_FALSE;
+    self->owner = PyThread_get_thread_ident();
+    PyObject *r = PyObject_Vectorcall(args[0], args + 1, (size_t)(nargs - 1), NULL);
+    self->owner = 0;
+    PyThread_release_lock(self->lock);
+    if (r == NULL)
+        return NULL;
+    Py_DECREF(r);
+    Py_RETURN_TRUE;
+}
+
 static PyObject *
 ownedlock_enter(PyObject *o, PyObject *unused)
 {
@@ -762,6 +786,9 @@ static PyMethodDef ownedlock_methods[] = {
      "acquire(blocking=True, timeout=-1): take the lock; a blocking acquire on the thread that holds it raises "
      "NotSupportedError."},
     {"release", ownedlock_release, METH_NOARGS, "Let go of the lock."},
+    {"call_if_free", (PyCFunction)(void (*)(void))ownedlock_call_if_free, METH_FASTCALL,
+     "call_if_free(fn, *args): fn(*args) holding the lock if it is free now (given back however fn ends); "
+     "True when fn ran, False when the lock was held."},
     {"__enter__", ownedlock_enter, METH_NOARGS, "acquire()"},
     {"__exit__", ownedlock_exit, METH_VARARGS, "release()"},
     {NULL, NULL, 0, NULL},

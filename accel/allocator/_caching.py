@@ -775,17 +775,22 @@ class DeviceAllocator:
             return
         if self._forked and block.__class__ is CoreBlock:
             return  # the core's mutex may be held by a parent thread: see _forget_the_core_in_child
-        if self._lock.acquire(blocking=False):
-            try:
-                if block.state == ALLOCATED:
-                    self._free_held(block)
-            finally:
-                self._refresh_plain()
-                self._lock.release()
-                self._recheck_plain()
-        else:
+        try:
+            # one C call: no point between taking the lock and its guard for an interrupt
+            freed = self._lock.call_if_free(self._free_if_allocated, block)
+        finally:
+            self._recheck_plain()
+        if not freed:
             self._gc_frees.append(block)
             self._plain = False
+
+    def _free_if_allocated(self, block: CoreBlock) -> None:
+        """:meth:`free_from_finalizer`'s free, the lock held."""
+        try:
+            if block.state == ALLOCATED:
+                self._free_held(block)
+        finally:
+            self._refresh_plain()
 
     def release_when_idle(self) -> None:
         """The owner of this allocator (a :class:`MemPool` that was dropped) needs it
@@ -795,19 +800,18 @@ class DeviceAllocator:
         device's next ``empty_cache`` or allocation short of memory."""
         self._orphaned = True
         self._plain = False
-        if self._lock.acquire(blocking=False):
-            try:
-                if self._gc_frees:
-                    self._drain_gc_frees()
-                self._release_if_idle()
-            finally:
-                self._lock.release()
-        else:
+        if not self._lock.call_if_free(self._drain_and_release_if_idle):  # one C call: see free_from_finalizer
             # Another thread holds the lock: a free may be under way that read the
             # flag before it was set (its fast path then never releases), and it may
             # be the last. Noted as an orphan, the memory goes at the device's next
             # empty_cache or allocation short of memory, which take the lock.
             _orphans.add(self)
+
+    def _drain_and_release_if_idle(self) -> None:
+        """:meth:`release_when_idle`'s release, the lock held."""
+        if self._gc_frees:
+            self._drain_gc_frees()
+        self._release_if_idle()
 
     def _release_if_idle(self) -> None:
         """A dropped pool's allocator with nothing allocated gives its memory back, without
@@ -872,11 +876,7 @@ class DeviceAllocator:
             event = _UNORDERED
         self._gc_frees.append(_StreamRetired(handle, event))
         self._plain = False
-        if self._lock.acquire(blocking=False):
-            try:
-                self._drain_gc_frees()
-            finally:
-                self._lock.release()
+        self._lock.call_if_free(self._drain_gc_frees)  # one C call: see free_from_finalizer
 
     def _retire(self, retired: _StreamRetired) -> None:
         """Key what this allocator keys by a destroyed stream's handle by a new key of its
@@ -1194,12 +1194,7 @@ class DeviceAllocator:
         lock is taken (by this thread or another), the release waits for the
         allocator's next call that takes it."""
         pool_id = check_pool_id(pool_id, where="release_pool_from_finalizer")
-        if self._lock.acquire(blocking=False):
-            try:
-                self._release_pool_locked(pool_id)
-            finally:
-                self._lock.release()
-        else:
+        if not self._lock.call_if_free(self._release_pool_locked, pool_id):  # one C call: see free_from_finalizer
             self._gc_frees.append(_PoolRelease(pool_id))
             self._plain = False
 

@@ -99,11 +99,11 @@ def test_an_interrupt_on_the_way_into_the_report_loses_no_memory() -> None:
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_an_interrupt_anywhere_in_the_locked_pair_leaves_the_lock_free() -> None:
     """Ctrl-C's KeyboardInterrupt lands, in turn, wherever a signal's handler may run in the
-    locked malloc and free (history on: not the lock-free pair): as a Python function starts
-    and as a C function returns. The lock is free after each: an interrupt between taking
-    the lock and the guard that gives it back (``lock.acquire()`` then ``try``, or inside a
-    Python lock's acquire or release) left it held for good, so that every later call on
-    the thread raised NotSupportedError, or every call waited forever."""
+    locked malloc, free and finalizer's free (history on: not the lock-free pair): as a
+    Python function starts and as a C function returns. The lock is free after each: an
+    interrupt between taking the lock and the guard that gives it back (``acquire()`` then
+    ``try``, or inside a Python lock's acquire or release) left it held for good, so that
+    every later call on the thread raised NotSupportedError, or every call waited forever."""
     backend = CpuBackend(1, None)
     stream = Runtime(backend).default_stream(0)
     a = DeviceAllocator(backend, 0, parse(""))
@@ -125,6 +125,8 @@ def test_an_interrupt_anywhere_in_the_locked_pair_leaves_the_lock_free() -> None
         try:
             held.append(a.malloc(1000, stream))
             a.free(held.pop())
+            held.append(a.malloc(1000, stream))
+            a.free_from_finalizer(held.pop())  # a finalizer's free: no waiting for the lock
             interrupted = None
         except KeyboardInterrupt as exc:
             interrupted = str(exc)
