@@ -18,6 +18,7 @@
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <time.h>
 
 /* The CRC-32 of this file, passed by setup.py. accel/_native.py compares it with the
  * source beside the package and refuses a module built from another version of it: an
@@ -270,7 +271,9 @@ coreblock_repr(PyObject *self)
     CoreBlock *b = (CoreBlock *)self;
     static const char *names[] = {"free", "allocated", "pending", "freed"};
     const char *state = b->state >= 0 && b->state <= 3 ? names[b->state] : "?";
-    return PyUnicode_FromFormat("<Block 0x%llx %S bytes %s>", (unsigned long long)b->address, b->size, state);
+    char address[24]; /* PyUnicode_FromFormat has no %llx before Python 3.12: it would print the format */
+    PyOS_snprintf(address, sizeof address, "0x%llx", (unsigned long long)b->address);
+    return PyUnicode_FromFormat("<Block %s %S bytes %s>", address, b->size, state);
 }
 
 static PyObject *
@@ -598,6 +601,215 @@ static PyTypeObject CoreSteps_T = {
     .tp_new = steps_new,
     .tp_methods = steps_methods,
     .tp_doc = "A DeviceAllocator's core steps: the core's books and the blocks' handles changed together.",
+};
+
+/* -- the caching allocator's lock (accel/allocator/_fork.py) ------------------------------
+ *
+ * OwnedLock: a lock that knows the thread holding it (``owner``, 0 when free), so that a
+ * blocking acquire on that thread (a garbage-collection callback or finalizer run inside
+ * the allocator's call) is refused with NotSupportedError instead of waiting forever. In C
+ * because only here is the lock taken or let go together with its owner: Python code
+ * between the two is where Ctrl-C's KeyboardInterrupt lands (a signal's handler runs
+ * between bytecodes), and it left the lock held for good (every later call on the thread
+ * refused, or every call waiting forever once owner was 0). ``with lock:`` is whole too:
+ * __enter__ and __exit__ are each one C call. */
+
+typedef struct {
+    PyObject_HEAD
+    PyThread_type_lock lock;
+    unsigned long owner;
+    PyObject *what; /* names the lock's user in the refusal */
+} OwnedLock;
+
+static PyObject *
+ownedlock_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"what", NULL};
+    PyObject *what;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "U:OwnedLock", names, &what))
+        return NULL;
+    OwnedLock *self = (OwnedLock *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    if ((self->lock = PyThread_allocate_lock()) == NULL) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    Py_INCREF(what);
+    self->what = what;
+    return (PyObject *)self;
+}
+
+static void
+ownedlock_dealloc(PyObject *o)
+{
+    OwnedLock *self = (OwnedLock *)o;
+    if (self->lock != NULL) {
+        if (self->owner != 0) /* freeing a held lock is undefined */
+            PyThread_release_lock(self->lock);
+        PyThread_free_lock(self->lock);
+    }
+    Py_XDECREF(self->what);
+    Py_TYPE(o)->tp_free(o);
+}
+
+static int64_t
+monotonic_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+/* The lock, waiting at most ``us`` microseconds (-1: for ever) with the GIL released, the
+ * signal handlers run meanwhile (an interrupt raises before the lock is taken): 1 taken,
+ * 0 timed out, -1 with the handler's error. */
+static int
+ownedlock_wait(OwnedLock *self, int64_t us)
+{
+    int64_t deadline = us < 0 ? -1 : monotonic_us() + us;
+    for (;;) {
+        PyLockStatus r;
+        Py_BEGIN_ALLOW_THREADS
+        r = PyThread_acquire_lock_timed(self->lock, (PY_TIMEOUT_T)us, 1);
+        Py_END_ALLOW_THREADS
+        if (r != PY_LOCK_INTR)
+            return r == PY_LOCK_ACQUIRED;
+        if (Py_MakePendingCalls() < 0)
+            return -1;
+        if (deadline >= 0 && (us = deadline - monotonic_us()) < 0)
+            us = 0;
+    }
+}
+
+/* The lock taken (True), or not when not blocking or timed out (False). */
+static PyObject *
+ownedlock_take(OwnedLock *self, int blocking, double timeout)
+{
+    if (!PyThread_acquire_lock(self->lock, 0)) {
+        if (!blocking)
+            Py_RETURN_FALSE;
+        /* owner is this thread's ident only while this thread holds the lock */
+        if (timeout < 0 && self->owner == PyThread_get_thread_ident()) {
+            PyObject *errors = PyImport_ImportModule("accel._errors");
+            PyObject *error = errors == NULL ? NULL : PyObject_GetAttrString(errors, "NotSupportedError");
+            Py_XDECREF(errors);
+            if (error != NULL) {
+                PyErr_Format(error,
+                             "%U was called again on a thread that is already inside it (a garbage-collection "
+                             "callback or finalizer run in the middle of its call), where it would wait for itself "
+                             "forever: allocate or query from such a callback only outside accel calls, or defer "
+                             "the work to later",
+                             self->what);
+                Py_DECREF(error);
+            }
+            return NULL;
+        }
+        int got = ownedlock_wait(self, timeout < 0 ? -1 : (int64_t)(timeout * 1e6));
+        if (got <= 0)
+            return got < 0 ? NULL : Py_NewRef(Py_False);
+    }
+    self->owner = PyThread_get_thread_ident();
+    Py_RETURN_TRUE;
+}
+
+/* acquire(blocking=True, timeout=-1) */
+static PyObject *
+ownedlock_acquire(PyObject *o, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"blocking", "timeout", NULL};
+    int blocking = 1;
+    double timeout = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|pd:acquire", names, &blocking, &timeout))
+        return NULL;
+    return ownedlock_take((OwnedLock *)o, blocking, timeout);
+}
+
+static PyObject *
+ownedlock_release(PyObject *o, PyObject *unused)
+{
+    OwnedLock *self = (OwnedLock *)o;
+    if (self->owner == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "release unlocked lock");
+        return NULL;
+    }
+    self->owner = 0;
+    PyThread_release_lock(self->lock);
+    Py_RETURN_NONE;
+}
+
+/* call_if_free(fn, *args): fn(*args) holding the lock when it is free now, the lock given
+ * back however fn ends: True when it ran, False when the lock was held (fn not called).
+ * One call: ``if lock.acquire(False): try:`` has a point between the two where an
+ * interrupt lands with the lock taken. */
+static PyObject *
+ownedlock_call_if_free(PyObject *o, PyObject *const *args, Py_ssize_t nargs)
+{
+    OwnedLock *self = (OwnedLock *)o;
+    if (nargs < 1 || !PyCallable_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "call_if_free(fn, *args) takes a callable");
+        return NULL;
+    }
+    if (!PyThread_acquire_lock(self->lock, 0))
+        Py_RETURN_FALSE;
+    self->owner = PyThread_get_thread_ident();
+    PyObject *r = PyObject_Vectorcall(args[0], args + 1, (size_t)(nargs - 1), NULL);
+    self->owner = 0;
+    PyThread_release_lock(self->lock);
+    if (r == NULL)
+        return NULL;
+    Py_DECREF(r);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *
+ownedlock_enter(PyObject *o, PyObject *unused)
+{
+    return ownedlock_take((OwnedLock *)o, 1, -1);
+}
+
+static PyObject *
+ownedlock_exit(PyObject *o, PyObject *args)
+{
+    return ownedlock_release(o, NULL);
+}
+
+static PyObject *
+ownedlock_repr(PyObject *o)
+{
+    OwnedLock *self = (OwnedLock *)o;
+    return PyUnicode_FromFormat("<OwnedLock of %U, %s>", self->what, self->owner ? "held" : "free");
+}
+
+static PyMethodDef ownedlock_methods[] = {
+    {"acquire", (PyCFunction)(void (*)(void))ownedlock_acquire, METH_VARARGS | METH_KEYWORDS,
+     "acquire(blocking=True, timeout=-1): take the lock; a blocking acquire on the thread that holds it raises "
+     "NotSupportedError."},
+    {"release", ownedlock_release, METH_NOARGS, "Let go of the lock."},
+    {"call_if_free", (PyCFunction)(void (*)(void))ownedlock_call_if_free, METH_FASTCALL,
+     "call_if_free(fn, *args): fn(*args) holding the lock if it is free now (given back however fn ends); "
+     "True when fn ran, False when the lock was held."},
+    {"__enter__", ownedlock_enter, METH_NOARGS, "acquire()"},
+    {"__exit__", ownedlock_exit, METH_VARARGS, "release()"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef ownedlock_members[] = {
+    {"owner", T_ULONG, offsetof(OwnedLock, owner), READONLY, "The ident of the thread holding the lock, 0 when free."},
+    {"what", T_OBJECT_EX, offsetof(OwnedLock, what), READONLY, "What the lock guards (named in the refusal)."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject OwnedLock_T = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "accel._speedups.OwnedLock",
+    .tp_basicsize = sizeof(OwnedLock),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = ownedlock_new,
+    .tp_dealloc = ownedlock_dealloc,
+    .tp_repr = ownedlock_repr,
+    .tp_methods = ownedlock_methods,
+    .tp_members = ownedlock_members,
+    .tp_doc = "OwnedLock(what): a lock that knows the thread holding it (accel/allocator/_fork.py).",
 };
 
 /* -- the common pair ------------------------------------------------------------------
@@ -1006,12 +1218,13 @@ empty_shape(PyObject *shape, int64_t itemsize, int64_t *dims, int64_t *nbytes)
     }
     else
         return -1;
+    /* a dim past int64 left an OverflowError: cleared before any return, an overflowing
+     * product of the dims before it included (the Python path says what is wrong) */
+    PyErr_Clear();
     int64_t n = itemsize, nonzero = 1;
     for (int i = 0; i < ndim; i++) {
-        if (dims[i] < 0) { /* negative, or past int64 (the Python path says what is wrong) */
-            PyErr_Clear();
+        if (dims[i] < 0) /* negative, or past int64 */
             return -1;
-        }
         if (dims[i] && __builtin_mul_overflow(nonzero, dims[i], &nonzero))
             return -1;
         n = dims[i] == 0 ? 0 : n;
@@ -1877,11 +2090,12 @@ static int
 module_exec(PyObject *m)
 {
     if (PyType_Ready(&Compiled_T) < 0 || PyType_Ready(&SteadyCall_T) < 0 || PyType_Ready(&CallHead_T) < 0
-        || PyType_Ready(&CoreBlock_T) < 0 || PyType_Ready(&CoreSteps_T) < 0)
+        || PyType_Ready(&CoreBlock_T) < 0 || PyType_Ready(&CoreSteps_T) < 0 || PyType_Ready(&OwnedLock_T) < 0)
         return -1;
     if (PyModule_AddObjectRef(m, "SteadyCall", (PyObject *)&SteadyCall_T) < 0
         || PyModule_AddObjectRef(m, "CoreBlock", (PyObject *)&CoreBlock_T) < 0
         || PyModule_AddObjectRef(m, "CoreSteps", (PyObject *)&CoreSteps_T) < 0
+        || PyModule_AddObjectRef(m, "OwnedLock", (PyObject *)&OwnedLock_T) < 0
         || PyModule_AddObjectRef(m, "_CallHead", (PyObject *)&CallHead_T) < 0
         || PyModule_AddStringConstant(m, "SOURCE_CRC32", ACCEL_SPEEDUPS_SOURCE_CRC32) < 0)
         return -1;

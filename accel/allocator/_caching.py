@@ -494,26 +494,29 @@ class DeviceAllocator:
             return got
         if self._forked:
             self._refuse_in_child("malloc")
-        # acquire/release rather than ``with``: half the cost on this hot path.
+        # ``with``, not acquire() then try: an interrupt (Ctrl-C) between those two left the
+        # lock held for good (accel/allocator/_fork.py).
         lock = self._lock
-        lock.acquire()
         try:
-            if self._gc_frees:
-                self._drain_gc_frees()
-            if self._pending and not self._captures:
-                self._process_events()
-            private = self._capture_private(stream) if self._captures else None
-            key = 0 if private is None else private.key
-            got = self._steps.malloc(nbytes, handle, key, NO_RETRY)
-            block = self._core_refused(got, nbytes, handle, key) if isinstance(got, int) else got  # int: refused
-            if self._history is not None:
-                self._record_alloc(block)
-            if stream._closed:  # after the handle is live: see _closed_meanwhile
-                self._closed_meanwhile(block, stream)
-            return block
+            with lock:  # C: taken and given back with nothing between them and the with's guard
+                try:
+                    if self._gc_frees:
+                        self._drain_gc_frees()
+                    if self._pending and not self._captures:
+                        self._process_events()
+                    private = self._capture_private(stream) if self._captures else None
+                    key = 0 if private is None else private.key
+                    got = self._steps.malloc(nbytes, handle, key, NO_RETRY)
+                    # an int: the core refused
+                    block = self._core_refused(got, nbytes, handle, key) if isinstance(got, int) else got
+                    if self._history is not None:
+                        self._record_alloc(block)
+                    if stream._closed:  # after the handle is live: see _closed_meanwhile
+                        self._closed_meanwhile(block, stream)
+                    return block
+                finally:
+                    self._refresh_plain()
         finally:
-            self._refresh_plain()
-            lock.release()
             self._recheck_plain()
 
     def _malloc_refused(self, rc: int, nbytes: int, stream: Stream, block: CoreBlock | None = None) -> CoreBlock:
@@ -522,18 +525,19 @@ class DeviceAllocator:
         ``block``: the call handed it out (``rc`` 0), but ``stream`` was closed meanwhile
         (see _closed_meanwhile). The compiled allocate calls it by name too."""
         lock = self._lock
-        lock.acquire()
         try:
-            if block is None:
-                block = self._core_refused(rc, nbytes, stream._handle, 0)
-                if self._history is not None:
-                    self._record_alloc(block)
-            if stream._closed:
-                self._closed_meanwhile(block, stream)
-            return block
+            with lock:  # C: taken and given back with nothing between them and the with's guard
+                try:
+                    if block is None:
+                        block = self._core_refused(rc, nbytes, stream._handle, 0)
+                        if self._history is not None:
+                            self._record_alloc(block)
+                    if stream._closed:
+                        self._closed_meanwhile(block, stream)
+                    return block
+                finally:
+                    self._refresh_plain()
         finally:
-            self._refresh_plain()
-            lock.release()
             self._recheck_plain()
 
     def _closed_meanwhile(self, block: CoreBlock, stream: Stream) -> None:
@@ -711,19 +715,21 @@ class DeviceAllocator:
                 raise InvalidHandleError(f"{block!r} is not allocated by {self!r} (freed twice)")
             self.free_from_finalizer(block)
             return
-        lock.acquire()  # not ``with``: see malloc
         try:
-            try:
-                if block.state != ALLOCATED or block.owner is not self:
-                    raise InvalidHandleError(
-                        f"{block!r} is not allocated by {self!r} (freed twice, or from another allocator)"
-                    )
-            except AttributeError:  # not a Block
-                self._bad_block(block, "free")
-            self._free_held(block)
+            with lock:  # C: taken and given back with nothing between them and the with's guard
+                try:
+                    try:
+                        if block.state != ALLOCATED or block.owner is not self:
+                            raise InvalidHandleError(
+                                f"{block!r} is not allocated by {self!r} (freed twice, or from another "
+                                "allocator)"
+                            )
+                    except AttributeError:  # not a Block
+                        self._bad_block(block, "free")
+                    self._free_held(block)
+                finally:
+                    self._refresh_plain()
         finally:
-            self._refresh_plain()
-            lock.release()
             self._recheck_plain()
 
     def _free_held(self, block: CoreBlock) -> None:
@@ -769,17 +775,22 @@ class DeviceAllocator:
             return
         if self._forked and block.__class__ is CoreBlock:
             return  # the core's mutex may be held by a parent thread: see _forget_the_core_in_child
-        if self._lock.acquire(blocking=False):
-            try:
-                if block.state == ALLOCATED:
-                    self._free_held(block)
-            finally:
-                self._refresh_plain()
-                self._lock.release()
-                self._recheck_plain()
-        else:
+        try:
+            # one C call: no point between taking the lock and its guard for an interrupt
+            freed = self._lock.call_if_free(self._free_if_allocated, block)
+        finally:
+            self._recheck_plain()
+        if not freed:
             self._gc_frees.append(block)
             self._plain = False
+
+    def _free_if_allocated(self, block: CoreBlock) -> None:
+        """:meth:`free_from_finalizer`'s free, the lock held."""
+        try:
+            if block.state == ALLOCATED:
+                self._free_held(block)
+        finally:
+            self._refresh_plain()
 
     def release_when_idle(self) -> None:
         """The owner of this allocator (a :class:`MemPool` that was dropped) needs it
@@ -789,19 +800,18 @@ class DeviceAllocator:
         device's next ``empty_cache`` or allocation short of memory."""
         self._orphaned = True
         self._plain = False
-        if self._lock.acquire(blocking=False):
-            try:
-                if self._gc_frees:
-                    self._drain_gc_frees()
-                self._release_if_idle()
-            finally:
-                self._lock.release()
-        else:
+        if not self._lock.call_if_free(self._drain_and_release_if_idle):  # one C call: see free_from_finalizer
             # Another thread holds the lock: a free may be under way that read the
             # flag before it was set (its fast path then never releases), and it may
             # be the last. Noted as an orphan, the memory goes at the device's next
             # empty_cache or allocation short of memory, which take the lock.
             _orphans.add(self)
+
+    def _drain_and_release_if_idle(self) -> None:
+        """:meth:`release_when_idle`'s release, the lock held."""
+        if self._gc_frees:
+            self._drain_gc_frees()
+        self._release_if_idle()
 
     def _release_if_idle(self) -> None:
         """A dropped pool's allocator with nothing allocated gives its memory back, without
@@ -866,11 +876,7 @@ class DeviceAllocator:
             event = _UNORDERED
         self._gc_frees.append(_StreamRetired(handle, event))
         self._plain = False
-        if self._lock.acquire(blocking=False):
-            try:
-                self._drain_gc_frees()
-            finally:
-                self._lock.release()
+        self._lock.call_if_free(self._drain_gc_frees)  # one C call: see free_from_finalizer
 
     def _retire(self, retired: _StreamRetired) -> None:
         """Key what this allocator keys by a destroyed stream's handle by a new key of its
@@ -1188,12 +1194,7 @@ class DeviceAllocator:
         lock is taken (by this thread or another), the release waits for the
         allocator's next call that takes it."""
         pool_id = check_pool_id(pool_id, where="release_pool_from_finalizer")
-        if self._lock.acquire(blocking=False):
-            try:
-                self._release_pool_locked(pool_id)
-            finally:
-                self._lock.release()
-        else:
+        if not self._lock.call_if_free(self._release_pool_locked, pool_id):  # one C call: see free_from_finalizer
             self._gc_frees.append(_PoolRelease(pool_id))
             self._plain = False
 

@@ -18,10 +18,8 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from threading import get_ident
-from types import TracebackType
 
-from accel._errors import NotSupportedError
+from accel._native import speedups
 
 __all__ = ["FORK_LOCK_WAIT_S", "OwnedLock", "track_lock"]
 
@@ -29,64 +27,18 @@ __all__ = ["FORK_LOCK_WAIT_S", "OwnedLock", "track_lock"]
 # a lock for microseconds; a bound keeps a fork from hanging on a pathological holder).
 FORK_LOCK_WAIT_S = 1.0
 
+# A caching allocator's lock: it notes the thread that holds it (``owner``, 0 when free),
+# and a blocking acquire on that thread raises NotSupportedError naming ``what``: only a
+# garbage-collection callback or a finalizer can get there (run by a collection while its
+# thread held the lock), and it would wait forever. Frees from there are deferred instead
+# (see DeviceAllocator.free_from_finalizer). It is C (accel/_speedups.c): Python code
+# between taking the lock and noting its owner, or between clearing the owner and letting
+# go, is where Ctrl-C's KeyboardInterrupt lands, and it left the lock held for good.
+OwnedLock = speedups.OwnedLock
+
 _tracked: list[tuple[weakref.ref[object], str]] = []
 _tracked_lock = threading.Lock()
 _held: list[tuple[object, str, threading.Lock | OwnedLock]] = []
-
-
-class OwnedLock:
-    """A ``threading.Lock`` that knows the thread holding it (``owner``, 0 when free).
-
-    A blocking :meth:`acquire` on the thread that holds it raises NotSupportedError
-    naming ``what``: only a garbage-collection callback or a finalizer can get there
-    (run by a collection while its thread held the lock), and it would wait forever.
-    Frees from there are deferred instead (see DeviceAllocator.free_from_finalizer).
-
-    >>> lock = OwnedLock("the example")
-    >>> with lock:
-    ...     lock.owner == get_ident()
-    True
-    >>> lock.owner
-    0
-    """
-
-    __slots__ = ("_lock", "owner", "what")
-
-    def __init__(self, what: str) -> None:
-        self._lock = threading.Lock()
-        self.owner = 0
-        self.what = what
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        lock = self._lock
-        if not lock.acquire(False):
-            if not blocking:
-                return False
-            # owner is this thread's ident only while this thread holds the lock: it
-            # sets it after taking the lock and clears it before letting go
-            if timeout < 0 and self.owner == get_ident():
-                raise NotSupportedError(
-                    f"{self.what} was called again on a thread that is already inside it (a "
-                    "garbage-collection callback or finalizer run in the middle of its call), "
-                    "where it would wait for itself forever: allocate or query from such a "
-                    "callback only outside accel calls, or defer the work to later"
-                )
-            if not lock.acquire(True, timeout):
-                return False
-        self.owner = get_ident()
-        return True
-
-    def release(self) -> None:
-        self.owner = 0
-        self._lock.release()
-
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
 
 
 def track_lock(owner: object, attr: str = "_lock") -> None:

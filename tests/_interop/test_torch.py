@@ -259,6 +259,19 @@ def test_empty_refuses_bad_and_huge_shapes_with_accel_errors():
     assert _allocated() == before
 
 
+@pytest.mark.parametrize(
+    "shape", [(1 << 62, 1 << 62, 1 << 64), (1 << 40, 1 << 40, -(1 << 70)), (1 << 64, 1 << 62, 1 << 62)]
+)
+def test_empty_refuses_a_dim_past_int64_after_an_overflowing_product_with_an_accel_error(shape):
+    # The compiled path gives up at the first product past int64: a dim past int64
+    # after it must not leave its conversion's OverflowError behind.
+    accel.empty(1, dtype=torch.uint8)  # the dtype resolved (the tensor dies at once): the next call is compiled
+    before = _allocated()
+    with pytest.raises(accel.InvalidValueError, match="non-negative ints below"):
+        accel.empty(shape, dtype=torch.uint8)
+    assert _allocated() == before
+
+
 def test_an_empty_tensor_dropped_in_another_thread_gives_its_memory_back():
     before = _allocated()
     held = [accel.empty((64, 64), dtype=torch.float32) for _ in range(8)]

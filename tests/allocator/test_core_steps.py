@@ -89,6 +89,16 @@ def test_a_double_free_and_a_stale_handle_are_refused_and_spare_the_next_owner(p
     assert _allocated(a) == 0
 
 
+def test_a_block_handle_and_a_double_free_name_the_block_by_address_size_and_state(pair):
+    a, s = pair
+    b = a.malloc(1000, s)
+    assert repr(b) == f"<Block {b.ptr:#x} 1024 bytes allocated>"
+    a.free(b)
+    assert repr(b) == f"<Block {b.ptr:#x} 1024 bytes freed>"
+    with pytest.raises(InvalidHandleError, match=f"<Block {b.ptr:#x} 1024 bytes freed> is not allocated"):
+        a._steps.free(b)
+
+
 def test_a_block_of_another_allocator_is_refused(pair):
     a, s = pair
     other = DeviceAllocator(a.backend, 0, AllocatorConfig())

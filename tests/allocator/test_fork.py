@@ -4,8 +4,12 @@ free run by a collection never waits on a lock its own thread holds."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
+from accel._errors import NotSupportedError
+from accel.allocator._fork import OwnedLock
 from tests.conftest import CONFORMANCE_BACKENDS
 from tests.fixtures.scripts import ok, run
 
@@ -155,3 +159,26 @@ def test_a_forked_child_refuses_the_allocator_a_parent_thread_was_inside(backend
     print("ok")
     """
     ok(run(backend, code, timeout=60))
+
+
+def test_an_owned_lock_refuses_its_own_thread_and_runs_a_call_only_when_free() -> None:
+    lock = OwnedLock("the test's allocator")
+    with lock:
+        assert lock.owner == threading.get_ident()
+        with pytest.raises(NotSupportedError, match="the test's allocator was called again on a thread"):
+            lock.acquire()
+        assert not lock.acquire(timeout=0) and not lock.call_if_free(pytest.fail, "ran while held")
+    assert lock.owner == 0
+    seen = []
+    assert lock.call_if_free(lambda *args: seen.append((args, lock.owner)), 1, 2)
+    assert seen == [((1, 2), threading.get_ident())] and lock.owner == 0
+
+    def boom() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        lock.call_if_free(boom)
+    assert lock.acquire(blocking=False) and lock.owner == threading.get_ident()  # given back
+    lock.release()
+    with pytest.raises(RuntimeError):
+        lock.release()
