@@ -276,12 +276,6 @@ coreblock_repr(PyObject *self)
     return PyUnicode_FromFormat("<Block %s %S bytes %s>", address, b->size, state);
 }
 
-static PyObject *
-coreblock_segment(PyObject *self, void *closure)
-{
-    Py_RETURN_NONE; /* no expandable segment: the core keeps this block's books */
-}
-
 static PyMemberDef coreblock_members[] = {
     {"ptr", T_OBJECT_EX, offsetof(CoreBlock, ptr), READONLY, "The block's address."},
     {"size", T_OBJECT_EX, offsetof(CoreBlock, size), READONLY, "Its size in bytes (rounded)."},
@@ -295,11 +289,6 @@ static PyMemberDef coreblock_members[] = {
     {NULL, 0, 0, 0, NULL},
 };
 
-static PyGetSetDef coreblock_getset[] = {
-    {"segment", coreblock_segment, NULL, "None: the core keeps this block's books.", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
 static PyTypeObject CoreBlock_T = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "accel._speedups.CoreBlock",
     .tp_basicsize = sizeof(CoreBlock),
@@ -309,7 +298,6 @@ static PyTypeObject CoreBlock_T = {
     .tp_dealloc = coreblock_dealloc,
     .tp_repr = coreblock_repr,
     .tp_members = coreblock_members,
-    .tp_getset = coreblock_getset,
     .tp_doc = "A caller's handle of a block of the native allocator core (made by CoreSteps.malloc).",
 };
 
@@ -814,7 +802,7 @@ static PyTypeObject OwnedLock_T = {
 
 /* -- the common pair ------------------------------------------------------------------
  *
- * While a DeviceAllocator's ``_plain`` is True (no capture, history, expandable segments,
+ * While a DeviceAllocator's ``_plain`` is True (no capture, history,
  * pending events, queued finalizer frees; see DeviceAllocator._plain), its malloc and free
  * are the core steps above and take no lock: the compiled allocate and Buffer.free/__del__
  * take them here. Every other case, and a core refusal, goes to DeviceAllocator's methods

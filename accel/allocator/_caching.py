@@ -944,7 +944,7 @@ class DeviceAllocator:
                 block.stream_uses = {handle}
             else:
                 block.stream_uses.add(handle)
-            if block.segment is None and self._live.get(block.ptr) is not block:
+            if self._live.get(block.ptr) is not block:
                 # The lock-free free (see _plain) claimed it after the state check above:
                 # freed first, its memory may be reused without waiting for this use.
                 raise InvalidHandleError(
