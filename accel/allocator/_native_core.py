@@ -26,6 +26,8 @@ registered per device (see :mod:`accel.allocator._torch_allocator`).
 from __future__ import annotations
 
 import importlib
+import os
+import queue
 import threading
 import weakref
 from collections import OrderedDict
@@ -364,11 +366,61 @@ class _Upstream:
         self.free_errors: list[BaseException] = []
 
 
+# A dropped core gives its cache back on a thread of its own. Its finalizer runs wherever
+# the last reference went or a collection started: perhaps inside a backend call that
+# holds a lock the give-back's device wait needs (Level Zero's event pool collected an old
+# allocator there, and the wait took the backend's lock: that thread waited for itself).
+# The reaper takes such locks as any thread does, once their holder lets go.
+_dropped: queue.SimpleQueue[tuple[Any, Any, Any]] = queue.SimpleQueue()
+_reaper: threading.Thread | None = None
+_reaper_lock = threading.Lock()
+
+
 def _destroy(lib: Any, core: Any, handle: Any) -> None:
-    """Give a dropped core's cache back and free its books (``handle`` is kept alive
-    until then: the upstream callbacks need it)."""
-    lib.accel_core_destroy(core)
-    del handle
+    """Hand a dropped core to the reaper (``handle`` is kept alive until it is destroyed:
+    the upstream callbacks need it). Puts only: no lock, nothing that can wait."""
+    _dropped.put((lib, core, handle))
+    if _reaper is None:
+        _start_reaper()
+
+
+def _start_reaper() -> None:
+    global _reaper
+    with _reaper_lock:
+        if _reaper is None:
+            _reaper = threading.Thread(target=_reap, name="accel-core-reaper", daemon=True)
+            _reaper.start()
+
+
+def _reap() -> None:
+    """Give dropped cores' caches back and free their books, one at a time."""
+    while True:
+        lib, core, handle = _dropped.get()
+        if lib is None:  # reap_dropped's mark: everything before it is done
+            handle.set()
+        else:
+            lib.accel_core_destroy(core)  # what its callbacks raise stays with the dropped upstream
+        del lib, core, handle
+
+
+def reap_dropped() -> None:
+    """Wait until every core dropped so far gave its cache back (for tests and for
+    code that must see the memory back upstream, such as a driver's free count)."""
+    if _reaper is None:
+        return
+    done = threading.Event()
+    _dropped.put((None, None, done))
+    done.wait()
+
+
+def _new_reaper_in_child() -> None:
+    """A forked child has no reaper thread (only the forking thread survives); cores the
+    parent had dropped but not destroyed are the parent's to give back."""
+    global _dropped, _reaper, _reaper_lock
+    _dropped, _reaper, _reaper_lock = queue.SimpleQueue(), None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_reaper_in_child)
 
 
 class NativeCore:

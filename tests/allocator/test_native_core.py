@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import shutil
 import subprocess
+import sys
 import threading
 import weakref
 from pathlib import Path
@@ -608,3 +609,43 @@ def test_no_retry_leaves_the_cache_to_the_caller() -> None:
     s = core.stats()  # (the upstream may hand the address given back out again)
     assert (s["num_alloc_retries"], s["num_ooms"], s["num_device_free"]) == (1, 0, 1)
     assert {b["stream"] for b in core.blocks()} == {7, 9}
+
+
+_DROP_UNDER_A_HELD_LOCK = """
+import gc, threading
+from accel.allocator import BackendResource
+from accel.allocator._native_core import NativeCore, reap_dropped
+from accel.backends.cpu import CpuBackend
+
+backend_lock = threading.Lock()  # a backend's lock, which its device wait takes
+freed = []
+
+class Resource(BackendResource):
+    def deallocate(self, ptr, nbytes):
+        freed.append(nbytes)
+        super().deallocate(ptr, nbytes)
+
+def synchronize(device):
+    with backend_lock:
+        pass
+
+core = NativeCore(Resource(CpuBackend(1, None), 0), synchronize=synchronize)
+ptr, _ = core.malloc(4096, stream=0)
+core.free(ptr)  # cached: the core's destruction gives it back, after the device wait
+with backend_lock:  # inside a backend call, a collection drops the core
+    del core
+    gc.collect()
+reap_dropped()
+print(freed)
+"""
+
+
+def test_a_core_dropped_inside_a_backend_call_gives_its_cache_back_later_without_waiting_for_itself() -> None:
+    """A core's finalizer may run where the thread holds the lock its give-back's device
+    wait takes (a collection inside a backend call, seen on Level Zero's event pool): the
+    thread waited for itself. Dropped cores are destroyed by a thread of their own."""
+    out = subprocess.run(
+        [sys.executable, "-c", _DROP_UNDER_A_HELD_LOCK], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[2097152]"
