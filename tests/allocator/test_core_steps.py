@@ -40,7 +40,7 @@ def test_a_block_and_its_handle_come_and_go_together(pair):
     a, s = pair
     b = a._steps.malloc(1000, s._handle, 0, NO_RETRY)
     assert isinstance(b, CoreBlock) and b.state == ALLOCATED and b.owner is a
-    assert (b.size, b.requested, b.stream, b.segment, b.stream_uses) == (1024, 1000, s._handle, None, None)
+    assert (b.size, b.requested, b.stream, b.stream_uses) == (1024, 1000, s._handle, None)
     assert a._live[b.ptr] is b and s._handle in a._known and _allocated(a) == 1024
     a._steps.free(b)
     assert b.state == RETIRED and b.ptr not in a._live and _allocated(a) == 0
