@@ -22,7 +22,9 @@ MiB = 1 << 20
 
 class _Interrupts:
     """Raises KeyboardInterrupt at the ``at``-th public backend call of the main
-    thread, before the call runs; records the call's name."""
+    thread (or of the thread that runs its upstream calls: see
+    accel/allocator/_native_core.py's _run_once), before the call runs; records the
+    call's name."""
 
     def __init__(self, backend: CpuBackend, at: int) -> None:
         self.calls = 0
@@ -36,7 +38,8 @@ class _Interrupts:
 
     def _wrap(self, name, fn):
         def call(*args, **kwargs):
-            if self.armed and threading.current_thread() is threading.main_thread():
+            thread = threading.current_thread()
+            if self.armed and (thread is threading.main_thread() or thread.name == "accel-upstream"):
                 self.calls += 1
                 if self.calls == self.at:
                     self.fired = name
