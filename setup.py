@@ -2,8 +2,9 @@
 
 ``benchmarks/`` stays at the top of the source tree (run as scripts there) and is
 installed as the package ``accel._benchmarks``, so ``accel bench`` works from a wheel.
-The optional C extension ``accel._speedups`` is built when a compiler is there; the
-allocator's native core ``accel.allocator._core`` (csrc/, cffi API mode) always is.
+Both native parts are always built, so an install needs a C compiler: the compiled hot
+paths ``accel._speedups`` and the allocator's native core ``accel.allocator._core``
+(csrc/, cffi API mode).
 """
 
 import zlib
@@ -18,23 +19,22 @@ from setuptools import Extension, find_packages, setup
 SPEEDUPS = "accel/_speedups.c"
 # The source's CRC-32, compiled into the extension and checked by accel/_native.py against
 # the _speedups.c installed beside it: a build from another version of the source (an old
-# .so left in build/ or in the tree when this build found no compiler) is not loaded.
+# .so left in build/ or in the tree) is refused at import.
 SOURCE_CRC32 = f"{zlib.crc32((Path(__file__).resolve().parent / SPEEDUPS).read_bytes()):08x}"
 
 setup(
     packages=[*find_packages(include=["accel", "accel.*"]), "accel._benchmarks"],
     package_dir={"accel._benchmarks": "benchmarks"},
     package_data={"accel": ["py.typed", "_speedups.pyi", "_speedups.c"], "accel._benchmarks": ["*.md"]},
-    # The compiled fast paths (accel/_native.py): optional, so that without a compiler
-    # the build goes on and accel stays pure Python.
     # The allocator's native core and torch's pluggable-allocator ABI (csrc/accel_core.c).
     cffi_modules=["csrc/build_core.py:ffibuilder"],
+    # The compiled hot paths (accel/_native.py): not optional, so that without a compiler
+    # the build stops with setuptools' error naming it, as the core's does.
     ext_modules=[
         Extension(
             "accel._speedups",
             [SPEEDUPS],
             define_macros=[("ACCEL_SPEEDUPS_SOURCE_CRC32", f'"{SOURCE_CRC32}"')],
-            optional=True,
         )
     ],
 )

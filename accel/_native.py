@@ -1,18 +1,17 @@
-"""The optional compiled fast paths: :mod:`accel._speedups` when it was built from the
-``_speedups.c`` beside this file and ``ACCEL_PURE_PYTHON`` is not ``1``, else None.
+"""accel's compiled hot paths, :mod:`accel._speedups` (``_speedups.c`` beside this file).
 
-Pure Python is accel's reference: a module with a compiled fast path asks here once,
-at import, and plugs the extension in at one place (``if speedups is not None:``).
-The extension does the same steps on the same objects, and the tests of what it
-replaces run both ways (``ACCEL_PURE_PYTHON=1`` forces the pure-Python path; README's
-test command reruns the tests marked ``speedups``, tests/conftest.py).
+The extension is part of every build, as the allocator's native core is (setup.py
+builds both, and an install without a C compiler fails there). A module with a hot
+path in C imports ``speedups`` from here and plugs it in at import: the C is the
+implementation of that path's common case and hands every other case back to the
+Python code, which keeps only those.
 
 The extension reads the slots and calls the methods of accel's Python classes, so one
 built from another version of ``_speedups.c`` (an old ``.so`` left in ``build/`` or in
-the tree, reused when a later build found no compiler) is refused with a
-RuntimeWarning: it carries the CRC-32 of its source (``SOURCE_CRC32``, set by
-setup.py), which must equal that of the source installed with the package.
-:func:`describe` says which path is in use and why (``accel info``).
+the tree) is refused: it carries the CRC-32 of its source (``SOURCE_CRC32``, set by
+setup.py), which must equal that of the source installed with the package. A missing
+or stale extension is an :class:`ImportError` that says how to rebuild it.
+:func:`describe` names the extension's file and CRC (``accel info``).
 """
 
 from __future__ import annotations
@@ -20,13 +19,12 @@ from __future__ import annotations
 import importlib
 import os
 import zlib
-from types import ModuleType
-
-from accel._errors import warn_at_caller
+from typing import TYPE_CHECKING
 
 __all__ = ["describe", "source_crc32", "speedups"]
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_speedups.c")
+_REBUILD = "rebuild it: `python setup.py build_ext --inplace` in a source tree, or reinstall accel"
 
 
 def source_crc32(path: str = _SOURCE) -> str | None:
@@ -38,42 +36,39 @@ def source_crc32(path: str = _SOURCE) -> str | None:
         return None
 
 
-def _load() -> tuple[ModuleType | None, str]:
-    """The extension, or None and why."""
-    if os.environ.get("ACCEL_PURE_PYTHON") == "1":
-        return None, "ACCEL_PURE_PYTHON=1"
+def _load() -> object:
+    """The extension, checked against the source installed beside it."""
     try:
         # by name: a static import of the extension reads as one of the package
         # ``accel`` to the layer contracts
         module = importlib.import_module("accel._speedups")
-    except ImportError as exc:  # not built: no compiler where accel was installed
-        return None, f"accel._speedups is not built ({exc})"
+    except ImportError as exc:
+        raise ImportError(f"accel._speedups is not built ({exc}): {_REBUILD}") from exc
     built = getattr(module, "SOURCE_CRC32", None)
     source = source_crc32()
     if source is not None and built != source:
-        reason = (
+        raise ImportError(
             f"{module.__file__} was built from another version of accel/_speedups.c (CRC-32 "
-            f"{built or 'not recorded'}, the source's is {source}): accel runs pure Python. Rebuild it "
-            "(`python setup.py build_ext --inplace`, or reinstall accel with a C compiler) or delete it"
+            f"{built or 'not recorded'}, the source's is {source}): {_REBUILD}"
         )
-        warn_at_caller(reason, RuntimeWarning)
-        return None, reason
-    return module, ""
+    return module
 
 
-speedups, _reason = _load()
+if TYPE_CHECKING:
+    from accel import _speedups as speedups
+else:
+    speedups = _load()
 
 
-def describe() -> dict[str, str | bool | None]:
-    """Whether the compiled paths are in use, the extension's file, and why not.
+def describe() -> dict[str, str | None]:
+    """The extension's file, the CRC-32 it was built from and that of the source beside it.
 
     >>> from accel._native import describe
     >>> sorted(describe())
-    ['compiled', 'file', 'reason', 'source_crc32']
+    ['built_crc32', 'file', 'source_crc32']
     """
     return {
-        "compiled": speedups is not None,
-        "file": None if speedups is None else speedups.__file__,
+        "file": speedups.__file__,
+        "built_crc32": speedups.SOURCE_CRC32,
         "source_crc32": source_crc32(),
-        "reason": _reason or None,
     }

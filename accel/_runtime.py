@@ -37,24 +37,14 @@ __all__ = [
 ]
 
 
-# Where it was built, every change of a thread's current streams is made by
+# Every change of a thread's current streams is made by
 # accel._speedups.set_current(streams, index, stream or None): the compiled graphed call
 # then asks the thread's state again, and need not ask it otherwise. One C call that tells
 # it and stores: told after the store, a call made in between (from a signal handler, a
 # profile or trace hook, run as the store's next Python code starts) took the default
 # stream, remembered from before, for current; told before, one made in between
 # remembered the old state as the new.
-def _store_current(streams: dict[int, Stream], index: int, stream: Stream | None) -> None:
-    """``set_current`` where accel._speedups is not in use: the store alone."""
-    if stream is None:
-        streams.pop(index, None)
-    else:
-        streams[index] = stream
-
-
-_set_current: Callable[[dict[int, Stream], int, Stream | None], None] = (
-    speedups.set_current if speedups is not None else _store_current
-)
+_set_current = speedups.set_current
 
 
 class _ThreadState(threading.local):

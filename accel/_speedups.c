@@ -1,15 +1,15 @@
-/* accel._speedups: optional C versions of hot paths of buffers, streams and graphs.
+/* accel._speedups: the C implementation of hot paths of buffers, streams and graphs.
  *
- * Pure Python is accel's reference and its fallback: this module is built when a
- * compiler is there (setup.py marks it optional) and used unless ACCEL_PURE_PYTHON=1
- * (accel/_native.py decides). Every function here does, step by step, what the
- * Python code it replaces does, on the same objects, through CPython's public C API
- * only; whenever a condition of a fast path fails, or an object is not of the exact
- * class expected, it calls the Python function it stands in for, before changing
- * anything. (The caching allocator's books are not here: they are the native core's,
- * csrc/accel_core.c, which DeviceAllocator calls through cffi.)
- *
- * The whole suite runs both ways (tests/test_speedups.py says which one ran).
+ * A mandatory part of every build, like the allocator's native core (setup.py builds
+ * both; accel/_native.py refuses a missing or stale build with an ImportError). Each
+ * hot path here is the implementation of its common case, on accel's Python objects,
+ * through CPython's public C API only; whenever a condition of that case fails, or an
+ * object is not of the exact class expected, it hands the call, before changing
+ * anything, to the Python function it stands in for, which keeps only the other cases.
+ * (The caching allocator's books are not here: they are the native core's,
+ * csrc/accel_core.c. Its steps that hand out or take back a block, with the block's
+ * handle, are here, in C: see "the core step" below; DeviceAllocator calls the rest
+ * through cffi.)
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -192,40 +192,413 @@ static PyObject *s_runtime_g, *s_forked_from, *s_collecting, *s_open, *s_state, 
     *s_extensions, *s_allocators, *s_free, *s_free_from_finalizer, *s_malloc, *s_device_kw, *s_stream_kw,
     *s_block, *s_allocator, *s_nbytes, *s_stream, *s_lease, *s_buffer_device;
 
-/* -- the common pair, straight into the native core ----------------------------------------
+/* -- the core step: a block's handle and the core's books change together ----------------
  *
- * While a DeviceAllocator's ``_plain`` is True (no capture, history, expandable segments,
- * pending events, queued finalizer frees; see DeviceAllocator._plain), its malloc and free
- * are the core's and a handle's book-keeping in dicts, taking no lock: the compiled
- * allocate and Buffer.free/__del__ do those steps here, calling the core's exported C
- * entry points (csrc/accel_core.h; their addresses are given by install_buffers) with the
- * GIL held, which the core neither needs nor waits for (it calls its upstream with its own
- * mutex released). Every other case, and a core refusal, goes to DeviceAllocator's
- * methods by name: the core stays the only place blocks are found, split and counted. */
+ * accel_core_malloc and the registration of the block's handle (a CoreBlock in the
+ * allocator's ``_live``), and the handle's removal and accel_core_free (or _hold,
+ * _release_held), are each one C call here, with no Python bytecode in between: a Python
+ * signal handler (Ctrl-C's KeyboardInterrupt) runs only between bytecodes, so it cannot
+ * land between the core's books and the handle's and lose a block. DeviceAllocator (its
+ * lock-free pair and its locked paths), the compiled allocate and Buffer.free, and
+ * accel.empty's tensors all take these steps: there is one of each. The core is called
+ * with the GIL held; it neither needs the GIL nor waits for it (it calls its upstream with
+ * its own mutex released, and the upstream's callback takes the GIL it already has). */
 
 typedef int (*core_malloc_fn)(void *core, int64_t nbytes, uint64_t stream, uint64_t pool, int flags, uint64_t *ptr,
                               int64_t *size);
-typedef int (*core_free_fn)(void *core, uint64_t ptr);
-static core_malloc_fn core_malloc; /* NULL: the core is not built, every pair is DeviceAllocator's */
-static core_free_fn core_free;
-static PyTypeObject *CoreBlock_T;
-static PyObject *InvalidHandleError, *ALLOCATED, *RETIRED;
-static PyObject *s_plain, *s_core_address, *s_live, *s_known, *s_closed, *s_handle, *s_block_state, *s_stream_uses,
-    *s_owner, *s_ptr, *s_malloc_refused;
+typedef int (*core_ptr_fn)(void *core, uint64_t ptr);
 #define CORE_NO_RETRY 1 /* accel_core.h's ACCEL_CORE_NO_RETRY: a refusal is the caller's to handle */
 #define CORE_MAX_REQUEST (INT64_C(1) << 60)
+/* accel/allocator/_blocks.py's states */
+#define BLOCK_ALLOCATED 1
+#define BLOCK_PENDING 2
+#define BLOCK_RETIRED 3
 
-/* allocator._core_address, the core the allocator keeps its books in; NULL with no error
- * when it cannot be read. */
-static void *
-core_of(PyObject *allocator)
+/* A caller's handle of a block the native core handed out (accel/allocator/_blocks.py
+ * documents it): ALLOCATED, PENDING (freed, held in the core until other streams' events
+ * pass) or RETIRED (freed: a stale second free of it is refused). */
+typedef struct {
+    PyObject_HEAD
+    uint64_t address;      /* ptr, for the core */
+    PyObject *ptr;         /* int: the key in the allocator's _live */
+    PyObject *size;        /* int */
+    PyObject *requested;   /* int */
+    PyObject *stream;      /* int: the stream's handle, or a retired stream's key */
+    PyObject *owner;       /* the DeviceAllocator */
+    PyObject *stream_uses; /* set of handles, or None */
+    PyObject *frames;      /* list of frames (history), or None */
+    int state;
+    int event_count;
+} CoreBlock;
+
+static int
+coreblock_traverse(PyObject *self, visitproc visit, void *arg)
 {
-    PyObject *address = PyObject_GetAttr(allocator, s_core_address);
-    void *core = address == NULL ? NULL : PyLong_AsVoidPtr(address);
-    Py_XDECREF(address);
-    if (core == NULL)
+    CoreBlock *b = (CoreBlock *)self;
+    Py_VISIT(b->owner);
+    Py_VISIT(b->stream_uses);
+    Py_VISIT(b->frames);
+    return 0;
+}
+
+static int
+coreblock_clear(PyObject *self)
+{
+    CoreBlock *b = (CoreBlock *)self;
+    Py_CLEAR(b->owner);
+    Py_CLEAR(b->stream_uses);
+    Py_CLEAR(b->frames);
+    return 0;
+}
+
+static void
+coreblock_dealloc(PyObject *self)
+{
+    CoreBlock *b = (CoreBlock *)self;
+    PyObject_GC_UnTrack(self);
+    coreblock_clear(self);
+    Py_XDECREF(b->ptr);
+    Py_XDECREF(b->size);
+    Py_XDECREF(b->requested);
+    Py_XDECREF(b->stream);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static PyObject *
+coreblock_repr(PyObject *self)
+{
+    CoreBlock *b = (CoreBlock *)self;
+    static const char *names[] = {"free", "allocated", "pending", "freed"};
+    const char *state = b->state >= 0 && b->state <= 3 ? names[b->state] : "?";
+    return PyUnicode_FromFormat("<Block 0x%llx %S bytes %s>", (unsigned long long)b->address, b->size, state);
+}
+
+static PyObject *
+coreblock_segment(PyObject *self, void *closure)
+{
+    Py_RETURN_NONE; /* no expandable segment: the core keeps this block's books */
+}
+
+static PyMemberDef coreblock_members[] = {
+    {"ptr", T_OBJECT_EX, offsetof(CoreBlock, ptr), READONLY, "The block's address."},
+    {"size", T_OBJECT_EX, offsetof(CoreBlock, size), READONLY, "Its size in bytes (rounded)."},
+    {"requested", T_OBJECT_EX, offsetof(CoreBlock, requested), READONLY, "The size asked for."},
+    {"stream", T_OBJECT_EX, offsetof(CoreBlock, stream), 0, "Its stream's handle (a retired stream's key)."},
+    {"owner", T_OBJECT_EX, offsetof(CoreBlock, owner), READONLY, "The DeviceAllocator it came from."},
+    {"stream_uses", T_OBJECT, offsetof(CoreBlock, stream_uses), 0, "Other streams that used it (record_stream)."},
+    {"frames", T_OBJECT, offsetof(CoreBlock, frames), 0, "Where it was allocated, when history is on."},
+    {"state", T_INT, offsetof(CoreBlock, state), 0, "ALLOCATED, PENDING or RETIRED."},
+    {"event_count", T_INT, offsetof(CoreBlock, event_count), 0, "Events its reuse still waits for."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef coreblock_getset[] = {
+    {"segment", coreblock_segment, NULL, "None: the core keeps this block's books.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject CoreBlock_T = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "accel._speedups.CoreBlock",
+    .tp_basicsize = sizeof(CoreBlock),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = coreblock_traverse,
+    .tp_clear = coreblock_clear,
+    .tp_dealloc = coreblock_dealloc,
+    .tp_repr = coreblock_repr,
+    .tp_members = coreblock_members,
+    .tp_getset = coreblock_getset,
+    .tp_doc = "A caller's handle of a block of the native allocator core (made by CoreSteps.malloc).",
+};
+
+/* One allocator's core and handles: DeviceAllocator._steps. */
+typedef struct {
+    PyObject_HEAD
+    void *core;
+    core_malloc_fn malloc;
+    core_ptr_fn free, hold, release_held;
+    PyObject *owner; /* the DeviceAllocator */
+    PyObject *live;  /* owner._live: ptr -> CoreBlock */
+    PyObject *known; /* owner._known: the stream handles it keys memory by */
+    PyObject *error; /* InvalidHandleError */
+} CoreSteps;
+
+static PyTypeObject CoreSteps_T;
+
+/* accel_core_malloc(nbytes, stream, pool, flags) and the block's handle in _live: a new
+ * reference to the CoreBlock; NULL with *rc set to the core's refusal (no error: the
+ * caller handles it), or NULL with an error (the memory went back to the core). */
+static PyObject *
+step_malloc(CoreSteps *s, PyObject *nbytes, PyObject *stream, uint64_t pool, int flags, int *rc)
+{
+    *rc = 0;
+    long long n = PyLong_AsLongLong(nbytes);
+    uint64_t key = n == -1 && PyErr_Occurred() ? 0 : PyLong_AsUnsignedLongLong(stream);
+    if (PyErr_Occurred())
+        return NULL;
+    /* everything that can fail before the core call is made first */
+    CoreBlock *b = PyObject_GC_New(CoreBlock, &CoreBlock_T);
+    if (b == NULL)
+        return NULL;
+    b->ptr = b->size = b->requested = b->stream = b->owner = b->stream_uses = b->frames = NULL;
+    b->state = BLOCK_ALLOCATED;
+    b->event_count = 0;
+    int known = PySet_Contains(s->known, stream);
+    if (known < 0 || (!known && PySet_Add(s->known, stream) < 0)) {
+        Py_DECREF(b);
+        return NULL;
+    }
+    uint64_t ptr;
+    int64_t size;
+    *rc = s->malloc(s->core, n, key, pool, flags, &ptr, &size);
+    if (*rc != 0) {
+        Py_DECREF(b);
+        return NULL;
+    }
+    b->address = ptr;
+    Py_INCREF(nbytes);
+    b->requested = nbytes;
+    Py_INCREF(stream);
+    b->stream = stream;
+    Py_INCREF(s->owner);
+    b->owner = s->owner;
+    Py_INCREF(Py_None);
+    b->stream_uses = Py_None;
+    Py_INCREF(Py_None);
+    b->frames = Py_None;
+    if ((b->ptr = PyLong_FromUnsignedLongLong(ptr)) == NULL || (b->size = PyLong_FromLongLong(size)) == NULL
+        || PyDict_SetItem(s->live, b->ptr, (PyObject *)b) < 0) {
+        s->free(s->core, ptr); /* no handle of it is out */
+        Py_DECREF(b);
+        return NULL;
+    }
+    PyObject_GC_Track((PyObject *)b);
+    return (PyObject *)b;
+}
+
+/* ``block`` is the handle in _live at its address: 0, or -1 with the error (freed twice). */
+static int
+step_live(CoreSteps *s, CoreBlock *b)
+{
+    PyObject *claimed = PyDict_GetItemWithError(s->live, b->ptr);
+    if (claimed != (PyObject *)b) {
+        if (!PyErr_Occurred())
+            PyErr_Format(s->error, "%R is not allocated by %R (freed twice)", (PyObject *)b, s->owner);
+        return -1;
+    }
+    return 0;
+}
+
+/* ``block`` out of _live, with no Python code run between the look-up and the removal (so
+ * of two racing frees one does): 0, or -1 with the error. */
+static int
+step_claim(CoreSteps *s, CoreBlock *b)
+{
+    return step_live(s, b) < 0 ? -1 : PyDict_DelItem(s->live, b->ptr);
+}
+
+static int
+step_broken(CoreSteps *s, CoreBlock *b)
+{
+    PyErr_Format(s->error, "the allocator core of %R does not hold %R, which it handed out", s->owner, (PyObject *)b);
+    return -1;
+}
+
+/* The free of an allocated block: out of _live, RETIRED, accel_core_free. 0 or -1. */
+static int
+step_free(CoreSteps *s, CoreBlock *b)
+{
+    if (step_claim(s, b) < 0)
+        return -1;
+    b->state = BLOCK_RETIRED;
+    return s->free(s->core, b->address) != 0 ? step_broken(s, b) : 0;
+}
+
+static int
+check_block(CoreSteps *s, PyObject *o, int state)
+{
+    if (!Py_IS_TYPE(o, &CoreBlock_T) || ((CoreBlock *)o)->owner != s->owner || ((CoreBlock *)o)->state != state) {
+        PyErr_Format(s->error, "%R is not %s by %R", o, state == BLOCK_PENDING ? "held" : "allocated", s->owner);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+steps_malloc(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    unsigned long long pool;
+    int flags, rc;
+    if (nargs != 4 || !PyLong_CheckExact(args[0]) || !PyLong_CheckExact(args[1]) || !PyLong_CheckExact(args[2])
+        || !PyLong_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "malloc(nbytes, stream, pool, flags) takes four ints");
+        return NULL;
+    }
+    if ((pool = PyLong_AsUnsignedLongLong(args[2])) == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if ((flags = (int)PyLong_AsLong(args[3])) == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *block = step_malloc((CoreSteps *)self, args[0], args[1], pool, flags, &rc);
+    return block != NULL || PyErr_Occurred() ? block : PyLong_FromLong(rc);
+}
+
+static PyObject *
+steps_free(PyObject *self, PyObject *block)
+{
+    CoreSteps *s = (CoreSteps *)self;
+    if (check_block(s, block, BLOCK_ALLOCATED) < 0 || step_free(s, (CoreBlock *)block) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+steps_hold(PyObject *self, PyObject *block)
+{
+    CoreSteps *s = (CoreSteps *)self;
+    if (check_block(s, block, BLOCK_ALLOCATED) < 0)
+        return NULL;
+    CoreBlock *b = (CoreBlock *)block;
+    if (step_live(s, b) < 0)
+        return NULL;
+    if (s->hold(s->core, b->address) != 0) {
+        step_broken(s, b);
+        return NULL;
+    }
+    b->state = BLOCK_PENDING;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+steps_release(PyObject *self, PyObject *block)
+{
+    CoreSteps *s = (CoreSteps *)self;
+    if (check_block(s, block, BLOCK_PENDING) < 0 || step_claim(s, (CoreBlock *)block) < 0)
+        return NULL;
+    CoreBlock *b = (CoreBlock *)block;
+    b->state = BLOCK_RETIRED;
+    if (s->release_held(s->core, b->address) != 0) {
+        step_broken(s, b);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static int
+steps_traverse(PyObject *self, visitproc visit, void *arg)
+{
+    CoreSteps *s = (CoreSteps *)self;
+    Py_VISIT(s->owner);
+    Py_VISIT(s->live);
+    Py_VISIT(s->known);
+    Py_VISIT(s->error);
+    return 0;
+}
+
+static int
+steps_clear(PyObject *self)
+{
+    CoreSteps *s = (CoreSteps *)self;
+    Py_CLEAR(s->owner);
+    Py_CLEAR(s->live);
+    Py_CLEAR(s->known);
+    Py_CLEAR(s->error);
+    return 0;
+}
+
+static void
+steps_dealloc(PyObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    steps_clear(self);
+    Py_TYPE(self)->tp_free(self);
+}
+
+/* CoreSteps(owner, core, live, known, entry_points, error) */
+static PyObject *
+steps_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    PyObject *owner, *core, *live, *known, *entries, *error;
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
+        PyErr_SetString(PyExc_TypeError, "CoreSteps takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "OO!O!O!O!O:CoreSteps", &owner, &PyLong_Type, &core, &PyDict_Type, &live, &PySet_Type,
+                          &known, &PyTuple_Type, &entries, &error))
+        return NULL;
+    void *at[5] = {PyLong_AsVoidPtr(core)};
+    for (Py_ssize_t i = 0; i < 4 && !PyErr_Occurred(); i++)
+        at[i + 1] = PyTuple_GET_SIZE(entries) == 4 ? PyLong_AsVoidPtr(PyTuple_GET_ITEM(entries, i)) : NULL;
+    if (PyErr_Occurred())
+        return NULL;
+    if (at[0] == NULL || at[1] == NULL || at[2] == NULL || at[3] == NULL || at[4] == NULL
+        || !PyType_Check(error)) {
+        PyErr_SetString(PyExc_TypeError, "CoreSteps: a core's address, the addresses of accel_core_malloc, _free, "
+                                         "_hold and _release_held, and an exception class");
+        return NULL;
+    }
+    CoreSteps *s = (CoreSteps *)type->tp_alloc(type, 0);
+    if (s == NULL)
+        return NULL;
+    s->core = at[0];
+    s->malloc = (core_malloc_fn)at[1];
+    s->free = (core_ptr_fn)at[2];
+    s->hold = (core_ptr_fn)at[3];
+    s->release_held = (core_ptr_fn)at[4];
+    Py_INCREF(owner);
+    s->owner = owner;
+    Py_INCREF(live);
+    s->live = live;
+    Py_INCREF(known);
+    s->known = known;
+    Py_INCREF(error);
+    s->error = error;
+    return (PyObject *)s;
+}
+
+static PyMethodDef steps_methods[] = {
+    {"malloc", (PyCFunction)(void (*)(void))steps_malloc, METH_FASTCALL,
+     "malloc(nbytes, stream, pool, flags): the block's CoreBlock, in _live; or the core's refusal (an int)."},
+    {"free", steps_free, METH_O, "free(block): out of _live, RETIRED, back into the core."},
+    {"hold", steps_hold, METH_O, "hold(block): PENDING, held in the core (it stays in _live)."},
+    {"release", steps_release, METH_O, "release(block): a held block out of _live, RETIRED, reusable by the core."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject CoreSteps_T = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "accel._speedups.CoreSteps",
+    .tp_basicsize = sizeof(CoreSteps),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = steps_traverse,
+    .tp_clear = steps_clear,
+    .tp_dealloc = steps_dealloc,
+    .tp_new = steps_new,
+    .tp_methods = steps_methods,
+    .tp_doc = "A DeviceAllocator's core steps: the core's books and the blocks' handles changed together.",
+};
+
+/* -- the common pair ------------------------------------------------------------------
+ *
+ * While a DeviceAllocator's ``_plain`` is True (no capture, history, expandable segments,
+ * pending events, queued finalizer frees; see DeviceAllocator._plain), its malloc and free
+ * are the core steps above and take no lock: the compiled allocate and Buffer.free/__del__
+ * take them here. Every other case, and a core refusal, goes to DeviceAllocator's methods
+ * by name: the core stays the only place blocks are found, split and counted. */
+
+static PyObject *s_plain, *s_steps, *s_closed, *s_handle, *s_malloc_refused;
+
+/* allocator._steps while allocator._plain is True, a new reference; NULL without an error
+ * otherwise. */
+static CoreSteps *
+plain_steps(PyObject *allocator)
+{
+    if (!attr_is(allocator, s_plain, Py_True))
+        return NULL;
+    PyObject *steps = PyObject_GetAttr(allocator, s_steps);
+    if (steps == NULL || !Py_IS_TYPE(steps, &CoreSteps_T)) {
         PyErr_Clear();
-    return core;
+        Py_XDECREF(steps);
+        return NULL;
+    }
+    return (CoreSteps *)steps;
 }
 
 /* DeviceAllocator.malloc(nbytes, stream) in the common case: a new reference to the
@@ -235,7 +608,7 @@ core_of(PyObject *allocator)
 static PyObject *
 plain_malloc(PyObject *allocator, PyObject *nbytes, PyObject *stream)
 {
-    if (core_malloc == NULL || !PyLong_CheckExact(nbytes) || !attr_is(allocator, s_plain, Py_True))
+    if (!PyLong_CheckExact(nbytes))
         return NULL;
     int overflow;
     long long n = PyLong_AsLongLongAndOverflow(nbytes, &overflow);
@@ -248,104 +621,44 @@ plain_malloc(PyObject *allocator, PyObject *nbytes, PyObject *stream)
         return NULL;
     }
     Py_DECREF(closed);
-    void *core = core_of(allocator);
-    PyObject *handle = core == NULL ? NULL : PyObject_GetAttr(stream, s_handle);
+    CoreSteps *steps = plain_steps(allocator);
+    PyObject *handle = steps == NULL ? NULL : PyObject_GetAttr(stream, s_handle);
     if (handle == NULL || !PyLong_CheckExact(handle)) {
+        Py_XDECREF(steps);
         Py_XDECREF(handle);
         PyErr_Clear();
         return NULL;
     }
-    uint64_t key = PyLong_AsUnsignedLongLong(handle);
-    if (PyErr_Occurred()) {
-        Py_DECREF(handle);
-        PyErr_Clear();
-        return NULL;
-    }
-    uint64_t ptr;
-    int64_t size;
-    int rc = core_malloc(core, (int64_t)n, key, 0, CORE_NO_RETRY, &ptr, &size);
-    if (rc != 0) { /* the refusal's steps are DeviceAllocator's (give the cache back, raise) */
-        Py_DECREF(handle);
+    int rc;
+    PyObject *block = step_malloc(steps, nbytes, handle, 0, CORE_NO_RETRY, &rc);
+    Py_DECREF(steps);
+    Py_DECREF(handle);
+    if (block == NULL && rc != 0) { /* the refusal's steps are DeviceAllocator's (give the cache back, raise) */
         PyObject *rargs[4] = {allocator, PyLong_FromLong(rc), nbytes, stream};
         if (rargs[1] == NULL)
             return NULL;
-        PyObject *block = PyObject_VectorcallMethod(s_malloc_refused, rargs, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        block = PyObject_VectorcallMethod(s_malloc_refused, rargs, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         Py_DECREF(rargs[1]);
-        return block;
     }
-    PyObject *block = NULL, *live = NULL, *known = NULL;
-    PyObject *ptr_obj = PyLong_FromUnsignedLongLong(ptr), *size_obj = PyLong_FromLongLong(size);
-    if (ptr_obj != NULL && size_obj != NULL) {
-        /* CoreBlock(owner, ptr, size, requested, stream) */
-        PyObject *bargs[5] = {allocator, ptr_obj, size_obj, nbytes, handle};
-        block = PyObject_Vectorcall((PyObject *)CoreBlock_T, bargs, 5, NULL);
-    }
-    int ok = block != NULL && (live = PyObject_GetAttr(allocator, s_live)) != NULL && PyDict_Check(live)
-             && PyDict_SetItem(live, ptr_obj, block) == 0 && (known = PyObject_GetAttr(allocator, s_known)) != NULL
-             && PySet_Check(known);
-    if (ok) {
-        int has = PySet_Contains(known, handle);
-        ok = has > 0 || (has == 0 && PySet_Add(known, handle) == 0);
-    }
-    if (!ok) { /* the memory goes back: no handle of it is out */
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "a DeviceAllocator's _live is not a dict or its _known not a set");
-        if (live != NULL && PyDict_Check(live) && ptr_obj != NULL && PyDict_GetItemWithError(live, ptr_obj) == block
-            && block != NULL) {
-            PyObject *type, *value, *tb;
-            PyErr_Fetch(&type, &value, &tb);
-            PyDict_DelItem(live, ptr_obj);
-            PyErr_Restore(type, value, tb);
-        }
-        core_free(core, ptr);
-        Py_CLEAR(block);
-    }
-    Py_XDECREF(live);
-    Py_XDECREF(known);
-    Py_XDECREF(ptr_obj);
-    Py_XDECREF(size_obj);
-    Py_DECREF(handle);
     return block;
 }
 
 /* DeviceAllocator.free(block) in the common case (DeviceAllocator._free_plain's steps):
  * 1 freed, -1 with an error, 0 not the common case (nothing changed: the caller calls
- * the allocator's method). The handle leaves ``_live`` first, with no Python code run
- * between the look-up and the removal (the GIL held), so of two racing frees one does. */
+ * the allocator's method). */
 static int
 plain_free(PyObject *allocator, PyObject *block)
 {
-    if (core_free == NULL || !Py_IS_TYPE(block, CoreBlock_T) || !attr_is(allocator, s_plain, Py_True))
+    if (!Py_IS_TYPE(block, &CoreBlock_T))
         return 0;
-    PyObject *state = PyObject_GetAttr(block, s_block_state);
-    int allocated = state != NULL && PyLong_CheckExact(state) && PyObject_RichCompareBool(state, ALLOCATED, Py_EQ) == 1;
-    Py_XDECREF(state);
-    PyErr_Clear();
-    if (!allocated || !attr_is(block, s_stream_uses, Py_None) || !attr_is(block, s_owner, allocator))
+    CoreBlock *b = (CoreBlock *)block;
+    if (b->state != BLOCK_ALLOCATED || b->stream_uses != Py_None || b->owner != allocator)
         return 0;
-    void *core = core_of(allocator);
-    PyObject *ptr_obj = core == NULL ? NULL : PyObject_GetAttr(block, s_ptr);
-    PyObject *live = ptr_obj == NULL ? NULL : PyObject_GetAttr(allocator, s_live);
-    int r = 0;
-    if (live != NULL && PyDict_Check(live) && PyLong_CheckExact(ptr_obj)) {
-        uint64_t ptr = PyLong_AsUnsignedLongLong(ptr_obj);
-        PyObject *claimed = PyErr_Occurred() ? NULL : PyDict_GetItemWithError(live, ptr_obj);
-        if (claimed == block) { /* else: not live (freed twice): free() says so */
-            if (PyDict_DelItem(live, ptr_obj) < 0 || PyObject_SetAttr(block, s_block_state, RETIRED) < 0)
-                r = -1;
-            else if (core_free(core, ptr) != 0) { /* not ACCEL_CORE_OK: a broken book */
-                PyErr_Format(InvalidHandleError,
-                             "the allocator core of %R does not hold %R, which it handed out", allocator, block);
-                r = -1;
-            }
-            else
-                r = 1;
-        }
-    }
-    if (r == 0)
-        PyErr_Clear();
-    Py_XDECREF(ptr_obj);
-    Py_XDECREF(live);
+    CoreSteps *steps = plain_steps(allocator);
+    if (steps == NULL)
+        return 0;
+    int r = step_free(steps, b) < 0 ? -1 : 1;
+    Py_DECREF(steps);
     return r;
 }
 
@@ -433,13 +746,16 @@ buffer_del(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject 
     if (nargs != 1 || kwnames != NULL || !Py_IS_TYPE(args[0], Buffer_T))
         return call_wrapped(wrapped, args, nargs, kwnames);
     PyObject *self = args[0], *block, *lease, *allocator, *result;
+    block = PyObject_GetAttr(self, s_block);
+    if (block == Py_None) { /* freed: the common case, after free() */
+        Py_DECREF(block);
+        Py_RETURN_NONE;
+    }
+    Py_XDECREF(block);
+    PyErr_Clear();
     if (buffer_slots(self, &block, &lease, &allocator) < 0)
         return call_wrapped(wrapped, args, nargs, kwnames); /* __init__ never ran: the Python method */
-    if (block == Py_None) { /* freed */
-        Py_INCREF(Py_None);
-        result = Py_None;
-    }
-    else if (lease != Py_None)
+    if (lease != Py_None)
         result = call_wrapped(wrapped, args, nargs, kwnames);
     else
         result = give_back(self, allocator, block, s_free_from_finalizer);
@@ -466,6 +782,55 @@ dict_attr_get(PyObject *o, PyObject *name, PyObject *key, PyObject **hold)
     return v;
 }
 
+/* The current stream of the current device and its allocator, when they exist already and
+ * no MemPool is in use (allocate's common case): 1 with new references in *stream and
+ * *allocator (and the runtime in *runtime), 0 without an error where it is not that case,
+ * -1 with an error. */
+static int
+current_allocator(PyObject **runtime_out, PyObject **stream_out, PyObject **allocator_out)
+{
+    PyObject *runtime = global(runtime_globals, s_runtime_g), *open = global(mempool_globals, s_open);
+    if (runtime == NULL || runtime == Py_None || open == NULL || !PyLong_CheckExact(open) || PyLong_AsLong(open) != 0)
+        return PyErr_Occurred() ? -1 : 0;
+    Py_INCREF(runtime);
+    PyObject *state = NULL, *index = NULL, *streams = NULL, *defaults = NULL, *exts = NULL, *allocators = NULL,
+             *found, *stream, *allocator;
+    int r = -1;
+    /* state is a threading.local: its attributes are the thread's */
+    if ((state = PyObject_GetAttr(runtime, s_state)) == NULL || (index = PyObject_GetAttr(state, s_buffer_device)) == NULL)
+        goto out;
+    r = 0;
+    stream = dict_attr_get(state, s_streams, index, &streams);
+    if (stream == NULL) {
+        if (PyErr_Occurred() || (stream = dict_attr_get(runtime, s_default_streams, index, &defaults)) == NULL)
+            goto out;
+    }
+    found = dict_attr_get(runtime, s_extensions, EXTENSION, &exts);
+    if (found == NULL || found == Py_None)
+        goto out;
+    allocator = dict_attr_get(found, s_allocators, index, &allocators);
+    if (allocator == NULL || allocator == Py_None)
+        goto out;
+    Py_INCREF(stream);
+    Py_INCREF(allocator);
+    Py_INCREF(runtime);
+    *stream_out = stream;
+    *allocator_out = allocator;
+    *runtime_out = runtime;
+    r = 1;
+out:
+    if (PyErr_Occurred())
+        r = -1;
+    Py_DECREF(runtime);
+    Py_XDECREF(state);
+    Py_XDECREF(index);
+    Py_XDECREF(streams);
+    Py_XDECREF(defaults);
+    Py_XDECREF(exts);
+    Py_XDECREF(allocators);
+    return r;
+}
+
 /* allocate(nbytes, *, device=None, stream=None): the current stream of the current
  * device and its allocator, when they exist already and no MemPool is in use. */
 static PyObject *
@@ -482,34 +847,10 @@ buffer_allocate(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyOb
                 return call_wrapped(wrapped, args, nargs, kwnames);
         }
     }
-    PyObject *runtime = global(runtime_globals, s_runtime_g), *open = global(mempool_globals, s_open);
-    if (runtime == NULL || runtime == Py_None || open == NULL || !PyLong_CheckExact(open) || PyLong_AsLong(open) != 0) {
-        if (PyErr_Occurred())
-            return NULL;
-        return call_wrapped(wrapped, args, nargs, kwnames);
-    }
-    Py_INCREF(runtime);
-    PyObject *state = NULL, *index = NULL, *streams = NULL, *defaults = NULL, *exts = NULL, *allocators = NULL,
-             *found, *stream, *allocator, *result = NULL;
-    /* state is a threading.local: its attributes are the thread's */
-    if ((state = PyObject_GetAttr(runtime, s_state)) == NULL || (index = PyObject_GetAttr(state, s_buffer_device)) == NULL)
-        goto out;
-    stream = dict_attr_get(state, s_streams, index, &streams);
-    if (stream == NULL) {
-        if (PyErr_Occurred())
-            goto out;
-        stream = dict_attr_get(runtime, s_default_streams, index, &defaults);
-        if (stream == NULL)
-            goto python;
-    }
-    found = dict_attr_get(runtime, s_extensions, EXTENSION, &exts);
-    if (found == NULL || found == Py_None)
-        goto python;
-    allocator = dict_attr_get(found, s_allocators, index, &allocators);
-    if (allocator == NULL || allocator == Py_None)
-        goto python;
-    Py_INCREF(stream);
-    Py_INCREF(allocator);
+    PyObject *runtime, *stream, *allocator, *result = NULL;
+    int found = current_allocator(&runtime, &stream, &allocator);
+    if (found <= 0)
+        return found < 0 ? NULL : call_wrapped(wrapped, args, nargs, kwnames);
     PyObject *block = plain_malloc(allocator, args[0], stream);
     if (block == NULL && !PyErr_Occurred()) {
         PyObject *margs[3] = {allocator, args[0], stream};
@@ -525,20 +866,211 @@ buffer_allocate(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyOb
             Py_CLEAR(result); /* its __del__ gives back the block, when it was set */
         Py_DECREF(block);
     }
+    Py_DECREF(runtime);
     Py_DECREF(stream);
     Py_DECREF(allocator);
-    goto out;
-python:
-    if (!PyErr_Occurred())
-        result = call_wrapped(wrapped, args, nargs, kwnames);
+    return result;
+}
+
+/* -- accel.empty on the host (accel/_interop/torch.py) -------------------------------------
+ *
+ * Its common case (a shape of ints, a dtype seen before, the current device and stream, no
+ * MemPool, a host backend, a plain allocator): the block from the core step, handed to
+ * torch as a DLPack capsule (DLPack's public, versioned C ABI: the legacy "dltensor"
+ * DLManagedTensor, which every torch accel supports reads) that holds the block's handle,
+ * with no Buffer between them. torch calls the deleter when the tensor's storage dies,
+ * wherever that is: another thread, one without the GIL (it takes it), a garbage
+ * collection (the allocator's finalizer path). During interpreter exit it calls nothing:
+ * the memory goes with the process. */
+
+typedef struct {
+    int32_t device_type, device_id;
+} DLDevice;
+
+typedef struct {
+    uint8_t code, bits;
+    uint16_t lanes;
+} DLDataType;
+
+typedef struct {
+    void *data;
+    DLDevice device;
+    int32_t ndim;
+    DLDataType dtype;
+    int64_t *shape, *strides;
+    uint64_t byte_offset;
+} DLTensor;
+
+typedef struct DLManagedTensor {
+    DLTensor dl_tensor;
+    void *manager_ctx;
+    void (*deleter)(struct DLManagedTensor *);
+} DLManagedTensor;
+
+#define EMPTY_MAX_DIMS 64
+static PyObject *empty_dtypes;    /* accel._interop.torch._dtypes */
+static PyObject *torch_from_dlpack; /* torch.from_dlpack, once torch is imported */
+static PyObject *s_float32, *s_dtype_kw, *s_backend, *s_torch_device_type, *s_cpu;
+
+/* A block of a tensor torch let go of goes back as a finalizer's free does. */
+static void
+empty_deleter(DLManagedTensor *mt)
+{
+    PyObject *block = mt->manager_ctx;
+    if (Py_IsInitialized()) { /* not during interpreter exit (its threads may be gone) */
+        PyGILState_STATE gil = PyGILState_Ensure();
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb); /* torch may let go while an exception unwinds */
+        PyObject *owner = ((CoreBlock *)block)->owner;
+        int freed = plain_free(owner, block);
+        if (freed == 0) {
+            PyObject *fargs[2] = {owner, block};
+            PyObject *r = PyObject_VectorcallMethod(s_free_from_finalizer, fargs, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+            freed = r == NULL ? -1 : 1;
+            Py_XDECREF(r);
+        }
+        if (freed < 0)
+            PyErr_WriteUnraisable(block);
+        Py_DECREF(block);
+        PyErr_Restore(type, value, tb);
+        PyGILState_Release(gil);
+    }
+    PyMem_RawFree(mt);
+}
+
+/* A capsule torch never consumed (it refused it) lets go of the block itself. */
+static void
+empty_capsule_destructor(PyObject *capsule)
+{
+    if (PyCapsule_IsValid(capsule, "dltensor")) {
+        DLManagedTensor *mt = PyCapsule_GetPointer(capsule, "dltensor");
+        mt->deleter(mt);
+    }
+}
+
+/* ``shape`` as dims (an int, or a tuple of ints, each in [0, 2**63)) whose elements of
+ * ``itemsize`` bytes fit a core request: the number of dims, and *nbytes (at least one
+ * item: a tensor with no elements is accel memory too); -1 where it is not that case. */
+static int
+empty_shape(PyObject *shape, int64_t itemsize, int64_t *dims, int64_t *nbytes)
+{
+    int ndim;
+    if (PyLong_CheckExact(shape)) {
+        ndim = 1;
+        dims[0] = PyLong_AsLongLong(shape);
+    }
+    else if (PyTuple_CheckExact(shape) && PyTuple_GET_SIZE(shape) <= EMPTY_MAX_DIMS) {
+        ndim = (int)PyTuple_GET_SIZE(shape);
+        for (int i = 0; i < ndim; i++) {
+            PyObject *d = PyTuple_GET_ITEM(shape, i);
+            dims[i] = PyLong_CheckExact(d) ? PyLong_AsLongLong(d) : -1;
+        }
+    }
+    else
+        return -1;
+    int64_t n = itemsize, nonzero = 1;
+    for (int i = 0; i < ndim; i++) {
+        if (dims[i] < 0) { /* negative, or past int64 (the Python path says what is wrong) */
+            PyErr_Clear();
+            return -1;
+        }
+        if (dims[i] && __builtin_mul_overflow(nonzero, dims[i], &nonzero))
+            return -1;
+        n = dims[i] == 0 ? 0 : n;
+    }
+    if (n && __builtin_mul_overflow(nonzero, itemsize, &n))
+        return -1;
+    *nbytes = n ? n : itemsize;
+    return *nbytes < CORE_MAX_REQUEST ? ndim : -1;
+}
+
+/* empty(shape, *, dtype="float32", device=None, stream=None) */
+static PyObject *
+host_empty(PyObject *wrapped, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *dtype = s_float32;
+    if (nargs != 1)
+        return call_wrapped(wrapped, args, nargs, kwnames);
+    for (Py_ssize_t i = 0; kwnames != NULL && i < PyTuple_GET_SIZE(kwnames); i++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+        if (PyUnicode_Compare(name, s_dtype_kw) == 0)
+            dtype = args[nargs + i];
+        else if ((PyUnicode_Compare(name, s_device_kw) != 0 && PyUnicode_Compare(name, s_stream_kw) != 0)
+                 || args[nargs + i] != Py_None)
+            return call_wrapped(wrapped, args, nargs, kwnames);
+    }
+    /* (torch dtype, name, itemsize, DLPack code, bits), cached by the Python path */
+    PyObject *entry = PyDict_GetItemWithError(empty_dtypes, dtype);
+    if (entry == NULL || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 5) {
+        PyErr_Clear(); /* an unhashable dtype: the Python path says so */
+        return call_wrapped(wrapped, args, nargs, kwnames);
+    }
+    long itemsize = PyLong_AsLong(PyTuple_GET_ITEM(entry, 2)), code = PyLong_AsLong(PyTuple_GET_ITEM(entry, 3)),
+         bits = PyLong_AsLong(PyTuple_GET_ITEM(entry, 4));
+    if (PyErr_Occurred())
+        return NULL;
+    if (torch_from_dlpack == NULL) { /* torch was imported: the Python path resolved the dtype */
+        PyObject *torch = PyImport_ImportModule("torch");
+        torch_from_dlpack = torch == NULL ? NULL : PyObject_GetAttrString(torch, "from_dlpack");
+        Py_XDECREF(torch);
+        if (torch_from_dlpack == NULL)
+            return NULL;
+    }
+    int64_t dims[EMPTY_MAX_DIMS], nbytes;
+    int ndim = empty_shape(args[0], itemsize, dims, &nbytes);
+    if (ndim < 0)
+        return call_wrapped(wrapped, args, nargs, kwnames);
+    PyObject *runtime, *stream, *allocator, *backend = NULL, *kind = NULL, *size = NULL, *block = NULL, *result = NULL;
+    int found = current_allocator(&runtime, &stream, &allocator);
+    if (found <= 0)
+        return found < 0 ? NULL : call_wrapped(wrapped, args, nargs, kwnames);
+    if ((backend = PyObject_GetAttr(runtime, s_backend)) == NULL
+        || (kind = PyObject_GetAttr(backend, s_torch_device_type)) == NULL || (size = PyLong_FromLongLong(nbytes)) == NULL)
+        goto out;
+    if (!PyUnicode_Check(kind) || PyUnicode_Compare(kind, s_cpu) != 0
+        || (block = plain_malloc(allocator, size, stream)) == NULL) {
+        if (!PyErr_Occurred()) /* not the common case: nothing was allocated */
+            result = call_wrapped(wrapped, args, nargs, kwnames);
+        goto out;
+    }
+    DLManagedTensor *mt = PyMem_RawMalloc(sizeof(DLManagedTensor) + 2 * (size_t)ndim * sizeof(int64_t));
+    if (mt == NULL) {
+        PyErr_NoMemory();
+        if (plain_free(allocator, block) == 0) /* the allocator stopped being plain: its own free */
+            Py_XDECREF(PyObject_CallMethodOneArg(allocator, s_free_from_finalizer, block));
+        goto out;
+    }
+    int64_t *shape = (int64_t *)(mt + 1), *strides = shape + ndim, stride = 1;
+    for (int i = ndim - 1; i >= 0; i--) {
+        shape[i] = dims[i];
+        strides[i] = stride;
+        stride *= dims[i] ? dims[i] : 1; /* a zero counts as one, as in torch's contiguous strides */
+    }
+    mt->dl_tensor.data = (void *)(uintptr_t)((CoreBlock *)block)->address;
+    mt->dl_tensor.device = (DLDevice){1, 0}; /* kDLCPU */
+    mt->dl_tensor.ndim = ndim;
+    mt->dl_tensor.dtype = (DLDataType){(uint8_t)code, (uint8_t)bits, 1};
+    mt->dl_tensor.shape = shape;
+    mt->dl_tensor.strides = strides;
+    mt->dl_tensor.byte_offset = 0;
+    mt->manager_ctx = block; /* the capsule, then torch, owns the reference */
+    mt->deleter = empty_deleter;
+    block = NULL;
+    PyObject *capsule = PyCapsule_New(mt, "dltensor", empty_capsule_destructor);
+    if (capsule == NULL) {
+        mt->deleter(mt);
+        goto out;
+    }
+    result = PyObject_CallOneArg(torch_from_dlpack, capsule);
+    Py_DECREF(capsule);
 out:
+    Py_XDECREF(block);
+    Py_XDECREF(size);
+    Py_XDECREF(kind);
+    Py_XDECREF(backend);
     Py_DECREF(runtime);
-    Py_XDECREF(state);
-    Py_XDECREF(index);
-    Py_XDECREF(streams);
-    Py_XDECREF(defaults);
-    Py_XDECREF(exts);
-    Py_XDECREF(allocators);
+    Py_DECREF(stream);
+    Py_DECREF(allocator);
     return result;
 }
 
@@ -554,25 +1086,8 @@ install_buffers(PyObject *module, PyObject *ns)
     PyObject *rt_mod, *buf_mod, *mp_mod;
     if (get_type(ns, "Buffer", &Buffer_T) < 0 || get_obj(ns, "runtime_module", &rt_mod) < 0
         || get_obj(ns, "buffer_module", &buf_mod) < 0 || get_obj(ns, "mempool_module", &mp_mod) < 0
-        || get_obj(ns, "EXTENSION", &EXTENSION) < 0 || get_type(ns, "CoreBlock", &CoreBlock_T) < 0
-        || get_obj(ns, "InvalidHandleError", &InvalidHandleError) < 0 || get_obj(ns, "ALLOCATED", &ALLOCATED) < 0
-        || get_obj(ns, "RETIRED", &RETIRED) < 0)
+        || get_obj(ns, "EXTENSION", &EXTENSION) < 0)
         return NULL;
-    /* the core's accel_core_malloc and accel_core_free (0: not built) */
-    PyObject *entries;
-    if (get_obj(ns, "core_entry_points", &entries) < 0)
-        return NULL;
-    void *malloc_at = NULL, *free_at = NULL;
-    if (entries != Py_None
-        && (!PyTuple_Check(entries) || PyTuple_GET_SIZE(entries) != 2
-            || ((malloc_at = PyLong_AsVoidPtr(PyTuple_GET_ITEM(entries, 0))) == NULL && PyErr_Occurred())
-            || ((free_at = PyLong_AsVoidPtr(PyTuple_GET_ITEM(entries, 1))) == NULL && PyErr_Occurred()))) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "core_entry_points is not None or (malloc address, free address)");
-        Py_DECREF(entries);
-        return NULL;
-    }
-    Py_DECREF(entries);
     if ((runtime_globals = PyModule_GetDict(rt_mod)) == NULL || (buffer_globals = PyModule_GetDict(buf_mod)) == NULL
         || (mempool_globals = PyModule_GetDict(mp_mod)) == NULL)
         return NULL;
@@ -587,9 +1102,7 @@ install_buffers(PyObject *module, PyObject *ns)
         || intern(&s_device_kw, "device") || intern(&s_stream_kw, "stream") || intern(&s_buffer_device, "device")
         || intern(&s_block, "_block") || intern(&s_allocator, "_allocator") || intern(&s_nbytes, "_nbytes")
         || intern(&s_stream, "_stream") || intern(&s_lease, "_lease") || intern(&s_plain, "_plain")
-        || intern(&s_core_address, "_core_address") || intern(&s_live, "_live") || intern(&s_known, "_known")
-        || intern(&s_closed, "_closed") || intern(&s_handle, "_handle") || intern(&s_block_state, "state")
-        || intern(&s_stream_uses, "stream_uses") || intern(&s_owner, "owner") || intern(&s_ptr, "ptr")
+        || intern(&s_steps, "_steps") || intern(&s_closed, "_closed") || intern(&s_handle, "_handle")
         || intern(&s_malloc_refused, "_malloc_refused"))
         return NULL;
     PyObject *py_allocate = PyDict_GetItemString(buffer_globals, "allocate");
@@ -605,11 +1118,40 @@ install_buffers(PyObject *module, PyObject *ns)
     Py_DECREF(c);
     if (replace_method(Buffer_T, "free", buffer_free, NULL) < 0 || replace_method(Buffer_T, "__del__", buffer_del, NULL) < 0)
         return NULL;
-    if (malloc_at != NULL && free_at != NULL) {
-        core_malloc = (core_malloc_fn)malloc_at;
-        core_free = (core_free_fn)free_at;
-    }
     buffers_installed = 1;
+    Py_RETURN_NONE;
+}
+
+/* install_empty(module): the compiled empty of accel._interop.torch (put in its globals),
+ * after install_buffers. */
+static PyObject *
+install_empty(PyObject *module, PyObject *torch_module)
+{
+    if (!buffers_installed) {
+        PyErr_SetString(PyExc_RuntimeError, "install_empty needs install_buffers first");
+        return NULL;
+    }
+    if (empty_dtypes != NULL)
+        Py_RETURN_NONE;
+    PyObject *globals = PyModule_GetDict(torch_module);
+    if (globals == NULL)
+        return NULL;
+    PyObject *py_empty = PyDict_GetItemString(globals, "empty"), *dtypes = PyDict_GetItemString(globals, "_dtypes");
+    if (py_empty == NULL || !PyFunction_Check(py_empty) || dtypes == NULL || !PyDict_CheckExact(dtypes)) {
+        PyErr_SetString(PyExc_TypeError, "the module has no Python function empty and dict _dtypes");
+        return NULL;
+    }
+    if (intern(&s_float32, "float32") || intern(&s_dtype_kw, "dtype") || intern(&s_backend, "backend")
+        || intern(&s_torch_device_type, "torch_device_type") || intern(&s_cpu, "cpu"))
+        return NULL;
+    PyObject *c = make_compiled(host_empty, py_empty);
+    if (c == NULL || PyDict_SetItemString(globals, "empty", c) < 0) {
+        Py_XDECREF(c);
+        return NULL;
+    }
+    Py_DECREF(c);
+    Py_INCREF(dtypes);
+    empty_dtypes = dtypes;
     Py_RETURN_NONE;
 }
 
@@ -791,9 +1333,10 @@ steady_run(SteadyCall *c, PyObject *args, unsigned long long *pointers)
     }
     if (c->taking) {
         /* The binding points at these addresses (_Binding.taken: one int, or a tuple of n)
-         * and no run is under way: test and set ``busy`` with the GIL held throughout, as
-         * the Python call's steady path does (see _taking_call). Its slots are read and
-         * written as attributes: member descriptors, which run no Python code. */
+         * and no run is under way: test and set ``busy`` with the GIL held throughout (the
+         * Python call, _taking_call, takes the binding's lock for every call handed to it
+         * and waits out a run under way). Its slots are read and written as attributes:
+         * member descriptors, which run no Python code. */
         PyObject *taken = PyObject_GetAttr(c->binding, s_taken), *busy;
         if (taken == NULL) {
             PyErr_Clear();
@@ -1066,12 +1609,13 @@ static PyTypeObject SteadyCall_T = {
               "graphed call's steady path; every other call goes to fallback (accel/_speedups.c).",
 };
 
-/* GraphedCallable's base: a call tries ``_hot`` first (the last compiled call's bound call,
- * see accel/graph/_graphed.py's _CallHead, which this does step by step), then self._call.
+/* GraphedCallable's base (the only implementation of its call's head: see the comment
+ * above GraphedCallable in accel/graph/_graphed.py): a call tries ``_hot`` first (the last
+ * compiled call's bound call), then self._call.
  * Not in grad mode: there self._call decides whether autograd would record (and refuses).
  * Only on the thread that made the callable (``_owner``), holding ``_lock`` (a threading.RLock,
  * whose acquire lets go of the GIL while it waits), and reading ``_hot`` again under it: another
- * thread's call writes the same static inputs and outputs (see _CallHead). */
+ * thread's call writes the same static inputs and outputs. */
 typedef struct {
     PyObject_HEAD
     PyObject *hot;
@@ -1194,7 +1738,7 @@ static PyTypeObject CallHead_T = {
     .tp_clear = head_clear,
     .tp_dealloc = head_dealloc,
     .tp_members = head_members,
-    .tp_doc = "GraphedCallable's compiled base: its __call__ (accel/graph/_graphed.py's _CallHead, in C).",
+    .tp_doc = "GraphedCallable's base: the head of its __call__ (see accel/graph/_graphed.py).",
 };
 
 /* install_graphs(names): what SteadyCall reads (torch.Tensor, check_memory, _Binding).
@@ -1254,8 +1798,7 @@ install_graphs(PyObject *module, PyObject *ns)
 static PyObject *
 set_current(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    /* index: any key the Python store takes (a device index, an int: hashed and compared
-     * in C) */
+    /* index: any dict key (a device index, an int: hashed and compared in C) */
     if (nargs != 3 || !PyDict_CheckExact(args[0])) {
         PyErr_SetString(PyExc_TypeError, "set_current(streams, index, stream): a dict, a key, a stream or None");
         return NULL;
@@ -1270,6 +1813,7 @@ set_current(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyMethodDef module_methods[] = {
     {"install_buffers", install_buffers, METH_O,
      "Replace Buffer.free, Buffer.__del__ and the buffer module's allocate by compiled versions."},
+    {"install_empty", install_empty, METH_O, "Replace accel._interop.torch's empty by a compiled version."},
     {"install_graphs", install_graphs, METH_O, "Give SteadyCall what it reads (torch.Tensor, check_memory, _Binding)."},
     {"set_current", (PyCFunction)(void (*)(void))set_current, METH_FASTCALL,
      "streams[index] = stream (None: pop), SteadyCalls told first: a thread's current stream changed."},
@@ -1282,8 +1826,7 @@ static PyMethodDef module_methods[] = {
  *  - a SteadyCall's caches (the list it hands the runner, the addresses check_memory last
  *    passed, the thread and stream count on which the default stream was last found
  *    current) and a taking call's test and set of its binding's ``busy`` are each made
- *    with no other thread running Python in between, as the Python steady path's are
- *    (accel/graph/_compiled.py gives a taking engine no SteadyCall where
+ *    with no other thread running Python in between (accel/graph/_compiled.py gives a taking engine no SteadyCall where
  *    sys._is_gil_enabled() is false); _CallHead's hit count and streams_epoch are plain
  *    increments;
  *  - references borrowed from dicts (module globals, a thread's current streams) are used
@@ -1295,9 +1838,12 @@ static PyMethodDef module_methods[] = {
 static int
 module_exec(PyObject *m)
 {
-    if (PyType_Ready(&Compiled_T) < 0 || PyType_Ready(&SteadyCall_T) < 0 || PyType_Ready(&CallHead_T) < 0)
+    if (PyType_Ready(&Compiled_T) < 0 || PyType_Ready(&SteadyCall_T) < 0 || PyType_Ready(&CallHead_T) < 0
+        || PyType_Ready(&CoreBlock_T) < 0 || PyType_Ready(&CoreSteps_T) < 0)
         return -1;
     if (PyModule_AddObjectRef(m, "SteadyCall", (PyObject *)&SteadyCall_T) < 0
+        || PyModule_AddObjectRef(m, "CoreBlock", (PyObject *)&CoreBlock_T) < 0
+        || PyModule_AddObjectRef(m, "CoreSteps", (PyObject *)&CoreSteps_T) < 0
         || PyModule_AddObjectRef(m, "_CallHead", (PyObject *)&CallHead_T) < 0
         || PyModule_AddStringConstant(m, "SOURCE_CRC32", ACCEL_SPEEDUPS_SOURCE_CRC32) < 0)
         return -1;
@@ -1309,7 +1855,7 @@ static PyModuleDef_Slot module_slots[] = {
 #if PY_VERSION_HEX >= 0x030C0000
     {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
 #endif
-#if PY_VERSION_HEX >= 0x030D0000
+#ifdef Py_mod_gil
     {Py_mod_gil, Py_MOD_GIL_USED},
 #endif
     {0, NULL},
@@ -1317,7 +1863,7 @@ static PyModuleDef_Slot module_slots[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "accel._speedups",
-    "Optional C versions of accel's allocation hot paths (see accel/_native.py).", 0, module_methods, module_slots,
+    "The C implementation of accel's hot paths (see accel/_native.py).", 0, module_methods, module_slots,
 };
 
 PyMODINIT_FUNC

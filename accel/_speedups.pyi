@@ -1,11 +1,45 @@
-# The optional C extension accel/_speedups.c (see accel/_native.py).
+# The C extension accel/_speedups.c, part of every build (see accel/_native.py).
 from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
 from typing import Any, NoReturn
 
 SOURCE_CRC32: str
 
-def install_allocator(names: Mapping[str, object], /) -> None: ...
 def install_buffers(names: Mapping[str, object], /) -> None: ...
+def install_empty(module: ModuleType, /) -> None: ...
+
+class CoreBlock:
+    @property
+    def ptr(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def requested(self) -> int: ...
+    @property
+    def owner(self) -> Any: ...
+    @property
+    def segment(self) -> None: ...
+    stream: int
+    stream_uses: set[int] | None
+    frames: list[dict[str, Any]] | None
+    state: int
+    event_count: int
+
+class CoreSteps:
+    def __init__(
+        self,
+        owner: object,
+        core: int,
+        live: dict[int, CoreBlock],
+        known: set[int],
+        entry_points: tuple[int, int, int, int],
+        error: type[BaseException],
+        /,
+    ) -> None: ...
+    def malloc(self, nbytes: int, stream: int, pool: int, flags: int, /) -> CoreBlock | int: ...
+    def free(self, block: CoreBlock, /) -> None: ...
+    def hold(self, block: CoreBlock, /) -> None: ...
+    def release(self, block: CoreBlock, /) -> None: ...
 def install_graphs(names: Mapping[str, object], /) -> None: ...
 
 class SteadyCall:
@@ -21,6 +55,7 @@ class SteadyCall:
         finish: Any,
         binding: Any,
         real: bool,
+        failed: Callable[[Exception], Any] | None = None,
         /,
     ) -> None: ...
     def __call__(self, args: Sequence[Any], /) -> Any: ...

@@ -288,7 +288,7 @@ def _tensors(n: int, rounds: int) -> list[dict]:
     ]
 
 
-_BOTH_WAYS_CHILD = """
+_PER_CHILD = """
 import json, sys, time
 import torch
 import accel
@@ -311,45 +311,29 @@ print(json.dumps(best))
 """
 
 
-def _both_ways(n: int, batches: int, rounds: int) -> list[dict]:
-    """The allocation targets of issue 16 with the compiled fast paths (accel._speedups)
-    and in pure Python (``ACCEL_PURE_PYTHON=1``): one child process per variant per
-    round, alternating; each child times the pair, accel.empty and torch.empty in
-    ``batches`` interleaved batches of ``n`` (thread CPU time) and keeps the best batch
-    of each. torch.empty's column is the compiled children's; ``vs_torch`` is each
+def _per_child(n: int, batches: int, rounds: int) -> list[dict]:
+    """The allocation targets of issue 16 in fresh processes: one child per round; each
+    times the pair, accel.empty and torch.empty in ``batches`` interleaved batches of
+    ``n`` (thread CPU time) and keeps the best batch of each. ``vs_torch`` is each
     child's own accel / torch.empty ratio (median, lowest..highest over the rounds),
     which a loaded machine disturbs least."""
-    import importlib.util
-
-    if importlib.util.find_spec("accel._speedups") is None:
-        print("bench_host_runtime: accel._speedups is not built: no compiled-vs-pure rows", file=sys.stderr)
-        return []
-    env = {k: v for k, v in os.environ.items() if k != "ACCEL_PURE_PYTHON"}
-    env["PYTHONPATH"] = str(ROOT)
-    results: dict[str, list[dict[str, float]]] = {"compiled": [], "pure Python": []}
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    results: list[dict[str, float]] = []
     for _ in range(rounds):
-        for name in results:
-            child_env = dict(env, ACCEL_PURE_PYTHON="1") if name == "pure Python" else env
-            out = subprocess.run(
-                [sys.executable, "-c", _BOTH_WAYS_CHILD, str(n), str(batches)],
-                env=child_env, capture_output=True, text=True, check=True,
-            )
-            results[name].append(json.loads(out.stdout))
+        out = subprocess.run(
+            [sys.executable, "-c", _PER_CHILD, str(n), str(batches)],
+            env=env, capture_output=True, text=True, check=True,
+        )
+        results.append(json.loads(out.stdout))
     rows = []
     for key, name in (
-        ("pair", "accel.memory.allocate(4096).free(), compiled vs pure Python (CPU time)"),
-        ("empty", "accel.empty(4096, dtype=torch.uint8) + del, compiled vs pure Python (CPU time)"),
+        ("pair", "accel.memory.allocate(4096).free() per child (CPU time)"),
+        ("empty", "accel.empty(4096, dtype=torch.uint8) + del per child (CPU time)"),
     ):
-        times = {
-            "compiled": [r[key] for r in results["compiled"]],
-            "pure Python": [r[key] for r in results["pure Python"]],
-            "torch.empty(4096, uint8) + del": [r["torch"] for r in results["compiled"]],
-        }
-        vs_torch = {}
-        for variant, runs in results.items():
-            ratios = [r[key] / r["torch"] for r in runs]
-            vs_torch[variant] = (statistics.median(ratios), min(ratios), max(ratios))
-        rows.append(_row(name, times, "compiled", vs_torch=vs_torch))
+        times = {"accel": [r[key] for r in results], "torch.empty(4096, uint8) + del": [r["torch"] for r in results]}
+        ratios = [r[key] / r["torch"] for r in results]
+        vs_torch = {"accel": (statistics.median(ratios), min(ratios), max(ratios))}
+        rows.append(_row(name, times, "accel", vs_torch=vs_torch))
     return rows
 
 
@@ -432,7 +416,7 @@ def run(quick: bool) -> list[dict]:
     rows.append(_event(rt_n, rounds))
     rows += _alloc(500 if quick else 20_000, rounds)
     rows += _tensors(500 if quick else 20_000, rounds)
-    rows += _both_ways(500, 3 if quick else 150, 2 if quick else 7)
+    rows += _per_child(500, 3 if quick else 150, 2 if quick else 7)
     rows += _holes(200 if quick else 5000, 2 if quick else 5, 1000 if quick else 100_000)
     rows.append(_startup(2 if quick else 9))
     return rows
@@ -472,11 +456,8 @@ def main(argv: list[str]) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    from accel._native import speedups
-
     print(f"{platform.processor() or platform.machine()}, {cpus} CPUs, Python {platform.python_version()}, "
-          f"{platform.system()} {platform.release()}, load average {os.getloadavg()[0]:.1f}; "
-          f"accel's fast paths in this process: {'compiled' if speedups is not None else 'pure Python'}\n")
+          f"{platform.system()} {platform.release()}, load average {os.getloadavg()[0]:.1f}\n")
     print(_markdown(rows))
     return 0
 

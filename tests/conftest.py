@@ -14,10 +14,8 @@
   backends' cases and prepares no other driver: ``accel verify`` selects a
   backend this way, by parameter, where ``-k cuda`` would also match (or miss)
   test names that merely contain the word.
-- The tests of code that ``accel._speedups`` replaces are marked ``speedups``
-  (:data:`SPEEDUPS_TESTS`): README's test command runs the suite compiled, then
-  those again in pure Python (``ACCEL_PURE_PYTHON=1 pytest -m speedups``). A
-  run's last line says which path it tested.
+- A run's last line names the compiled extension it tested (``accel._speedups``,
+  part of every build: the suite runs once).
 """
 
 from __future__ import annotations
@@ -70,32 +68,6 @@ for _name in CONFORMANCE_BACKENDS:
     _prepare(_name)
 
 
-#: For each module that plugs in accel._speedups (accel/_native.py), the tests of what
-#: its compiled twin replaces: they run on each path, the differential ones on both at
-#: once (and skip without the extension). tests/test_speedups.py checks that every such
-#: module is here. Elsewhere the twins run only as they do under any caller: the C
-#: steps are the Python ones, and the C hands every case but its fast paths back to them.
-SPEEDUPS_TESTS: dict[str, tuple[str, ...]] = {
-    # Which path runs, the switch, the build, the stand-ins' names.
-    "accel/_native.py": ("tests/test_speedups.py",),
-    # The current stream's store (set_current): set_stream, the stream context, threads.
-    "accel/_runtime.py": ("tests/test_facade.py", "tests/stream/test_arguments.py"),
-    # accel.memory.allocate, Buffer.free and Buffer.__del__ (a MemPool in use is one
-    # of the cases the C hands back).
-    "accel/allocator/_buffer.py": ("tests/allocator/test_memory.py", "tests/allocator/test_mempool.py"),
-    # The graphed call's lookup head (_CallHead) and the compiled steady call (SteadyCall).
-    "accel/graph/_graphed.py": ("tests/graph/test_graphed.py", "tests/graph/test_steady_call.py"),
-    "accel/graph/_compiled.py": ("tests/graph/test_steady_call.py",),
-}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    marked = {os.path.join(str(config.rootpath), path) for paths in SPEEDUPS_TESTS.values() for path in paths}
-    for item in items:
-        if str(item.path) in marked:
-            item.add_marker(pytest.mark.speedups)
-
-
 def backend_skip_reason(name: str) -> str | None:
     """Why ``name`` cannot be tested in this session, or None if it can."""
     if name not in CONFORMANCE_BACKENDS:
@@ -116,25 +88,17 @@ def backend(request: pytest.FixtureRequest):
     return load_backend(name)
 
 
-def _path_tested(config: pytest.Config) -> str:
-    """Which of accel's paths this run tests, and which tests (the suite runs both
-    ways: see tests/test_speedups.py)."""
+def _path_tested() -> str:
+    """The compiled hot paths this run tested (accel/_native.py)."""
     from accel._native import speedups
 
-    if speedups is not None:
-        path = "the compiled fast paths (accel._speedups)"
-    elif os.environ.get("ACCEL_PURE_PYTHON") == "1":
-        path = "pure Python (ACCEL_PURE_PYTHON=1)"
-    else:
-        path = "pure Python (accel._speedups is not built)"
-    selected = config.getoption("markexpr", "")
-    return f"accel: {path}" + (f", tests marked {selected!r}" if selected else "")
+    return f"accel: compiled hot paths {speedups.__file__}"
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    return _path_tested(config)
+    return _path_tested()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    # Also under -q, which drops the header: the last lines of a run say what it tested.
-    terminalreporter.write_line(_path_tested(config))
+    # Also under -q, which drops the header: the last line of a run says what it tested.
+    terminalreporter.write_line(_path_tested())

@@ -1,162 +1,114 @@
-"""The optional compiled fast paths (accel/_speedups.c, loaded by accel/_native.py).
+"""The compiled hot paths (accel/_speedups.c, loaded by accel/_native.py).
 
-README's test command runs the suite as installed (compiled where a compiler built
-the extension), then the tests of what the extension replaces (marked ``speedups``:
-tests/conftest.py ``SPEEDUPS_TESTS``) with ``ACCEL_PURE_PYTHON=1``. These tests say
-which path this run is, check the switch and the build in fresh processes, and that
-every module with a compiled twin has tests in that second run.
+The extension is part of every build, as the allocator's native core is: these tests
+check that it is plugged in where accel's hot paths are, that a missing or stale build
+is refused at import with the fix in the message (never a silent fallback), that a
+run's last line names the extension, and that the source uses no private layout or
+symbol and declares its GIL mode. The behaviour of each hot path is tested where its
+module is (tests/stream, tests/allocator, tests/graph).
 """
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import inspect
 import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 
 import accel
+from accel import _runtime
 from accel._native import speedups
 from accel.allocator._buffer import Buffer
+from accel.graph._graphed import GraphedCallable
 
 ROOT = Path(__file__).resolve().parents[1]
 
-_PROBE = """
-import accel, types
-from accel._native import speedups
-from accel.allocator._buffer import Buffer
-print(speedups is not None, isinstance(Buffer.__dict__["free"], types.FunctionType),
-      isinstance(accel.memory.allocate, types.FunctionType))
-"""
+
+def test_the_hot_paths_are_the_extensions() -> None:
+    # Each module plugs in the C at import: no Python twin of the common case is left.
+    assert type(Buffer.__dict__["free"]).__module__ == "accel._speedups"
+    assert type(Buffer.__dict__["__del__"]).__module__ == "accel._speedups"
+    assert type(accel.memory.allocate).__module__ == "accel._speedups"
+    assert _runtime._set_current is speedups.set_current
+    assert GraphedCallable.__mro__[1] is speedups._CallHead
 
 
-def _probe(**env: str) -> list[str]:
-    environ = {k: v for k, v in os.environ.items() if k != "ACCEL_PURE_PYTHON"}
-    environ.update(env)
-    environ["PYTHONPATH"] = str(ROOT)
-    out = subprocess.run(
-        [sys.executable, "-c", _PROBE], env=environ, capture_output=True, text=True, timeout=120, check=True
-    )
-    return out.stdout.split()
+def test_set_current_stores_pops_and_refuses_what_is_not_a_dict() -> None:
+    # The current-stream store (accel._runtime), in C only: a stream stores, None pops
+    # (an absent key too), anything but a plain dict is refused before a store.
+    streams: dict[int, object] = {}
+    stream = object()
+    speedups.set_current(streams, 1, stream)
+    assert streams == {1: stream}
+    speedups.set_current(streams, 1, None)
+    speedups.set_current(streams, 0, None)
+    assert streams == {}
+
+    class Streams(dict):  # type: ignore[type-arg]
+        pass
+
+    for bad in (Streams(), [], None):
+        with pytest.raises(TypeError, match=r"set_current\(streams, index, stream\)"):
+            speedups.set_current(bad, 0, stream)  # type: ignore[arg-type]
 
 
-def _compiler() -> bool:
-    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    return shutil.which(cc) is not None
-
-
-def test_this_run_uses_the_path_its_environment_asks_for() -> None:
-    built = importlib.util.find_spec("accel._speedups") is not None
-    pure = os.environ.get("ACCEL_PURE_PYTHON") == "1"
-    from accel._native import describe
-
-    assert (speedups is not None) == (built and not pure), describe()["reason"]
-    compiled = speedups is not None
-    # One seam per module: the replaced functions are Python functions exactly when pure.
-    assert inspect.isfunction(Buffer.__dict__["free"]) != compiled
-    assert inspect.isfunction(accel.memory.allocate) != compiled
-
-
-@pytest.mark.skipif(not _compiler(), reason="no C compiler here: accel is pure Python by design")
-def test_a_compiler_builds_the_extension_and_accel_uses_it() -> None:
-    assert importlib.util.find_spec("accel._speedups") is not None, (
-        "a C compiler is here but accel._speedups was not built: reinstall with "
-        '`pip install -e ".[test]" --config-settings editable_mode=compat`'
-    )
-    assert _probe() == ["True", "False", "False"]
-
-
-def test_every_module_with_a_compiled_twin_has_tests_in_the_pure_python_run(request: pytest.FixtureRequest) -> None:
-    # A module that plugs in accel._speedups (it imports `speedups` from accel._native)
-    # without an entry would have its Python twin run by no test of README's second run.
-    from tests.conftest import SPEEDUPS_TESTS
-
-    plugged = {"accel/_native.py"}
-    for path in (ROOT / "accel").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "accel._native":
-                if any(alias.name == "speedups" for alias in node.names):
-                    plugged.add(path.relative_to(ROOT).as_posix())
-    assert set(SPEEDUPS_TESTS) == plugged
-    for module, tests in SPEEDUPS_TESTS.items():
-        assert tests, module
-        for test in tests:
-            assert (ROOT / test).is_file() and Path(test).name.startswith("test_"), (module, test)
-    assert request.node.get_closest_marker("speedups") is not None  # conftest marked this file
-
-
-def test_accel_pure_python_switches_the_extension_off() -> None:
-    assert _probe(ACCEL_PURE_PYTHON="1") == ["False", "True", "True"]
-
-
-def test_a_quiet_run_says_which_path_it_tested_in_its_last_lines() -> None:
-    # README runs pytest -q twice, and -q drops the report header.
-    environ = {k: v for k, v in os.environ.items() if k != "ACCEL_PURE_PYTHON"}
-    environ.update(ACCEL_PURE_PYTHON="1", PYTHONPATH=str(ROOT))
+def test_a_quiet_run_names_the_extension_in_its_last_lines() -> None:
+    # README runs pytest -q, which drops the report header.
+    environ = dict(os.environ, PYTHONPATH=str(ROOT))
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
-         "tests/test_units.py::test_format_size"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_units.py::test_format_size"],
         cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     *_, path, summary = result.stdout.splitlines()
-    assert path == "accel: pure Python (ACCEL_PURE_PYTHON=1), tests marked 'not slow'"
+    assert path == f"accel: compiled hot paths {speedups.__file__}"
     assert summary.startswith("1 passed")
 
 
-_STALE_PROBE = """
-import warnings
-warnings.simplefilter("always")
-import accel  # line 4
-from accel._native import describe, speedups
-from accel.allocator._buffer import Buffer
-import types
-accel.memory.allocate(64).free()
-print(speedups is None, isinstance(Buffer.__dict__["free"], types.FunctionType), describe()["compiled"])
+_PROBE = """
+try:
+    import accel
+except ImportError as exc:
+    print("refused:", exc)
+else:
+    accel.memory.allocate(64).free()
+    print("loaded:", accel._native.describe())
 """
 
 
 def _tree_with_the_extension(tmp_path: Path) -> Path:
-    """A copy of the accel package with this tree's built extension."""
-    built = sorted((ROOT / "accel").glob("_speedups.*.so"))
-    if not built:
-        pytest.skip("accel._speedups is not built in this tree")
+    """A copy of the accel package with this tree's built extensions."""
     shutil.copytree(ROOT / "accel", tmp_path / "accel", ignore=shutil.ignore_patterns("__pycache__"))
     return tmp_path
 
 
-def _run_stale_probe(tree: Path) -> subprocess.CompletedProcess[str]:
-    environ = {k: v for k, v in os.environ.items() if k != "ACCEL_PURE_PYTHON"}
-    environ["PYTHONPATH"] = str(tree)
-    return subprocess.run([sys.executable, "-c", _STALE_PROBE], env=environ, cwd=tree, capture_output=True,
-                          text=True, timeout=120)
+def _run_probe(tree: Path) -> str:
+    environ = dict(os.environ, PYTHONPATH=str(tree))
+    result = subprocess.run([sys.executable, "-c", _PROBE], env=environ, cwd=tree, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "Warning" not in result.stderr, result.stderr
+    return result.stdout
 
 
 def test_an_extension_built_from_this_source_is_used(tmp_path: Path) -> None:
-    tree = _tree_with_the_extension(tmp_path)
-    result = _run_stale_probe(tree)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["False", "False", "True"]
-    assert "RuntimeWarning" not in result.stderr
+    out = _run_probe(_tree_with_the_extension(tmp_path))
+    assert out.startswith("loaded:") and f"'built_crc32': '{speedups.SOURCE_CRC32}'" in out, out
 
 
 def test_an_extension_built_from_another_source_is_refused(tmp_path: Path) -> None:
-    # An old .so reused when a later build had no compiler: its source changed since.
+    # An old .so left beside a changed source: it reads accel's classes as they were.
     tree = _tree_with_the_extension(tmp_path)
     with open(tree / "accel" / "_speedups.c", "a") as source:
         source.write("/* a later edit */\n")
-    result = _run_stale_probe(tree)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["True", "True", "False"]  # pure Python, and it works
-    assert "<string>:4: RuntimeWarning:" in result.stderr  # the user's import, not accel's line
-    assert "was built from another version of accel/_speedups.c" in result.stderr
-    assert "the source's is" in result.stderr and "Rebuild it" in result.stderr
+    out = _run_probe(tree)
+    assert out.startswith("refused:"), out
+    assert "was built from another version of accel/_speedups.c" in out and "the source's is" in out
+    assert "rebuild it: `python setup.py build_ext --inplace`" in out
 
 
 def test_an_extension_that_records_no_source_is_refused(tmp_path: Path) -> None:
@@ -165,26 +117,29 @@ def test_an_extension_that_records_no_source_is_refused(tmp_path: Path) -> None:
     for built in (tree / "accel").glob("_speedups.*.so"):
         built.unlink()
     (tree / "accel" / "_speedups.py").write_text("def install_buffers(names): raise AssertionError('used')\n")
-    result = _run_stale_probe(tree)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["True", "True", "False"]
-    assert "(CRC-32 not recorded, the source's is" in result.stderr
+    out = _run_probe(tree)
+    assert out.startswith("refused:") and "(CRC-32 not recorded, the source's is" in out, out
 
 
-def test_info_says_which_path_runs() -> None:
+def test_a_missing_extension_is_refused_with_the_fix(tmp_path: Path) -> None:
+    tree = _tree_with_the_extension(tmp_path)
+    for built in (tree / "accel").glob("_speedups.*.so"):
+        built.unlink()
+    out = _run_probe(tree)
+    assert out.startswith("refused: accel._speedups is not built"), out
+    assert "rebuild it: `python setup.py build_ext --inplace`" in out
+
+
+def test_describe_names_the_file_and_both_crcs() -> None:
     from accel._native import describe, source_crc32
 
-    report = describe()
-    assert report["compiled"] == (speedups is not None)
-    if speedups is not None:
-        assert report["file"] == speedups.__file__ and report["reason"] is None
-        assert speedups.SOURCE_CRC32 == source_crc32() == report["source_crc32"]
-    else:
-        assert report["file"] is None and report["reason"]
+    assert describe() == {"file": speedups.__file__, "built_crc32": speedups.SOURCE_CRC32,
+                          "source_crc32": source_crc32()}
+    assert speedups.SOURCE_CRC32 == source_crc32()
 
 
 def test_compiled_stand_ins_keep_the_python_names_docs_and_signatures() -> None:
-    # help(), inspect.signature and docs/gen_api.py see the Python functions either way.
+    # help(), inspect.signature and docs/gen_api.py see the Python functions they stand in for.
     for fn, name in (
         (Buffer.free, "free"),
         (accel.memory.allocate, "allocate"),
@@ -272,9 +227,9 @@ def test_the_private_use_check_finds_each_kind() -> None:
 
 def test_the_extension_declares_that_it_needs_the_gil() -> None:
     # Python 3.13+ reads Py_mod_gil from a multi-phase module: without it, a free-threaded
-    # interpreter would run SteadyCall's unlocked steps without the GIL.
+    # interpreter would run SteadyCall's unlocked steps without the GIL. Declared where the
+    # headers define the slot (#ifdef: no version number to keep in step).
     source = (ROOT / "accel" / "_speedups.c").read_text()
-    assert "{Py_mod_gil, Py_MOD_GIL_USED}" in source
+    assert "#ifdef Py_mod_gil\n    {Py_mod_gil, Py_MOD_GIL_USED},\n#endif" in source
     assert "PyModuleDef_Init(&module)" in source
-    if speedups is not None:
-        assert speedups.__spec__ is not None and speedups.SteadyCall.__module__ == "accel._speedups"
+    assert speedups.__spec__ is not None and speedups.SteadyCall.__module__ == "accel._speedups"

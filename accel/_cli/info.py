@@ -51,11 +51,9 @@ def collect() -> dict[str, Any]:
             field: config.sources[field] for field in sorted(config.sources) if config.sources[field] != "default"
         },
     }
-    speedups = describe()
     return {
         "accel_version": accel.__version__,
-        "compiled": speedups["compiled"],
-        "speedups": speedups,
+        "speedups": describe(),
         "allocator_settings": settings,
         "backend": runtime.name,
         "selected_by": f"ACCEL_BACKEND={requested}" if requested else "first available of cuda, xpu, cpu",
@@ -77,10 +75,7 @@ def run(args: argparse.Namespace) -> int:
         state = "available" if b["available"] else f"unavailable: {b['reason']}"
         print(f"  {b['name']:<5} {state}")
     speedups = report["speedups"]
-    if speedups["compiled"]:
-        print(f"  compiled paths: in use ({speedups['file']})")
-    else:
-        print(f"  compiled paths: not in use, pure Python ({speedups['reason']})")
+    print(f"  compiled paths: {speedups['file']} (CRC-32 {speedups['built_crc32']})")
     settings = report["allocator_settings"]
     print(f"  allocator settings: {settings['string'] or '(all defaults)'}")
     for field, source in settings["non_default"].items():

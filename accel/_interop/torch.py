@@ -19,11 +19,13 @@ Streams map both ways through :meth:`accel.Stream.from_torch` and
 from __future__ import annotations
 
 import math
+import sys
 from typing import TYPE_CHECKING, Any
 
 from accel._device import Device, DeviceLike
 from accel._errors import InvalidValueError, NotSupportedError
 from accel._interop import _dlpack
+from accel._native import speedups
 from accel._interop._host import view_type as _view_type, view_types as _view_types
 from accel._runtime import Runtime, get_runtime
 from accel._torch import import_torch
@@ -40,11 +42,12 @@ _INT64_MAX = (1 << 63) - 1  # torch and DLPack hold dims as int64
 
 
 # Resolved dtypes, by what the caller passed (a torch dtype or a valid name):
-# the torch dtype, its DLPack name and its size in bytes.
-_dtypes: dict[object, tuple[Any, str, int]] = {}
+# the torch dtype, its DLPack name, its size in bytes, its DLPack code and bits
+# (the compiled empty reads them here).
+_dtypes: dict[object, tuple[Any, str, int, int, int]] = {}
 
 
-def _dtype_name(dtype: object) -> tuple[Any, str, int]:
+def _dtype_name(dtype: object) -> tuple[Any, str, int, int, int]:
     """The torch dtype, its DLPack name and its itemsize for a torch dtype or a name such as ``"float16"``."""
     try:
         return _dtypes[dtype]
@@ -60,8 +63,8 @@ def _dtype_name(dtype: object) -> tuple[Any, str, int]:
     if not isinstance(dtype, torch.dtype):
         raise InvalidValueError(f"dtype={dtype!r} must be a torch.dtype or its name")
     name = str(dtype).removeprefix("torch.")
-    _dlpack.dtype_from_name(name)  # refuses dtypes DLPack export does not cover
-    entry = _dtypes[key] = dtype, name, dtype.itemsize
+    code, bits = _dlpack.dtype_from_name(name)  # refuses dtypes DLPack export does not cover
+    entry = _dtypes[key] = dtype, name, dtype.itemsize, code, bits
     return entry
 
 
@@ -170,9 +173,9 @@ def empty(
     (torch.Size([2, 3]), torch.float32)
     """
     try:  # _dtype_name's cache, inline: this is the hot path
-        torch_dtype, name, itemsize = _dtypes[dtype]
+        torch_dtype, name, itemsize, code, bits = _dtypes[dtype]
     except (KeyError, TypeError):
-        torch_dtype, name, itemsize = _dtype_name(dtype)
+        torch_dtype, name, itemsize, code, bits = _dtype_name(dtype)
     if shape.__class__ is int and 0 < shape <= _INT64_MAX:  # the common case, checked
         dims: tuple[int, ...] = (shape,)
         nbytes = shape * itemsize
@@ -203,7 +206,6 @@ def empty(
         index = runtime.index(device)
         stream = Stream.from_torch(import_torch().cuda.current_stream(index))
     buffer = allocate(nbytes, device=device, stream=stream)
-    code, bits = _dlpack.dtype_from_name(name)
     # Legacy ("dltensor") capsules: every torch this package supports reads
     # them, while versioned DLPack 1.0 capsules need a recent torch.
     capsule = _dlpack.make_capsule(
@@ -270,7 +272,7 @@ def as_tensor(buffer: Any, dtype: torch.dtype | str = "uint8", shape: int | tupl
     Traceback (most recent call last):
     accel._errors.InvalidValueError: accel.as_tensor views accel memory (...), and bytes is not: ...
     """
-    torch_dtype, name, itemsize = _dtype_name(dtype)
+    torch_dtype, name, itemsize, _, _ = _dtype_name(dtype)
     dims = None if shape is None else _dlpack.as_shape(shape)
     if isinstance(buffer, HostBuffer):
         # Page-locked host memory is a CPU tensor, as torch's pinned memory; it has no
@@ -300,3 +302,9 @@ def as_tensor(buffer: Any, dtype: torch.dtype | str = "uint8", shape: int | tupl
     )
     tensor: torch.Tensor = import_torch().from_dlpack(capsule)  # import_torch() is typed Any
     return tensor
+
+
+# The compiled empty (accel/_speedups.c): on a host backend, the common case's tensor is
+# torch's view of a DLPack capsule made in C over the core step's block (no Buffer, no
+# ctypes view); every other case is the Python function above.
+speedups.install_empty(sys.modules[__name__])

@@ -5,11 +5,10 @@ expandable segments, blocks, free lists) are kept by the native core
 
 from __future__ import annotations
 
-from typing import Any
-
+from accel._native import speedups
 from accel.allocator._pool_ids import PoolId
 
-__all__ = ["ALLOCATED", "PENDING", "RETIRED", "CoreBlock", "PrivatePool"]
+__all__ = ["ALLOCATED", "CoreBlock", "CoreSteps", "PENDING", "RETIRED", "PrivatePool"]
 
 #: A handle's states. PENDING: freed by the caller but waiting for other streams'
 #: events (or for a capture to end) before it may be reused. RETIRED: freed; a stale
@@ -17,27 +16,14 @@ __all__ = ["ALLOCATED", "PENDING", "RETIRED", "CoreBlock", "PrivatePool"]
 ALLOCATED, PENDING, RETIRED = 1, 2, 3
 
 
-class CoreBlock:
-    """A caller's handle of a block the native core handed out: ALLOCATED, PENDING
-    (freed, held in the core until other streams' events pass) or RETIRED (freed: a
-    stale second ``free`` of it is refused instead of freeing the memory's next owner)."""
-
-    __slots__ = ("ptr", "size", "requested", "stream", "owner", "state", "stream_uses", "event_count", "frames")
-
-    def __init__(self, owner: object, ptr: int, size: int, requested: int, stream: int) -> None:
-        self.owner = owner
-        self.ptr = ptr
-        self.size = size
-        self.requested = requested
-        self.stream = stream
-        self.state = ALLOCATED
-        self.stream_uses: set[int] | None = None
-        self.event_count = 0
-        self.frames: list[dict[str, Any]] | None = None
-
-    def __repr__(self) -> str:
-        state = ("free", "allocated", "pending", "freed")[self.state]
-        return f"<Block {self.ptr:#x} {self.size} bytes {state}>"
+# A caller's handle of a block the native core handed out: ALLOCATED, PENDING (freed,
+# held in the core until other streams' events pass) or RETIRED (freed: a stale second
+# ``free`` of it is refused instead of freeing the memory's next owner). Made only by a
+# DeviceAllocator's CoreSteps (in C, accel/_speedups.c), which changes the core's books
+# and the handles together, so that an interrupt (a Python signal handler) never lands
+# between them.
+CoreBlock = speedups.CoreBlock
+CoreSteps = speedups.CoreSteps
 
 
 class PrivatePool:

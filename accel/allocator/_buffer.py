@@ -30,10 +30,9 @@ from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, No
 from accel._runtime import check_not_forked, get_runtime
 from accel.allocator import _mempool
 from accel.allocator._fork import track_lock
-from accel.allocator._blocks import ALLOCATED, RETIRED, CoreBlock
+from accel.allocator._blocks import CoreBlock
 from accel.allocator._mempool import routed_allocator
-from accel.allocator._native_core import entry_points
-from accel.allocator._registry import _EXTENSION, device_allocator, registry
+from accel.allocator._registry import _EXTENSION, registry
 from accel.allocator._sharing import export_buffer
 from accel.stream import Stream, as_stream
 
@@ -373,19 +372,12 @@ def allocate(nbytes: int, *, device: DeviceLike = None, stream: Stream | None = 
     >>> buf.nbytes, buf.ptr % 512
     (1000, 0)
     """
-    # get_runtime(), runtime.current_stream() and device_allocator() are written
-    # out below for their common cases: each call costs 2-3% of the pair.
-    runtime = _runtime._runtime
-    if runtime is None:
-        runtime = get_runtime()
+    # The compiled allocate (installed below) takes the common case: the current
+    # stream, no MemPool, a plain allocator. This is every other case.
+    runtime = get_runtime()
     if stream is None:
-        state = runtime._state
-        index = runtime.index(device) if device is not None else state.device
-        stream = state.streams.get(index)
-        if stream is None:
-            stream = runtime._default_streams.get(index)
-            if stream is None:
-                stream = runtime.default_stream(index)
+        index = runtime.index(device)
+        stream = runtime.current_stream(index)
     else:
         stream = as_stream(stream)
         if device is not None and runtime.index(device) != stream.device_index:
@@ -394,12 +386,7 @@ def allocate(nbytes: int, *, device: DeviceLike = None, stream: Stream | None = 
             )
         index = stream.device_index
     # A MemPool's allocator inside use_mem_pool, else the device's.
-    if _mempool._open:
-        allocator = routed_allocator(runtime, index)
-    else:
-        found: Any = runtime.extensions.get(_EXTENSION)  # the registry device_allocator reads
-        cached = found.allocators.get(index) if found is not None else None
-        allocator = cached if cached is not None else device_allocator(runtime, index)
+    allocator = routed_allocator(runtime, index)
     # malloc checks nbytes and the stream.
     return Buffer(allocator.malloc(nbytes, stream), allocator, stream, nbytes)
 
@@ -481,21 +468,13 @@ def allocate_host(nbytes: int) -> HostBuffer:
     return HostBuffer(allocator.malloc(nbytes), allocator, nbytes)
 
 
-# The compiled allocate, Buffer.free and Buffer.__del__ (accel/_speedups.c) when it was
-# built and ACCEL_PURE_PYTHON is not 1: the same steps, which call the Python versions
-# above for every case but the common one (current stream, no MemPool, no export); in
-# it, while the allocator is plain (DeviceAllocator._plain), they call the native core's
-# C entry points directly.
-if speedups is not None:
-    try:
-        _entry_points: tuple[int, int] | None = entry_points()
-    except ImportError:  # the core is not built: DeviceAllocator says so when one is made
-        _entry_points = None
-    speedups.install_buffers(
-        {
-            "Buffer": Buffer, "runtime_module": _runtime, "buffer_module": sys.modules[__name__],
-            "mempool_module": _mempool, "EXTENSION": _EXTENSION, "CoreBlock": CoreBlock,
-            "InvalidHandleError": InvalidHandleError, "ALLOCATED": ALLOCATED, "RETIRED": RETIRED,
-            "core_entry_points": _entry_points,
-        }  # fmt: skip
-    )
+# The compiled allocate, Buffer.free and Buffer.__del__ (accel/_speedups.c): the common
+# case (current stream, no MemPool, no export); they call the Python versions above for
+# every other case. In it, while the allocator is plain (DeviceAllocator._plain), they
+# take the allocator's core steps (DeviceAllocator._steps) directly.
+speedups.install_buffers(
+    {
+        "Buffer": Buffer, "runtime_module": _runtime, "buffer_module": sys.modules[__name__],
+        "mempool_module": _mempool, "EXTENSION": _EXTENSION,
+    }  # fmt: skip
+)

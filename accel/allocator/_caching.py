@@ -56,6 +56,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
+from threading import get_ident
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from accel._errors import (
@@ -68,10 +69,10 @@ from accel._errors import (
     warn_at_caller,
 )
 from accel.allocator import _stats as S
-from accel.allocator._blocks import ALLOCATED, PENDING, RETIRED, CoreBlock, PrivatePool
-from accel.allocator._fork import track_lock
+from accel.allocator._blocks import ALLOCATED, PENDING, RETIRED, CoreBlock, CoreSteps, PrivatePool
+from accel.allocator._fork import OwnedLock, track_lock
 from accel.allocator._history import History
-from accel.allocator._native_core import GIVE_BACK_FIRST, NO_RETRY, NativeCore
+from accel.allocator._native_core import GIVE_BACK_FIRST, NO_RETRY, NativeCore, entry_points
 from accel.allocator._oom import OutOfMemoryDetails, out_of_memory
 from accel.allocator._pool_ids import PoolId, check_pool_id
 from accel.allocator._resources import BackendResource, MemoryResource
@@ -302,7 +303,9 @@ class DeviceAllocator:
             raise DeviceError(
                 f"the upstream resource serves device {self.upstream.device}, not device {device}"
             )
-        self._lock = threading.Lock()
+        # Notes its holder: a gc callback or finalizer that calls in while this thread
+        # holds it is refused (a free deferred) rather than waiting forever.
+        self._lock = OwnedLock(f"the caching allocator of device {device}")
         track_lock(self)
         # Counters of this allocator's own (the core counts everything else): the
         # out-of-memory errors raised here without asking the core (during a capture)
@@ -346,15 +349,11 @@ class DeviceAllocator:
         self._core = core = NativeCore(
             self.upstream, backend.device_synchronize, _admitter(ref), _notifier(ref), _idler(ref)
         )
-        # The core's C entry points, for the hot paths; malloc's out-parameters are per
-        # thread (cffi lets the GIL go during the call, and the common pair takes no lock).
-        self._core_handle = core._core
-        self._core_address = core.address  # the same, for the compiled pair (accel/_speedups.c)
-        self._core_malloc = core._lib.accel_core_malloc
-        self._core_free = core._lib.accel_core_free
-        self._new_out = core.new_out
-        self._tls = threading.local()
         self._live: dict[int, CoreBlock] = {}
+        # Every change of the core's books of a block and of its handle in _live is one
+        # of these C steps (so an interrupt never lands between the two): the hot paths',
+        # the compiled pair's (accel/_speedups.c) and the locked paths' alike.
+        self._steps = CoreSteps(self, core.address, self._live, self._known, entry_points(), InvalidHandleError)
         # True while the common pair needs nothing but the core (no capture under way, no
         # history, no pending events, no frees or retired streams
         # waiting for the lock, not orphaned): malloc and free then take no lock, the
@@ -484,21 +483,12 @@ class DeviceAllocator:
             handle = stream._handle
         except AttributeError:  # not a Stream (costs nothing until raised)
             self._bad_stream(stream, "an allocation")
-        try:
-            out_ptr, out_size = self._tls.out
-        except AttributeError:
-            out_ptr, out_size = self._tls.out = self._new_out()
         if self._plain:
             # The common case: the core alone, no lock (see _plain). A refusal is
             # handled by the locked path's steps (give the cache back, ask again).
-            rc = self._core_malloc(self._core_handle, nbytes, handle, 0, NO_RETRY, out_ptr, out_size)
-            if rc:  # not ACCEL_CORE_OK
-                return self._malloc_refused(rc, nbytes, stream)
-            ptr = out_ptr[0]
-            block = CoreBlock(self, ptr, out_size[0], nbytes, handle)
-            self._live[ptr] = block
-            if handle not in self._known:
-                self._known.add(handle)
+            block = self._steps.malloc(nbytes, handle, 0, NO_RETRY)
+            if isinstance(block, int):  # not ACCEL_CORE_OK
+                return self._malloc_refused(block, nbytes, stream)
             return block
         # acquire/release rather than ``with``: half the cost on this hot path.
         lock = self._lock
@@ -510,10 +500,12 @@ class DeviceAllocator:
                 self._process_events()
             private = self._capture_private(stream) if self._captures else None
             key = 0 if private is None else private.key
-            rc = self._core_malloc(self._core_handle, nbytes, handle, key, NO_RETRY, out_ptr, out_size)
-            if rc:  # not ACCEL_CORE_OK
-                return self._core_refused(rc, nbytes, handle, key)
-            return self._core_block(out_ptr[0], out_size[0], nbytes, handle)
+            block = self._steps.malloc(nbytes, handle, key, NO_RETRY)
+            if isinstance(block, int):  # not ACCEL_CORE_OK
+                block = self._core_refused(block, nbytes, handle, key)
+            if self._history is not None:
+                self._record_alloc(block)
+            return block
         finally:
             self._refresh_plain()
             lock.release()
@@ -526,7 +518,10 @@ class DeviceAllocator:
         lock = self._lock
         lock.acquire()
         try:
-            return self._core_refused(rc, nbytes, stream._handle, 0)
+            block = self._core_refused(rc, nbytes, stream._handle, 0)
+            if self._history is not None:
+                self._record_alloc(block)
+            return block
         finally:
             self._refresh_plain()
             lock.release()
@@ -538,19 +533,13 @@ class DeviceAllocator:
         try:
             self._core.raise_for(rc, nbytes)
         except OutOfMemoryError as exc:
-            ptr, size = self._grow_core(nbytes, handle, key, exc)
-        return self._core_block(ptr, size, nbytes, handle)
+            return self._grow_core(nbytes, handle, key, exc)
 
-    def _core_block(self, ptr: int, size: int, nbytes: int, handle: int) -> CoreBlock:
-        """The caller's handle of the core's block at ``ptr`` (the lock held)."""
-        block = CoreBlock(self, ptr, size, nbytes, handle)
-        self._live[ptr] = block
-        if handle not in self._known:
-            self._known.add(handle)
-        if self._history is not None:
-            block.frames = self._history.block_frames()
-            self._history.record("alloc", ptr, size, handle, block.frames)
-        return block
+    def _record_alloc(self, block: CoreBlock) -> None:
+        """History of the core's new ``block`` (the lock held, history on)."""
+        assert self._history is not None
+        block.frames = self._history.block_frames()
+        self._history.record("alloc", block.ptr, block.size, block.stream, block.frames)
 
     # The name accel.memory.allocate called, when it checked the arguments itself
     # and the allocator skipped them: the checks cost less than the second call,
@@ -570,7 +559,7 @@ class DeviceAllocator:
         if self._gc_frees:
             self._plain = False
 
-    def _grow_core(self, nbytes: int, handle: int, key: int, refused: OutOfMemoryError) -> tuple[int, int]:
+    def _grow_core(self, nbytes: int, handle: int, key: int, refused: OutOfMemoryError) -> CoreBlock:
         """The core missed and the upstream refused (after the core gave back oversize
         cached blocks): outside a capture, order and give back the held blocks and the
         cache (this allocator's, then dropped pools'), and ask again; or raise OOM."""
@@ -582,8 +571,11 @@ class DeviceAllocator:
             flags = GIVE_BACK_FIRST  # the core's retry: counted, its OOM too
             while True:
                 self._fraction_refused = False
+                block = self._steps.malloc(nbytes, handle, key, flags)
+                if not isinstance(block, int):
+                    return block
                 try:
-                    return self._core.malloc(nbytes, handle, key, flags)
+                    self._core.raise_for(block, nbytes)
                 except OutOfMemoryError as exc:
                     self._note_refusal(exc)
                 # Another thread may take what came back first, while others drop pools
@@ -671,6 +663,13 @@ class DeviceAllocator:
         if self._plain and block.__class__ is CoreBlock and self._free_plain(block):
             return
         lock = self._lock
+        if lock.owner == get_ident():
+            # A gc callback or finalizer run inside this thread's call: deferred to the
+            # next call that takes the lock, as a finalizer's free (a free twice refused).
+            if getattr(block, "state", ALLOCATED) != ALLOCATED:
+                raise InvalidHandleError(f"{block!r} is not allocated by {self!r} (freed twice)")
+            self.free_from_finalizer(block)
+            return
         lock.acquire()  # not ``with``: see malloc
         try:
             try:
@@ -686,29 +685,14 @@ class DeviceAllocator:
             lock.release()
             self._recheck_plain()
 
-    def _claim(self, block: CoreBlock) -> None:
-        """Take ``block`` off the live handles, by one dict operation: of two frees of
-        it that race (the lock-free one, and a locked one), one claims it, the other is
-        refused, so the memory is freed once."""
-        ptr = block.ptr
-        claimed = self._live.pop(ptr, None)
-        if claimed is not block:
-            if claimed is not None:  # the memory's next owner's handle: not this one's to drop
-                self._live.setdefault(ptr, claimed)
-            raise InvalidHandleError(f"{block!r} is not allocated by {self!r} (freed twice)")
-
     def _free_plain(self, block: CoreBlock) -> bool:
         """The common free, without the lock (see _plain): a core block of this
         allocator, allocated, used on its own stream only. False: not that case (the
-        locked path decides). The handle leaves the live handles first, by one dict
-        operation, so two racing frees of it free the memory once."""
+        locked path decides). The core step takes the handle off the live handles and
+        frees the memory in one C call, so of two racing frees of it one does."""
         if block.state != ALLOCATED or block.stream_uses is not None or block.owner is not self:
             return False
-        ptr = block.ptr
-        self._claim(block)
-        block.state = RETIRED
-        if self._core_free(self._core_handle, ptr):  # not ACCEL_CORE_OK: a broken book
-            raise InvalidHandleError(f"the allocator core of {self!r} does not hold {block!r}, which it handed out")
+        self._steps.free(block)
         return True
 
     def _free_held(self, block: CoreBlock) -> None:
@@ -723,14 +707,10 @@ class DeviceAllocator:
         if self._history is not None:
             self._history.record("free_requested", block.ptr, block.size, block.stream, None)
         if block.stream_uses:
-            block.state = PENDING
-            self._core.hold(block.ptr)
+            self._steps.hold(block)
             self._order_reuse(block)
         else:
-            self._claim(block)
-            block.state = RETIRED
-            if self._core_free(self._core_handle, block.ptr):  # not ACCEL_CORE_OK: a broken book
-                raise InvalidHandleError(f"the allocator core of {self!r} does not hold {block!r}, which it handed out")
+            self._steps.free(block)
             if self._history is not None:
                 self._history.record("free_completed", block.ptr, block.size, block.stream, None)
 
@@ -897,9 +877,7 @@ class DeviceAllocator:
     def _free_block(self, block: CoreBlock) -> None:
         """The held ``block`` may be reused: the core puts it on its free list, and the
         caller's handle is retired (a stale second ``free`` of it is refused)."""
-        block.state = RETIRED
-        del self._live[block.ptr]
-        self._core.release_held(block.ptr)
+        self._steps.release(block)
         if self._history is not None:
             self._history.record("free_completed", block.ptr, block.size, block.stream, None)
 
@@ -1115,13 +1093,16 @@ class DeviceAllocator:
             if any(p.id == pool_id for p, _ in self._captures):
                 raise CaptureError(f"begin_allocate_to_pool: already recording to pool {pool_id}")
             private = self._private.get(pool_id)
-            if private is None:
-                private = self._private[pool_id] = PrivatePool(pool_id, self._next_pool_key)
-                self._next_pool_key += 1
-                self._core.keep_pool(private.key, True)  # in use: empty_cache leaves it
-            elif private.use_count == 0:
-                private.use_count = 1
-                self._core.keep_pool(private.key, True)
+            if private is None or private.use_count == 0:
+                # In use: empty_cache leaves it. Kept first: when the core cannot (no host
+                # memory for its books), it raises before anything here is registered.
+                key = self._next_pool_key if private is None else private.key
+                self._core.keep_pool(key, True)
+                if private is None:
+                    private = self._private[pool_id] = PrivatePool(pool_id, key)
+                    self._next_pool_key += 1
+                else:
+                    private.use_count = 1
             else:
                 private.use_count += 1
             self._captures.append((private, stream_filter))

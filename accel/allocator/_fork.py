@@ -7,6 +7,10 @@ Before a fork every tracked lock is taken (waiting at most
 ``FORK_LOCK_WAIT_S`` for each), so that the child inherits consistent state
 and unlocked locks; the parent releases them after the fork. A lock that
 could not be taken in time gets a fresh lock in the child.
+
+A caching allocator's lock is an :class:`OwnedLock`: it notes the thread that holds
+it, so that a call on that same thread (a garbage-collection callback or finalizer
+run while it held the lock) is refused instead of waiting for itself forever.
 """
 
 from __future__ import annotations
@@ -14,8 +18,12 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from threading import get_ident
+from types import TracebackType
 
-__all__ = ["FORK_LOCK_WAIT_S", "track_lock"]
+from accel._errors import NotSupportedError
+
+__all__ = ["FORK_LOCK_WAIT_S", "OwnedLock", "track_lock"]
 
 # How long a fork waits for another thread to leave the allocator (it normally holds
 # a lock for microseconds; a bound keeps a fork from hanging on a pathological holder).
@@ -23,11 +31,67 @@ FORK_LOCK_WAIT_S = 1.0
 
 _tracked: list[tuple[weakref.ref[object], str]] = []
 _tracked_lock = threading.Lock()
-_held: list[tuple[object, str, threading.Lock]] = []
+_held: list[tuple[object, str, threading.Lock | OwnedLock]] = []
+
+
+class OwnedLock:
+    """A ``threading.Lock`` that knows the thread holding it (``owner``, 0 when free).
+
+    A blocking :meth:`acquire` on the thread that holds it raises NotSupportedError
+    naming ``what``: only a garbage-collection callback or a finalizer can get there
+    (run by a collection while its thread held the lock), and it would wait forever.
+    Frees from there are deferred instead (see DeviceAllocator.free_from_finalizer).
+
+    >>> lock = OwnedLock("the example")
+    >>> with lock:
+    ...     lock.owner == get_ident()
+    True
+    >>> lock.owner
+    0
+    """
+
+    __slots__ = ("_lock", "owner", "what")
+
+    def __init__(self, what: str) -> None:
+        self._lock = threading.Lock()
+        self.owner = 0
+        self.what = what
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        lock = self._lock
+        if not lock.acquire(False):
+            if not blocking:
+                return False
+            # owner is this thread's ident only while this thread holds the lock: it
+            # sets it after taking the lock and clears it before letting go
+            if timeout < 0 and self.owner == get_ident():
+                raise NotSupportedError(
+                    f"{self.what} was called again on a thread that is already inside it (a "
+                    "garbage-collection callback or finalizer run in the middle of its call), "
+                    "where it would wait for itself forever: allocate or query from such a "
+                    "callback only outside accel calls, or defer the work to later"
+                )
+            if not lock.acquire(True, timeout):
+                return False
+        self.owner = get_ident()
+        return True
+
+    def release(self) -> None:
+        self.owner = 0
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
 
 
 def track_lock(owner: object, attr: str = "_lock") -> None:
-    """Take ``owner.<attr>`` (a ``threading.Lock``) around every fork while ``owner`` lives."""
+    """Take ``owner.<attr>`` (a ``threading.Lock`` or :class:`OwnedLock`) around every
+    fork while ``owner`` lives."""
     with _tracked_lock:
         _tracked[:] = [(ref, name) for ref, name in _tracked if ref() is not None]
         _tracked.append((weakref.ref(owner), attr))
@@ -57,7 +121,9 @@ def _after_fork_in_child() -> None:
     for ref, attr in _tracked:
         owner = ref()
         if owner is not None and (id(owner), attr) not in taken:
-            setattr(owner, attr, threading.Lock())  # held by a thread that does not exist here
+            # held by a thread that does not exist here
+            held = getattr(owner, attr)
+            setattr(owner, attr, OwnedLock(held.what) if isinstance(held, OwnedLock) else threading.Lock())
 
 
 os.register_at_fork(

@@ -76,14 +76,14 @@ def library_path() -> str:
     return path
 
 
-def entry_points() -> tuple[int, int]:
-    """The addresses of the core's ``accel_core_malloc`` and ``accel_core_free``
-    (accel_core.h), for the compiled common pair (accel/_speedups.c)."""
+def entry_points() -> tuple[int, int, int, int]:
+    """The addresses of the core's ``accel_core_malloc``, ``accel_core_free``,
+    ``accel_core_hold`` and ``accel_core_release_held`` (accel_core.h), for the core
+    steps of accel/_speedups.c."""
     module = core_module()
     ffi, lib = module.ffi, module.lib
-    return tuple(  # type: ignore[return-value]
-        int(ffi.cast("uintptr_t", ffi.addressof(lib, name))) for name in ("accel_core_malloc", "accel_core_free")
-    )
+    names = ("accel_core_malloc", "accel_core_free", "accel_core_hold", "accel_core_release_held")
+    return tuple(int(ffi.cast("uintptr_t", ffi.addressof(lib, name))) for name in names)  # type: ignore[return-value]
 
 
 _SLOTS = 93
@@ -116,16 +116,15 @@ def _install_callbacks(ffi: Any) -> None:
         @ffi.def_extern(onerror=_escaped_callback)  # type: ignore[untyped-decorator]
         def accel_py_upstream_alloc(ctx: Any, device: int, size: int, call: Any) -> None:
             upstream: _Upstream = ffi.from_handle(ctx)
-            tid = threading.get_ident()
 
-            def job() -> None:
+            def job(this: _Job) -> None:
                 try:
                     if upstream.admit is not None:
                         upstream.admit(size)
                     call.value = upstream.resource.allocate(size)
                 except BaseException as exc:  # noqa: BLE001 - raised by the malloc that asked
                     # after anything but a shortage (a driver fault) the malloc stops, and raises it
-                    call.rc = _shortage(upstream, exc, tid)
+                    call.rc = _shortage(this, exc)
 
             _run_once(upstream, call, job)
             _finish(upstream, call, "segment_alloc", call.value, size)
@@ -135,7 +134,7 @@ def _install_callbacks(ffi: Any) -> None:
             upstream: _Upstream = ffi.from_handle(ctx)
             wait = _may_wait(upstream)
 
-            def job() -> None:
+            def job(this: _Job) -> None:
                 # Upstream frees are not stream ordered on every backend (the host's,
                 # Level Zero's): queued work on the memory finishes first, as in
                 # DeviceAllocator. A device that fails to wait twice keeps the memory
@@ -176,11 +175,12 @@ class _Job:
     ``gate`` is held from its making until it has run: a waiter takes it (not an Event,
     whose wait an interrupt can leave with its condition's lock released twice)."""
 
-    __slots__ = ("work", "taken", "finished", "gate")
+    __slots__ = ("work", "taken", "finished", "gate", "refusal")
 
-    def __init__(self, work: Callable[[], None]) -> None:
+    def __init__(self, work: Callable[[_Job], None]) -> None:
         self.work = work
         self.finished = False
+        self.refusal: BaseException | None = None  # the upstream's, for the caller's malloc
         self.taken = threading.Lock()
         self.gate = threading.Lock()
         self.gate.acquire()  # interrupted after it, the job is not made (see _run_once)
@@ -188,7 +188,7 @@ class _Job:
     def run(self) -> None:
         if self.taken.acquire(blocking=False):
             try:
-                self.work()
+                self.work(self)
             finally:
                 self.finished = True
                 self.gate.release()
@@ -233,7 +233,7 @@ _worker = _Worker()
 _job_keys = itertools.count(1)
 
 
-def _run_once(upstream: _Upstream, call: Any, work: Callable[[], None]) -> None:
+def _run_once(upstream: _Upstream, call: Any, work: Callable[[_Job], None]) -> None:
     """Run ``work`` (which writes its results into ``call``) once for this call record,
     however often the callback is called again: on the main thread, by the worker while
     this thread waits (an interrupt of the wait leaves the callback, whose next call
@@ -258,6 +258,9 @@ def _run_once(upstream: _Upstream, call: Any, work: Callable[[], None]) -> None:
 def _finish(upstream: _Upstream, call: Any, event: str | None, ptr: int, size: int) -> None:
     """End a call whose job ran: report it (unless refused), keep what left the
     callback on the way for the next empty_cache, and say it is done (stage 2)."""
+    job = upstream.jobs.get(call.job)
+    if job is not None and job.refusal is not None:
+        upstream.refusal.exc = job.refusal  # this thread's malloc raises it (raise_for)
     upstream.jobs.pop(call.job, None)
     call.stage = 2
     if event is not None and call.rc == 0:
@@ -272,11 +275,11 @@ def _may_wait(upstream: _Upstream) -> bool:
     return upstream.synchronize is not None and not getattr(upstream.no_wait, "on", False)
 
 
-def _shortage(upstream: _Upstream, exc: BaseException, tid: int) -> int:
+def _shortage(job: _Job, exc: BaseException) -> int:
     """What a refusal of the upstream means to the core (ACCEL_UPSTREAM_*), kept for the
-    malloc of thread ``tid`` that asked: only a shortage is worth giving the cache back
-    and asking again."""
-    upstream.refusals[tid] = exc
+    malloc that asked (see _finish): only a shortage is worth giving the cache back and
+    asking again."""
+    job.refusal = exc
     return 1 if isinstance(exc, OutOfMemoryError) else 2
 
 
@@ -289,13 +292,12 @@ def _install_vm_callbacks(ffi: Any) -> None:
     @ffi.def_extern(onerror=_escaped_callback)  # type: ignore[untyped-decorator]
     def accel_py_vm_reserve(ctx: Any, device: int, size: int, call: Any) -> None:
         upstream: _Upstream = ffi.from_handle(ctx)
-        tid = threading.get_ident()
 
-        def job() -> None:
+        def job(this: _Job) -> None:
             try:
                 call.value = upstream.resource.vm_reserve(size)
             except BaseException as exc:  # noqa: BLE001 - raised by the malloc that asked
-                call.rc = _shortage(upstream, exc, tid)
+                call.rc = _shortage(this, exc)
 
         _run_once(upstream, call, job)
         _finish(upstream, call, None, 0, 0)
@@ -304,7 +306,7 @@ def _install_vm_callbacks(ffi: Any) -> None:
     def accel_py_vm_unreserve(ctx: Any, device: int, va: int, size: int, call: Any) -> None:
         upstream: _Upstream = ffi.from_handle(ctx)
 
-        def job() -> None:
+        def job(this: _Job) -> None:
             _twice(upstream, lambda: upstream.resource.vm_free(va, size))
 
         _run_once(upstream, call, job)
@@ -313,10 +315,9 @@ def _install_vm_callbacks(ffi: Any) -> None:
     @ffi.def_extern(onerror=_escaped_callback)  # type: ignore[untyped-decorator]
     def accel_py_vm_map(ctx: Any, device: int, va: int, nbytes: int, call: Any) -> None:
         upstream: _Upstream = ffi.from_handle(ctx)
-        tid = threading.get_ident()
         spares = _spares(upstream)  # this thread's: its growth's give-back left them
 
-        def job() -> None:
+        def job(this: _Job) -> None:
             resource, page, pages = upstream.resource, upstream.page, upstream.pages
             done: list[tuple[int, int]] = []
             try:
@@ -338,7 +339,7 @@ def _install_vm_callbacks(ffi: Any) -> None:
                 for start, handle in reversed(done):
                     pages.pop(start, None)
                     _unmap_page(upstream, start, handle)
-                call.rc = _shortage(upstream, exc, tid)
+                call.rc = _shortage(this, exc)
             finally:
                 _release_spares(upstream, spares)
 
@@ -353,7 +354,7 @@ def _install_vm_callbacks(ffi: Any) -> None:
         spares = None if wait else _spares(upstream)
         may_wait = wait and _may_wait(upstream)
 
-        def job() -> None:
+        def job(this: _Job) -> None:
             # Pages whose stream was not seen idle: its queued work may use them, and
             # unmapping is not stream ordered on every backend (see accel_py_upstream_free).
             if may_wait and not _synchronized(upstream, device):
@@ -474,7 +475,7 @@ class _Upstream:
     the core's finalizer can keep it alive while the core gives its cache back."""
 
     __slots__ = (
-        "resource", "refusals", "synchronize", "free_errors", "admit", "notify", "no_wait", "idle", "page", "pages",
+        "resource", "refusal", "synchronize", "free_errors", "admit", "notify", "no_wait", "idle", "page", "pages",
         "spares", "jobs",
     )
 
@@ -498,7 +499,14 @@ class _Upstream:
         self.jobs: dict[int, _Job] = {}
         self.admit = admit
         self.notify = notify
-        self.refusals: dict[int, BaseException] = {}
+        # The upstream's last refusal on each thread, as ``refusal.exc``: thread-local, so
+        # that it goes with its thread. Nothing reads the refusals of torch's threads
+        # (accel_torch_alloc returns NULL), which come and go over a long process: a
+        # table by thread id kept one per thread id forever, and an id the OS reused
+        # read a dead thread's refusal. One slot per core, instead, would let a
+        # thread's refusal be overwritten by another thread's before its malloc raised
+        # it (the wrong error, or none, in the report).
+        self.refusal = threading.local()
         self.synchronize = synchronize
         # set on a thread whose give-back must not wait for the device (the callbacks
         # run on the thread that called into the core)
@@ -610,7 +618,7 @@ class NativeCore:
         """Raise what ``accel_core_malloc``'s nonzero ``rc`` for ``nbytes`` means: the
         upstream's own exception, InvalidValueError, MemoryError or OutOfMemoryError."""
         lib = self._lib
-        refusal = self._callbacks.refusals.pop(threading.get_ident(), None)
+        refusal: BaseException | None = vars(self._callbacks.refusal).pop("exc", None)
         if rc == lib.ACCEL_CORE_BAD_SIZE:
             raise InvalidValueError(f"cannot allocate {nbytes} bytes: the size must be in [1, 2**60)")
         if refusal is not None and not isinstance(refusal, OutOfMemoryError):
@@ -663,9 +671,15 @@ class NativeCore:
         return given
 
     def keep_pool(self, pool: int, keep: bool) -> None:
-        """Whether :meth:`empty_cache` and a miss's give-back leave ``pool`` cached."""
-        if self._lib.accel_core_keep_pool(self._core, pool, int(keep)):
-            raise MemoryError("the host has no memory for the allocator core's books")
+        """Whether :meth:`empty_cache` and a miss's give-back leave ``pool`` cached.
+        Raises OutOfMemoryError, the core's books unchanged, when the host has no
+        memory to note a pool kept."""
+        if self._lib.accel_core_keep_pool(self._core, pool, int(keep)):  # ACCEL_CORE_NO_MEMORY
+            raise OutOfMemoryError(
+                f"device {self.device}: the host has no memory for the allocator core's books to keep "
+                f"pool {pool} cached; nothing was changed: free host memory and try again",
+                device=self.device,
+            )
 
     def release_pool(self, pool: int) -> int:
         """Give ``pool``'s wholly free segments back upstream (kept or not); the bytes."""

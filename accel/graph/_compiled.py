@@ -410,18 +410,18 @@ def _taking_call(
     pointing at memory freed before this run reads it (a crash)."""
     run, point = take
     signature = [(t.shape, t.dtype) for t in inputs]
-    # Runs of the call binding exclude each other by ``busy``: a call that finds
-    # the binding on its memory and no run under way tests and sets it in one
-    # step (no call between the two: with the GIL held, no other thread runs
-    # and no interrupt lands there) and runs at once; its try block starts
-    # right after, so the flag cannot stay set. That costs a tenth of taking
-    # the lock (0.02 against 0.2 us quiet, 0.8 us under load, measured in the
-    # MLP's call). Every other call takes the per-graph lock, waits out a run
-    # under way and sets ``busy`` itself before pointing the binding, so no
+    # Runs of the call binding exclude each other by ``busy``. The steady case, a
+    # call that finds the binding on its memory and no run under way, is the C
+    # SteadyCall's (with the GIL only): it tests and sets ``busy`` in one step (no
+    # call between the two: with the GIL held, no other thread runs and no
+    # interrupt lands there) and runs at once, a tenth of the cost of taking the
+    # lock (0.02 against 0.2 us quiet, 0.8 us under load, measured in the MLP's
+    # call). Every call it hands back here takes the per-graph lock, waits out a
+    # run under way and sets ``busy`` itself before pointing the binding, so no
     # run reads through a binding being repointed. A with block rather than
-    # acquire() and try: no interrupt can land between taking the lock and
-    # the block that gives it back (a lock left held hangs every later
-    # call). Without a GIL (free-threaded Python) every call takes the lock.
+    # acquire() and try: no interrupt can land between taking the lock and the
+    # block that gives it back (a lock left held hangs every later call). Without
+    # a GIL (free-threaded Python) there is no SteadyCall: every call takes the lock.
     lock = threading.Lock()
     gil = bool(getattr(sys, "_is_gil_enabled", lambda: True)())
     binding = _Binding()
@@ -461,15 +461,6 @@ def _taking_call(
             # copied (or refused) instead.
             if a.is_cpu and a.is_contiguous() and not a.is_neg():
                 pointer = a.data_ptr()
-                if pointer == binding.taken and not binding.busy and gil:
-                    binding.busy = True
-                    try:
-                        run()
-                    except Exception as exc:  # noqa: BLE001 - the engine's error, as an accel one
-                        failed(exc)
-                    finally:
-                        binding.busy = False
-                    return output
                 if not overlaps_outputs(args):
                     with lock:
                         while binding.busy:  # a steady call's run on another thread: wait it out
@@ -485,7 +476,7 @@ def _taking_call(
                                 point(args)
                                 binding.taken = pointer
                             run()
-                        except Exception as exc:  # noqa: BLE001 - as above
+                        except Exception as exc:  # noqa: BLE001 - the engine's error, as an accel one
                             failed(exc)
                         finally:
                             binding.busy = False
@@ -505,15 +496,6 @@ def _taking_call(
         check_not_forked()
         if all(a.is_cpu and a.is_contiguous() and not a.is_neg() for a in args):  # as take_one
             pointers = tuple([a.data_ptr() for a in args])
-            if pointers == binding.taken and not binding.busy and gil:
-                binding.busy = True
-                try:
-                    run()
-                except Exception as exc:  # noqa: BLE001 - as take_one
-                    failed(exc)
-                finally:
-                    binding.busy = False
-                return output
             if not overlaps_outputs(args):  # as take_one
                 with lock:
                     while binding.busy:  # as take_one
@@ -566,18 +548,14 @@ def _steady(
     real: bool,
     failed: Callable[[Exception], NoReturn],
 ) -> Callable[[Sequence[torch.Tensor]], Any]:
-    """``call``, or where accel._speedups was built, its steady path in C
-    (``SteadyCall``: a direct engine's ``run(list)`` with ``finish`` None for
-    ``result[0]``, else ``finish(result)``; a taking engine's ``run()`` on
-    ``binding``, returning ``finish``), which hands every other call to ``call``.
+    """``call`` behind its steady path in C (``SteadyCall``: a direct engine's
+    ``run(list)`` with ``finish`` None for ``result[0]``, else ``finish(result)``;
+    a taking engine's ``run()`` on ``binding``, returning ``finish``), which
+    hands every other call to ``call``.
     What its run raises goes to ``failed``, as in ``call``.
     The steady path's checks in Python cost about 1 us a call, the engine's
     runner 2 to 4 us on the small MLP of the benchmark."""
-    if speedups is None:
-        return call
-    return speedups.SteadyCall(  # type: ignore[no-any-return]
-        call, list(inputs), thread, device, default, run, finish, binding, real, failed
-    )
+    return speedups.SteadyCall(call, list(inputs), thread, device, default, run, finish, binding, real, failed)
 
 
 def check_memory(args: Sequence[torch.Tensor], first: int = 0) -> None:
@@ -1442,11 +1420,10 @@ def _engine_key(base: str, engine: Engine, version: str, settings: dict[str, Any
     return f"{engine.artifact or engine.name}-{h.hexdigest()[:32]}"
 
 
-# The compiled steady path of graphed calls (accel/_speedups.c) when it was built and
-# ACCEL_PURE_PYTHON is not 1: what it reads of torch and of this module.
-if speedups is not None:
-    speedups.install_graphs({
-        "Tensor": torch.Tensor, "check_memory": check_memory, "Binding": _Binding,
-        # in grad mode a graphed call goes to GraphedCallable._call, which refuses what autograd would record
-        "is_grad_enabled": torch.is_grad_enabled,
-    })
+# The compiled steady path of graphed calls (accel/_speedups.c): what it reads of torch
+# and of this module.
+speedups.install_graphs({
+    "Tensor": torch.Tensor, "check_memory": check_memory, "Binding": _Binding,
+    # in grad mode a graphed call goes to GraphedCallable._call, which refuses what autograd would record
+    "is_grad_enabled": torch.is_grad_enabled,
+})

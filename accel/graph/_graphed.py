@@ -23,7 +23,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -87,57 +87,20 @@ class _Entry:
     default_stream: Any = None
 
 
-class _CallHead:
-    """The start of every call of a :class:`GraphedCallable`: the last compiled
-    call's bound call (``_hot``, see :func:`accel.graph._compiled.bind_call`), which
-    checks the arguments' shapes and dtypes itself and returns None for others:
-    no key, no lookup, no reordering (its entry is the most recent already). Then
-    ``_call``, the lookup. accel._speedups has it in C (``_CallHead``): the Python
-    frame of this method cost a quarter of accel's time per call.
-
-    Only the thread that made the callable (``_owner``) takes the hot path, and it
-    holds ``_lock`` for it, as ``_call`` does for the whole call: the bound call
-    writes the graph's inputs and outputs, which another thread's call writes too.
-    ``_hot`` is read again under the lock (another thread's call may have replaced
-    it, or evicted its graph, meanwhile)."""
-
-    __slots__ = ("_hot", "hits", "_lock", "_owner")
-    _hot: Callable[[Sequence[torch.Tensor]], Any] | None
-    hits: int
-    _lock: Any  # threading.RLock
-    _owner: int
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # In grad mode the lookup decides whether autograd would record (and refuses).
-        if (
-            self._hot is not None and not kwargs and not torch.is_grad_enabled()
-            and threading.get_ident() == self._owner
-        ):
-            with self._lock:
-                hot = self._hot
-                if hot is not None:
-                    try:
-                        result = hot(args)
-                    except (RuntimeError, NotImplementedError) as exc:
-                        self._refuse(args, exc)
-                    if result is not None:
-                        self.hits += 1
-                        return result
-        return self._call(args, kwargs)
-
-    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
-        """The lookup (GraphedCallable's)."""
-        raise NotImplementedError
-
-    def _refuse(self, args: tuple[Any, ...], exc: BaseException) -> NoReturn:
-        """Raise ``exc``, the hot path's, as the call's refusal (GraphedCallable's)."""
-        raise NotImplementedError
-
-
-if TYPE_CHECKING or speedups is None:
-    _Head = _CallHead
-else:
-    _Head = speedups._CallHead
+# The start of every call of a GraphedCallable is its C base, accel._speedups._CallHead
+# (a Python frame there cost a quarter of accel's time per call): the last compiled
+# call's bound call (``_hot``, see accel.graph._compiled.bind_call), which checks the
+# arguments' shapes and dtypes itself and returns None for others: no key, no lookup,
+# no reordering (its entry is the most recent already). It hands every other call to
+# ``_call``, the lookup, and what the bound call raises (RuntimeError, of which
+# NotImplementedError is one) to ``_refuse``. Not in grad mode: there ``_call`` decides
+# whether autograd would record (and refuses).
+#
+# Only the thread that made the callable (``_owner``) takes the hot path, and it holds
+# ``_lock`` for it, as ``_call`` does for the whole call: the bound call writes the
+# graph's inputs and outputs, which another thread's call writes too. ``_hot`` is read
+# again under the lock (another thread's call may have replaced it, or evicted its
+# graph, meanwhile).
 
 
 class _ThreadMark:
@@ -183,7 +146,7 @@ def _stop_builds(builds: weakref.WeakSet[Any]) -> None:
         build.stop()
 
 
-class GraphedCallable(_Head):
+class GraphedCallable(speedups._CallHead):
     """A callable replaying captured graphs of ``fn``, one per input-shape signature.
 
     The returned tensors are the graph's static outputs: the next call

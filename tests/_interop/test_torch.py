@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import array
 import gc
+import subprocess
+import sys
+import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -213,3 +217,85 @@ def test_as_tensor_of_a_buffer_whose_stream_was_closed_waits_for_it():
     producer.close()
     assert int(as_tensor(buf).min()) == 2
     buf.free()
+
+
+# -- the compiled empty on the host (accel/_speedups.c): a DLPack capsule over a core block
+
+
+def _allocated() -> int:
+    return accel.memory_stats()["allocated_bytes.all.current"]
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, strides",
+    [(7, torch.float32, (1,)), ((2, 3), "int16", (3, 1)), ((), torch.float64, ()), ((0,), torch.uint8, (1,)),
+     ((2, 0, 3), torch.float32, (3, 3, 1))],
+)
+def test_empty_on_the_host_is_contiguous_accel_memory_given_back_with_the_tensor(shape, dtype, strides):
+    before = _allocated()
+    for _ in range(2):  # the first call of a dtype resolves it in Python, the second is compiled
+        t = accel.empty(shape, dtype=dtype)
+        assert t.stride() == strides and t.is_contiguous() and t.device.type == "cpu"
+        assert tuple(t.shape) == ((shape,) if isinstance(shape, int) else shape)
+        assert _allocated() > before  # a tensor with no elements holds a block too
+        t.fill_(3) if t.numel() else None
+        assert int(t.sum()) == 3 * t.numel()
+        del t
+        assert _allocated() == before
+
+
+def test_empty_refuses_bad_and_huge_shapes_with_accel_errors():
+    before = _allocated()
+    with pytest.raises(accel.InvalidValueError):
+        accel.empty(-1)
+    with pytest.raises(accel.InvalidValueError):
+        accel.empty((2, -3))
+    with pytest.raises(accel.InvalidValueError):
+        accel.empty(1 << 64)
+    with pytest.raises(accel.OutOfMemoryError):
+        accel.empty((1 << 30, 1 << 30))  # fits int64, not the device
+    with pytest.raises(accel.OutOfMemoryError):
+        accel.empty((1 << 62, 1 << 62), dtype=torch.uint8)  # past int64 in all
+    assert _allocated() == before
+
+
+def test_an_empty_tensor_dropped_in_another_thread_gives_its_memory_back():
+    before = _allocated()
+    held = [accel.empty((64, 64), dtype=torch.float32) for _ in range(8)]
+    views = [t[1:] for t in held]
+    worker = threading.Thread(target=lambda: (held.clear(), views.clear()))
+    worker.start()
+    worker.join()
+    assert _allocated() == before
+
+
+def test_an_empty_tensor_freed_while_the_allocator_is_not_plain_takes_its_locked_free():
+    # History recording turns the lock-free pair off: the tensor's deleter then frees
+    # through the allocator's finalizer path.
+    alloc = accel.memory.get_allocator()
+    t = accel.empty(100, dtype=torch.uint8)
+    before = _allocated()
+    accel.memory.record_memory_history("all")
+    try:
+        assert not alloc._plain
+        del t
+        assert _allocated() == before - 512
+    finally:
+        accel.memory.record_memory_history(None)
+
+
+def test_empty_tensors_alive_at_interpreter_exit_end_it_quietly():
+    code = textwrap.dedent(
+        """
+        import threading, accel, torch
+        keep = [accel.empty((16, 16), dtype=torch.float32) for _ in range(4)]
+        cycle = [accel.empty(8, dtype=torch.uint8)]
+        cycle.append(cycle)
+        def hold():
+            threading.current_thread().kept = accel.empty(4)
+        threading.Thread(target=hold).start()
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout.strip(), out.stderr) == (0, "ok", "")

@@ -1,6 +1,6 @@
 """Wrong arguments to the allocators' public methods (DeviceAllocator, HostCachingAllocator)
-are accel errors that name the argument, and leave the allocator as it was: compiled
-(accel/_speedups.c) and pure Python alike (the suite runs both ways)."""
+are accel errors that name the argument, and leave the allocator as it was, whether the
+compiled common case (accel/_speedups.c) or the Python code it hands back to sees them."""
 
 from __future__ import annotations
 

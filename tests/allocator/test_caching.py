@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any
@@ -16,6 +17,7 @@ from accel.allocator._caching import DeviceAllocator, round_size
 from accel.allocator._history import History
 from accel.allocator.config import AllocatorConfig, parse
 from accel.backends.cpu import CpuBackend
+from tests.allocator.thread_races import free_each, run_threads, run_while_toggling
 
 MiB = 1 << 20
 
@@ -609,6 +611,52 @@ def test_pool_lives_until_its_last_user_is_gone(host):
     assert a.pool_ids() == []
 
 
+class _NoMemoryToKeep:
+    """The core's library, but ``accel_core_keep_pool`` fails as it does when the host's
+    realloc of the kept pools' list fails (ACCEL_CORE_NO_MEMORY)."""
+
+    def __init__(self, lib: Any) -> None:
+        self._real = lib
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def accel_core_keep_pool(self, core: Any, pool: int, keep: int) -> int:
+        if keep:
+            return int(self._real.ACCEL_CORE_NO_MEMORY)
+        return int(self._real.accel_core_keep_pool(core, pool, keep))
+
+
+def test_a_pool_the_core_cannot_keep_is_not_registered(host, monkeypatch):
+    """begin_allocate_to_pool, when the core has no host memory to keep the pool: an
+    accel error, and nothing registered (the pool was left half made: listed, counted
+    in use, not kept by the core and no capture under way, so it never went)."""
+    backend, rt = host
+    a = make(backend)
+    s = rt.default_stream(0)
+    a.begin_allocate_to_pool((0, 9), lambda st: True)  # a pool with memory, then unused
+    a.free(a.malloc(4096, s))
+    a.end_allocate_to_pool((0, 9))
+    a.release_pool((0, 9))
+    core = a._core
+    monkeypatch.setattr(core, "_lib", _NoMemoryToKeep(core._lib))
+    for pool in ((0, 9), (0, 10)):  # one unused, one new
+        with pytest.raises(OutOfMemoryError, match="no memory for the allocator core's books to keep pool"):
+            a.begin_allocate_to_pool(pool, lambda st: True)
+        with pytest.raises(CaptureError, match="not currently recording"):
+            a.end_allocate_to_pool(pool)
+    assert a.pool_ids() == [(0, 9)]
+    monkeypatch.undo()
+    a.free(a.malloc(4096, s))  # no capture under way: the default pool, given back below
+    a.empty_cache()
+    assert a.pool_ids() == [] and a.stats()["reserved_bytes.all.current"] == 0
+    a.begin_allocate_to_pool((0, 10), lambda st: True)  # with memory to keep it, as usual
+    a.end_allocate_to_pool((0, 10))
+    a.release_pool((0, 10))
+    assert a.pool_ids() == []
+    check_invariants(a)
+
+
 def test_cross_stream_frees_deferred_during_capture(host):
     backend, rt = host
     a = make(backend)
@@ -766,30 +814,21 @@ def test_many_threads_on_several_streams(host):
     backend, rt = host
     a = make(backend)
     streams = [rt.default_stream(0), stream(rt), stream(rt)]
-    errors = []
 
     def work(seed: int) -> None:
-        try:
-            mine = []
-            for i in range(300):
-                s = streams[(seed + i) % 3]
-                b = a.malloc(512 * (1 + (seed * 7 + i) % 4000), s)
-                if i % 5 == 0:
-                    a.record_stream(b, streams[(seed + i + 1) % 3])
-                mine.append(b)
-                if len(mine) > 8:
-                    a.free(mine.pop(0))
-            for b in mine:
-                a.free(b)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        mine = []
+        for i in range(300):
+            s = streams[(seed + i) % 3]
+            b = a.malloc(512 * (1 + (seed * 7 + i) % 4000), s)
+            if i % 5 == 0:
+                a.record_stream(b, streams[(seed + i + 1) % 3])
+            mine.append(b)
+            if len(mine) > 8:
+                a.free(mine.pop(0))
+        for b in mine:
+            a.free(b)
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    assert run_threads([functools.partial(work, k) for k in range(4)]) == []
     check_invariants(a)
     assert a.stats()["allocated_bytes.all.current"] == 0
     a.empty_cache()
@@ -1176,6 +1215,8 @@ def test_a_pool_dropped_while_another_thread_frees_into_it_is_not_forgotten():
 class _NoLock:
     """Stands in for an allocator's lock that the common pair must not take."""
 
+    owner = 0  # held by no thread (free() reads it: see OwnedLock)
+
     def acquire(self, *args: Any, **kwargs: Any) -> bool:
         raise AssertionError("the common pair took the allocator's lock")
 
@@ -1235,48 +1276,22 @@ def test_lock_free_and_locked_frees_mixed_across_threads(host):
     backend, rt = host
     a = make(backend)
     s, s2 = rt.default_stream(0), stream(rt)
-    errors: list[BaseException] = []
-    stop = threading.Event()
 
     def pairs(seed: int) -> None:
-        try:
-            for i in range(2000):
-                b = a.malloc(512 * (1 + (seed + i) % 7), s)
-                if i % 11 == 0:
-                    a.record_stream(b, s2)
-                (a.free if i % 2 else a.free_from_finalizer)(b)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        for i in range(2000):
+            b = a.malloc(512 * (1 + (seed + i) % 7), s)
+            if i % 11 == 0:
+                a.record_stream(b, s2)
+            (a.free if i % 2 else a.free_from_finalizer)(b)
 
     def toggle() -> None:
-        while not stop.is_set():
-            a.record_history(History("all", "all", "python", 10))
-            a.record_history(None)
+        a.record_history(History("all", "all", "python", 10))
+        a.record_history(None)
 
     shared = [a.malloc(512, s) for _ in range(400)]
     freed = [0] * len(shared)
-
-    def race() -> None:
-        for k, b in enumerate(shared):
-            try:
-                a.free(b)
-                freed[k] += 1
-            except InvalidHandleError:
-                pass
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-
-    toggler = threading.Thread(target=toggle)
-    toggler.start()
-    threads = [threading.Thread(target=pairs, args=(k,)) for k in range(3)]
-    threads += [threading.Thread(target=race) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    stop.set()
-    toggler.join()
-    assert not errors
+    workers = [functools.partial(pairs, k) for k in range(3)] + [free_each(a.free, shared, freed) for _ in range(2)]
+    assert run_while_toggling(workers, toggle) == []
     assert freed == [1] * len(shared)
     s2.synchronize()
     a.empty_cache()  # orders the frees still pending on s2

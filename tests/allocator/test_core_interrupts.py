@@ -16,24 +16,16 @@ from accel.allocator._history import History
 from accel.allocator.config import parse
 from accel.backends.cpu import CpuBackend
 from accel.stream._stream import Stream
+from tests.allocator.interrupts import Held, interrupt_each_backend_call
 from tests.allocator.test_caching import check_invariants
-from tests.allocator.test_expandable_interrupts import _Interrupts
 from tests.fixtures.scripts import ok, run
 
 MiB = 1 << 20
 
 
-def _scenario(a: DeviceAllocator, streams: list[Stream], live: list) -> None:
+def _scenario(a: DeviceAllocator, streams: list[Stream], held: Held) -> None:
     s0, s1 = streams
-
-    def malloc(n, s):
-        live.append(a.malloc(n, s))
-        return live[-1]
-
-    def free(b):
-        live.remove(b)
-        a.free(b)
-
+    malloc, free = held.malloc, held.free
     x, y, z = malloc(8 * MiB, s0), malloc(30 * MiB, s0), malloc(3000, s0)
     a.record_stream(y, s1)
     free(y)
@@ -49,47 +41,8 @@ def _scenario(a: DeviceAllocator, streams: list[Stream], live: list) -> None:
 
 @pytest.mark.parametrize("config", ["", "max_split_size_mb:20"])
 def test_an_interrupt_at_any_backend_call_leaves_the_core_books_whole(config: str) -> None:
-    at = 1
-    while True:
-        backend = CpuBackend(1, None)
-        runtime = Runtime(backend)
-        # before the allocator: its core waits for the device through the wrapped call
-        interrupts = _Interrupts(backend, at)
-        streams = [runtime.default_stream(0), Stream._wrap(runtime, 0, backend.stream_create(0, 0), owned=True)]
-        a = DeviceAllocator(backend, 0, parse(config))
-        live: list = []
-        interrupts.armed = True
-        raised = None
-        try:
-            _scenario(a, streams, live)
-        except KeyboardInterrupt as exc:
-            raised = exc
-        interrupts.armed = False
-        where = f"interrupted at call {at} ({interrupts.fired})"
-        if interrupts.fired is not None:
-            assert raised is not None, f"{where}: the interrupt was swallowed"
-        check_invariants(a)
-        live.append(a.malloc(30 * MiB, streams[0]))
-        for b in live:
-            if b.state == ALLOCATED:
-                a.free(b)
-        for s in streams:
-            s.synchronize()
-        try:
-            a.empty_cache()
-        except KeyboardInterrupt:
-            pass  # an interrupted give-back is raised by the next empty_cache
-        a.empty_cache()
-        check_invariants(a)
-        assert a.stats()["reserved_bytes.all.current"] == 0, where
-        assert a.stats()["active_bytes.all.current"] == 0, where
-        lost = backend._memory[0]._held
-        assert lost == 0 or interrupts.fired == "free", f"{where}: {lost} bytes lost"
-        streams[1].close()
-        if interrupts.fired is None:
-            break
-        at += 1
-    assert at > 10
+    # a give-back interrupted as it frees may lose that segment
+    interrupt_each_backend_call(config, _scenario, streams=2, losable={"free": sys.maxsize}, min_calls=10)
 
 
 class _InterruptedHistory(History):
@@ -201,18 +154,18 @@ def test_an_interrupt_anywhere_in_an_upstream_callback_loses_nothing(
             raise KeyboardInterrupt(name)
         return on_return
 
-    live: list = []
+    held = Held(a)
     raised: list[BaseException] = []
     sys.settrace(trace)
     try:
-        _scenario(a, streams, live)
+        _scenario(a, streams, held)
     except KeyboardInterrupt as exc:
         raised.append(exc)
     finally:
         sys.settrace(None)
     if event == "call":
         assert fired, f"{name} was never called"
-    for b in live:
+    for b in held.blocks:
         if b.state == ALLOCATED:
             a.free(b)
     for s in streams:

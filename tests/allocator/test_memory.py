@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import gc
+import operator
 import os
 import pickle
 import subprocess
@@ -17,6 +19,7 @@ import accel
 from accel import memory
 from accel.allocator._registry import registry
 from accel._errors import DeviceError, InvalidHandleError, InvalidValueError
+from tests.allocator.thread_races import free_each, run_threads, run_while_toggling
 
 MiB = 1 << 20
 
@@ -203,25 +206,16 @@ def test_config_changes_reach_live_allocators():
 
 
 def test_many_threads_with_buffers():
-    errors = []
     streams = [accel.Stream() for _ in range(3)]
 
     def work(k: int) -> None:
-        try:
-            for i in range(200):
-                buf = memory.allocate(512 * (1 + (k * 31 + i) % 700), stream=streams[(k + i) % 3])
-                if i % 3 == 0:
-                    buf.record_stream(streams[(k + i + 1) % 3])
-                buf.free()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        for i in range(200):
+            buf = memory.allocate(512 * (1 + (k * 31 + i) % 700), stream=streams[(k + i) % 3])
+            if i % 3 == 0:
+                buf.record_stream(streams[(k + i + 1) % 3])
+            buf.free()
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    assert run_threads([functools.partial(work, k) for k in range(4)]) == []
 
 
 # -- staging memory ------------------------------------------------------------------------
@@ -495,8 +489,6 @@ def _device_allocator() -> Any:
 
 
 def test_the_common_pair_takes_no_lock_and_the_compiled_one_no_allocator_method():
-    from accel._native import speedups
-
     a = _device_allocator()
     assert a._plain
     before = a.stats()["allocated_bytes.all.current"]
@@ -505,14 +497,16 @@ def test_the_common_pair_takes_no_lock_and_the_compiled_one_no_allocator_method(
         raise AssertionError("the compiled pair called a DeviceAllocator method")
 
     class NoLock:
+        owner = 0  # held by no thread (free() reads it: see OwnedLock)
+
         def acquire(self, *args: object, **kwargs: object) -> bool:
             raise AssertionError("the common pair took the allocator's lock")
 
         release = __enter__ = __exit__ = acquire
 
     lock, a._lock = a._lock, NoLock()
-    if speedups is not None:  # the compiled allocate and Buffer.free/__del__ call the core
-        a.malloc = a.free = a.free_from_finalizer = no_method
+    # the compiled allocate and Buffer.free/__del__ call the core
+    a.malloc = a.free = a.free_from_finalizer = no_method
     try:
         buf = memory.allocate(4096)
         buf.free()
@@ -562,61 +556,30 @@ def test_compiled_and_python_pairs_mixed_across_threads():
     a = _device_allocator()
     before = a.stats()["allocated_bytes.all.current"]
     stream = accel.current_stream()
-    errors: list[BaseException] = []
-    stop = threading.Event()
 
     def buffers(seed: int) -> None:
-        try:
-            for i in range(1500):
-                buf = memory.allocate(512 * (1 + (seed + i) % 5))
-                if i % 3:
-                    buf.free()
-                else:
-                    del buf  # Buffer.__del__
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        for i in range(1500):
+            buf = memory.allocate(512 * (1 + (seed + i) % 5))
+            if i % 3:
+                buf.free()
+            else:
+                del buf  # Buffer.__del__
 
     def blocks(seed: int) -> None:
-        try:
-            for i in range(1500):
-                b = a.malloc(512 * (1 + (seed + i) % 5), stream)
-                (a.free if i % 2 else a.free_from_finalizer)(b)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        for i in range(1500):
+            b = a.malloc(512 * (1 + (seed + i) % 5), stream)
+            (a.free if i % 2 else a.free_from_finalizer)(b)
 
     def toggle() -> None:
-        while not stop.is_set():
-            memory.record_memory_history()
-            memory.record_memory_history(None)
+        memory.record_memory_history()
+        memory.record_memory_history(None)
 
     shared = [memory.allocate(512) for _ in range(300)]
     handles = [buf._block for buf in shared]
-    freed = [0] * len(shared)
-
-    def race(by_buffer: bool) -> None:
-        for k, (buf, block) in enumerate(zip(shared, handles)):
-            try:
-                if by_buffer:
-                    buf.free()  # a no-op when the allocator freed the block first
-                else:
-                    a.free(block)
-                    freed[k] += 1
-            except InvalidHandleError:
-                pass
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-
-    toggler = threading.Thread(target=toggle)
-    toggler.start()
-    threads = [threading.Thread(target=buffers, args=(k,)) for k in range(2)]
-    threads += [threading.Thread(target=blocks, args=(k,)) for k in range(2)]
-    threads += [threading.Thread(target=race, args=(flag,)) for flag in (True, False)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    stop.set()
-    toggler.join()
+    workers = [functools.partial(work, k) for work in (buffers, blocks) for k in range(2)]
+    # a Buffer's free is a no-op when the allocator freed the block first
+    workers += [free_each(operator.methodcaller("free"), shared), free_each(a.free, handles)]
+    errors = run_while_toggling(workers, toggle)
     memory.record_memory_history(None)
     gc.collect()
     assert not errors

@@ -17,9 +17,11 @@ the pages of a stream that is not idle.
 
 from __future__ import annotations
 
+import gc
 import shutil
 import subprocess
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -440,6 +442,42 @@ def test_an_upstream_error_stops_the_miss(error: type[BaseException]) -> None:
     ptr, _ = core.malloc(30 * MiB, 0)
     core.free(ptr)
     assert core.empty_cache() == 32 * MiB and not upstream.live
+
+
+def test_a_refusal_nobody_raises_goes_with_its_thread() -> None:
+    """torch's threads reach the upstream through accel_torch_alloc, which returns NULL
+    on a refusal and never raises it: what the upstream raised must not outlive the
+    thread (it was kept per thread id for the life of the process)."""
+    refused: list[weakref.ref[BaseException]] = []
+
+    class Refusing(Upstream):
+        def allocate(self, nbytes: int) -> int:
+            exc = OutOfMemoryError("refused", requested=nbytes, device=0)
+            refused.append(weakref.ref(exc))
+            raise exc
+
+    core = NativeCore(Refusing(1 << 30))
+    module = core_module()
+    ffi, lib = module.ffi, module.lib
+    device = lib.ACCEL_CORE_MAX_DEVICES - 1  # a slot no test's runtime serves
+    old = lib.accel_core_register_torch(device, core._core)
+    try:
+        threads = [
+            threading.Thread(target=lambda: results.append(lib.accel_torch_alloc(4096, device, ffi.NULL)))
+            for _ in range(8)
+        ]
+        results: list[object] = []
+        for t in threads:
+            t.start()
+            t.join()
+    finally:
+        lib.accel_core_register_torch(device, old)
+    assert results == [ffi.NULL] * 8 and len(refused) >= 8
+    gc.collect()
+    assert [ref for ref in refused if ref() is not None] == []
+    # a refusal on this thread is still raised by this thread's malloc
+    with pytest.raises(OutOfMemoryError, match=r"4096 bytes refused \(refused\)"):
+        core.malloc(4096, 0)
 
 
 def test_bad_sizes() -> None:

@@ -18,6 +18,7 @@ import pytest
 import accel
 from accel._errors import NotSupportedError
 from accel.allocator import torch_allocator, torch_allocator_spec
+from tests.allocator import torch_abi
 from tests.fixtures.scripts import ok, run
 
 HARNESS = Path(__file__).with_name("torch_abi_harness.c")
@@ -40,14 +41,12 @@ SCRIPT = r"""
 import ctypes, sys, time
 import accel
 from accel.allocator import torch_allocator_spec
+from tests.allocator import torch_abi
 
 path, alloc_name, free_name = torch_allocator_spec()
 CDLL = ctypes.CDLL(sys.argv[1])  # calls that let the GIL go
 HELD = ctypes.PyDLL(sys.argv[1])  # calls that keep it
-abi = ctypes.CDLL(path)
-abi.accel_torch_alloc.restype = ctypes.c_void_p
-abi.accel_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-abi.accel_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+abi = torch_abi.load()
 args = (path.encode(), alloc_name.encode(), free_name.encode(), 0)
 
 # What the ABI hands out is in accel's books.
@@ -106,13 +105,7 @@ def test_abi_refuses_what_it_cannot_serve() -> None:
     """alloc of a device with no core, a negative size, or more than the device has
     returns NULL (torch raises its out-of-memory error); free of a foreign or NULL
     pointer does nothing."""
-    import ctypes
-
-    path, _, _ = torch_allocator_spec()
-    abi = ctypes.CDLL(path)
-    abi.accel_torch_alloc.restype = ctypes.c_void_p
-    abi.accel_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-    abi.accel_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    abi = torch_abi.load()
     assert abi.accel_torch_alloc(512, 63, None) is None
     assert abi.accel_torch_alloc(512, -1, None) is None
     assert abi.accel_torch_alloc(-5, 0, None) is None
@@ -133,11 +126,7 @@ def test_torch_free_of_an_accel_block_is_ignored() -> None:
     """torch's free of a pointer accel handed out (a stale or foreign pointer) does not
     free it: else its memory would go to the next allocation while the accel buffer
     still lives, and accel's own free would then free that allocation's block."""
-    import ctypes
-
-    path, _, _ = torch_allocator_spec()
-    abi = ctypes.CDLL(path)
-    abi.accel_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    abi = torch_abi.load()
     buf = accel.memory.allocate(3000)
     before = accel.memory.memory_allocated()
     abi.accel_torch_free(buf.ptr, 3000, 0, None)
@@ -180,13 +169,7 @@ def test_torch_allocator_on_simulated_cuda_without_torch_cuda() -> None:
 
 def test_resets_and_empty_cache_reach_what_torch_allocated() -> None:
     """The device's resets and empty_cache act on the core's books too."""
-    import ctypes
-
-    path, _, _ = torch_allocator_spec()
-    abi = ctypes.CDLL(path)
-    abi.accel_torch_alloc.restype = ctypes.c_void_p
-    abi.accel_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-    abi.accel_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    abi = torch_abi.load()
     accel.memory.empty_cache()
     ptr = abi.accel_torch_alloc(5 << 20, 0, None)
     assert accel.memory.memory_reserved() >= 20 << 20  # a large segment of the core's
@@ -207,15 +190,11 @@ def test_the_memory_fraction_caps_accel_and_torch_together() -> None:
         run(
             "cpu",
             """
-            import ctypes
             import accel
             from accel._errors import OutOfMemoryError
-            from accel.allocator import torch_allocator_spec
+            from tests.allocator import torch_abi
 
-            path, _, _ = torch_allocator_spec()
-            abi = ctypes.CDLL(path)
-            abi.accel_torch_alloc.restype = ctypes.c_void_p
-            abi.accel_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+            abi = torch_abi.load()
             total = accel.memory.get_allocator().upstream.memory_info()[1]
             accel.memory.set_per_process_memory_fraction((5 << 20) / total)
             held = [abi.accel_torch_alloc(1 << 20, 0, None) for _ in range(4)]  # two per 2 MiB segment
@@ -241,13 +220,10 @@ def test_a_forked_child_gets_null_not_a_hang() -> None:
         run(
             "cpu",
             """
-            import ctypes, os, sys
-            from accel.allocator import torch_allocator_spec
+            import os
+            from tests.allocator import torch_abi
 
-            path, _, _ = torch_allocator_spec()
-            abi = ctypes.CDLL(path)
-            abi.accel_torch_alloc.restype = ctypes.c_void_p
-            abi.accel_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+            abi = torch_abi.load()
             assert abi.accel_torch_alloc(4096, 0, None)
             pid = os.fork()
             if pid == 0:
@@ -262,15 +238,10 @@ def test_a_forked_child_gets_null_not_a_hang() -> None:
 
 
 ONE_CACHE = r"""
-import ctypes
 import accel
-from accel.allocator import torch_allocator_spec
+from tests.allocator import torch_abi
 
-path, alloc_name, free_name = torch_allocator_spec()
-abi = ctypes.CDLL(path)
-abi.accel_torch_alloc.restype = ctypes.c_void_p
-abi.accel_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-abi.accel_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+abi = torch_abi.load()
 stream = accel.current_stream().native_handle  # torch passes the stream it allocates on
 
 buf = accel.memory.allocate(4096)

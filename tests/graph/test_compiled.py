@@ -643,8 +643,8 @@ def test_a_compiled_call_in_a_forked_child_is_refused_not_run() -> None:
     # A child forked after accel was initialized refuses accel at once; the compiled
     # call, which reads no runtime state but the thread's streams, ran its engine
     # there: ONNX Runtime's and AOTInductor's (OpenMP) thread pools have no threads
-    # in the child, and a call on a 256x512 MLP hung (both engines, compiled and
-    # ACCEL_PURE_PYTHON=1 alike). Here runners that record that they ran.
+    # in the child, and a call on a 256x512 MLP hung (both engines, the compiled
+    # steady path and the Python call alike). Here runners that record that they ran.
     result = scripts.run("cpu", """
         import os, torch, accel
         from accel._runtime import get_runtime
@@ -707,7 +707,7 @@ def test_an_onnx_call_with_the_last_calls_result_reads_its_values(cache: Path, e
 def test_compiled_calls_work_after_the_module_is_reloaded() -> None:
     # importlib.reload(accel.graph._compiled) (IPython's autoreload does it) makes a new
     # _Binding class: the compiled steady path refused every ONNX Runtime call made
-    # after it with a TypeError ("binding a _Binding or None"); ACCEL_PURE_PYTHON=1 ran.
+    # after it with a TypeError ("binding a _Binding or None").
     # Calls bound before the reload keep working too.
     result = scripts.run("cpu", """
         import importlib, torch
@@ -754,7 +754,7 @@ def test_a_call_with_a_tensor_without_storage_is_refused_as_accels(cache: Path, 
     # Inside torch.func's transforms, or wrapped for functionalization, a tensor has
     # the graph's shape and dtype but no storage: torch's RuntimeError ("Cannot access
     # data pointer of Tensor that doesn't have storage") came out of the call, naming
-    # no argument, compiled and ACCEL_PURE_PYTHON=1 alike.
+    # no argument, from the compiled steady path and the Python call alike.
     engines(_engines.OnnxRuntime())
     model = _tiny()
     fast = make_graphed_callables(model, (torch.randn(2, 8),), tier="compiled", wait=True)

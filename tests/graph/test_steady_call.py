@@ -1,5 +1,6 @@
 """The compiled steady path of graphed calls (accel._speedups.SteadyCall) against the
-Python call it stands in for (accel.graph._compiled's direct and taking calls).
+Python call it hands every other case to (accel.graph._compiled's direct and taking
+calls, each a whole call: the model the steady path must agree with).
 
 Each case calls a fresh compiled call and a fresh Python call with the same
 arguments, on engines that record what they were handed, and requires the same
@@ -26,8 +27,6 @@ from accel._native import speedups  # noqa: E402
 from accel._runtime import get_runtime  # noqa: E402
 from accel.graph import _compiled  # noqa: E402
 from tests.fixtures.scripts import ok, run  # noqa: E402
-
-pytestmark = pytest.mark.skipif(speedups is None, reason="accel._speedups is not in use (pure Python)")
 
 
 class _Engine:
@@ -407,11 +406,9 @@ def test_an_engine_that_kept_the_list_it_was_handed_and_let_it_go_leaves_no_argu
         assert probe() is None, call
 
 
-def test_a_graphed_callable_counts_hits_and_refuses_as_the_python_head_does() -> None:
-    # CallHead (C) and _CallHead (Python) take the same steps: hot call first, hits
-    # counted, an engine's RuntimeError refused as accel's, anything else to _call.
-    from accel.graph import _graphed
-
+def test_a_graphed_callable_head_counts_hits_and_refuses() -> None:
+    # The head (C): hot call first, hits counted, an engine's RuntimeError refused as
+    # accel's, anything else to _call.
     class _Probe(speedups._CallHead):  # type: ignore[misc,name-defined]
         def __init__(self, hot: Any) -> None:
             self._hot, self.hits, self.slow = hot, 0, []
@@ -424,11 +421,6 @@ def test_a_graphed_callable_counts_hits_and_refuses_as_the_python_head_does() ->
         def _refuse(self, args: Any, exc: BaseException) -> Any:
             raise accel.InvalidValueError(f"refused {args!r}") from exc
 
-    class _PyProbe(_graphed._CallHead):
-        __init__ = _Probe.__init__  # type: ignore[assignment]
-        _call = _Probe._call
-        _refuse = _Probe._refuse  # type: ignore[assignment]
-
     def hot(args: Any) -> Any:
         if args == ("boom",):
             raise NotImplementedError("engine says no")
@@ -436,26 +428,26 @@ def test_a_graphed_callable_counts_hits_and_refuses_as_the_python_head_does() ->
             raise ValueError("not refused")
         return None if args == ("miss",) else ("hot", args)
 
-    for probe in (_Probe(hot), _PyProbe(hot)):
-        with torch.enable_grad():  # _call decides whether autograd would record: not the hot call
-            assert probe(1) == "slow" and probe.hits == 0 and probe.slow.pop() == ((1,), None if isinstance(probe, _Probe) else {})
-        with torch.no_grad():
-            assert probe(1) == ("hot", (1,)) and probe.hits == 1
-            assert probe("miss") == "slow" and probe.hits == 1
-            assert probe(1, k=2) == "slow" and probe.slow[-1] == ((1,), {"k": 2})
-            with pytest.raises(accel.InvalidValueError, match="refused") as info:
-                probe("boom")
-            assert isinstance(info.value.__cause__, NotImplementedError)
-            with pytest.raises(ValueError, match="not refused"):
-                probe("other")
-            # Another thread than the owner's: the lookup, which serializes and copies its outputs.
-            elsewhere: list[Any] = []
-            thread = threading.Thread(target=lambda: torch.no_grad()(lambda: elsewhere.append(probe(1)))())
-            thread.start()
-            thread.join()
-            assert elsewhere == ["slow"] and probe.hits == 1
-            probe._hot = None
-            assert probe(1) == "slow" and probe.slow[-1] == ((1,), {} if isinstance(probe, _PyProbe) else None)
+    probe = _Probe(hot)
+    with torch.enable_grad():  # _call decides whether autograd would record: not the hot call
+        assert probe(1) == "slow" and probe.hits == 0 and probe.slow.pop() == ((1,), None)
+    with torch.no_grad():
+        assert probe(1) == ("hot", (1,)) and probe.hits == 1
+        assert probe("miss") == "slow" and probe.hits == 1
+        assert probe(1, k=2) == "slow" and probe.slow[-1] == ((1,), {"k": 2})
+        with pytest.raises(accel.InvalidValueError, match="refused") as info:
+            probe("boom")
+        assert isinstance(info.value.__cause__, NotImplementedError)
+        with pytest.raises(ValueError, match="not refused"):
+            probe("other")
+        # Another thread than the owner's: the lookup, which serializes and copies its outputs.
+        elsewhere: list[Any] = []
+        thread = threading.Thread(target=lambda: torch.no_grad()(lambda: elsewhere.append(probe(1)))())
+        thread.start()
+        thread.join()
+        assert elsewhere == ["slow"] and probe.hits == 1
+        probe._hot = None
+        assert probe(1) == "slow" and probe.slow[-1] == ((1,), None)
     bare = _Probe(hot)  # C: without a lock (a subclass that set none), no hot call, not a crash
     del bare._lock
     for lock in ("unset", None):
@@ -558,24 +550,3 @@ def test_calls_with_more_inputs_than_the_stack_array_holds(kind: str) -> None:
     moved = (*args[:9], torch.randn(3))
     negated = (*args[:9], args[9]._neg_view())
     _same(kind, [torch.zeros(3) for _ in range(10)], args, args, moved, moved, negated, args)
-
-
-@pytest.mark.xfail(strict=True, reason="_CallHead (C) keeps hits in a C Py_ssize_t: past sys.maxsize it wraps to "
-                   "negative (-fwrapv), and ints past it or other objects are refused on assignment, where "
-                   "_CallHead's slot holds any int; matching it costs an int object per hit")
-def test_hits_count_past_the_largest_c_size_as_the_python_head_does() -> None:
-    from accel.graph import _graphed
-
-    class _Probe(speedups._CallHead):  # type: ignore[misc,name-defined]
-        def __init__(self) -> None:
-            self._hot, self.hits = (lambda args: "hot"), 0
-
-    class _PyProbe(_graphed._CallHead):
-        __init__ = _Probe.__init__  # type: ignore[assignment]
-
-    counts = []
-    for probe in (_Probe(), _PyProbe()):
-        probe.hits = sys.maxsize
-        probe()
-        counts.append(probe.hits)
-    assert counts == [sys.maxsize + 1] * 2

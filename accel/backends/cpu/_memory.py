@@ -29,7 +29,7 @@ import resource
 import threading
 from collections.abc import Iterator
 
-from accel._errors import AccelError, DriverError, InvalidHandleError, InvalidValueError, OutOfMemoryError
+from accel._errors import DriverError, InvalidHandleError, InvalidValueError, OutOfMemoryError
 from accel._units import format_size
 from accel.backends._sharing import check_extent, check_map_count, description, dup_for_export, more_descriptors, natural
 from accel.backends.cpu import _libc
@@ -210,12 +210,13 @@ class DeviceMemory(_Allocations):
     @contextlib.contextmanager
     def _charged(self, nbytes: int, what: str) -> Iterator[None]:
         """Hold ``nbytes`` against the capacity for the block's system call;
-        give them back and raise OutOfMemoryError if the call fails."""
+        give them back and raise OutOfMemoryError if the call fails, and give
+        them back too when anything else stops it (an interrupt, Ctrl-C)."""
         self._charge(nbytes, what)
         try:
             with self._system_call(nbytes, what):
                 yield
-        except AccelError:
+        except BaseException:
             self._held -= nbytes
             raise
 

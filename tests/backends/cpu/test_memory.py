@@ -245,3 +245,20 @@ def test_a_forked_child_never_frees_or_reuses_the_parents_physical_memory() -> N
     # Before: the child's release truncated the shared file under the parent's chunk,
     # and its new chunk took the range the parent then handed out again.
     assert result == {"child": 0, "ours_intact": True, "plain_intact": True, "second_fresh": True}
+
+
+def test_an_interrupted_system_call_gives_its_charge_back(monkeypatch) -> None:
+    # Ctrl-C inside the allocation's or the physical chunk's system call: the bytes
+    # charged against the capacity go back, or each interrupt shrinks the device.
+    from accel.backends.cpu import _libc
+
+    memory = CpuBackend(1, None)._memory[0]
+
+    def interrupted(*args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_libc, "memfd", interrupted)
+    for allocate in (memory.malloc, memory.create):
+        with contextlib.suppress(KeyboardInterrupt):
+            allocate(G)
+        assert memory._held == 0
