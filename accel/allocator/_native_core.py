@@ -37,6 +37,7 @@ from types import ModuleType
 from typing import Any, NoReturn
 
 from accel._errors import InvalidValueError, OutOfMemoryError
+from accel.allocator._fork import acting_for
 from accel.allocator._resources import MemoryResource
 from accel.allocator._stats import STAT_NAMES
 
@@ -175,10 +176,11 @@ class _Job:
     ``gate`` is held from its making until it has run: a waiter takes it (not an Event,
     whose wait an interrupt can leave with its condition's lock released twice)."""
 
-    __slots__ = ("work", "taken", "finished", "gate", "refusal")
+    __slots__ = ("work", "caller", "taken", "finished", "gate", "refusal")
 
     def __init__(self, work: Callable[[_Job], None]) -> None:
         self.work = work
+        self.caller = threading.get_ident()
         self.finished = False
         self.refusal: BaseException | None = None  # the upstream's, for the caller's malloc
         self.taken = threading.Lock()
@@ -187,9 +189,12 @@ class _Job:
 
     def run(self) -> None:
         if self.taken.acquire(blocking=False):
+            # a gc callback run here runs inside the caller's call (its locks are held)
+            acting_for(self.caller)
             try:
                 self.work(self)
             finally:
+                acting_for(0)
                 self.finished = True
                 self.gate.release()
 

@@ -247,3 +247,46 @@ def test_a_sigint_storm_loses_no_memory(name: str, config: str) -> None:
     report of that interrupt is lost.)"""
     env = {"ACCEL_ALLOC_CONF": config, "ACCEL_CPU_MEMORY_LIMIT": "1GiB"}
     ok(run(name, SIGINT_STORM, config, timeout=120, env=env))
+
+
+GC_CALLBACK_FREES = r"""
+import gc, threading
+import accel
+from accel.allocator._history import History
+
+a = accel.memory.get_allocator()
+stream = accel.current_stream()
+keep = [a.malloc(1000, stream) for _ in range(4)]
+a.record_history(History("all", None, "python", 100))  # malloc takes the allocator's lock
+threads = set()
+
+def collected(phase, info):
+    # on accel's upstream thread, running the main thread's upstream call while the
+    # main thread holds the lock
+    if phase == "start" and keep and threading.current_thread() is not threading.main_thread():
+        threads.add(threading.current_thread().name)
+        a.free(keep.pop())  # deferred: this runs inside the lock holder's call
+
+gc.callbacks.append(collected)
+gc.set_threshold(1)
+try:
+    big = [a.malloc(30 << 20, stream) for _ in range(3)]  # new segments: upstream calls
+finally:
+    gc.set_threshold(700)
+    gc.callbacks.remove(collected)
+for b in big:
+    a.free(b)
+a.record_history(None)
+a.empty_cache()
+assert threads == {"accel-upstream"}, threads
+assert a.stats()["allocated_bytes.all.current"] == len(keep) * 1024, a.stats()  # the rest still held
+print("ok")
+"""
+
+
+def test_a_gc_callback_that_frees_during_an_upstream_call_does_not_hang() -> None:
+    """A collection on accel's upstream thread (it runs the main thread's upstream
+    calls, with the allocator's lock held by the main thread) whose gc callback frees a
+    block: the free is deferred, as on the lock holder's own thread, not a wait for a
+    lock the waiting main thread holds."""
+    ok(run("cpu", GC_CALLBACK_FREES, timeout=60))
