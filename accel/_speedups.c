@@ -677,8 +677,22 @@ ownedlock_take(OwnedLock *self, int blocking, double timeout)
     if (!PyThread_acquire_lock(self->lock, 0)) {
         if (!blocking)
             Py_RETURN_FALSE;
-        /* owner is this thread's ident only while this thread holds the lock */
-        if (timeout < 0 && self->owner == PyThread_get_thread_ident()) {
+        /* owner is this thread's ident only while this thread holds the lock; a thread
+         * acting for another (accel's upstream thread runs the main thread's upstream
+         * calls while that waits: caller_ident in accel/allocator/_fork.py) is that one */
+        unsigned long caller = PyThread_get_thread_ident();
+        if (timeout < 0 && self->owner != 0) {
+            PyObject *fork = PyImport_ImportModule("accel.allocator._fork");
+            PyObject *ident = fork == NULL ? NULL : PyObject_CallMethod(fork, "caller_ident", NULL);
+            Py_XDECREF(fork);
+            if (ident == NULL)
+                return NULL;
+            caller = PyLong_AsUnsignedLong(ident);
+            Py_DECREF(ident);
+            if (caller == (unsigned long)-1 && PyErr_Occurred())
+                return NULL;
+        }
+        if (timeout < 0 && self->owner == caller) {
             PyObject *errors = PyImport_ImportModule("accel._errors");
             PyObject *error = errors == NULL ? NULL : PyObject_GetAttrString(errors, "NotSupportedError");
             Py_XDECREF(errors);

@@ -56,7 +56,6 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from threading import get_ident
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from accel._errors import (
@@ -70,7 +69,7 @@ from accel._errors import (
 )
 from accel.allocator import _stats as S
 from accel.allocator._blocks import ALLOCATED, PENDING, RETIRED, CoreBlock, CoreSteps, PrivatePool
-from accel.allocator._fork import OwnedLock, track_lock
+from accel.allocator._fork import OwnedLock, caller_ident, track_lock
 from accel.allocator._history import History
 from accel.allocator._native_core import GIVE_BACK_FIRST, NO_RETRY, NativeCore, entry_points
 from accel.allocator._oom import OutOfMemoryDetails, out_of_memory
@@ -708,7 +707,7 @@ class DeviceAllocator:
         if self._forked:
             self._refuse_in_child("free")
         lock = self._lock
-        if lock.owner == get_ident():
+        if lock.owner == caller_ident():
             # A gc callback or finalizer run inside this thread's call: deferred to the
             # next call that takes the lock, as a finalizer's free (a free twice refused).
             if getattr(block, "state", ALLOCATED) != ALLOCATED:

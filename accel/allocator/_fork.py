@@ -18,10 +18,11 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from threading import get_ident
 
 from accel._native import speedups
 
-__all__ = ["FORK_LOCK_WAIT_S", "OwnedLock", "track_lock"]
+__all__ = ["FORK_LOCK_WAIT_S", "OwnedLock", "acting_for", "caller_ident", "track_lock"]
 
 # How long a fork waits for another thread to leave the allocator (it normally holds
 # a lock for microseconds; a bound keeps a fork from hanging on a pathological holder).
@@ -39,6 +40,27 @@ OwnedLock = speedups.OwnedLock
 _tracked: list[tuple[weakref.ref[object], str]] = []
 _tracked_lock = threading.Lock()
 _held: list[tuple[object, str, threading.Lock | OwnedLock]] = []
+
+
+# Per thread: the thread whose call it runs (accel's upstream thread runs the main
+# thread's upstream calls while that waits: see accel/allocator/_native_core.py).
+_acting = threading.local()
+
+
+def caller_ident() -> int:
+    """The ident of the thread this one acts for (see :func:`acting_for`), else its own:
+    a garbage-collection callback or finalizer run there runs inside that thread's call.
+
+    >>> caller_ident() == get_ident()
+    True
+    """
+    ident: int = getattr(_acting, "ident", 0)
+    return ident or get_ident()
+
+
+def acting_for(ident: int) -> None:
+    """This thread now runs a call of thread ``ident`` (0: its own calls again)."""
+    _acting.ident = ident
 
 
 def track_lock(owner: object, attr: str = "_lock") -> None:

@@ -26,16 +26,20 @@ registered per device (see :mod:`accel.allocator._torch_allocator`).
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import queue
+import sys
 import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from queue import SimpleQueue
 from types import ModuleType
 from typing import Any, NoReturn
 
 from accel._errors import InvalidValueError, OutOfMemoryError
+from accel.allocator._fork import acting_for
 from accel.allocator._resources import MemoryResource
 from accel.allocator._stats import STAT_NAMES
 
@@ -97,126 +101,279 @@ _install_lock = threading.Lock()
 
 
 def _install_callbacks(ffi: Any) -> None:
-    """Define the ``extern "Python"`` upstream callbacks, once per process."""
+    """Define the ``extern "Python"`` upstream callbacks, once per process.
+
+    Each is called by a C function of csrc/build_core.py with a call record, again and
+    again until it sets the record's ``stage`` to 2: a signal's handler may raise (an
+    interrupt) at any line of a callback, its first included, and the call must still
+    end once, neither lost nor done twice. The upstream's side (the resource's calls,
+    whose results an interrupt would lose between a driver's return and the next line)
+    runs as one job (:func:`_run_once`), off the main thread, the only one a signal's
+    handler interrupts. What left a callback is raised by the next empty_cache.
+    """
     global _installed
     with _install_lock:
         if _installed:
             return
 
-        @ffi.def_extern(error=2)  # type: ignore[untyped-decorator]
-        def accel_py_upstream_alloc(ctx: Any, device: int, size: int, out: Any) -> int:
+        @ffi.def_extern(onerror=_escaped_callback)  # type: ignore[untyped-decorator]
+        def accel_py_upstream_alloc(ctx: Any, device: int, size: int, call: Any) -> None:
             upstream: _Upstream = ffi.from_handle(ctx)
-            ptr: int | None = None
-            try:
-                if upstream.admit is not None:
-                    upstream.admit(size)
-                out[0] = ptr = upstream.resource.allocate(size)
-                _report(upstream, "segment_alloc", ptr, size)
-            except BaseException as exc:  # noqa: BLE001 - raised by the malloc that asked
-                if ptr is not None:
-                    # Allocated: whatever came after (an interrupt, even on the way into
-                    # the report), the segment is the core's, or it would be lost; the
-                    # next empty_cache raises it.
-                    upstream.free_errors.append(exc)
-                    return 0
-                # after anything but a shortage (an interrupt) the malloc stops, and raises it
-                return _shortage(upstream, exc)
-            return 0
 
-        @ffi.def_extern()  # type: ignore[untyped-decorator]
-        def accel_py_upstream_free(ctx: Any, device: int, ptr: int, size: int) -> None:
+            def job(this: _Job) -> None:
+                try:
+                    if upstream.admit is not None:
+                        upstream.admit(size)
+                    call.value = upstream.resource.allocate(size)
+                except BaseException as exc:  # noqa: BLE001 - raised by the malloc that asked
+                    # after anything but a shortage (a driver fault) the malloc stops, and raises it
+                    call.rc = _shortage(this, exc)
+
+            _run_once(upstream, call, job)
+            _finish(upstream, call, "segment_alloc", call.value, size)
+
+        @ffi.def_extern(onerror=_escaped_callback)  # type: ignore[untyped-decorator]
+        def accel_py_upstream_free(ctx: Any, device: int, ptr: int, size: int, call: Any) -> None:
             upstream: _Upstream = ffi.from_handle(ctx)
-            # Upstream frees are not stream ordered on every backend (the host's, Level
-            # Zero's): queued work on the memory finishes first, as in DeviceAllocator.
-            # The segment has left the core's books: an interrupt of the wait must not
-            # lose it. The wait runs again (uninterrupted, it ends), the interrupt is
-            # raised by the next empty_cache; a device that fails to wait twice keeps
-            # the memory (freeing it under queued work would be worse).
-            if not _synchronized(upstream, device):
-                return
-            try:
-                upstream.resource.deallocate(ptr, size)
-            except BaseException as exc:  # noqa: BLE001 - raised by the next empty_cache
-                upstream.free_errors.append(exc)
-                return
-            _report(upstream, "segment_free", ptr, size)
+            wait = _may_wait(upstream)
+
+            def job(this: _Job) -> None:
+                # Upstream frees are not stream ordered on every backend (the host's,
+                # Level Zero's): queued work on the memory finishes first, as in
+                # DeviceAllocator. A device that fails to wait twice keeps the memory
+                # (freeing it under queued work would be worse).
+                call.rc = 1
+                if wait and not _synchronized(upstream, device):
+                    return
+                try:
+                    upstream.resource.deallocate(ptr, size)
+                except BaseException as exc:  # noqa: BLE001 - raised by the next empty_cache
+                    upstream.free_errors.append(exc)
+                    return
+                call.rc = 0
+
+            _run_once(upstream, call, job)
+            _finish(upstream, call, "segment_free", ptr, size)
 
         _install_vm_callbacks(ffi)
         _installed = True
 
 
-def _shortage(upstream: _Upstream, exc: BaseException) -> int:
+# Per thread: what left an upstream callback (an interrupt), for the upstream's
+# free_errors once the callback, called again, ends.
+_escaped = threading.local()
+
+
+def _escaped_callback(exc_type: type[BaseException], exc: BaseException, tb: object) -> None:
+    """cffi's ``onerror`` of the upstream callbacks: keep what left one (its C caller
+    calls it again until it is done)."""
+    try:
+        _escaped.errors.append(exc)
+    except AttributeError:
+        _escaped.errors = [exc]
+
+
+class _Job:
+    """The upstream's side of one callback's call: it runs once, whoever asks first.
+    ``gate`` is held from its making until it has run: a waiter takes it (not an Event,
+    whose wait an interrupt can leave with its condition's lock released twice)."""
+
+    __slots__ = ("work", "caller", "taken", "finished", "gate", "refusal")
+
+    def __init__(self, work: Callable[[_Job], None]) -> None:
+        self.work = work
+        self.caller = threading.get_ident()
+        self.finished = False
+        self.refusal: BaseException | None = None  # the upstream's, for the caller's malloc
+        self.taken = threading.Lock()
+        self.gate = threading.Lock()
+        self.gate.acquire()  # interrupted after it, the job is not made (see _run_once)
+
+    def run(self) -> None:
+        if self.taken.acquire(blocking=False):
+            # a gc callback run here runs inside the caller's call (its locks are held)
+            acting_for(self.caller)
+            try:
+                self.work(self)
+            finally:
+                acting_for(0)
+                self.finished = True
+                self.gate.release()
+
+    def wait(self) -> None:
+        # taken by a waiter (even one interrupted right after) only once it has run
+        while not self.finished:
+            self.gate.acquire()
+
+
+class _Worker:
+    """A thread of the process's own that runs the main thread's jobs (only the main
+    thread submits), started on first use, and again when it is not alive: in a forked
+    child, or after an interrupt ended a start half way."""
+
+    def __init__(self) -> None:
+        self.queue: SimpleQueue[_Job] = SimpleQueue()
+        self.thread: threading.Thread | None = None
+
+    def submit(self, job: _Job) -> bool:
+        """Queue ``job``; False when no thread can run it (the interpreter is ending)."""
+        if self.thread is None or not self.thread.is_alive():
+            # a queue of its own: a forked child's holds what the parent's thread had left
+            self.queue = SimpleQueue()
+            thread = threading.Thread(target=self._serve, args=(self.queue,), name="accel-upstream")
+            thread.daemon = True
+            try:
+                thread.start()
+            except RuntimeError:  # at interpreter shutdown
+                return False
+            self.thread = thread
+        self.queue.put(job)
+        return True
+
+    @staticmethod
+    def _serve(queue: SimpleQueue[_Job]) -> None:
+        while True:
+            queue.get().run()
+
+
+_worker = _Worker()
+_job_keys = itertools.count(1)
+
+
+def _run_once(upstream: _Upstream, call: Any, work: Callable[[_Job], None]) -> None:
+    """Run ``work`` (which writes its results into ``call``) once for this call record,
+    however often the callback is called again: on the main thread, by the worker while
+    this thread waits (an interrupt of the wait leaves the callback, whose next call
+    waits again); elsewhere (no signal's handler runs there) on this thread. Then
+    ``call.stage`` is 1."""
+    if call.stage:
+        return
+    if not call.job:
+        key = next(_job_keys)
+        upstream.jobs[key] = _Job(work)
+        call.job = key
+    job = upstream.jobs[call.job]
+    if not job.finished:
+        # (by ident: a thread torch made would get a dummy Thread object for good)
+        inline = threading.get_ident() != threading.main_thread().ident or sys.is_finalizing()
+        if inline or not _worker.submit(job):
+            job.run()
+    job.wait()
+    call.stage = 1
+
+
+def _finish(upstream: _Upstream, call: Any, event: str | None, ptr: int, size: int) -> None:
+    """End a call whose job ran: report it (unless refused), keep what left the
+    callback on the way for the next empty_cache, and say it is done (stage 2)."""
+    job = upstream.jobs.get(call.job)
+    if job is not None and job.refusal is not None:
+        upstream.refusal.exc = job.refusal  # this thread's malloc raises it (raise_for)
+    upstream.jobs.pop(call.job, None)
+    call.stage = 2
+    if event is not None and call.rc == 0:
+        _report(upstream, event, ptr, size)
+    errors = getattr(_escaped, "errors", None)
+    while errors:
+        upstream.free_errors.append(errors.pop(0))
+
+
+def _may_wait(upstream: _Upstream) -> bool:
+    """Whether a give-back on this thread may wait for the device (see ``no_wait``)."""
+    return upstream.synchronize is not None and not getattr(upstream.no_wait, "on", False)
+
+
+def _shortage(job: _Job, exc: BaseException) -> int:
     """What a refusal of the upstream means to the core (ACCEL_UPSTREAM_*), kept for the
-    malloc that asked: only a shortage is worth giving the cache back and asking again."""
-    upstream.refusal.exc = exc  # this thread's malloc raises it (raise_for)
+    malloc that asked (see _finish): only a shortage is worth giving the cache back and
+    asking again."""
+    job.refusal = exc
     return 1 if isinstance(exc, OutOfMemoryError) else 2
 
 
 def _install_vm_callbacks(ffi: Any) -> None:
     """The ``extern "Python"`` callbacks of expandable segments' virtual memory
     (accel_core.h's accel_vm_ops), over the resource's ``vm_*`` methods: each page is one
-    physical allocation, mapped at its address (``_Upstream.pages``)."""
+    physical allocation, mapped at its address (``_Upstream.pages``). Called as those
+    of :func:`_install_callbacks` are."""
 
-    @ffi.def_extern(error=2)  # type: ignore[untyped-decorator]
-    def accel_py_vm_reserve(ctx: Any, device: int, size: int, out: Any) -> int:
+    @ffi.def_extern(onerror=_escaped_callback)  # type: ignore[untyped-decorator]
+    def accel_py_vm_reserve(ctx: Any, device: int, size: int, call: Any) -> None:
         upstream: _Upstream = ffi.from_handle(ctx)
-        try:
-            out[0] = upstream.resource.vm_reserve(size)
-        except BaseException as exc:  # noqa: BLE001 - raised by the malloc that asked
-            return _shortage(upstream, exc)
-        return 0
 
-    @ffi.def_extern()  # type: ignore[untyped-decorator]
-    def accel_py_vm_unreserve(ctx: Any, device: int, va: int, size: int) -> None:
-        upstream: _Upstream = ffi.from_handle(ctx)
-        _twice(upstream, lambda: upstream.resource.vm_free(va, size))
+        def job(this: _Job) -> None:
+            try:
+                call.value = upstream.resource.vm_reserve(size)
+            except BaseException as exc:  # noqa: BLE001 - raised by the malloc that asked
+                call.rc = _shortage(this, exc)
 
-    @ffi.def_extern(error=2)  # type: ignore[untyped-decorator]
-    def accel_py_vm_map(ctx: Any, device: int, va: int, nbytes: int) -> int:
-        upstream: _Upstream = ffi.from_handle(ctx)
-        resource, page, pages = upstream.resource, upstream.page, upstream.pages
-        done: list[tuple[int, int]] = []
-        spares = _spares(upstream)
-        try:
-            if upstream.admit is not None:
-                upstream.admit(nbytes)
-            for start in range(va, va + nbytes, page):
-                # the physical pages the growth's give-back just unmapped first
-                handle = spares.pop() if spares else resource.vm_create(page)
-                try:
-                    resource.vm_map(start, page, handle)
-                except BaseException:
-                    resource.vm_release(handle, page)
-                    raise
-                done.append((start, handle))
-                pages[start] = handle
-        except BaseException as exc:  # noqa: BLE001 - raised by the malloc that asked
-            # all or nothing: the pages mapped so far go back (what that raises is the
-            # next empty_cache's to raise)
-            for start, handle in reversed(done):
-                pages.pop(start, None)
-                _unmap_page(upstream, start, handle)
-            return _shortage(upstream, exc)
-        finally:
-            _release_spares(upstream, spares)
-        _report(upstream, "segment_map", va, nbytes)
-        return 0
+        _run_once(upstream, call, job)
+        _finish(upstream, call, None, 0, 0)
 
-    @ffi.def_extern()  # type: ignore[untyped-decorator]
-    def accel_py_vm_unmap(ctx: Any, device: int, va: int, nbytes: int, wait: int) -> None:
+    @ffi.def_extern(onerror=_escaped_callback)  # type: ignore[untyped-decorator]
+    def accel_py_vm_unreserve(ctx: Any, device: int, va: int, size: int, call: Any) -> None:
         upstream: _Upstream = ffi.from_handle(ctx)
-        # Pages whose stream was not seen idle: its queued work may use them, and
-        # unmapping is not stream ordered on every backend (see accel_py_upstream_free).
-        if wait and not _synchronized(upstream, device):
-            return  # the device failed to wait twice: the pages stay mapped (and in no book)
+
+        def job(this: _Job) -> None:
+            _twice(upstream, lambda: upstream.resource.vm_free(va, size))
+
+        _run_once(upstream, call, job)
+        _finish(upstream, call, None, 0, 0)
+
+    @ffi.def_extern(onerror=_escaped_callback)  # type: ignore[untyped-decorator]
+    def accel_py_vm_map(ctx: Any, device: int, va: int, nbytes: int, call: Any) -> None:
+        upstream: _Upstream = ffi.from_handle(ctx)
+        spares = _spares(upstream)  # this thread's: its growth's give-back left them
+
+        def job(this: _Job) -> None:
+            resource, page, pages = upstream.resource, upstream.page, upstream.pages
+            done: list[tuple[int, int]] = []
+            try:
+                if upstream.admit is not None:
+                    upstream.admit(nbytes)
+                for start in range(va, va + nbytes, page):
+                    # the physical pages the growth's give-back just unmapped first
+                    handle = spares.pop() if spares else resource.vm_create(page)
+                    try:
+                        resource.vm_map(start, page, handle)
+                    except BaseException:
+                        resource.vm_release(handle, page)
+                        raise
+                    done.append((start, handle))
+                    pages[start] = handle
+            except BaseException as exc:  # noqa: BLE001 - raised by the malloc that asked
+                # all or nothing: the pages mapped so far go back (what that raises is the
+                # next empty_cache's to raise)
+                for start, handle in reversed(done):
+                    pages.pop(start, None)
+                    _unmap_page(upstream, start, handle)
+                call.rc = _shortage(this, exc)
+            finally:
+                _release_spares(upstream, spares)
+
+        _run_once(upstream, call, job)
+        _finish(upstream, call, "segment_map", va, nbytes)
+
+    @ffi.def_extern(onerror=_escaped_callback)  # type: ignore[untyped-decorator]
+    def accel_py_vm_unmap(ctx: Any, device: int, va: int, nbytes: int, wait: int, call: Any) -> None:
+        upstream: _Upstream = ffi.from_handle(ctx)
         # A growth's give-back (no wait) keeps the physical pages for the growth's map,
         # which follows on this thread: not released and made anew.
         spares = None if wait else _spares(upstream)
-        for start in range(va, va + nbytes, upstream.page):
-            handle = upstream.pages.pop(start, None)
-            if handle is not None:
-                _unmap_page(upstream, start, handle, spares)
-        _report(upstream, "segment_unmap", va, nbytes)
+        may_wait = wait and _may_wait(upstream)
+
+        def job(this: _Job) -> None:
+            # Pages whose stream was not seen idle: its queued work may use them, and
+            # unmapping is not stream ordered on every backend (see accel_py_upstream_free).
+            if may_wait and not _synchronized(upstream, device):
+                call.rc = 1  # the device failed to wait twice: the pages stay mapped (and in no book)
+                return
+            for start in range(va, va + nbytes, upstream.page):
+                handle = upstream.pages.pop(start, None)
+                if handle is not None:
+                    _unmap_page(upstream, start, handle, spares)
+
+        _run_once(upstream, call, job)
+        _finish(upstream, call, "segment_unmap", va, nbytes)
 
     @ffi.def_extern(error=0)  # type: ignore[untyped-decorator]
     def accel_py_vm_idle(ctx: Any, device: int, stream: int) -> int:
@@ -274,12 +431,11 @@ def _unmap_page(upstream: _Upstream, start: int, handle: int, spares: list[int] 
 
 
 def _synchronized(upstream: _Upstream, device: int) -> bool:
-    """Wait for the device before memory goes back upstream (unless the thread said it
-    must not wait); an interrupt of the wait runs it again, kept for the next
-    empty_cache. False: the device failed to wait twice."""
+    """Wait for the device before memory goes back upstream; an interrupt of the wait
+    runs it again, kept for the next empty_cache. False: the device failed to wait
+    twice."""
     synchronize = upstream.synchronize
-    if synchronize is None or getattr(upstream.no_wait, "on", False):
-        return True
+    assert synchronize is not None  # see _may_wait
     return _twice(upstream, lambda: synchronize(device))
 
 
@@ -327,7 +483,7 @@ class _Upstream:
 
     __slots__ = (
         "resource", "refusal", "synchronize", "free_errors", "admit", "notify", "no_wait", "idle", "page", "pages",
-        "spares",
+        "spares", "jobs",
     )
 
     def __init__(
@@ -346,6 +502,8 @@ class _Upstream:
         self.pages: dict[int, int] = {}
         # per thread: physical pages a growth's give-back unmapped, for its map
         self.spares = threading.local()
+        # the jobs of callbacks under way (see _run_once), by their call record's key
+        self.jobs: dict[int, _Job] = {}
         self.admit = admit
         self.notify = notify
         # The upstream's last refusal on each thread, as ``refusal.exc``: thread-local, so
@@ -453,7 +611,7 @@ class NativeCore:
         self._callbacks = _Upstream(upstream, synchronize, admit, notify, idle)
         handle = self._ffi.new_handle(self._callbacks)
         lib = self._lib
-        self._core = lib.accel_core_new(self.device, lib.accel_py_upstream_alloc, lib.accel_py_upstream_free, handle)
+        self._core = lib.accel_core_new(self.device, lib.accel_py_alloc, lib.accel_py_free, handle)
         if self._core == self._ffi.NULL:
             raise MemoryError("the host has no memory for the allocator core's books")
         # not at exit: the process's memory goes with it, and the backend may be gone
@@ -462,10 +620,9 @@ class NativeCore:
         self._offsets = [0] * _SLOTS  # see reset_accumulated
         self.virtual_memory = upstream.supports_virtual_memory()
         if self.virtual_memory:
-            names = ("reserve", "unreserve", "map", "unmap", "idle")
-            lib.accel_core_set_vm(
-                self._core, self._ffi.new("accel_vm_ops *", {n: getattr(lib, f"accel_py_vm_{n}") for n in names})
-            )
+            # the C functions over the callbacks that may not end early (csrc/build_core.py)
+            ops = {n: getattr(lib, f"accel_py_{n}") for n in ("reserve", "unreserve", "map", "unmap")}
+            lib.accel_core_set_vm(self._core, self._ffi.new("accel_vm_ops *", {**ops, "idle": lib.accel_py_vm_idle}))
         self._tls = threading.local()
 
     @property

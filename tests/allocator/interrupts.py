@@ -42,7 +42,9 @@ Scenario = Callable[[DeviceAllocator, list[Stream], Held], None]
 
 class Interrupts:
     """Raises KeyboardInterrupt at the ``at``-th public backend call of the main
-    thread, before the call runs; records the call's name."""
+    thread (or of the thread that runs its upstream calls: see
+    accel/allocator/_native_core.py's _run_once), before the call runs; records the
+    call's name."""
 
     def __init__(self, backend: CpuBackend, at: int) -> None:
         self.calls = 0
@@ -56,7 +58,8 @@ class Interrupts:
 
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            if self.armed and threading.current_thread() is threading.main_thread():
+            thread = threading.current_thread()
+            if self.armed and (thread is threading.main_thread() or thread.name == "accel-upstream"):
                 self.calls += 1
                 if self.calls == self.at:
                     self.fired = name
