@@ -34,12 +34,15 @@ assert accel.current_accelerator().type == "cuda"
 def booked(n):
     return max(512, -(-n // 512) * 512)
 
-# torch allocates on accel's current stream, so both sides share one stream's cache.
-stream = torch.cuda.ExternalStream(accel.current_stream().native_handle, device=torch.device("cuda", 0))
+# accel's current stream as torch's, so both sides share one stream's cache. Made after
+# change_current_allocator: torch's CUDA initialization would fix its allocator.
+def accel_stream():
+    return torch.cuda.ExternalStream(accel.current_stream().native_handle, device=torch.device("cuda", 0))
 """
 
 CURRENT_ALLOCATOR = PRELUDE + """
 torch.cuda.memory.change_current_allocator(torch_allocator())
+stream = accel_stream()
 base = accel.memory_allocated()
 stats0 = accel.memory_stats()
 sizes = [1, 512, 1000, 4096, 1 << 20, (3 << 20) + 5]
@@ -80,6 +83,7 @@ print("OK")
 
 MEMPOOL = PRELUDE + """
 pool = torch.cuda.MemPool(torch_allocator().allocator())
+stream = accel_stream()
 base = accel.memory_allocated()
 with torch.cuda.stream(stream), torch.cuda.use_mem_pool(pool):
     small = torch.ones(1000, dtype=torch.uint8, device="cuda")
@@ -109,6 +113,7 @@ print("OK")
 
 OOM = PRELUDE + """
 pool = torch.cuda.MemPool(torch_allocator().allocator())
+stream = accel_stream()
 ooms = accel.memory_stats()["num_ooms"]
 total = torch.cuda.get_device_properties(0).total_memory
 with torch.cuda.stream(stream), torch.cuda.use_mem_pool(pool):
@@ -134,6 +139,7 @@ print("OK")
 # instead of torch's OutOfMemoryError. This scenario finds out on hardware.
 OOM_CURRENT = PRELUDE + """
 torch.cuda.memory.change_current_allocator(torch_allocator())
+stream = accel_stream()
 ooms = accel.memory_stats()["num_ooms"]
 total = torch.cuda.get_device_properties(0).total_memory
 with torch.cuda.stream(stream):
