@@ -17,6 +17,10 @@ says why and measures nothing. In one run, on device 0:
     matter) replayed through a fresh accel allocator on the GPU and through
     torch's caching allocator, with and without expandable segments. Ratios
     are torch's peak reserved bytes / accel's (higher: accel holds less).
+(c) The 4096-byte pairs of ``bench_allocator_pair.py --device cuda``, interleaved
+    with ``torch.empty`` on torch's caching allocator, with their spread:
+    accel's public pair, ``accel.empty``, and ``torch.empty`` through accel's
+    pluggable allocator (on a MemPool, and as torch's whole allocator).
 
 Run: ``python benchmarks/bench_allocator_cuda.py [--quick]`` from the
 repository root on a machine with a GPU; results go to docs/benchmarks.md with
@@ -34,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_allocator import SIZES, Trace, _fmt, _per_call_us, models, record, replay  # noqa: E402
+from bench_allocator_pair import cuda_rows  # noqa: E402
 
 from accel._errors import AccelError  # noqa: E402
 from accel._runtime import activate  # noqa: E402
@@ -194,6 +199,7 @@ def run(quick: bool) -> list[dict]:
                 "accel_us": r[mine][1],
                 "baseline_us": r[theirs][1],
             })
+    rows += cuda_rows(quick)
     if not quick:
         for r in bench_fragmentation():
             rows.append({
@@ -233,6 +239,9 @@ def main() -> int:
         cells = [pair(r[k]) for k in ("accel", "torch", "accel_buffer", "torch_tensor", "raw")]
         print(f"{r['size']:>8} | " + " | ".join(f"{c:>15}" for c in cells)
               + f" | {r['torch'][1] / r['accel'][1]:.2f}x, {r['torch_tensor'][1] / r['accel_buffer'][1]:.2f}x")
+    print("\n(c) 4096-byte pairs, interleaved, µs of CPU per pair; torch.empty / the case [p10-p90]")
+    for row in cuda_rows(args.quick):
+        print(f"  {row['name']:>80}: {row['accel_us']:6.2f}, {row['ratio']:.2f}x [{row['ratio_p10']:.2f}-{row['ratio_p90']:.2f}]")
     if args.quick:
         return 0
     print("\n(b) fragmentation: peak reserved / peak requested")

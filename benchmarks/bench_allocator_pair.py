@@ -18,12 +18,30 @@ Besides, the pair of torch's pluggable-allocator C ABI (``accel_torch_alloc`` +
 is timed in C, as torch calls it: a loop compiled at run time (needs a C compiler),
 in ns of thread CPU time per pair, beside libc's ``malloc`` + ``free`` in the same loop.
 
-Run: ``python benchmarks/bench_allocator_pair.py [--quick]`` from the repository root.
+With ``--device cuda`` (issue 27's GPU rows; needs a CUDA GPU, accel's CUDA
+backend and a CUDA build of torch, else it says why and exits 2), the same
+interleaved rounds on device 0, all on accel's current stream, against
+``torch.empty(4096, dtype=torch.uint8, device="cuda")`` + ``del`` (torch's caching allocator):
+
+- ``accel.memory.allocate(4096).free()`` and ``accel.empty(4096, dtype=torch.uint8)`` + ``del``;
+- ``torch.empty`` inside ``torch.cuda.use_mem_pool`` of a ``MemPool`` over
+  :func:`accel.allocator.torch_allocator` (torch's books in front, accel's below);
+- ``torch.empty`` with accel as torch's whole allocator
+  (``change_current_allocator``, every tensor an ``accel_torch_alloc``/``free``).
+  That must precede torch's first CUDA allocation, so it runs in a child
+  process: its rounds are compared with this process's ``torch.empty`` rounds,
+  not interleaved with them.
+
+``bench_allocator_cuda.py`` carries these rows into ``accel bench`` and ``accel verify``.
+
+Run: ``python benchmarks/bench_allocator_pair.py [--quick] [--device cuda]`` from the repository root.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import platform
 import shutil
@@ -33,23 +51,29 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any, ContextManager
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SIZE = 4096
 
 
-def _rounds(cases: dict[str, Callable[[], None]], rounds: int, number: int) -> dict[str, list[float]]:
-    """Per case, the CPU µs per call of each round; the cases' order rotates per round."""
+def _rounds(
+    cases: dict[str, Callable[[], None]], rounds: int, number: int,
+    contexts: dict[str, Callable[[], ContextManager[Any]]] | None = None,
+) -> dict[str, list[float]]:
+    """Per case, the CPU µs per call of each round; the cases' order rotates per round.
+    A case in ``contexts`` runs its batch inside that context (entered outside the timing)."""
     names = list(cases)
     out: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
             fn = cases[name]
-            c0 = time.thread_time_ns()
-            for _ in range(number):
-                fn()
-            out[name].append((time.thread_time_ns() - c0) / number / 1000)
+            with (contexts or {}).get(name, contextlib.nullcontext)():
+                c0 = time.thread_time_ns()
+                for _ in range(number):
+                    fn()
+                out[name].append((time.thread_time_ns() - c0) / number / 1000)
     return out
 
 
@@ -224,10 +248,131 @@ def run(quick: bool) -> list[dict]:
     return rows
 
 
+def cuda_unavailable_reason() -> str | None:
+    """Why the ``--device cuda`` rows cannot be measured here, or None."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_allocator_cuda import unavailable_reason
+
+    return unavailable_reason()
+
+
+def _cuda_rounds(quick: bool) -> tuple[int, int]:
+    return (5, 500) if quick else (21, 4000)
+
+
+def measure_cuda(quick: bool) -> dict[str, list[float]]:
+    """The interleaved GPU cases of this process (the docstring's list, less the child's)."""
+    import torch
+
+    import accel
+    from accel._runtime import activate
+    from accel.allocator import torch_allocator
+
+    with activate("cuda") as runtime:
+        device = runtime.current_index
+        stream = runtime.current_stream(device)
+        torch_stream = torch.cuda.ExternalStream(stream.native_handle, device=torch.device("cuda", device))
+        pool = torch.cuda.MemPool(torch_allocator().allocator())
+
+        def public() -> None:
+            accel.memory.allocate(SIZE).free()
+
+        def accel_empty() -> None:
+            t = accel.empty(SIZE, dtype=torch.uint8)
+            del t
+
+        def torch_empty() -> None:
+            t = torch.empty(SIZE, dtype=torch.uint8, device="cuda")
+            del t
+
+        with torch.cuda.stream(torch_stream):
+            for fn in (public, accel_empty, torch_empty):
+                fn()  # warm every cache
+            with torch.cuda.use_mem_pool(pool):
+                torch_empty()
+            return _rounds(
+                {"accel.memory.allocate": public, "accel.empty": accel_empty, "torch.empty": torch_empty,
+                 "torch.empty on a MemPool over accel": torch_empty},
+                *_cuda_rounds(quick),
+                contexts={"torch.empty on a MemPool over accel": lambda: torch.cuda.use_mem_pool(pool)},
+            )
+
+
+def measure_cuda_current_allocator(quick: bool) -> list[float]:
+    """Per round, CPU µs of ``torch.empty`` + ``del`` with accel as torch's allocator (this process:
+    call it before torch's first CUDA allocation, so in a child)."""
+    import torch
+
+    import accel
+    from accel.allocator import torch_allocator
+
+    torch.cuda.memory.change_current_allocator(torch_allocator())
+    stream = torch.cuda.ExternalStream(accel.current_stream().native_handle, device=torch.device("cuda", 0))
+
+    def torch_empty() -> None:
+        t = torch.empty(SIZE, dtype=torch.uint8, device="cuda")
+        del t
+
+    with torch.cuda.stream(stream):
+        torch_empty()
+        return _rounds({"torch.empty": torch_empty}, *_cuda_rounds(quick))["torch.empty"]
+
+
+def _child_current_allocator(quick: bool) -> list[float]:
+    command = [sys.executable, os.path.abspath(__file__), "--device", "cuda", "--child-current-allocator"]
+    result = subprocess.run(command + (["--quick"] if quick else []), capture_output=True, text=True,
+                            env={**os.environ, "ACCEL_BACKEND": "cuda"}, timeout=300, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"the change_current_allocator child failed (exit {result.returncode}): {result.stderr[-2000:]}")
+    rounds: list[float] = json.loads(result.stdout.strip().splitlines()[-1])
+    return rounds
+
+
+def cuda_rows(quick: bool) -> list[dict[str, Any]]:
+    """The GPU rows for ``accel bench`` (via bench_allocator_cuda.py): torch.empty's time / each case's."""
+    cases = measure_cuda(quick)
+    cases["torch.empty, accel as torch's allocator (child process)"] = _child_current_allocator(quick)
+    rows = []
+    for name, values in cases.items():
+        if name == "torch.empty":
+            continue
+        ratio, lo, hi = _ratio(cases["torch.empty"], values)
+        rows.append({
+            "name": f"cuda: {name} (4096 B) vs torch.empty", "ratio": ratio, "ratio_p10": lo, "ratio_p90": hi,
+            "baseline": "torch.empty(4096, uint8, cuda) + del, torch's caching allocator", "metric": "CPU time",
+            "accel_us": statistics.median(values), "baseline_us": statistics.median(cases["torch.empty"]),
+        })
+    return rows
+
+
+def main_cuda(quick: bool) -> int:
+    reason = cuda_unavailable_reason()
+    if reason:
+        print(f"bench_allocator_pair: --device cuda: {reason}", file=sys.stderr)
+        return 2
+    import torch
+
+    print(f"GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__} (CUDA {torch.version.cuda}), "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print("µs of CPU per pair, median of interleaved rounds; ratio: torch.empty / the case [p10-p90]")
+    for row in cuda_rows(quick):
+        print(f"  {row['name']:>80}: {row['accel_us']:6.2f} µs, {row['ratio']:.2f}x "
+              f"[{row['ratio_p10']:.2f}-{row['ratio_p90']:.2f}]")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: the host rows (default); cuda: the GPU rows against torch's caching allocator")
+    parser.add_argument("--child-current-allocator", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child_current_allocator:
+        print(json.dumps(measure_cuda_current_allocator(args.quick)))
+        return 0
+    if args.device == "cuda":
+        return main_cuda(args.quick)
     import torch
 
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "

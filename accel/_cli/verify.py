@@ -14,11 +14,14 @@ each step bounded in time so the whole run ends within ``--time-limit``
 3. **conformance**: the conformance suite (``tests/conformance``) on this
    backend, in a fresh interpreter, pass/fail per test.
 4. **real-device scenarios**: the backend's real-hardware tests (for CUDA,
-   torch's CUDA graphs carrying accel captures, and the survey of what the
+   torch's CUDA graphs carrying accel captures, torch tensors on accel's
+   allocator through ``torch_allocator()``, and the survey of what the
    driver refuses during a global capture, its VMM granularity and the UUID
    it reports); they skip themselves where no real device is present.
-5. **benchmarks**: the allocator against torch's caching allocator and graph
-   replay against eager (``benchmarks/``), with their figures.
+5. **benchmarks**: the allocator against torch's caching allocator (its
+   4096-byte pairs interleaved with ``torch.empty``, torch through accel's
+   pluggable allocator among them) and graph replay against eager
+   (``benchmarks/``), with their figures.
 
 The report goes to stdout (markdown, or JSON with ``--json``) and, with
 ``--output DIR``, to ``DIR/report.md`` and ``DIR/report.json``. The exit code
@@ -54,12 +57,13 @@ ABI_TESTS: dict[str, tuple[str, str]] = {"cuda": ("tests/backends/test_abi.py", 
 #: Real-hardware test files per backend, run after the conformance suite: their ``gpu``-marked
 #: tests, which skip without real hardware.
 REAL_DEVICE_TESTS: dict[str, tuple[str, ...]] = {
-    "cuda": ("tests/graph/test_torch_graphs_real_gpu.py", "tests/backends/cuda/test_known_unknowns.py"),
+    "cuda": ("tests/graph/test_torch_graphs_real_gpu.py", "tests/allocator/test_torch_allocator_real_gpu.py",
+             "tests/backends/cuda/test_known_unknowns.py"),
 }
 #: The benchmarks the report carries (names as ``accel bench`` takes them).
 BENCHMARKS = ("allocator_cuda", "graph")
 #: Each step's own ceiling in seconds (the overall --time-limit also applies).
-STEP_SECONDS = {"abi": 60, "conformance": 240, "real-device": 150, "benchmarks": 240}
+STEP_SECONDS = {"abi": 60, "conformance": 240, "real-device": 240, "benchmarks": 240}
 DEFAULT_TIME_LIMIT = 480
 
 

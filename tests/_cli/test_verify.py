@@ -51,8 +51,10 @@ def test_verify_passes(backend: str, tmp_path: Path) -> None:
         assert steps["benchmarks"]["status"] == "passed" and steps["abi"]["status"] == "skipped"
     else:  # the vendor headers are here (CI fetches NVIDIA's; libze-dev is installed)
         assert steps["abi"]["status"] == "passed" and len(steps["abi"]["tests"]) >= 3
-    if backend == "cuda":  # the torch-graph scenario ran and skipped itself: no real GPU here
-        assert steps["real-device"]["status"] == "skipped" and len(steps["real-device"]["tests"]) >= 5
+    if backend == "cuda":  # the torch-graph and torch-allocator scenarios ran and skipped themselves: no real GPU here
+        assert steps["real-device"]["status"] == "skipped" and len(steps["real-device"]["tests"]) >= 10
+        ids = " ".join(t["id"] for t in steps["real-device"]["tests"])
+        assert "test_torch_graphs_real_gpu" in ids and "test_torch_allocator_real_gpu" in ids, ids
 
 
 def test_verify_fails_when_the_driver_does_not_load(tmp_path: Path) -> None:

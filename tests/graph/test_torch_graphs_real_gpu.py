@@ -7,12 +7,9 @@ the same integration on the simulated driver in every CI run.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
-from tests.backends.cuda.conftest import run_python
-from tests.fixtures.cuda_driver import probe_driver
+from tests.backends.cuda.conftest import run_on_real_gpu
 
 pytestmark = pytest.mark.gpu
 
@@ -117,29 +114,12 @@ print("OK")
 """
 
 
-@functools.lru_cache(maxsize=1)
-def _system_driver() -> dict[str, object]:
-    return probe_driver(None)
-
-
-def _run_on_gpu(code: str) -> None:
-    """Run ``code`` with the real driver; it prints OK, or SKIP: and why."""
-    probe = _system_driver()
-    if not probe["available"]:
-        pytest.skip(f"no real CUDA GPU: {probe['reason']}")
-    result = run_python(code, {"ACCEL_TEST_CUDA": "real", "ACCEL_BACKEND": "cuda"}, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    if result.stdout.startswith("SKIP: "):
-        pytest.skip(result.stdout.strip()[len("SKIP: "):])
-    assert result.stdout.strip().endswith("OK")
-
-
 def test_torch_cuda_graph_carries_accel_capture() -> None:
-    _run_on_gpu(SCENARIO)
+    run_on_real_gpu(SCENARIO)
 
 
 def test_training_after_graphing_exits_cleanly() -> None:
-    _run_on_gpu(EXIT)
+    run_on_real_gpu(EXIT)
 
 
 DEMO = """
@@ -160,4 +140,4 @@ print("OK")
 
 
 def test_demo_replays_a_torch_model_through_torch_cuda_graphs() -> None:
-    _run_on_gpu(DEMO)
+    run_on_real_gpu(DEMO)

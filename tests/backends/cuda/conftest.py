@@ -7,6 +7,7 @@ that inject driver failures or count the driver's live objects.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -118,6 +119,24 @@ def run_python(code: str, env: dict[str, str] | None = None, *, timeout: float =
         timeout=timeout,
         check=False,
     )
+
+
+@functools.lru_cache(maxsize=1)
+def _system_driver() -> dict[str, object]:
+    return cuda_driver.probe_driver(None)
+
+
+def run_on_real_gpu(code: str, *, timeout: float = 300) -> None:
+    """Run ``code`` in a fresh interpreter on the system's CUDA driver; it prints OK,
+    or ``SKIP: why`` (then the test skips). Skips without a real GPU."""
+    probe = _system_driver()
+    if not probe["available"]:
+        pytest.skip(f"no real CUDA GPU: {probe['reason']}")
+    result = run_python(code, {"ACCEL_TEST_CUDA": "real", "ACCEL_BACKEND": "cuda"}, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    if result.stdout.startswith("SKIP: "):
+        pytest.skip(result.stdout.strip()[len("SKIP: "):])
+    assert result.stdout.strip().endswith("OK"), result.stdout[-2000:]
 
 
 def run_json(code: str, env: dict[str, str] | None = None) -> Any:
