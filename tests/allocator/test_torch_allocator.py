@@ -271,15 +271,10 @@ def test_accel_buffers_and_torch_allocations_share_one_cache(name: str) -> None:
 
 
 ONE_EXPANDABLE_CACHE = r"""
-import ctypes
 import accel
-from accel.allocator import torch_allocator_spec
+from tests.allocator import torch_abi
 
-path, alloc_name, free_name = torch_allocator_spec()
-abi = ctypes.CDLL(path)
-abi.accel_torch_alloc.restype = ctypes.c_void_p
-abi.accel_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-abi.accel_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+abi = torch_abi.load()
 stream = accel.current_stream().native_handle
 assert accel.memory.get_allocator().config.expandable_segments
 
