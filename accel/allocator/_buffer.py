@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from accel import _runtime
 from accel._device import Device, DeviceLike
 from accel._native import speedups
-from accel._errors import DeviceError, InvalidHandleError, InvalidValueError, NotSupportedError
+from accel._errors import DeviceError, InvalidHandleError, NotSupportedError
 from accel._runtime import check_not_forked, get_runtime
 from accel.allocator import _mempool
 from accel.allocator._fork import track_lock

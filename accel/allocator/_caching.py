@@ -51,12 +51,11 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 from accel._errors import (
     AccelError,
@@ -68,7 +67,7 @@ from accel._errors import (
     warn_at_caller,
 )
 from accel.allocator import _stats as S
-from accel.allocator._blocks import ALLOCATED, PENDING, RETIRED, CoreBlock, CoreSteps, PrivatePool
+from accel.allocator._blocks import ALLOCATED, CoreBlock, CoreSteps, PrivatePool
 from accel.allocator._fork import OwnedLock, caller_ident, track_lock
 from accel.allocator._history import History
 from accel.allocator._native_core import GIVE_BACK_FIRST, NO_RETRY, NativeCore, entry_points
